@@ -1,0 +1,244 @@
+/*
+ * shardgrad.h - sharded data-parallel training (ZeRO stage 2 / FSDP SHARD_GRAD_OP) for C.
+ *
+ * The whole public API. C11, no CUDA, NCCL or MPI types, so that it can be used from any C or
+ * C++ program and from Python through ctypes.
+ *
+ * Conventions
+ *  - Every fallible call returns sg_status; SG_OK is 0. On failure sg_last_error() returns a
+ *    thread-local text naming the function, the argument and the value.
+ *  - Outputs go through pointers in the last arguments. Structs crossing the API start with
+ *    `struct_size`. Handles are opaque; every *_destroy accepts NULL.
+ *  - "Collective" calls must be made by every rank of the communicator, in the same order.
+ *  - One engine is driven by one thread at a time; separate engines are independent.
+ *  - A failed call changes nothing, unless its message says which state it left.
+ *  - The library never calls exit() or abort(), and nothing in it prints except through the
+ *    logger (SG_LOG=warn|info|debug, SG_LOG_FILE=path, %r in the path becomes the rank).
+ */
+#ifndef SHARDGRAD_H
+#define SHARDGRAD_H
+
+#include <stddef.h> /* size_t */
+#include <stdint.h> /* uint32_t, uint64_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define SG_API
+#elif defined(__GNUC__)
+#define SG_API __attribute__((visibility("default")))
+#else
+#define SG_API
+#endif
+
+#define SG_VERSION_MAJOR 0
+#define SG_VERSION_MINOR 1
+#define SG_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------------------------- */
+/* Status                                                                                    */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef enum {
+  SG_OK = 0,
+  SG_ERR_INVALID_ARGUMENT = 1, /* NULL, out of range, unknown id, wrong dtype */
+  SG_ERR_INVALID_STATE = 2,    /* call made in the wrong order (e.g. sg_step before finalize) */
+  SG_ERR_OUT_OF_MEMORY = 3,    /* an allocation failed; the engine is unchanged */
+  SG_ERR_UNSUPPORTED = 4,      /* backend or feature not compiled in / not available */
+  SG_ERR_MISMATCH = 5,         /* ranks disagree (parameters, config) */
+  SG_ERR_COMM = 6,             /* a collective failed; the communicator is broken */
+  SG_ERR_TIMEOUT = 7,          /* a wait passed its deadline (timeout_ms); the comm is broken */
+  SG_ERR_IO = 8,               /* file missing or unreadable */
+  SG_ERR_CORRUPT = 9,          /* file present but damaged */
+  SG_ERR_CUDA = 10,            /* a CUDA call failed */
+  SG_ERR_INTERNAL = 11         /* a bug in shardgrad: please report with sg_last_error() */
+} sg_status;
+
+/* Short static name of a status ("SG_ERR_TIMEOUT"), never NULL. */
+SG_API const char *sg_status_string(sg_status s);
+/* This thread's last failure with detail; "" when none. Valid until the next failing call. */
+SG_API const char *sg_last_error(void);
+/* major*10000 + minor*100 + patch */
+SG_API int sg_version(void);
+/* 1 when the backend is compiled in: "local", "mpi", "cuda", "nccl"; 0 otherwise or NULL. */
+SG_API int sg_has_backend(const char *name);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Types                                                                                     */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef enum { SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2 } sg_dtype;
+typedef enum { SG_DEVICE_CPU = 0, SG_DEVICE_CUDA = 1 } sg_device;
+typedef enum {
+  SG_NO_SHARD = 0,     /* plain data parallel: everything replicated, all-reduce */
+  SG_SHARD_OPT = 1,    /* ZeRO-1: master weights and moments sharded */
+  SG_SHARD_GRAD_OP = 2 /* ZeRO-2: gradients too (only staging buckets are full size) */
+} sg_strategy;
+
+/* sg_add_param flags */
+#define SG_PARAM_NO_DECAY 1u /* weight_decay does not apply (biases, norms) */
+
+/* ---------------------------------------------------------------------------------------- */
+/* Communicators                                                                             */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct sg_comm sg_comm;
+
+/* `world` ranks as threads of one process. Fills comms[0..world-1]; comms[r] must be driven by
+ * its own thread. Each is destroyed separately (the shared state goes with the last one).
+ * SG_ERR_INVALID_ARGUMENT: comms NULL or world outside 1..4096. */
+SG_API sg_status sg_comm_create_local(int world, sg_comm **comms);
+
+/* One rank per process over MPI. `mpi_comm` points to an MPI_Comm (NULL: MPI_COMM_WORLD); the
+ * library duplicates it. Initializes MPI (MPI_THREAD_MULTIPLE requested) when the caller has not;
+ * then the last sg_comm_destroy finalizes it. Collective over the MPI communicator.
+ * SG_ERR_UNSUPPORTED when built without MPI. */
+SG_API sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out);
+
+/* Rank and size, or -1 for NULL. */
+SG_API int sg_comm_rank(const sg_comm *c);
+SG_API int sg_comm_size(const sg_comm *c);
+/* NULL is fine. Must not be called while an engine still uses the communicator. */
+SG_API void sg_comm_destroy(sg_comm *c);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Configuration                                                                             */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Fields are only ever appended. Fill with sg_config_init(&cfg, sizeof cfg), then change. */
+typedef struct sg_config {
+  size_t struct_size;
+  sg_strategy strategy;   /* SG_SHARD_GRAD_OP */
+  sg_device device;       /* SG_DEVICE_CPU */
+  int cuda_device;        /* -1: current device */
+  sg_dtype param_dtype;   /* SG_F32: dtype of the working parameters */
+  sg_dtype grad_dtype;    /* = param_dtype: dtype of the gradients the caller writes */
+  sg_dtype reduce_dtype;  /* = grad_dtype: dtype on the wire (sums are done in fp32) */
+  sg_dtype accum_dtype;   /* SG_F32 (or SG_BF16): the sharded gradient accumulator */
+  size_t bucket_bytes;    /* 32 MiB, in grad_dtype bytes; >= 64 elements */
+  int staging_buckets;    /* 2 (SHARD_GRAD_OP): full-size gradient buckets in flight, >= 1 */
+  float lr;               /* 1e-3 */
+  float beta1;            /* 0.9 */
+  float beta2;            /* 0.999 */
+  float eps;              /* 1e-8 */
+  float weight_decay;     /* 0.01, decoupled (AdamW) */
+  float max_grad_norm;    /* 0: no clipping */
+  int grad_average;       /* 1: reduced gradient = sum over ranks / world; 0: plain sum */
+  float loss_scale;       /* 0: dynamic for f16 params, 1 otherwise; > 0: static */
+  float init_loss_scale;  /* 65536 (dynamic) */
+  int scale_window;       /* 2000 clean steps before the scale doubles */
+  float min_loss_scale;   /* 1 */
+  int skip_nonfinite;     /* 1: skip the step on every rank when any gradient is inf/NaN */
+  int stochastic_rounding;/* 0: bf16 working params rounded to nearest even; 1: stochastic */
+  uint64_t seed;          /* 0: seed for stochastic rounding */
+  int timeout_ms;         /* 600000: deadline of every blocking wait; <= 0: wait forever */
+} sg_config;
+
+/* Fills the defaults above. struct_size must be at least the first published size and at most
+ * sizeof(sg_config) of this library (SG_ERR_INVALID_ARGUMENT otherwise). */
+SG_API sg_status sg_config_init(sg_config *cfg, size_t struct_size);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Engine                                                                                    */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct sg_engine sg_engine;
+
+/* One engine per model replica per rank. The engine uses `comm` until destroyed (one engine per
+ * communicator at a time: SG_ERR_INVALID_STATE otherwise). The config is copied. Not
+ * collective. SG_ERR_UNSUPPORTED for a device that is not compiled in. */
+SG_API sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out);
+
+/* Registers a parameter before sg_finalize. Names are unique, 1..255 bytes; numel >= 1.
+ * *id receives the dense id 0..n-1 in registration order. */
+SG_API sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t flags,
+                              int *id);
+
+/* Collective. Builds the plan, checks that every rank registered the same parameters and
+ * config (SG_ERR_MISMATCH on every rank, naming the first difference), and allocates all
+ * memory. Working params, master weights and moments start at zero. */
+SG_API sg_status sg_finalize(sg_engine *e);
+
+/* Working parameter `id`, full replica, param_dtype, on the engine's device. Valid until the
+ * engine is destroyed; updated in place by sg_step. */
+SG_API sg_status sg_param_ptr(sg_engine *e, int id, void **ptr);
+
+/* Sets parameter `id` (working copy and this rank's master fragments) from host memory in
+ * src_dtype. Call with the same values on every rank, or use sg_broadcast_params. */
+SG_API sg_status sg_set_param(sg_engine *e, int id, const void *host_src, sg_dtype src_dtype);
+/* Copies working parameter `id` to host memory, converted to dst_dtype. */
+SG_API sg_status sg_get_param(sg_engine *e, int id, void *host_dst, sg_dtype dst_dtype);
+
+/* Collective. Working parameters of every rank become those of `root`; master weights are
+ * rebuilt from them (exact for f32 params; the bf16/f16 value otherwise). */
+SG_API sg_status sg_broadcast_params(sg_engine *e, int root);
+
+/* Collective. Full fp32 master weights of parameter `id` (numel floats) on every rank. For f32
+ * params the master is the working parameter. */
+SG_API sg_status sg_get_master(sg_engine *e, int id, float *host_dst);
+/* Collective. AdamW state of `id`: which = 0 for m (first moment), 1 for v (second). */
+SG_API sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *host_dst);
+
+/* Gradient slot of parameter `id` for the current micro-batch: numel elements of grad_dtype,
+ * zeroed, on the engine's device. Write (or add) the gradient, then call sg_grad_ready. Under
+ * SHARD_GRAD_OP slots live in recycled staging buckets, so this may wait for an earlier
+ * bucket's reduction; gradients should arrive roughly in reverse registration order.
+ * The pointer is valid until sg_grad_ready(id). */
+SG_API sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr);
+/* Marks the gradient of `id` complete for this micro-batch. Twice in one micro-batch:
+ * SG_ERR_INVALID_STATE. Completed buckets are reduced in the background. */
+SG_API sg_status sg_grad_ready(sg_engine *e, int id);
+/* Adds numel elements of src (host memory on CPU; device memory on CUDA) in src_dtype to the
+ * slot of `id` and marks it ready. */
+SG_API sg_status sg_grad_add(sg_engine *e, int id, const void *src, sg_dtype src_dtype);
+/* Ends the micro-batch: parameters without a gradient count as zeros. Collective in effect
+ * (launches the remaining reductions). Called by sg_step when needed. */
+SG_API sg_status sg_backward_end(sg_engine *e);
+/* enabled = 0: following micro-batches accumulate locally with no communication (like DDP's
+ * no_sync), in a full-size fp32 buffer allocated on first use. Re-enable before the last
+ * micro-batch of the step. Must be called between micro-batches, with the same value on every
+ * rank. */
+SG_API sg_status sg_set_sync(sg_engine *e, int enabled);
+
+typedef struct sg_step_info {
+  size_t struct_size;
+  uint64_t step;     /* optimizer steps taken so far (skipped steps do not count) */
+  float grad_norm;   /* global L2 norm of the reduced, unscaled gradient (inf/NaN if not finite) */
+  float clip_coef;   /* min(1, max_grad_norm / (grad_norm + 1e-6)); 1 without clipping */
+  float loss_scale;  /* the loss scale used for this step's gradients */
+  int skipped;       /* 1: non-finite gradients, nothing was updated */
+} sg_step_info;
+
+/* Collective. Waits for the reductions, computes the global norm, clips, updates the loss scale,
+ * applies AdamW to this rank's shard and all-gathers the working parameters. info may be NULL. */
+SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
+SG_API sg_status sg_set_lr(sg_engine *e, float lr);
+SG_API sg_status sg_get_loss_scale(sg_engine *e, float *scale);
+
+typedef struct sg_memory_stats {
+  size_t struct_size;
+  size_t params_bytes; /* working parameters (full replica) */
+  size_t grads_bytes;  /* gradient slots / staging + accumulators (+ no_sync buffer) */
+  size_t master_bytes; /* fp32 master weights (0 for f32 params, whose slice is the master) */
+  size_t optim_bytes;  /* AdamW m and v */
+  size_t comm_bytes;   /* communication scratch */
+  size_t total_bytes;  /* sum of the above */
+  size_t peak_bytes;   /* highest total so far */
+  size_t numel;        /* elements in the plan, padding included */
+  size_t shard_numel;  /* elements owned by one rank */
+} sg_memory_stats;
+
+/* Memory this engine holds, exactly as allocated (after sg_finalize). */
+SG_API sg_status sg_memory(sg_engine *e, sg_memory_stats *out);
+/* The same numbers without allocating, for parameters of the given sizes at `world` ranks. */
+SG_API sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int nparams,
+                                    int world, sg_memory_stats *out);
+
+SG_API void sg_engine_destroy(sg_engine *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SHARDGRAD_H */

@@ -1,0 +1,25 @@
+/* CPU loops over the element math of kernels/sg_elem.h. Vectorizable inner loops, OpenMP
+ * across cores for large n; results do not depend on the thread count except where noted. */
+#ifndef SG_CPU_KERNELS_H
+#define SG_CPU_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../sg_kernel_args.h" /* sg__adamw_args */
+
+/* dtypes are sg_dtype values (0 f32, 1 bf16, 2 f16); 3 = f64 where stated */
+void sg__cpu_adamw(const sg__adamw_args *a);
+/* acc[i] += src[i]; acc_dtype f32 or bf16 (fp32 math, rounded once) */
+void sg__cpu_accumulate(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n);
+void sg__cpu_cast(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n);
+/* one pass: sum of squares in double and count of non-finite values. Deterministic: fixed
+ * block partition independent of the thread count, partials combined in block order. */
+void sg__cpu_sumsq(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite);
+/* dst[i] = round(sum_k srcs[k][i]) with fp32 sums in k order (f64 dtype 3: double sums);
+ * dst may alias any src */
+void sg__cpu_reduce_sum(void *dst, const void *const *srcs, int nsrc, int dtype, size_t n);
+/* dst[i] = round(dst[i] + src[i]) in dtype, fp32 math (f64 dtype 3: double) */
+void sg__cpu_reduce_add(void *dst, const void *src, int dtype, size_t n);
+
+#endif /* SG_CPU_KERNELS_H */

@@ -1,0 +1,50 @@
+/* Argument structs of the kernels, shared by kernels/cpu, kernels/cuda and src/device.
+ * Plain C: no CUDA types, so the CPU build and the engine can use them. */
+#ifndef SG_KERNEL_ARGS_H
+#define SG_KERNEL_ARGS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A contiguous run of a rank's shard that belongs to one parameter (or to several adjacent
+ * parameters with the same decay flag). Padding is in no segment and is never touched. */
+typedef struct sg__seg {
+  size_t shard_off; /* index into master / m / v / grad */
+  size_t flat_off;  /* index into the full working-parameter buffer (and stochastic rounding) */
+  size_t len;
+  int decay;        /* 1: apply decay_factor; 0: SG_PARAM_NO_DECAY */
+} sg__seg;
+
+/* One fused AdamW update over a rank's shard (DESIGN.md section 5). All math in fp32.
+ * For each segment s and i in [0, s.len):
+ *   g = grad[s.shard_off+i] * grad_scale
+ *   p = master ? master[s.shard_off+i] : param_f32[s.flat_off+i]
+ *   if s.decay: p = p * decay_factor                  (decay_factor = (float)(1 - lr*wd))
+ *   m = m + (1-beta1) * (g - m)                        (torch lerp, weight < 0.5)
+ *   v = v * beta2 + (1-beta2) * g * g
+ *   p = p - step_size * m / (sqrt(v) / bc2_sqrt + eps) (step_size = (float)(lr/bc1))
+ *   master[...] = p (when master); param[s.flat_off+i] = round(p) to param_dtype
+ * The exact operation order is in kernels/sg_elem.h (sg_elem_adamw), shared by CPU and CUDA. */
+typedef struct sg__adamw_args {
+  void *param;              /* full working-param buffer (param_dtype), indexed by flat_off */
+  int param_dtype;          /* sg_dtype */
+  float *master;            /* NULL for f32 params: the working param is the master */
+  float *m;
+  float *v;
+  const void *grad;         /* shard accumulator, indexed by shard_off */
+  int grad_dtype;           /* SG_F32 or SG_BF16 */
+  const sg__seg *segs;      /* host memory */
+  int nsegs;
+  float grad_scale;         /* (1/W if averaging) * (1/loss_scale) * clip_coef */
+  float decay_factor;       /* (float)(1 - (double)lr * wd) */
+  float beta1, one_minus_beta1; /* one_minus_beta1 = (float)(1 - (double)beta1) */
+  float beta2, one_minus_beta2;
+  float step_size;          /* (float)(lr / bc1), bc1 = 1 - beta1^t in double */
+  float bc2_sqrt;           /* (float)sqrt(1 - beta2^t) in double */
+  float eps;
+  int stochastic_rounding;  /* bf16 params only */
+  uint64_t seed;            /* stochastic rounding: hash of (seed, step, flat index) */
+  uint64_t step;
+} sg__adamw_args;
+
+#endif /* SG_KERNEL_ARGS_H */

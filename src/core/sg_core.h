@@ -1,0 +1,76 @@
+/* Internal core: error text, check macros, logging, dtype helpers. Included by every layer. */
+#ifndef SG_CORE_H
+#define SG_CORE_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shardgrad.h" /* sg_status, sg_dtype */
+
+/* Records the failure text for sg_last_error() (thread-local) and returns st, so that a check
+ * reads `return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_add_param: numel must be >= 1 ...")`. */
+sg_status sg__err(sg_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Like sg__err, appending " (file:line)". For errors from CUDA, NCCL, MPI and the OS. */
+sg_status sg__err_at(sg_status st, const char *file, int line, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+/* Prefixes the current error text with "fn: " (used when a lower layer already set it). */
+sg_status sg__err_prefix(sg_status st, const char *fn);
+void sg__err_clear(void);
+
+/* Propagate a failure. The callee has already set the text. */
+#define SG_TRY(expr)                                                                             \
+  do {                                                                                           \
+    sg_status sg__st_ = (expr);                                                                  \
+    if (sg__st_ != SG_OK) return sg__st_;                                                        \
+  } while (0)
+#define SG_TRY_GOTO(expr, st, label)                                                             \
+  do {                                                                                           \
+    (st) = (expr);                                                                               \
+    if ((st) != SG_OK) goto label;                                                               \
+  } while (0)
+
+/* Logging: SG_LOG=warn|info|debug (default warn), SG_LOG_FILE=path (%r -> rank). */
+typedef enum { SG_LOG_WARN = 1, SG_LOG_INFO = 2, SG_LOG_DEBUG = 3 } sg__log_level;
+int sg__log_enabled(sg__log_level lvl);
+void sg__log(sg__log_level lvl, int rank, const char *file, int line, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
+/* rank < 0: not tied to a rank */
+#define SG_LOG(lvl, rank, ...)                                                                   \
+  do {                                                                                           \
+    if (sg__log_enabled(lvl)) sg__log((lvl), (rank), __FILE__, __LINE__, __VA_ARGS__);           \
+  } while (0)
+
+/* dtype helpers */
+static inline size_t sg__dtype_size(sg_dtype d) { return d == SG_F32 ? 4u : 2u; }
+static inline int sg__dtype_valid(int d) { return d == SG_F32 || d == SG_BF16 || d == SG_F16; }
+const char *sg__dtype_name(sg_dtype d);
+
+/* Monotonic clock in milliseconds, and a deadline helper: timeout_ms <= 0 means none. */
+int64_t sg__now_ms(void);
+static inline int64_t sg__deadline(int timeout_ms) {
+  return timeout_ms > 0 ? sg__now_ms() + timeout_ms : INT64_MAX;
+}
+
+/* Hashing (FNV-1a 64) for plan and config agreement across ranks. */
+uint64_t sg__hash_bytes(uint64_t h, const void *p, size_t n);
+#define SG__HASH_INIT 0xcbf29ce484222325ull
+
+/* The config with defaults for fields the caller's struct_size does not cover. */
+sg_status sg__config_copy(const sg_config *in, sg_config *out, const char *fn);
+/* Validates a complete config: ranges, dtypes, combinations. fn names the caller. */
+sg_status sg__config_check(const sg_config *c, const char *fn);
+/* The effective static/initial loss scale for the config (dynamic scaling for f16). */
+int sg__config_dynamic_scale(const sg_config *c);
+
+#endif /* SG_CORE_H */

@@ -1,0 +1,90 @@
+/* Internal device interface (DESIGN.md sections 1 and 4): memory, copies, kernels and the two
+ * queues. The engine reaches hardware only through this vtable; cpu.c and cuda.c implement it.
+ *
+ * Queues. Kernels and copies take a queue: SG_Q_COMPUTE (the caller's stream on CUDA; inline on
+ * the calling thread on CPU) or SG_Q_COMM (an internal stream on CUDA; on CPU the comm worker
+ * thread, where comm jobs run). Work on SG_Q_COMM issued from inside a comm job is ordered after
+ * the job's own earlier work.
+ *
+ * Comm jobs. comm_submit runs fn(arg) on the comm queue after all work already issued to the
+ * compute queue (CUDA: an event recorded on the compute stream, waited by the comm stream; CPU:
+ * the caller's work is already done when it submits). Jobs run one at a time in submit order.
+ * A failing job records its status and text; every later comm_wait returns it (the engine is
+ * then broken). */
+#ifndef SG_DEVICE_H
+#define SG_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../kernels/sg_kernel_args.h" /* sg__adamw_args, sg__seg */
+#include "../core/sg_core.h"               /* sg_status */
+
+typedef enum { SG_Q_COMPUTE = 0, SG_Q_COMM = 1 } sg__queue;
+typedef enum { SG_COPY_H2D = 0, SG_COPY_D2H = 1, SG_COPY_D2D = 2 } sg__copy_kind;
+
+typedef struct sg__device sg__device;
+typedef sg_status (*sg__job_fn)(void *arg);
+
+typedef struct sg__device_ops {
+  const char *name;
+  /* memory: device memory for the arenas; never managed memory */
+  sg_status (*alloc)(sg__device *d, size_t bytes, void **out);
+  void (*free)(sg__device *d, void *p);
+  /* pinned (page-locked) host memory for staging; plain malloc on CPU */
+  sg_status (*host_alloc)(sg__device *d, size_t bytes, void **out);
+  void (*host_free)(sg__device *d, void *p);
+  /* copies and fills, ordered on queue q. H2D/D2H from SG_Q_COMPUTE complete before return. */
+  sg_status (*copy)(sg__device *d, sg__queue q, void *dst, const void *src, size_t bytes,
+                    sg__copy_kind kind);
+  sg_status (*zero)(sg__device *d, sg__queue q, void *dst, size_t bytes);
+  /* kernels (element math from kernels/sg_elem.h) */
+  sg_status (*adamw)(sg__device *d, sg__queue q, const sg__adamw_args *a);
+  /* acc[i] += src[i] (acc_dtype SG_F32 or SG_BF16; src any dtype), fp32 math */
+  sg_status (*accumulate)(sg__device *d, sg__queue q, void *acc, int acc_dtype, const void *src,
+                          int src_dtype, size_t n);
+  /* dst[i] = convert(src[i]); dtypes any of sg_dtype; dst and src do not overlap */
+  sg_status (*cast)(sg__device *d, sg__queue q, void *dst, int dst_dtype, const void *src,
+                    int src_dtype, size_t n);
+  /* *sumsq = sum of x[i]^2 (in double), *nonfinite = count of inf/NaN; x in dtype (F32/BF16).
+   * Deterministic for a given n (fixed partition, fixed combine order). Completes before
+   * return (host reads the result). */
+  sg_status (*sumsq)(sg__device *d, sg__queue q, const void *x, int dtype, size_t n,
+                     double *sumsq, double *nonfinite);
+  /* dst[i] = round(sum over k in 0..nsrc-1 of srcs[k][i]) in dtype, fp32 sums in k order.
+   * dst may be one of srcs. Used by the local communicator. */
+  sg_status (*reduce_sum)(sg__device *d, sg__queue q, void *dst, const void *const *srcs,
+                          int nsrc, int dtype, size_t n);
+  /* queues */
+  sg_status (*comm_submit)(sg__device *d, sg__job_fn fn, void *arg, uint64_t *ticket);
+  /* Host waits until job `ticket` (and all before it) finished, or the deadline passes
+   * (SG_ERR_TIMEOUT). Returns the first failure of any job. */
+  sg_status (*comm_wait)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
+  /* Compute queue waits (CUDA: stream wait on an event) for job `ticket`; CPU: host wait. */
+  sg_status (*compute_wait_comm)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
+  /* All compute-queue work done (host). */
+  sg_status (*sync)(sg__device *d, int64_t deadline_ms);
+  /* caller's stream (CUDA); CPU: SG_ERR_UNSUPPORTED for non-NULL */
+  sg_status (*set_stream)(sg__device *d, void *stream);
+  void (*destroy)(sg__device *d);
+} sg__device_ops;
+
+struct sg__device {
+  const sg__device_ops *ops;
+  sg_device kind;
+  int rank; /* for log lines */
+};
+
+/* cpu.c. threaded_comm = 0 runs comm jobs inline on the submitting thread (no overlap), for
+ * MPI libraries without MPI_THREAD_MULTIPLE/SERIALIZED. */
+sg_status sg__device_cpu_create(int rank, int threaded_comm, sg__device **out);
+#ifdef SG_HAVE_CUDA
+sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out);
+#endif
+
+/* Test hook: the n-th next device allocation (any device) fails with SG_ERR_OUT_OF_MEMORY;
+ * n < 0 disables. Counts across threads. */
+void sg__device_fail_alloc_after(int n);
+int sg__device_should_fail_alloc(void);
+
+#endif /* SG_DEVICE_H */
