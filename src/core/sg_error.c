@@ -18,7 +18,7 @@ static void sg__err_vset(const char *fmt, va_list ap) {
     return;
   }
   if (vsnprintf(tmp, sizeof tmp, fmt, ap) < 0) tmp[0] = '\0';
-  memcpy(sg__err_buf, tmp, sizeof tmp);
+  memcpy(sg__err_buf, tmp, strlen(tmp) + 1);
 }
 
 sg_status sg__err(sg_status st, const char *fmt, ...) {

@@ -1,0 +1,140 @@
+/* The logger behind SG_LOG: level and destination come from the environment, read once.
+ * SG_LOG=warn|info|debug (default warn; off|none silences it), SG_LOG_FILE=path where %r
+ * becomes the rank, so that every rank writes its own file. */
+#define _POSIX_C_SOURCE 200809L /* POSIX declarations (pthread) under -std=c11 */
+
+#include <pthread.h> /* pthread_once, pthread_mutex */
+#include <stdio.h>   /* FILE, fopen, fprintf, vsnprintf */
+#include <stdlib.h>  /* getenv, malloc, realloc, free */
+#include <string.h>  /* strlen, strrchr, memcpy */
+
+#include "sg_core.h" /* sg__log_level */
+
+#define SG__LOG_LINE 2048
+#define SG__LOG_PATH 4096
+
+/* An opened (or failed) destination for one rank; ranks < 0 share slot "x". */
+typedef struct sg__log_dest {
+  int rank;
+  FILE *f; /* NULL: open failed, use stderr */
+} sg__log_dest;
+
+static pthread_once_t sg__log_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t sg__log_mu = PTHREAD_MUTEX_INITIALIZER;
+static int sg__log_level_cur = SG_LOG_WARN; /* written once under pthread_once, then read-only */
+static char sg__log_pattern[SG__LOG_PATH];  /* "" when SG_LOG_FILE is unset: stderr */
+static int sg__log_per_rank;                /* pattern contains %r */
+static sg__log_dest *sg__log_dests;         /* guarded by sg__log_mu */
+static size_t sg__log_ndests, sg__log_capdests;
+
+static int sg__ieq(const char *a, const char *b) {
+  for (; *a && *b; a++, b++) {
+    char ca = (*a >= 'A' && *a <= 'Z') ? (char)(*a - 'A' + 'a') : *a;
+    if (ca != *b) return 0;
+  }
+  return *a == *b;
+}
+
+static int sg__log_parse_level(const char *s) {
+  if (!s || !s[0]) return SG_LOG_WARN;
+  if (sg__ieq(s, "off") || sg__ieq(s, "none") || sg__ieq(s, "0")) return 0;
+  if (sg__ieq(s, "info")) return SG_LOG_INFO;
+  if (sg__ieq(s, "debug") || sg__ieq(s, "trace")) return SG_LOG_DEBUG;
+  return SG_LOG_WARN; /* "warn" and anything unknown: the quiet default */
+}
+
+static void sg__log_init(void) {
+  sg__log_level_cur = sg__log_parse_level(getenv("SG_LOG"));
+  const char *path = getenv("SG_LOG_FILE");
+  if (path && path[0] && strlen(path) < sizeof sg__log_pattern) {
+    memcpy(sg__log_pattern, path, strlen(path) + 1);
+    sg__log_per_rank = strstr(path, "%r") != NULL;
+  }
+}
+
+int sg__log_enabled(sg__log_level lvl) {
+  pthread_once(&sg__log_once, sg__log_init);
+  return (int)lvl <= sg__log_level_cur;
+}
+
+/* The pattern with every %r replaced by the rank ("x" when not tied to a rank). */
+static int sg__log_path(int rank, char *out, size_t cap) {
+  char rs[16];
+  if (rank >= 0)
+    snprintf(rs, sizeof rs, "%d", rank);
+  else
+    snprintf(rs, sizeof rs, "x");
+  size_t n = 0;
+  for (const char *p = sg__log_pattern; *p; p++) {
+    const char *piece = p;
+    size_t len = 1;
+    if (p[0] == '%' && p[1] == 'r') {
+      piece = rs;
+      len = strlen(rs);
+      p++;
+    }
+    if (n + len >= cap) return 0;
+    memcpy(out + n, piece, len);
+    n += len;
+  }
+  out[n] = '\0';
+  return 1;
+}
+
+/* Destination for rank; called with sg__log_mu held. Files are opened on first use, in append
+ * mode, and kept open for the life of the process. */
+static FILE *sg__log_stream(int rank) {
+  if (!sg__log_pattern[0]) return stderr;
+  int key = sg__log_per_rank ? (rank >= 0 ? rank : -1) : 0;
+  for (size_t i = 0; i < sg__log_ndests; i++)
+    if (sg__log_dests[i].rank == key) return sg__log_dests[i].f ? sg__log_dests[i].f : stderr;
+  if (sg__log_ndests == sg__log_capdests) {
+    size_t cap = sg__log_capdests ? 2 * sg__log_capdests : 8;
+    sg__log_dest *d = realloc(sg__log_dests, cap * sizeof *d);
+    if (!d) return stderr;
+    sg__log_dests = d;
+    sg__log_capdests = cap;
+  }
+  char path[SG__LOG_PATH + 32];
+  FILE *f = sg__log_path(key, path, sizeof path) ? fopen(path, "a") : NULL;
+  sg__log_dests[sg__log_ndests].rank = key;
+  sg__log_dests[sg__log_ndests].f = f; /* a failed open is remembered: no retry per line */
+  sg__log_ndests++;
+  return f ? f : stderr;
+}
+
+static const char *sg__log_level_name(sg__log_level lvl) {
+  switch (lvl) {
+    case SG_LOG_WARN: return "WARN";
+    case SG_LOG_INFO: return "INFO";
+    case SG_LOG_DEBUG: return "DEBUG";
+  }
+  return "?";
+}
+
+static const char *sg__log_basename(const char *file) {
+  if (!file) return "?";
+  const char *s = strrchr(file, '/');
+  return s ? s + 1 : file;
+}
+
+void sg__log(sg__log_level lvl, int rank, const char *file, int line, const char *fmt, ...) {
+  if (!fmt || !sg__log_enabled(lvl)) return;
+  char msg[SG__LOG_LINE];
+  va_list ap;
+  va_start(ap, fmt);
+  if (vsnprintf(msg, sizeof msg, fmt, ap) < 0) msg[0] = '\0';
+  va_end(ap);
+  char rs[16];
+  if (rank >= 0)
+    snprintf(rs, sizeof rs, "%d", rank);
+  else
+    snprintf(rs, sizeof rs, "-");
+  /* One fprintf per line under the mutex: lines of concurrent ranks never interleave. */
+  pthread_mutex_lock(&sg__log_mu);
+  FILE *f = sg__log_stream(rank);
+  fprintf(f, "shardgrad[%s] %s %s:%d: %s\n", rs, sg__log_level_name(lvl),
+          sg__log_basename(file), line, msg);
+  fflush(f);
+  pthread_mutex_unlock(&sg__log_mu);
+}
