@@ -1,0 +1,652 @@
+/* Engine lifecycle: create, parameter registration, finalize (the cross-rank agreement check),
+ * parameter access, memory reports, destroy. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../kernels/cpu/sg_cpu_kernels.h" /* host-side dtype conversion */
+#include "sg_engine_internal.h"
+
+#define SG__MAX_NAME 255
+
+/* ---------------------------------------------------------------------------------------- */
+/* checks                                                                                    */
+
+sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready) {
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (e->state == SG_ES_BROKEN)
+    return sg__err(SG_ERR_COMM, "%s: engine is unusable after an earlier communication failure; "
+                                "destroy it", fn);
+  if (need_ready && e->state != SG_ES_READY)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: call sg_finalize first", fn);
+  if (!need_ready && e->state != SG_ES_BUILDING)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: not allowed after sg_finalize", fn);
+  return SG_OK;
+}
+
+sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn) {
+  if (id < 0 || id >= e->nparams)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: no parameter with id %d (have %d)", fn, id,
+                   e->nparams);
+  return SG_OK;
+}
+
+sg_status sg__engine_broken(sg_engine *e, sg_status st) {
+  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA) {
+    e->state = SG_ES_BROKEN;
+    SG_LOG(SG_LOG_WARN, e->rank, "engine broken: %s", sg_last_error());
+  }
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* collectives through the comm queue                                                        */
+
+typedef enum { SG_COLL_ALLGATHER, SG_COLL_BCAST, SG_COLL_ALLREDUCE } sg__coll_op;
+typedef struct {
+  sg_engine *e;
+  sg__coll_op op;
+  void *buf;
+  size_t n; /* bytes per rank (all-gather), bytes (bcast), elements (all-reduce) */
+  int dtype, root;
+} sg__coll_job;
+
+static sg_status coll_job_fn(void *arg) {
+  sg__coll_job *j = arg;
+  sg_comm *c = j->e->comm;
+  int64_t dl = sg__deadline(j->e->cfg.timeout_ms);
+  switch (j->op) {
+  case SG_COLL_ALLGATHER: return c->ops->all_gather(c, j->buf, j->n, dl);
+  case SG_COLL_BCAST: return c->ops->broadcast(c, j->buf, j->n, j->root, dl);
+  case SG_COLL_ALLREDUCE: return c->ops->all_reduce(c, j->buf, j->n, j->dtype, dl);
+  }
+  return sg__err(SG_ERR_INTERNAL, "unknown collective %d", (int)j->op);
+}
+
+static int64_t host_deadline(const sg_engine *e) {
+  /* Every collective on the queue has its own deadline, so a host wait needs only a backstop
+   * for a queue of several of them. */
+  return e->cfg.timeout_ms > 0 ? sg__now_ms() + 2 * (int64_t)e->cfg.timeout_ms : INT64_MAX;
+}
+
+sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
+  uint64_t t = 0;
+  sg_status st = e->dev->ops->comm_submit(e->dev, fn, arg, &t);
+  if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, host_deadline(e));
+  if (t > e->last_ticket) e->last_ticket = t;
+  return sg__engine_broken(e, st);
+}
+
+static sg_status run_coll(sg_engine *e, sg__coll_op op, void *buf, size_t n, int dtype, int root) {
+  sg__coll_job j = {e, op, buf, n, dtype, root};
+  return sg__engine_run_comm(e, coll_job_fn, &j);
+}
+
+sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype) {
+  return run_coll(e, SG_COLL_ALLREDUCE, dev_buf, count, dtype, 0);
+}
+
+sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank) {
+  size_t total = bytes_per_rank * (size_t)e->world;
+  void *d = NULL;
+  sg_status st = e->dev->ops->alloc(e->dev, total, &d);
+  if (st != SG_OK) return st;
+  SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, d, host, total, SG_COPY_H2D), st, done);
+  SG_TRY_GOTO(run_coll(e, SG_COLL_ALLGATHER, d, bytes_per_rank, 0, 0), st, done);
+  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, d, total, SG_COPY_D2H);
+done:
+  e->dev->ops->free(e->dev, d);
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* create / destroy                                                                          */
+
+static sg_status make_device(const sg_config *c, sg_comm *comm, sg__device **out) {
+  if (c->device == SG_DEVICE_CPU) return sg__device_cpu_create(comm->rank, comm->threaded, out);
+#ifdef SG_HAVE_CUDA
+  return sg__device_cuda_create(comm->rank, c->cuda_device, out);
+#else
+  return sg__err(SG_ERR_UNSUPPORTED, "sg_engine_create: SG_DEVICE_CUDA requested but shardgrad "
+                                     "was built without CUDA");
+#endif
+}
+
+sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out) {
+  static const char *fn = "sg_engine_create";
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  *out = NULL;
+  if (!comm) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm is NULL", fn);
+  if (!cfg) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
+  if (comm->in_use)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: the communicator is used by another engine", fn);
+  if (comm->broken)
+    return sg__err(SG_ERR_COMM, "%s: the communicator is broken by an earlier failure", fn);
+  sg_engine *e = calloc(1, sizeof *e);
+  if (!e) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  sg_status st;
+  SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
+  SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
+  if (e->cfg.reduce_dtype != e->cfg.grad_dtype) {
+    st = sg__err(SG_ERR_UNSUPPORTED, "%s: reduce_dtype (%s) different from grad_dtype (%s) is not "
+                 "supported yet", fn, sg__dtype_name(e->cfg.reduce_dtype),
+                 sg__dtype_name(e->cfg.grad_dtype));
+    goto fail;
+  }
+  SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev), st, fail);
+  e->comm = comm;
+  e->rank = comm->rank;
+  e->world = comm->world;
+  e->sync = 1;
+  e->lr = e->cfg.lr;
+  e->dynamic_scale = sg__config_dynamic_scale(&e->cfg);
+  e->loss_scale = e->dynamic_scale ? e->cfg.init_loss_scale
+                                   : (e->cfg.loss_scale > 0 ? e->cfg.loss_scale : 1.0f);
+  comm->in_use = 1;
+  comm->dev = e->dev;
+  *out = e;
+  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %d, param %s, grad %s",
+         e->world, (int)e->cfg.strategy, sg__dtype_name(e->cfg.param_dtype),
+         sg__dtype_name(e->cfg.grad_dtype));
+  return SG_OK;
+fail:
+  free(e);
+  return st;
+}
+
+static void free_registration(sg_engine *e) {
+  for (int i = 0; i < e->nparams; i++) free(e->names[i]);
+  free(e->names);
+  free(e->numels);
+  free(e->flags);
+}
+
+static void free_finalized(sg_engine *e) {
+  sg__grads_free(e);
+  free(e->segs);
+  e->segs = NULL;
+  e->nsegs = 0;
+  sg__arenas_free(&e->ar);
+  sg__plan_free(e->plan);
+  e->plan = NULL;
+}
+
+void sg_engine_destroy(sg_engine *e) {
+  if (!e) return;
+  /* Pending reductions finish (or hit their deadline) before memory goes away. */
+  if (e->dev && e->last_ticket)
+    (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, host_deadline(e));
+  if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */
+  if (e->comm) {
+    e->comm->in_use = 0;
+    e->comm->dev = NULL;
+    e->comm->scratch = NULL;
+    e->comm->scratch_bytes = 0;
+  }
+  e->dev = NULL;
+  free_finalized(e);
+  free_registration(e);
+  free(e);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* registration                                                                              */
+
+static int find_name(const sg_engine *e, const char *name) {
+  for (int i = e->nparams - 1; i >= 0; i--)
+    if (strcmp(e->names[i], name) == 0) return i;
+  return -1;
+}
+
+static sg_status grow(sg_engine *e) {
+  int cap = e->cap ? e->cap * 2 : 64;
+  char **n = realloc(e->names, (size_t)cap * sizeof *n);
+  if (!n) return SG_ERR_OUT_OF_MEMORY;
+  e->names = n;
+  size_t *s = realloc(e->numels, (size_t)cap * sizeof *s);
+  if (!s) return SG_ERR_OUT_OF_MEMORY;
+  e->numels = s;
+  uint32_t *f = realloc(e->flags, (size_t)cap * sizeof *f);
+  if (!f) return SG_ERR_OUT_OF_MEMORY;
+  e->flags = f;
+  e->cap = cap;
+  return SG_OK;
+}
+
+sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t flags, int *id) {
+  static const char *fn = "sg_add_param";
+  SG_TRY(sg__engine_check(e, fn, 0));
+  if (!id) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id is NULL", fn);
+  if (!name) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
+  size_t len = strlen(name);
+  if (len == 0 || len > SG__MAX_NAME)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: name must be 1..%d bytes (got %zu)", fn,
+                   SG__MAX_NAME, len);
+  if (numel == 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: numel must be >= 1 (param '%s')", fn, name);
+  if (numel > ((size_t)1 << 48))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: numel %zu is too large (param '%s')", fn, numel,
+                   name);
+  if (flags & ~SG_PARAM_NO_DECAY)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown flags 0x%x (param '%s')", fn,
+                   (unsigned)flags, name);
+  if (e->nparams >= (1 << 30))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: too many parameters", fn);
+  if (find_name(e, name) >= 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: parameter '%s' is already registered (id %d)",
+                   fn, name, find_name(e, name));
+  if (e->nparams == e->cap && grow(e) != SG_OK)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  char *copy = malloc(len + 1);
+  if (!copy) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  memcpy(copy, name, len + 1);
+  e->names[e->nparams] = copy;
+  e->numels[e->nparams] = numel;
+  e->flags[e->nparams] = flags;
+  *id = e->nparams++;
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* finalize                                                                                  */
+
+/* What every rank must agree on, exchanged as 64-bit words. Field names for messages. */
+enum { SG__AG_STATUS, SG__AG_NPARAMS, SG__AG_HASH, SG__AG_CFG0 };
+static const char *const cfg_field_names[] = {
+    "strategy", "device", "param_dtype", "grad_dtype", "reduce_dtype", "accum_dtype",
+    "bucket_bytes", "lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm",
+    "grad_average", "loss_scale", "init_loss_scale", "scale_window", "min_loss_scale",
+    "skip_nonfinite", "stochastic_rounding", "seed"};
+#define SG__NCFG ((int)(sizeof cfg_field_names / sizeof cfg_field_names[0]))
+#define SG__AG_WORDS (SG__AG_CFG0 + SG__NCFG)
+
+static uint64_t fbits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+static void cfg_words(const sg_config *c, uint64_t *w) {
+  const uint64_t v[SG__NCFG] = {
+      (uint64_t)c->strategy, (uint64_t)c->device, (uint64_t)c->param_dtype,
+      (uint64_t)c->grad_dtype, (uint64_t)c->reduce_dtype, (uint64_t)c->accum_dtype,
+      (uint64_t)c->bucket_bytes, fbits(c->lr), fbits(c->beta1), fbits(c->beta2), fbits(c->eps),
+      fbits(c->weight_decay), fbits(c->max_grad_norm), (uint64_t)c->grad_average,
+      fbits(c->loss_scale), fbits(c->init_loss_scale), (uint64_t)c->scale_window,
+      fbits(c->min_loss_scale), (uint64_t)c->skip_nonfinite, (uint64_t)c->stochastic_rounding,
+      c->seed};
+  memcpy(w, v, sizeof v);
+}
+
+static uint64_t cfg_hash(const sg_config *c) {
+  uint64_t w[SG__NCFG];
+  cfg_words(c, w);
+  return sg__hash_bytes(SG__HASH_INIT, w, sizeof w);
+}
+
+static sg_status build_plan(sg_engine *e, sg__plan **out) {
+  if (e->nparams == 0)
+    return sg__err(SG_ERR_INVALID_STATE, "sg_finalize: no parameters registered");
+  sg__plan_input *in = malloc((size_t)e->nparams * sizeof *in);
+  if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  for (int i = 0; i < e->nparams; i++) in[i] = (sg__plan_input){e->names[i], e->numels[i], e->flags[i]};
+  sg_status st = sg__plan_build(in, e->nparams, e->world, sg__dtype_size(e->cfg.grad_dtype),
+                                e->cfg.bucket_bytes, cfg_hash(&e->cfg), out);
+  free(in);
+  return st == SG_OK ? st : sg__err_prefix(st, "sg_finalize");
+}
+
+/* Names the first parameter that differs between this rank and another. */
+static sg_status param_mismatch(sg_engine *e, const uint64_t *all, const sg__plan *p) {
+  uint64_t maxn = 0;
+  for (int r = 0; r < e->world; r++)
+    if (all[r * SG__AG_WORDS + SG__AG_NPARAMS] > maxn) maxn = all[r * SG__AG_WORDS + SG__AG_NPARAMS];
+  uint64_t *h = calloc((size_t)maxn * (size_t)e->world, sizeof *h);
+  if (!h) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  if (p) memcpy(h + (size_t)e->rank * maxn, p->param_hash, (size_t)e->nparams * sizeof *h);
+  sg_status st = sg__engine_allgather_host(e, h, (size_t)maxn * sizeof *h);
+  if (st != SG_OK) goto done;
+  for (uint64_t i = 0; i < maxn; i++) {
+    for (int r = 0; r < e->world; r++) {
+      if (h[(size_t)r * maxn + i] == h[i]) continue;
+      int other = r == e->rank ? 0 : r;
+      if ((int)i < e->nparams)
+        st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks registered different parameters: "
+                     "parameter #%d is '%s' (numel %zu, flags %u) on rank %d and differs on rank "
+                     "%d", (int)i, e->names[i], e->numels[i], (unsigned)e->flags[i], e->rank, other);
+      else
+        st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks registered different parameters: "
+                     "rank %d has %d parameters, rank %d has more (first extra is #%d)", e->rank,
+                     e->nparams, other, (int)i);
+      goto done;
+    }
+  }
+  st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks built different plans (same parameters)");
+done:
+  free(h);
+  return st;
+}
+
+/* Compares every rank's record with rank 0's and with this rank's. */
+static sg_status check_agreement(sg_engine *e, const uint64_t *all, const sg__plan *p) {
+  for (int r = 0; r < e->world; r++) {
+    uint64_t s = all[r * SG__AG_WORDS + SG__AG_STATUS];
+    if (s != SG_OK && r != e->rank)
+      return sg__err(SG_ERR_MISMATCH, "sg_finalize: rank %d failed to finalize (%s)", r,
+                     sg_status_string((sg_status)s));
+  }
+  for (int r = 1; r < e->world; r++)
+    for (int k = 0; k < SG__NCFG; k++)
+      if (all[r * SG__AG_WORDS + SG__AG_CFG0 + k] != all[SG__AG_CFG0 + k])
+        return sg__err(SG_ERR_MISMATCH, "sg_finalize: config field %s differs between rank 0 "
+                       "and rank %d", cfg_field_names[k], r);
+  for (int r = 0; r < e->world; r++)
+    if (all[r * SG__AG_WORDS + SG__AG_HASH] != all[e->rank * SG__AG_WORDS + SG__AG_HASH] ||
+        all[r * SG__AG_WORDS + SG__AG_NPARAMS] != (uint64_t)e->nparams)
+      return param_mismatch(e, all, p);
+  return SG_OK;
+}
+
+/* One round of agreement: every rank learns every rank's status (and config, plan hash). */
+static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint64_t **all_out) {
+  uint64_t *all = calloc((size_t)e->world * SG__AG_WORDS, sizeof *all);
+  if (!all) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  uint64_t *mine = all + (size_t)e->rank * SG__AG_WORDS;
+  mine[SG__AG_STATUS] = (uint64_t)local;
+  mine[SG__AG_NPARAMS] = (uint64_t)e->nparams;
+  mine[SG__AG_HASH] = p ? p->hash : 0;
+  cfg_words(&e->cfg, mine + SG__AG_CFG0);
+  sg_status st = sg__engine_allgather_host(e, all, SG__AG_WORDS * sizeof *all);
+  if (st != SG_OK) {
+    free(all);
+    return st;
+  }
+  *all_out = all;
+  return SG_OK;
+}
+
+static sg_status setup_buffers(sg_engine *e) {
+  sg__layout *l = &e->lay;
+  SG_TRY(sg__layout_compute(e->plan, &e->cfg, l));
+  SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
+  e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
+  e->slots = (char *)e->ar.base[SG_MEM_GRADS] + l->slots_off;
+  e->staging_stride = l->nstaging ? l->slots_bytes / (size_t)l->nstaging : 0;
+  e->accum = (char *)e->ar.base[SG_MEM_GRADS] + l->accum_off;
+  e->master = l->master_off == SIZE_MAX ? NULL
+                                        : (float *)((char *)e->ar.base[SG_MEM_MASTER] + l->master_off);
+  e->m = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->m_off);
+  e->v = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->v_off);
+  char *comm = (char *)e->ar.base[SG_MEM_COMM] + l->comm_off;
+  e->comm->scratch = comm;
+  e->comm->scratch_bytes = l->bytes[SG_MEM_COMM] - 256;
+  e->small = comm + e->comm->scratch_bytes;
+  return SG_OK;
+}
+
+static sg_status finalize_local(sg_engine *e) {
+  SG_TRY(build_plan(e, &e->plan));
+  SG_TRY(setup_buffers(e));
+  SG_TRY(sg__step_build_segments(e));
+  return sg__grads_init(e);
+}
+
+sg_status sg_finalize(sg_engine *e) {
+  static const char *fn = "sg_finalize";
+  SG_TRY(sg__engine_check(e, fn, 0));
+  sg_status local = finalize_local(e);
+  char local_msg[512] = "";
+  if (local != SG_OK) snprintf(local_msg, sizeof local_msg, "%s", sg_last_error());
+  uint64_t *all = NULL;
+  sg_status st = exchange(e, local, e->plan, &all);
+  if (st != SG_OK) goto fail;
+  if (local != SG_OK) {
+    st = sg__err(local, "%s", local_msg);
+    goto fail;
+  }
+  SG_TRY_GOTO(check_agreement(e, all, e->plan), st, fail);
+  free(all);
+  e->state = SG_ES_READY;
+  sg__grads_reset_microbatch(e);
+  SG_LOG(SG_LOG_INFO, e->rank, "finalized: %d params, %d buckets, %zu elements, shard %zu",
+         e->nparams, e->plan->nbuckets, e->plan->total_numel, e->lay.opt_numel);
+  return SG_OK;
+fail:
+  free(all);
+  free_finalized(e);
+  if (e->comm) {
+    e->comm->scratch = NULL;
+    e->comm->scratch_bytes = 0;
+  }
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* parameters                                                                                */
+
+static size_t psize(const sg_engine *e) { return sg__dtype_size(e->cfg.param_dtype); }
+static char *param_at(const sg_engine *e, int id) {
+  return e->params + e->plan->params[id].offset * psize(e);
+}
+
+sg_status sg_param_ptr(sg_engine *e, int id, void **ptr) {
+  static const char *fn = "sg_param_ptr";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  if (!ptr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ptr is NULL", fn);
+  *ptr = param_at(e, id);
+  return SG_OK;
+}
+
+sg_status sg__engine_for_pieces(sg_engine *e, int id,
+                                sg_status (*f)(sg_engine *, const sg__piece *, void *), void *ctx) {
+  const sg__plan *p = e->plan;
+  if (e->cfg.strategy == SG_NO_SHARD) {
+    sg__piece pc = {0, p->params[id].offset, p->params[id].numel};
+    return f(e, &pc, ctx);
+  }
+  size_t k0 = p->frag_index[(size_t)id * p->world + e->rank];
+  size_t k1 = p->frag_index[(size_t)id * p->world + e->rank + 1];
+  for (size_t k = k0; k < k1; k++) {
+    sg__piece pc = {p->frags[k].param_offset, p->frags[k].shard_offset, p->frags[k].length};
+    SG_TRY(f(e, &pc, ctx));
+  }
+  return SG_OK;
+}
+
+static sg_status set_master_piece(sg_engine *e, const sg__piece *pc, void *ctx) {
+  const float *src = ctx;
+  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, e->master + pc->opt_off, src + pc->param_off,
+                           pc->len * 4, SG_COPY_H2D);
+}
+
+static sg_status check_dtype_arg(int dt, const char *fn, const char *what) {
+  if (!sg__dtype_valid(dt))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s %d is not a valid sg_dtype", fn, what, dt);
+  return SG_OK;
+}
+
+sg_status sg_set_param(sg_engine *e, int id, const void *src, sg_dtype src_dtype) {
+  static const char *fn = "sg_set_param";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  if (!src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_src is NULL", fn);
+  SG_TRY(check_dtype_arg(src_dtype, fn, "src_dtype"));
+  const size_t n = e->numels[id];
+  void *work = malloc(n * psize(e));
+  float *f32 = e->master ? malloc(n * 4) : NULL;
+  sg_status st = SG_OK;
+  if (!work || (e->master && !f32)) {
+    st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory (param '%s')", fn, e->names[id]);
+    goto done;
+  }
+  sg__cpu_cast(work, e->cfg.param_dtype, src, src_dtype, n);
+  SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, param_at(e, id), work, n * psize(e),
+                                SG_COPY_H2D), st, done);
+  if (e->master) {
+    sg__cpu_cast(f32, SG_F32, src, src_dtype, n);
+    st = sg__engine_for_pieces(e, id, set_master_piece, f32);
+  }
+done:
+  free(work);
+  free(f32);
+  return st;
+}
+
+sg_status sg_get_param(sg_engine *e, int id, void *dst, sg_dtype dst_dtype) {
+  static const char *fn = "sg_get_param";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
+  SG_TRY(check_dtype_arg(dst_dtype, fn, "dst_dtype"));
+  const size_t n = e->numels[id];
+  void *work = malloc(n * psize(e));
+  if (!work) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  sg_status st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, work, param_at(e, id), n * psize(e),
+                                   SG_COPY_D2H);
+  if (st == SG_OK) sg__cpu_cast(dst, dst_dtype, work, e->cfg.param_dtype, n);
+  free(work);
+  return st;
+}
+
+/* master[seg] = f32(working[seg]) for every segment this rank owns */
+static sg_status master_from_working(sg_engine *e) {
+  if (!e->master) return SG_OK;
+  for (int s = 0; s < e->nsegs; s++) {
+    const sg__seg *g = &e->segs[s];
+    SG_TRY(e->dev->ops->cast(e->dev, SG_Q_COMPUTE, e->master + g->shard_off, SG_F32,
+                             e->params + g->flat_off * psize(e), e->cfg.param_dtype, g->len));
+  }
+  return SG_OK;
+}
+
+sg_status sg_broadcast_params(sg_engine *e, int root) {
+  static const char *fn = "sg_broadcast_params";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (root < 0 || root >= e->world)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d outside 0..%d", fn, root, e->world - 1);
+  SG_TRY(sg__grads_idle(e, fn));
+  SG_TRY(e->dev->ops->sync(e->dev, host_deadline(e)));
+  SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0, root));
+  return master_from_working(e);
+}
+
+/* Full fp32 values of parameter `id` from a sharded fp32 state array (master, m or v). */
+static sg_status gather_state(sg_engine *e, int id, const float *state, float *dst) {
+  const sg__plan *p = e->plan;
+  const sg__plan_param *pp = &p->params[id];
+  if (e->cfg.strategy == SG_NO_SHARD)
+    return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, state + pp->offset, pp->numel * 4,
+                             SG_COPY_D2H);
+  const sg__bucket *b = &p->buckets[pp->bucket];
+  const size_t slice = sg__plan_slice_numel(p, pp->bucket);
+  float *tmp = NULL;
+  SG_TRY(e->dev->ops->alloc(e->dev, b->numel * 4, (void **)&tmp));
+  sg_status st;
+  SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, tmp + (size_t)e->rank * slice,
+                                state + b->shard_offset, slice * 4, SG_COPY_D2D), st, done);
+  SG_TRY_GOTO(e->dev->ops->sync(e->dev, host_deadline(e)), st, done);
+  SG_TRY_GOTO(run_coll(e, SG_COLL_ALLGATHER, tmp, slice * 4, 0, 0), st, done);
+  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start), pp->numel * 4,
+                         SG_COPY_D2H);
+done:
+  e->dev->ops->free(e->dev, tmp);
+  return st;
+}
+
+sg_status sg_get_master(sg_engine *e, int id, float *dst) {
+  static const char *fn = "sg_get_master";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
+  SG_TRY(sg__grads_idle(e, fn));
+  if (!e->master) return sg_get_param(e, id, dst, SG_F32);
+  return gather_state(e, id, e->master, dst);
+}
+
+sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
+  static const char *fn = "sg_get_optim_state";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
+  if (which != 0 && which != 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: which must be 0 (m) or 1 (v), got %d", fn, which);
+  SG_TRY(sg__grads_idle(e, fn));
+  return gather_state(e, id, which == 0 ? e->m : e->v, dst);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* memory                                                                                    */
+
+static sg_status check_stats(sg_memory_stats *out, const char *fn) {
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  if (out->struct_size < sizeof(sg_memory_stats) || out->struct_size > sizeof(sg_memory_stats))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out->struct_size %zu, expected %zu", fn,
+                   out->struct_size, sizeof(sg_memory_stats));
+  return SG_OK;
+}
+
+sg_status sg_memory(sg_engine *e, sg_memory_stats *out) {
+  static const char *fn = "sg_memory";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(check_stats(out, fn));
+  if (!e->plan) return sg__err(SG_ERR_INVALID_STATE, "%s: call sg_finalize first", fn);
+  sg_memory_stats s = {0};
+  sg__memory_stats_fill(e->plan, &e->lay, e->ar.extra_grads, e->ar.peak, &s);
+  s.struct_size = out->struct_size;
+  memcpy(out, &s, out->struct_size);
+  return SG_OK;
+}
+
+sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int nparams, int world,
+                             sg_memory_stats *out) {
+  static const char *fn = "sg_estimate_memory";
+  SG_TRY(check_stats(out, fn));
+  if (!cfg) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
+  if (!numels) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: numels is NULL", fn);
+  if (nparams < 1) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: nparams must be >= 1", fn);
+  if (world < 1 || world > 4096)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: world %d outside 1..4096", fn, world);
+  sg_config c;
+  SG_TRY(sg__config_copy(cfg, &c, fn));
+  SG_TRY(sg__config_check(&c, fn));
+  sg__plan_input *in = malloc((size_t)nparams * sizeof *in);
+  if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  for (int i = 0; i < nparams; i++) in[i] = (sg__plan_input){NULL, numels[i], 0};
+  sg__plan *p = NULL;
+  sg_status st = sg__plan_build(in, nparams, world, sg__dtype_size(c.grad_dtype), c.bucket_bytes,
+                                0, &p);
+  free(in);
+  if (st != SG_OK) return sg__err_prefix(st, fn);
+  sg__layout l;
+  st = sg__layout_compute(p, &c, &l);
+  if (st == SG_OK) {
+    sg_memory_stats s = {0};
+    sg__memory_stats_fill(p, &l, 0, 0, &s);
+    s.struct_size = out->struct_size;
+    memcpy(out, &s, out->struct_size);
+  }
+  sg__plan_free(p);
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* learning rate, loss scale, stream                                                         */
+
+sg_status sg_set_lr(sg_engine *e, float lr) {
+  static const char *fn = "sg_set_lr";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!(lr >= 0.0f) || isinf(lr))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr must be finite and >= 0 (got %g)", fn, lr);
+  e->lr = lr;
+  return SG_OK;
+}
+
+sg_status sg_get_loss_scale(sg_engine *e, float *scale) {
+  static const char *fn = "sg_get_loss_scale";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!scale) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: scale is NULL", fn);
+  *scale = e->loss_scale;
+  return SG_OK;
+}

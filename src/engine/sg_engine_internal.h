@@ -1,0 +1,97 @@
+/* Engine internals shared by sg_engine.c (lifecycle, parameters), sg_grads.c (micro-batches and
+ * bucket reductions) and sg_step.c (the optimizer step). */
+#ifndef SG_ENGINE_INTERNAL_H
+#define SG_ENGINE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../comm/sg_comm.h"     /* sg_comm internals, collectives */
+#include "../core/sg_core.h"     /* errors, logging */
+#include "../device/sg_device.h" /* device vtable */
+#include "../memory/sg_memory.h" /* layout, arenas */
+#include "../plan/sg_plan.h"     /* plan */
+
+typedef enum { SG_ES_BUILDING = 0, SG_ES_READY = 1, SG_ES_BROKEN = 2 } sg__engine_state;
+
+struct sg_engine {
+  sg_config cfg;
+  sg_comm *comm;
+  int rank, world;
+  sg__device *dev;
+  sg__engine_state state;
+  /* registration (before finalize) */
+  int nparams, cap;
+  char **names;
+  size_t *numels;
+  uint32_t *flags;
+  /* after finalize */
+  sg__plan *plan;
+  sg__layout lay;
+  sg__arenas ar;
+  char *params;   /* working params, param dtype, flat plan layout */
+  char *slots;    /* full grad buffer (NO_SHARD, SHARD_OPT) or staging buffers (SHARD_GRAD_OP) */
+  size_t staging_stride; /* bytes between staging buffers */
+  char *accum;    /* accumulator, accum dtype: full (NO_SHARD) or shard */
+  float *master;  /* NULL for f32 params */
+  float *m, *v;
+  char *small;    /* 256 bytes of device memory for the step's tiny all-reduce */
+  float *nosync;  /* full fp32 buffer for sg_set_sync(0), allocated on first use */
+  sg__seg *segs;  /* this rank's AdamW segments */
+  int nsegs;
+  /* micro-batch state */
+  uint8_t *ready;          /* [nparams] */
+  int *pending;            /* [nbuckets]: params of the bucket not yet ready */
+  int *bucket_staging;     /* [nbuckets]: staging index held, -1 none (SHARD_GRAD_OP) */
+  uint64_t *bucket_ticket; /* [nbuckets]: job that last used the bucket's slot region */
+  uint8_t *nosync_dirty;   /* [nbuckets]: local gradients waiting in `nosync` */
+  int nstaging;            /* staging buffers: lay.nstaging in the arena, more if forced */
+  char **staging_ptr;      /* [nstaging] */
+  int *staging_owner;      /* [nstaging]: bucket holding it, -1 free */
+  uint64_t *staging_ticket;/* [nstaging]: job after which it is zero and free */
+  int next_launch;         /* next bucket (plan order) to launch in this micro-batch */
+  int touched;             /* any gradient touched in this micro-batch */
+  int sync;
+  uint64_t last_ticket;
+  /* optimizer state */
+  uint64_t step;
+  float lr;
+  float loss_scale;
+  int clean_steps;
+  int dynamic_scale;
+};
+
+/* Call-order and argument checks shared by the public functions. */
+sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready);
+sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn);
+/* Marks the engine broken after a failed collective and keeps the failure text. */
+sg_status sg__engine_broken(sg_engine *e, sg_status st);
+
+/* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
+sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
+/* In-place all-reduce of device memory through the comm queue, waited for. */
+sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype);
+/* All-gather `bytes_per_rank` from host memory through a temporary device buffer. */
+sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank);
+
+/* Pieces of parameter `id` held by this rank in master/m/v (shard coordinates). */
+typedef struct sg__piece { size_t param_off, opt_off, len; } sg__piece;
+/* Calls fn for each piece; stops at the first failure. */
+sg_status sg__engine_for_pieces(sg_engine *e, int id,
+                                sg_status (*fn)(sg_engine *, const sg__piece *, void *),
+                                void *ctx);
+
+/* sg_grads.c */
+sg_status sg__grads_init(sg_engine *e);
+void sg__grads_free(sg_engine *e);
+void sg__grads_reset_microbatch(sg_engine *e);
+/* Launches every pending micro-batch reduction (backward_end) and flushes no_sync gradients. */
+sg_status sg__grads_flush(sg_engine *e, const char *fn);
+/* No micro-batch in progress (SG_ERR_INVALID_STATE otherwise) and the comm queue drained: the
+ * collectives of sg_get_master and friends then line up on every rank. */
+sg_status sg__grads_idle(sg_engine *e, const char *fn);
+
+/* sg_step.c */
+sg_status sg__step_build_segments(sg_engine *e);
+
+#endif /* SG_ENGINE_INTERNAL_H */

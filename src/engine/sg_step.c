@@ -1,0 +1,205 @@
+/* The optimizer step (DESIGN.md sections 4-5): global norm and non-finite check, clipping, loss
+ * scaling, fused AdamW on this rank's shard, all-gather of the working parameters. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sg_engine_internal.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* segments: the owned, non-padding runs of the shard                                        */
+
+static sg_status push_seg(sg_engine *e, int *cap, sg__seg s) {
+  if (e->nsegs > 0) {
+    sg__seg *last = &e->segs[e->nsegs - 1];
+    if (last->decay == s.decay && last->shard_off + last->len == s.shard_off &&
+        last->flat_off + last->len == s.flat_off) {
+      last->len += s.len;
+      return SG_OK;
+    }
+  }
+  if (e->nsegs == *cap) {
+    int nc = *cap ? *cap * 2 : 64;
+    sg__seg *n = realloc(e->segs, (size_t)nc * sizeof *n);
+    if (!n) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+    e->segs = n;
+    *cap = nc;
+  }
+  e->segs[e->nsegs++] = s;
+  return SG_OK;
+}
+
+sg_status sg__step_build_segments(sg_engine *e) {
+  const sg__plan *p = e->plan;
+  const int sharded = e->cfg.strategy != SG_NO_SHARD;
+  int cap = 0;
+  e->nsegs = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const sg__bucket *bk = &p->buckets[b];
+    const size_t s0 = sharded ? sg__plan_slice_start(p, b, e->rank) : bk->start;
+    const size_t s1 = s0 + (sharded ? sg__plan_slice_numel(p, b) : bk->numel);
+    const size_t base = sharded ? bk->shard_offset : bk->start;
+    for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
+      const int id = p->order[k];
+      const size_t a = p->params[id].offset, z = a + p->params[id].numel;
+      const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
+      if (x0 >= x1) continue;
+      sg__seg s = {base + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY)};
+      SG_TRY(push_seg(e, &cap, s));
+    }
+  }
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* norm                                                                                      */
+
+/* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks. */
+static sg_status global_sumsq(sg_engine *e, double out[2]) {
+  sg__device *d = e->dev;
+  SG_TRY(d->ops->sumsq(d, SG_Q_COMPUTE, e->accum, e->cfg.accum_dtype, e->lay.accum_numel, &out[0],
+                       &out[1]));
+  if (e->cfg.strategy == SG_NO_SHARD || e->world == 1) return SG_OK;
+  SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, e->small, out, 2 * sizeof(double), SG_COPY_H2D));
+  SG_TRY(sg__engine_allreduce(e, e->small, 2, SG__F64));
+  return d->ops->copy(d, SG_Q_COMPUTE, out, e->small, 2 * sizeof(double), SG_COPY_D2H);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* loss scale                                                                                */
+
+static void scale_update(sg_engine *e, int overflow) {
+  if (!e->dynamic_scale) return;
+  if (overflow) {
+    float s = e->loss_scale * 0.5f;
+    e->loss_scale = s > e->cfg.min_loss_scale ? s : e->cfg.min_loss_scale;
+    e->clean_steps = 0;
+    SG_LOG(SG_LOG_INFO, e->rank, "non-finite gradients: loss scale -> %g", e->loss_scale);
+    return;
+  }
+  if (++e->clean_steps >= e->cfg.scale_window) {
+    float s = e->loss_scale * 2.0f;
+    if (isfinite(s)) e->loss_scale = s;
+    e->clean_steps = 0;
+  }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* update                                                                                    */
+
+static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
+  const sg_config *c = &e->cfg;
+  const double t = (double)e->step;
+  const double bc1 = 1.0 - pow((double)c->beta1, t), bc2 = 1.0 - pow((double)c->beta2, t);
+  sg__adamw_args a;
+  memset(&a, 0, sizeof a);
+  a.param = e->params;
+  a.param_dtype = c->param_dtype;
+  a.master = e->master;
+  a.m = e->m;
+  a.v = e->v;
+  a.grad = e->accum;
+  a.grad_dtype = c->accum_dtype;
+  a.segs = e->segs;
+  a.nsegs = e->nsegs;
+  a.grad_scale = grad_scale;
+  a.decay_factor = (float)(1.0 - (double)e->lr * (double)c->weight_decay);
+  a.beta1 = c->beta1;
+  a.one_minus_beta1 = (float)(1.0 - (double)c->beta1);
+  a.beta2 = c->beta2;
+  a.one_minus_beta2 = (float)(1.0 - (double)c->beta2);
+  a.step_size = (float)((double)e->lr / bc1);
+  a.bc2_sqrt = (float)sqrt(bc2);
+  a.eps = c->eps;
+  a.stochastic_rounding = c->stochastic_rounding && c->param_dtype == SG_BF16;
+  a.seed = c->seed;
+  a.step = e->step;
+  return a;
+}
+
+typedef struct { sg_engine *e; } sg__gather_job;
+
+/* In-place all-gather of every bucket's working parameters. */
+static sg_status gather_job_fn(void *arg) {
+  sg_engine *e = ((sg__gather_job *)arg)->e;
+  free(arg);
+  const sg__plan *p = e->plan;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  for (int b = 0; b < p->nbuckets; b++) {
+    const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+    SG_TRY(e->comm->ops->all_gather(e->comm, e->params + p->buckets[b].start * P,
+                                    sg__plan_slice_numel(p, b) * P, dl));
+  }
+  return SG_OK;
+}
+
+static sg_status gather_params(sg_engine *e) {
+  if (e->cfg.strategy == SG_NO_SHARD || e->world == 1) return SG_OK;
+  sg__gather_job *j = malloc(sizeof *j);
+  if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
+  j->e = e;
+  uint64_t t = 0;
+  sg_status st = e->dev->ops->comm_submit(e->dev, gather_job_fn, j, &t);
+  if (st != SG_OK && t == 0) free(j);
+  if (st == SG_OK) {
+    e->last_ticket = t;
+    /* The caller's next kernels read the parameters: they wait for the gather. */
+    st = e->dev->ops->compute_wait_comm(e->dev, t, sg__deadline(2 * e->cfg.timeout_ms));
+  }
+  return sg__engine_broken(e, st);
+}
+
+static void fill_info(const sg_engine *e, sg_step_info *info, const sg_step_info *v) {
+  if (!info) return;
+  sg_step_info s = *v;
+  s.struct_size = info->struct_size;
+  memcpy(info, &s, info->struct_size);
+}
+
+static sg_status check_info(const sg_step_info *info) {
+  if (info && info->struct_size != sizeof(sg_step_info))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_step: info->struct_size %zu, expected %zu",
+                   info->struct_size, sizeof(sg_step_info));
+  return SG_OK;
+}
+
+static sg_status apply(sg_engine *e, float grad_scale) {
+  e->step++;
+  sg__adamw_args a = adamw_args(e, grad_scale);
+  sg_status st = e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
+  if (st != SG_OK) {
+    e->step--;
+    return st;
+  }
+  return gather_params(e);
+}
+
+sg_status sg_step(sg_engine *e, sg_step_info *info) {
+  static const char *fn = "sg_step";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(check_info(info));
+  SG_TRY(sg__grads_flush(e, fn));
+  SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
+                                                     sg__deadline(2 * e->cfg.timeout_ms))));
+  double ss[2] = {0, 0};
+  SG_TRY(global_sumsq(e, ss));
+  const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
+  const double inv_scale = 1.0 / (double)e->loss_scale;
+  const double norm = sqrt(ss[0]) * avg * inv_scale;
+  const int overflow = ss[1] > 0 || !isfinite(norm);
+  const int skip = overflow && (e->cfg.skip_nonfinite || e->dynamic_scale);
+  double clip = 1.0;
+  if (e->cfg.max_grad_norm > 0 && isfinite(norm))
+    clip = fmin(1.0, (double)e->cfg.max_grad_norm / (norm + 1e-6));
+  sg_step_info v = {sizeof v, e->step, (float)norm, (float)clip, e->loss_scale, skip};
+  sg_status st = SG_OK;
+  if (!skip) st = apply(e, (float)(avg * inv_scale * clip));
+  if (st == SG_OK)
+    st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->accum, e->lay.accum_numel * sg__dtype_size(e->cfg.accum_dtype));
+  if (st != SG_OK) return st;
+  v.step = e->step;
+  scale_update(e, overflow);
+  if (skip) SG_LOG(SG_LOG_INFO, e->rank, "step skipped: non-finite gradients");
+  fill_info(e, info, &v);
+  return SG_OK;
+}

@@ -1,0 +1,110 @@
+/* Memory layout and arenas (DESIGN.md section 3). The layout is computed from the plan and the
+ * config alone, so sg_estimate_memory and sg_memory give the same numbers. */
+#include <stdint.h>
+#include <string.h>
+
+#include "../comm/sg_comm.h" /* sg__comm_scratch_bytes */
+#include "sg_memory.h"
+
+/* The step's tiny all-reduce of (sum of squares, non-finite count) gets its own piece of the
+ * comm arena: the ring all-reduce uses the scratch for its own receives. */
+#define SG__SMALL_BYTES 256
+
+static size_t align_up(size_t x) { return (x + SG_MEM_ALIGN - 1) / SG_MEM_ALIGN * SG_MEM_ALIGN; }
+
+/* Appends a piece of `bytes` to arena `kind`, returns its offset. */
+static size_t carve(sg__layout *l, sg__mem_kind kind, size_t bytes) {
+  size_t off = l->bytes[kind];
+  l->bytes[kind] = align_up(off + bytes);
+  return off;
+}
+
+sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout *l) {
+  memset(l, 0, sizeof *l);
+  const size_t P = sg__dtype_size(cfg->param_dtype), G = sg__dtype_size(cfg->grad_dtype);
+  const size_t A = sg__dtype_size(cfg->accum_dtype);
+  const int sharded = cfg->strategy != SG_NO_SHARD;
+  l->opt_numel = sharded ? p->shard_numel : p->total_numel;
+  l->params_off = carve(l, SG_MEM_PARAMS, p->total_numel * P);
+  if (cfg->strategy == SG_SHARD_GRAD_OP) {
+    l->nstaging = cfg->staging_buckets < p->nbuckets ? cfg->staging_buckets : p->nbuckets;
+    l->staging_numel = p->max_bucket_numel;
+    l->slots_bytes = align_up(l->staging_numel * G) * (size_t)l->nstaging;
+  } else {
+    l->nstaging = 0;
+    l->slots_bytes = p->total_numel * G;
+  }
+  l->slots_off = carve(l, SG_MEM_GRADS, l->slots_bytes);
+  l->accum_numel = l->opt_numel;
+  l->accum_off = carve(l, SG_MEM_GRADS, l->accum_numel * A);
+  l->master_off = SIZE_MAX;
+  if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, l->opt_numel * 4);
+  l->m_off = carve(l, SG_MEM_OPTIM, l->opt_numel * 4);
+  l->v_off = carve(l, SG_MEM_OPTIM, l->opt_numel * 4);
+  size_t max_slice = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    size_t s = sharded ? sg__plan_slice_numel(p, b) : (p->buckets[b].numel + p->world - 1) / p->world;
+    if (s > max_slice) max_slice = s;
+  }
+  l->comm_off = carve(l, SG_MEM_COMM, sg__comm_scratch_bytes(max_slice) + SG__SMALL_BYTES);
+  return SG_OK;
+}
+
+static const char *kind_name(int k) {
+  static const char *names[SG_MEM_KINDS] = {"params", "grads", "master", "optim", "comm"};
+  return names[k];
+}
+
+sg_status sg__arenas_alloc(sg__arenas *a, sg__device *dev, const sg__layout *l) {
+  memset(a, 0, sizeof *a);
+  a->dev = dev;
+  for (int k = 0; k < SG_MEM_KINDS; k++) {
+    if (l->bytes[k] == 0) continue;
+    sg_status st = dev->ops->alloc(dev, l->bytes[k], &a->base[k]);
+    if (st == SG_OK) st = dev->ops->zero(dev, SG_Q_COMPUTE, a->base[k], l->bytes[k]);
+    if (st != SG_OK) {
+      sg__arenas_free(a);
+      if (st == SG_ERR_OUT_OF_MEMORY)
+        return sg__err(st, "out of memory allocating the %s arena (%zu bytes)", kind_name(k),
+                       l->bytes[k]);
+      return st;
+    }
+    a->bytes[k] = l->bytes[k];
+  }
+  sg__arenas_note(a);
+  return SG_OK;
+}
+
+void sg__arenas_free(sg__arenas *a) {
+  if (!a || !a->dev) return;
+  for (int k = 0; k < SG_MEM_KINDS; k++) {
+    if (a->base[k]) a->dev->ops->free(a->dev, a->base[k]);
+    a->base[k] = NULL;
+    a->bytes[k] = 0;
+  }
+}
+
+size_t sg__arenas_total(const sg__arenas *a) {
+  size_t t = a->extra_grads;
+  for (int k = 0; k < SG_MEM_KINDS; k++) t += a->bytes[k];
+  return t;
+}
+
+void sg__arenas_note(sg__arenas *a) {
+  size_t t = sg__arenas_total(a);
+  if (t > a->peak) a->peak = t;
+}
+
+void sg__memory_stats_fill(const sg__plan *p, const sg__layout *l, size_t extra_grads,
+                           size_t peak, sg_memory_stats *s) {
+  s->params_bytes = l->bytes[SG_MEM_PARAMS];
+  s->grads_bytes = l->bytes[SG_MEM_GRADS] + extra_grads;
+  s->master_bytes = l->bytes[SG_MEM_MASTER];
+  s->optim_bytes = l->bytes[SG_MEM_OPTIM];
+  s->comm_bytes = l->bytes[SG_MEM_COMM];
+  s->total_bytes = s->params_bytes + s->grads_bytes + s->master_bytes + s->optim_bytes +
+                   s->comm_bytes;
+  s->peak_bytes = peak > s->total_bytes ? peak : s->total_bytes;
+  s->numel = p->total_numel;
+  s->shard_numel = l->opt_numel;
+}
