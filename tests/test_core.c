@@ -14,24 +14,32 @@
 
 static int g_pass, g_fail;
 
-#define CHECK(cond, ...)                                                                       \
-  do {                                                                                         \
-    if (cond) {                                                                                \
-      g_pass++;                                                                                \
-    } else {                                                                                   \
-      g_fail++;                                                                                \
-      printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                                   \
-      printf(__VA_ARGS__);                                                                     \
-      printf("\n");                                                                            \
-    }                                                                                          \
+#define CHECK(cond, ...)                                     \
+  do {                                                       \
+    if (cond) {                                              \
+      g_pass++;                                              \
+    } else {                                                 \
+      g_fail++;                                              \
+      printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      printf(__VA_ARGS__);                                   \
+      printf("\n");                                          \
+    }                                                        \
   } while (0)
 
 static void test_status_strings(void) {
   printf("status strings ...\n");
-  static const char *names[] = {"SG_OK", "SG_ERR_INVALID_ARGUMENT", "SG_ERR_INVALID_STATE",
-                                "SG_ERR_OUT_OF_MEMORY", "SG_ERR_UNSUPPORTED", "SG_ERR_MISMATCH",
-                                "SG_ERR_COMM", "SG_ERR_TIMEOUT", "SG_ERR_IO", "SG_ERR_CORRUPT",
-                                "SG_ERR_CUDA", "SG_ERR_INTERNAL"};
+  static const char *names[] = {"SG_OK",
+                                "SG_ERR_INVALID_ARGUMENT",
+                                "SG_ERR_INVALID_STATE",
+                                "SG_ERR_OUT_OF_MEMORY",
+                                "SG_ERR_UNSUPPORTED",
+                                "SG_ERR_MISMATCH",
+                                "SG_ERR_COMM",
+                                "SG_ERR_TIMEOUT",
+                                "SG_ERR_IO",
+                                "SG_ERR_CORRUPT",
+                                "SG_ERR_CUDA",
+                                "SG_ERR_INTERNAL"};
   for (int s = 0; s <= 11; s++)
     CHECK(strcmp(sg_status_string((sg_status)s), names[s]) == 0, "status %d -> %s", s,
           sg_status_string((sg_status)s));
@@ -43,7 +51,8 @@ static void test_errors(void) {
   printf("last error text ...\n");
   sg__err_clear();
   CHECK(sg_last_error() && sg_last_error()[0] == '\0', "empty after clear");
-  sg_status st = sg__err(SG_ERR_INVALID_ARGUMENT, "sg_add_param: numel must be >= 1 (param '%s')", "fc1.b");
+  sg_status st =
+      sg__err(SG_ERR_INVALID_ARGUMENT, "sg_add_param: numel must be >= 1 (param '%s')", "fc1.b");
   CHECK(st == SG_ERR_INVALID_ARGUMENT, "sg__err returns its status");
   CHECK(strcmp(sg_last_error(), "sg_add_param: numel must be >= 1 (param 'fc1.b')") == 0, "'%s'",
         sg_last_error());
@@ -51,8 +60,9 @@ static void test_errors(void) {
   CHECK(st == SG_ERR_IO && strcmp(sg_last_error(), "open x.ckpt failed (ckpt.c:42)") == 0, "'%s'",
         sg_last_error());
   st = sg__err_prefix(SG_ERR_COMM, "sg_step");
-  CHECK(st == SG_ERR_COMM && strcmp(sg_last_error(), "sg_step: open x.ckpt failed (ckpt.c:42)") == 0,
-        "'%s'", sg_last_error());
+  CHECK(
+      st == SG_ERR_COMM && strcmp(sg_last_error(), "sg_step: open x.ckpt failed (ckpt.c:42)") == 0,
+      "'%s'", sg_last_error());
   /* The caller may pass the current text as an argument. */
   sg__err(SG_ERR_INTERNAL, "outer: %s", sg_last_error());
   CHECK(strcmp(sg_last_error(), "outer: sg_step: open x.ckpt failed (ckpt.c:42)") == 0, "'%s'",
@@ -65,7 +75,8 @@ static void test_errors(void) {
   size_t n = strlen(sg_last_error());
   CHECK(n > 500 && n < sizeof big, "truncated length %zu", n);
   sg__err_prefix(SG_ERR_IO, "fn");
-  CHECK(strncmp(sg_last_error(), "fn: zzz", 7) == 0 && strlen(sg_last_error()) == n, "prefix of long");
+  CHECK(strncmp(sg_last_error(), "fn: zzz", 7) == 0 && strlen(sg_last_error()) == n,
+        "prefix of long");
   sg__err_at(SG_ERR_IO, "a.c", 1, "%s", big);
   CHECK(strlen(sg_last_error()) == n, "err_at on a full buffer stays bounded");
   sg__err_clear();
@@ -116,8 +127,10 @@ static void test_util(void) {
 #endif
   int c = sg_has_backend("cuda"), n = sg_has_backend("nccl");
   CHECK((c == 0 || c == 1) && (n == 0 || n == 1) && (!n || c), "cuda %d nccl %d", c, n);
-  CHECK(strcmp(sg__dtype_name(SG_F32), "f32") == 0 && strcmp(sg__dtype_name(SG_BF16), "bf16") == 0 &&
-            strcmp(sg__dtype_name(SG_F16), "f16") == 0, "dtype names");
+  CHECK(strcmp(sg__dtype_name(SG_F32), "f32") == 0 &&
+            strcmp(sg__dtype_name(SG_BF16), "bf16") == 0 &&
+            strcmp(sg__dtype_name(SG_F16), "f16") == 0,
+        "dtype names");
   CHECK(sg__dtype_size(SG_F32) == 4 && sg__dtype_size(SG_BF16) == 2 && sg__dtype_size(SG_F16) == 2,
         "dtype sizes");
   CHECK(sg__dtype_valid(0) && sg__dtype_valid(2) && !sg__dtype_valid(3) && !sg__dtype_valid(-1),
@@ -139,17 +152,22 @@ static void test_config_init(void) {
   memset(&c, 0x5a, sizeof c);
   CHECK(sg_config_init(&c, sizeof c) == SG_OK, "%s", sg_last_error());
   CHECK(c.struct_size == sizeof c && c.strategy == SG_SHARD_GRAD_OP && c.device == SG_DEVICE_CPU &&
-            c.cuda_device == -1, "struct_size, strategy, device");
+            c.cuda_device == -1,
+        "struct_size, strategy, device");
   CHECK(c.param_dtype == SG_F32 && c.grad_dtype == SG_F32 && c.reduce_dtype == SG_F32 &&
-            c.accum_dtype == SG_F32, "dtypes");
+            c.accum_dtype == SG_F32,
+        "dtypes");
   CHECK(c.bucket_bytes == 32u << 20 && c.staging_buckets == 2, "bucket defaults");
   CHECK(c.lr == 1e-3f && c.beta1 == 0.9f && c.beta2 == 0.999f && c.eps == 1e-8f &&
-            c.weight_decay == 0.01f && c.max_grad_norm == 0.0f && c.grad_average == 1, "adamw defaults");
+            c.weight_decay == 0.01f && c.max_grad_norm == 0.0f && c.grad_average == 1,
+        "adamw defaults");
   CHECK(c.loss_scale == 0.0f && c.init_loss_scale == 65536.0f && c.scale_window == 2000 &&
-            c.min_loss_scale == 1.0f && c.skip_nonfinite == 1, "loss scale defaults");
+            c.min_loss_scale == 1.0f && c.skip_nonfinite == 1,
+        "loss scale defaults");
   CHECK(c.stochastic_rounding == 0 && c.seed == 0 && c.timeout_ms == 600000, "misc defaults");
   CHECK(sg__config_check(&c, "test") == SG_OK, "defaults pass the check: %s", sg_last_error());
-  CHECK(sg_config_init(NULL, sizeof c) == SG_ERR_INVALID_ARGUMENT && sg_last_error()[0], "NULL cfg");
+  CHECK(sg_config_init(NULL, sizeof c) == SG_ERR_INVALID_ARGUMENT && sg_last_error()[0],
+        "NULL cfg");
   /* Sizes outside [first published, current] are rejected and nothing is written. */
   size_t bad[] = {0, 8, sizeof c - 1, sizeof c + 1, sizeof c + 64};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -174,7 +192,8 @@ static void test_config_init(void) {
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     in.struct_size = bad[i];
     sg_status st = sg__config_copy(&in, &out, "sg_engine_create");
-    CHECK(st == SG_ERR_INVALID_ARGUMENT && strstr(sg_last_error(), "sg_engine_create: cfg->struct_size"),
+    CHECK(st == SG_ERR_INVALID_ARGUMENT &&
+              strstr(sg_last_error(), "sg_engine_create: cfg->struct_size"),
           "copy with struct_size %zu: '%s'", bad[i], sg_last_error());
   }
   in.struct_size = sizeof in;
@@ -185,7 +204,7 @@ static void test_config_init(void) {
 
 /* One bad value of one field: rejected, and the message names the caller and the field. */
 typedef void (*mutator)(sg_config *c);
-#define BAD(name, field, stmt)                                                                 \
+#define BAD(name, field, stmt) \
   static void name(sg_config *c) { stmt; }
 BAD(b_strategy, "strategy", c->strategy = (sg_strategy)3)
 BAD(b_strategy_neg, "strategy", c->strategy = (sg_strategy)-1)
@@ -231,20 +250,50 @@ BAD(b_size, "struct_size", c->struct_size = 3)
 
 static void test_config_check(void) {
   printf("config check rejects each bad field ...\n");
-  static const struct { mutator f; const char *field; } cases[] = {
-      {b_strategy, "strategy"}, {b_strategy_neg, "strategy"}, {b_device, "device"},
-      {b_cuda_device, "cuda_device"}, {b_param_dtype, "param_dtype"}, {b_grad_dtype, "grad_dtype"},
-      {b_reduce_dtype, "reduce_dtype"}, {b_accum_f16, "accum_dtype"}, {b_accum_bad, "accum_dtype"},
-      {b_bucket_f32, "bucket_bytes"}, {b_bucket_bf16, "bucket_bytes"}, {b_staging0, "staging_buckets"},
-      {b_staging65, "staging_buckets"}, {b_lr_neg, "lr"}, {b_lr_nan, "lr"}, {b_lr_inf, "lr"},
-      {b_beta1_big, "beta1"}, {b_beta1_one, "beta1"}, {b_beta1_neg, "beta1"}, {b_beta1_nan, "beta1"},
-      {b_beta2_one, "beta2"}, {b_beta2_nan, "beta2"}, {b_eps_zero, "eps"}, {b_eps_nan, "eps"},
-      {b_wd_neg, "weight_decay"}, {b_wd_nan, "weight_decay"}, {b_clip_neg, "max_grad_norm"},
-      {b_clip_nan, "max_grad_norm"}, {b_avg, "grad_average"}, {b_skip, "skip_nonfinite"},
-      {b_sr, "stochastic_rounding"}, {b_ls_neg, "loss_scale"}, {b_ls_nan, "loss_scale"},
-      {b_ls_inf, "loss_scale"}, {b_init_zero, "init_loss_scale"}, {b_init_nan, "init_loss_scale"},
-      {b_window, "scale_window"}, {b_min_zero, "min_loss_scale"}, {b_min_nan, "min_loss_scale"},
-      {b_min_gt_init, "min_loss_scale"}, {b_size, "struct_size"}};
+  static const struct {
+    mutator f;
+    const char *field;
+  } cases[] = {{b_strategy, "strategy"},
+               {b_strategy_neg, "strategy"},
+               {b_device, "device"},
+               {b_cuda_device, "cuda_device"},
+               {b_param_dtype, "param_dtype"},
+               {b_grad_dtype, "grad_dtype"},
+               {b_reduce_dtype, "reduce_dtype"},
+               {b_accum_f16, "accum_dtype"},
+               {b_accum_bad, "accum_dtype"},
+               {b_bucket_f32, "bucket_bytes"},
+               {b_bucket_bf16, "bucket_bytes"},
+               {b_staging0, "staging_buckets"},
+               {b_staging65, "staging_buckets"},
+               {b_lr_neg, "lr"},
+               {b_lr_nan, "lr"},
+               {b_lr_inf, "lr"},
+               {b_beta1_big, "beta1"},
+               {b_beta1_one, "beta1"},
+               {b_beta1_neg, "beta1"},
+               {b_beta1_nan, "beta1"},
+               {b_beta2_one, "beta2"},
+               {b_beta2_nan, "beta2"},
+               {b_eps_zero, "eps"},
+               {b_eps_nan, "eps"},
+               {b_wd_neg, "weight_decay"},
+               {b_wd_nan, "weight_decay"},
+               {b_clip_neg, "max_grad_norm"},
+               {b_clip_nan, "max_grad_norm"},
+               {b_avg, "grad_average"},
+               {b_skip, "skip_nonfinite"},
+               {b_sr, "stochastic_rounding"},
+               {b_ls_neg, "loss_scale"},
+               {b_ls_nan, "loss_scale"},
+               {b_ls_inf, "loss_scale"},
+               {b_init_zero, "init_loss_scale"},
+               {b_init_nan, "init_loss_scale"},
+               {b_window, "scale_window"},
+               {b_min_zero, "min_loss_scale"},
+               {b_min_nan, "min_loss_scale"},
+               {b_min_gt_init, "min_loss_scale"},
+               {b_size, "struct_size"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     sg_config c;
     sg_config_init(&c, sizeof c);
@@ -266,9 +315,19 @@ static void test_config_check(void) {
         "'%s'", sg_last_error());
   /* Edge values that are legal. */
   sg_config_init(&c, sizeof c);
-  c.lr = 0.0f; c.beta1 = 0.0f; c.beta2 = 0.0f; c.weight_decay = 0.0f; c.staging_buckets = 64;
-  c.grad_dtype = SG_BF16; c.bucket_bytes = 128; c.accum_dtype = SG_BF16; c.timeout_ms = 0;
-  c.strategy = SG_NO_SHARD; c.device = SG_DEVICE_CUDA; c.cuda_device = 3; c.scale_window = 1;
+  c.lr = 0.0f;
+  c.beta1 = 0.0f;
+  c.beta2 = 0.0f;
+  c.weight_decay = 0.0f;
+  c.staging_buckets = 64;
+  c.grad_dtype = SG_BF16;
+  c.bucket_bytes = 128;
+  c.accum_dtype = SG_BF16;
+  c.timeout_ms = 0;
+  c.strategy = SG_NO_SHARD;
+  c.device = SG_DEVICE_CUDA;
+  c.cuda_device = 3;
+  c.scale_window = 1;
   CHECK(sg__config_check(&c, "f") == SG_OK, "edge values accepted: %s", sg_last_error());
 }
 
@@ -390,7 +449,8 @@ static void test_logging(void) {
   for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
   snprintf(path, sizeof path, "%s/rank_7.log", g_dir);
   CHECK(file_text(path, buf, sizeof buf) > 0, "rank 7 file exists");
-  CHECK(count_lines(buf, "shardgrad[7] DEBUG test_core.c:") == 800, "800 whole lines from 4 threads");
+  CHECK(count_lines(buf, "shardgrad[7] DEBUG test_core.c:") == 800,
+        "800 whole lines from 4 threads");
   const char *names[] = {"rank_3.log", "rank_7.log", "default_1.log", "stderr.txt"};
   for (int i = 0; i < 4; i++) {
     snprintf(path, sizeof path, "%s/%s", g_dir, names[i]);

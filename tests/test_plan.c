@@ -15,18 +15,18 @@
 
 static int g_pass, g_fail;
 
-#define CHECK(cond, ...)                                                                       \
-  do {                                                                                         \
-    if (cond) {                                                                                \
-      g_pass++;                                                                                \
-    } else {                                                                                   \
-      g_fail++;                                                                                \
-      if (g_fail <= 30) {                                                                      \
-        printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                                 \
-        printf(__VA_ARGS__);                                                                   \
-        printf("\n");                                                                          \
-      }                                                                                        \
-    }                                                                                          \
+#define CHECK(cond, ...)                                       \
+  do {                                                         \
+    if (cond) {                                                \
+      g_pass++;                                                \
+    } else {                                                   \
+      g_fail++;                                                \
+      if (g_fail <= 30) {                                      \
+        printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+        printf(__VA_ARGS__);                                   \
+        printf("\n");                                          \
+      }                                                        \
+    }                                                          \
   } while (0)
 
 /* splitmix64: small, seedable, identical everywhere */
@@ -112,10 +112,12 @@ static void check_buckets(const testcase *t, const sg__plan *p) {
             p->order[k], pp->offset, start + want);
       /* Every param after the first fits inside the target size. */
       if (k > bk->first_param)
-        CHECK(want + pp->numel <= p->bucket_elems, "bucket %d overfilled by param %d", b, p->order[k]);
+        CHECK(want + pp->numel <= p->bucket_elems, "bucket %d overfilled by param %d", b,
+              p->order[k]);
       rel = want + pp->numel;
     }
-    CHECK(bk->numel == align_up(rel, unit), "bucket %d padding: numel %zu used %zu", b, bk->numel, rel);
+    CHECK(bk->numel == align_up(rel, unit), "bucket %d padding: numel %zu used %zu", b, bk->numel,
+          rel);
     /* The next bucket exists only because its first param would not fit in this one. */
     if (b + 1 < p->nbuckets) {
       size_t nxt = p->params[p->order[first + bk->param_count]].numel;
@@ -143,7 +145,9 @@ static void check_params(const testcase *t, const sg__plan *p) {
   CHECK(ok_fields, "params[]: numel, flags, order, 64-aligned offset");
 }
 
-typedef struct span { size_t lo, len; } span;
+typedef struct span {
+  size_t lo, len;
+} span;
 static int span_cmp(const void *a, const void *b) {
   size_t x = ((const span *)a)->lo, y = ((const span *)b)->lo;
   return x < y ? -1 : x > y;
@@ -201,14 +205,17 @@ static void check_shards(const testcase *t, const sg__plan *p, span *tmp) {
         "padding: owned %zu of %zu elements", owned_all, numel_all);
 }
 
-static size_t frag_capacity(const testcase *t) { return (size_t)t->n + (size_t)t->n * (size_t)t->world; }
+static size_t frag_capacity(const testcase *t) {
+  return (size_t)t->n + (size_t)t->n * (size_t)t->world;
+}
 
 static void check_plan(const testcase *t, const sg__plan *p) {
   size_t W = (size_t)t->world;
   check_params(t, p);
   check_buckets(t, p);
   size_t nfr = p->frag_index[(size_t)t->n * W];
-  CHECK(p->frag_index[0] == 0 && nfr >= (size_t)t->n && nfr <= frag_capacity(t), "frag count %zu", nfr);
+  CHECK(p->frag_index[0] == 0 && nfr >= (size_t)t->n && nfr <= frag_capacity(t), "frag count %zu",
+        nfr);
   span *tmp = malloc((nfr + 1) * sizeof *tmp);
   int ok = 1;
   for (int id = 0; id < t->n && ok; id++) ok = check_param_frags(p, id, tmp);
@@ -248,8 +255,8 @@ static int plans_equal(const sg__plan *a, const sg__plan *b) {
 
 static sg__plan *build(const testcase *t) {
   sg__plan *p = NULL;
-  sg_status st = sg__plan_build(t->in, t->n, t->world, t->elem_bytes, t->bucket_bytes,
-                                t->cfg_hash, &p);
+  sg_status st =
+      sg__plan_build(t->in, t->n, t->world, t->elem_bytes, t->bucket_bytes, t->cfg_hash, &p);
   CHECK(st == SG_OK && p, "build n=%d W=%d elem=%zu bucket=%zu: %s %s", t->n, t->world,
         t->elem_bytes, t->bucket_bytes, sg_status_string(st), sg_last_error());
   return st == SG_OK ? p : NULL;
@@ -342,8 +349,8 @@ static void test_known(void) {
   sg__plan_free(q);
 }
 
-static void expect_bad(const sg__plan_input *in, int n, int w, size_t eb, size_t bb,
-                       sg_status want, const char *what) {
+static void expect_bad(const sg__plan_input *in, int n, int w, size_t eb, size_t bb, sg_status want,
+                       const char *what) {
   sg__plan *p = (sg__plan *)&p; /* must come back NULL */
   sg__err_clear();
   sg_status st = sg__plan_build(in, n, w, eb, bb, 0, &p);
@@ -442,8 +449,10 @@ static void test_large(void) {
 int main(int argc, char **argv) {
   const char *env = getenv("SG_TEST_SEED");
   uint64_t seed = 20240611;
-  if (argc > 1) seed = strtoull(argv[1], NULL, 0);
-  else if (env && env[0]) seed = strtoull(env, NULL, 0);
+  if (argc > 1)
+    seed = strtoull(argv[1], NULL, 0);
+  else if (env && env[0])
+    seed = strtoull(env, NULL, 0);
   g_rng = seed;
   printf("test_plan seed %" PRIu64 " (rerun: test_plan %" PRIu64 ")\n", seed, seed);
   test_known();

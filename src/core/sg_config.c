@@ -9,7 +9,9 @@
  * header passes a smaller struct_size; the bytes it does not cover take the defaults. */
 #define SG__CONFIG_V1_SIZE sizeof(sg_config)
 
-static int sg__config_size_ok(size_t n) { return n >= SG__CONFIG_V1_SIZE && n <= sizeof(sg_config); }
+static int sg__config_size_ok(size_t n) {
+  return n >= SG__CONFIG_V1_SIZE && n <= sizeof(sg_config);
+}
 
 static void sg__config_defaults(sg_config *c) {
   memset(c, 0, sizeof *c); /* padding too: configs are hashed and compared bytewise */
@@ -91,15 +93,16 @@ static sg_status sg__check_bool(const char *fn, const char *field, int v) {
 
 static sg_status sg__check_dtype(const char *fn, const char *field, int v) {
   if (sg__dtype_valid(v)) return SG_OK;
-  return sg__err(SG_ERR_INVALID_ARGUMENT,
-                 "%s: cfg->%s must be SG_F32, SG_BF16 or SG_F16 (got %d)", fn, field, v);
+  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->%s must be SG_F32, SG_BF16 or SG_F16 (got %d)",
+                 fn, field, v);
 }
 
 static sg_status sg__config_check_enums(const sg_config *c, const char *fn) {
   if (c->strategy != SG_NO_SHARD && c->strategy != SG_SHARD_OPT && c->strategy != SG_SHARD_GRAD_OP)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->strategy must be SG_NO_SHARD, SG_SHARD_OPT or SG_SHARD_GRAD_OP "
-                   "(got %d)", fn, (int)c->strategy);
+                   "(got %d)",
+                   fn, (int)c->strategy);
   if (c->device != SG_DEVICE_CPU && c->device != SG_DEVICE_CUDA)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->device must be SG_DEVICE_CPU or SG_DEVICE_CUDA (got %d)", fn,
@@ -121,8 +124,8 @@ static sg_status sg__config_check_sizes(const sg_config *c, const char *fn) {
   size_t min_bytes = 64 * sg__dtype_size(c->grad_dtype);
   if (c->bucket_bytes < min_bytes)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->bucket_bytes must be >= %zu (64 %s elements) (got %zu)", fn,
-                   min_bytes, sg__dtype_name(c->grad_dtype), c->bucket_bytes);
+                   "%s: cfg->bucket_bytes must be >= %zu (64 %s elements) (got %zu)", fn, min_bytes,
+                   sg__dtype_name(c->grad_dtype), c->bucket_bytes);
   if (c->staging_buckets < 1 || c->staging_buckets > 64)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->staging_buckets must be in 1..64 (got %d)",
                    fn, c->staging_buckets);

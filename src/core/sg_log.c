@@ -133,8 +133,8 @@ void sg__log(sg__log_level lvl, int rank, const char *file, int line, const char
   /* One fprintf per line under the mutex: lines of concurrent ranks never interleave. */
   pthread_mutex_lock(&sg__log_mu);
   FILE *f = sg__log_stream(rank);
-  fprintf(f, "shardgrad[%s] %s %s:%d: %s\n", rs, sg__log_level_name(lvl),
-          sg__log_basename(file), line, msg);
+  fprintf(f, "shardgrad[%s] %s %s:%d: %s\n", rs, sg__log_level_name(lvl), sg__log_basename(file),
+          line, msg);
   fflush(f);
   pthread_mutex_unlock(&sg__log_mu);
 }

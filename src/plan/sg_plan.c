@@ -63,15 +63,16 @@ static sg_status sg__plan_alloc(sg__plan *p, int nparams, int world) {
   p->frag_index = calloc(n * (size_t)world + 1, sizeof *p->frag_index);
   if (!p->params || !p->order || !p->buckets || !p->param_hash || !p->frag_index)
     return sg__err(SG_ERR_OUT_OF_MEMORY,
-                   "sg__plan_build: cannot allocate the plan tables (%d params, world %d)",
-                   nparams, world);
+                   "sg__plan_build: cannot allocate the plan tables (%d params, world %d)", nparams,
+                   world);
   return SG_OK;
 }
 
 static sg_status sg__plan_too_big(const sg__plan_input *in, int id) {
   return sg__err(SG_ERR_INVALID_ARGUMENT,
                  "sg__plan_build: the flat buffer would exceed the address space "
-                 "(param %d '%s', numel %zu)", id, in->name ? in->name : "", in->numel);
+                 "(param %d '%s', numel %zu)",
+                 id, in->name ? in->name : "", in->numel);
 }
 
 /* Closes bucket b: pads its used length to a multiple of 64*W and places it after b-1. */
@@ -98,8 +99,8 @@ static sg_status sg__plan_layout(sg__plan *p, const sg__plan_input *in) {
     size_t off, end;
     if (!sg__align_ok(used, SG_PLAN_ALIGN, &off)) return sg__plan_too_big(&in[id], id);
     /* A param that would overflow a non-empty bucket starts the next one. */
-    if (p->buckets[b].param_count > 0 && (off >= p->bucket_elems ||
-                                          in[id].numel > p->bucket_elems - off)) {
+    if (p->buckets[b].param_count > 0 &&
+        (off >= p->bucket_elems || in[id].numel > p->bucket_elems - off)) {
       if (!sg__plan_close_bucket(p, b, used, &start)) return sg__plan_too_big(&in[id], id);
       b++;
       p->buckets[b].first_param = k;
@@ -122,7 +123,8 @@ static sg_status sg__plan_layout(sg__plan *p, const sg__plan_input *in) {
   p->shard_numel = start / (size_t)p->world;
   /* Engines allocate fp32 copies of the flat buffer: keep total*8 bytes representable. */
   if (p->total_numel > SIZE_MAX / 8) return sg__plan_too_big(&in[0], 0);
-  for (int id = 0; id < p->nparams; id++) p->params[id].offset += p->buckets[p->params[id].bucket].start;
+  for (int id = 0; id < p->nparams; id++)
+    p->params[id].offset += p->buckets[p->params[id].bucket].start;
   return SG_OK;
 }
 
