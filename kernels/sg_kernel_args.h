@@ -13,6 +13,9 @@ typedef struct sg__seg {
   size_t flat_off;  /* index into the full working-parameter buffer (and stochastic rounding) */
   size_t len;
   int decay;        /* 1: apply decay_factor; 0: SG_PARAM_NO_DECAY */
+  uint64_t sr_index;/* stochastic rounding counter of the first element: (param id << 40) +
+                       offset inside the parameter, so the random bits do not depend on W or on
+                       the padding of the layout (flat_off does) */
 } sg__seg;
 
 /* One fused AdamW update over a rank's shard (DESIGN.md section 5). All math in fp32.
@@ -43,7 +46,7 @@ typedef struct sg__adamw_args {
   float bc2_sqrt;           /* (float)sqrt(1 - beta2^t) in double */
   float eps;
   int stochastic_rounding;  /* bf16 params only */
-  uint64_t seed;            /* stochastic rounding: hash of (seed, step, flat index) */
+  uint64_t seed;            /* stochastic rounding: hash of (seed, step, sr_index + i) */
   uint64_t step;
 } sg__adamw_args;
 

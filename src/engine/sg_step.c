@@ -12,8 +12,10 @@
 static sg_status push_seg(sg_engine *e, int *cap, sg__seg s) {
   if (e->nsegs > 0) {
     sg__seg *last = &e->segs[e->nsegs - 1];
+    /* With stochastic rounding each parameter keeps its own counter base. */
     if (last->decay == s.decay && last->shard_off + last->len == s.shard_off &&
-        last->flat_off + last->len == s.flat_off) {
+        last->flat_off + last->len == s.flat_off &&
+        (!e->cfg.stochastic_rounding || last->sr_index + last->len == s.sr_index)) {
       last->len += s.len;
       return SG_OK;
     }
@@ -44,7 +46,8 @@ sg_status sg__step_build_segments(sg_engine *e) {
       const size_t a = p->params[id].offset, z = a + p->params[id].numel;
       const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
       if (x0 >= x1) continue;
-      sg__seg s = {base + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY)};
+      sg__seg s = {base + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
+                   ((uint64_t)id << 40) + (x0 - a)};
       SG_TRY(push_seg(e, &cap, s));
     }
   }

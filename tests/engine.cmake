@@ -1,0 +1,9 @@
+# Engine at W ranks against one rank on the combined batch (local threads and MPI).
+sg_add_test(test_engine_w2 SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_engine.c ARGS --local 2 LABELS local TIMEOUT 600)
+foreach(w 3 4)
+  add_test(NAME test_engine_w${w} COMMAND test_engine_w2 --local ${w})
+  set_tests_properties(test_engine_w${w} PROPERTIES TIMEOUT 600 LABELS local)
+endforeach()
+foreach(np 2 3 4)
+  sg_add_mpi_test(test_engine_mpi_np${np} EXE test_engine_w2 NP ${np} ARGS --mpi --quick TIMEOUT 600)
+endforeach()

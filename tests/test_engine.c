@@ -1,0 +1,376 @@
+/* The engine at W ranks against one rank on the combined batch (DESIGN.md section 9).
+ *
+ * Gradients are small multiples of 1/8 (|g| <= 2/8), so sums over up to 4 ranks and 3
+ * micro-batches are exact in f32, bf16 and f16: for W = 2 and 4 (the 1/W average is then exact)
+ * the parameters, master weights and moments must be bitwise equal to the single-rank run fed
+ * with sum_r g_r / W. For W = 3 and for random gradients the tolerance is stated per check.
+ *
+ * Usage: test_engine --local W   (ranks as threads; W in 2..4, or 0 for all of 2, 3, 4)
+ *        test_engine --mpi       (one rank per process under mpirun)
+ *        add --quick for a smaller matrix. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../kernels/sg_elem.h" /* dtype conversions for the test's own gradients */
+#include "shardgrad.h"
+
+static int g_pass, g_fail;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define CHECK(cond, ...)                                                                         \
+  do {                                                                                           \
+    pthread_mutex_lock(&g_lock);                                                                 \
+    if (cond) g_pass++;                                                                          \
+    else {                                                                                       \
+      g_fail++;                                                                                  \
+      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                \
+      printf(__VA_ARGS__);                                                                       \
+      printf("\n");                                                                              \
+    }                                                                                            \
+    pthread_mutex_unlock(&g_lock);                                                               \
+  } while (0)
+
+static const size_t k_sizes[] = {1, 63, 64, 65, 1000, 4097, 100003, 300000};
+#define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
+#define BUCKET_BYTES (256u * 1024u)
+
+typedef struct {
+  sg_strategy strategy;
+  sg_dtype pdt, gdt, adt;
+  int mb;          /* micro-batches per step */
+  int nosync;      /* sg_set_sync(0) for all but the last micro-batch */
+  int random;      /* random gradients (tolerance) instead of exact ones */
+  int shuffle;     /* gradients in random order, one staging bucket */
+  float clip;
+  int steps;
+} tcase;
+
+typedef struct {
+  float *param[NP], *master[NP], *m[NP], *v[NP];
+  float norm[8];
+  int ok;
+} result;
+
+/* ---------------------------------------------------------------------------------------- */
+
+static uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+/* Gradient of element i of param p for (rank, step, micro-batch). */
+static float grad_val(const tcase *tc, int rank, int step, int k, int p, size_t i) {
+  uint64_t h = mix(((uint64_t)rank << 56) ^ ((uint64_t)step << 48) ^ ((uint64_t)k << 40) ^
+                   ((uint64_t)p << 32) ^ i);
+  if (tc->random) return (float)((double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0) * 0.01f;
+  return (float)((int)(h % 5) - 2) * 0.125f;
+}
+
+static float init_val(int p, size_t i) {
+  return (float)sin(0.37 * (double)i + (double)p) * 0.5f;
+}
+
+static void store(void *dst, int dtype, size_t i, float x) { sg_elem_store(dst, dtype, i, x); }
+
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+  const tcase *tc;
+  sg_comm *comm;
+  int world;  /* world of the run being fed; 1 for the reference */
+  int feed_w; /* number of ranks whose gradients are combined (reference: W) */
+  result *res;
+  char err[512];
+} run_arg;
+
+static sg_status setup(const tcase *tc, sg_comm *comm, sg_engine **out, int *ids) {
+  sg_config cfg;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (st) return st;
+  cfg.strategy = tc->strategy;
+  cfg.param_dtype = tc->pdt;
+  cfg.grad_dtype = tc->gdt;
+  cfg.reduce_dtype = tc->gdt;
+  cfg.accum_dtype = tc->adt;
+  cfg.bucket_bytes = BUCKET_BYTES;
+  cfg.staging_buckets = tc->shuffle ? 1 : 2;
+  cfg.max_grad_norm = tc->clip;
+  cfg.lr = 0.01f;
+  cfg.timeout_ms = 60000;
+  cfg.loss_scale = 1.0f; /* static: the test's gradients are not scaled */
+  if ((st = sg_engine_create(comm, &cfg, out))) return st;
+  for (int p = 0; p < NP; p++) {
+    char name[32];
+    snprintf(name, sizeof name, "layer%d.%s", p, p % 3 == 1 ? "bias" : "weight");
+    if ((st = sg_add_param(*out, name, k_sizes[p], p % 3 == 1 ? SG_PARAM_NO_DECAY : 0, &ids[p])))
+      return st;
+  }
+  if ((st = sg_finalize(*out))) return st;
+  float *buf = malloc(k_sizes[NP - 1] * sizeof *buf);
+  for (int p = 0; p < NP && !st; p++) {
+    for (size_t i = 0; i < k_sizes[p]; i++) buf[i] = init_val(p, i);
+    st = sg_set_param(*out, ids[p], buf, SG_F32);
+  }
+  free(buf);
+  return st;
+}
+
+/* Writes this rank's gradient (or, for the reference, the average over feed_w ranks). */
+static sg_status write_grad(run_arg *a, sg_engine *e, int id, int p, int step, int k) {
+  void *g = NULL;
+  sg_status st = sg_grad_ptr(e, id, &g);
+  if (st) return st;
+  const int rank = sg_comm_rank(a->comm);
+  for (size_t i = 0; i < k_sizes[p]; i++) {
+    double v = 0;
+    if (a->world == 1)
+      for (int r = 0; r < a->feed_w; r++) v += grad_val(a->tc, r, step, k, p, i);
+    else
+      v = grad_val(a->tc, rank, step, k, p, i);
+    store(g, a->tc->gdt, i, (float)(a->world == 1 ? v / a->feed_w : v));
+  }
+  return sg_grad_ready(e, id);
+}
+
+static void order_for(const tcase *tc, int step, int k, int rank, int *order) {
+  for (int p = 0; p < NP; p++) order[p] = NP - 1 - p; /* backward order */
+  if (!tc->shuffle) return;
+  uint64_t s = mix((uint64_t)step * 131 + (uint64_t)k * 7 + (uint64_t)rank);
+  for (int p = NP - 1; p > 0; p--) {
+    s = mix(s);
+    int q = (int)(s % (uint64_t)(p + 1));
+    int t = order[p];
+    order[p] = order[q];
+    order[q] = t;
+  }
+}
+
+static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
+  const tcase *tc = a->tc;
+  sg_status st = SG_OK;
+  for (int step = 0; step < tc->steps && !st; step++) {
+    for (int k = 0; k < tc->mb && !st; k++) {
+      if (tc->nosync && (st = sg_set_sync(e, k == tc->mb - 1))) break;
+      int order[NP];
+      order_for(tc, step, k, sg_comm_rank(a->comm), order);
+      for (int j = 0; j < NP && !st; j++) st = write_grad(a, e, ids[order[j]], order[j], step, k);
+    }
+    sg_step_info info = {sizeof info};
+    if (!st) st = sg_step(e, &info);
+    if (!st) a->res->norm[step] = info.grad_norm;
+  }
+  return st;
+}
+
+static sg_status collect(run_arg *a, sg_engine *e, const int *ids) {
+  sg_status st = SG_OK;
+  for (int p = 0; p < NP && !st; p++) {
+    const size_t n = k_sizes[p];
+    result *r = a->res;
+    r->param[p] = malloc(n * 4);
+    r->master[p] = malloc(n * 4);
+    r->m[p] = malloc(n * 4);
+    r->v[p] = malloc(n * 4);
+    st = sg_get_param(e, ids[p], r->param[p], SG_F32);
+    if (!st) st = sg_get_master(e, ids[p], r->master[p]);
+    if (!st) st = sg_get_optim_state(e, ids[p], 0, r->m[p]);
+    if (!st) st = sg_get_optim_state(e, ids[p], 1, r->v[p]);
+  }
+  return st;
+}
+
+static void *run_thread(void *arg) {
+  run_arg *a = arg;
+  sg_engine *e = NULL;
+  int ids[NP];
+  sg_status st = setup(a->tc, a->comm, &e, ids);
+  if (!st) st = train(a, e, ids);
+  if (!st) st = collect(a, e, ids);
+  a->res->ok = st == SG_OK;
+  if (st) snprintf(a->err, sizeof a->err, "%s: %s", sg_status_string(st), sg_last_error());
+  sg_engine_destroy(e);
+  return NULL;
+}
+
+static void free_result(result *r) {
+  for (int p = 0; p < NP; p++) {
+    free(r->param[p]);
+    free(r->master[p]);
+    free(r->m[p]);
+    free(r->v[p]);
+  }
+  memset(r, 0, sizeof *r);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* comparison                                                                                */
+
+static double max_rel(const float *a, const float *b, size_t n, size_t *bad_i) {
+  double worst = 0;
+  for (size_t i = 0; i < n; i++) {
+    double d = fabs((double)a[i] - (double)b[i]) / (fabs((double)b[i]) + 1e-3);
+    if (d > worst || (isnan(a[i]) != isnan(b[i]))) {
+      worst = isnan(a[i]) != isnan(b[i]) ? INFINITY : d;
+      *bad_i = i;
+    }
+  }
+  return worst;
+}
+
+static const char *sname(sg_strategy s) {
+  return s == SG_NO_SHARD ? "NO_SHARD" : s == SG_SHARD_OPT ? "SHARD_OPT" : "SHARD_GRAD_OP";
+}
+static const char *dname(sg_dtype d) { return d == SG_F32 ? "f32" : d == SG_BF16 ? "bf16" : "f16"; }
+
+/* Bitwise when exact is set, else relative difference (|a-b| / (|b| + 1e-3)) <= tol. */
+static void compare(const char *what, const tcase *tc, int w, int rank, float *const *got,
+                    float *const *ref, int exact, double tol) {
+  for (int p = 0; p < NP; p++) {
+    size_t n = k_sizes[p], bad = 0;
+    if (exact) {
+      int same = memcmp(got[p], ref[p], n * 4) == 0;
+      if (!same) max_rel(got[p], ref[p], n, &bad);
+      CHECK(same, "%s W=%d rank %d %s p%s g%s mb%d%s%s%s: %s of param %d (numel %zu) differs at %zu: "
+            "%.9g vs %.9g", sname(tc->strategy), w, rank, "bitwise", dname(tc->pdt),
+            dname(tc->gdt), tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
+            tc->adt == SG_BF16 ? " accum-bf16" : "", what, p, n, bad, got[p][bad], ref[p][bad]);
+    } else {
+      double d = max_rel(got[p], ref[p], n, &bad);
+      CHECK(d <= tol, "%s W=%d rank %d p%s g%s mb%d: %s of param %d differs by %.3g > %.3g at %zu",
+            sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt), tc->mb, what, p, d, tol,
+            bad);
+    }
+  }
+}
+
+static void compare_result(const tcase *tc, int w, int rank, const result *got, const result *ref) {
+  const int exact = !tc->random && (w == 2 || w == 4);
+  /* W=3: 1/3 is inexact, so the averaged gradient differs by an ulp; AdamW's normalisation
+   * keeps the relative effect small. Random gradients: sums in a different order. */
+  const double tol = tc->pdt == SG_F32 ? 2e-4 : 1.6e-2;
+  compare("param", tc, w, rank, got->param, ref->param, exact, tol);
+  compare("master", tc, w, rank, got->master, ref->master, exact, tol);
+  compare("m", tc, w, rank, got->m, ref->m, exact, exact ? 0 : 1e-3);
+  compare("v", tc, w, rank, got->v, ref->v, exact, exact ? 0 : 1e-3);
+  for (int s = 0; s < tc->steps; s++) {
+    const double d = fabs((double)got->norm[s] - (double)ref->norm[s]) / ((double)ref->norm[s] + 1e-12);
+    CHECK(exact ? got->norm[s] == ref->norm[s] : d < 1e-5, "%s W=%d grad_norm step %d: %.9g vs %.9g",
+          sname(tc->strategy), w, s, got->norm[s], ref->norm[s]);
+  }
+}
+
+static int run_reference(const tcase *tc, int feed_w, result *ref) {
+  sg_comm *c = NULL;
+  if (sg_comm_create_local(1, &c)) return 0;
+  run_arg a = {tc, c, 1, feed_w, ref, ""};
+  run_thread(&a);
+  CHECK(ref->ok, "reference run failed: %s", a.err);
+  sg_comm_destroy(c);
+  return ref->ok;
+}
+
+static void run_local(const tcase *tc, int w) {
+  result ref = {0}, res[4] = {{0}};
+  if (!run_reference(tc, w, &ref)) return;
+  sg_comm *comms[4];
+  sg_status st = sg_comm_create_local(w, comms);
+  CHECK(st == SG_OK, "sg_comm_create_local(%d): %s", w, sg_last_error());
+  if (st) return;
+  pthread_t th[4];
+  run_arg args[4];
+  for (int r = 0; r < w; r++) {
+    args[r] = (run_arg){tc, comms[r], w, w, &res[r], ""};
+    pthread_create(&th[r], NULL, run_thread, &args[r]);
+  }
+  for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < w; r++) {
+    CHECK(res[r].ok, "%s W=%d rank %d failed: %s", sname(tc->strategy), w, r, args[r].err);
+    if (res[r].ok) compare_result(tc, w, r, &res[r], &ref);
+    if (res[r].ok && r > 0)
+      for (int p = 0; p < NP; p++)
+        CHECK(memcmp(res[r].param[p], res[0].param[p], k_sizes[p] * 4) == 0,
+              "W=%d: working params of rank %d differ from rank 0 (param %d)", w, r, p);
+  }
+  for (int r = 0; r < w; r++) {
+    free_result(&res[r]);
+    sg_comm_destroy(comms[r]);
+  }
+  free_result(&ref);
+}
+
+#ifdef SG_HAVE_MPI
+static void run_mpi(const tcase *tc, sg_comm *comm) {
+  const int w = sg_comm_size(comm), rank = sg_comm_rank(comm);
+  result ref = {0}, res = {0};
+  if (!run_reference(tc, w, &ref)) return;
+  run_arg a = {tc, comm, w, w, &res, ""};
+  run_thread(&a);
+  CHECK(res.ok, "%s W=%d rank %d failed: %s", sname(tc->strategy), w, rank, a.err);
+  if (res.ok) compare_result(tc, w, rank, &res, &ref);
+  free_result(&res);
+  free_result(&ref);
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+
+static int make_cases(tcase *out, int quick) {
+  int n = 0;
+  const sg_strategy strategies[] = {SG_NO_SHARD, SG_SHARD_OPT, SG_SHARD_GRAD_OP};
+  const sg_dtype dts[] = {SG_F32, SG_BF16, SG_F16};
+  for (int s = 0; s < 3; s++)
+    for (int d = 0; d < 3; d++)
+      for (int mb = 1; mb <= 3; mb += 2)
+        for (int ns = 0; ns <= (mb > 1); ns++) {
+          if (quick && (d == 2 || ns)) continue;
+          out[n++] = (tcase){strategies[s], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3};
+        }
+  /* clipping, bf16 accumulator, shuffled order with one staging bucket, random gradients */
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3};
+  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3};
+  return n;
+}
+
+int main(int argc, char **argv) {
+  int local_w = -1, use_mpi = 0, quick = 0;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--local") && i + 1 < argc) local_w = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--mpi")) use_mpi = 1;
+    else if (!strcmp(argv[i], "--quick")) quick = 1;
+  }
+  if (local_w < 0 && !use_mpi) local_w = 0;
+  tcase cases[64];
+  const int nc = make_cases(cases, quick);
+  int rank = 0;
+  if (use_mpi) {
+#ifdef SG_HAVE_MPI
+    sg_comm *comm = NULL;
+    sg_status st = sg_comm_create_mpi(NULL, &comm);
+    CHECK(st == SG_OK, "sg_comm_create_mpi: %s", sg_last_error());
+    if (st) return 1;
+    rank = sg_comm_rank(comm);
+    for (int c = 0; c < nc; c++) run_mpi(&cases[c], comm);
+    sg_comm_destroy(comm);
+#else
+    printf("built without MPI\n");
+    return 1;
+#endif
+  } else {
+    for (int c = 0; c < nc; c++)
+      for (int w = 2; w <= 4; w++)
+        if (local_w == 0 || local_w == w) run_local(&cases[c], w);
+  }
+  if (rank == 0 || g_fail) printf("%s%d passed, %d failed\n", use_mpi ? "rank check: " : "", g_pass, g_fail);
+  return g_fail != 0;
+}
