@@ -1,0 +1,373 @@
+/* CPU loops over the element math of kernels/sg_elem.h.
+ *
+ * Shape of every loop: the dtype is chosen once per call (or per tile), and the inner loop is
+ * a plain indexed loop over restrict pointers that gcc vectorizes. Conversions between dtypes
+ * go through a small fp32 tile that stays in L1. Large calls are split across OpenMP threads
+ * on fixed boundaries; each element's result depends only on its own inputs, and the one
+ * reduction (sumsq) combines fixed blocks in block order, so no result depends on the thread
+ * count. */
+/* Build note: gcc vectorizes the AdamW loop only with -fno-math-errno (otherwise every sqrtf
+ * may be a libm call that sets errno). That flag changes no result: the sqrt instruction is
+ * correctly rounded either way and the library never reads errno. It is not fast-math. */
+#include "sg_cpu_kernels.h"
+
+#include <string.h> /* memcpy, memset */
+
+#include "../sg_elem.h" /* element math and conversions */
+
+/* OpenMP threads only for large calls (a parallel region costs a few microseconds). TSan does
+ * not see libgomp's internal synchronisation, so sanitizer builds run the loops on one thread
+ * rather than report races that are not there. */
+#if defined(_OPENMP) && !defined(__SANITIZE_THREAD__)
+#include <omp.h>
+#define SG_CPU_OMP 1
+#endif
+#define SG_CPU_PAR_MIN ((size_t)65536)
+#define SG_CPU_TILE ((size_t)2048)        /* fp32 tile of the conversion loops: 8 KiB */
+#define SG_CPU_SUMSQ_BLOCK ((size_t)16384) /* fixed partition of sumsq */
+#define SG_CPU_SUMSQ_GROUP 256            /* blocks whose partials are held at once */
+#define SG_CPU_LANES 8                    /* independent accumulators inside a sumsq block */
+
+#if defined(__GNUC__)
+#define SG_CPU_INLINE static inline __attribute__((always_inline))
+#else
+#define SG_CPU_INLINE static inline
+#endif
+
+/* ---- tiles: one dtype <-> fp32 ----------------------------------------------------------- */
+
+static void load_tile(float *restrict t, const void *src, int dtype, size_t off, size_t n) {
+  if (dtype == 1) {
+    const uint16_t *restrict s = (const uint16_t *)src + off;
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_bf16_to_f32(s[i]);
+  } else if (dtype == 2) {
+    const uint16_t *restrict s = (const uint16_t *)src + off;
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_f16_to_f32(s[i]);
+  } else {
+    memcpy(t, (const float *)src + off, n * sizeof(float));
+  }
+}
+
+static void store_tile(void *dst, int dtype, size_t off, const float *restrict t, size_t n) {
+  if (dtype == 1) {
+    uint16_t *restrict d = (uint16_t *)dst + off;
+    for (size_t i = 0; i < n; i++) d[i] = sg_elem_f32_to_bf16(t[i]);
+  } else if (dtype == 2) {
+    uint16_t *restrict d = (uint16_t *)dst + off;
+    for (size_t i = 0; i < n; i++) d[i] = sg_elem_f32_to_f16(t[i]);
+  } else {
+    memcpy((float *)dst + off, t, n * sizeof(float));
+  }
+}
+
+/* t[i] += src[off+i] in fp32 */
+static void add_tile(float *restrict t, const void *src, int dtype, size_t off, size_t n) {
+  if (dtype == 1) {
+    const uint16_t *restrict s = (const uint16_t *)src + off;
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_accumulate(t[i], sg_elem_bf16_to_f32(s[i]));
+  } else if (dtype == 2) {
+    const uint16_t *restrict s = (const uint16_t *)src + off;
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_accumulate(t[i], sg_elem_f16_to_f32(s[i]));
+  } else {
+    const float *restrict s = (const float *)src + off;
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_accumulate(t[i], s[i]);
+  }
+}
+
+static size_t ntiles(size_t n) { return (n + SG_CPU_TILE - 1) / SG_CPU_TILE; }
+static size_t tile_len(size_t n, size_t k) {
+  size_t left = n - k * SG_CPU_TILE;
+  return left < SG_CPU_TILE ? left : SG_CPU_TILE;
+}
+
+/* ---- cast ---------------------------------------------------------------------------------- */
+
+static void cast_tile(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n,
+                      size_t k) {
+  float t[SG_CPU_TILE];
+  size_t off = k * SG_CPU_TILE, len = tile_len(n, k);
+  load_tile(t, src, src_dtype, off, len);
+  store_tile(dst, dst_dtype, off, t, len);
+}
+
+void sg__cpu_cast(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n) {
+  if (!dst || !src || n == 0) return;
+  if (dst_dtype == src_dtype) {
+    memcpy(dst, src, n * (dst_dtype == 0 ? 4u : 2u));
+    return;
+  }
+  const size_t nt = ntiles(n);
+#ifdef SG_CPU_OMP
+#pragma omp parallel for schedule(static) if (n >= SG_CPU_PAR_MIN)
+#endif
+  for (size_t k = 0; k < nt; k++) cast_tile(dst, dst_dtype, src, src_dtype, n, k);
+}
+
+/* ---- accumulate ------------------------------------------------------------------------- */
+
+static void accumulate_f32_f32(float *restrict acc, const float *restrict src, size_t n) {
+  for (size_t i = 0; i < n; i++) acc[i] = sg_elem_accumulate(acc[i], src[i]);
+}
+
+static void accumulate_tile(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n,
+                            size_t k) {
+  size_t off = k * SG_CPU_TILE, len = tile_len(n, k);
+  if (acc_dtype == 0 && src_dtype == 0) {
+    accumulate_f32_f32((float *)acc + off, (const float *)src + off, len);
+    return;
+  }
+  float t[SG_CPU_TILE];
+  load_tile(t, acc, acc_dtype, off, len);
+  add_tile(t, src, src_dtype, off, len);
+  store_tile(acc, acc_dtype, off, t, len);
+}
+
+void sg__cpu_accumulate(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n) {
+  if (!acc || !src || n == 0) return;
+  const size_t nt = ntiles(n);
+#ifdef SG_CPU_OMP
+#pragma omp parallel for schedule(static) if (n >= SG_CPU_PAR_MIN)
+#endif
+  for (size_t k = 0; k < nt; k++) accumulate_tile(acc, acc_dtype, src, src_dtype, n, k);
+}
+
+/* ---- reduce_sum / reduce_add ------------------------------------------------------------- */
+
+/* The whole tile is read from every source before dst is written, so dst may be any src. */
+static void reduce_tile_f32(void *dst, const void *const *srcs, int nsrc, int dtype, size_t n,
+                            size_t k) {
+  float t[SG_CPU_TILE];
+  size_t off = k * SG_CPU_TILE, len = tile_len(n, k);
+  load_tile(t, srcs[0], dtype, off, len);
+  for (int s = 1; s < nsrc; s++) add_tile(t, srcs[s], dtype, off, len);
+  store_tile(dst, dtype, off, t, len);
+}
+
+static void reduce_tile_f64(double *dst, const void *const *srcs, int nsrc, size_t n, size_t k) {
+  double t[SG_CPU_TILE];
+  size_t off = k * SG_CPU_TILE, len = tile_len(n, k);
+  memcpy(t, (const double *)srcs[0] + off, len * sizeof(double));
+  for (int s = 1; s < nsrc; s++) {
+    const double *restrict x = (const double *)srcs[s] + off;
+    for (size_t i = 0; i < len; i++) t[i] = t[i] + x[i];
+  }
+  memcpy(dst + off, t, len * sizeof(double));
+}
+
+void sg__cpu_reduce_sum(void *dst, const void *const *srcs, int nsrc, int dtype, size_t n) {
+  if (!dst || n == 0) return;
+  const size_t esize = dtype == 3 ? 8u : dtype == 0 ? 4u : 2u;
+  if (!srcs || nsrc <= 0) { /* the empty sum */
+    memset(dst, 0, n * esize);
+    return;
+  }
+  const size_t nt = ntiles(n);
+#ifdef SG_CPU_OMP
+#pragma omp parallel for schedule(static) if (n >= SG_CPU_PAR_MIN)
+#endif
+  for (size_t k = 0; k < nt; k++) {
+    if (dtype == 3)
+      reduce_tile_f64((double *)dst, srcs, nsrc, n, k);
+    else
+      reduce_tile_f32(dst, srcs, nsrc, dtype, n, k);
+  }
+}
+
+void sg__cpu_reduce_add(void *dst, const void *src, int dtype, size_t n) {
+  const void *srcs[2] = {dst, src};
+  if (!dst || !src) return;
+  sg__cpu_reduce_sum(dst, srcs, 2, dtype, n);
+}
+
+/* ---- sumsq --------------------------------------------------------------------------------- */
+
+/* Lane j of the block sums elements j, j+8, j+16...; lanes are added in a fixed tree. Each
+ * lane's sum is a fixed sequence of double additions, so the vectorized loop gives the same
+ * bits as the scalar definition. A square of a float is exact in double. */
+static double sumsq_lanes(const float *restrict x, size_t n) {
+  double acc[SG_CPU_LANES] = {0};
+  size_t i = 0;
+  for (; i + SG_CPU_LANES <= n; i += SG_CPU_LANES)
+    for (int j = 0; j < SG_CPU_LANES; j++) {
+      double d = (double)x[i + j];
+      acc[j] = acc[j] + d * d;
+    }
+  for (int j = 0; i < n; i++, j++) {
+    double d = (double)x[i];
+    acc[j] = acc[j] + d * d;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static double count_nonfinite(const float *restrict x, size_t n) {
+  size_t c = 0;
+  for (size_t i = 0; i < n; i++) c += !sg_elem_isfinite(x[i]);
+  return (double)c;
+}
+
+/* One block. The squares of finite floats sum to a finite double, so only a block whose sum
+ * is not finite can hold inf/NaN: that block is counted again (rare, and still in cache). */
+static void sumsq_block(const void *x, int dtype, size_t n, size_t b, double *ss, double *nf) {
+  size_t off = b * SG_CPU_SUMSQ_BLOCK;
+  size_t len = n - off < SG_CPU_SUMSQ_BLOCK ? n - off : SG_CPU_SUMSQ_BLOCK;
+  double s = 0.0, bad = 0.0;
+  if (dtype == 0) {
+    const float *f = (const float *)x + off;
+    s = sumsq_lanes(f, len);
+    if (s - s != 0.0) bad = count_nonfinite(f, len);
+  } else {
+    for (size_t t = 0; t < len; t += SG_CPU_TILE) {
+      float tile[SG_CPU_TILE];
+      size_t tl = len - t < SG_CPU_TILE ? len - t : SG_CPU_TILE;
+      load_tile(tile, x, dtype, off + t, tl);
+      double part = sumsq_lanes(tile, tl);
+      s = s + part;
+      if (part - part != 0.0) bad = bad + count_nonfinite(tile, tl);
+    }
+  }
+  *ss = s;
+  *nf = bad;
+}
+
+void sg__cpu_sumsq(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite) {
+  double total = 0.0, bad = 0.0;
+  const size_t nb = (n + SG_CPU_SUMSQ_BLOCK - 1) / SG_CPU_SUMSQ_BLOCK;
+  for (size_t g = 0; x && g < nb; g += SG_CPU_SUMSQ_GROUP) {
+    double ss[SG_CPU_SUMSQ_GROUP], nf[SG_CPU_SUMSQ_GROUP];
+    const size_t ng = nb - g < SG_CPU_SUMSQ_GROUP ? nb - g : SG_CPU_SUMSQ_GROUP;
+#ifdef SG_CPU_OMP
+#pragma omp parallel for schedule(static) if (n >= SG_CPU_PAR_MIN)
+#endif
+    for (size_t b = 0; b < ng; b++) sumsq_block(x, dtype, n, g + b, &ss[b], &nf[b]);
+    for (size_t b = 0; b < ng; b++) { /* block order: the same sum for any thread count */
+      total = total + ss[b];
+      bad = bad + nf[b];
+    }
+  }
+  if (sumsq) *sumsq = total;
+  if (nonfinite) *nonfinite = bad;
+}
+
+/* ---- AdamW --------------------------------------------------------------------------------- */
+
+/* Everything one specialised AdamW loop needs besides the pointers. */
+typedef struct adamw_ctx {
+  sg_elem_adamw_k k;
+  float grad_scale;
+  uint64_t seed, step;
+} adamw_ctx;
+
+/* One run of n elements. Always inlined with constant dtype arguments, so each call site
+ * below becomes its own loop without dtype tests inside; every branch on pdt/gdt/has_master/sr
+ * folds away. The pointers are already offset to the run's first element. */
+SG_CPU_INLINE void adamw_run(void *param, float *master, float *mom, float *var, const void *grad,
+                             size_t n, size_t flat_off, adamw_ctx c, const int pdt,
+                             const int gdt, const int has_master, const int sr) {
+  float *restrict pf = (float *)param;
+  uint16_t *restrict ph = (uint16_t *)param;
+  float *restrict mst = master;
+  float *restrict m = mom;
+  float *restrict v = var;
+  const float *restrict gf = (const float *)grad;
+  const uint16_t *restrict gh = (const uint16_t *)grad;
+  const sg_elem_adamw_k k = c.k;
+  const float scale = c.grad_scale;
+  for (size_t i = 0; i < n; i++) {
+    float g = gdt == 0 ? gf[i] : gdt == 1 ? sg_elem_bf16_to_f32(gh[i]) : sg_elem_f16_to_f32(gh[i]);
+    float p = has_master ? mst[i] : pf[i];
+    float mi = m[i], vi = v[i];
+    p = sg_elem_adamw(p, g * scale, &mi, &vi, k);
+    m[i] = mi;
+    v[i] = vi;
+    if (has_master) mst[i] = p;
+    if (pdt == 0)
+      pf[i] = p;
+    else if (pdt == 1 && sr)
+      ph[i] = sg_elem_f32_to_bf16_sr(p, sg_elem_hash64(c.seed, c.step, flat_off + i));
+    else if (pdt == 1)
+      ph[i] = sg_elem_f32_to_bf16(p);
+    else
+      ph[i] = sg_elem_f32_to_f16(p);
+  }
+}
+
+/* Picks the specialised loop for one run of a segment. The common cases (f32 or bf16 grads;
+ * f32 params without master, bf16/f16 params with master) get their own loops; anything else
+ * (f16 grads, f32 params with a separate master) takes the fully general one. */
+static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_off, size_t n,
+                       adamw_ctx c) {
+  const size_t pes = a->param_dtype == 0 ? 4u : 2u, ges = a->grad_dtype == 0 ? 4u : 2u;
+  void *p = (char *)a->param + flat_off * pes;
+  float *mst = a->master ? a->master + shard_off : NULL;
+  float *m = a->m + shard_off, *v = a->v + shard_off;
+  const void *g = (const char *)a->grad + shard_off * ges;
+  const int sr = a->stochastic_rounding && a->param_dtype == 1;
+  const int key = a->param_dtype * 100 + a->grad_dtype * 10 + (mst != NULL) * 2 + sr;
+  switch (key) {
+    case 0: adamw_run(p, mst, m, v, g, n, flat_off, c, 0, 0, 0, 0); break;    /* f32, f32 grad */
+    case 10: adamw_run(p, mst, m, v, g, n, flat_off, c, 0, 1, 0, 0); break;   /* f32, bf16 grad */
+    case 102: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 0, 1, 0); break;  /* bf16 */
+    case 103: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 0, 1, 1); break;  /* bf16, SR */
+    case 112: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 1, 1, 0); break;  /* bf16 everywhere */
+    case 113: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 1, 1, 1); break;
+    case 202: adamw_run(p, mst, m, v, g, n, flat_off, c, 2, 0, 1, 0); break;  /* f16 */
+    case 212: adamw_run(p, mst, m, v, g, n, flat_off, c, 2, 1, 1, 0); break;
+    default: {
+      /* general: one element at a time through the dtype-dispatching helpers */
+      for (size_t i = 0; i < n; i++) {
+        float gi = sg_elem_load(g, a->grad_dtype, i) * c.grad_scale;
+        float pi = mst ? mst[i] : sg_elem_load(p, a->param_dtype, i);
+        pi = sg_elem_adamw(pi, gi, &m[i], &v[i], c.k);
+        if (mst) mst[i] = pi;
+        if (sr)
+          ((uint16_t *)p)[i] =
+              sg_elem_f32_to_bf16_sr(pi, sg_elem_hash64(c.seed, c.step, flat_off + i));
+        else
+          sg_elem_store(p, a->param_dtype, i, pi);
+      }
+    }
+  }
+}
+
+/* The elements [lo, hi) of the concatenated segments. */
+static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, adamw_ctx c,
+                        adamw_ctx c_nodecay) {
+  size_t pos = 0;
+  for (int s = 0; s < a->nsegs && pos < hi; s++) {
+    const sg__seg *sg = &a->segs[s];
+    size_t b = lo > pos ? lo - pos : 0;
+    size_t e = hi - pos < sg->len ? hi - pos : sg->len;
+    if (b < e)
+      adamw_span(a, sg->shard_off + b, sg->flat_off + b, e - b, sg->decay ? c : c_nodecay);
+    pos += sg->len;
+  }
+}
+
+void sg__cpu_adamw(const sg__adamw_args *a) {
+  if (!a || !a->segs || a->nsegs <= 0 || !a->param || !a->m || !a->v || !a->grad) return;
+  adamw_ctx c;
+  c.k = sg_elem_adamw_consts(a->decay_factor, a->one_minus_beta1, a->beta2, a->one_minus_beta2,
+                             a->step_size, a->bc2_sqrt, a->eps);
+  c.grad_scale = a->grad_scale;
+  c.seed = a->seed;
+  c.step = a->step;
+  adamw_ctx c_nodecay = c;
+  c_nodecay.k.decay_factor = 1.0f; /* p * 1.0f == p for every p: torch skips the mul_ */
+  size_t total = 0;
+  for (int s = 0; s < a->nsegs; s++) total += a->segs[s].len;
+#ifdef SG_CPU_OMP
+  if (total >= SG_CPU_PAR_MIN) {
+    /* One region for the whole shard: thread t takes an equal, 64-element aligned share of the
+     * concatenated segments, so many small segments cost no extra barriers. */
+#pragma omp parallel
+    {
+      const size_t nt = (size_t)omp_get_num_threads(), t = (size_t)omp_get_thread_num();
+      size_t lo = (total / nt * t) & ~(size_t)63;
+      size_t hi = t + 1 == nt ? total : (total / nt * (t + 1)) & ~(size_t)63;
+      adamw_range(a, lo, hi, c, c_nodecay);
+    }
+    return;
+  }
+#endif
+  adamw_range(a, 0, total, c, c_nodecay);
+}

@@ -1,0 +1,231 @@
+/* Per-element math shared by the CPU loops (kernels/cpu) and the CUDA kernels (kernels/cuda).
+ * Written once so that both run the same operations in the same order (DESIGN.md section 5).
+ *
+ * Compiles as C11 and as CUDA C++. All math is fp32 without contraction: the library is built
+ * with -ffp-contract=off and nvcc with -fmad=false, so a*b+c rounds twice everywhere.
+ * Conversions to bf16/f16 are done on the bits (no hardware conversion instructions), which
+ * makes them identical on every compiler and target and keeps the CPU loops vectorizable.
+ *
+ * dtype codes: 0 f32, 1 bf16, 2 f16 (the values of sg_dtype). */
+#ifndef SG_ELEM_H
+#define SG_ELEM_H
+
+#include <math.h>   /* sqrtf */
+#include <stddef.h> /* size_t */
+#include <stdint.h> /* uint16_t, uint32_t, uint64_t */
+
+#ifdef __CUDACC__
+#define SG_HD __host__ __device__ __forceinline__
+#else
+#define SG_HD static inline
+#endif
+
+/* ---- bit casts ------------------------------------------------------------------------- */
+
+/* Unions are the C11 way to reinterpret bits; device code uses the intrinsics. */
+typedef union sg_elem_fbits {
+  float f;
+  uint32_t u;
+} sg_elem_fbits;
+
+SG_HD uint32_t sg_elem_f2u(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  sg_elem_fbits b;
+  b.f = x;
+  return b.u;
+#endif
+}
+
+SG_HD float sg_elem_u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  sg_elem_fbits b;
+  b.u = u;
+  return b.f;
+#endif
+}
+
+/* mask ? a : b on the bits for mask all ones or zero, without a branch (both operands are
+ * already computed). */
+SG_HD float sg_elem_select_mask(uint32_t mask, float a, float b) {
+  return sg_elem_u2f((sg_elem_f2u(a) & mask) | (sg_elem_f2u(b) & ~mask));
+}
+
+/* Not a NaN and not an infinity: the exponent field is not all ones. */
+SG_HD int sg_elem_isfinite(float x) { return (sg_elem_f2u(x) & 0x7f800000u) != 0x7f800000u; }
+
+/* ---- bf16 ------------------------------------------------------------------------------ */
+
+/* Exact widening; a signalling NaN comes back quiet (payload otherwise kept). */
+SG_HD float sg_elem_bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  uint32_t quiet = ((h & 0x7fffu) > 0x7f80u) ? 0x00400000u : 0u;
+  return sg_elem_u2f(u | quiet);
+}
+
+/* Round to nearest, ties to even. Adding 0x7fff plus the lowest kept bit to the 32-bit pattern
+ * carries into bit 16 exactly when the dropped half is above one half, or equal to it with an
+ * odd kept part; a carry out of the mantissa moves the exponent up, which also turns values
+ * beyond the largest bf16 into infinity. NaN is handled apart so the carry cannot reach the
+ * sign or turn it into infinity; it stays NaN, quiet, with its sign. */
+SG_HD uint16_t sg_elem_f32_to_bf16(float x) {
+  uint32_t u = sg_elem_f2u(x);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x0040u;
+  return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+}
+
+/* Stochastic rounding: adding uniform random low bits before truncating rounds up with
+ * probability equal to the dropped fraction, so the result is unbiased on average. Only for
+ * finite x; inf and NaN take the RNE path (which keeps them as they are). */
+SG_HD uint16_t sg_elem_f32_to_bf16_sr(float x, uint32_t rnd) {
+  uint32_t u = sg_elem_f2u(x);
+  uint32_t rounded = (u + (rnd & 0xffffu)) >> 16;
+  return sg_elem_isfinite(x) ? (uint16_t)rounded : sg_elem_f32_to_bf16(x);
+}
+
+/* ---- f16 ------------------------------------------------------------------------------- */
+
+/* Exact widening. Normal numbers: rebias the exponent by 127-15 = 112. Subnormals
+ * (m * 2^-24): placing m in the low mantissa bits of 0.5f gives 0.5 + m*2^-24 exactly, and
+ * subtracting 0.5f leaves m*2^-24, exact and normal in f32. Inf/NaN: all-ones exponent, a NaN
+ * comes back quiet with its payload. */
+SG_HD float sg_elem_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t em = h & 0x7fffu;
+  uint32_t normal = (em << 13) + (112u << 23);
+  uint32_t special = (em << 13) | 0x7f800000u | ((em > 0x7c00u) ? 0x00400000u : 0u);
+  uint32_t sub = sg_elem_f2u(sg_elem_u2f(0x3f000000u | em) - 0.5f);
+  uint32_t is_special = 0u - (uint32_t)(em >= 0x7c00u), is_sub = 0u - (uint32_t)(em < 0x0400u);
+  uint32_t mag = (special & is_special) | (sub & is_sub) | (normal & ~(is_special | is_sub));
+  return sg_elem_u2f(sign | mag);
+}
+
+/* Round to nearest, ties to even.
+ * - NaN: quiet NaN with the sign and the top payload bits.
+ * - |x| >= 65520 (half way between 65504, the largest f16, and 2^16): infinity (the tie
+ *   goes to the even neighbour, which is the infinity since 65504's mantissa is odd).
+ * - normal range (|x| >= 2^-14): rebias the exponent, then round the 13 dropped bits as in
+ *   sg_elem_f32_to_bf16 (a carry into the exponent is the correct result).
+ * - below: the f16 subnormal spacing is 2^-24, which is the f32 spacing just above 0.5, so
+ *   |x| + 0.5f rounds |x| to that spacing by the FPU's own round-to-nearest-even, and the
+ *   result's low mantissa bits are the f16 subnormal (2^-14 itself comes out as 0x400). */
+SG_HD uint16_t sg_elem_f32_to_f16(float x) {
+  uint32_t u = sg_elem_f2u(x);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  uint32_t nan = 0x7e00u | ((a >> 13) & 0x1ffu);
+  uint32_t rebias = a - (112u << 23);
+  uint32_t normal = (rebias + 0xfffu + ((rebias >> 13) & 1u)) >> 13;
+  uint32_t sub = sg_elem_f2u(sg_elem_u2f(a) + 0.5f) - 0x3f000000u;
+  uint32_t big = (a > 0x7f800000u) ? nan : (a >= 0x477ff000u) ? 0x7c00u : normal;
+  uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u);
+  return (uint16_t)(sign | (sub & is_sub) | (big & ~is_sub));
+}
+
+/* ---- loads and stores by dtype ----------------------------------------------------------- */
+
+SG_HD float sg_elem_load(const void *p, int dtype, size_t i) {
+  if (dtype == 1) return sg_elem_bf16_to_f32(((const uint16_t *)p)[i]);
+  if (dtype == 2) return sg_elem_f16_to_f32(((const uint16_t *)p)[i]);
+  return ((const float *)p)[i];
+}
+
+SG_HD void sg_elem_store(void *p, int dtype, size_t i, float x) {
+  if (dtype == 1)
+    ((uint16_t *)p)[i] = sg_elem_f32_to_bf16(x);
+  else if (dtype == 2)
+    ((uint16_t *)p)[i] = sg_elem_f32_to_f16(x);
+  else
+    ((float *)p)[i] = x;
+}
+
+/* ---- counter-based random bits ----------------------------------------------------------- */
+
+/* A 64-bit mixing function (the splitmix64 finalizer: xor-shift / multiply rounds with odd
+ * constants); every input bit affects every output bit. */
+SG_HD uint64_t sg_elem_mix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ull;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return z;
+}
+
+/* Random bits for element `index` (global flat index) at optimizer step `step`. A pure function
+ * of its arguments, so stochastic rounding does not depend on the rank count or launch shape.
+ * The key depends only on (seed, step), so loops can hoist it. */
+SG_HD uint32_t sg_elem_hash64(uint64_t seed, uint64_t step, uint64_t index) {
+  uint64_t key = sg_elem_mix64(seed + 0x9e3779b97f4a7c15ull * (step + 1u));
+  return (uint32_t)(sg_elem_mix64(key ^ (index * 0xd1b54a32d192ed03ull)) >> 32);
+}
+
+/* ---- accumulation ------------------------------------------------------------------------ */
+
+/* acc + src in fp32 (one rounding); the caller rounds the result to the accumulator dtype. */
+SG_HD float sg_elem_accumulate(float acc, float src) { return acc + src; }
+
+/* ---- AdamW ------------------------------------------------------------------------------- */
+
+/* Per-step constants of one AdamW update (see kernels/sg_kernel_args.h for how the host
+ * computes them). Passed by value so that loops keep them in registers. */
+typedef struct sg_elem_adamw_k {
+  float decay_factor;    /* (float)(1 - lr*wd); 1.0f for no-decay parameters (exact no-op) */
+  float lerp_w;          /* 1 - beta1, the lerp weight */
+  float lerp_1mw;        /* 1.0f - lerp_w in fp32, used when lerp_w >= 0.5 */
+  float beta2;
+  float one_minus_beta2;
+  float neg_step_size;   /* -(float)(lr / bc1) */
+  float bc2_sqrt;        /* (float)sqrt(1 - beta2^t) */
+  float eps;
+  uint32_t lerp_small;   /* all ones when |lerp_w| < 0.5 (torch's lerp picks its form by this) */
+} sg_elem_adamw_k;
+
+SG_HD sg_elem_adamw_k sg_elem_adamw_consts(float decay_factor, float one_minus_beta1, float beta2,
+                                           float one_minus_beta2, float step_size,
+                                           float bc2_sqrt, float eps) {
+  sg_elem_adamw_k k;
+  k.decay_factor = decay_factor;
+  k.lerp_w = one_minus_beta1;
+  k.lerp_1mw = 1.0f - one_minus_beta1;
+  k.beta2 = beta2;
+  k.one_minus_beta2 = one_minus_beta2;
+  k.neg_step_size = -step_size;
+  k.bc2_sqrt = bc2_sqrt;
+  k.eps = eps;
+  k.lerp_small = (one_minus_beta1 < 0.5f && one_minus_beta1 > -0.5f) ? 0xffffffffu : 0u;
+  return k;
+}
+
+/* One element of torch.optim.AdamW (single-tensor path), operation by operation, each op
+ * rounded to fp32 as torch's CPU kernels do:
+ *   param.mul_(1 - lr*wd)                  p = p * decay_factor
+ *   exp_avg.lerp_(grad, 1 - beta1)         w < 0.5: m = m + w*(g - m)
+ *                                          else:    m = g - (g - m)*(1 - w)
+ *   exp_avg_sq.mul_(beta2)                 v = v * beta2
+ *   .addcmul_(grad, grad, value=1-beta2)   v = v + ((1-beta2)*g)*g      (self + value*t1*t2)
+ *   denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+ *   param.addcdiv_(exp_avg, denom, value=-step_size)
+ *                                          p = p + ((-step_size)*m)/denom (self + value*t1/t2)
+ * Returns the new p (fp32 master value); *m and *v are updated in place. */
+SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k k) {
+  float mi = *m;
+  float vi = *v;
+  float diff = g - mi;
+  p = p * k.decay_factor;
+  /* both lerp forms are computed and one is picked by a bit mask: no branch in the loop */
+  mi = sg_elem_select_mask(k.lerp_small, mi + k.lerp_w * diff, g - diff * k.lerp_1mw);
+  vi = vi * k.beta2;
+  vi = vi + (k.one_minus_beta2 * g) * g;
+  float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
+  p = p + (k.neg_step_size * mi) / denom;
+  *m = mi;
+  *v = vi;
+  return p;
+}
+
+#endif /* SG_ELEM_H */

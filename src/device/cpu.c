@@ -1,0 +1,438 @@
+/* The CPU device (src/device/sg_device.h): host memory, memcpy/memset, the loops of
+ * kernels/cpu, and a comm queue that is a worker thread running jobs in FIFO order.
+ *
+ * Queues on CPU. Compute-queue work runs inline on the calling thread, so it is complete when
+ * the call returns. Comm jobs run on the worker (threaded_comm = 1) or inline in comm_submit
+ * (threaded_comm = 0). Kernels and copies on SG_Q_COMM run inline too: inside a job they are
+ * ordered after the job's earlier work by construction; from any other thread they first wait
+ * until every submitted job has finished, which is the order a stream would give. */
+#define _POSIX_C_SOURCE 200809L /* posix_memalign, pthread_condattr_setclock, CLOCK_MONOTONIC */
+
+#include <errno.h>     /* ETIMEDOUT */
+#include <pthread.h>   /* worker thread, mutex, condition variables */
+#include <stdatomic.h> /* allocation-failure test hook */
+#include <stdint.h>    /* INT64_MAX */
+#include <stdlib.h>    /* posix_memalign, malloc, free */
+#include <string.h>    /* memcpy, memset, strlen */
+#include <time.h>      /* struct timespec */
+
+#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_* loops */
+#include "sg_device.h"                        /* sg__device, sg__device_ops */
+
+#define SG_CPU_ALIGN 64   /* bytes: a cache line, and the widest vector register */
+#define SG_CPU_ERRTEXT 1024
+
+/* ---- allocation-failure test hook ---------------------------------------------------------- */
+
+/* Allocations still allowed to succeed before one fails; -1 = hook off. */
+static atomic_int sg__fail_alloc_left = -1;
+
+void sg__device_fail_alloc_after(int n) { atomic_store(&sg__fail_alloc_left, n < 0 ? -1 : n); }
+
+/* Counts one allocation. With the hook set by sg__device_fail_alloc_after(n), the first n
+ * allocations succeed and the next one fails (once; the hook is then off). */
+int sg__device_should_fail_alloc(void) {
+  int left = atomic_load(&sg__fail_alloc_left);
+  while (left >= 0) {
+    if (atomic_compare_exchange_weak(&sg__fail_alloc_left, &left, left - 1)) return left == 0;
+  }
+  return 0;
+}
+
+/* ---- the device object --------------------------------------------------------------------- */
+
+typedef struct cpu_job {
+  sg__job_fn fn;
+  void *arg;
+  struct cpu_job *next;
+} cpu_job;
+
+typedef struct cpu_device {
+  sg__device base; /* first: the vtable's sg__device* is this struct */
+  int threaded;
+  pthread_t worker;
+  int worker_started;
+  pthread_mutex_t mu;
+  pthread_cond_t job_cv;  /* worker: a job arrived or stop was asked */
+  pthread_cond_t done_cv; /* waiters: a job completed */
+  cpu_job *head, *tail;
+  uint64_t submitted, completed; /* tickets are 1, 2, 3...; job t is done when completed >= t */
+  int stopping;
+  sg_status failed;          /* first failing job's status; later jobs are skipped */
+  char fail_text[SG_CPU_ERRTEXT];
+} cpu_device;
+
+static cpu_device *as_cpu(sg__device *d) { return (cpu_device *)d; }
+
+/* ---- memory -------------------------------------------------------------------------------- */
+
+static sg_status cpu_alloc(sg__device *d, size_t bytes, void **out) {
+  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "cpu alloc: NULL %s", d ? "out" : "device");
+  *out = NULL;
+  if (bytes > SIZE_MAX - SG_CPU_ALIGN)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "cpu alloc: %zu bytes is too large", bytes);
+  if (sg__device_should_fail_alloc())
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "cpu alloc: %zu bytes (injected failure)", bytes);
+  /* a multiple of the alignment, never 0, so every allocation is a distinct non-NULL block */
+  size_t rounded = bytes == 0 ? SG_CPU_ALIGN : (bytes + SG_CPU_ALIGN - 1) / SG_CPU_ALIGN * SG_CPU_ALIGN;
+  void *p = NULL;
+  int rc = posix_memalign(&p, SG_CPU_ALIGN, rounded);
+  if (rc != 0 || !p)
+    return sg__err_at(SG_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                      "cpu alloc: posix_memalign of %zu bytes failed (%d)", rounded, rc);
+  *out = p;
+  return SG_OK;
+}
+
+static void cpu_free(sg__device *d, void *p) { free(p); }
+
+/* ---- comm queue internals ------------------------------------------------------------------ */
+
+static int on_worker(const cpu_device *cd) {
+  return cd->worker_started && pthread_equal(pthread_self(), cd->worker);
+}
+
+/* Records the first failure (caller holds the lock, or there is no worker). */
+static void record_failure(cpu_device *cd, sg_status st, const char *text) {
+  if (cd->failed != SG_OK) return;
+  cd->failed = st;
+  size_t n = strlen(text);
+  if (n >= sizeof cd->fail_text) n = sizeof cd->fail_text - 1;
+  memcpy(cd->fail_text, text, n);
+  cd->fail_text[n] = '\0';
+}
+
+/* Runs one job unless an earlier one failed. The failing job's text is read here, on the
+ * thread that ran it, because sg_last_error() is thread-local. */
+static sg_status run_job(sg__job_fn fn, void *arg, int skip, char *text, size_t cap) {
+  if (skip) return SG_OK;
+  sg_status st = fn(arg);
+  if (st != SG_OK) {
+    const char *e = sg_last_error();
+    size_t n = e ? strlen(e) : 0;
+    if (n >= cap) n = cap - 1;
+    if (n) memcpy(text, e, n);
+    text[n] = '\0';
+  }
+  return st;
+}
+
+static void *worker_main(void *p) {
+  cpu_device *cd = (cpu_device *)p;
+  char text[SG_CPU_ERRTEXT];
+  pthread_mutex_lock(&cd->mu);
+  for (;;) {
+    while (!cd->head && !cd->stopping) pthread_cond_wait(&cd->job_cv, &cd->mu);
+    if (!cd->head) break; /* stopping and drained */
+    cpu_job *job = cd->head;
+    cd->head = job->next;
+    if (!cd->head) cd->tail = NULL;
+    const int skip = cd->failed != SG_OK;
+    pthread_mutex_unlock(&cd->mu);
+    sg_status st = run_job(job->fn, job->arg, skip, text, sizeof text);
+    free(job);
+    pthread_mutex_lock(&cd->mu);
+    if (st != SG_OK) record_failure(cd, st, text);
+    cd->completed++;
+    pthread_cond_broadcast(&cd->done_cv);
+  }
+  pthread_mutex_unlock(&cd->mu);
+  return NULL;
+}
+
+/* Absolute CLOCK_MONOTONIC time of a deadline in sg__now_ms() milliseconds. */
+static struct timespec deadline_ts(int64_t deadline_ms) {
+  struct timespec ts;
+  if (deadline_ms < 0) deadline_ms = 0;
+  ts.tv_sec = (time_t)(deadline_ms / 1000);
+  ts.tv_nsec = (long)(deadline_ms % 1000) * 1000000L;
+  return ts;
+}
+
+/* Waits (lock held) until job `ticket` completed or the deadline passed. */
+static sg_status wait_locked(cpu_device *cd, uint64_t ticket, int64_t deadline_ms) {
+  const struct timespec ts = deadline_ts(deadline_ms);
+  while (cd->completed < ticket) {
+    if (deadline_ms == INT64_MAX) {
+      pthread_cond_wait(&cd->done_cv, &cd->mu);
+    } else if (pthread_cond_timedwait(&cd->done_cv, &cd->mu, &ts) == ETIMEDOUT &&
+               cd->completed < ticket) {
+      return sg__err(SG_ERR_TIMEOUT,
+                     "comm_wait: comm job %llu not finished by the deadline (%llu of %llu jobs "
+                     "done; a collective may be stuck on another rank)",
+                     (unsigned long long)ticket, (unsigned long long)cd->completed,
+                     (unsigned long long)cd->submitted);
+    }
+  }
+  return SG_OK;
+}
+
+/* Returns the recorded failure (with its text) or SG_OK. Lock held. */
+static sg_status failure_locked(const cpu_device *cd) {
+  if (cd->failed == SG_OK) return SG_OK;
+  return sg__err(cd->failed, "%s", cd->fail_text);
+}
+
+static sg_status cpu_comm_wait(sg__device *d, uint64_t ticket, int64_t deadline_ms) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_wait: NULL device");
+  cpu_device *cd = as_cpu(d);
+  if (cd->threaded && on_worker(cd))
+    return sg__err(SG_ERR_INVALID_STATE, "comm_wait: called from inside a comm job (deadlock)");
+  pthread_mutex_lock(&cd->mu);
+  sg_status st = SG_OK;
+  if (ticket > cd->submitted)
+    st = sg__err(SG_ERR_INVALID_ARGUMENT, "comm_wait: ticket %llu was never issued (last %llu)",
+                 (unsigned long long)ticket, (unsigned long long)cd->submitted);
+  if (st == SG_OK) st = wait_locked(cd, ticket, deadline_ms);
+  if (st == SG_OK) st = failure_locked(cd);
+  pthread_mutex_unlock(&cd->mu);
+  return st;
+}
+
+static sg_status submit_inline(cpu_device *cd, sg__job_fn fn, void *arg, uint64_t *ticket) {
+  char text[SG_CPU_ERRTEXT];
+  *ticket = ++cd->submitted;
+  sg_status st = run_job(fn, arg, cd->failed != SG_OK, text, sizeof text);
+  if (st != SG_OK) record_failure(cd, st, text);
+  cd->completed++;
+  return failure_locked(cd);
+}
+
+static sg_status cpu_comm_submit(sg__device *d, sg__job_fn fn, void *arg, uint64_t *ticket) {
+  if (!d || !fn || !ticket)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_submit: NULL %s",
+                   !d ? "device" : !fn ? "fn" : "ticket");
+  cpu_device *cd = as_cpu(d);
+  sg_status st = SG_OK;
+  if (!cd->threaded) {
+    pthread_mutex_lock(&cd->mu); /* not contended; keeps every counter under one rule */
+    st = submit_inline(cd, fn, arg, ticket);
+    pthread_mutex_unlock(&cd->mu);
+    return st;
+  }
+  cpu_job *job = (cpu_job *)malloc(sizeof *job);
+  if (!job) return sg__err(SG_ERR_OUT_OF_MEMORY, "comm_submit: no memory for a job");
+  job->fn = fn;
+  job->arg = arg;
+  job->next = NULL;
+  pthread_mutex_lock(&cd->mu);
+  if (cd->tail)
+    cd->tail->next = job;
+  else
+    cd->head = job;
+  cd->tail = job;
+  *ticket = ++cd->submitted;
+  pthread_cond_signal(&cd->job_cv);
+  pthread_mutex_unlock(&cd->mu);
+  return st;
+}
+
+/* Before SG_Q_COMM work issued outside a job: let every submitted job finish first. */
+static sg_status enter_queue(sg__device *d, sg__queue q, const char *fn) {
+  if (q != SG_Q_COMPUTE && q != SG_Q_COMM)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown queue (%d)", fn, (int)q);
+  cpu_device *cd = as_cpu(d);
+  if (q == SG_Q_COMPUTE || !cd->threaded || on_worker(cd)) return SG_OK;
+  pthread_mutex_lock(&cd->mu);
+  sg_status st = wait_locked(cd, cd->submitted, INT64_MAX);
+  pthread_mutex_unlock(&cd->mu);
+  return st;
+}
+
+/* ---- copies and kernels -------------------------------------------------------------------- */
+
+static sg_status cpu_copy(sg__device *d, sg__queue q, void *dst, const void *src, size_t bytes,
+                          sg__copy_kind kind) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "copy: NULL device");
+  if (bytes && (!dst || !src))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "copy: NULL %s with %zu bytes", dst ? "src" : "dst", bytes);
+  if (kind != SG_COPY_H2D && kind != SG_COPY_D2H && kind != SG_COPY_D2D)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "copy: unknown kind (%d)", (int)kind);
+  SG_TRY(enter_queue(d, q, "copy"));
+  if (bytes && dst != src) memcpy(dst, src, bytes);
+  return SG_OK;
+}
+
+static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "zero: NULL device");
+  if (bytes && !dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "zero: NULL dst with %zu bytes", bytes);
+  SG_TRY(enter_queue(d, q, "zero"));
+  if (bytes) memset(dst, 0, bytes);
+  return SG_OK;
+}
+
+static sg_status check_adamw(const sg__adamw_args *a) {
+  if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: NULL args");
+  if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: bad segments (nsegs %d)", a->nsegs);
+  if (!sg__dtype_valid(a->param_dtype) || !sg__dtype_valid(a->grad_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: bad dtype (param %d, grad %d)",
+                   a->param_dtype, a->grad_dtype);
+  if (a->nsegs > 0 && (!a->param || !a->m || !a->v || !a->grad))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: NULL param, m, v or grad");
+  if (a->param_dtype != SG_F32 && !a->master)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: %s params need an fp32 master",
+                   sg__dtype_name((sg_dtype)a->param_dtype));
+  return SG_OK;
+}
+
+static sg_status cpu_adamw(sg__device *d, sg__queue q, const sg__adamw_args *a) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: NULL device");
+  SG_TRY(check_adamw(a));
+  SG_TRY(enter_queue(d, q, "adamw"));
+  if (a->nsegs > 0) sg__cpu_adamw(a);
+  return SG_OK;
+}
+
+static sg_status cpu_accumulate(sg__device *d, sg__queue q, void *acc, int acc_dtype,
+                                const void *src, int src_dtype, size_t n) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: NULL device");
+  if (acc_dtype != SG_F32 && acc_dtype != SG_BF16)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: acc dtype must be f32 or bf16 (%d)", acc_dtype);
+  if (!sg__dtype_valid(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: bad src dtype (%d)", src_dtype);
+  if (n && (!acc || !src)) return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: NULL buffer");
+  SG_TRY(enter_queue(d, q, "accumulate"));
+  sg__cpu_accumulate(acc, acc_dtype, src, src_dtype, n);
+  return SG_OK;
+}
+
+static sg_status cpu_cast(sg__device *d, sg__queue q, void *dst, int dst_dtype, const void *src,
+                          int src_dtype, size_t n) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "cast: NULL device");
+  if (!sg__dtype_valid(dst_dtype) || !sg__dtype_valid(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "cast: bad dtype (dst %d, src %d)", dst_dtype, src_dtype);
+  if (n && (!dst || !src)) return sg__err(SG_ERR_INVALID_ARGUMENT, "cast: NULL buffer");
+  SG_TRY(enter_queue(d, q, "cast"));
+  sg__cpu_cast(dst, dst_dtype, src, src_dtype, n);
+  return SG_OK;
+}
+
+static sg_status cpu_sumsq(sg__device *d, sg__queue q, const void *x, int dtype, size_t n,
+                           double *sumsq, double *nonfinite) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "sumsq: NULL device");
+  if (!sg__dtype_valid(dtype)) return sg__err(SG_ERR_INVALID_ARGUMENT, "sumsq: bad dtype (%d)", dtype);
+  if ((n && !x) || !sumsq || !nonfinite)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sumsq: NULL %s", (n && !x) ? "x" : "output");
+  SG_TRY(enter_queue(d, q, "sumsq"));
+  sg__cpu_sumsq(x, dtype, n, sumsq, nonfinite);
+  return SG_OK;
+}
+
+static sg_status cpu_reduce_sum(sg__device *d, sg__queue q, void *dst, const void *const *srcs,
+                                int nsrc, int dtype, size_t n) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "reduce_sum: NULL device");
+  if (!sg__dtype_valid(dtype) && dtype != 3)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "reduce_sum: bad dtype (%d)", dtype);
+  if (nsrc < 1 || !srcs)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "reduce_sum: need at least one source (%d)", nsrc);
+  for (int k = 0; n && k < nsrc; k++)
+    if (!srcs[k]) return sg__err(SG_ERR_INVALID_ARGUMENT, "reduce_sum: NULL source %d", k);
+  if (n && !dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "reduce_sum: NULL dst");
+  SG_TRY(enter_queue(d, q, "reduce_sum"));
+  sg__cpu_reduce_sum(dst, srcs, nsrc, dtype, n);
+  return SG_OK;
+}
+
+/* ---- host memory, sync, stream, destroy ---------------------------------------------------- */
+
+static sg_status cpu_compute_wait_comm(sg__device *d, uint64_t ticket, int64_t deadline_ms) {
+  return cpu_comm_wait(d, ticket, deadline_ms); /* the compute queue is the calling thread */
+}
+
+static sg_status cpu_sync(sg__device *d, int64_t deadline_ms) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "sync: NULL device");
+  return SG_OK; /* compute work ran inline: nothing is pending */
+}
+
+static sg_status cpu_set_stream(sg__device *d, void *stream) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_set_stream: NULL device");
+  if (stream)
+    return sg__err(SG_ERR_UNSUPPORTED, "sg_set_stream: the CPU device has no streams (%p)", stream);
+  return SG_OK;
+}
+
+/* Pending jobs are run (or skipped after a failure) before the worker exits. A job stuck in a
+ * collective is bounded by that communicator's own deadline, so the join ends. */
+static void cpu_destroy(sg__device *d) {
+  if (!d) return;
+  cpu_device *cd = as_cpu(d);
+  if (cd->worker_started) {
+    pthread_mutex_lock(&cd->mu);
+    cd->stopping = 1;
+    pthread_cond_broadcast(&cd->job_cv);
+    pthread_mutex_unlock(&cd->mu);
+    pthread_join(cd->worker, NULL);
+  }
+  pthread_cond_destroy(&cd->done_cv);
+  pthread_cond_destroy(&cd->job_cv);
+  pthread_mutex_destroy(&cd->mu);
+  free(cd);
+}
+
+static const sg__device_ops cpu_ops = {
+    .name = "cpu",
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .host_alloc = cpu_alloc,
+    .host_free = cpu_free,
+    .copy = cpu_copy,
+    .zero = cpu_zero,
+    .adamw = cpu_adamw,
+    .accumulate = cpu_accumulate,
+    .cast = cpu_cast,
+    .sumsq = cpu_sumsq,
+    .reduce_sum = cpu_reduce_sum,
+    .comm_submit = cpu_comm_submit,
+    .comm_wait = cpu_comm_wait,
+    .compute_wait_comm = cpu_compute_wait_comm,
+    .sync = cpu_sync,
+    .set_stream = cpu_set_stream,
+    .destroy = cpu_destroy,
+};
+
+/* ---- create -------------------------------------------------------------------------------- */
+
+/* The done condition waits against CLOCK_MONOTONIC, the clock of sg__now_ms() deadlines. */
+static int init_sync(cpu_device *cd) {
+  pthread_condattr_t attr;
+  if (pthread_condattr_init(&attr) != 0) return -1;
+  int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  if (rc == 0) rc = pthread_mutex_init(&cd->mu, NULL);
+  if (rc == 0 && (rc = pthread_cond_init(&cd->job_cv, NULL)) != 0) pthread_mutex_destroy(&cd->mu);
+  if (rc == 0 && (rc = pthread_cond_init(&cd->done_cv, &attr)) != 0) {
+    pthread_cond_destroy(&cd->job_cv);
+    pthread_mutex_destroy(&cd->mu);
+  }
+  pthread_condattr_destroy(&attr);
+  return rc;
+}
+
+sg_status sg__device_cpu_create(int rank, int threaded_comm, sg__device **out) {
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cpu_create: NULL out");
+  *out = NULL;
+  cpu_device *cd = (cpu_device *)calloc(1, sizeof *cd);
+  if (!cd) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__device_cpu_create: no memory");
+  cd->base.ops = &cpu_ops;
+  cd->base.kind = SG_DEVICE_CPU;
+  cd->base.rank = rank;
+  cd->threaded = threaded_comm != 0;
+  cd->failed = SG_OK;
+  int rc = init_sync(cd);
+  if (rc != 0) {
+    free(cd);
+    return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
+                      "sg__device_cpu_create: pthread init failed (%d)", rc);
+  }
+  if (cd->threaded) {
+    rc = pthread_create(&cd->worker, NULL, worker_main, cd);
+    if (rc != 0) {
+      cpu_destroy(&cd->base);
+      return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
+                        "sg__device_cpu_create: cannot start the comm thread (%d)", rc);
+    }
+    cd->worker_started = 1;
+  }
+  *out = &cd->base;
+  return SG_OK;
+}
