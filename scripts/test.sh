@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The whole check, as CI runs it (.ci/run):
+#   1. installs what is missing (apt: cmake, Open MPI, clang's sanitizer runtimes, pip; pip:
+#      numpy, pytest)
+#   2. Release build in build/ (CUDA compiled when nvcc exists), all ctest labels:
+#      unit, local, mpi, install
+#   3. ASan+UBSan build in build-asan/ (no MPI, no CUDA, -O1): labels unit and local
+#   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local
+#   5. pytest over python/tests when it exists
+# Every stage runs even when an earlier one failed (except those that need its build); the
+# summary at the end lists them all, and the exit status is non-zero when any failed.
+# Environment: JOBS (default 2), SG_TEST_SKIP_DEPS=1 to skip step 1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+JOBS=${JOBS:-2}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export CTEST_OUTPUT_ON_FAILURE=1
+
+declare -a SUMMARY=()
+FAILED=0
+T_START=$SECONDS
+
+# stage NAME COMMAND...: runs the command, records PASS/FAIL and its duration
+stage() {
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  echo
+  echo "==== $name ===="
+  "$@" || rc=$?
+  local dt=$((SECONDS - t0))
+  if [ "$rc" -eq 0 ]; then
+    SUMMARY+=("PASS  $name (${dt}s)")
+  else
+    SUMMARY+=("FAIL  $name (exit $rc, ${dt}s)")
+    FAILED=1
+  fi
+  return "$rc"
+}
+
+skip() { SUMMARY+=("SKIP  $1 ($2)"); }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi
+}
+
+install_deps() {
+  local -a apt=()
+  command -v cmake >/dev/null || apt+=(cmake)
+  command -v pkg-config >/dev/null || apt+=(pkg-config)
+  command -v mpirun >/dev/null || apt+=(openmpi-bin)
+  command -v mpicc >/dev/null || apt+=(libopenmpi-dev)
+  command -v clang >/dev/null || apt+=(clang)
+  dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || apt+=(libclang-rt-14-dev)
+  python3 -m pip --version >/dev/null 2>&1 || apt+=(python3-pip)
+  if [ "${#apt[@]}" -gt 0 ]; then
+    echo "installing: ${apt[*]}"
+    as_root apt-get update -q || return 1
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      "${apt[@]}" || return 1
+  fi
+  local -a pip=()
+  python3 -c "import numpy" 2>/dev/null || pip+=(numpy)
+  python3 -c "import pytest" 2>/dev/null || pip+=(pytest)
+  if [ "${#pip[@]}" -gt 0 ]; then
+    echo "pip installing: ${pip[*]}"
+    python3 -m pip install -q "${pip[@]}" ||
+      python3 -m pip install -q --break-system-packages "${pip[@]}" || return 1
+  fi
+  echo "dependencies present"
+}
+
+configure_release() {
+  cmake -S "$ROOT" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release
+}
+
+configure_asan() {
+  cmake -S "$ROOT" -B "$ROOT/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" -DSG_SANITIZE=address,undefined \
+    -DSG_WITH_MPI=OFF -DSG_WITH_CUDA=OFF -DSG_BUILD_EXAMPLES=OFF
+}
+
+# gcc 12's and clang 14's TSan runtimes both refuse the high-entropy mmap layout of newer
+# kernels ("unexpected memory mapping"); running with ASLR off (setarch -R) avoids it.
+TSAN_CC=${TSAN_CC:-clang}
+configure_tsan() {
+  cmake -S "$ROOT" -B "$ROOT/build-tsan" -DCMAKE_C_COMPILER="$TSAN_CC" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+    -DSG_SANITIZE=thread -DSG_WITH_MPI=OFF -DSG_WITH_CUDA=OFF -DSG_BUILD_EXAMPLES=OFF \
+    -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON
+}
+
+# no_aslr COMMAND...: runs an executable with address randomization off when setarch allows it
+no_aslr() {
+  if setarch "$(uname -m)" -R true 2>/dev/null; then setarch "$(uname -m)" -R "$@"; else "$@"; fi
+}
+
+build() { cmake --build "$1" -j "$JOBS"; }
+
+run_ctest() { # run_ctest DIR [ctest args...]
+  local dir=$1
+  shift
+  (cd "$dir" && ctest -j "$JOBS" --output-on-failure "$@")
+}
+
+run_ctest_no_aslr() { # the same, with ASLR off (TSan)
+  local dir=$1
+  shift
+  (cd "$dir" && no_aslr ctest -j "$JOBS" --output-on-failure "$@")
+}
+
+run_pytest() {
+  local rc=0
+  PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" SHARDGRAD_LIB="$ROOT/build/libshardgrad.so" \
+    python3 -m pytest -q "$ROOT/python/tests" || rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "pytest: no tests collected (fine)"
+    rc=0
+  fi
+  return "$rc"
+}
+
+if [ "${SG_TEST_SKIP_DEPS:-0}" = 1 ]; then
+  skip dependencies "SG_TEST_SKIP_DEPS=1"
+else
+  stage dependencies install_deps
+fi
+
+if stage "configure build/ (Release)" configure_release && stage "build build/" build "$ROOT/build"; then
+  stage "ctest build/ (unit, local, mpi, install)" run_ctest "$ROOT/build"
+else
+  skip "ctest build/" "build failed"
+fi
+
+if stage "configure build-asan/ (ASan+UBSan)" configure_asan && stage "build build-asan/" build "$ROOT/build-asan"; then
+  ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0} \
+  UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
+    stage "ctest build-asan/ (unit, local)" run_ctest "$ROOT/build-asan" -L "unit|local"
+else
+  skip "ctest build-asan/" "build failed"
+fi
+
+if stage "configure build-tsan/ (TSan, $TSAN_CC)" configure_tsan && stage "build build-tsan/" build "$ROOT/build-tsan"; then
+  TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
+    stage "ctest build-tsan/ (local)" run_ctest_no_aslr "$ROOT/build-tsan" -L local
+else
+  skip "ctest build-tsan/" "build failed"
+fi
+
+if [ -d "$ROOT/python/tests" ]; then
+  stage "pytest python/tests" run_pytest
+else
+  skip pytest "no python/tests"
+fi
+
+echo
+echo "==== summary ($((SECONDS - T_START))s) ===="
+printf '%s\n' "${SUMMARY[@]}"
+if [ "$FAILED" -ne 0 ]; then
+  echo "RESULT: FAILED"
+  exit 1
+fi
+echo "RESULT: all passed"
