@@ -1,0 +1,495 @@
+/* bench_step: time of one training step of the example MLP and memory per rank, at W ranks
+ * (default 2 threads; or one rank per process under mpirun with --mpi), for
+ *
+ *   plain   a plain data-parallel loop written here: one all-reduce of the full f32 gradient
+ *           (MPI_Allreduce under MPI; a naive locked sum across threads otherwise), then a
+ *           plain, non-fused AdamW over every parameter (one pass per update line)
+ *   SG_NO_SHARD, SG_SHARD_OPT, SG_SHARD_GRAD_OP   the shardgrad engine
+ *
+ * all measured in the same run on the same model and data. A step is forward + backward +
+ * gradient reduction + optimizer (+ all-gather); the batch is generated before the clock starts.
+ * Reported: median step time over the timed steps, ratio to the plain loop, memory per rank
+ * (sg_memory for the engine; what the loop allocates for plain) beside DESIGN.md section 3's
+ * formula. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_barrier */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mlp_model.h"
+#include "shardgrad.h"
+#ifdef SG_HAVE_MPI
+#include <mpi.h>
+#endif
+
+enum { V_PLAIN = 0, V_NO_SHARD, V_SHARD_OPT, V_SHARD_GRAD_OP, V_COUNT };
+static const char *const variant_names[V_COUNT] = {"plain DP (all-reduce + AdamW)", "SG_NO_SHARD",
+                                                   "SG_SHARD_OPT", "SG_SHARD_GRAD_OP"};
+
+typedef struct options {
+  int ranks, mpi, steps, warmup, batch, hidden, layers;
+  sg_dtype dtype;
+  double bucket_mb;
+  float lr;
+} options;
+
+/* What rank 0 reports for one variant. */
+typedef struct result {
+  double median_ms;
+  size_t bytes, comm_bytes; /* measured per rank (comm scratch included in bytes) */
+  double formula_bytes;     /* DESIGN.md section 3 */
+  float final_loss;
+  int ok;
+} result;
+
+/* Shared by the threads of one process: the naive locked sum of the plain loop. */
+typedef struct shared {
+  pthread_mutex_t mu;
+  pthread_barrier_t bar;
+  float *sum;
+  size_t n;
+} shared;
+
+typedef struct rank_ctx {
+  const options *o;
+  sg_comm *comm;
+  shared *sh;
+  int rank, world;
+  result res[V_COUNT]; /* filled on rank 0 */
+  int rc;
+} rank_ctx;
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
+}
+
+static double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void barrier(rank_ctx *c) {
+#ifdef SG_HAVE_MPI
+  if (c->o->mpi) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    return;
+  }
+#endif
+  pthread_barrier_wait(&c->sh->bar);
+}
+
+static void make_batch(mlp_model *m, const rank_ctx *c, int step) {
+  mlp_make_batch(m, ((uint64_t)step * (uint64_t)c->world + (uint64_t)c->rank) * (uint64_t)m->batch);
+}
+
+/* ---- the plain data-parallel loop ---------------------------------------------------------- */
+
+typedef struct plain {
+  mlp_model *m;
+  float *params[2 * MLP_MAX_LAYERS], *m1[2 * MLP_MAX_LAYERS], *m2[2 * MLP_MAX_LAYERS];
+  float *grad;                    /* all gradients, contiguous: one all-reduce */
+  size_t off[2 * MLP_MAX_LAYERS]; /* offset of each parameter in grad */
+  size_t bytes;
+} plain;
+
+static int plain_sink(void *ctx, int p, const float *g, size_t n) {
+  plain *pl = ctx;
+  memcpy(pl->grad + pl->off[p], g, n * sizeof(float));
+  return 0;
+}
+
+static void *xcalloc(plain *pl, size_t n) {
+  pl->bytes += n * sizeof(float);
+  return calloc(n, sizeof(float));
+}
+
+static int plain_init(plain *pl, mlp_model *m) {
+  memset(pl, 0, sizeof *pl);
+  pl->m = m;
+  int ok = (pl->grad = xcalloc(pl, m->total_numel)) != NULL;
+  size_t off = 0;
+  for (int p = 0; p < m->nparams; p++) {
+    pl->off[p] = off;
+    off += m->numel[p];
+    ok &= (pl->params[p] = xcalloc(pl, m->numel[p])) != NULL;
+    ok &= (pl->m1[p] = xcalloc(pl, m->numel[p])) != NULL;
+    ok &= (pl->m2[p] = xcalloc(pl, m->numel[p])) != NULL;
+    if (ok) mlp_init_param(m, p, pl->params[p]);
+  }
+  return ok ? 0 : -1;
+}
+
+static void plain_free(plain *pl) {
+  for (int p = 0; p < 2 * MLP_MAX_LAYERS; p++) {
+    free(pl->params[p]);
+    free(pl->m1[p]);
+    free(pl->m2[p]);
+  }
+  free(pl->grad);
+}
+
+/* Naive all-reduce across threads: every thread adds its gradient into one shared buffer under a
+ * lock, then copies the sum back. */
+static void locked_sum(rank_ctx *c, float *g, size_t n) {
+  shared *sh = c->sh;
+  pthread_mutex_lock(&sh->mu);
+  for (size_t i = 0; i < n; i++) sh->sum[i] += g[i];
+  pthread_mutex_unlock(&sh->mu);
+  pthread_barrier_wait(&sh->bar);
+  memcpy(g, sh->sum, n * sizeof(float));
+  pthread_barrier_wait(&sh->bar);
+  if (c->rank == 0) memset(sh->sum, 0, n * sizeof(float));
+  pthread_barrier_wait(&sh->bar);
+}
+
+static int all_reduce(rank_ctx *c, float *g, size_t n) {
+#ifdef SG_HAVE_MPI
+  if (c->o->mpi)
+    return MPI_Allreduce(MPI_IN_PLACE, g, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) == MPI_SUCCESS
+               ? 0
+               : -1;
+#endif
+  locked_sum(c, g, n);
+  return 0;
+}
+
+/* AdamW as torch's single-tensor loop, one pass per update line (not fused). */
+static void plain_adamw(plain *pl, float lr, uint64_t t) {
+  const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.01f;
+  const double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
+  const float step = (float)(lr / bc1), bc2_sqrt = (float)sqrt(bc2);
+  for (int p = 0; p < pl->m->nparams; p++) {
+    const size_t n = pl->m->numel[p];
+    float *w = pl->params[p], *m = pl->m1[p], *v = pl->m2[p];
+    const float *g = pl->grad + pl->off[p];
+    if (p % 2 == 0)
+      for (size_t i = 0; i < n; i++) w[i] *= 1.0f - lr * wd;
+    for (size_t i = 0; i < n; i++) m[i] += (g[i] - m[i]) * (1.0f - b1);
+    for (size_t i = 0; i < n; i++) v[i] = v[i] * b2 + (1.0f - b2) * g[i] * g[i];
+    for (size_t i = 0; i < n; i++) w[i] -= step * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
+  }
+}
+
+static void plain_average(plain *pl, int world) {
+  const float inv = 1.0f / (float)world;
+  for (size_t i = 0; i < pl->m->total_numel; i++) pl->grad[i] *= inv;
+}
+
+static int run_plain(rank_ctx *c, mlp_model *m, double *times, float *loss) {
+  plain pl;
+  int rc = -1;
+  if (plain_init(&pl, m) != 0) goto done;
+  const int total = c->o->warmup + c->o->steps;
+  for (int s = 0; s < total; s++) {
+    make_batch(m, c, s);
+    const double t0 = now_ms();
+    *loss = mlp_forward(m, pl.params);
+    mlp_backward(m, pl.params, 1.0f, plain_sink, &pl);
+    if (all_reduce(c, pl.grad, m->total_numel) != 0) goto done;
+    plain_average(&pl, c->world);
+    plain_adamw(&pl, c->o->lr, (uint64_t)s + 1);
+    if (s >= c->o->warmup) times[s - c->o->warmup] = now_ms() - t0;
+  }
+  if (c->rank == 0) {
+    result *r = &c->res[V_PLAIN];
+    r->bytes = pl.bytes;
+    r->formula_bytes = 16.0 * (double)m->total_numel; /* 4 param + 4 grad + 8 moments */
+  }
+  rc = 0;
+done:
+  plain_free(&pl);
+  return rc;
+}
+
+/* ---- the engine ---------------------------------------------------------------------------- */
+
+/* DESIGN.md section 3, from the plan's element counts. */
+static double formula(const sg_config *cfg, const sg_memory_stats *s) {
+  const double P = cfg->param_dtype == SG_F32 ? 4 : 2, G = cfg->grad_dtype == SG_F32 ? 4 : 2;
+  const double psi = (double)s->numel, shard = (double)s->shard_numel;
+  const double A = cfg->accum_dtype == SG_F32 ? 4 : 2;
+  double bucket = (double)cfg->bucket_bytes;
+  if (bucket > G * psi) bucket = G * psi; /* a bucket never holds more than the model */
+  const int lowp = P < 4;
+  switch (cfg->strategy) {
+    case SG_NO_SHARD:
+      return P * psi + G * psi + (lowp ? 4 * psi : 0) + 8 * psi;
+    case SG_SHARD_OPT:
+      return P * psi + G * psi + (lowp ? 4 * shard : 0) + 8 * shard;
+    default:
+      return P * psi + cfg->staging_buckets * bucket + A * shard + (lowp ? 4 * shard : 0) +
+             8 * shard;
+  }
+}
+
+static sg_status engine_steps(rank_ctx *c, mlp_engine *me, double *times, float *loss) {
+  const int total = c->o->warmup + c->o->steps;
+  for (int s = 0; s < total; s++) {
+    make_batch(me->m, c, s);
+    const double t0 = now_ms();
+    float scale = 1.0f;
+    sg_status st = sg_get_loss_scale(me->e, &scale);
+    if (st == SG_OK) st = mlp_engine_micro_batch(me, scale, loss);
+    if (st == SG_OK) st = sg_step(me->e, NULL);
+    if (st != SG_OK) return st;
+    if (s >= c->o->warmup) times[s - c->o->warmup] = now_ms() - t0;
+  }
+  return SG_OK;
+}
+
+static int run_engine(rank_ctx *c, mlp_model *m, sg_strategy strategy, double *times, float *loss) {
+  sg_engine *e = NULL;
+  mlp_engine me;
+  memset(&me, 0, sizeof me);
+  sg_config cfg;
+  sg_memory_stats mem = {.struct_size = sizeof mem};
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  cfg.strategy = strategy;
+  cfg.param_dtype = cfg.grad_dtype = cfg.reduce_dtype = c->o->dtype;
+  cfg.bucket_bytes = (size_t)(c->o->bucket_mb * 1024.0 * 1024.0);
+  cfg.lr = c->o->lr;
+  cfg.timeout_ms = 120000;
+  if (st == SG_OK) st = sg_engine_create(c->comm, &cfg, &e);
+  if (st == SG_OK) st = mlp_engine_register(&me, m, e, &cfg);
+  if (st == SG_OK) st = sg_finalize(e);
+  if (st == SG_OK) st = mlp_engine_init_params(&me);
+  if (st == SG_OK) st = engine_steps(c, &me, times, loss);
+  if (st == SG_OK) st = sg_memory(e, &mem);
+  if (st != SG_OK)
+    fprintf(stderr, "bench_step: rank %d: %s: %s: %s\n", c->rank, variant_names[strategy + 1],
+            sg_status_string(st), sg_last_error());
+  else if (c->rank == 0) {
+    result *r = &c->res[strategy + 1];
+    r->bytes = mem.total_bytes;
+    r->comm_bytes = mem.comm_bytes;
+    r->formula_bytes = formula(&cfg, &mem);
+  }
+  mlp_engine_free(&me);
+  sg_engine_destroy(e);
+  return st == SG_OK ? 0 : -1;
+}
+
+static void *rank_main(void *arg) {
+  rank_ctx *c = arg;
+  mlp_model m;
+  double *times = calloc((size_t)c->o->steps, sizeof *times);
+  if (!times || mlp_init(&m, c->o->layers, c->o->hidden, c->o->batch, 1) != 0) {
+    fprintf(stderr, "bench_step: out of memory\n");
+    free(times);
+    c->rc = 1;
+    return NULL;
+  }
+  for (int v = 0; v < V_COUNT; v++) {
+    float loss = 0.0f;
+    barrier(c);
+    const int rc = v == V_PLAIN ? run_plain(c, &m, times, &loss)
+                                : run_engine(c, &m, (sg_strategy)(v - 1), times, &loss);
+    if (rc != 0) { /* go on, so that every rank meets the same barriers */
+      c->rc = 1;
+      continue;
+    }
+    if (c->rank == 0) {
+      c->res[v].median_ms = median(times, c->o->steps);
+      c->res[v].final_loss = loss;
+      c->res[v].ok = 1;
+    }
+  }
+  free(times);
+  mlp_free(&m);
+  return NULL;
+}
+
+/* ---- report -------------------------------------------------------------------------------- */
+
+static void print_table(const options *o, const rank_ctx *c0) {
+  mlp_model m;
+  if (mlp_init(&m, o->layers, o->hidden, 1, 1) != 0) return;
+  printf(
+      "bench_step: MLP %d layers x %d hidden, %zu params, batch %d per rank, %s engine "
+      "params, W=%d (%s), bucket %.3g MiB, %d warm-up + %d timed steps\n",
+      o->layers, o->hidden, m.total_numel, o->batch,
+      o->dtype == SG_F32    ? "f32"
+      : o->dtype == SG_BF16 ? "bf16"
+                            : "f16",
+      c0->world, o->mpi ? "MPI" : "threads", o->bucket_mb, o->warmup, o->steps);
+  printf("%-30s %12s %9s %11s %12s %9s %11s\n", "variant", "step ms", "vs plain", "MiB/rank",
+         "formula MiB", "comm MiB", "final loss");
+  const double base = c0->res[V_PLAIN].median_ms;
+  for (int v = 0; v < V_COUNT; v++) {
+    const result *r = &c0->res[v];
+    if (!r->ok) {
+      printf("%-30s %12s\n", variant_names[v], "FAILED");
+      continue;
+    }
+    printf("%-30s %12.3f %8.2fx %11.3f %12.3f %9.3f %11.5f\n", variant_names[v], r->median_ms,
+           r->median_ms / base, mib((double)r->bytes), mib(r->formula_bytes),
+           mib((double)r->comm_bytes), (double)r->final_loss);
+  }
+  printf(
+      "step ms: median; vs plain: step time / plain loop's (lower is faster). MiB/rank: "
+      "measured (sg_memory total, comm scratch included; plain: its own allocations, f32).\n"
+      "formula: DESIGN.md section 3 on the padded plan size, without comm scratch, staging "
+      "S*B with B capped at the model's gradient size.%s\n",
+      o->mpi ? "" : " The threads' shared sum buffer of the plain loop is not counted.");
+  mlp_free(&m);
+}
+
+/* ---- main ---------------------------------------------------------------------------------- */
+
+static int parse_int(const char *s, int lo, int *out) {
+  char *end = NULL;
+  errno = 0;
+  const long v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > (1L << 30)) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+static int parse_args(int argc, char **argv, options *o) {
+  *o = (options){.ranks = 2,
+                 .steps = 30,
+                 .warmup = 5,
+                 .batch = 16,
+                 .hidden = 512,
+                 .layers = 4,
+                 .dtype = SG_F32,
+                 .bucket_mb = 1.0,
+                 .lr = 1e-3f};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
+    int rc = 0;
+    if (!strcmp(a, "--mpi")) {
+      o->mpi = 1;
+      continue;
+    }
+    if (!strcmp(a, "--ranks"))
+      rc = parse_int(v, 1, &o->ranks);
+    else if (!strcmp(a, "--steps"))
+      rc = parse_int(v, 1, &o->steps);
+    else if (!strcmp(a, "--warmup"))
+      rc = parse_int(v, 0, &o->warmup);
+    else if (!strcmp(a, "--batch"))
+      rc = parse_int(v, 1, &o->batch);
+    else if (!strcmp(a, "--hidden"))
+      rc = parse_int(v, 1, &o->hidden);
+    else if (!strcmp(a, "--layers"))
+      rc = parse_int(v, 1, &o->layers) || o->layers > MLP_MAX_LAYERS;
+    else if (!strcmp(a, "--bucket-mb"))
+      rc = (o->bucket_mb = atof(v)) <= 0.0;
+    else if (!strcmp(a, "--lr"))
+      rc = (o->lr = (float)atof(v)) <= 0.0f;
+    else if (!strcmp(a, "--dtype")) {
+      if (!strcmp(v, "f32"))
+        o->dtype = SG_F32;
+      else if (!strcmp(v, "bf16"))
+        o->dtype = SG_BF16;
+      else if (!strcmp(v, "f16"))
+        o->dtype = SG_F16;
+      else
+        rc = -1;
+    } else
+      rc = -1;
+    if (rc) {
+      fprintf(stderr,
+              "usage: bench_step [--ranks N | --mpi] [--steps N] [--warmup N] "
+              "[--batch N] [--hidden N] [--layers N] [--bucket-mb X] [--lr X] "
+              "[--dtype f32|bf16|f16]\n");
+      return -1;
+    }
+    i++;
+  }
+  return 0;
+}
+
+static int run_threads(const options *o) {
+  const int w = o->ranks;
+  sg_comm **comms = calloc((size_t)w, sizeof *comms);
+  rank_ctx *ctx = calloc((size_t)w, sizeof *ctx);
+  pthread_t *th = calloc((size_t)w, sizeof *th);
+  shared sh = {.n = 0};
+  int rc = 1;
+  mlp_model m;
+  if (!comms || !ctx || !th || mlp_init(&m, o->layers, o->hidden, 1, 1) != 0) goto done;
+  sh.n = m.total_numel;
+  mlp_free(&m);
+  if (!(sh.sum = calloc(sh.n, sizeof(float)))) goto done;
+  pthread_mutex_init(&sh.mu, NULL);
+  pthread_barrier_init(&sh.bar, NULL, (unsigned)w);
+  sg_status st = sg_comm_create_local(w, comms);
+  if (st != SG_OK) {
+    fprintf(stderr, "bench_step: sg_comm_create_local: %s\n", sg_last_error());
+    goto destroy;
+  }
+  int started = 0;
+  for (; started < w; started++) {
+    ctx[started] =
+        (rank_ctx){.o = o, .comm = comms[started], .sh = &sh, .rank = started, .world = w};
+    if (pthread_create(&th[started], NULL, rank_main, &ctx[started]) != 0) break;
+  }
+  rc = started == w ? 0 : 1; /* a missing thread leaves the others at a barrier: report, exit */
+  if (rc) {
+    fprintf(stderr, "bench_step: pthread_create failed\n");
+    exit(1);
+  }
+  for (int i = 0; i < w; i++) {
+    pthread_join(th[i], NULL);
+    rc |= ctx[i].rc;
+  }
+  print_table(o, &ctx[0]);
+  for (int i = 0; i < w; i++) sg_comm_destroy(comms[i]);
+destroy:
+  pthread_barrier_destroy(&sh.bar);
+  pthread_mutex_destroy(&sh.mu);
+done:
+  free(sh.sum);
+  free(comms);
+  free(ctx);
+  free(th);
+  return rc;
+}
+
+static int run_mpi(const options *o) {
+#ifdef SG_HAVE_MPI
+  int provided = 0, rc = 1;
+  MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
+  rank_ctx c = {.o = o};
+  const sg_status st = sg_comm_create_mpi(NULL, &c.comm);
+  if (st != SG_OK) {
+    fprintf(stderr, "bench_step: sg_comm_create_mpi: %s\n", sg_last_error());
+    goto done;
+  }
+  c.rank = sg_comm_rank(c.comm);
+  c.world = sg_comm_size(c.comm);
+  rank_main(&c);
+  if (c.rank == 0) print_table(o, &c);
+  rc = c.rc;
+  sg_comm_destroy(c.comm);
+done:
+  MPI_Finalize(); /* we initialized MPI, so the library leaves finalizing to us */
+  return rc;
+#else
+  (void)o;
+  fprintf(stderr, "bench_step: built without MPI (--mpi unavailable)\n");
+  return 1;
+#endif
+}
+
+int main(int argc, char **argv) {
+  options o;
+  if (parse_args(argc, argv, &o) != 0) return 64;
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  return o.mpi ? run_mpi(&o) : run_threads(&o);
+}

@@ -1,0 +1,16 @@
+# Smoke tests of the MLP example: a short run whose loss must halve (--check), with 2 ranks as
+# threads (label local) and under mpirun -np 2 (label mpi).
+set(SG_MLP_DIR ${PROJECT_SOURCE_DIR}/examples/mlp)
+sg_add_test(test_mlp SOURCES ${SG_MLP_DIR}/mlp.c ${SG_MLP_DIR}/mlp_model.c
+  ARGS --ranks 2 --steps 40 --hidden 32 --layers 3 --batch 16 --micro-batches 2
+       --bucket-mb 0.004 --lr 0.01 --log-every 10 --check
+  LABELS local TIMEOUT 300)
+target_include_directories(test_mlp PRIVATE ${SG_MLP_DIR})
+sg_add_test(test_mlp_bf16_nosync SOURCES ${SG_MLP_DIR}/mlp.c ${SG_MLP_DIR}/mlp_model.c
+  ARGS --ranks 3 --steps 40 --hidden 32 --layers 2 --batch 16 --micro-batches 3 --no-sync
+       --dtype bf16 --strategy shard_opt --bucket-mb 0.004 --lr 0.01 --log-every 10 --check
+  LABELS local TIMEOUT 300)
+target_include_directories(test_mlp_bf16_nosync PRIVATE ${SG_MLP_DIR})
+sg_add_mpi_test(test_mlp_mpi EXE test_mlp NP 2
+  ARGS --mpi --steps 40 --hidden 32 --layers 3 --batch 16 --bucket-mb 0.004 --lr 0.01
+       --log-every 10 --check)
