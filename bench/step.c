@@ -42,6 +42,7 @@ typedef struct result {
   double median_ms;
   size_t bytes, comm_bytes; /* measured per rank (comm scratch included in bytes) */
   double formula_bytes;     /* DESIGN.md section 3 */
+  sg_memory_stats mem;      /* the engine's breakdown */
   float final_loss;
   int ok;
 } result;
@@ -275,6 +276,7 @@ static int run_engine(rank_ctx *c, mlp_model *m, sg_strategy strategy, double *t
     result *r = &c->res[strategy + 1];
     r->bytes = mem.total_bytes;
     r->comm_bytes = mem.comm_bytes;
+    r->mem = mem;
     r->formula_bytes = formula(&cfg, &mem);
   }
   mlp_engine_free(&me);
@@ -338,6 +340,15 @@ static void print_table(const options *o, const rank_ctx *c0) {
            r->median_ms / base, mib((double)r->bytes), mib(r->formula_bytes),
            mib((double)r->comm_bytes), (double)r->final_loss);
   }
+  printf("engine memory per rank by category (MiB):\n%-30s %9s %9s %9s %9s %9s\n", "", "params",
+         "grads", "master", "optim", "comm");
+  for (int v = V_NO_SHARD; v < V_COUNT; v++) {
+    const sg_memory_stats *s = &c0->res[v].mem;
+    if (c0->res[v].ok)
+      printf("%-30s %9.3f %9.3f %9.3f %9.3f %9.3f\n", variant_names[v],
+             mib((double)s->params_bytes), mib((double)s->grads_bytes),
+             mib((double)s->master_bytes), mib((double)s->optim_bytes), mib((double)s->comm_bytes));
+  }
   printf(
       "step ms: median; vs plain: step time / plain loop's (lower is faster). MiB/rank: "
       "measured (sg_memory total, comm scratch included; plain: its own allocations, f32).\n"
@@ -360,7 +371,7 @@ static int parse_int(const char *s, int lo, int *out) {
 
 static int parse_args(int argc, char **argv, options *o) {
   *o = (options){.ranks = 2,
-                 .steps = 30,
+                 .steps = 50,
                  .warmup = 5,
                  .batch = 16,
                  .hidden = 512,
