@@ -156,7 +156,8 @@ SG_HD uint64_t sg_elem_mix64(uint64_t z) {
   return z;
 }
 
-/* Random bits for element `index` (global flat index) at optimizer step `step`. A pure function
+/* Random bits for element `index` (a counter that names the element independently of the
+ * layout, see sg__seg.sr_index) at optimizer step `step`. A pure function
  * of its arguments, so stochastic rounding does not depend on the rank count or launch shape.
  * The key depends only on (seed, step), so loops can hoist it. */
 SG_HD uint32_t sg_elem_hash64(uint64_t seed, uint64_t step, uint64_t index) {

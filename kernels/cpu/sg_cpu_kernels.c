@@ -261,7 +261,7 @@ typedef struct adamw_ctx {
  * below becomes its own loop without dtype tests inside; every branch on pdt/gdt/has_master/sr
  * folds away. The pointers are already offset to the run's first element. */
 SG_CPU_INLINE void adamw_run(void *param, float *master, float *mom, float *var, const void *grad,
-                             size_t n, size_t flat_off, adamw_ctx c, const int pdt,
+                             size_t n, uint64_t sr_base, adamw_ctx c, const int pdt,
                              const int gdt, const int has_master, const int sr) {
   float *restrict pf = (float *)param;
   uint16_t *restrict ph = (uint16_t *)param;
@@ -283,7 +283,7 @@ SG_CPU_INLINE void adamw_run(void *param, float *master, float *mom, float *var,
     if (pdt == 0)
       pf[i] = p;
     else if (pdt == 1 && sr)
-      ph[i] = sg_elem_f32_to_bf16_sr(p, sg_elem_hash64(c.seed, c.step, flat_off + i));
+      ph[i] = sg_elem_f32_to_bf16_sr(p, sg_elem_hash64(c.seed, c.step, sr_base + i));
     else if (pdt == 1)
       ph[i] = sg_elem_f32_to_bf16(p);
     else
@@ -294,8 +294,8 @@ SG_CPU_INLINE void adamw_run(void *param, float *master, float *mom, float *var,
 /* Picks the specialised loop for one run of a segment. The common cases (f32 or bf16 grads;
  * f32 params without master, bf16/f16 params with master) get their own loops; anything else
  * (f16 grads, f32 params with a separate master) takes the fully general one. */
-static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_off, size_t n,
-                       adamw_ctx c) {
+static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_off,
+                       uint64_t sr_base, size_t n, adamw_ctx c) {
   const size_t pes = a->param_dtype == 0 ? 4u : 2u, ges = a->grad_dtype == 0 ? 4u : 2u;
   void *p = (char *)a->param + flat_off * pes;
   float *mst = a->master ? a->master + shard_off : NULL;
@@ -304,14 +304,14 @@ static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_of
   const int sr = a->stochastic_rounding && a->param_dtype == 1;
   const int key = a->param_dtype * 100 + a->grad_dtype * 10 + (mst != NULL) * 2 + sr;
   switch (key) {
-    case 0: adamw_run(p, mst, m, v, g, n, flat_off, c, 0, 0, 0, 0); break;    /* f32, f32 grad */
-    case 10: adamw_run(p, mst, m, v, g, n, flat_off, c, 0, 1, 0, 0); break;   /* f32, bf16 grad */
-    case 102: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 0, 1, 0); break;  /* bf16 */
-    case 103: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 0, 1, 1); break;  /* bf16, SR */
-    case 112: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 1, 1, 0); break;  /* bf16 everywhere */
-    case 113: adamw_run(p, mst, m, v, g, n, flat_off, c, 1, 1, 1, 1); break;
-    case 202: adamw_run(p, mst, m, v, g, n, flat_off, c, 2, 0, 1, 0); break;  /* f16 */
-    case 212: adamw_run(p, mst, m, v, g, n, flat_off, c, 2, 1, 1, 0); break;
+    case 0: adamw_run(p, mst, m, v, g, n, sr_base, c, 0, 0, 0, 0); break;    /* f32, f32 grad */
+    case 10: adamw_run(p, mst, m, v, g, n, sr_base, c, 0, 1, 0, 0); break;   /* f32, bf16 grad */
+    case 102: adamw_run(p, mst, m, v, g, n, sr_base, c, 1, 0, 1, 0); break;  /* bf16 */
+    case 103: adamw_run(p, mst, m, v, g, n, sr_base, c, 1, 0, 1, 1); break;  /* bf16, SR */
+    case 112: adamw_run(p, mst, m, v, g, n, sr_base, c, 1, 1, 1, 0); break;  /* bf16 everywhere */
+    case 113: adamw_run(p, mst, m, v, g, n, sr_base, c, 1, 1, 1, 1); break;
+    case 202: adamw_run(p, mst, m, v, g, n, sr_base, c, 2, 0, 1, 0); break;  /* f16 */
+    case 212: adamw_run(p, mst, m, v, g, n, sr_base, c, 2, 1, 1, 0); break;
     default: {
       /* general: one element at a time through the dtype-dispatching helpers */
       for (size_t i = 0; i < n; i++) {
@@ -321,7 +321,7 @@ static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_of
         if (mst) mst[i] = pi;
         if (sr)
           ((uint16_t *)p)[i] =
-              sg_elem_f32_to_bf16_sr(pi, sg_elem_hash64(c.seed, c.step, flat_off + i));
+              sg_elem_f32_to_bf16_sr(pi, sg_elem_hash64(c.seed, c.step, sr_base + i));
         else
           sg_elem_store(p, a->param_dtype, i, pi);
       }
@@ -338,7 +338,8 @@ static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, adamw_ctx
     size_t b = lo > pos ? lo - pos : 0;
     size_t e = hi - pos < sg->len ? hi - pos : sg->len;
     if (b < e)
-      adamw_span(a, sg->shard_off + b, sg->flat_off + b, e - b, sg->decay ? c : c_nodecay);
+      adamw_span(a, sg->shard_off + b, sg->flat_off + b, sg->sr_index + b, e - b,
+                 sg->decay ? c : c_nodecay);
     pos += sg->len;
   }
 }
