@@ -1,0 +1,30 @@
+"""shardgrad: sharded data-parallel training (ZeRO-2 / FSDP SHARD_GRAD_OP) through ctypes.
+
+    import shardgrad as sg
+    comm = sg.Comm.mpi()                      # or sg.Comm.local(n) for n threads
+    with sg.Engine(comm, lr=1e-3, max_grad_norm=1.0) as e:
+        ...
+
+PyTorch integration: shardgrad.torch.ShardedAdamW (imported on demand; needs torch).
+The C library is found through SHARDGRAD_LIBRARY, next to this package, or the system path.
+"""
+
+from ._lib import LibraryNotFoundError, library_path
+from ._structs import PARAM_NO_DECAY, DType, Device, Status, Strategy
+from .config import Config
+from .core import (Comm, Engine, MemoryStats, StepInfo, estimate_memory, has_backend,
+                   last_error, run_threads, status_string, version)
+from .errors import (CommError, CorruptError, CudaError, InternalError, InvalidArgumentError,
+                     InvalidStateError, MismatchError, OutOfMemoryError, ShardgradError,
+                     ShardgradIOError, ShardgradTimeoutError, UnsupportedError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LibraryNotFoundError", "library_path", "PARAM_NO_DECAY", "DType", "Device", "Status",
+    "Strategy", "Config", "Comm", "Engine", "MemoryStats", "StepInfo", "estimate_memory",
+    "has_backend", "last_error", "run_threads", "status_string", "version", "ShardgradError",
+    "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError", "UnsupportedError",
+    "MismatchError", "CommError", "ShardgradTimeoutError", "ShardgradIOError", "CorruptError",
+    "CudaError", "InternalError",
+]

@@ -1,0 +1,192 @@
+"""Loading libshardgrad and declaring every C function's prototype for ctypes.
+
+The library is found, in this order, through:
+  1. the SHARDGRAD_LIBRARY environment variable (a file, or a directory holding libshardgrad.so),
+  2. a copy next to this package (shardgrad/libshardgrad.so, shardgrad/lib/libshardgrad.so),
+  3. the system search path (LD_LIBRARY_PATH, ldconfig; ctypes.util.find_library).
+When none works the error lists every path tried and why it failed.
+
+ctypes.CDLL releases the GIL for the duration of each foreign call, so ranks driven by Python
+threads (Comm.local) really run their collectives concurrently.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import sys
+import threading
+
+from ._structs import SgConfig, SgMemoryStats, SgStepInfo
+
+__all__ = ["LibraryNotFoundError", "load", "library_path", "PROTOTYPES", "OPTIONAL"]
+
+_c_int = ctypes.c_int
+_c_float = ctypes.c_float
+_c_size = ctypes.c_size_t
+_c_char_p = ctypes.c_char_p
+_vp = ctypes.c_void_p
+_status = ctypes.c_int  # sg_status is a C enum: int-sized
+_dtype = ctypes.c_int  # sg_dtype
+_pp = ctypes.POINTER(ctypes.c_void_p)  # sg_comm ** / sg_engine ** / void **
+_fp = ctypes.POINTER(ctypes.c_float)
+
+# name: (restype, argtypes). Every SG_API function of include/shardgrad.h is listed here; the
+# tests parse the header and fail when one is missing.
+PROTOTYPES = {
+    # status, version, backends
+    "sg_status_string": (_c_char_p, [_status]),
+    "sg_last_error": (_c_char_p, []),
+    "sg_version": (_c_int, []),
+    "sg_has_backend": (_c_int, [_c_char_p]),
+    # communicators
+    "sg_comm_create_local": (_status, [_c_int, _pp]),
+    "sg_comm_create_mpi": (_status, [_vp, _pp]),
+    "sg_comm_rank": (_c_int, [_vp]),
+    "sg_comm_size": (_c_int, [_vp]),
+    "sg_comm_destroy": (None, [_vp]),
+    # configuration
+    "sg_config_init": (_status, [ctypes.POINTER(SgConfig), _c_size]),
+    # engine
+    "sg_engine_create": (_status, [_vp, ctypes.POINTER(SgConfig), _pp]),
+    "sg_add_param": (_status, [_vp, _c_char_p, _c_size, ctypes.c_uint32,
+                               ctypes.POINTER(_c_int)]),
+    "sg_finalize": (_status, [_vp]),
+    "sg_param_ptr": (_status, [_vp, _c_int, _pp]),
+    "sg_set_param": (_status, [_vp, _c_int, _vp, _dtype]),
+    "sg_get_param": (_status, [_vp, _c_int, _vp, _dtype]),
+    "sg_broadcast_params": (_status, [_vp, _c_int]),
+    "sg_get_master": (_status, [_vp, _c_int, _fp]),
+    "sg_get_optim_state": (_status, [_vp, _c_int, _c_int, _fp]),
+    "sg_grad_ptr": (_status, [_vp, _c_int, _pp]),
+    "sg_grad_ready": (_status, [_vp, _c_int]),
+    "sg_grad_add": (_status, [_vp, _c_int, _vp, _dtype]),
+    "sg_backward_end": (_status, [_vp]),
+    "sg_set_sync": (_status, [_vp, _c_int]),
+    "sg_step": (_status, [_vp, ctypes.POINTER(SgStepInfo)]),
+    "sg_set_lr": (_status, [_vp, _c_float]),
+    "sg_get_loss_scale": (_status, [_vp, _fp]),
+    "sg_memory": (_status, [_vp, ctypes.POINTER(SgMemoryStats)]),
+    "sg_estimate_memory": (_status, [ctypes.POINTER(SgConfig), ctypes.POINTER(_c_size), _c_int,
+                                     _c_int, ctypes.POINTER(SgMemoryStats)]),
+    "sg_engine_destroy": (None, [_vp]),
+    # Named in DESIGN.md section 7 but not (yet) in every build of the library: bound when the
+    # library exports them, otherwise the Python method raises UnsupportedError.
+    "sg_comm_create_nccl_mpi": (_status, [_vp, _pp]),
+    "sg_nccl_unique_id": (_status, [_vp]),
+    "sg_comm_create_nccl": (_status, [_c_int, _c_int, _vp, _c_int, _pp]),
+    "sg_set_stream": (_status, [_vp, _vp]),
+    "sg_save": (_status, [_vp, _c_char_p]),
+    "sg_load": (_status, [_vp, _c_char_p]),
+    "sg_export": (_status, [_vp, _c_char_p]),
+    "sg_import": (_status, [_vp, _c_char_p]),
+}
+
+# Functions the library may lack (see above); every other entry must be exported.
+OPTIONAL = frozenset({
+    "sg_comm_create_nccl_mpi", "sg_nccl_unique_id", "sg_comm_create_nccl", "sg_set_stream",
+    "sg_save", "sg_load", "sg_export", "sg_import",
+})
+
+
+class LibraryNotFoundError(ImportError):
+    """libshardgrad could not be loaded; .tried lists (path, reason) for every attempt."""
+
+    def __init__(self, tried):
+        self.tried = list(tried)
+        lines = ["cannot load libshardgrad; tried:"]
+        lines += ["  %s: %s" % (p, why) for p, why in self.tried]
+        lines.append("build it (cmake --build build --target shardgrad) and set "
+                     "SHARDGRAD_LIBRARY=/path/to/libshardgrad.so")
+        super().__init__("\n".join(lines))
+
+
+def _lib_filenames():
+    if sys.platform == "darwin":
+        return ["libshardgrad.dylib"]
+    if sys.platform.startswith("win"):
+        return ["shardgrad.dll", "libshardgrad.dll"]
+    return ["libshardgrad.so", "libshardgrad.so.0"]
+
+
+def _candidates():
+    """(path, where) in search order."""
+    out = []
+    env = os.environ.get("SHARDGRAD_LIBRARY")
+    if env:
+        if os.path.isdir(env):
+            out += [(os.path.join(env, n), "SHARDGRAD_LIBRARY") for n in _lib_filenames()]
+        else:
+            out.append((env, "SHARDGRAD_LIBRARY"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (here, os.path.join(here, "lib")):
+        out += [(os.path.join(d, n), "next to the package") for n in _lib_filenames()]
+    found = ctypes.util.find_library("shardgrad")
+    if found:
+        out.append((found, "ctypes.util.find_library"))
+    out += [(n, "system search path") for n in _lib_filenames()]
+    return out
+
+
+# Open MPI loads its components with dlopen and they need libmpi's symbols in the global
+# namespace, so the library (and libmpi with it) is loaded RTLD_GLOBAL.
+_MODE = getattr(os, "RTLD_GLOBAL", 0) | getattr(os, "RTLD_NOW", 0)
+
+_lock = threading.Lock()
+_lib = None
+_path = None
+
+
+def _declare(lib):
+    for name, (restype, argtypes) in PROTOTYPES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if name in OPTIONAL:
+                continue
+            raise OSError("libshardgrad at %s does not export %s: it is older than this binding"
+                          % (_path, name))
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def _open(path):
+    is_file_path = os.sep in path
+    if is_file_path and not os.path.exists(path):
+        raise OSError("no such file")
+    return ctypes.CDLL(path, mode=_MODE)
+
+
+def load():
+    """The loaded library (ctypes.CDLL), loading it on first use."""
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for path, where in _candidates():
+            try:
+                lib = _open(path)
+            except OSError as ex:
+                tried.append(("%s (%s)" % (path, where), str(ex) or type(ex).__name__))
+                continue
+            if not hasattr(lib, "sg_version"):
+                tried.append(("%s (%s)" % (path, where), "loaded, but it has no sg_version"))
+                continue
+            _path = path
+            _declare(lib)
+            _lib = lib
+            return _lib
+        raise LibraryNotFoundError(tried)
+
+
+def library_path():
+    """Path (or name) the library was loaded from."""
+    load()
+    return _path
+
+
+def has(name):
+    """True when the loaded library exports C function `name`."""
+    return hasattr(load(), name)

@@ -1,0 +1,95 @@
+"""ctypes mirrors of the structs and enums of include/shardgrad.h.
+
+Field order and types follow the header exactly; the tests compare sizes and offsets with a C
+program compiled against the header. C enums are int-sized (all values fit in an int).
+"""
+
+import ctypes
+import enum
+
+__all__ = ["Status", "DType", "Device", "Strategy", "PARAM_NO_DECAY", "SgConfig", "SgStepInfo",
+           "SgMemoryStats"]
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    ERR_INVALID_ARGUMENT = 1
+    ERR_INVALID_STATE = 2
+    ERR_OUT_OF_MEMORY = 3
+    ERR_UNSUPPORTED = 4
+    ERR_MISMATCH = 5
+    ERR_COMM = 6
+    ERR_TIMEOUT = 7
+    ERR_IO = 8
+    ERR_CORRUPT = 9
+    ERR_CUDA = 10
+    ERR_INTERNAL = 11
+
+
+class DType(enum.IntEnum):
+    F32 = 0
+    BF16 = 1
+    F16 = 2
+
+
+class Device(enum.IntEnum):
+    CPU = 0
+    CUDA = 1
+
+
+class Strategy(enum.IntEnum):
+    NO_SHARD = 0
+    SHARD_OPT = 1
+    SHARD_GRAD_OP = 2
+
+
+PARAM_NO_DECAY = 1
+
+
+class SgConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("strategy", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("cuda_device", ctypes.c_int),
+        ("param_dtype", ctypes.c_int),
+        ("grad_dtype", ctypes.c_int),
+        ("reduce_dtype", ctypes.c_int),
+        ("accum_dtype", ctypes.c_int),
+        ("bucket_bytes", ctypes.c_size_t),
+        ("staging_buckets", ctypes.c_int),
+        ("lr", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("max_grad_norm", ctypes.c_float),
+        ("grad_average", ctypes.c_int),
+        ("loss_scale", ctypes.c_float),
+        ("init_loss_scale", ctypes.c_float),
+        ("scale_window", ctypes.c_int),
+        ("min_loss_scale", ctypes.c_float),
+        ("skip_nonfinite", ctypes.c_int),
+        ("stochastic_rounding", ctypes.c_int),
+        ("seed", ctypes.c_uint64),
+        ("timeout_ms", ctypes.c_int),
+    ]
+
+
+class SgStepInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("step", ctypes.c_uint64),
+        ("grad_norm", ctypes.c_float),
+        ("clip_coef", ctypes.c_float),
+        ("loss_scale", ctypes.c_float),
+        ("skipped", ctypes.c_int),
+    ]
+
+
+class SgMemoryStats(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (n, ctypes.c_size_t) for n in (
+            "params_bytes", "grads_bytes", "master_bytes", "optim_bytes", "comm_bytes",
+            "total_bytes", "peak_bytes", "numel", "shard_numel")
+    ]

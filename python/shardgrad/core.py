@@ -1,0 +1,670 @@
+"""Comm and Engine: Python objects over the sg_comm and sg_engine handles."""
+
+import atexit
+import ctypes
+import dataclasses
+import math
+import sys
+import threading
+import weakref
+
+import numpy as np
+
+from . import _lib
+from ._structs import DType, Device, PARAM_NO_DECAY, SgMemoryStats, SgStepInfo
+from .config import Config, to_dtype
+from .errors import InvalidArgumentError, InvalidStateError, UnsupportedError, check
+
+__all__ = ["Comm", "Engine", "StepInfo", "MemoryStats", "estimate_memory", "run_threads",
+           "version", "has_backend", "status_string", "last_error"]
+
+# numpy dtype of each sg_dtype; bf16 has no numpy type and is viewed as its bits (uint16).
+_NP_DTYPE = {DType.F32: np.dtype(np.float32), DType.BF16: np.dtype(np.uint16),
+             DType.F16: np.dtype(np.float16)}
+_ITEMSIZE = {DType.F32: 4, DType.BF16: 2, DType.F16: 2}
+
+# Live handles, closed at interpreter exit (engines first): an MPI communicator that is never
+# destroyed leaves MPI unfinalized, which mpirun reports as a failure.
+_live_engines = weakref.WeakSet()
+_live_comms = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    for e in list(_live_engines):
+        try:
+            e.close()
+        except Exception:
+            pass
+    for c in list(_live_comms):
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+def _call(name, *args):
+    lib = _lib.load()
+    fn = getattr(lib, name, None)
+    if fn is None:
+        raise UnsupportedError("%s is not exported by %s" % (name, _lib.library_path()),
+                               function=name)
+    check(lib, fn(*args), name)
+
+
+def version():
+    """(major, minor, patch) of the loaded library."""
+    v = _lib.load().sg_version()
+    return (v // 10000, v // 100 % 100, v % 100)
+
+
+def has_backend(name):
+    return bool(_lib.load().sg_has_backend(name.encode()))
+
+
+def status_string(status):
+    return _lib.load().sg_status_string(int(status)).decode()
+
+
+def last_error():
+    """This thread's last failure text from the library ("" when none)."""
+    raw = _lib.load().sg_last_error()
+    return raw.decode("utf-8", "replace") if raw else ""
+
+
+# ------------------------------------------------------------------------------------------
+# communicators
+
+
+class Comm:
+    """A communicator handle (sg_comm). Create with Comm.local(n) or Comm.mpi()."""
+
+    def __init__(self, handle, kind):
+        self._h = handle
+        self.kind = kind
+        self._users = 0  # engines using it
+        self._close_pending = False
+        _live_comms.add(self)
+
+    @classmethod
+    def local(cls, world):
+        """`world` ranks as threads of this process: a list of communicators, comms[r] to be
+        driven by its own thread (see run_threads)."""
+        if isinstance(world, bool) or not isinstance(world, int):
+            raise TypeError("Comm.local: world must be an int, got %r" % (world,))
+        if not 1 <= world <= 4096:
+            raise InvalidArgumentError("Comm.local: world must be in 1..4096 (got %d)" % world,
+                                       function="sg_comm_create_local")
+        arr = (ctypes.c_void_p * world)()
+        _call("sg_comm_create_local", world, arr)
+        return [cls(arr[r], "local") for r in range(world)]
+
+    @classmethod
+    def mpi(cls, comm=None):
+        """One rank per process over MPI. `comm`: an mpi4py communicator (default
+        MPI_COMM_WORLD). Without mpi4py the library initializes MPI itself, and finalizes it
+        when the last communicator is closed."""
+        ptr = None
+        if comm is not None:
+            try:
+                from mpi4py import MPI
+            except ImportError:
+                raise UnsupportedError("Comm.mpi: passing a communicator needs mpi4py",
+                                       function="sg_comm_create_mpi")
+            ptr = ctypes.c_void_p(MPI._addressof(comm))
+        h = ctypes.c_void_p()
+        _call("sg_comm_create_mpi", ptr, ctypes.byref(h))
+        return cls(h.value, "mpi")
+
+    @classmethod
+    def nccl_mpi(cls, comm=None):
+        """NCCL communicator bootstrapped over MPI (CUDA builds)."""
+        ptr = None
+        if comm is not None:
+            from mpi4py import MPI
+            ptr = ctypes.c_void_p(MPI._addressof(comm))
+        h = ctypes.c_void_p()
+        _call("sg_comm_create_nccl_mpi", ptr, ctypes.byref(h))
+        return cls(h.value, "nccl")
+
+    @staticmethod
+    def nccl_unique_id():
+        """A 128-byte NCCL unique id (bytes) for Comm.nccl on every rank."""
+        buf = ctypes.create_string_buffer(128)
+        _call("sg_nccl_unique_id", buf)
+        return buf.raw
+
+    @classmethod
+    def nccl(cls, rank, world, unique_id, cuda_device=-1):
+        if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != 128:
+            raise InvalidArgumentError("Comm.nccl: unique_id must be 128 bytes",
+                                       function="sg_comm_create_nccl")
+        buf = ctypes.create_string_buffer(bytes(unique_id), 128)
+        h = ctypes.c_void_p()
+        _call("sg_comm_create_nccl", int(rank), int(world), buf, int(cuda_device),
+              ctypes.byref(h))
+        return cls(h.value, "nccl")
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise InvalidStateError("Comm is closed", function="python")
+        return self._h
+
+    @property
+    def rank(self):
+        return _lib.load().sg_comm_rank(self.handle)
+
+    @property
+    def size(self):
+        return _lib.load().sg_comm_size(self.handle)
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def close(self):
+        """Destroys the communicator. Not allowed while an Engine still uses it."""
+        if self._h is None:
+            return
+        if self._users:
+            raise InvalidStateError("Comm.close: %d engine(s) still use this communicator; "
+                                    "close them first" % self._users, function="python")
+        h, self._h = self._h, None
+        _live_comms.discard(self)
+        _lib.load().sg_comm_destroy(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if self._h is not None:
+                if self._users:
+                    self._close_pending = True  # the last engine closes it
+                else:
+                    self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        if self._h is None:
+            return "<shardgrad.Comm closed>"
+        return "<shardgrad.Comm %s rank %d of %d>" % (self.kind, self.rank, self.size)
+
+
+def run_threads(world, fn, *args, **kwargs):
+    """Runs fn(comm, *args, **kwargs) for every rank of Comm.local(world), each in its own
+    thread; returns the results by rank. The first exception (by rank) is re-raised after all
+    threads ended; a rank that fails leaves the others waiting in their next collective until
+    the config's timeout_ms, so keep it short in tests."""
+    comms = Comm.local(world)
+    results = [None] * world
+    errors = [None] * world
+
+    def body(r):
+        try:
+            results[r] = fn(comms[r], *args, **kwargs)
+        except BaseException as ex:  # noqa: B902 - re-raised below, in the caller's thread
+            errors[r] = ex
+
+    threads = [threading.Thread(target=body, args=(r,), name="shardgrad-rank%d" % r)
+               for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for c in comms:
+            try:
+                c.close()
+            except InvalidStateError:
+                c._close_pending = True
+    for ex in errors:
+        if ex is not None:
+            raise ex
+    return results
+
+
+# ------------------------------------------------------------------------------------------
+# results
+
+
+@dataclasses.dataclass
+class StepInfo:
+    step: int
+    grad_norm: float
+    clip_coef: float
+    loss_scale: float
+    skipped: bool
+
+
+@dataclasses.dataclass
+class MemoryStats:
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optim_bytes: int
+    comm_bytes: int
+    total_bytes: int
+    peak_bytes: int
+    numel: int
+    shard_numel: int
+
+    @classmethod
+    def _from(cls, s):
+        return cls(**{f.name: int(getattr(s, f.name)) for f in dataclasses.fields(cls)})
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    def __str__(self):
+        mib = 1 << 20
+        return ("params %.2f MiB, grads %.2f MiB, master %.2f MiB, optim %.2f MiB, comm %.2f "
+                "MiB, total %.2f MiB (peak %.2f MiB), %d elements, %d per rank" % (
+                    self.params_bytes / mib, self.grads_bytes / mib, self.master_bytes / mib,
+                    self.optim_bytes / mib, self.comm_bytes / mib, self.total_bytes / mib,
+                    self.peak_bytes / mib, self.numel, self.shard_numel))
+
+
+def _stats_struct():
+    return SgMemoryStats(struct_size=ctypes.sizeof(SgMemoryStats))
+
+
+def estimate_memory(numels, world, config=None, **kwargs):
+    """Memory per rank for parameters of the given sizes at `world` ranks, without allocating."""
+    cfg = config if config is not None else Config(**kwargs)
+    if config is not None and kwargs:
+        cfg = config.copy(**kwargs)
+    numels = [int(n) for n in numels]
+    if not numels:
+        raise InvalidArgumentError("estimate_memory: no parameters", function="python")
+    arr = (ctypes.c_size_t * len(numels))(*numels)
+    out = _stats_struct()
+    _call("sg_estimate_memory", ctypes.byref(cfg.struct), arr, len(numels), int(world),
+          ctypes.byref(out))
+    return MemoryStats._from(out)
+
+
+# ------------------------------------------------------------------------------------------
+# zero-copy views
+
+
+def _host_buffer(ptr, nbytes, owner):
+    """A writable ctypes buffer over library memory; it keeps `owner` (the Engine) alive."""
+    buf = (ctypes.c_char * nbytes).from_address(ptr)
+    buf._sg_owner = owner
+    return buf
+
+
+class _CudaArray:
+    """Just enough __cuda_array_interface__ for torch.as_tensor / cupy / numba."""
+
+    def __init__(self, ptr, shape, typestr, owner):
+        self._owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 2,
+            "strides": None, "stream": None}
+
+
+_TORCH_DTYPE_NAMES = {DType.F32: "float32", DType.BF16: "bfloat16", DType.F16: "float16"}
+
+
+def _torch_view(ptr, numel, dtype, shape, device, owner):
+    import torch
+    tdt = getattr(torch, _TORCH_DTYPE_NAMES[dtype])
+    if device == Device.CUDA:
+        # CUDA array interface has no bf16 type string: view the bits as int16.
+        typestr = {DType.F32: "<f4", DType.BF16: "<i2", DType.F16: "<f2"}[dtype]
+        t = torch.as_tensor(_CudaArray(ptr, (numel,), typestr, owner), device="cuda")
+        if dtype == DType.BF16:
+            t = t.view(torch.bfloat16)
+        return t.view(shape)
+    buf = _host_buffer(ptr, numel * _ITEMSIZE[dtype], owner)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = torch.frombuffer(buf, dtype=tdt, count=numel)
+    return t.view(shape)
+
+
+def _is_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _src_pointer(src, numel, what, dtype=None, device=Device.CPU):
+    """(pointer, sg dtype, keepalive) for an array or tensor of exactly `numel` elements."""
+    if _is_tensor(src):
+        t = src.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel() != numel:
+            raise InvalidArgumentError("%s: tensor has %d elements, parameter has %d"
+                                       % (what, t.numel(), numel), function="python")
+        dt = to_dtype(dtype if dtype is not None else t.dtype, what)
+        if (t.device.type == "cuda") != (device == Device.CUDA):
+            raise InvalidArgumentError("%s: tensor on %s but the engine runs on %s"
+                                       % (what, t.device, device.name), function="python")
+        return t.data_ptr(), dt, t
+    a = np.ascontiguousarray(src)
+    if a.size != numel:
+        raise InvalidArgumentError("%s: array has %d elements, parameter has %d"
+                                   % (what, a.size, numel), function="python")
+    if dtype is None:
+        if a.dtype == np.uint16:
+            raise InvalidArgumentError("%s: a uint16 array needs dtype='bf16'" % what,
+                                       function="python")
+        if a.dtype not in (np.float32, np.float16):
+            a = a.astype(np.float32)
+        dt = to_dtype(a.dtype, what)
+    else:
+        dt = to_dtype(dtype, what)
+        if a.dtype.itemsize != _ITEMSIZE[dt]:
+            raise InvalidArgumentError("%s: array of %s cannot hold %s" % (what, a.dtype, dt.name),
+                                       function="python")
+    return a.ctypes.data, dt, a
+
+
+# ------------------------------------------------------------------------------------------
+# engine
+
+
+class Engine:
+    """One engine per model replica per rank (sg_engine). Driven by one thread at a time.
+
+        with Engine(comm, lr=1e-3) as e:
+            w = e.add_param("w", (256, 256))
+            e.finalize()
+            e.set_param(w, init)
+            ...  e.grad_add(w, g) ... e.step()
+
+    Views returned by param()/grad() and their torch variants point into library memory: they
+    keep the Engine object alive, but must not be used after close().
+    """
+
+    def __init__(self, comm, config=None, **kwargs):
+        if not isinstance(comm, Comm):
+            raise TypeError("Engine: comm must be a shardgrad.Comm, got %r" % (comm,))
+        if config is None:
+            config = Config(**kwargs)
+        elif kwargs:
+            config = config.copy(**kwargs)
+        self.config = config
+        self.comm = comm
+        self._h = None
+        h = ctypes.c_void_p()
+        _call("sg_engine_create", comm.handle, ctypes.byref(config.struct), ctypes.byref(h))
+        self._h = h.value
+        comm._users += 1
+        self._names = []
+        self._shapes = []
+        self._numels = []
+        self._ids = {}
+        self._finalized = False
+        self._pdtype = config.param_dtype
+        self._gdtype = config.grad_dtype
+        self._device = config.device
+        self._lr = float(config.lr)
+        _live_engines.add(self)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @property
+    def handle(self):
+        if self._h is None:
+            raise InvalidStateError("Engine is closed", function="python")
+        return self._h
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def close(self):
+        """Destroys the engine (waits for pending reductions). Views become invalid."""
+        if self._h is None:
+            return
+        h, self._h = self._h, None
+        _live_engines.discard(self)
+        _lib.load().sg_engine_destroy(h)
+        comm = self.comm
+        comm._users -= 1
+        if comm._users == 0 and comm._close_pending:
+            comm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- registration ---------------------------------------------------------------------
+    def add_param(self, name, shape, no_decay=False, flags=0):
+        """Registers a parameter (shape: int or tuple) before finalize(); returns its id."""
+        if isinstance(shape, (int, np.integer)):
+            shape = (int(shape),)
+        shape = tuple(int(s) for s in shape)
+        numel = math.prod(shape) if shape else 1
+        flags = int(flags) | (PARAM_NO_DECAY if no_decay else 0)
+        pid = ctypes.c_int(-1)
+        if not isinstance(name, str):
+            raise TypeError("add_param: name must be a str, got %r" % (name,))
+        if any(s < 0 for s in shape):
+            raise InvalidArgumentError("add_param: negative dimension in %r" % (shape,),
+                                       function="python")
+        _call("sg_add_param", self.handle, name.encode("utf-8"), numel, flags, ctypes.byref(pid))
+        self._names.append(name)
+        self._shapes.append(shape)
+        self._numels.append(numel)
+        self._ids[name] = pid.value
+        return pid.value
+
+    def finalize(self):
+        """Collective: builds the plan, checks agreement across ranks, allocates memory."""
+        _call("sg_finalize", self.handle)
+        self._finalized = True
+
+    @property
+    def num_params(self):
+        return len(self._names)
+
+    def param_id(self, name):
+        return self._ids[name]
+
+    def param_name(self, pid):
+        return self._names[self._check_id(pid)]
+
+    def param_shape(self, pid):
+        return self._shapes[self._check_id(pid)]
+
+    def _check_id(self, pid):
+        if isinstance(pid, str):
+            if pid not in self._ids:
+                raise InvalidArgumentError("no parameter named %r" % pid, function="python")
+            return self._ids[pid]
+        pid = int(pid)
+        if not 0 <= pid < len(self._names):
+            raise InvalidArgumentError("no parameter with id %d (have %d)"
+                                       % (pid, len(self._names)), function="python")
+        return pid
+
+    # -- parameters -----------------------------------------------------------------------
+    def param_ptr(self, pid):
+        """Address of working parameter `pid` (full replica, param_dtype, engine device)."""
+        p = ctypes.c_void_p()
+        _call("sg_param_ptr", self.handle, self._check_id(pid), ctypes.byref(p))
+        return p.value
+
+    def param(self, pid):
+        """Zero-copy NumPy view of working parameter `pid` (bf16 as uint16). CPU only."""
+        pid = self._check_id(pid)
+        self._need_host("param")
+        ptr = self.param_ptr(pid)
+        n = self._numels[pid]
+        buf = _host_buffer(ptr, n * _ITEMSIZE[self._pdtype], self)
+        return np.frombuffer(buf, dtype=_NP_DTYPE[self._pdtype], count=n).reshape(self._shapes[pid])
+
+    def param_tensor(self, pid):
+        """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines)."""
+        pid = self._check_id(pid)
+        ptr = self.param_ptr(pid)
+        return _torch_view(ptr, self._numels[pid], self._pdtype, self._shapes[pid], self._device,
+                           self)
+
+    def set_param(self, pid, src, dtype=None):
+        """Sets working parameter and this rank's master fragments from host memory."""
+        pid = self._check_id(pid)
+        ptr, dt, keep = _src_pointer(src, self._numels[pid], "set_param", dtype)
+        if _is_tensor(keep) and keep.device.type != "cpu":
+            raise InvalidArgumentError("set_param: needs host memory", function="python")
+        _call("sg_set_param", self.handle, pid, ctypes.c_void_p(ptr), int(dt))
+        del keep
+
+    def get_param(self, pid, dtype=DType.F32):
+        """Copy of working parameter `pid` converted to dtype (NumPy; bf16 as uint16)."""
+        pid = self._check_id(pid)
+        dt = to_dtype(dtype)
+        out = np.empty(self._shapes[pid], dtype=_NP_DTYPE[dt])
+        _call("sg_get_param", self.handle, pid, ctypes.c_void_p(out.ctypes.data), int(dt))
+        return out
+
+    def broadcast_params(self, root=0):
+        """Collective: every rank's working params become root's."""
+        _call("sg_broadcast_params", self.handle, int(root))
+
+    def get_master(self, pid):
+        """Collective: full fp32 master weights of `pid`."""
+        pid = self._check_id(pid)
+        out = np.empty(self._shapes[pid], dtype=np.float32)
+        _call("sg_get_master", self.handle, pid,
+              out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        return out
+
+    def get_optim_state(self, pid, which):
+        """Collective: AdamW state of `pid`; which = 0/'m'/'exp_avg' or 1/'v'/'exp_avg_sq'."""
+        names = {"m": 0, "exp_avg": 0, "v": 1, "exp_avg_sq": 1}
+        w = names.get(which, which) if isinstance(which, str) else which
+        if isinstance(w, str):
+            raise InvalidArgumentError("get_optim_state: which must be 'm' or 'v' (got %r)"
+                                       % which, function="python")
+        pid = self._check_id(pid)
+        out = np.empty(self._shapes[pid], dtype=np.float32)
+        _call("sg_get_optim_state", self.handle, pid, int(w),
+              out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        return out
+
+    # -- gradients ------------------------------------------------------------------------
+    def grad_ptr(self, pid):
+        """Address of the zeroed gradient slot of `pid` for this micro-batch."""
+        pid = self._check_id(pid)
+        p = ctypes.c_void_p()
+        _call("sg_grad_ptr", self.handle, pid, ctypes.byref(p))
+        return p.value
+
+    def grad(self, pid):
+        """Zero-copy NumPy view of the gradient slot of `pid` (grad_dtype; bf16 as uint16),
+        valid until grad_ready(pid). CPU only."""
+        pid = self._check_id(pid)
+        self._need_host("grad")
+        ptr = self.grad_ptr(pid)
+        n = self._numels[pid]
+        buf = _host_buffer(ptr, n * _ITEMSIZE[self._gdtype], self)
+        return np.frombuffer(buf, dtype=_NP_DTYPE[self._gdtype], count=n).reshape(self._shapes[pid])
+
+    def grad_tensor(self, pid):
+        """Zero-copy torch view of the gradient slot of `pid`, valid until grad_ready(pid)."""
+        pid = self._check_id(pid)
+        ptr = self.grad_ptr(pid)
+        return _torch_view(ptr, self._numels[pid], self._gdtype, self._shapes[pid], self._device,
+                           self)
+
+    def grad_ready(self, pid):
+        _call("sg_grad_ready", self.handle, self._check_id(pid))
+
+    def grad_add(self, pid, src, dtype=None):
+        """Adds src (NumPy array or torch tensor, f32/bf16/f16, numel elements) into the slot of
+        `pid` and marks it ready."""
+        pid = self._check_id(pid)
+        ptr, dt, keep = _src_pointer(src, self._numels[pid], "grad_add", dtype, self._device)
+        _call("sg_grad_add", self.handle, pid, ctypes.c_void_p(ptr), int(dt))
+        del keep
+
+    def grad_add_ptr(self, pid, ptr, dtype):
+        """sg_grad_add on a raw address holding numel elements of dtype (no checks)."""
+        _call("sg_grad_add", self.handle, int(pid), ctypes.c_void_p(ptr), int(dtype))
+
+    def backward_end(self):
+        _call("sg_backward_end", self.handle)
+
+    def set_sync(self, enabled):
+        _call("sg_set_sync", self.handle, 1 if enabled else 0)
+
+    # -- step -----------------------------------------------------------------------------
+    def step(self):
+        """Collective: reductions, global norm, clipping, AdamW on the shard, all-gather."""
+        info = SgStepInfo(struct_size=ctypes.sizeof(SgStepInfo))
+        _call("sg_step", self.handle, ctypes.byref(info))
+        return StepInfo(int(info.step), float(info.grad_norm), float(info.clip_coef),
+                        float(info.loss_scale), bool(info.skipped))
+
+    def set_lr(self, lr):
+        _call("sg_set_lr", self.handle, float(lr))
+        self._lr = float(lr)
+
+    @property
+    def lr(self):
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        self.set_lr(value)
+
+    @property
+    def loss_scale(self):
+        s = ctypes.c_float()
+        _call("sg_get_loss_scale", self.handle, ctypes.byref(s))
+        return float(s.value)
+
+    def set_stream(self, stream):
+        """CUDA stream for compute (an int handle or a torch.cuda.Stream)."""
+        ptr = getattr(stream, "cuda_stream", stream)
+        _call("sg_set_stream", self.handle, ctypes.c_void_p(ptr))
+
+    # -- memory ---------------------------------------------------------------------------
+    def memory(self):
+        out = _stats_struct()
+        _call("sg_memory", self.handle, ctypes.byref(out))
+        return MemoryStats._from(out)
+
+    # -- checkpoints (when the library has them) ------------------------------------------
+    def save(self, directory):
+        _call("sg_save", self.handle, str(directory).encode())
+
+    def load(self, directory):
+        _call("sg_load", self.handle, str(directory).encode())
+
+    def export(self, path):
+        _call("sg_export", self.handle, str(path).encode())
+
+    def import_(self, path):
+        _call("sg_import", self.handle, str(path).encode())
+
+    def _need_host(self, what):
+        if self._device != Device.CPU:
+            raise UnsupportedError("%s: NumPy views need a CPU engine; use %s_tensor()"
+                                   % (what, what), function="python")
+
+    def __repr__(self):
+        if self._h is None:
+            return "<shardgrad.Engine closed>"
+        return "<shardgrad.Engine %d params, %s>" % (len(self._names),
+                                                      "finalized" if self._finalized else "building")
