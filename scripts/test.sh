@@ -81,9 +81,26 @@ configure_asan() {
     -DSG_WITH_MPI=OFF -DSG_WITH_CUDA=OFF -DSG_BUILD_EXAMPLES=OFF
 }
 
-# gcc 12's and clang 14's TSan runtimes both refuse the high-entropy mmap layout of newer
-# kernels ("unexpected memory mapping"); running with ASLR off (setarch -R) avoids it.
-TSAN_CC=${TSAN_CC:-clang}
+# TSan: gcc when its runtime works here, else clang (TSAN_CC overrides). Both runtimes (gcc 12,
+# clang 14) can refuse the high-entropy mmap layout of newer kernels ("unexpected memory
+# mapping"); the tests therefore run with ASLR off (setarch -R) where that is allowed.
+pick_tsan_cc() {
+  local dir cc
+  dir=$(mktemp -d)
+  printf '#include <pthread.h>\nstatic void *f(void *a) { return a; }\nint main(void) {\n'\
+'  pthread_t t; pthread_create(&t, 0, f, 0); return pthread_join(t, 0); }\n' >"$dir/t.c"
+  for cc in gcc clang; do
+    if command -v "$cc" >/dev/null && "$cc" -fsanitize=thread -pthread "$dir/t.c" -o "$dir/t" \
+      2>/dev/null && no_aslr "$dir/t" >/dev/null 2>&1; then
+      rm -rf "$dir"
+      echo "$cc"
+      return
+    fi
+  done
+  rm -rf "$dir"
+  echo clang
+}
+
 configure_tsan() {
   cmake -S "$ROOT" -B "$ROOT/build-tsan" -DCMAKE_C_COMPILER="$TSAN_CC" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
@@ -141,6 +158,7 @@ else
   skip "ctest build-asan/" "build failed"
 fi
 
+TSAN_CC=${TSAN_CC:-$(pick_tsan_cc)}
 if stage "configure build-tsan/ (TSan, $TSAN_CC)" configure_tsan && stage "build build-tsan/" build "$ROOT/build-tsan"; then
   TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
     stage "ctest build-tsan/ (local)" run_ctest_no_aslr "$ROOT/build-tsan" -L local
