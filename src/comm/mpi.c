@@ -1,0 +1,615 @@
+/* MPI communicator: one rank per process (DESIGN.md section 6).
+ *
+ * Reduce-scatter and all-reduce are rings over point-to-point messages: Open MPI's
+ * MPI_Reduce_scatter_block is an order of magnitude slower than a ring with a vectorized add,
+ * and MPI has no bf16. Each chunk is cut into pieces of at most SG__MPI_PIECE bytes so that the
+ * transfer of one piece overlaps the add of the previous one and the receive buffers stay small.
+ *
+ * Numerics. Chunk q is summed around the ring starting at rank q+1 and ending at its owner q:
+ * a fixed order, so results are deterministic and all-reduce gives the same bits on every rank.
+ * f32 and f64 partials travel and are stored in the buffer's own type (the buffer slice of a
+ * chunk is no longer needed once its contribution is added). For bf16 and f16 the first hop
+ * sends the raw values; later hops send fp32 partials held in c->scratch, so the sum is
+ * computed in fp32 and rounded once, at the owner. That doubles the bytes of those hops; with
+ * W = 2 there are none.
+ *
+ * Deadlines. Every wait polls MPI_Test until done or the deadline passes; then the pending
+ * receives are cancelled, the sends released, and the communicator is broken (SG_ERR_TIMEOUT).
+ * Messages carry a tag derived from (call number, op, count, dtype), so a rank that skipped or
+ * mismatched a call does not feed a peer's buffer: the peers time out instead. */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
+
+#include <limits.h>  /* INT_MAX */
+#include <mpi.h>     /* the only file of the library that includes it */
+#include <pthread.h> /* pthread_mutex_t for the init/finalize count */
+#include <sched.h>   /* sched_yield */
+#include <stdint.h>  /* uint64_t, INT64_MAX */
+#include <stdlib.h>  /* malloc, free, getenv */
+#include <string.h>  /* strcmp */
+
+#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_add, _accumulate, _cast */
+#include "sg_comm.h"                          /* sg_comm, sg__comm_ops, sg__comm_fail */
+
+#define SG__MPI_PIECE ((size_t)1 << 20) /* bytes of one message of a reduction (fp32 partials) */
+#define SG__MPI_NRX 4                   /* receives in flight per reduction */
+#define SG__MPI_CANCEL_GRACE_MS 200     /* how long a cancelled receive may take to finish */
+
+enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
+
+typedef struct mcomm {
+  sg_comm c; /* first: the sg_comm pointer is the allocation */
+  MPI_Comm comm;
+  int tag_ub;
+  uint64_t seq;      /* collectives called so far (same on every healthy rank) */
+  unsigned char *rx; /* SG__MPI_NRX receive buffers of SG__MPI_PIECE bytes */
+  int rx_lost;       /* a receive into rx could not be finished: rx must never be freed */
+  int ag_ring;       /* all_gather: 1 ring, 0 MPI_Iallgather */
+  MPI_Request *sends; /* per-call request arrays, grown on demand */
+  MPI_Request *recvs;
+  size_t *slot_send; /* per fp32 slot: index into sends of its last send */
+  size_t cap_sends, cap_recvs, cap_slots;
+} mcomm;
+
+/* Whether this library initialized MPI, and how many MPI communicators are alive: the last
+ * destroy finalizes what we initialized. */
+static pthread_mutex_t g_mpi_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_mpi_live;
+static int g_mpi_we_init;
+
+static mcomm *mc(sg_comm *c) { return (mcomm *)c; }
+
+static size_t elem_size(int dtype) { return dtype == SG__F64 ? 8u : dtype == SG_F32 ? 4u : 2u; }
+
+/* bf16/f16 reductions keep fp32 partials (rounded once at the end); f32 and f64 are their own
+ * accumulation type. */
+static int is_wide(int dtype) { return dtype == SG_BF16 || dtype == SG_F16; }
+
+static sg_status fail_mpi(sg_comm *c, const char *fn, const char *what, int rc, const char *file,
+                          int line) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  text[len < MPI_MAX_ERROR_STRING ? len : MPI_MAX_ERROR_STRING - 1] = '\0';
+  c->broken = 1;
+  SG_LOG(SG_LOG_INFO, c->rank, "%s: %s failed: %s", fn, what, text);
+  return sg__err_at(SG_ERR_COMM, file, line, "%s: %s failed: %s (communicator now broken)", fn,
+                    what, text);
+}
+#define SG__MPI_FAIL(c, fn, what, rc) fail_mpi((c), (fn), (what), (rc), __FILE__, __LINE__)
+
+static int grow(void **p, size_t *cap, size_t n, size_t es) {
+  if (n <= *cap) return 1;
+  void *q = realloc(*p, n * es);
+  if (!q) return 0;
+  *p = q;
+  *cap = n;
+  return 1;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Requests: polling with a deadline, and clean-up after a failure                           */
+
+/* Open MPI cannot cancel sends; releasing them lets the call return. The peer is broken too
+ * (or will time out), and the tags differ per call, so nobody consumes those messages later.
+ * Receives are cancelled; one that does not finish within the grace period (it was already
+ * matched) is freed, and as its buffer may still be written, internal receive buffers are then
+ * never freed. */
+static void abort_requests(mcomm *m, MPI_Request *recvs, size_t nrecv, int into_rx,
+                           size_t nsend) {
+  for (size_t i = 0; i < nsend; i++)
+    if (m->sends[i] != MPI_REQUEST_NULL) MPI_Request_free(&m->sends[i]);
+  for (size_t i = 0; i < nrecv; i++)
+    if (recvs[i] != MPI_REQUEST_NULL) MPI_Cancel(&recvs[i]);
+  const int64_t until = sg__now_ms() + SG__MPI_CANCEL_GRACE_MS;
+  int done = 0;
+  while (!done && nrecv > 0 && sg__now_ms() < until)
+    if (MPI_Testall((int)nrecv, recvs, &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS) break;
+  if (done) return;
+  for (size_t i = 0; i < nrecv; i++) {
+    int one = 0;
+    if (recvs[i] == MPI_REQUEST_NULL) continue;
+    if (MPI_Test(&recvs[i], &one, MPI_STATUS_IGNORE) == MPI_SUCCESS && one) continue;
+    MPI_Request_free(&recvs[i]);
+    if (into_rx) m->rx_lost = 1;
+    SG_LOG(SG_LOG_WARN, m->c.rank,
+           "sg_comm(mpi): a cancelled receive did not finish; its buffer may still be written");
+  }
+}
+
+static sg_status timed_out(sg_comm *c, const char *fn, const char *what) {
+  return sg__comm_fail(c, SG_ERR_TIMEOUT, fn,
+                       "deadline passed while waiting for %s (rank %d of %d; a peer is late, "
+                       "gone, or called a different collective)",
+                       what, c->rank, c->world);
+}
+
+/* Polls one request until it completes or the deadline passes. expect >= 0: the received byte
+ * count must match (a peer that called with another count is a mismatch, not data). */
+static sg_status wait_one(sg_comm *c, const char *fn, MPI_Request *rq, long long expect,
+                          int64_t deadline_ms) {
+  MPI_Status st;
+  int done = 0;
+  for (;;) {
+    const int rc = MPI_Test(rq, &done, &st);
+    if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, "MPI_Test", rc);
+    if (done) break;
+    if (sg__now_ms() > deadline_ms) return timed_out(c, fn, expect >= 0 ? "a message" : "a send");
+    sched_yield(); /* ranks may share cores (oversubscribed runs) */
+  }
+  if (expect >= 0) {
+    int n = -1;
+    MPI_Get_count(&st, MPI_BYTE, &n);
+    if ((long long)n != expect)
+      return sg__comm_fail(c, SG_ERR_COMM, fn,
+                           "received %d bytes where %lld were expected (ranks called "
+                           "mismatched collectives?)",
+                           n, expect);
+  }
+  return SG_OK;
+}
+
+static sg_status wait_all(sg_comm *c, const char *fn, MPI_Request *rq, size_t n,
+                          int64_t deadline_ms) {
+  for (size_t i = 0; i < n; i++) SG_TRY(wait_one(c, fn, &rq[i], -1, deadline_ms));
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Ring layout                                                                               */
+
+typedef struct ring {
+  sg_comm *c;
+  const char *fn;
+  unsigned char *buf;
+  int dtype;     /* element dtype; -1: bytes (all_gather) */
+  size_t es;     /* bytes per element in buf */
+  size_t count;  /* reduce-scatter / all-gather: per rank; all-reduce: total */
+  int split;     /* 1: chunks split `count` near-equally (all-reduce); 0: `count` each */
+  size_t pe;     /* elements per piece */
+  int tag;
+  int64_t deadline_ms;
+} ring;
+
+static void chunk(const ring *R, int k, size_t *off, size_t *len) {
+  const size_t kk = (size_t)k, w = (size_t)R->c->world;
+  if (!R->split) {
+    *off = kk * R->count;
+    *len = R->count;
+    return;
+  }
+  const size_t base = R->count / w, rem = R->count % w;
+  *off = kk * base + (kk < rem ? kk : rem);
+  *len = base + (kk < rem ? 1u : 0u);
+}
+
+static size_t npieces(size_t len, size_t pe) { return (len + pe - 1) / pe; }
+
+static int mod(int a, int w) { return ((a % w) + w) % w; }
+
+/* Piece j of chunk k: element offset within buf and element count. */
+static void piece(const ring *R, int k, size_t j, size_t *off, size_t *len) {
+  size_t coff, clen;
+  chunk(R, k, &coff, &clen);
+  const size_t start = j * R->pe;
+  *off = coff + start;
+  *len = clen - start < R->pe ? clen - start : R->pe;
+}
+
+/* Item cursor over (step, piece) in the order messages flow between neighbours. */
+typedef struct cursor {
+  int step, k; /* k: chunk handled at this step */
+  size_t j, np;
+} cursor;
+
+/* first chunk index at step s is k0 + ... : recv chunk of reduce-scatter is (r-2-s), of
+ * all-gather (r-1-s). `shift` is 2 or 1. Returns 0 at the end. */
+static int cursor_seek(const ring *R, cursor *cu, int shift) {
+  const int w = R->c->world, r = R->c->rank;
+  while (cu->step < w - 1) {
+    cu->k = mod(r - shift - cu->step, w);
+    size_t off, len;
+    chunk(R, cu->k, &off, &len);
+    cu->np = npieces(len, R->pe);
+    if (cu->j < cu->np) return 1;
+    cu->step++;
+    cu->j = 0;
+  }
+  return 0;
+}
+
+static int cursor_next(const ring *R, cursor *cu, int shift) {
+  cu->j++;
+  return cursor_seek(R, cu, shift);
+}
+
+static sg_status isend(const ring *R, const void *p, size_t bytes, MPI_Request *rq) {
+  const int next = mod(R->c->rank + 1, R->c->world);
+  const int rc = MPI_Isend(p, (int)bytes, MPI_BYTE, next, R->tag, mc(R->c)->comm, rq);
+  return rc == MPI_SUCCESS ? SG_OK : SG__MPI_FAIL(R->c, R->fn, "MPI_Isend", rc);
+}
+
+static sg_status irecv(const ring *R, void *p, size_t bytes, MPI_Request *rq) {
+  const int prev = mod(R->c->rank - 1, R->c->world);
+  const int rc = MPI_Irecv(p, (int)bytes, MPI_BYTE, prev, R->tag, mc(R->c)->comm, rq);
+  return rc == MPI_SUCCESS ? SG_OK : SG__MPI_FAIL(R->c, R->fn, "MPI_Irecv", rc);
+}
+
+/* Sends every piece of chunk k from buf (the first step of both rings). */
+static sg_status send_chunk(const ring *R, int k, size_t *nsend) {
+  size_t off, len;
+  chunk(R, k, &off, &len);
+  mcomm *m = mc(R->c);
+  for (size_t j = 0; j < npieces(len, R->pe); j++) {
+    size_t po, pl;
+    piece(R, k, j, &po, &pl);
+    SG_TRY(isend(R, R->buf + po * R->es, pl * R->es, &m->sends[(*nsend)++]));
+  }
+  return SG_OK;
+}
+
+/* Upper bound of messages a rank sends (or receives) in one ring pass. */
+static size_t max_items(const ring *R) {
+  size_t off, len;
+  chunk(R, 0, &off, &len); /* chunk 0 is the longest */
+  return (size_t)R->c->world * (npieces(len, R->pe) + 1);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Ring reduce-scatter                                                                       */
+
+/* Bytes of the message received (or sent) at a step: raw values first, then partials. */
+static size_t msg_bytes(const ring *R, int step, size_t len) {
+  return (is_wide(R->dtype) && step > 0 ? 4u : R->es) * len;
+}
+
+/* Combines the partial that arrived in rx with this rank's piece. */
+static sg_status consume(const ring *R, const cursor *cu, const void *rx, size_t *nsend) {
+  mcomm *m = mc(R->c);
+  const int last = cu->step == R->c->world - 2;
+  size_t po, pl;
+  piece(R, cu->k, cu->j, &po, &pl);
+  unsigned char *own = R->buf + po * R->es;
+  if (!is_wide(R->dtype)) {
+    sg__cpu_reduce_add(own, rx, R->dtype, pl); /* partial stored in place of our slice */
+    return last ? SG_OK : isend(R, own, pl * R->es, &m->sends[(*nsend)++]);
+  }
+  if (last && cu->step == 0) {
+    sg__cpu_reduce_add(own, rx, R->dtype, pl); /* W = 2: two raw values, rounded once */
+    return SG_OK;
+  }
+  const int rx_dtype = cu->step == 0 ? R->dtype : SG_F32;
+  if (last) {
+    sg__cpu_accumulate((void *)rx, SG_F32, own, R->dtype, pl); /* fp32 total */
+    sg__cpu_cast(own, R->dtype, rx, SG_F32, pl);                /* the one rounding */
+    return SG_OK;
+  }
+  /* the fp32 partial goes to slot j of scratch, once the previous send from that slot is done */
+  float *slot = (float *)R->c->scratch + cu->j * R->pe;
+  if (m->slot_send[cu->j] != SIZE_MAX)
+    SG_TRY(wait_one(R->c, R->fn, &m->sends[m->slot_send[cu->j]], -1, R->deadline_ms));
+  sg__cpu_cast(slot, SG_F32, own, R->dtype, pl);
+  sg__cpu_accumulate(slot, SG_F32, rx, rx_dtype, pl);
+  m->slot_send[cu->j] = *nsend;
+  return isend(R, slot, pl * 4u, &m->sends[(*nsend)++]);
+}
+
+static sg_status post_rx(const ring *R, cursor *post, int *more, size_t i, MPI_Request *rq) {
+  mcomm *m = mc(R->c);
+  size_t po, pl;
+  if (!*more) return SG_OK;
+  piece(R, post->k, post->j, &po, &pl);
+  SG_TRY(irecv(R, m->rx + (i % SG__MPI_NRX) * SG__MPI_PIECE, msg_bytes(R, post->step, pl), rq));
+  *more = cursor_next(R, post, 2);
+  return SG_OK;
+}
+
+/* Rank r receives chunk (r-2-s) at step s from r-1, adds its own values and passes the sum to
+ * r+1 at step s+1; after W-1 steps it holds the total of chunk r. */
+static sg_status ring_reduce_scatter(const ring *R) {
+  mcomm *m = mc(R->c);
+  MPI_Request rx_req[SG__MPI_NRX];
+  size_t nsend = 0;
+  sg_status st = SG_OK;
+  for (int i = 0; i < SG__MPI_NRX; i++) rx_req[i] = MPI_REQUEST_NULL;
+  cursor cu = {0, 0, 0, 0}, post = {0, 0, 0, 0};
+  int more = cursor_seek(R, &post, 2), have = cursor_seek(R, &cu, 2);
+  for (int i = 0; i < SG__MPI_NRX; i++) SG_TRY_GOTO(post_rx(R, &post, &more, (size_t)i, &rx_req[i]), st, fail);
+  SG_TRY_GOTO(send_chunk(R, mod(R->c->rank - 1, R->c->world), &nsend), st, fail);
+  for (size_t i = 0; have; i++) {
+    MPI_Request *rq = &rx_req[i % SG__MPI_NRX];
+    size_t po, pl;
+    piece(R, cu.k, cu.j, &po, &pl);
+    SG_TRY_GOTO(wait_one(R->c, R->fn, rq, (long long)msg_bytes(R, cu.step, pl), R->deadline_ms), st, fail);
+    SG_TRY_GOTO(consume(R, &cu, m->rx + (i % SG__MPI_NRX) * SG__MPI_PIECE, &nsend), st, fail);
+    SG_TRY_GOTO(post_rx(R, &post, &more, i + SG__MPI_NRX, rq), st, fail);
+    have = cursor_next(R, &cu, 2);
+  }
+  SG_TRY_GOTO(wait_all(R->c, R->fn, m->sends, nsend, R->deadline_ms), st, fail);
+  return SG_OK;
+fail:
+  abort_requests(m, rx_req, SG__MPI_NRX, 1, nsend);
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Ring all-gather (in place)                                                                */
+
+/* Rank r sends its chunk at step 0 and forwards chunk (r-1-s), received at step s, at step
+ * s+1. Receives land in their final place, so all are posted at once. */
+static sg_status ring_all_gather(const ring *R) {
+  mcomm *m = mc(R->c);
+  size_t nsend = 0, nrecv = 0;
+  sg_status st = SG_OK;
+  cursor cu = {0, 0, 0, 0};
+  for (int more = cursor_seek(R, &cu, 1); more; more = cursor_next(R, &cu, 1)) {
+    size_t po, pl;
+    piece(R, cu.k, cu.j, &po, &pl);
+    SG_TRY_GOTO(irecv(R, R->buf + po * R->es, pl * R->es, &m->recvs[nrecv++]), st, fail);
+  }
+  SG_TRY_GOTO(send_chunk(R, R->c->rank, &nsend), st, fail);
+  cu = (cursor){0, 0, 0, 0};
+  size_t i = 0;
+  for (int more = cursor_seek(R, &cu, 1); more; more = cursor_next(R, &cu, 1), i++) {
+    size_t po, pl;
+    piece(R, cu.k, cu.j, &po, &pl);
+    SG_TRY_GOTO(wait_one(R->c, R->fn, &m->recvs[i], (long long)(pl * R->es), R->deadline_ms), st, fail);
+    if (cu.step < R->c->world - 2)
+      SG_TRY_GOTO(isend(R, R->buf + po * R->es, pl * R->es, &m->sends[nsend++]), st, fail);
+  }
+  SG_TRY_GOTO(wait_all(R->c, R->fn, m->sends, nsend, R->deadline_ms), st, fail);
+  return SG_OK;
+fail:
+  abort_requests(m, m->recvs, nrecv, 0, nsend);
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Collectives                                                                               */
+
+/* Tag of a call: differs between calls, ops and sizes, so stray or mismatched messages never
+ * match. Even for the first ring of a call, odd for the second. */
+static int call_tag(mcomm *m, int op, size_t count, int dtype) {
+  uint64_t h = SG__HASH_INIT;
+  const uint64_t v[4] = {m->seq++, (uint64_t)op, (uint64_t)count, (uint64_t)(dtype + 1)};
+  h = sg__hash_bytes(h, v, sizeof v);
+  const uint64_t half = (uint64_t)(m->tag_ub / 2);
+  return (int)(h % half) * 2;
+}
+
+static sg_status check_call(sg_comm *c, const char *fn, const void *buf, size_t count, int dtype,
+                            size_t per_rank_mult) {
+  SG_TRY(sg__comm_usable(c, fn));
+  if (dtype >= 0 && !(sg__dtype_valid(dtype) || dtype == SG__F64))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown dtype (%d)", fn, dtype);
+  const size_t es = dtype >= 0 ? elem_size(dtype) : 1u;
+  if (count > SIZE_MAX / es / per_rank_mult)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: count too large (%zu)", fn, count);
+  if (!buf && count > 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: buf is NULL (count %zu)", fn, count);
+  if (c->dev && c->dev->kind != SG_DEVICE_CPU)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: device buffers are not supported yet (host only)", fn);
+  return SG_OK;
+}
+
+/* Request arrays and, for bf16/f16 with three or more ranks, fp32 scratch for the partials. */
+static sg_status prepare(const ring *R, int reduce) {
+  mcomm *m = mc(R->c);
+  const size_t items = max_items(R);
+  if (!grow((void **)&m->sends, &m->cap_sends, 2 * items, sizeof(MPI_Request)) ||
+      !grow((void **)&m->recvs, &m->cap_recvs, items, sizeof(MPI_Request)) ||
+      !grow((void **)&m->slot_send, &m->cap_slots, items, sizeof(size_t)))
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory for %zu requests", R->fn, items);
+  for (size_t i = 0; i < 2 * items; i++) m->sends[i] = MPI_REQUEST_NULL;
+  for (size_t i = 0; i < items; i++) m->recvs[i] = MPI_REQUEST_NULL;
+  for (size_t i = 0; i < items; i++) m->slot_send[i] = SIZE_MAX; /* no send from the slot yet */
+  if (reduce && is_wide(R->dtype) && R->c->world > 2) {
+    size_t off, len;
+    chunk(R, 0, &off, &len);
+    if (!R->c->scratch || R->c->scratch_bytes < len * 4u)
+      return sg__err(SG_ERR_INVALID_ARGUMENT,
+                     "%s: scratch too small for fp32 partials (%zu bytes, need %zu)", R->fn,
+                     R->c->scratch ? R->c->scratch_bytes : 0, len * 4u);
+  }
+  return SG_OK;
+}
+
+static ring make_ring(sg_comm *c, const char *fn, void *buf, size_t count, int dtype, int split,
+                      int64_t deadline_ms) {
+  ring R;
+  R.c = c;
+  R.fn = fn;
+  R.buf = (unsigned char *)buf;
+  R.dtype = dtype;
+  R.es = dtype >= 0 ? elem_size(dtype) : 1u;
+  R.count = count;
+  R.split = split;
+  /* pieces sized by the widest message: fp32 partials (f64: f64) */
+  R.pe = SG__MPI_PIECE / (dtype == SG__F64 ? 8u : dtype >= 0 ? 4u : 1u);
+  R.tag = 0;
+  R.deadline_ms = deadline_ms;
+  return R;
+}
+
+static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
+                                    int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) reduce_scatter";
+  SG_TRY(check_call(c, fn, buf, count, dtype, (size_t)(c ? c->world : 1)));
+  ring R = make_ring(c, fn, buf, count, dtype, 0, deadline_ms);
+  R.tag = call_tag(mc(c), OP_REDUCE_SCATTER, count, dtype);
+  if (c->world == 1 || count == 0) return SG_OK;
+  SG_TRY(prepare(&R, 1));
+  return ring_reduce_scatter(&R);
+}
+
+static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
+                                int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) all_reduce";
+  SG_TRY(check_call(c, fn, buf, count, dtype, 1));
+  ring R = make_ring(c, fn, buf, count, dtype, 1, deadline_ms);
+  R.tag = call_tag(mc(c), OP_ALL_REDUCE, count, dtype);
+  if (c->world == 1 || count == 0) return SG_OK;
+  SG_TRY(prepare(&R, 1));
+  SG_TRY(ring_reduce_scatter(&R));
+  R.tag += 1;
+  return ring_all_gather(&R);
+}
+
+/* Polls a nonblocking collective. It cannot be cancelled: on expiry it is left pending (the
+ * communicator is broken and never freed, so MPI keeps a valid handle). */
+static sg_status wait_coll(sg_comm *c, const char *fn, const char *what, MPI_Request *rq,
+                           int64_t deadline_ms) {
+  int done = 0;
+  for (;;) {
+    const int rc = MPI_Test(rq, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, what, rc);
+    if (done) return SG_OK;
+    if (sg__now_ms() > deadline_ms) return timed_out(c, fn, what);
+    sched_yield();
+  }
+}
+
+static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) all_gather";
+  SG_TRY(check_call(c, fn, buf, bytes, -1, (size_t)(c ? c->world : 1)));
+  mcomm *m = mc(c);
+  ring R = make_ring(c, fn, buf, bytes, -1, 0, deadline_ms);
+  R.tag = call_tag(m, OP_ALL_GATHER, bytes, -1);
+  if (c->world == 1 || bytes == 0) return SG_OK;
+  if (m->ag_ring || bytes > (size_t)INT_MAX) {
+    SG_TRY(prepare(&R, 0));
+    return ring_all_gather(&R);
+  }
+  MPI_Request rq = MPI_REQUEST_NULL;
+  const int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)bytes, MPI_BYTE,
+                                m->comm, &rq);
+  if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, "MPI_Iallgather", rc);
+  return wait_coll(c, fn, "MPI_Iallgather", &rq, deadline_ms);
+}
+
+static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
+                               int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) broadcast";
+  SG_TRY(check_call(c, fn, buf, bytes, -1, 1));
+  if (root < 0 || root >= c->world)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root out of range (%d, world %d)", fn, root,
+                   c->world);
+  mcomm *m = mc(c);
+  m->seq++; /* keep call numbering aligned with the other collectives */
+  /* MPI counts are int: broadcast in parts of at most 1 GiB */
+  for (size_t off = 0; off < bytes && c->world > 1; off += (size_t)1 << 30) {
+    const size_t n = bytes - off < ((size_t)1 << 30) ? bytes - off : (size_t)1 << 30;
+    MPI_Request rq = MPI_REQUEST_NULL;
+    const int rc = MPI_Ibcast((unsigned char *)buf + off, (int)n, MPI_BYTE, root, m->comm, &rq);
+    if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, "MPI_Ibcast", rc);
+    SG_TRY(wait_coll(c, fn, "MPI_Ibcast", &rq, deadline_ms));
+  }
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Lifetime                                                                                  */
+
+/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet. */
+static void release_mpi(void) {
+  pthread_mutex_lock(&g_mpi_mu);
+  if (--g_mpi_live == 0 && g_mpi_we_init) {
+    int fin = 1;
+    MPI_Finalized(&fin);
+    if (!fin) MPI_Finalize();
+    g_mpi_we_init = 0;
+  }
+  pthread_mutex_unlock(&g_mpi_mu);
+}
+
+static void mpi_destroy(sg_comm *c) {
+  mcomm *m = mc(c);
+  int fin = 1;
+  MPI_Finalized(&fin);
+  /* A broken communicator may still have requests in flight: freeing it could wait on peers
+   * that are gone. MPI_Finalize reclaims it. */
+  if (!fin && !c->broken && m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
+  if (!m->rx_lost) free(m->rx);
+  free(m->sends);
+  free(m->recvs);
+  free(m->slot_send);
+  free(m);
+  release_mpi();
+}
+
+static const sg__comm_ops mpi_ops = {
+    "mpi",         mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather,
+    mpi_broadcast, mpi_destroy,
+};
+
+/* Initializes MPI when nobody has and reports the thread level. Counts one live communicator
+ * on success. */
+static sg_status acquire_mpi(int *provided) {
+  static const char fn[] = "sg_comm_create_mpi";
+  sg_status st = SG_OK;
+  int init = 0, fin = 0;
+  pthread_mutex_lock(&g_mpi_mu);
+  MPI_Finalized(&fin);
+  MPI_Initialized(&init);
+  if (fin) {
+    st = sg__err(SG_ERR_INVALID_STATE, "%s: MPI is already finalized", fn);
+  } else if (!init) {
+    const int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, provided);
+    if (rc != MPI_SUCCESS)
+      st = sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: MPI_Init_thread failed (%d)", fn, rc);
+    else
+      g_mpi_we_init = 1;
+  } else {
+    MPI_Query_thread(provided);
+  }
+  if (st == SG_OK) g_mpi_live++;
+  pthread_mutex_unlock(&g_mpi_mu);
+  return st;
+}
+
+static sg_status setup(mcomm *m, MPI_Comm base) {
+  static const char fn[] = "sg_comm_create_mpi";
+  int rc = MPI_Comm_dup(base, &m->comm); /* our traffic never mixes with the caller's */
+  if (rc != MPI_SUCCESS) return SG__MPI_FAIL(&m->c, fn, "MPI_Comm_dup", rc);
+  rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(m->comm, &m->c.rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(m->comm, &m->c.world);
+  if (rc != MPI_SUCCESS) return SG__MPI_FAIL(&m->c, fn, "MPI_Comm_rank/size", rc);
+  int *ub = NULL, flag = 0;
+  MPI_Comm_get_attr(m->comm, MPI_TAG_UB, &ub, &flag);
+  m->tag_ub = flag && ub && *ub > 2 ? *ub : 32767;
+  m->rx = malloc(SG__MPI_NRX * SG__MPI_PIECE);
+  if (!m->rx) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory for receive buffers", fn);
+  /* SG_MPI_ALLGATHER=ring|mpi overrides the measured default (bench/comm.c) */
+  const char *ag = getenv("SG_MPI_ALLGATHER");
+  m->ag_ring = ag && strcmp(ag, "mpi") == 0 ? 0 : 1;
+  return SG_OK;
+}
+
+sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
+  static const char fn[] = "sg_comm_create_mpi";
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  *out = NULL;
+  int provided = MPI_THREAD_SINGLE;
+  SG_TRY(acquire_mpi(&provided));
+  mcomm *m = calloc(1, sizeof *m);
+  if (!m) {
+    release_mpi();
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  m->c.ops = &mpi_ops;
+  m->comm = MPI_COMM_NULL;
+  /* SERIALIZED is enough: the engine calls MPI from its comm worker only, one call at a time */
+  m->c.threaded = provided >= MPI_THREAD_SERIALIZED;
+  const sg_status st = setup(m, mpi_comm ? *(const MPI_Comm *)mpi_comm : MPI_COMM_WORLD);
+  if (st != SG_OK) {
+    if (m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
+    free(m->rx);
+    free(m);
+    release_mpi();
+    return st;
+  }
+  SG_LOG(SG_LOG_DEBUG, m->c.rank, "%s: rank %d of %d, thread level %d", fn, m->c.rank,
+         m->c.world, provided);
+  *out = &m->c;
+  return SG_OK;
+}

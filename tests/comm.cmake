@@ -1,0 +1,15 @@
+# Communicators: one program, run with the local backend (W threads) and under mpirun.
+sg_add_test(test_comm_local2 SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm.c ARGS --local 2
+  LABELS local TIMEOUT 300)
+foreach(w 1 3 4 8)
+  add_test(NAME test_comm_local${w} COMMAND test_comm_local2 --local ${w})
+  set_tests_properties(test_comm_local${w} PROPERTIES TIMEOUT 300 LABELS local)
+endforeach()
+foreach(np 2 3 4)
+  sg_add_mpi_test(test_comm_mpi_np${np} EXE test_comm_local2 NP ${np} ARGS --mpi TIMEOUT 300)
+endforeach()
+# One rank skips a collective: the others time out, and every process still exits cleanly.
+foreach(np 2 3)
+  sg_add_mpi_test(test_comm_mpi_timeout_np${np} EXE test_comm_local2 NP ${np}
+    ARGS --mpi --timeout TIMEOUT 120)
+endforeach()

@@ -1,0 +1,560 @@
+/* Tests of the communicators (src/comm): reduce-scatter, all-reduce, all-gather and broadcast
+ * for f32/bf16/f16 (and f64 reductions) at counts 1 .. 3M, with
+ *  - exact inputs (small integers): results must equal the integer sums bit for bit;
+ *  - random inputs: bitwise equal to an fp32 sum in the backend's documented order rounded once
+ *    to the dtype (local: rank order; mpi: around the ring, starting after the chunk's owner),
+ *    and within a stated tolerance of a double reference (which a per-hop rounding would miss);
+ *  - all-reduce results identical on every rank;
+ * and the failure paths: a rank that never arrives (timeout, no hang), mismatched calls, invalid
+ * arguments on one rank, a broken communicator staying broken, destroy while in use.
+ *
+ *   test_comm --local W          W ranks as threads (local backend)
+ *   test_comm --mpi              one rank per process, under mpirun
+ *   test_comm --mpi --timeout    under mpirun: one rank skips a collective */
+#define _POSIX_C_SOURCE 200809L /* pthread_barrier */
+
+#include <math.h>    /* fabs, ldexp, frexp */
+#include <pthread.h> /* rank threads */
+#include <stdarg.h> /* va_list */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/sg_comm.h" /* sg_comm, ops, SG__F64 */
+#include "core/sg_core.h" /* sg__now_ms, sg__deadline */
+#ifdef SG_HAVE_MPI
+#include <mpi.h> /* MPI_Allreduce of the check counts only */
+#endif
+
+static atomic_int g_pass, g_fail;
+static int g_mpi; /* backend under test is MPI (ring order) */
+
+/* Rank 0 prints what it checked; any rank prints its failures. */
+static void check(int rank, int ok, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (ok) {
+    atomic_fetch_add(&g_pass, 1);
+    if (rank == 0) printf("ok   %s\n", msg);
+  } else {
+    atomic_fetch_add(&g_fail, 1);
+    printf("FAIL rank %d: %s (last error: %s)\n", rank, msg, sg_last_error());
+  }
+  fflush(stdout);
+}
+
+/* ---- dtype conversions written here, independent of the library's -------------------- */
+
+static float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+static uint16_t to_bf16(float f) { /* round to nearest even; inputs here are finite */
+  const uint32_t u = f32_bits(f);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float from_bf16(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static float from_f16(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float s = (h & 0x8000) ? -1.0f : 1.0f;
+  if (e == 0) return s * ldexpf((float)m, -24);
+  return s * ldexpf((float)(m | 1024), e - 25);
+}
+
+/* Exact round to nearest even for finite values within f16 range (the tests stay there). */
+static uint16_t to_f16(float f) {
+  const uint16_t sign = f < 0 ? 0x8000 : 0;
+  double a = fabs((double)f);
+  if (a == 0) return sign;
+  int e;
+  frexp(a, &e);                       /* a = m * 2^e, m in [0.5, 1) */
+  const int q = e - 11 < -24 ? -24 : e - 11; /* quantum: 11 significant bits, min 2^-24 */
+  double n = a / ldexp(1.0, q);       /* exact: a scaled by a power of two */
+  double r = floor(n);
+  if (n - r > 0.5 || (n - r == 0.5 && fmod(r, 2.0) != 0)) r += 1;
+  /* r * 2^q as f16: find its encoding by search-free construction */
+  const double v = r * ldexp(1.0, q);
+  int ev;
+  frexp(v, &ev);
+  if (ev - 1 < -14) return (uint16_t)(sign | (uint16_t)(v / ldexp(1.0, -24)));
+  const int mant = (int)(v / ldexp(1.0, ev - 11)) - 1024;
+  return (uint16_t)(sign | (uint16_t)((ev - 1 + 15) << 10) | (uint16_t)mant);
+}
+
+static size_t esize(int dt) { return dt == SG__F64 ? 8 : dt == SG_F32 ? 4 : 2; }
+
+static const char *dname(int dt) {
+  static const char *n[] = {"f32", "bf16", "f16", "f64"};
+  return n[dt];
+}
+
+/* Rounds v (already an fp32 value for the 16-bit types) to dtype and back. */
+static double round_to(int dt, double v) {
+  switch (dt) {
+    case SG_F32: return (float)v;
+    case SG_BF16: return from_bf16(to_bf16((float)v));
+    case SG_F16: return from_f16(to_f16((float)v));
+  }
+  return v;
+}
+
+static void set_elem(void *buf, int dt, size_t i, double v) {
+  switch (dt) {
+    case SG_F32: ((float *)buf)[i] = (float)v; break;
+    case SG_BF16: ((uint16_t *)buf)[i] = to_bf16((float)v); break;
+    case SG_F16: ((uint16_t *)buf)[i] = to_f16((float)v); break;
+    default: ((double *)buf)[i] = v;
+  }
+}
+
+static double get_elem(const void *buf, int dt, size_t i) {
+  switch (dt) {
+    case SG_F32: return ((const float *)buf)[i];
+    case SG_BF16: return from_bf16(((const uint16_t *)buf)[i]);
+    case SG_F16: return from_f16(((const uint16_t *)buf)[i]);
+  }
+  return ((const double *)buf)[i];
+}
+
+/* ---- inputs -------------------------------------------------------------------------------- */
+
+/* Small integers in [-8, 8]: any sum over <= 8 ranks is exact in every dtype. */
+static double exact_val(int k, size_t i) { return (double)((i * 7 + (size_t)k * 13 + 3) % 17) - 8; }
+
+static uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/* Uniform in [-1, 1), representable in dt. */
+static double rand_val(int dt, uint64_t seed, int k, size_t i) {
+  const uint64_t h = mix(seed * 0x100000001b3ull ^ mix((uint64_t)k * 0x9e37ull + i));
+  const double u = (double)(h >> 11) * ldexp(1.0, -53) * 2.0 - 1.0;
+  return round_to(dt, u);
+}
+
+/* ---- reference ---------------------------------------------------------------------------- */
+
+/* Sum of rank values in the backend's order, rounded once: local adds ranks 0..W-1; the MPI
+ * ring starts chunk q at rank q+1 and ends at its owner q. fp32 sums (f64 for f64). */
+static double ordered_sum(int dt, int w, int owner, double (*val)(int, uint64_t, int, size_t),
+                          uint64_t seed, size_t i) {
+  const int first = g_mpi ? (owner + 1) % w : 0;
+  if (dt == SG__F64) {
+    double acc = val(dt, seed, first, i);
+    for (int t = 1; t < w; t++) acc = acc + val(dt, seed, (first + t) % w, i);
+    return acc;
+  }
+  float acc = (float)val(dt, seed, first, i);
+  for (int t = 1; t < w; t++) acc = acc + (float)val(dt, seed, (first + t) % w, i);
+  return round_to(dt, acc);
+}
+
+static double exact_adapter(int dt, uint64_t seed, int k, size_t i) { return exact_val(k, i); }
+
+/* Tolerance of a sum of fp32 values rounded once: per-hop rounding of bf16/f16 exceeds it. */
+static int within(int dt, double got, double ref, double abssum, int w) {
+  const double eps = dt == SG__F64 ? ldexp(1.0, -52) : ldexp(1.0, -23);
+  double tol = (double)w * eps * abssum;
+  if (dt == SG_BF16 || dt == SG_F16) {
+    const double a = fabs(ref) > fabs(got) ? fabs(ref) : fabs(got);
+    int e;
+    frexp(a, &e); /* a in [2^(e-1), 2^e) */
+    const int bits = dt == SG_BF16 ? 8 : 11;
+    double half_ulp = a > 0 ? ldexp(1.0, e - 1 - bits) : 0;
+    if (dt == SG_F16 && half_ulp < ldexp(1.0, -25)) half_ulp = ldexp(1.0, -25);
+    tol += half_ulp;
+  }
+  return fabs(got - ref) <= tol;
+}
+
+/* ---- one rank's checks ---------------------------------------------------------------------- */
+
+typedef struct rank_ctx {
+  sg_comm *c;
+  int rank, world;
+  int64_t timeout_ms;
+} rank_ctx;
+
+static void chunk_of(size_t n, int w, int k, size_t *off, size_t *len) {
+  const size_t base = n / (size_t)w, rem = n % (size_t)w, kk = (size_t)k;
+  *off = kk * base + (kk < rem ? kk : rem);
+  *len = base + (kk < rem ? 1u : 0u);
+}
+
+static uint64_t fnv(const void *p, size_t n) { return sg__hash_bytes(SG__HASH_INIT, p, n); }
+
+/* Every rank's all-reduce result must have the same bits: gather the hashes. */
+static int same_on_all_ranks(rank_ctx *x, uint64_t h) {
+  uint64_t *hs = calloc((size_t)x->world, sizeof *hs);
+  hs[x->rank] = h;
+  int ok = x->c->ops->all_gather(x->c, hs, sizeof *hs, sg__deadline((int)x->timeout_ms)) == SG_OK;
+  for (int k = 0; ok && k < x->world; k++) ok = hs[k] == h;
+  free(hs);
+  return ok;
+}
+
+typedef double (*val_fn)(int, uint64_t, int, size_t);
+
+/* Compares each element to the ordered sum (bitwise) and the double reference (tolerance). */
+static int verify(rank_ctx *x, const void *buf, int dt, size_t off, size_t len, int owner,
+                  val_fn val, uint64_t seed, size_t *bad) {
+  for (size_t i = off; i < off + len; i++) {
+    const double got = get_elem(buf, dt, i);
+    const double want = ordered_sum(dt, x->world, owner, val, seed, i);
+    double ref = 0, abssum = 0;
+    for (int k = 0; k < x->world; k++) {
+      const double v = val(dt, seed, k, i);
+      ref += v;
+      abssum += fabs(v);
+    }
+    if (got != want || !within(dt, got, ref, abssum, x->world)) {
+      *bad = i;
+      return 0;
+    }
+  }
+  return 1;
+}
+
+static void test_all_reduce(rank_ctx *x, int dt, size_t n, int random) {
+  const val_fn val = random ? rand_val : exact_adapter;
+  const uint64_t seed = 1000 + n * 4 + (uint64_t)dt;
+  void *buf = malloc(n * esize(dt));
+  for (size_t i = 0; i < n; i++) set_elem(buf, dt, i, val(dt, seed, x->rank, i));
+  const sg_status st = x->c->ops->all_reduce(x->c, buf, n, dt, sg__deadline((int)x->timeout_ms));
+  int ok = st == SG_OK;
+  size_t bad = 0;
+  /* each rank checks its own chunk; with the bitwise-identical check below that covers all */
+  if (ok) {
+    size_t off, len;
+    chunk_of(n, x->world, x->rank, &off, &len);
+    ok = verify(x, buf, dt, off, len, x->rank, val, seed, &bad);
+  }
+  check(x->rank, ok, "all_reduce %-4s n=%-7zu %s inputs: status %s%s", dname(dt), n,
+        random ? "random" : "exact ", sg_status_string(st), ok ? "" : " (element mismatch)");
+  if (!ok && st == SG_OK)
+    printf("  rank %d element %zu: got %.9g\n", x->rank, bad, get_elem(buf, dt, bad));
+  if (st == SG_OK)
+    check(x->rank, same_on_all_ranks(x, fnv(buf, n * esize(dt))),
+          "all_reduce %-4s n=%-7zu bitwise identical on all ranks", dname(dt), n);
+  free(buf);
+}
+
+static void test_reduce_scatter(rank_ctx *x, int dt, size_t n, int random) {
+  const val_fn val = random ? rand_val : exact_adapter;
+  const uint64_t seed = 5000 + n * 4 + (uint64_t)dt;
+  const size_t total = n * (size_t)x->world;
+  void *buf = malloc(total * esize(dt));
+  for (size_t i = 0; i < total; i++) set_elem(buf, dt, i, val(dt, seed, x->rank, i));
+  const sg_status st =
+      x->c->ops->reduce_scatter(x->c, buf, n, dt, sg__deadline((int)x->timeout_ms));
+  size_t bad = 0;
+  const int ok = st == SG_OK &&
+                 verify(x, buf, dt, (size_t)x->rank * n, n, x->rank, val, seed, &bad);
+  check(x->rank, ok, "reduce_scatter %-4s n=%-7zu %s inputs: status %s", dname(dt), n,
+        random ? "random" : "exact ", sg_status_string(st));
+  if (!ok && st == SG_OK)
+    printf("  rank %d element %zu: got %.9g\n", x->rank, bad, get_elem(buf, dt, bad));
+  free(buf);
+}
+
+static unsigned char gather_byte(int k, size_t i) { return (unsigned char)(k * 31 + i * 7 + 1); }
+
+static void test_all_gather(rank_ctx *x, size_t bytes) {
+  unsigned char *buf = malloc(bytes * (size_t)x->world);
+  memset(buf, 0xEE, bytes * (size_t)x->world);
+  for (size_t i = 0; i < bytes; i++) buf[(size_t)x->rank * bytes + i] = gather_byte(x->rank, i);
+  const sg_status st = x->c->ops->all_gather(x->c, buf, bytes, sg__deadline((int)x->timeout_ms));
+  int ok = st == SG_OK;
+  for (int k = 0; ok && k < x->world; k++)
+    for (size_t i = 0; ok && i < bytes; i++) ok = buf[(size_t)k * bytes + i] == gather_byte(k, i);
+  check(x->rank, ok, "all_gather bytes=%-8zu status %s", bytes, sg_status_string(st));
+  free(buf);
+}
+
+static void test_broadcast(rank_ctx *x, size_t bytes, int root) {
+  unsigned char *buf = malloc(bytes);
+  for (size_t i = 0; i < bytes; i++)
+    buf[i] = x->rank == root ? (unsigned char)(i * 13 + (size_t)root * 5 + 11) : 0xEE;
+  const sg_status st =
+      x->c->ops->broadcast(x->c, buf, bytes, root, sg__deadline((int)x->timeout_ms));
+  int ok = st == SG_OK;
+  for (size_t i = 0; ok && i < bytes; i++)
+    ok = buf[i] == (unsigned char)(i * 13 + (size_t)root * 5 + 11);
+  check(x->rank, ok, "broadcast bytes=%-8zu root=%d status %s", bytes, root, sg_status_string(st));
+  free(buf);
+}
+
+static const size_t k_counts[] = {1, 63, 64, 65, 1000, 100003, 3000000};
+#define N_COUNTS (sizeof k_counts / sizeof k_counts[0])
+
+/* Reduce-scatter and all-gather take a count per rank: the big ones are split over the ranks so
+ * that memory does not grow with W. */
+static size_t per_rank(size_t n, int w) { return n >= 100003 ? n / (size_t)w : n; }
+
+static void run_collectives(rank_ctx *x) {
+  for (int dt = 0; dt <= SG__F64; dt++) {
+    for (size_t ci = 0; ci < N_COUNTS; ci++) {
+      const size_t n = k_counts[ci];
+      test_all_reduce(x, dt, n, 0);
+      test_reduce_scatter(x, dt, per_rank(n, x->world), 0);
+      if (n == 65 || n == 1000 || n == 100003) {
+        test_all_reduce(x, dt, n, 1);
+        test_reduce_scatter(x, dt, per_rank(n, x->world), 1);
+      }
+    }
+  }
+  for (size_t ci = 0; ci < N_COUNTS; ci++) {
+    const size_t n = k_counts[ci];
+    test_all_gather(x, per_rank(n, x->world) * (ci % 2 ? 2 : 4)); /* bf16 and f32 sized */
+    test_broadcast(x, n * 2, (int)(ci % (size_t)x->world));
+  }
+  /* count 0 is a no-op that still succeeds */
+  check(x->rank,
+        x->c->ops->all_reduce(x->c, NULL, 0, SG_F32, sg__deadline((int)x->timeout_ms)) == SG_OK,
+        "all_reduce count 0 is a no-op");
+}
+
+/* ---- failure paths (local backend: ranks are threads) ------------------------------------ */
+
+typedef struct fail_ctx {
+  sg_comm **to, **mm, **bad;
+  pthread_barrier_t *bar;
+} fail_ctx;
+
+/* The last rank never calls: the others must return TIMEOUT/COMM (no hang), and after that the
+ * communicator stays broken on every rank, the late one included. */
+static void test_timeout(int rank, int world, sg_comm *c, pthread_barrier_t *bar) {
+  float v[64] = {0};
+  if (rank != world - 1) {
+    const sg_status st = c->ops->all_reduce(c, v, 64, SG_F32, sg__deadline(200));
+    check(rank, st == SG_ERR_TIMEOUT || st == SG_ERR_COMM,
+          "timeout: waiting rank returns TIMEOUT or COMM (got %s)", sg_status_string(st));
+    check(rank, strstr(sg_last_error(), "timed out") || strstr(sg_last_error(), "deadline"),
+          "timeout: message says so ('%s')", sg_last_error());
+  }
+  pthread_barrier_wait(bar);
+  const sg_status st2 = c->ops->all_reduce(c, v, 64, SG_F32, sg__deadline(60000));
+  check(rank, st2 == SG_ERR_COMM, "timeout: later call fails at once with COMM (got %s)",
+        sg_status_string(st2));
+  check(rank, c->broken == 1, "timeout: communicator marked broken");
+  pthread_barrier_wait(bar);
+  /* still broken a second time, for every op */
+  unsigned char b[8];
+  check(rank, c->ops->broadcast(c, b, 8, 0, sg__deadline(60000)) == SG_ERR_COMM,
+        "timeout: broken stays broken (broadcast)");
+}
+
+/* Rank 0 calls with another count (then another op): every rank fails instead of corrupting. */
+static void test_mismatch(int rank, int world, sg_comm *c) {
+  float v[66] = {0};
+  const size_t n = rank == 0 ? 64 : 65;
+  const sg_status st = c->ops->all_reduce(c, v, n, SG_F32, sg__deadline(60000));
+  check(rank, st == SG_ERR_MISMATCH || st == SG_ERR_COMM,
+        "mismatch: count 64 vs 65 detected (got %s)", sg_status_string(st));
+  const sg_status st2 = c->ops->reduce_scatter(c, v, 1, SG_F32, sg__deadline(60000));
+  check(rank, st2 == SG_ERR_COMM, "mismatch: communicator broken afterwards (got %s)",
+        sg_status_string(st2));
+}
+
+/* Invalid arguments on one rank: that rank gets INVALID_ARGUMENT, the others fail at once. */
+static void test_invalid(int rank, int world, sg_comm *c) {
+  float v[4] = {0};
+  const int dt = rank == 1 ? 7 : SG_F32;
+  const sg_status st = c->ops->all_reduce(c, v, 4, dt, sg__deadline(60000));
+  if (rank == 1)
+    check(rank, st == SG_ERR_INVALID_ARGUMENT, "invalid dtype rejected (got %s)",
+          sg_status_string(st));
+  else
+    check(rank, st == SG_ERR_COMM || st == SG_ERR_MISMATCH,
+          "invalid arguments on a peer: fails at once (got %s)", sg_status_string(st));
+}
+
+/* ---- drivers ---------------------------------------------------------------------------- */
+
+typedef struct thread_arg {
+  rank_ctx x;
+  fail_ctx f;
+} thread_arg;
+
+static void *rank_main(void *p) {
+  thread_arg *a = p;
+  run_collectives(&a->x);
+  if (a->x.world > 1) {
+    pthread_barrier_wait(a->f.bar);
+    test_timeout(a->x.rank, a->x.world, a->f.to[a->x.rank], a->f.bar);
+    test_mismatch(a->x.rank, a->x.world, a->f.mm[a->x.rank]);
+    test_invalid(a->x.rank, a->x.world, a->f.bad[a->x.rank]);
+  }
+  return NULL;
+}
+
+static void test_api(void) {
+  sg_comm *cs[2] = {NULL, NULL};
+  check(0, sg_comm_rank(NULL) == -1 && sg_comm_size(NULL) == -1, "rank/size of NULL are -1");
+  sg_comm_destroy(NULL); /* NULL is fine (a crash would fail the test) */
+  check(0, sg_comm_create_local(0, cs) == SG_ERR_INVALID_ARGUMENT, "create_local(0) rejected");
+  check(0, sg_comm_create_local(4097, cs) == SG_ERR_INVALID_ARGUMENT,
+        "create_local(4097) rejected");
+  check(0, sg_comm_create_local(2, NULL) == SG_ERR_INVALID_ARGUMENT, "create_local(NULL) rejected");
+#ifdef SG_HAVE_MPI
+  check(0, sg_comm_create_mpi(NULL, NULL) == SG_ERR_INVALID_ARGUMENT, "create_mpi(out NULL) rejected");
+#else
+  sg_comm *m = (sg_comm *)1;
+  check(0, sg_comm_create_mpi(NULL, &m) == SG_ERR_UNSUPPORTED && m == NULL,
+        "create_mpi without MPI: UNSUPPORTED (%s)", sg_last_error());
+#endif
+  /* destroy while an engine holds it: refused (ASan would flag a later use otherwise) */
+  sg_comm *one = NULL;
+  check(0, sg_comm_create_local(1, &one) == SG_OK, "create_local(1)");
+  one->in_use = 1;
+  sg_comm_destroy(one);
+  float v = 3;
+  check(0, one->ops->all_reduce(one, &v, 1, SG_F32, sg__deadline(1000)) == SG_OK && v == 3,
+        "destroy while in use leaves the communicator working");
+  check(0, sg_comm_rank(one) == 0 && sg_comm_size(one) == 1, "rank/size of a W=1 comm");
+  one->in_use = 0;
+  sg_comm_destroy(one);
+  check(0, sg__comm_usable(NULL, "x") == SG_ERR_INVALID_ARGUMENT, "usable(NULL) rejected");
+  /* a rank that destroys its communicator breaks the group: the other fails at once */
+  check(0, sg_comm_create_local(2, cs) == SG_OK, "create_local(2)");
+  sg_comm_destroy(cs[1]);
+  const sg_status st = cs[0]->ops->all_reduce(cs[0], &v, 1, SG_F32, sg__deadline(60000));
+  check(0, st == SG_ERR_COMM && strstr(sg_last_error(), "destroyed"),
+        "peer destroyed: call fails at once with COMM (%s)", sg_last_error());
+  sg_comm_destroy(cs[0]);
+}
+
+static int run_local(int world) {
+  test_api();
+  sg_comm **cs = calloc((size_t)world * 4, sizeof *cs);
+  int ok = sg_comm_create_local(world, cs) == SG_OK;
+  for (int g = 1; ok && g < 4; g++) ok = sg_comm_create_local(world, cs + g * world) == SG_OK;
+  check(0, ok, "create_local(%d) x4", world);
+  if (!ok) return 1;
+  const size_t scratch_bytes = sg__comm_scratch_bytes(k_counts[N_COUNTS - 1]);
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, (unsigned)world);
+  thread_arg *args = calloc((size_t)world, sizeof *args);
+  pthread_t *th = calloc((size_t)world, sizeof *th);
+  for (int r = 0; r < world; r++) {
+    check(0, sg_comm_rank(cs[r]) == r && sg_comm_size(cs[r]) == world, "rank %d of %d", r, world);
+    cs[r]->scratch = malloc(scratch_bytes);
+    cs[r]->scratch_bytes = scratch_bytes;
+    args[r].x = (rank_ctx){cs[r], r, world, 60000};
+    args[r].f = (fail_ctx){cs + world, cs + 2 * world, cs + 3 * world, &bar};
+    pthread_create(&th[r], NULL, rank_main, &args[r]);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < world; r++) free(cs[r]->scratch);
+  for (int i = 0; i < 4 * world; i++) sg_comm_destroy(cs[i]);
+  pthread_barrier_destroy(&bar);
+  free(args);
+  free(th);
+  free(cs);
+  return 0;
+}
+
+#ifdef SG_HAVE_MPI
+/* Under mpirun: the last rank skips an all-reduce. The others time out (the MPI backend cannot
+ * tell its peers), the late rank's next call times out too (its messages carry another tag),
+ * after which every later call fails at once; a second communicator is unaffected. */
+static void mpi_timeout(rank_ctx *x, size_t n) {
+  sg_comm *c2 = NULL;
+  const int rank = x->rank, world = x->world;
+  check(rank, sg_comm_create_mpi(NULL, &c2) == SG_OK, "timeout: second MPI communicator");
+  float *v = calloc(n + 1, sizeof *v);
+  c2->scratch = calloc(n + 1, 4);
+  c2->scratch_bytes = (n + 1) * 4;
+  check(rank, c2->ops->all_reduce(c2, v, n, SG_F32, sg__deadline(60000)) == SG_OK,
+        "timeout n=%zu: healthy all_reduce first", n);
+  sg_status st;
+  if (rank != world - 1) {
+    st = c2->ops->all_reduce(c2, v, n, SG_F32, sg__deadline(500));
+    check(rank, st == SG_ERR_TIMEOUT || st == SG_ERR_COMM,
+          "timeout n=%zu: rank waiting for the skipper returns TIMEOUT/COMM (got %s)", n,
+          sg_status_string(st));
+  } else {
+    st = c2->ops->all_reduce(c2, v, n + 1, SG_F32, sg__deadline(1500));
+    check(rank, st == SG_ERR_TIMEOUT || st == SG_ERR_COMM,
+          "timeout n=%zu: the late rank's next call does not match stale messages (got %s)", n,
+          sg_status_string(st));
+  }
+  st = c2->ops->all_reduce(c2, v, n, SG_F32, sg__deadline(60000));
+  check(rank, st == SG_ERR_COMM, "timeout n=%zu: broken stays broken (got %s)", n,
+        sg_status_string(st));
+  MPI_Barrier(MPI_COMM_WORLD);
+  test_all_reduce(x, SG_F32, 1000, 0); /* the first communicator still works */
+  sg_comm_destroy(c2);
+  free(v);
+}
+#endif
+
+static int run_mpi(int timeout_test) {
+#ifdef SG_HAVE_MPI
+  g_mpi = 1;
+  sg_comm *c = NULL;
+  const sg_status st = sg_comm_create_mpi(NULL, &c);
+  if (st != SG_OK) {
+    printf("FAIL sg_comm_create_mpi: %s\n0 passed, 1 failed\n", sg_last_error());
+    return 1;
+  }
+  rank_ctx x = {c, c->rank, c->world, 60000};
+  c->scratch_bytes = sg__comm_scratch_bytes(k_counts[N_COUNTS - 1]);
+  c->scratch = malloc(c->scratch_bytes);
+  if (c->rank == 0) printf("MPI communicator: %d ranks, threaded %d\n", c->world, c->threaded);
+  if (timeout_test) {
+    mpi_timeout(&x, 64);     /* eager-sized messages */
+    mpi_timeout(&x, 300000); /* rendezvous-sized messages, several pieces */
+  } else {
+    if (c->rank == 0) test_api();
+    run_collectives(&x);
+  }
+  int mine[2] = {atomic_load(&g_pass), atomic_load(&g_fail)}, tot[2] = {0, 0};
+  MPI_Allreduce(mine, tot, 2, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  free(c->scratch);
+  const int rank = c->rank;
+  sg_comm_destroy(c); /* the last one finalizes MPI, which the library initialized */
+  if (rank == 0) printf("%d passed, %d failed\n", tot[0], tot[1]);
+  return tot[1] != 0;
+#else
+  printf("built without MPI\n0 passed, 1 failed\n");
+  return 1;
+#endif
+}
+
+int main(int argc, char **argv) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  if (argc >= 3 && strcmp(argv[1], "--local") == 0) {
+    const int world = atoi(argv[2]);
+    if (world < 1 || world > 64) {
+      printf("bad world %s\n", argv[2]);
+      return 2;
+    }
+    printf("local backend, W=%d\n", world);
+    run_local(world);
+    printf("%d passed, %d failed\n", atomic_load(&g_pass), atomic_load(&g_fail));
+    return atomic_load(&g_fail) != 0;
+  }
+  if (argc >= 2 && strcmp(argv[1], "--mpi") == 0)
+    return run_mpi(argc >= 3 && strcmp(argv[2], "--timeout") == 0);
+  printf("usage: %s --local W | --mpi [--timeout]\n", argv[0]);
+  return 2;
+}
