@@ -9,11 +9,14 @@
 #   5. pytest over python/tests when it exists
 # Every stage runs even when an earlier one failed (except those that need its build); the
 # summary at the end lists them all, and the exit status is non-zero when any failed.
-# Environment: JOBS (default 2), SG_TEST_SKIP_DEPS=1 to skip step 1.
+# Environment: JOBS (default 2), SG_TEST_SKIP_DEPS=1 to skip step 1, SG_TEST_BUILD=name to build
+# into name/, name-asan/, name-tsan/ instead of build/, build-asan/, build-tsan/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 JOBS=${JOBS:-2}
+N=${SG_TEST_BUILD:-build}
+B=$ROOT/$N
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export CTEST_OUTPUT_ON_FAILURE=1
@@ -72,11 +75,11 @@ install_deps() {
 }
 
 configure_release() {
-  cmake -S "$ROOT" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release
+  cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release
 }
 
 configure_asan() {
-  cmake -S "$ROOT" -B "$ROOT/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  cmake -S "$ROOT" -B "$B-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" -DSG_SANITIZE=address,undefined \
     -DSG_WITH_MPI=OFF -DSG_WITH_CUDA=OFF -DSG_BUILD_EXAMPLES=OFF
 }
@@ -102,7 +105,7 @@ pick_tsan_cc() {
 }
 
 configure_tsan() {
-  cmake -S "$ROOT" -B "$ROOT/build-tsan" -DCMAKE_C_COMPILER="$TSAN_CC" \
+  cmake -S "$ROOT" -B "$B-tsan" -DCMAKE_C_COMPILER="$TSAN_CC" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
     -DSG_SANITIZE=thread -DSG_WITH_MPI=OFF -DSG_WITH_CUDA=OFF -DSG_BUILD_EXAMPLES=OFF \
     -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON
@@ -129,7 +132,7 @@ run_ctest_no_aslr() { # the same, with ASLR off (TSan)
 
 run_pytest() {
   local rc=0
-  PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" SHARDGRAD_LIB="$ROOT/build/libshardgrad.so" \
+  PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" SHARDGRAD_LIBRARY="$B/libshardgrad.so" \
     python3 -m pytest -q "$ROOT/python/tests" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest: no tests collected (fine)"
@@ -144,26 +147,26 @@ else
   stage dependencies install_deps
 fi
 
-if stage "configure build/ (Release)" configure_release && stage "build build/" build "$ROOT/build"; then
-  stage "ctest build/ (unit, local, mpi, install)" run_ctest "$ROOT/build"
+if stage "configure $N/ (Release)" configure_release && stage "build $N/" build "$B"; then
+  stage "ctest $N/ (unit, local, mpi, install)" run_ctest "$B"
 else
-  skip "ctest build/" "build failed"
+  skip "ctest $N/" "build failed"
 fi
 
-if stage "configure build-asan/ (ASan+UBSan)" configure_asan && stage "build build-asan/" build "$ROOT/build-asan"; then
+if stage "configure $N-asan/ (ASan+UBSan)" configure_asan && stage "build $N-asan/" build "$B-asan"; then
   ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
-    stage "ctest build-asan/ (unit, local)" run_ctest "$ROOT/build-asan" -L "unit|local"
+    stage "ctest $N-asan/ (unit, local)" run_ctest "$B-asan" -L "unit|local"
 else
-  skip "ctest build-asan/" "build failed"
+  skip "ctest $N-asan/" "build failed"
 fi
 
 TSAN_CC=${TSAN_CC:-$(pick_tsan_cc)}
-if stage "configure build-tsan/ (TSan, $TSAN_CC)" configure_tsan && stage "build build-tsan/" build "$ROOT/build-tsan"; then
+if stage "configure $N-tsan/ (TSan, $TSAN_CC)" configure_tsan && stage "build $N-tsan/" build "$B-tsan"; then
   TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
-    stage "ctest build-tsan/ (local)" run_ctest_no_aslr "$ROOT/build-tsan" -L local
+    stage "ctest $N-tsan/ (local)" run_ctest_no_aslr "$B-tsan" -L local
 else
-  skip "ctest build-tsan/" "build failed"
+  skip "ctest $N-tsan/" "build failed"
 fi
 
 if [ -d "$ROOT/python/tests" ]; then
