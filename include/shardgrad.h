@@ -238,6 +238,34 @@ SG_API sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, 
 
 SG_API void sg_engine_destroy(sg_engine *e);
 
+/* ---------------------------------------------------------------------------------------- */
+/* CUDA / NCCL (section maintained with src/comm/nccl.c)                                     */
+/* ---------------------------------------------------------------------------------------- */
+
+/* NCCL communicators: one rank per GPU. All return SG_ERR_UNSUPPORTED when the library is built
+ * without NCCL (sg_has_backend("nccl") == 0), SG_ERR_CUDA ("no CUDA device found") on a machine
+ * without a GPU, SG_ERR_TIMEOUT when the ranks do not all join within SG_NCCL_INIT_TIMEOUT_MS
+ * (default 600000 ms), SG_ERR_COMM when NCCL fails. Collectives use the engine's CUDA device
+ * (sg_config.device = SG_DEVICE_CUDA, cuda_device = the communicator's GPU). */
+
+/* Writes a new NCCL unique id (128 bytes) to id128, to be sent to every rank by the caller
+ * (rank 0 calls it once). */
+SG_API sg_status sg_nccl_unique_id(void *id128);
+
+/* Collective over `world` ranks: rank `rank` on GPU `cuda_device` (-1: the calling thread's
+ * current device), joining with the 128-byte id from sg_nccl_unique_id. id128 may be NULL when
+ * the environment variable SG_NCCL_ID_FILE names a path on a file system all ranks share: rank
+ * 0 creates the id and writes it there atomically, the others wait for the file, and rank 0
+ * removes it once everyone has joined. Use a fresh path for every job. */
+SG_API sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_device,
+                                     sg_comm **out);
+
+/* Collective over an MPI communicator (`mpi_comm` points to an MPI_Comm; NULL: MPI_COMM_WORLD),
+ * which must already be initialized: rank 0's id is broadcast over MPI and each rank takes GPU
+ * (rank within its node) mod (GPUs on the node). MPI is used only here, not for the
+ * collectives. SG_ERR_UNSUPPORTED when built without MPI or without NCCL. */
+SG_API sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out);
+
 #ifdef __cplusplus
 }
 #endif

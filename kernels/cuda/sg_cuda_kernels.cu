@@ -1,0 +1,513 @@
+// CUDA kernels over the element math of kernels/sg_elem.h, and their extern "C" launchers
+// (declared in sg_cuda_kernels.h, called by src/device/cuda.c).
+//
+// Every elementwise kernel is a grid-stride loop over groups of 4 consecutive elements: a group
+// is loaded and stored with one 128-bit (f32) or 64-bit (bf16/f16) access when its address is
+// aligned, element by element otherwise. Each element goes through the same sg_elem_* calls,
+// in the same order, as in kernels/cpu, and the build uses -fmad=false (no contraction) with
+// IEEE division and square root, so results match the CPU loops bit for bit and do not depend
+// on the launch shape.
+//
+// The one reduction (sumsq) partitions the input into fixed chunks of SG__CUDA_SUMSQ_CHUNK
+// elements, each summed by one block of a fixed size in a fixed order, and combines the chunk
+// partials in one block, again in a fixed order: the result depends on n alone.
+
+#include <stdint.h>  // uint16_t, uint64_t, uintptr_t
+
+#include <cuda_runtime.h>  // launches, cudaMemcpyAsync
+
+#include "../sg_elem.h"        // element math: conversions, accumulate, AdamW, hash
+#include "sg_cuda_kernels.h"  // launcher declarations, sg__cuda_launch
+
+namespace {
+
+constexpr int kThreads = 256;        // block size of every grid-stride kernel
+constexpr int kSumsqThreads = 256;   // block size of sumsq's first pass (part of its result)
+constexpr int kCombineThreads = 1024;  // the single block of sumsq's second pass
+
+// ---- launch shape ---------------------------------------------------------------------------
+
+unsigned grid_for(uint64_t work, int max_blocks) {
+  uint64_t b = (work + kThreads - 1) / kThreads;
+  uint64_t cap = max_blocks > 0 ? (uint64_t)max_blocks : 1u;
+  if (b > cap) b = cap;
+  return b < 1 ? 1u : (unsigned)b;
+}
+
+__host__ __device__ __forceinline__ uint64_t groups_of(size_t n) { return ((uint64_t)n + 3u) / 4u; }
+
+int launch_result() { return (int)cudaGetLastError(); }
+
+// ---- groups of 4: loads and stores -----------------------------------------------------------
+
+__device__ __forceinline__ bool aligned(const void *p, unsigned bytes) {
+  return ((uintptr_t)p & (uintptr_t)(bytes - 1u)) == 0;
+}
+
+// Elements i..i+cnt-1 (cnt <= 4) of a DT array as fp32.
+template <int DT>
+__device__ __forceinline__ void load4(const void *base, size_t i, int cnt, float (&o)[4]) {
+  if (DT == 0) {
+    const float *p = (const float *)base + i;
+    if (cnt == 4 && aligned(p, 16)) {
+      float4 q = *(const float4 *)p;
+      o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
+      return;
+    }
+  } else {
+    const uint16_t *p = (const uint16_t *)base + i;
+    if (cnt == 4 && aligned(p, 8)) {
+      uint2 q = *(const uint2 *)p;
+      const uint16_t h[4] = {(uint16_t)(q.x & 0xffffu), (uint16_t)(q.x >> 16),
+                             (uint16_t)(q.y & 0xffffu), (uint16_t)(q.y >> 16)};
+      for (int j = 0; j < 4; j++)
+        o[j] = DT == 1 ? sg_elem_bf16_to_f32(h[j]) : sg_elem_f16_to_f32(h[j]);
+      return;
+    }
+  }
+  for (int j = 0; j < cnt; j++) o[j] = sg_elem_load(base, DT, i + j);
+}
+
+// Raw 16-bit values, already rounded.
+__device__ __forceinline__ void store4_u16(void *base, size_t i, int cnt, const uint16_t (&h)[4]) {
+  uint16_t *p = (uint16_t *)base + i;
+  if (cnt == 4 && aligned(p, 8)) {
+    uint2 q;
+    q.x = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+    q.y = (uint32_t)h[2] | ((uint32_t)h[3] << 16);
+    *(uint2 *)p = q;
+    return;
+  }
+  for (int j = 0; j < cnt; j++) p[j] = h[j];
+}
+
+// fp32 values rounded to DT (round to nearest even).
+template <int DT>
+__device__ __forceinline__ void store4(void *base, size_t i, int cnt, const float (&x)[4]) {
+  if (DT == 0) {
+    float *p = (float *)base + i;
+    if (cnt == 4 && aligned(p, 16)) {
+      *(float4 *)p = make_float4(x[0], x[1], x[2], x[3]);
+      return;
+    }
+    for (int j = 0; j < cnt; j++) p[j] = x[j];
+    return;
+  }
+  uint16_t h[4] = {0, 0, 0, 0};
+  for (int j = 0; j < cnt; j++)
+    h[j] = DT == 1 ? sg_elem_f32_to_bf16(x[j]) : sg_elem_f32_to_f16(x[j]);
+  store4_u16(base, i, cnt, h);
+}
+
+// The group g of an n-element array: first element and count.
+__device__ __forceinline__ int group_span(uint64_t g, size_t n, size_t *i0) {
+  *i0 = (size_t)(g * 4u);
+  size_t left = n - *i0;
+  return left < 4 ? (int)left : 4;
+}
+
+__device__ __forceinline__ uint64_t global_thread() {
+  return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ uint64_t grid_threads() { return (uint64_t)gridDim.x * blockDim.x; }
+
+// ---- accumulate, cast, fill ----------------------------------------------------------------
+
+template <int ADT, int SDT>
+__global__ void accumulate_kernel(void *acc, const void *src, size_t n) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float a[4], s[4];
+    load4<ADT>(acc, i0, cnt, a);
+    load4<SDT>(src, i0, cnt, s);
+    for (int j = 0; j < cnt; j++) a[j] = sg_elem_accumulate(a[j], s[j]);
+    store4<ADT>(acc, i0, cnt, a);
+  }
+}
+
+template <int DDT, int SDT>
+__global__ void cast_kernel(void *dst, const void *src, size_t n) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float x[4];
+    load4<SDT>(src, i0, cnt, x);
+    store4<DDT>(dst, i0, cnt, x);
+  }
+}
+
+template <typename T>
+__global__ void fill_kernel(T *dst, T value, size_t n) {
+  for (uint64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = value;
+}
+
+// ---- reduce_sum ----------------------------------------------------------------------------
+
+// The source pointers travel by value in the kernel's parameters (no device table to upload
+// for every bucket). Two sizes: a small one for the usual rank counts, a large one up to the
+// 32 KiB parameter limit of sm_70 and later.
+template <int N>
+struct src_table {
+  const void *p[N];
+};
+
+// Sums in source order starting from the first source (as the CPU does), fp32, one rounding to
+// DT at the end. Each thread reads all its sources before writing, so dst may be a source.
+template <int DT, int N>
+__global__ void reduce_sum_kernel(void *dst, src_table<N> srcs, int nsrc, size_t n) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float t[4], x[4];
+    load4<DT>(srcs.p[0], i0, cnt, t);
+    for (int k = 1; k < nsrc; k++) {
+      load4<DT>(srcs.p[k], i0, cnt, x);
+      for (int j = 0; j < cnt; j++) t[j] = sg_elem_accumulate(t[j], x[j]);
+    }
+    store4<DT>(dst, i0, cnt, t);
+  }
+}
+
+template <int N>
+__global__ void reduce_sum_f64_kernel(double *dst, src_table<N> srcs, int nsrc, size_t n) {
+  for (uint64_t i = global_thread(); i < n; i += grid_threads()) {
+    double t = ((const double *)srcs.p[0])[i];
+    for (int k = 1; k < nsrc; k++) t = t + ((const double *)srcs.p[k])[i];
+    dst[i] = t;
+  }
+}
+
+// ---- sumsq -----------------------------------------------------------------------------------
+
+// Fixed pairwise tree over a block's shared values (size a power of two).
+template <int T>
+__device__ __forceinline__ void tree_sum(double *s, double *c) {
+  for (int w = T / 2; w > 0; w >>= 1) {
+    __syncthreads();
+    if ((int)threadIdx.x < w) {
+      s[threadIdx.x] = s[threadIdx.x] + s[threadIdx.x + w];
+      c[threadIdx.x] = c[threadIdx.x] + c[threadIdx.x + w];
+    }
+  }
+  __syncthreads();
+}
+
+// Pass 1: chunk q (grid-stride over chunks) -> partials[2q], partials[2q+1]. Thread t sums the
+// elements t, t+256, ... of the chunk in order; then the fixed tree.
+template <int DT>
+__global__ void __launch_bounds__(kSumsqThreads)
+    sumsq_chunks_kernel(const void *x, size_t n, double *partials) {
+  __shared__ double s[kSumsqThreads];
+  __shared__ double c[kSumsqThreads];
+  const uint64_t nchunks = ((uint64_t)n + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+  for (uint64_t q = blockIdx.x; q < nchunks; q += gridDim.x) {
+    const size_t lo = (size_t)(q * SG__CUDA_SUMSQ_CHUNK);
+    const size_t hi = n - lo < SG__CUDA_SUMSQ_CHUNK ? n : lo + SG__CUDA_SUMSQ_CHUNK;
+    double acc = 0.0, bad = 0.0;
+    for (size_t i = lo + threadIdx.x; i < hi; i += kSumsqThreads) {
+      const float f = sg_elem_load(x, DT, i);
+      const double d = (double)f;
+      acc = acc + d * d;
+      bad = bad + (sg_elem_isfinite(f) ? 0.0 : 1.0);
+    }
+    s[threadIdx.x] = acc;
+    c[threadIdx.x] = bad;
+    tree_sum<kSumsqThreads>(s, c);
+    if (threadIdx.x == 0) {
+      partials[2 * q] = s[0];
+      partials[2 * q + 1] = c[0];
+    }
+    __syncthreads();  // s and c are reused by the next chunk
+  }
+}
+
+// Pass 2, one block: thread t sums partials t, t+1024, ... in order; then the fixed tree.
+__global__ void __launch_bounds__(kCombineThreads)
+    sumsq_combine_kernel(const double *partials, uint64_t nchunks, double *result2) {
+  __shared__ double s[kCombineThreads];
+  __shared__ double c[kCombineThreads];
+  double acc = 0.0, bad = 0.0;
+  for (uint64_t q = threadIdx.x; q < nchunks; q += kCombineThreads) {
+    acc = acc + partials[2 * q];
+    bad = bad + partials[2 * q + 1];
+  }
+  s[threadIdx.x] = acc;
+  c[threadIdx.x] = bad;
+  tree_sum<kCombineThreads>(s, c);
+  if (threadIdx.x == 0) {
+    result2[0] = s[0];
+    result2[1] = c[0];
+  }
+}
+
+// ---- AdamW -----------------------------------------------------------------------------------
+
+// One segment in the device table: `start` is its first group in the concatenated work.
+struct seg_entry {
+  uint64_t start;
+  uint64_t shard_off;
+  uint64_t flat_off;
+  uint64_t len;
+  uint64_t sr_index;
+  uint64_t decay;
+};
+
+// Everything the kernel reads besides the table, by value.
+struct adamw_params {
+  void *param;
+  float *master;
+  float *m;
+  float *v;
+  const void *grad;
+  sg_elem_adamw_k k_decay;
+  sg_elem_adamw_k k_nodecay;  // decay_factor 1.0f: p * 1.0f == p, as torch skips the mul_
+  float grad_scale;
+  int sr;  // stochastic rounding (bf16 params only)
+  uint64_t seed;
+  uint64_t step;
+};
+
+// The last segment whose first group is <= g (segments of length 0 share their start with the
+// next one and are skipped by taking the last).
+__device__ __forceinline__ int find_segment(const seg_entry *tab, int nsegs, uint64_t g) {
+  int lo = 0, hi = nsegs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tab[mid].start <= g)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int PDT, int GDT>
+__global__ void adamw_kernel(const seg_entry *tab, int nsegs, uint64_t work, adamw_params a) {
+  for (uint64_t g = global_thread(); g < work; g += grid_threads()) {
+    const seg_entry s = tab[find_segment(tab, nsegs, g)];
+    const size_t i0 = (size_t)((g - s.start) * 4u);
+    const size_t left = (size_t)s.len - i0;
+    const int cnt = left < 4 ? (int)left : 4;
+    const size_t so = (size_t)s.shard_off + i0, fo = (size_t)s.flat_off + i0;
+    float gr[4], p[4], m[4], v[4];
+    load4<GDT>(a.grad, so, cnt, gr);
+    if (a.master)
+      load4<0>(a.master, so, cnt, p);
+    else
+      load4<PDT>(a.param, fo, cnt, p);
+    load4<0>(a.m, so, cnt, m);
+    load4<0>(a.v, so, cnt, v);
+    const sg_elem_adamw_k k = s.decay ? a.k_decay : a.k_nodecay;
+    for (int j = 0; j < cnt; j++) p[j] = sg_elem_adamw(p[j], gr[j] * a.grad_scale, &m[j], &v[j], k);
+    store4<0>(a.m, so, cnt, m);
+    store4<0>(a.v, so, cnt, v);
+    if (a.master) store4<0>(a.master, so, cnt, p);
+    if (PDT == 1 && a.sr) {
+      uint16_t h[4] = {0, 0, 0, 0};
+      for (int j = 0; j < cnt; j++)
+        h[j] = sg_elem_f32_to_bf16_sr(p[j], sg_elem_hash64(a.seed, a.step, s.sr_index + i0 + j));
+      store4_u16(a.param, fo, cnt, h);
+    } else {
+      store4<PDT>(a.param, fo, cnt, p);
+    }
+  }
+}
+
+// ---- dispatch on dtypes --------------------------------------------------------------------
+
+template <int ADT>
+void launch_accumulate(unsigned grid, cudaStream_t s, void *acc, const void *src, int sdt,
+                       size_t n) {
+  switch (sdt) {
+    case 0: accumulate_kernel<ADT, 0><<<grid, kThreads, 0, s>>>(acc, src, n); break;
+    case 1: accumulate_kernel<ADT, 1><<<grid, kThreads, 0, s>>>(acc, src, n); break;
+    default: accumulate_kernel<ADT, 2><<<grid, kThreads, 0, s>>>(acc, src, n); break;
+  }
+}
+
+template <int DDT>
+void launch_cast(unsigned grid, cudaStream_t s, void *dst, const void *src, int sdt, size_t n) {
+  switch (sdt) {
+    case 0: cast_kernel<DDT, 0><<<grid, kThreads, 0, s>>>(dst, src, n); break;
+    case 1: cast_kernel<DDT, 1><<<grid, kThreads, 0, s>>>(dst, src, n); break;
+    default: cast_kernel<DDT, 2><<<grid, kThreads, 0, s>>>(dst, src, n); break;
+  }
+}
+
+template <int N>
+int launch_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc, int dtype,
+                      size_t n) {
+  src_table<N> t;
+  for (int k = 0; k < N; k++) t.p[k] = k < nsrc ? srcs[k] : nullptr;
+  cudaStream_t s = (cudaStream_t)L.stream;
+  if (dtype == 3) {
+    reduce_sum_f64_kernel<N><<<grid_for(n, L.max_blocks), kThreads, 0, s>>>((double *)dst, t,
+                                                                             nsrc, n);
+    return launch_result();
+  }
+  const unsigned grid = grid_for(groups_of(n), L.max_blocks);
+  switch (dtype) {
+    case 0: reduce_sum_kernel<0, N><<<grid, kThreads, 0, s>>>(dst, t, nsrc, n); break;
+    case 1: reduce_sum_kernel<1, N><<<grid, kThreads, 0, s>>>(dst, t, nsrc, n); break;
+    default: reduce_sum_kernel<2, N><<<grid, kThreads, 0, s>>>(dst, t, nsrc, n); break;
+  }
+  return launch_result();
+}
+
+template <int PDT>
+void launch_adamw(unsigned grid, cudaStream_t s, int gdt, const seg_entry *tab, int nsegs,
+                  uint64_t work, const adamw_params &p) {
+  switch (gdt) {
+    case 0: adamw_kernel<PDT, 0><<<grid, kThreads, 0, s>>>(tab, nsegs, work, p); break;
+    case 1: adamw_kernel<PDT, 1><<<grid, kThreads, 0, s>>>(tab, nsegs, work, p); break;
+    default: adamw_kernel<PDT, 2><<<grid, kThreads, 0, s>>>(tab, nsegs, work, p); break;
+  }
+}
+
+}  // namespace
+
+// ---- launchers ---------------------------------------------------------------------------------
+
+extern "C" int sg__cuda_accumulate(sg__cuda_launch L, void *acc, int acc_dtype, const void *src,
+                                   int src_dtype, size_t n) {
+  if (n == 0) return 0;
+  if (!acc || !src || (acc_dtype != 0 && acc_dtype != 1) || src_dtype < 0 || src_dtype > 2)
+    return (int)cudaErrorInvalidValue;
+  const unsigned grid = grid_for(groups_of(n), L.max_blocks);
+  cudaStream_t s = (cudaStream_t)L.stream;
+  if (acc_dtype == 0)
+    launch_accumulate<0>(grid, s, acc, src, src_dtype, n);
+  else
+    launch_accumulate<1>(grid, s, acc, src, src_dtype, n);
+  return launch_result();
+}
+
+extern "C" int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const void *src,
+                             int src_dtype, size_t n) {
+  if (n == 0) return 0;
+  if (!dst || !src || dst_dtype < 0 || dst_dtype > 2 || src_dtype < 0 || src_dtype > 2)
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)L.stream;
+  if (dst_dtype == src_dtype)  // a plain copy keeps every bit, signalling NaNs included (as CPU)
+    return (int)cudaMemcpyAsync(dst, src, n * (dst_dtype == 0 ? 4u : 2u),
+                                cudaMemcpyDeviceToDevice, s);
+  const unsigned grid = grid_for(groups_of(n), L.max_blocks);
+  switch (dst_dtype) {
+    case 0: launch_cast<0>(grid, s, dst, src, src_dtype, n); break;
+    case 1: launch_cast<1>(grid, s, dst, src, src_dtype, n); break;
+    default: launch_cast<2>(grid, s, dst, src, src_dtype, n); break;
+  }
+  return launch_result();
+}
+
+extern "C" int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs,
+                                   int nsrc, int dtype, size_t n) {
+  if (n == 0) return 0;
+  if (!dst || !srcs || nsrc < 1 || nsrc > SG__CUDA_MAX_SRCS || dtype < 0 || dtype > 3)
+    return (int)cudaErrorInvalidValue;
+  if (nsrc <= 32) return launch_reduce_sum<32>(L, dst, srcs, nsrc, dtype, n);
+  return launch_reduce_sum<SG__CUDA_MAX_SRCS>(L, dst, srcs, nsrc, dtype, n);
+}
+
+extern "C" int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, double value) {
+  if (n == 0) return 0;
+  if (!dst || dtype < 0 || dtype > 3) return (int)cudaErrorInvalidValue;
+  const unsigned grid = grid_for(n, L.max_blocks);
+  cudaStream_t s = (cudaStream_t)L.stream;
+  const float f = (float)value;
+  switch (dtype) {
+    case 0: fill_kernel<float><<<grid, kThreads, 0, s>>>((float *)dst, f, n); break;
+    case 1:
+      fill_kernel<uint16_t><<<grid, kThreads, 0, s>>>((uint16_t *)dst, sg_elem_f32_to_bf16(f), n);
+      break;
+    case 2:
+      fill_kernel<uint16_t><<<grid, kThreads, 0, s>>>((uint16_t *)dst, sg_elem_f32_to_f16(f), n);
+      break;
+    default: fill_kernel<double><<<grid, kThreads, 0, s>>>((double *)dst, value, n); break;
+  }
+  return launch_result();
+}
+
+extern "C" size_t sg__cuda_sumsq_scratch_bytes(size_t n) {
+  const size_t nchunks = (n + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+  return (2 + 2 * (nchunks > 0 ? nchunks : 1)) * sizeof(double);
+}
+
+extern "C" int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n,
+                              void *scratch, double *result2) {
+  if (!scratch || !result2 || dtype < 0 || dtype > 2 || (n > 0 && !x))
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = (cudaStream_t)L.stream;
+  double *partials = (double *)scratch + 2;
+  const uint64_t nchunks = ((uint64_t)n + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+  if (nchunks > 0) {
+    const unsigned grid = (unsigned)(nchunks < (uint64_t)(L.max_blocks > 0 ? L.max_blocks : 1)
+                                         ? nchunks
+                                         : (uint64_t)(L.max_blocks > 0 ? L.max_blocks : 1));
+    switch (dtype) {
+      case 0: sumsq_chunks_kernel<0><<<grid, kSumsqThreads, 0, s>>>(x, n, partials); break;
+      case 1: sumsq_chunks_kernel<1><<<grid, kSumsqThreads, 0, s>>>(x, n, partials); break;
+      default: sumsq_chunks_kernel<2><<<grid, kSumsqThreads, 0, s>>>(x, n, partials); break;
+    }
+    const int rc = launch_result();
+    if (rc != 0) return rc;
+  }
+  sumsq_combine_kernel<<<1, kCombineThreads, 0, s>>>(partials, nchunks, result2);
+  return launch_result();
+}
+
+extern "C" size_t sg__cuda_adamw_table_bytes(int nsegs) {
+  return (size_t)(nsegs > 0 ? nsegs : 1) * sizeof(seg_entry);
+}
+
+extern "C" void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs, int nsegs,
+                                           uint64_t *work) {
+  seg_entry *t = (seg_entry *)host_table;
+  uint64_t g = 0;
+  for (int k = 0; k < nsegs; k++) {
+    t[k].start = g;
+    t[k].shard_off = segs[k].shard_off;
+    t[k].flat_off = segs[k].flat_off;
+    t[k].len = segs[k].len;
+    t[k].sr_index = segs[k].sr_index;
+    t[k].decay = segs[k].decay != 0;
+    g += groups_of(segs[k].len);
+  }
+  if (work) *work = g;
+}
+
+extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const void *dev_table,
+                              uint64_t work) {
+  if (!a || !dev_table || a->nsegs < 1 || a->param_dtype < 0 || a->param_dtype > 2 ||
+      a->grad_dtype < 0 || a->grad_dtype > 2)
+    return (int)cudaErrorInvalidValue;
+  if (work == 0) return 0;
+  adamw_params p;
+  p.param = a->param;
+  p.master = a->master;
+  p.m = a->m;
+  p.v = a->v;
+  p.grad = a->grad;
+  p.k_decay = sg_elem_adamw_consts(a->decay_factor, a->one_minus_beta1, a->beta2,
+                                   a->one_minus_beta2, a->step_size, a->bc2_sqrt, a->eps);
+  p.k_nodecay = p.k_decay;
+  p.k_nodecay.decay_factor = 1.0f;
+  p.grad_scale = a->grad_scale;
+  p.sr = a->stochastic_rounding && a->param_dtype == 1;
+  p.seed = a->seed;
+  p.step = a->step;
+  const unsigned grid = grid_for(work, L.max_blocks);
+  cudaStream_t s = (cudaStream_t)L.stream;
+  const seg_entry *tab = (const seg_entry *)dev_table;
+  switch (a->param_dtype) {
+    case 0: launch_adamw<0>(grid, s, a->grad_dtype, tab, a->nsegs, work, p); break;
+    case 1: launch_adamw<1>(grid, s, a->grad_dtype, tab, a->nsegs, work, p); break;
+    default: launch_adamw<2>(grid, s, a->grad_dtype, tab, a->nsegs, work, p); break;
+  }
+  return launch_result();
+}

@@ -1,0 +1,71 @@
+/* extern "C" launchers of the CUDA kernels (kernels/cuda/sg_cuda_kernels.cu), called by
+ * src/device/cuda.c. Plain C: streams travel as void * (cudaStream_t), errors as int
+ * (a cudaError_t value, 0 = cudaSuccess; the caller turns it into text).
+ *
+ * Every kernel loops over the element math of kernels/sg_elem.h, so each element gets the same
+ * operations in the same order as the CPU loops of kernels/cpu. Results do not depend on the
+ * launch shape: elementwise kernels compute each element independently, and the reduction
+ * (sumsq) uses a partition fixed by n alone.
+ *
+ * dtype codes: 0 f32, 1 bf16, 2 f16 (sg_dtype); 3 f64 where stated. */
+#ifndef SG_CUDA_KERNELS_H
+#define SG_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../sg_kernel_args.h" /* sg__adamw_args, sg__seg */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where and how wide to launch. */
+typedef struct sg__cuda_launch {
+  void *stream;   /* cudaStream_t; never the legacy default stream */
+  int max_blocks; /* grid-stride kernels use at most this many blocks (>= 1) */
+} sg__cuda_launch;
+
+/* acc[i] = round_acc(acc[i] + src[i]); acc f32 or bf16, src any of f32/bf16/f16. */
+int sg__cuda_accumulate(sg__cuda_launch L, void *acc, int acc_dtype, const void *src,
+                        int src_dtype, size_t n);
+/* dst[i] = round_dst(src[i]) through fp32 (exact widening, one rounding). */
+int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const void *src, int src_dtype,
+                  size_t n);
+
+/* dst[i] = round(sum over k of srcs[k][i]) with sums in k order, fp32 (f64 for dtype 3).
+ * srcs is a host array of device pointers, passed by value to the kernel (at most
+ * SG__CUDA_MAX_SRCS). dst may be one of the srcs. */
+#define SG__CUDA_MAX_SRCS 4000
+int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc,
+                        int dtype, size_t n);
+
+/* dst[i] = value rounded to dtype (0..3). */
+int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, double value);
+
+/* Sum of squares in double and count of non-finite values of x (f32, bf16 or f16), as two
+ * passes: fixed chunks of SG__CUDA_SUMSQ_CHUNK elements, one double partial pair per chunk in a
+ * fixed order, then one block combining the partials in a fixed order. No atomics. The two
+ * results (sumsq, nonfinite) are written to result2[0..1] (device memory). scratch is device
+ * memory of sg__cuda_sumsq_scratch_bytes(n) bytes. */
+#define SG__CUDA_SUMSQ_CHUNK 8192
+size_t sg__cuda_sumsq_scratch_bytes(size_t n);
+int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n, void *scratch,
+                   double *result2);
+
+/* Fused AdamW over the segments of a->segs (see kernels/sg_kernel_args.h). The segments are
+ * first turned into a device table: build it on the host into host_table
+ * (sg__cuda_adamw_table_bytes(nsegs) bytes; pinned memory lets the copy be asynchronous),
+ * copy it to device memory, and pass the device copy and *work from the build to the launch.
+ * a->segs is not read by the launch. */
+size_t sg__cuda_adamw_table_bytes(int nsegs);
+void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs, int nsegs,
+                                uint64_t *work);
+int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const void *dev_table,
+                   uint64_t work);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SG_CUDA_KERNELS_H */

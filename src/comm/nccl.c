@@ -1,0 +1,746 @@
+/* NCCL communicator (DESIGN.md section 6): one rank per GPU, collectives on the CUDA device's
+ * comm stream.
+ *
+ * Streams and ordering. When the communicator is bound to a CUDA device (c->dev, set by the
+ * engine), collectives on device memory are enqueued on the device's comm stream and return at
+ * once: they run after the compute work that comm_submit ordered before the job, and the
+ * device's ticket events mark their end. Such collectives must therefore be issued from comm
+ * jobs. The device's host waits poll this communicator (sg__cuda_comm_hooks): an asynchronous
+ * NCCL error or a passed deadline aborts it. Collectives on host memory (or with no CUDA device
+ * bound) are staged through device memory and complete before returning, within the deadline.
+ *
+ * Communicators are created non-blocking (ncclConfig_t.blocking = 0), so that initialization
+ * and every enqueue can be waited for with a deadline: calls may return ncclInProgress, and a
+ * call is complete when ncclCommGetAsyncError no longer says ncclInProgress. On a failure or a
+ * passed deadline the communicator is aborted (ncclCommAbort) and stays broken.
+ *
+ * Sums are NCCL's ncclSum in the wire dtype (bf16/f16 partial sums are rounded at each step of
+ * NCCL's algorithm, unlike the fp32 sums of the local and MPI backends); f64 is supported.
+ *
+ * Bootstrap: an id the caller distributed (sg_nccl_unique_id), a file on a shared file system
+ * (SG_NCCL_ID_FILE: rank 0 writes it atomically and removes it once every rank has joined), or
+ * MPI (sg_comm_create_nccl_mpi). The file and MPI bootstraps wait at most
+ * SG_NCCL_INIT_TIMEOUT_MS (default 600000 ms); so does NCCL's initialization.
+ *
+ * Without NCCL (SG_HAVE_NCCL undefined) this file is empty and sg_nccl_stub.c provides the
+ * public functions. */
+#ifdef SG_HAVE_NCCL
+
+#define _POSIX_C_SOURCE 200809L /* fsync, nanosleep, O_CLOEXEC under -std=c11 */
+
+#include <errno.h>  /* errno, ENOENT, EINTR */
+#include <fcntl.h>  /* open */
+#include <stdio.h>  /* snprintf, rename */
+#include <stdlib.h> /* calloc, free, getenv, strtol */
+#include <string.h> /* memcpy, memcmp, strerror, strlen, strrchr */
+#include <time.h>   /* nanosleep */
+#include <unistd.h> /* read, write, close, fsync, unlink, getpid */
+
+#include <cuda_runtime.h> /* streams, staging copies */
+#include <nccl.h>         /* the collectives */
+#ifdef SG_HAVE_MPI
+#include <mpi.h> /* bootstrap only: MPI_Bcast of the id, MPI_Comm_split_type for the local GPU */
+#endif
+
+#include "../device/sg_device_cuda.h" /* comm stream of the bound device, wait hooks */
+#include "sg_comm.h"                  /* sg_comm, sg__comm_ops, sg__comm_fail */
+#include "sg_nccl_internal.h"         /* id file bootstrap */
+
+#define SG__NCCL_DEFAULT_TIMEOUT_MS 600000
+
+/* One NCCL communicator. */
+typedef struct sg__nccl {
+  ncclComm_t comm;     /* NULL once aborted */
+  int ordinal;         /* its GPU */
+  cudaStream_t own;    /* collectives with no CUDA device bound */
+  void *stage;         /* device staging for host buffers, stream-ordered allocation */
+  size_t stage_cap;
+  sg__device *hooked;  /* the CUDA device whose waits poll this communicator */
+} sg__nccl;
+
+static const char *sg__nccl_base(const char *file) {
+  const char *s = strrchr(file, '/');
+  return s ? s + 1 : file;
+}
+
+/* Spin a little, then sleep with a growing pause up to 1 ms. */
+static void sg__nccl_backoff(unsigned iter) {
+  if (iter < 64) return;
+  long ns = 1000L << (iter < 74 ? iter - 64 : 10);
+  struct timespec ts = {0, ns > 1000000L ? 1000000L : ns};
+  nanosleep(&ts, NULL);
+}
+
+static int sg__nccl_expired(int64_t deadline_ms) {
+  return deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms;
+}
+
+int sg__nccl_init_timeout_ms(void) {
+  const char *s = getenv("SG_NCCL_INIT_TIMEOUT_MS");
+  if (!s || !*s) return SG__NCCL_DEFAULT_TIMEOUT_MS;
+  char *end = NULL;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end != '\0' || v <= 0 || v > 0x7fffffffL) {
+    SG_LOG(SG_LOG_WARN, -1, "SG_NCCL_INIT_TIMEOUT_MS=%s is not a positive number; using %d", s,
+           SG__NCCL_DEFAULT_TIMEOUT_MS);
+    return SG__NCCL_DEFAULT_TIMEOUT_MS;
+  }
+  return (int)v;
+}
+
+/* ---- the id file ------------------------------------------------------------------------- */
+
+/* "SGNCCLID", version, world (little-endian u32), the id. */
+#define SG__NCCL_ID_MAGIC "SGNCCLID"
+#define SG__NCCL_ID_VERSION 1u
+#define SG__NCCL_ID_FILE_BYTES (8 + 4 + 4 + SG__NCCL_ID_BYTES)
+
+static void sg__nccl_put_u32(unsigned char *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t sg__nccl_get_u32(const unsigned char *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+
+static int sg__nccl_write_all(int fd, const unsigned char *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return -1;
+    p += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+/* The temporary file is written and synced in full before the rename, so a reader sees either
+ * no file or a complete one (rename is atomic on POSIX file systems, NFS included). */
+sg_status sg__nccl_id_file_write(const char *path, const void *id128, int world) {
+  static const char fn[] = "sg__nccl_id_file_write";
+  if (!path || !*path || !id128 || world < 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad argument (path %s, world %d)", fn,
+                   path ? path : "NULL", world);
+  unsigned char rec[SG__NCCL_ID_FILE_BYTES];
+  memcpy(rec, SG__NCCL_ID_MAGIC, 8);
+  sg__nccl_put_u32(rec + 8, SG__NCCL_ID_VERSION);
+  sg__nccl_put_u32(rec + 12, (uint32_t)world);
+  memcpy(rec + 16, id128, SG__NCCL_ID_BYTES);
+  size_t tlen = strlen(path) + 32;
+  char *tmp = (char *)malloc(tlen);
+  if (!tmp) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: path buffer", fn);
+  snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
+  sg_status st = SG_OK;
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    st = sg__err_at(SG_ERR_IO, __FILE__, __LINE__, "%s: cannot create %s: %s", fn, tmp,
+                    strerror(errno));
+    goto done;
+  }
+  int bad = sg__nccl_write_all(fd, rec, sizeof rec) != 0 || fsync(fd) != 0;
+  int err = errno;
+  if (close(fd) != 0 && !bad) {
+    bad = 1;
+    err = errno;
+  }
+  if (!bad && rename(tmp, path) != 0) {
+    bad = 1;
+    err = errno;
+  }
+  if (bad) {
+    (void)unlink(tmp);
+    st = sg__err_at(SG_ERR_IO, __FILE__, __LINE__, "%s: cannot write %s: %s", fn, path,
+                    strerror(err));
+  }
+done:
+  free(tmp);
+  return st;
+}
+
+static sg_status sg__nccl_id_parse(const unsigned char *rec, ssize_t got, const char *path,
+                                   int world, void *id128) {
+  static const char fn[] = "sg__nccl_id_file_read";
+  if (got != SG__NCCL_ID_FILE_BYTES || memcmp(rec, SG__NCCL_ID_MAGIC, 8) != 0 ||
+      sg__nccl_get_u32(rec + 8) != SG__NCCL_ID_VERSION)
+    return sg__err(SG_ERR_CORRUPT, "%s: %s is not a shardgrad NCCL id file (%zd bytes)", fn,
+                   path, got);
+  uint32_t w = sg__nccl_get_u32(rec + 12);
+  if (w != (uint32_t)world)
+    return sg__err(SG_ERR_MISMATCH, "%s: %s was written for world %u, this rank has world %d",
+                   fn, path, (unsigned)w, world);
+  memcpy(id128, rec + 16, SG__NCCL_ID_BYTES);
+  return SG_OK;
+}
+
+sg_status sg__nccl_id_file_read(const char *path, int world, int64_t deadline_ms, void *id128) {
+  static const char fn[] = "sg__nccl_id_file_read";
+  if (!path || !*path || !id128 || world < 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad argument (path %s, world %d)", fn,
+                   path ? path : "NULL", world);
+  int fd;
+  for (unsigned iter = 0;; iter++) {
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) break;
+    if (errno != ENOENT)
+      return sg__err_at(SG_ERR_IO, __FILE__, __LINE__, "%s: cannot open %s: %s", fn, path,
+                        strerror(errno));
+    if (sg__nccl_expired(deadline_ms))
+      return sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
+                        "%s: %s did not appear before the deadline (is rank 0 running?)", fn,
+                        path);
+    struct timespec ts = {0, (iter < 10 ? 1 : 20) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  unsigned char rec[SG__NCCL_ID_FILE_BYTES + 1];
+  ssize_t got = 0, r;
+  while ((r = read(fd, rec + got, sizeof rec - (size_t)got)) != 0) {
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      int err = errno;
+      close(fd);
+      return sg__err_at(SG_ERR_IO, __FILE__, __LINE__, "%s: cannot read %s: %s", fn, path,
+                        strerror(err));
+    }
+    got += r;
+    if ((size_t)got == sizeof rec) break;
+  }
+  close(fd);
+  return sg__nccl_id_parse(rec, got, path, world, id128);
+}
+
+/* ---- failures ------------------------------------------------------------------------------ */
+
+static void sg__nccl_abort(sg__nccl *n) {
+  if (!n->comm) return;
+  (void)ncclCommAbort(n->comm);
+  n->comm = NULL;
+}
+
+/* An NCCL failure: its text (and NCCL's last error) with file:line, then abort. */
+static sg_status sg__nccl_fail(sg_comm *c, sg_status st, const char *fn, const char *what,
+                               ncclResult_t r, int line) {
+  sg__nccl *n = (sg__nccl *)c->impl;
+  const char *last = ncclGetLastError(n->comm);
+  char detail[256];
+  snprintf(detail, sizeof detail, "%s", last ? last : "");
+  sg__nccl_abort(n);
+  return sg__comm_fail(c, st, fn, "%s failed: %s%s%s (rank %d of %d) (%s:%d)", what,
+                       ncclGetErrorString(r), detail[0] ? ": " : "", detail, c->rank, c->world,
+                       sg__nccl_base(__FILE__), line);
+}
+
+static sg_status sg__nccl_cuda_fail(sg_comm *c, const char *fn, const char *what,
+                                    cudaError_t e, int line) {
+  sg__nccl_abort((sg__nccl *)c->impl);
+  return sg__comm_fail(c, SG_ERR_CUDA, fn, "%s failed: %s (%s) (%s:%d)", what,
+                       cudaGetErrorString(e), cudaGetErrorName(e), sg__nccl_base(__FILE__),
+                       line);
+}
+
+static sg_status sg__nccl_timeout(sg_comm *c, const char *fn, const char *what, int line) {
+  sg__nccl_abort((sg__nccl *)c->impl);
+  return sg__comm_fail(c, SG_ERR_TIMEOUT, fn,
+                       "%s did not complete before the deadline (rank %d of %d); communicator "
+                       "aborted (%s:%d)",
+                       what, c->rank, c->world, sg__nccl_base(__FILE__), line);
+}
+
+/* The communicator's asynchronous state: ncclSuccess, ncclInProgress or an error. */
+static ncclResult_t sg__nccl_async(const sg__nccl *n) {
+  ncclResult_t r = ncclSuccess;
+  ncclResult_t e = ncclCommGetAsyncError(n->comm, &r);
+  return e != ncclSuccess ? e : r;
+}
+
+/* A call on a non-blocking communicator returned r; waits until it is complete. */
+static sg_status sg__nccl_settle(sg_comm *c, ncclResult_t r, const char *fn, const char *what,
+                                 int64_t deadline_ms, int line) {
+  sg__nccl *n = (sg__nccl *)c->impl;
+  for (unsigned iter = 0; r == ncclInProgress; iter++) {
+    if (sg__nccl_expired(deadline_ms)) return sg__nccl_timeout(c, fn, what, line);
+    sg__nccl_backoff(iter);
+    r = sg__nccl_async(n);
+  }
+  if (r != ncclSuccess) return sg__nccl_fail(c, SG_ERR_COMM, fn, what, r, line);
+  return SG_OK;
+}
+
+/* Host wait for stream s, watching the communicator's asynchronous error and the deadline. */
+static sg_status sg__nccl_wait_stream(sg_comm *c, cudaStream_t s, const char *fn,
+                                      int64_t deadline_ms) {
+  sg__nccl *n = (sg__nccl *)c->impl;
+  for (unsigned iter = 0;; iter++) {
+    cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return SG_OK;
+    if (e != cudaErrorNotReady) return sg__nccl_cuda_fail(c, fn, "cudaStreamQuery", e, __LINE__);
+    ncclResult_t r = sg__nccl_async(n);
+    if (r != ncclSuccess && r != ncclInProgress)
+      return sg__nccl_fail(c, SG_ERR_COMM, fn, "collective", r, __LINE__);
+    if (sg__nccl_expired(deadline_ms)) return sg__nccl_timeout(c, fn, "collective", __LINE__);
+    sg__nccl_backoff(iter);
+  }
+}
+
+/* ---- hooks for the CUDA device's waits ------------------------------------------------------ */
+
+static sg_status sg__nccl_hook_poll(void *arg) {
+  sg_comm *c = (sg_comm *)arg;
+  sg__nccl *n = (sg__nccl *)c->impl;
+  if (!n->comm)
+    return sg__err(SG_ERR_COMM, "sg_comm(nccl): communicator (rank %d of %d) was aborted",
+                   c->rank, c->world);
+  ncclResult_t r = sg__nccl_async(n);
+  if (r == ncclSuccess || r == ncclInProgress) return SG_OK;
+  return sg__nccl_fail(c, SG_ERR_COMM, "sg_comm(nccl)", "asynchronous NCCL operation", r,
+                       __LINE__);
+}
+
+static void sg__nccl_hook_abort(void *arg) {
+  sg_comm *c = (sg_comm *)arg;
+  sg__nccl_abort((sg__nccl *)c->impl);
+  c->broken = 1;
+}
+
+static void sg__nccl_hook_detach(void *arg) {
+  sg_comm *c = (sg_comm *)arg;
+  ((sg__nccl *)c->impl)->hooked = NULL;
+}
+
+/* The stream to use: the bound CUDA device's comm stream (*bound = 1; hooks installed), or our
+ * own stream. */
+static sg_status sg__nccl_bind(sg_comm *c, const char *fn, cudaStream_t *s, int *bound) {
+  sg__nccl *n = (sg__nccl *)c->impl;
+  sg__device *d = c->dev;
+  *bound = 0;
+  *s = n->own;
+  if (!d || d->kind != SG_DEVICE_CUDA) return SG_OK;
+  int ord = sg__device_cuda_ordinal(d);
+  if (ord != n->ordinal)
+    return sg__err(SG_ERR_INVALID_STATE,
+                   "%s: the communicator is on GPU %d but its engine's device is GPU %d", fn,
+                   n->ordinal, ord);
+  if (n->hooked != d) {
+    if (n->hooked) (void)sg__device_cuda_set_comm_hooks(n->hooked, NULL);
+    n->hooked = NULL;
+    sg__cuda_comm_hooks h = {sg__nccl_hook_poll, sg__nccl_hook_abort, sg__nccl_hook_detach, c};
+    SG_TRY(sg__device_cuda_set_comm_hooks(d, &h));
+    n->hooked = d;
+  }
+  *s = (cudaStream_t)sg__device_cuda_comm_stream(d);
+  *bound = 1;
+  return SG_OK;
+}
+
+/* ---- collectives ---------------------------------------------------------------------------- */
+
+typedef enum { SG__NC_ALL_REDUCE, SG__NC_REDUCE_SCATTER, SG__NC_ALL_GATHER, SG__NC_BROADCAST }
+    sg__nccl_kind;
+
+/* One collective: count elements of dtype (per rank for reduce-scatter / all-gather). Byte
+ * collectives use dtype SG__NCCL_BYTES. */
+#define SG__NCCL_BYTES (-1)
+typedef struct sg__nccl_call {
+  sg__nccl_kind kind;
+  size_t count;
+  int dtype;
+  int root;
+} sg__nccl_call;
+
+static size_t sg__nccl_esize(int dtype) {
+  return dtype == SG__F64 ? 8u : dtype == SG_F32 ? 4u : dtype == SG__NCCL_BYTES ? 1u : 2u;
+}
+
+static ncclDataType_t sg__nccl_type(int dtype) {
+  switch (dtype) {
+    case SG_F32: return ncclFloat32;
+    case SG_BF16: return ncclBfloat16;
+    case SG_F16: return ncclFloat16;
+    case SG__F64: return ncclFloat64;
+  }
+  return ncclInt8;
+}
+
+/* Bytes of the whole in-place buffer. */
+static size_t sg__nccl_total(const sg_comm *c, const sg__nccl_call *k) {
+  size_t b = k->count * sg__nccl_esize(k->dtype);
+  return (k->kind == SG__NC_REDUCE_SCATTER || k->kind == SG__NC_ALL_GATHER) ? b * (size_t)c->world
+                                                                            : b;
+}
+
+static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf,
+                                   cudaStream_t s) {
+  sg__nccl *n = (sg__nccl *)c->impl;
+  const ncclDataType_t t = sg__nccl_type(k->dtype);
+  const size_t slice = k->count * sg__nccl_esize(k->dtype) * (size_t)c->rank;
+  switch (k->kind) {
+    case SG__NC_ALL_REDUCE: return ncclAllReduce(buf, buf, k->count, t, ncclSum, n->comm, s);
+    case SG__NC_REDUCE_SCATTER: /* in place: NCCL wants recvbuff = sendbuff + rank*count */
+      return ncclReduceScatter(buf, buf + slice, k->count, t, ncclSum, n->comm, s);
+    case SG__NC_ALL_GATHER: /* in place: sendbuff = recvbuff + rank*count */
+      return ncclAllGather(buf + slice, buf, k->count, ncclInt8, n->comm, s);
+    case SG__NC_BROADCAST: return ncclBroadcast(buf, buf, k->count, ncclInt8, k->root, n->comm, s);
+  }
+  return ncclInvalidArgument;
+}
+
+/* Enqueues one collective as a group on stream s and waits until NCCL has enqueued it. */
+static sg_status sg__nccl_enqueue(sg_comm *c, const sg__nccl_call *k, void *buf, cudaStream_t s,
+                                  const char *fn, int64_t deadline_ms) {
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return sg__nccl_fail(c, SG_ERR_COMM, fn, "ncclGroupStart", r, __LINE__);
+  r = sg__nccl_issue(c, k, (char *)buf, s);
+  ncclResult_t g = ncclGroupEnd();
+  if (r != ncclSuccess && r != ncclInProgress)
+    return sg__nccl_fail(c, SG_ERR_COMM, fn, "collective", r, __LINE__);
+  return sg__nccl_settle(c, g, fn, "ncclGroupEnd", deadline_ms, __LINE__);
+}
+
+/* Device memory (or managed): NCCL can use it directly. Anything else is host memory. */
+static int sg__nccl_is_device(const void *p) {
+  struct cudaPointerAttributes a;
+  memset(&a, 0, sizeof a);
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+/* Host buffers go through device memory: copy in, collective, wait (deadline), copy out. The
+ * wait comes before the copy back, which would otherwise block without a deadline. */
+static sg_status sg__nccl_staged(sg_comm *c, const sg__nccl_call *k, void *buf, cudaStream_t s,
+                                 const char *fn, int64_t deadline_ms) {
+  sg__nccl *n = (sg__nccl *)c->impl;
+  const size_t total = sg__nccl_total(c, k);
+  cudaError_t e;
+  if (total > n->stage_cap) {
+    if (n->stage) (void)cudaFreeAsync(n->stage, s);
+    n->stage = NULL;
+    n->stage_cap = 0;
+    if ((e = cudaMallocAsync(&n->stage, total, s)) != cudaSuccess)
+      return sg__nccl_cuda_fail(c, fn, "cudaMallocAsync(staging)", e, __LINE__);
+    n->stage_cap = total;
+  }
+  if ((e = cudaMemcpyAsync(n->stage, buf, total, cudaMemcpyHostToDevice, s)) != cudaSuccess)
+    return sg__nccl_cuda_fail(c, fn, "cudaMemcpyAsync(H2D)", e, __LINE__);
+  SG_TRY(sg__nccl_enqueue(c, k, n->stage, s, fn, deadline_ms));
+  SG_TRY(sg__nccl_wait_stream(c, s, fn, deadline_ms));
+  if ((e = cudaMemcpyAsync(buf, n->stage, total, cudaMemcpyDeviceToHost, s)) != cudaSuccess)
+    return sg__nccl_cuda_fail(c, fn, "cudaMemcpyAsync(D2H)", e, __LINE__);
+  return sg__nccl_wait_stream(c, s, fn, deadline_ms);
+}
+
+static sg_status sg__nccl_run(sg_comm *c, const sg__nccl_call *k, void *buf, const char *fn,
+                              int64_t deadline_ms) {
+  SG_TRY(sg__comm_usable(c, fn));
+  sg__nccl *n = (sg__nccl *)c->impl;
+  if (k->count == 0) return SG_OK;
+  if (!buf) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: buf is NULL (count %zu)", fn, k->count);
+  if (k->count > SIZE_MAX / 8u / (size_t)c->world)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: count too large (%zu)", fn, k->count);
+  cudaError_t e = cudaSetDevice(n->ordinal);
+  if (e != cudaSuccess) return sg__nccl_cuda_fail(c, fn, "cudaSetDevice", e, __LINE__);
+  cudaStream_t s;
+  int bound;
+  SG_TRY(sg__nccl_bind(c, fn, &s, &bound));
+  if (!sg__nccl_is_device(buf)) return sg__nccl_staged(c, k, buf, s, fn, deadline_ms);
+  SG_TRY(sg__nccl_enqueue(c, k, buf, s, fn, deadline_ms));
+  /* Bound: stream-ordered, the device's ticket covers it. Otherwise complete it here. */
+  return bound ? SG_OK : sg__nccl_wait_stream(c, s, fn, deadline_ms);
+}
+
+static sg_status sg__nccl_check_dtype(int dtype, const char *fn) {
+  if (sg__dtype_valid(dtype) || dtype == SG__F64) return SG_OK;
+  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown dtype (%d)", fn, dtype);
+}
+
+static sg_status sg__nccl_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
+                                     int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(nccl) all_reduce";
+  SG_TRY(sg__nccl_check_dtype(dtype, fn));
+  sg__nccl_call k = {SG__NC_ALL_REDUCE, count, dtype, 0};
+  return sg__nccl_run(c, &k, buf, fn, deadline_ms);
+}
+
+static sg_status sg__nccl_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
+                                         int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(nccl) reduce_scatter";
+  SG_TRY(sg__nccl_check_dtype(dtype, fn));
+  sg__nccl_call k = {SG__NC_REDUCE_SCATTER, count, dtype, 0};
+  return sg__nccl_run(c, &k, buf, fn, deadline_ms);
+}
+
+static sg_status sg__nccl_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(nccl) all_gather";
+  sg__nccl_call k = {SG__NC_ALL_GATHER, bytes, SG__NCCL_BYTES, 0};
+  return sg__nccl_run(c, &k, buf, fn, deadline_ms);
+}
+
+static sg_status sg__nccl_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
+                                    int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(nccl) broadcast";
+  if (c && (root < 0 || root >= c->world))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d out of range (world %d)", fn, root,
+                   c->world);
+  sg__nccl_call k = {SG__NC_BROADCAST, bytes, SG__NCCL_BYTES, root};
+  return sg__nccl_run(c, &k, buf, fn, deadline_ms);
+}
+
+/* Flushes (ncclCommFinalize, bounded by the init timeout) and frees; aborts when a peer does not
+ * let it finish. */
+static void sg__nccl_destroy(sg_comm *c) {
+  if (!c) return;
+  sg__nccl *n = (sg__nccl *)c->impl;
+  if (n) {
+    if (n->hooked) (void)sg__device_cuda_set_comm_hooks(n->hooked, NULL);
+    (void)cudaSetDevice(n->ordinal);
+    if (n->comm) {
+      int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
+      ncclResult_t r = ncclCommFinalize(n->comm);
+      for (unsigned iter = 0; r == ncclInProgress && !sg__nccl_expired(deadline); iter++) {
+        sg__nccl_backoff(iter);
+        r = sg__nccl_async(n);
+      }
+      if (r == ncclSuccess)
+        (void)ncclCommDestroy(n->comm);
+      else
+        (void)ncclCommAbort(n->comm);
+      n->comm = NULL;
+    }
+    if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
+    if (n->own) (void)cudaStreamDestroy(n->own);
+    free(n);
+  }
+  free(c);
+}
+
+static const sg__comm_ops sg__nccl_ops = {
+    "nccl",
+    sg__nccl_all_reduce,
+    sg__nccl_reduce_scatter,
+    sg__nccl_all_gather,
+    sg__nccl_broadcast,
+    sg__nccl_destroy,
+};
+
+/* ---- creation ------------------------------------------------------------------------------- */
+
+/* The GPU: cuda_device, or the calling thread's current one for -1. */
+static sg_status sg__nccl_pick_gpu(int cuda_device, int *ordinal, const char *fn) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__,
+                      "%s: no CUDA device found (cudaGetDeviceCount: %s)", fn,
+                      e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  }
+  if (cuda_device >= count)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device %d out of range (%d devices)", fn,
+                   cuda_device, count);
+  if (cuda_device < 0 && (e = cudaGetDevice(&cuda_device)) != cudaSuccess)
+    return sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: cudaGetDevice failed: %s", fn,
+                      cudaGetErrorString(e));
+  *ordinal = cuda_device;
+  return SG_OK;
+}
+
+/* NCCL's non-blocking initialization, waited for with the init timeout. */
+static sg_status sg__nccl_init_comm(int rank, int world, const ncclUniqueId *id, ncclComm_t *out,
+                                    const char *fn) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t comm = NULL;
+  int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
+  ncclResult_t r = ncclCommInitRankConfig(&comm, world, *id, rank, &cfg);
+  for (unsigned iter = 0; r == ncclInProgress && comm; iter++) {
+    if (sg__nccl_expired(deadline)) {
+      (void)ncclCommAbort(comm);
+      return sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
+                        "%s: NCCL initialization (rank %d of %d) did not complete within "
+                        "SG_NCCL_INIT_TIMEOUT_MS=%d ms (do all ranks use the same id?)",
+                        fn, rank, world, sg__nccl_init_timeout_ms());
+    }
+    sg__nccl_backoff(iter);
+    ncclResult_t e = ncclCommGetAsyncError(comm, &r);
+    if (e != ncclSuccess) r = e;
+  }
+  if (r != ncclSuccess) {
+    char detail[256];
+    const char *last = ncclGetLastError(comm);
+    snprintf(detail, sizeof detail, "%s", last ? last : "");
+    if (comm) (void)ncclCommAbort(comm);
+    return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__,
+                      "%s: NCCL initialization (rank %d of %d) failed: %s%s%s", fn, rank, world,
+                      ncclGetErrorString(r), detail[0] ? ": " : "", detail);
+  }
+  *out = comm;
+  return SG_OK;
+}
+
+static sg_status sg__nccl_new(int rank, int world, const ncclUniqueId *id, int ordinal,
+                              sg_comm **out, const char *fn) {
+  sg_comm *c = (sg_comm *)calloc(1, sizeof *c);
+  sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
+  sg_status st = SG_OK;
+  if (!c || !n) {
+    st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: communicator struct", fn);
+    goto fail;
+  }
+  n->ordinal = ordinal;
+  c->ops = &sg__nccl_ops;
+  c->rank = rank;
+  c->world = world;
+  c->threaded = 1;
+  c->impl = n;
+  cudaError_t e = cudaSetDevice(ordinal);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&n->own, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    st = sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: cannot set up GPU %d: %s", fn, ordinal,
+                    cudaGetErrorString(e));
+    goto fail;
+  }
+  SG_TRY_GOTO(sg__nccl_init_comm(rank, world, id, &n->comm, fn), st, fail);
+  SG_LOG(SG_LOG_INFO, rank, "nccl communicator: rank %d of %d on GPU %d", rank, world, ordinal);
+  *out = c;
+  return SG_OK;
+fail:
+  if (c && n) {
+    sg__nccl_destroy(c);
+  } else {
+    free(c);
+    free(n);
+  }
+  return st;
+}
+
+/* The id: the caller's, or through SG_NCCL_ID_FILE (rank 0 creates and writes it). */
+static sg_status sg__nccl_bootstrap(int rank, int world, const void *id128, const char *path,
+                                    ncclUniqueId *id, const char *fn) {
+  if (id128) {
+    memcpy(id->internal, id128, SG__NCCL_ID_BYTES);
+    return SG_OK;
+  }
+  if (rank != 0) {
+    int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
+    return sg__err_prefix(sg__nccl_id_file_read(path, world, deadline, id->internal), fn);
+  }
+  ncclResult_t r = ncclGetUniqueId(id);
+  if (r != ncclSuccess)
+    return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: ncclGetUniqueId failed: %s", fn,
+                      ncclGetErrorString(r));
+  if (access(path, F_OK) == 0)
+    SG_LOG(SG_LOG_WARN, rank, "%s: replacing an existing %s (left by an earlier run?)", fn, path);
+  return sg__err_prefix(sg__nccl_id_file_write(path, id->internal, world), fn);
+}
+
+sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_device,
+                              sg_comm **out) {
+  static const char fn[] = "sg_comm_create_nccl";
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  *out = NULL;
+  if (world < 1 || rank < 0 || rank >= world)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: rank %d / world %d out of range", fn, rank,
+                   world);
+  if (cuda_device < -1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn,
+                   cuda_device);
+  const char *path = id128 ? NULL : getenv("SG_NCCL_ID_FILE");
+  if (!id128 && (!path || !*path))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL and SG_NCCL_ID_FILE is not set",
+                   fn);
+  int ordinal = 0;
+  SG_TRY(sg__nccl_pick_gpu(cuda_device, &ordinal, fn));
+  ncclUniqueId id;
+  SG_TRY(sg__nccl_bootstrap(rank, world, id128, path, &id, fn));
+  sg_status st = sg__nccl_new(rank, world, &id, ordinal, out, fn);
+  /* Every rank has read the file once initialization is over (it needs all of them). */
+  if (path && rank == 0) (void)unlink(path);
+  return st;
+}
+
+sg_status sg_nccl_unique_id(void *id128) {
+  static const char fn[] = "sg_nccl_unique_id";
+  if (!id128) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL", fn);
+  ncclUniqueId id;
+  ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess)
+    return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: ncclGetUniqueId failed: %s", fn,
+                      ncclGetErrorString(r));
+  memcpy(id128, id.internal, SG__NCCL_ID_BYTES);
+  return SG_OK;
+}
+
+/* ---- MPI bootstrap -------------------------------------------------------------------------- */
+
+#ifdef SG_HAVE_MPI
+/* Rank within the node (MPI_COMM_TYPE_SHARED), which picks the GPU. */
+static int sg__nccl_local_rank(MPI_Comm mc, int rank, int *local) {
+  MPI_Comm node;
+  if (MPI_Comm_split_type(mc, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+    return -1;
+  int rc = MPI_Comm_rank(node, local);
+  MPI_Comm_free(&node);
+  return rc == MPI_SUCCESS ? 0 : -1;
+}
+
+/* Collective over mpi_comm. Every rank learns whether all could pick a GPU and whether rank 0
+ * got an id before anyone goes on, so that one rank's failure fails all of them instead of
+ * leaving the others in NCCL's initialization until the timeout. */
+sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
+  static const char fn[] = "sg_comm_create_nccl_mpi";
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  *out = NULL;
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
+  MPI_Finalized(&finalized);
+  if (!inited || finalized)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: MPI is not initialized (call MPI_Init first)", fn);
+  MPI_Comm mc = mpi_comm ? *(const MPI_Comm *)mpi_comm : MPI_COMM_WORLD;
+  int rank = 0, world = 0, local = 0, ndev = 0;
+  if (MPI_Comm_rank(mc, &rank) != MPI_SUCCESS || MPI_Comm_size(mc, &world) != MPI_SUCCESS ||
+      sg__nccl_local_rank(mc, rank, &local) != 0)
+    return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: MPI rank queries failed", fn);
+  sg_status st = SG_OK;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    (void)cudaGetLastError();
+    st = sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: no CUDA device found (rank %d)", fn,
+                    rank);
+  }
+  /* Rank 0's id and everyone's readiness in one round: [ok flag, id]. */
+  unsigned char msg[1 + SG__NCCL_ID_BYTES];
+  memset(msg, 0, sizeof msg);
+  ncclUniqueId id;
+  msg[0] = st == SG_OK;
+  if (rank == 0 && st == SG_OK) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r == ncclSuccess)
+      memcpy(msg + 1, id.internal, SG__NCCL_ID_BYTES);
+    else
+      st = sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: ncclGetUniqueId failed: %s", fn,
+                      ncclGetErrorString(r));
+    msg[0] = st == SG_OK;
+  }
+  int ok = st == SG_OK, all_ok = 0;
+  if (MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, mc) != MPI_SUCCESS ||
+      MPI_Bcast(msg, (int)sizeof msg, MPI_BYTE, 0, mc) != MPI_SUCCESS)
+    return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: MPI bootstrap failed", fn);
+  if (st != SG_OK) return st;
+  if (!all_ok || !msg[0])
+    return sg__err(SG_ERR_COMM, "%s: another rank failed to set up its GPU or the NCCL id", fn);
+  memcpy(id.internal, msg + 1, SG__NCCL_ID_BYTES);
+  return sg_comm_create_nccl(rank, world, id.internal, local % ndev, out);
+}
+#else
+sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
+  (void)mpi_comm;
+  if (out) *out = NULL;
+  return sg__err(SG_ERR_UNSUPPORTED, "sg_comm_create_nccl_mpi: built without MPI");
+}
+#endif /* SG_HAVE_MPI */
+
+#else  /* !SG_HAVE_NCCL */
+typedef int sg__nccl_not_built; /* ISO C wants a translation unit to declare something */
+#endif /* SG_HAVE_NCCL */

@@ -1,0 +1,690 @@
+/* CUDA device (DESIGN.md sections 1 and 4): device memory, pinned host memory, two streams
+ * ordered with events, and the kernels of kernels/cuda.
+ *
+ * Queues. SG_Q_COMPUTE is the caller's stream (sg_set_stream) or a non-blocking stream of our
+ * own; SG_Q_COMM is an internal non-blocking stream with the highest priority, so that
+ * reductions overlap the backward pass. Nothing runs on the legacy default stream.
+ *
+ * Comm jobs. comm_submit records an event on the compute stream, makes the comm stream wait
+ * for it (the collective's input is complete when it runs), then calls the job on the host: it
+ * only enqueues work on the comm stream. A ticket event recorded after it marks the job's end.
+ * Ticket events live in a ring; a slot reused by a later ticket still answers for the earlier
+ * one, since the comm stream runs in order (waiting on the later ticket only waits longer).
+ *
+ * Host-driven jobs. A communicator that works on the host (local: rank threads reading each
+ * other's buffers between barriers) needs the CPU device's semantics: the job's input complete
+ * when it starts, and every SG_Q_COMM copy or kernel it issues complete when that call returns.
+ * Until a communicator installs hooks (NCCL, whose collectives are stream-ordered), jobs run
+ * that way: comm_submit waits on the host for the compute stream first, and SG_Q_COMM work
+ * issued inside a job is waited for before the call returns.
+ *
+ * Waits. Every host wait polls (cudaEventQuery / cudaStreamQuery) with a deadline, so that a
+ * collective that never completes gives SG_ERR_TIMEOUT instead of a hang; the NCCL communicator
+ * joins the polls through sg__cuda_comm_hooks (its asynchronous error, its abort). No
+ * cudaDeviceSynchronize anywhere. */
+#define _POSIX_C_SOURCE 200809L /* nanosleep under -std=c11 */
+
+#include <stdint.h> /* uint64_t, INT64_MAX */
+#include <stdlib.h> /* calloc, free */
+#include <string.h> /* memcpy, memset */
+#include <stdio.h>  /* snprintf */
+#include <time.h>   /* nanosleep */
+
+#include <cuda_runtime.h> /* the runtime API: only this file (and kernels/cuda) include it */
+
+#include "../../kernels/cuda/sg_cuda_kernels.h" /* sg__cuda_* launchers */
+#include "sg_device.h"                          /* sg__device, sg__device_ops */
+#include "sg_device_cuda.h"                     /* comm stream accessor, comm hooks */
+
+#define SG__CUDA_RING 1024 /* ticket events; power of two */
+#define SG__CUDA_FAIL_CAP 512
+
+typedef struct sg__cuda_dev {
+  sg__device base;
+  int ordinal;
+  int max_blocks;           /* grid-stride launches: 8 blocks per SM */
+  cudaStream_t compute;     /* the caller's stream or own_compute */
+  cudaStream_t own_compute;
+  cudaStream_t comm;
+  cudaEvent_t order_ev;     /* compute -> comm ordering at submit, stream switches */
+  cudaEvent_t ring[SG__CUDA_RING];
+  uint64_t last_ticket;     /* tickets issued so far are 1..last_ticket */
+  uint64_t done_ticket;     /* every ticket <= this one is known to be complete */
+  sg_status fail_st;        /* first failure of a comm job or a wait; SG_OK while healthy */
+  char fail_msg[SG__CUDA_FAIL_CAP];
+  sg__cuda_comm_hooks hooks;
+  int have_hooks;           /* a stream-ordered communicator (NCCL) is attached */
+  int in_job;               /* inside comm_submit's call of the job */
+  /* AdamW segment table: device copy, pinned staging, last segments uploaded */
+  void *seg_dev;
+  void *seg_host;
+  size_t seg_cap;
+  cudaEvent_t seg_ev;       /* after the last upload or kernel that used the table */
+  sg__seg *seg_last;
+  int seg_last_n;
+  uint64_t seg_work;
+  /* sumsq: device scratch (stream-ordered allocation) and a pinned result pair */
+  void *red_dev;
+  size_t red_cap;
+  double *red_host;
+} sg__cuda_dev;
+
+/* ---- errors ---------------------------------------------------------------------------- */
+
+/* Every CUDA failure: status, function, the call, CUDA's name and text, file:line. Running out
+ * of memory is SG_ERR_OUT_OF_MEMORY so that the engine can report it as such. */
+static sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, const char *file,
+                              int line) {
+  sg_status st = e == cudaErrorMemoryAllocation ? SG_ERR_OUT_OF_MEMORY : SG_ERR_CUDA;
+  if (e == cudaErrorMemoryAllocation) (void)cudaGetLastError(); /* not sticky: clear it */
+  return sg__err_at(st, file, line, "%s: %s failed: %s (%s)", fn, call, cudaGetErrorString(e),
+                    cudaGetErrorName(e));
+}
+
+#define SG__CU(call, fn)                                                                        \
+  do {                                                                                         \
+    cudaError_t sg__e_ = (call);                                                               \
+    if (sg__e_ != cudaSuccess) return sg__cuda_err(sg__e_, (fn), #call, __FILE__, __LINE__);  \
+  } while (0)
+
+#define SG__CU_GOTO(call, fn, st, label)                                                        \
+  do {                                                                                         \
+    cudaError_t sg__e_ = (call);                                                               \
+    if (sg__e_ != cudaSuccess) {                                                               \
+      (st) = sg__cuda_err(sg__e_, (fn), #call, __FILE__, __LINE__);                            \
+      goto label;                                                                              \
+    }                                                                                          \
+  } while (0)
+
+/* A launcher's result (a cudaError_t value). */
+#define SG__CU_LAUNCH(expr, fn)                                                                 \
+  do {                                                                                         \
+    int sg__rc_ = (expr);                                                                      \
+    if (sg__rc_ != 0)                                                                          \
+      return sg__cuda_err((cudaError_t)sg__rc_, (fn), #expr, __FILE__, __LINE__);             \
+  } while (0)
+
+static sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
+
+/* Keeps the first failure; the engine is broken from then on and every wait returns it. */
+static sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
+  if (d->fail_st == SG_OK) {
+    d->fail_st = st;
+    snprintf(d->fail_msg, sizeof d->fail_msg, "%s", sg_last_error());
+  }
+  return st;
+}
+
+static sg_status sg__cuda_failed(const sg__cuda_dev *d) {
+  return sg__err(d->fail_st, "%s", d->fail_msg);
+}
+
+/* Binds the calling thread to our GPU: the engine may run on another thread than the one that
+ * created the device, and the runtime's current device is per thread. */
+static sg_status sg__cuda_enter(sg__cuda_dev *d, const char *fn) {
+  SG__CU(cudaSetDevice(d->ordinal), fn);
+  return SG_OK;
+}
+
+static sg_status sg__cuda_check_queue(sg__queue q, const char *fn) {
+  if (q != SG_Q_COMPUTE && q != SG_Q_COMM)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown queue (%d)", fn, (int)q);
+  return SG_OK;
+}
+
+static cudaStream_t sg__cuda_stream(sg__cuda_dev *d, sg__queue q) {
+  return q == SG_Q_COMM ? d->comm : d->compute;
+}
+
+static sg__cuda_launch sg__cuda_launch_on(sg__cuda_dev *d, sg__queue q) {
+  sg__cuda_launch L;
+  L.stream = (void *)sg__cuda_stream(d, q);
+  L.max_blocks = d->max_blocks;
+  return L;
+}
+
+/* ---- polling waits ------------------------------------------------------------------------ */
+
+/* Spin briefly (collectives of small buckets finish in microseconds), then sleep with a growing
+ * pause up to 1 ms so that a long wait does not burn a core. */
+static void sg__cuda_backoff(unsigned iter) {
+  if (iter < 64) return;
+  long ns = 1000L << (iter < 74 ? iter - 64 : 10);
+  struct timespec ts = {0, ns > 1000000L ? 1000000L : ns};
+  nanosleep(&ts, NULL);
+}
+
+/* Waits for ev (or, when ev is NULL, for all of stream s) until deadline_ms. Comm failures seen
+ * through the hooks and timeouts are recorded: the comm queue's state is unknown afterwards. */
+static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s,
+                               int64_t deadline_ms, const char *fn) {
+  for (unsigned iter = 0;; iter++) {
+    cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
+    if (e == cudaSuccess) return SG_OK;
+    if (e != cudaErrorNotReady)
+      return sg__cuda_record_failure(
+          d, sg__cuda_err(e, fn, ev ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__));
+    if (d->have_hooks && d->hooks.poll) {
+      sg_status st = d->hooks.poll(d->hooks.arg);
+      if (st != SG_OK) return sg__cuda_record_failure(d, sg__err_prefix(st, fn));
+    }
+    if (deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms) {
+      if (d->have_hooks && d->hooks.abort) d->hooks.abort(d->hooks.arg);
+      return sg__cuda_record_failure(
+          d, sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
+                        "%s: deadline passed while waiting for the GPU (rank %d, device %d)", fn,
+                        d->base.rank, d->ordinal));
+    }
+    sg__cuda_backoff(iter);
+  }
+}
+
+/* Host-driven jobs (see the top of the file): their comm-queue work completes before the call
+ * that issued it returns. */
+static sg_status sg__cuda_after(sg__cuda_dev *d, sg__queue q, const char *fn) {
+  if (q != SG_Q_COMM || !d->in_job || d->have_hooks) return SG_OK;
+  return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
+}
+
+/* ---- memory ----------------------------------------------------------------------------- */
+
+static sg_status sg__cudev_alloc(sg__device *dev, size_t bytes, void **out) {
+  static const char fn[] = "sg__device_cuda.alloc";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  *out = NULL;
+  if (bytes == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bytes must be > 0", fn);
+  if (sg__device_should_fail_alloc())
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn,
+                   bytes);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU(cudaMalloc(out, bytes), fn);
+  return SG_OK;
+}
+
+static void sg__cudev_free(sg__device *dev, void *p) {
+  if (!dev || !p) return;
+  (void)cudaSetDevice(sg__cuda(dev)->ordinal);
+  (void)cudaFree(p);
+}
+
+static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out) {
+  static const char fn[] = "sg__device_cuda.host_alloc";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  *out = NULL;
+  if (bytes == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bytes must be > 0", fn);
+  if (sg__device_should_fail_alloc())
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn,
+                   bytes);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU(cudaMallocHost(out, bytes), fn);
+  return SG_OK;
+}
+
+static void sg__cudev_host_free(sg__device *dev, void *p) {
+  if (!dev || !p) return;
+  (void)cudaSetDevice(sg__cuda(dev)->ordinal);
+  (void)cudaFreeHost(p);
+}
+
+/* ---- copies and fills ------------------------------------------------------------------- */
+
+static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const void *src,
+                               size_t bytes, sg__copy_kind kind) {
+  static const char fn[] = "sg__device_cuda.copy";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  if (bytes == 0) return SG_OK;
+  if (!dst || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  enum cudaMemcpyKind k;
+  switch (kind) {
+    case SG_COPY_H2D: k = cudaMemcpyHostToDevice; break;
+    case SG_COPY_D2H: k = cudaMemcpyDeviceToHost; break;
+    case SG_COPY_D2D: k = cudaMemcpyDeviceToDevice; break;
+    default: return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown copy kind (%d)", fn, (int)kind);
+  }
+  SG_TRY(sg__cuda_enter(d, fn));
+  cudaStream_t s = sg__cuda_stream(d, q);
+  SG__CU(cudaMemcpyAsync(dst, src, bytes, k, s), fn);
+  /* Host memory is the caller's again when a compute-queue H2D/D2H returns. */
+  if (q == SG_Q_COMPUTE && kind != SG_COPY_D2D) return sg__cuda_wait(d, NULL, s, INT64_MAX, fn);
+  return sg__cuda_after(d, q, fn);
+}
+
+static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t bytes) {
+  static const char fn[] = "sg__device_cuda.zero";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  if (bytes == 0) return SG_OK;
+  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU(cudaMemsetAsync(dst, 0, bytes, sg__cuda_stream(d, q)), fn);
+  return sg__cuda_after(d, q, fn);
+}
+
+/* ---- kernels ---------------------------------------------------------------------------- */
+
+static int sg__cuda_dtype_ok(int dt) { return dt == SG_F32 || dt == SG_BF16 || dt == SG_F16; }
+
+static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, int acc_dtype,
+                                     const void *src, int src_dtype, size_t n) {
+  static const char fn[] = "sg__device_cuda.accumulate";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  if (acc_dtype != SG_F32 && acc_dtype != SG_BF16)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: acc_dtype must be f32 or bf16 (%d)", fn,
+                   acc_dtype);
+  if (!sg__cuda_dtype_ok(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad src_dtype (%d)", fn, src_dtype);
+  if (n == 0) return SG_OK;
+  if (!acc || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU_LAUNCH(sg__cuda_accumulate(sg__cuda_launch_on(d, q), acc, acc_dtype, src, src_dtype, n),
+                fn);
+  return sg__cuda_after(d, q, fn);
+}
+
+static sg_status sg__cudev_cast(sg__device *dev, sg__queue q, void *dst, int dst_dtype,
+                               const void *src, int src_dtype, size_t n) {
+  static const char fn[] = "sg__device_cuda.cast";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  if (!sg__cuda_dtype_ok(dst_dtype) || !sg__cuda_dtype_ok(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (dst %d, src %d)", fn, dst_dtype,
+                   src_dtype);
+  if (n == 0) return SG_OK;
+  if (!dst || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU_LAUNCH(sg__cuda_cast(sg__cuda_launch_on(d, q), dst, dst_dtype, src, src_dtype, n), fn);
+  return sg__cuda_after(d, q, fn);
+}
+
+static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
+                                     const void *const *srcs, int nsrc, int dtype, size_t n) {
+  static const char fn[] = "sg__device_cuda.reduce_sum";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  if (!sg__cuda_dtype_ok(dtype) && dtype != 3)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
+  if (nsrc < 1 || nsrc > SG__CUDA_MAX_SRCS)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: nsrc must be in 1..%d (%d)", fn,
+                   SG__CUDA_MAX_SRCS, nsrc);
+  if (n == 0) return SG_OK;
+  if (!dst || !srcs) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  for (int k = 0; k < nsrc; k++)
+    if (!srcs[k]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: srcs[%d] is NULL", fn, k);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU_LAUNCH(sg__cuda_reduce_sum(sg__cuda_launch_on(d, q), dst, srcs, nsrc, dtype, n), fn);
+  return sg__cuda_after(d, q, fn);
+}
+
+/* Grows the stream-ordered sumsq scratch; the old one is freed in stream order after its last
+ * use (sumsq waits for its kernel anyway). */
+static sg_status sg__cuda_red_reserve(sg__cuda_dev *d, cudaStream_t s, size_t bytes,
+                                      const char *fn) {
+  if (bytes <= d->red_cap) return SG_OK;
+  if (d->red_dev) {
+    SG__CU(cudaFreeAsync(d->red_dev, s), fn);
+    d->red_dev = NULL;
+    d->red_cap = 0;
+  }
+  SG__CU(cudaMallocAsync(&d->red_dev, bytes, s), fn);
+  d->red_cap = bytes;
+  return SG_OK;
+}
+
+static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, int dtype,
+                                size_t n, double *sumsq, double *nonfinite) {
+  static const char fn[] = "sg__device_cuda.sumsq";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !sumsq || !nonfinite)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  if (!sg__cuda_dtype_ok(dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
+  *sumsq = 0.0;
+  *nonfinite = 0.0;
+  if (n == 0) return SG_OK;
+  if (!x) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  SG_TRY(sg__cuda_enter(d, fn));
+  cudaStream_t s = sg__cuda_stream(d, q);
+  SG_TRY(sg__cuda_red_reserve(d, s, sg__cuda_sumsq_scratch_bytes(n), fn));
+  double *result = (double *)d->red_dev; /* the first two doubles of the scratch */
+  SG__CU_LAUNCH(sg__cuda_sumsq(sg__cuda_launch_on(d, q), x, dtype, n, d->red_dev, result), fn);
+  SG__CU(cudaMemcpyAsync(d->red_host, result, 2 * sizeof(double), cudaMemcpyDeviceToHost, s),
+         fn);
+  SG_TRY(sg__cuda_wait(d, NULL, s, INT64_MAX, fn));
+  *sumsq = d->red_host[0];
+  *nonfinite = d->red_host[1];
+  return SG_OK;
+}
+
+/* Field by field: sg__seg has padding that memcmp would read. */
+static int sg__cuda_segs_equal(const sg__seg *a, const sg__seg *b, int n) {
+  for (int i = 0; i < n; i++)
+    if (a[i].shard_off != b[i].shard_off || a[i].flat_off != b[i].flat_off ||
+        a[i].len != b[i].len || a[i].decay != b[i].decay)
+      return 0;
+  return 1;
+}
+
+/* Room for a table of `bytes`: device memory in stream order on s, pinned staging. Called
+ * only when no upload or kernel still uses the old ones. */
+static sg_status sg__cuda_seg_reserve(sg__cuda_dev *d, cudaStream_t s, size_t bytes,
+                                      const char *fn) {
+  if (bytes <= d->seg_cap) return SG_OK;
+  if (d->seg_dev) SG__CU(cudaFreeAsync(d->seg_dev, s), fn);
+  if (d->seg_host) SG__CU(cudaFreeHost(d->seg_host), fn);
+  d->seg_dev = d->seg_host = NULL;
+  d->seg_cap = 0;
+  SG__CU(cudaMallocAsync(&d->seg_dev, bytes, s), fn);
+  SG__CU(cudaMallocHost(&d->seg_host, bytes), fn);
+  d->seg_cap = bytes;
+  return SG_OK;
+}
+
+/* Uploads the segment table when it differs from the last one (the plan is immutable, so this
+ * happens once per engine in practice). Waits for the previous users of the staging and device
+ * tables first: cheap, since it is rare. */
+static sg_status sg__cuda_seg_upload(sg__cuda_dev *d, cudaStream_t s, const sg__seg *segs,
+                                     int nsegs, const char *fn) {
+  if (d->seg_last && d->seg_last_n == nsegs && sg__cuda_segs_equal(d->seg_last, segs, nsegs))
+    return SG_OK;
+  SG_TRY(sg__cuda_wait(d, d->seg_ev, NULL, INT64_MAX, fn));
+  free(d->seg_last);
+  d->seg_last = NULL;
+  d->seg_last_n = 0;
+  size_t bytes = sg__cuda_adamw_table_bytes(nsegs);
+  SG_TRY(sg__cuda_seg_reserve(d, s, bytes, fn));
+  sg__seg *copy = (sg__seg *)malloc((size_t)nsegs * sizeof *copy);
+  if (!copy) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: segment cache (%d segments)", fn, nsegs);
+  sg__cuda_adamw_table_build(d->seg_host, segs, nsegs, &d->seg_work);
+  cudaError_t e = cudaMemcpyAsync(d->seg_dev, d->seg_host, bytes, cudaMemcpyHostToDevice, s);
+  if (e != cudaSuccess) {
+    free(copy);
+    return sg__cuda_err(e, fn, "cudaMemcpyAsync(segments)", __FILE__, __LINE__);
+  }
+  memcpy(copy, segs, (size_t)nsegs * sizeof *copy);
+  d->seg_last = copy;
+  d->seg_last_n = nsegs;
+  return SG_OK;
+}
+
+static sg_status sg__cuda_adamw_check(const sg__adamw_args *a, const char *fn) {
+  if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL args", fn);
+  if (!sg__cuda_dtype_ok(a->param_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad param_dtype (%d)", fn, a->param_dtype);
+  if (a->grad_dtype != SG_F32 && a->grad_dtype != SG_BF16)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: grad_dtype must be f32 or bf16 (%d)", fn,
+                   a->grad_dtype);
+  if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad segments (%d)", fn, a->nsegs);
+  if (a->nsegs > 0 && (!a->param || !a->m || !a->v || !a->grad))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  if (a->param_dtype != SG_F32 && a->nsegs > 0 && !a->master)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s params need a master copy", fn,
+                   sg__dtype_name((sg_dtype)a->param_dtype));
+  return SG_OK;
+}
+
+static sg_status sg__cudev_adamw(sg__device *dev, sg__queue q, const sg__adamw_args *a) {
+  static const char fn[] = "sg__device_cuda.adamw";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_adamw_check(a, fn));
+  if (a->nsegs == 0) return SG_OK;
+  SG_TRY(sg__cuda_enter(d, fn));
+  cudaStream_t s = sg__cuda_stream(d, q);
+  /* The table may have been uploaded, or last read, on the other queue. */
+  SG__CU(cudaStreamWaitEvent(s, d->seg_ev, 0), fn);
+  SG_TRY(sg__cuda_seg_upload(d, s, a->segs, a->nsegs, fn));
+  if (d->seg_work > 0)
+    SG__CU_LAUNCH(sg__cuda_adamw(sg__cuda_launch_on(d, q), a, d->seg_dev, d->seg_work), fn);
+  SG__CU(cudaEventRecord(d->seg_ev, s), fn);
+  return sg__cuda_after(d, q, fn);
+}
+
+/* ---- queues ----------------------------------------------------------------------------- */
+
+static cudaEvent_t sg__cuda_ticket_event(sg__cuda_dev *d, uint64_t ticket) {
+  return d->ring[ticket & (SG__CUDA_RING - 1)];
+}
+
+static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void *arg,
+                                      uint64_t *ticket) {
+  static const char fn[] = "sg__device_cuda.comm_submit";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !job || !ticket) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  if (d->fail_st != SG_OK) return sg__cuda_failed(d);
+  SG_TRY(sg__cuda_enter(d, fn));
+  /* The job's input was produced by compute work issued before this call. */
+  SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
+  SG__CU(cudaStreamWaitEvent(d->comm, d->order_ev, 0), fn);
+  if (!d->have_hooks) SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
+  d->in_job = 1;
+  sg_status st = job(arg);
+  d->in_job = 0;
+  /* The job may have been the first one of a stream-ordered communicator (it attached itself
+   * during the call): its work is then still in flight, which the ticket covers. */
+  if (st != SG_OK) sg__cuda_record_failure(d, st);
+  uint64_t t = d->last_ticket + 1;
+  cudaError_t e = cudaEventRecord(sg__cuda_ticket_event(d, t), d->comm);
+  if (e != cudaSuccess)
+    return sg__cuda_record_failure(
+        d, sg__cuda_err(e, fn, "cudaEventRecord(ticket)", __FILE__, __LINE__));
+  d->last_ticket = t;
+  *ticket = t;
+  return st == SG_OK ? SG_OK : sg__cuda_failed(d);
+}
+
+/* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for. */
+static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const char *fn,
+                                       int *done) {
+  *done = 1;
+  if (d->fail_st != SG_OK) return sg__cuda_failed(d);
+  if (ticket > d->last_ticket)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ticket %llu was never issued (last %llu)", fn,
+                   (unsigned long long)ticket, (unsigned long long)d->last_ticket);
+  *done = ticket <= d->done_ticket;
+  return SG_OK;
+}
+
+static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
+  static const char fn[] = "sg__device_cuda.comm_wait";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  int done;
+  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done));
+  if (done) return SG_OK;
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, ticket), NULL, deadline_ms, fn));
+  d->done_ticket = ticket;
+  return SG_OK;
+}
+
+static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
+                                            int64_t deadline_ms) {
+  static const char fn[] = "sg__device_cuda.compute_wait_comm";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  int done;
+  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done));
+  if (done) return SG_OK;
+  SG_TRY(sg__cuda_enter(d, fn));
+  /* A stream wait, not a host wait: the deadline applies to whoever waits on the host later. */
+  SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, ticket), 0), fn);
+  return SG_OK;
+}
+
+static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
+  static const char fn[] = "sg__device_cuda.sync";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG_TRY(sg__cuda_wait(d, NULL, d->compute, deadline_ms, fn));
+  return d->fail_st != SG_OK ? sg__cuda_failed(d) : SG_OK;
+}
+
+/* NULL goes back to our own stream. Work already issued to the old stream stays ahead of
+ * anything issued to the new one. */
+static sg_status sg__cudev_set_stream(sg__device *dev, void *stream) {
+  static const char fn[] = "sg__device_cuda.set_stream";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  cudaStream_t next = stream ? (cudaStream_t)stream : d->own_compute;
+  if (next == d->compute) return SG_OK;
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
+  SG__CU(cudaStreamWaitEvent(next, d->order_ev, 0), fn);
+  d->compute = next;
+  return SG_OK;
+}
+
+/* ---- lifetime --------------------------------------------------------------------------- */
+
+static void sg__cudev_destroy(sg__device *dev) {
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return;
+  if (d->have_hooks && d->hooks.detach) d->hooks.detach(d->hooks.arg);
+  (void)cudaSetDevice(d->ordinal);
+  /* Stream-ordered frees on the comm stream after the table's last use. The caller's compute
+   * stream is not touched: it may already be gone. The sumsq scratch has no pending use. */
+  if (d->comm) {
+    if (d->seg_ev) (void)cudaStreamWaitEvent(d->comm, d->seg_ev, 0);
+    if (d->seg_dev) (void)cudaFreeAsync(d->seg_dev, d->comm);
+    if (d->red_dev) (void)cudaFreeAsync(d->red_dev, d->comm);
+  }
+  if (d->seg_host) (void)cudaFreeHost(d->seg_host);
+  if (d->red_host) (void)cudaFreeHost(d->red_host);
+  free(d->seg_last);
+  for (int i = 0; i < SG__CUDA_RING; i++)
+    if (d->ring[i]) (void)cudaEventDestroy(d->ring[i]);
+  if (d->order_ev) (void)cudaEventDestroy(d->order_ev);
+  if (d->seg_ev) (void)cudaEventDestroy(d->seg_ev);
+  if (d->comm) (void)cudaStreamDestroy(d->comm);
+  if (d->own_compute) (void)cudaStreamDestroy(d->own_compute);
+  free(d);
+}
+
+static const sg__device_ops sg__cuda_ops = {
+    "cuda",
+    sg__cudev_alloc,
+    sg__cudev_free,
+    sg__cudev_host_alloc,
+    sg__cudev_host_free,
+    sg__cudev_copy,
+    sg__cudev_zero,
+    sg__cudev_adamw,
+    sg__cudev_accumulate,
+    sg__cudev_cast,
+    sg__cudev_sumsq,
+    sg__cudev_reduce_sum,
+    sg__cudev_comm_submit,
+    sg__cudev_comm_wait,
+    sg__cudev_compute_wait_comm,
+    sg__cudev_sync,
+    sg__cudev_set_stream,
+    sg__cudev_destroy,
+};
+
+/* Picks and checks the GPU: -1 is the calling thread's current device. */
+static sg_status sg__cuda_pick(int cuda_device, int *ordinal) {
+  static const char fn[] = "sg__device_cuda_create";
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__,
+                      "%s: no CUDA device found (cudaGetDeviceCount: %s)", fn,
+                      e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  }
+  if (cuda_device >= count)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device %d out of range (%d devices)", fn,
+                   cuda_device, count);
+  if (cuda_device < 0) SG__CU(cudaGetDevice(&cuda_device), fn);
+  *ordinal = cuda_device;
+  return SG_OK;
+}
+
+/* Streams, events, the sumsq result pair; d->ordinal is set and current. */
+static sg_status sg__cuda_init(sg__cuda_dev *d) {
+  static const char fn[] = "sg__device_cuda_create";
+  int least = 0, greatest = 0, sms = 0;
+  SG__CU(cudaDeviceGetStreamPriorityRange(&least, &greatest), fn);
+  SG__CU(cudaStreamCreateWithPriority(&d->comm, cudaStreamNonBlocking, greatest), fn);
+  SG__CU(cudaStreamCreateWithFlags(&d->own_compute, cudaStreamNonBlocking), fn);
+  d->compute = d->own_compute;
+  SG__CU(cudaEventCreateWithFlags(&d->order_ev, cudaEventDisableTiming), fn);
+  SG__CU(cudaEventCreateWithFlags(&d->seg_ev, cudaEventDisableTiming), fn);
+  for (int i = 0; i < SG__CUDA_RING; i++)
+    SG__CU(cudaEventCreateWithFlags(&d->ring[i], cudaEventDisableTiming), fn);
+  SG__CU(cudaMallocHost((void **)&d->red_host, 2 * sizeof(double)), fn);
+  SG__CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d->ordinal), fn);
+  d->max_blocks = sms > 0 ? 8 * sms : 256;
+  return SG_OK;
+}
+
+sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
+  static const char fn[] = "sg__device_cuda_create";
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  *out = NULL;
+  if (rank < 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: rank must be >= 0 (%d)", fn, rank);
+  if (cuda_device < -1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn,
+                   cuda_device);
+  int ordinal = 0;
+  SG_TRY(sg__cuda_pick(cuda_device, &ordinal));
+  sg__cuda_dev *d = (sg__cuda_dev *)calloc(1, sizeof *d);
+  if (!d) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: device struct", fn);
+  d->base.ops = &sg__cuda_ops;
+  d->base.kind = SG_DEVICE_CUDA;
+  d->base.rank = rank;
+  d->ordinal = ordinal;
+  sg_status st = SG_OK;
+  SG_TRY_GOTO(sg__cuda_enter(d, fn), st, fail);
+  SG_TRY_GOTO(sg__cuda_init(d), st, fail);
+  SG_LOG(SG_LOG_INFO, rank, "cuda device %d: %d blocks per grid-stride launch", ordinal,
+         d->max_blocks);
+  *out = &d->base;
+  return SG_OK;
+fail:
+  sg__cudev_destroy(&d->base);
+  return st;
+}
+
+/* ---- accessors for the NCCL communicator ------------------------------------------------- */
+
+static sg__cuda_dev *sg__cuda_or_null(const sg__device *d) {
+  return d && d->kind == SG_DEVICE_CUDA && d->ops == &sg__cuda_ops ? (sg__cuda_dev *)d : NULL;
+}
+
+void *sg__device_cuda_comm_stream(sg__device *d) {
+  sg__cuda_dev *c = sg__cuda_or_null(d);
+  return c ? (void *)c->comm : NULL;
+}
+
+int sg__device_cuda_ordinal(const sg__device *d) {
+  const sg__cuda_dev *c = sg__cuda_or_null(d);
+  return c ? c->ordinal : -1;
+}
+
+sg_status sg__device_cuda_set_comm_hooks(sg__device *d, const sg__cuda_comm_hooks *h) {
+  sg__cuda_dev *c = sg__cuda_or_null(d);
+  if (!c)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda_set_comm_hooks: not a CUDA device");
+  if (h) {
+    c->hooks = *h;
+    c->have_hooks = 1;
+  } else {
+    memset(&c->hooks, 0, sizeof c->hooks);
+    c->have_hooks = 0;
+  }
+  return SG_OK;
+}
