@@ -174,9 +174,11 @@ static void free_finalized(sg_engine *e) {
 
 void sg_engine_destroy(sg_engine *e) {
   if (!e) return;
-  /* Pending reductions finish (or hit their deadline) before memory goes away. */
-  if (e->dev && e->last_ticket)
-    (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, host_deadline(e));
+  /* Pending reductions finish before memory goes away (every collective has its own deadline
+   * and jobs after a failure are skipped, so this ends), and the memory goes back through the
+   * device before the device itself is destroyed. */
+  if (e->dev && e->last_ticket) (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, INT64_MAX);
+  free_finalized(e);
   if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */
   if (e->comm) {
     e->comm->in_use = 0;
@@ -185,7 +187,6 @@ void sg_engine_destroy(sg_engine *e) {
     e->comm->scratch_bytes = 0;
   }
   e->dev = NULL;
-  free_finalized(e);
   free_registration(e);
   free(e);
 }
