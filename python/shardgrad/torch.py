@@ -1,0 +1,422 @@
+"""PyTorch integration: ShardedAdamW, a torch.optim.Optimizer backed by a shardgrad Engine.
+
+    import shardgrad as sg
+    from shardgrad.torch import ShardedAdamW
+
+    comm = sg.Comm.mpi()                         # one rank per process (mpirun -np 2 ...)
+    opt = ShardedAdamW(model, comm, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    for batch in data:                           # this rank's part of the global batch
+        loss = model(batch).mean()
+        loss.backward()                          # gradients go to the library as they appear
+        opt.step(); sched.step()
+
+What it does
+ - Every trainable parameter's storage is re-pointed to the library's working parameters
+   (zero copy): sg_step's all-gather updates the model in place.
+ - Parameter order (param_order="backward", the default): the engine is finalized at the end
+   of the first backward pass, registering the parameters in reverse order of gradient
+   arrival, so that buckets fill and are reduced in the order autograd produces gradients
+   (module registration order often differs from execution order; DDP rebuilds its buckets for
+   the same reason). During that first backward the gradients sit in .grad as in plain torch.
+   param_order="registration" finalizes in the constructor instead, in named_parameters order.
+ - A post-accumulate-grad hook hands each gradient to the library (sg_grad_add) as soon as
+   autograd has produced it, then drops `.grad`, so under SHARD_GRAD_OP the full gradient never
+   sits in memory. At the end of each backward sg_backward_end completes the micro-batch
+   (parameters that got no gradient count as zeros).
+ - Several backward passes before step() accumulate (each is a micro-batch that is reduced
+   right away); inside `with opt.no_sync():` micro-batches accumulate locally without
+   communication.
+ - The reduced gradient is the average over ranks (grad_average=1) of each rank's summed
+   gradient: exactly what DDP with .grad accumulation gives.
+ - param_groups[0]['lr'] is read at every step(), so torch LR schedulers drive it.
+ - Parameters with requires_grad=False are left alone; parameters with ndim <= 1 (biases,
+   norms) get no weight decay unless no_decay says otherwise.
+
+Threads: with sg.Comm.local(n), build one model replica and one ShardedAdamW per rank, each in
+its own thread (sg.run_threads). Collective (every rank, same order): the first backward (or
+the constructor with param_order="registration"), step, state_dict, param_state,
+master_weights. close() (or garbage collection) copies the parameters back into torch-owned memory before
+the engine goes away.
+"""
+
+import contextlib
+import functools
+import weakref
+
+import torch
+
+from ._structs import DType, Device
+from .config import Config
+from .core import Comm, Engine
+from .errors import InvalidArgumentError, InvalidStateError, MismatchError, UnsupportedError
+
+__all__ = ["ShardedAdamW", "torch_dtype", "sg_dtype"]
+
+_TO_SG = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
+_TO_TORCH = {v: k for k, v in _TO_SG.items()}
+
+
+def sg_dtype(dt):
+    """DType of a torch dtype (float32, bfloat16, float16)."""
+    if dt not in _TO_SG:
+        raise InvalidArgumentError("no shardgrad dtype for %s" % dt, function="python")
+    return _TO_SG[dt]
+
+
+def torch_dtype(dt):
+    return _TO_TORCH[DType(dt)]
+
+
+def _named_params(model):
+    """[(name, param)] of a Module, of (name, param) pairs, or of bare parameters."""
+    if isinstance(model, torch.nn.Module):
+        return list(model.named_parameters())
+    if isinstance(model, torch.Tensor):
+        raise TypeError("ShardedAdamW: pass a Module or an iterable of parameters, not a Tensor")
+    out = []
+    for i, item in enumerate(model):
+        if isinstance(item, dict):
+            raise TypeError("ShardedAdamW: parameter groups are not supported (one lr for all); "
+                            "use no_decay= for weight-decay exclusions")
+        if isinstance(item, tuple):
+            out.append((str(item[0]), item[1]))
+        else:
+            out.append(("param%d" % i, item))
+    return out
+
+
+def _grad_hook(opt_ref, pid, param):
+    opt = opt_ref()
+    if opt is not None:
+        opt._take_grad(pid, param)
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW over shardgrad: sharded gradients, master weights and moments (ZeRO-2 by default).
+
+    model: an nn.Module (names from named_parameters) or an iterable of parameters or
+    (name, parameter) pairs; every rank must pass the same names and shapes.
+    comm: a shardgrad.Comm (Comm.mpi() or one of Comm.local(n)).
+    lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay default 0.01).
+    no_decay: None (ndim <= 1 parameters are excluded from weight decay), a set of names, or a
+    callable (name, param) -> bool that decides for every parameter.
+    broadcast: make every rank start from rank 0's values (sg_broadcast_params); default when
+    the world has more than one rank.
+    param_order: "backward" (finalize after the first backward, parameters laid out in
+    gradient arrival order) or "registration" (finalize now, named_parameters order).
+    config / **config_kwargs: any other shardgrad.Config field (strategy, max_grad_norm,
+    bucket_bytes, param_dtype, timeout_ms, ...). param_dtype defaults to the parameters' dtype.
+    """
+
+    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 no_decay=None, broadcast=None, param_order="backward", config=None,
+                 **config_kwargs):
+        if not isinstance(comm, Comm):
+            raise TypeError("ShardedAdamW: comm must be a shardgrad.Comm, got %r" % (comm,))
+        if param_order not in ("backward", "registration"):
+            raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
+                             "(got %r)" % (param_order,))
+        named = [(n, p) for n, p in _named_params(model) if p.requires_grad and p.numel() > 0]
+        if not named:
+            raise InvalidArgumentError("ShardedAdamW: no trainable parameters", function="python")
+        if len({id(p) for _, p in named}) != len(named):
+            raise InvalidArgumentError("ShardedAdamW: a parameter is listed twice",
+                                       function="python")
+        self._named = named
+        self._engine = None
+        self._hooks = []
+        self._closed = False
+        self._callback_queued = False
+        self._ready = False      # engine finalized, parameters adopted
+        self._sync = True        # wanted sync state (no_sync may be entered before _ready)
+        self._arrival = []       # indices in gradient arrival order, first backward only
+        self._pid = [None] * len(named)  # index in _named -> engine parameter id
+        self._no_decay = no_decay
+        self._broadcast = broadcast
+        self.last_step_info = None
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._init_done = False
+        super().__init__([p for _, p in named], defaults)
+        self._init_done = True
+        self._fixed = self._group_hparams()
+        cfg = self._make_config(config, config_kwargs, named, lr, betas, eps, weight_decay)
+        self._engine = Engine(comm, cfg)
+        ref = weakref.ref(self)
+        for i, (_, p) in enumerate(named):
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                functools.partial(_grad_hook, ref, i)))
+        if param_order == "registration":
+            self._setup(list(range(len(named))))
+
+    # -- construction ---------------------------------------------------------------------
+    @staticmethod
+    def _make_config(config, kwargs, named, lr, betas, eps, weight_decay):
+        kw = dict(kwargs)
+        kw.update(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
+                  weight_decay=float(weight_decay))
+        dtypes = {p.dtype for _, p in named}
+        if "param_dtype" not in kwargs and config is None and len(dtypes) == 1:
+            kw["param_dtype"] = sg_dtype(dtypes.pop())
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise InvalidArgumentError("ShardedAdamW: parameters on several devices %s"
+                                       % sorted(map(str, devices)), function="python")
+        dev = devices.pop()
+        if "device" not in kwargs and config is None and dev.type == "cuda":
+            kw["device"] = Device.CUDA
+            kw.setdefault("cuda_device", dev.index if dev.index is not None else -1)
+        if config is not None:
+            return config.copy(**kw).validate()
+        return Config(**kw)
+
+    def _decays(self, name, p):
+        nd = self._no_decay
+        if callable(nd):
+            return not nd(name, p)
+        if nd is not None:
+            return name not in nd
+        return p.ndim > 1
+
+    def _setup(self, registration):
+        """Collective: registers the parameters in the given order (indices into _named),
+        finalizes, loads the values and re-points every parameter to library memory. The plan
+        lays parameters out in reverse registration order and reduces buckets in that order."""
+        e = self._engine
+        try:
+            for i in registration:
+                name, p = self._named[i]
+                self._pid[i] = e.add_param(name, tuple(p.shape),
+                                           no_decay=not self._decays(name, p))
+            try:
+                e.finalize()
+            except MismatchError as ex:
+                raise MismatchError(ex.message + " (ShardedAdamW: with param_order='backward' "
+                                    "every rank must produce gradients in the same order in its "
+                                    "first backward; otherwise use param_order='registration')",
+                                    ex.status, ex.function) from None
+            for i, (_, p) in enumerate(self._named):
+                e.set_param(self._pid[i], p.detach().to("cpu"))
+            broadcast = self._broadcast
+            if broadcast is None:
+                broadcast = e.comm.size > 1
+            if broadcast:
+                e.broadcast_params(0)
+            if e.config.device == Device.CUDA:
+                dev = e.config.cuda_device
+                e.set_stream(torch.cuda.current_stream(dev if dev >= 0 else None))
+            with torch.no_grad():
+                for i, (_, p) in enumerate(self._named):
+                    p.data = e.param_tensor(self._pid[i])
+            if not self._sync:
+                e.set_sync(False)
+        except BaseException:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            e.close()
+            raise
+        self._ready = True
+
+    def _ensure_ready(self):
+        """Finalizes in registration order when no backward has decided the order yet."""
+        if self._closed:
+            raise InvalidStateError("ShardedAdamW is closed", function="python")
+        if not self._ready:
+            self._setup(list(range(len(self._named))))
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_init_done", True):
+            raise UnsupportedError("ShardedAdamW: parameters are fixed at construction",
+                                   function="python")
+        super().add_param_group(param_group)
+
+    # -- gradients ------------------------------------------------------------------------
+    def _take_grad(self, i, p):
+        g = p.grad
+        if g is None or self._closed:
+            return
+        if g.is_sparse:
+            raise UnsupportedError("ShardedAdamW: sparse gradients are not supported",
+                                   function="python")
+        if not self._callback_queued:
+            # Completes the micro-batch once the whole backward pass has run.
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            self._callback_queued = True
+        if not self._ready:
+            self._arrival.append(i)  # first backward: learn the order, keep .grad for now
+            return
+        self._hand_over(i, g)
+        p.grad = None
+
+    def _hand_over(self, i, g):
+        if g.dtype not in _TO_SG:
+            g = g.float()
+        if not g.is_contiguous():
+            g = g.contiguous()
+        self._engine.grad_add_ptr(self._pid[i], g.data_ptr(), _TO_SG[g.dtype])
+
+    def _backward_end(self):
+        self._callback_queued = False
+        if not self._ready:
+            # First backward: register in reverse arrival order, so that buckets fill and are
+            # reduced in the order the gradients come (what DDP's bucket rebuild achieves).
+            seen = set(self._arrival)
+            order = self._arrival + [i for i in range(len(self._named)) if i not in seen]
+            grads = []
+            for i in self._arrival:
+                p = self._named[i][1]
+                grads.append((i, p.grad))
+                p.grad = None
+            self._arrival = []
+            self._setup(order[::-1])
+            for i, g in grads:
+                self._hand_over(i, g)
+            del grads
+        self._engine.backward_end()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches inside accumulate locally, without communication; the first backward
+        after the block (with sync on) reduces everything. Enter and leave between
+        micro-batches, on every rank alike."""
+        if self._ready:
+            self._engine.set_sync(False)
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+            if self._ready:
+                self._engine.set_sync(True)
+
+    def zero_grad(self, set_to_none=True):
+        """Drops any .grad left on the parameters. Gradients already handed to the library are
+        consumed by step(); they cannot be discarded."""
+        for _, p in self._named:
+            p.grad = None
+
+    # -- step -----------------------------------------------------------------------------
+    def _group_hparams(self):
+        g = self.param_groups[0]
+        return (tuple(g["betas"]), g["eps"], g["weight_decay"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Collective: reduction, clipping, AdamW on this rank's shard, all-gather of the
+        updated parameters. Returns the closure's loss (if any); step info in last_step_info."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if len(self.param_groups) != 1:
+            raise UnsupportedError("ShardedAdamW: one parameter group only", function="python")
+        if self._group_hparams() != self._fixed:
+            raise UnsupportedError("ShardedAdamW: only 'lr' may change after construction "
+                                   "(betas, eps and weight_decay are fixed)", function="python")
+        self._ensure_ready()
+        lr = float(self.param_groups[0]["lr"])
+        if lr != self._engine.lr:
+            self._engine.set_lr(lr)
+        self.last_step_info = self._engine.step()
+        return loss
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def engine(self):
+        return self._engine
+
+    @property
+    def lr(self):
+        return float(self.param_groups[0]["lr"])
+
+    @lr.setter
+    def lr(self, value):
+        for g in self.param_groups:
+            g["lr"] = float(value)
+
+    @property
+    def loss_scale(self):
+        return self._engine.loss_scale
+
+    def scale_loss(self, loss):
+        """loss * current loss scale (only differs from loss for fp16 dynamic scaling)."""
+        s = self._engine.loss_scale
+        return loss if s == 1.0 else loss * s
+
+    def memory(self):
+        self._ensure_ready()
+        return self._engine.memory()
+
+    def param_id(self, p):
+        """Engine id of parameter p (after the first backward or step)."""
+        self._ensure_ready()
+        for i, (_, q) in enumerate(self._named):
+            if q is p:
+                return self._pid[i]
+        raise KeyError("not a parameter of this optimizer")
+
+    def master_weights(self):
+        """Collective: {name: fp32 tensor} of the full master weights."""
+        self._ensure_ready()
+        e = self._engine
+        return {n: torch.from_numpy(e.get_master(self._pid[i]))
+                for i, (n, _) in enumerate(self._named)}
+
+    def param_state(self, p):
+        """Collective: {'step', 'exp_avg', 'exp_avg_sq', 'master'} of parameter p (fp32)."""
+        e, pid = self._engine, self.param_id(p)
+        step = self.last_step_info.step if self.last_step_info else 0
+        return {"step": torch.tensor(float(step)),
+                "exp_avg": torch.from_numpy(e.get_optim_state(pid, 0)),
+                "exp_avg_sq": torch.from_numpy(e.get_optim_state(pid, 1)),
+                "master": torch.from_numpy(e.get_master(pid))}
+
+    def state_dict(self):
+        """Collective: torch.optim-style dict; 'state' holds full (gathered) fp32 tensors."""
+        state = {i: self.param_state(p) for i, (_, p) in enumerate(self._named)}
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(len(self._named)))
+            groups.append(d)
+        return {"state": state, "param_groups": groups,
+                "names": [n for n, _ in self._named]}
+
+    def load_state_dict(self, state_dict):
+        raise UnsupportedError("ShardedAdamW.load_state_dict: the C API has no setter for "
+                               "AdamW moments; use Engine.save/load where the library has them",
+                               function="python")
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self):
+        """Copies the parameters back into torch-owned memory, removes the hooks and destroys
+        the engine. The model stays usable; the optimizer does not."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._engine is not None and not self._engine.closed:
+            if not self._ready:
+                self._engine.close()
+                return
+            with torch.no_grad():
+                for _, p in self._named:
+                    p.data = p.data.clone()
+            self._engine.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        if self._engine is None or self._engine.closed:
+            return "ShardedAdamW(closed)"
+        c = self._engine.config
+        return ("ShardedAdamW(%d params, rank %d of %d, %s, lr=%g)"
+                % (len(self._named), self._engine.comm.rank, self._engine.comm.size,
+                   c.strategy.name, self.lr))
