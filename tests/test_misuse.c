@@ -812,6 +812,7 @@ static void *broken_main(void *arg) {
 }
 
 static void part_broken(void) {
+  snprintf(t_tag, sizeof t_tag, "[main]");
   for (int scenario = 0; scenario < 2; scenario++) {
     printf("== misuse that breaks the communicator: %s ==\n",
            scenario == 0 ? "mismatched collectives" : "a rank skips a collective");
@@ -831,6 +832,52 @@ static void part_broken(void) {
   }
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* part 5: destroying engines in the middle of a micro-batch (W=2)                            */
+
+static void *inflight_main(void *arg) {
+  rank_ctx *x = arg;
+  snprintf(t_tag, sizeof t_tag, "[inflight W=2 r%d]", x->rank);
+  t_quiet = x->rank != 0;
+  sg_config c;
+  base_config(&c, x->rc);
+  for (int round = 0; round < 2; round++) {
+    sg_engine *e = NULL;
+    if (!CHECK(sg_engine_create(x->ct, &c, &e) == SG_OK && register_params(x, e) &&
+                   sg_finalize(e) == SG_OK && set_params(e),
+               "round %d: engine finalized", round))
+      return NULL;
+    x->et = e;
+    int ok = 1;
+    /* round 0: the first bucket's reduction is launched, then the engine goes away; round 1:
+     * a full step on the same communicator shows nothing was left behind */
+    const int upto = round == 0 ? NP - 2 : 0;
+    for (int id = NP - 1; id >= upto; id--) ok = ok && give_grad(x, e, 0, id) == SG_OK;
+    if (round == 1) ok = ok && sg_step(e, NULL) == SG_OK;
+    CHECK(ok, round == 0 ? "round 0: gradients of two parameters given (reductions in flight)"
+                         : "round 1: a full step on the same communicator");
+    sg_engine_destroy(e);
+    CHECK(1, "round %d: sg_engine_destroy returned", round);
+  }
+  return NULL;
+}
+
+static void part_inflight(void) {
+  snprintf(t_tag, sizeof t_tag, "[main]");
+  printf("== sg_engine_destroy with reductions in flight (W=2) ==\n");
+  const run_cfg rc = {2, SG_F32, SG_SHARD_GRAD_OP, "inflight"};
+  sg_comm *comms[2];
+  if (!CHECK(sg_comm_create_local(2, comms) == SG_OK, "create a local group of 2")) return;
+  rank_ctx x[2];
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++) {
+    x[r] = (rank_ctx){&rc, r, 2, comms[r], NULL, NULL, NULL, 0, NULL};
+    pthread_create(&th[r], NULL, inflight_main, &x[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 2; r++) sg_comm_destroy(comms[r]);
+}
+
 int main(void) {
   memset(g_long_name, 'p', 255);
   g_long_name[255] = '\0';
@@ -845,6 +892,7 @@ int main(void) {
   for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) part_engine(&runs[i]);
   part_oom();
   part_broken();
+  part_inflight();
   const int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
   printf("%d passed, %d failed\n", pass, fail);
   return fail ? 1 : 0;
