@@ -6,9 +6,16 @@
  *  - stochastic rounding: deterministic, one of the two neighbours, unbiased on average;
  *  - the CPU loops against naive loops over the same element functions, for every dtype and
  *    sizes around the vector widths and the threading threshold, bitwise equal for any number
- *    of OpenMP threads. */
+ *    of OpenMP threads;
+ *  - the CPU device (src/device/cpu.c): aligned allocation and the failure hook, the comm
+ *    queue's FIFO order, deadlines, failure propagation and skipping, inline mode, ordering of
+ *    SG_Q_COMM work, and destroy with jobs pending. */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
+
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +25,7 @@
 #endif
 
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_* */
+#include "device/sg_device.h"   /* the CPU device: memory, comm queue */
 #include "sg_elem.h"            /* element math */
 
 static int g_pass, g_fail;
@@ -368,7 +376,7 @@ static void test_cast(void) {
 static void test_accumulate(void) {
   int ok = 1;
   for (size_t s = 0; s < NSIZES; s++)
-    for (int ad = 0; ad < 2; ad++)
+    for (int ad = 0; ad < 3; ad++)
       for (int sd = 0; sd < 3; sd++) {
         size_t n = g_sizes[s];
         void *acc = rand_buf(ad, n, 0), *src = rand_buf(sd, n, 1), *want = dup_buf(acc, n * esize(ad));
@@ -377,7 +385,7 @@ static void test_accumulate(void) {
         ok &= same_for_threads(run_accum, acc, ad, src, n, ad, sd, want);
         free(acc), free(src), free(want);
       }
-  check(ok, "accumulate: acc f32/bf16 x src f32/bf16/f16 x sizes equal the naive loop, any thread count");
+  check(ok, "accumulate: acc x src in f32/bf16/f16 x sizes equal the naive loop, any thread count");
 }
 
 static double load_any(const void *p, int d, size_t i) {
@@ -574,6 +582,175 @@ static void test_adamw_loop(void) {
   }
 }
 
+/* ---- CPU device ---------------------------------------------------------------------------- */
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+typedef struct job_log {
+  atomic_int next;    /* slots handed out, in run order */
+  int order[200];     /* job ids in the order they ran */
+  atomic_int release; /* a blocking job spins until this is set */
+  atomic_int ran;
+} job_log;
+
+typedef struct job {
+  job_log *log;
+  int id;
+  int fail;   /* return SG_ERR_COMM with a message */
+  int block;  /* wait for log->release */
+  int sleep;  /* ms */
+  int *word;  /* written with 1 at the end */
+} job;
+
+static sg_status job_fn(void *arg) {
+  job *j = (job *)arg;
+  if (j->sleep) sleep_ms(j->sleep);
+  while (j->block && !atomic_load(&j->log->release)) sleep_ms(1);
+  int slot = atomic_fetch_add(&j->log->next, 1);
+  if (slot < 200) j->log->order[slot] = j->id;
+  atomic_fetch_add(&j->log->ran, 1);
+  if (j->word) *j->word = 1;
+  if (j->fail) return sg__err(SG_ERR_COMM, "job %d failed on purpose", j->id);
+  return SG_OK;
+}
+
+static void test_device_memory(void) {
+  sg__device *d = NULL;
+  check(sg__device_cpu_create(0, 1, &d) == SG_OK && d && d->kind == SG_DEVICE_CPU, "cpu device: create");
+  if (!d) return;
+  int aligned = 1;
+  void *p[5] = {0};
+  for (int i = 0; i < 5; i++) {
+    aligned &= d->ops->alloc(d, (size_t)(i * 1000), &p[i]) == SG_OK && p[i] && ((uintptr_t)p[i] % 64) == 0;
+  }
+  for (int i = 0; i < 5; i++) d->ops->free(d, p[i]);
+  check(aligned, "cpu device: alloc gives 64-byte aligned blocks, also for 0 bytes");
+  sg__device_fail_alloc_after(2);
+  void *a = NULL, *b = NULL, *c = NULL, *e = NULL;
+  sg_status s1 = d->ops->alloc(d, 64, &a), s2 = d->ops->host_alloc(d, 64, &b);
+  sg_status s3 = d->ops->alloc(d, 64, &c);
+  int msg = strstr(sg_last_error(), "injected") != NULL;
+  sg_status s4 = d->ops->alloc(d, 64, &e);
+  check(s1 == SG_OK && s2 == SG_OK && s3 == SG_ERR_OUT_OF_MEMORY && !c && msg && s4 == SG_OK,
+        "cpu device: fail_alloc_after(2): two allocations succeed, the third fails once");
+  d->ops->free(d, a), d->ops->host_free(d, b), d->ops->free(d, e);
+  sg__device_fail_alloc_after(-1);
+  check(d->ops->set_stream(d, NULL) == SG_OK && d->ops->set_stream(d, (void *)d) == SG_ERR_UNSUPPORTED &&
+            d->ops->sync(d, INT64_MAX) == SG_OK,
+        "cpu device: set_stream(NULL) ok, a stream is unsupported; sync ok");
+  float x[4] = {1, 2, 3, 4}, y[4];
+  uint16_t h[4];
+  int kern = d->ops->copy(d, SG_Q_COMPUTE, y, x, sizeof x, SG_COPY_H2D) == SG_OK && y[3] == 4.0f;
+  kern &= d->ops->cast(d, SG_Q_COMPUTE, h, SG_BF16, x, SG_F32, 4) == SG_OK && h[1] == 0x4000u;
+  kern &= d->ops->zero(d, SG_Q_COMPUTE, y, sizeof y) == SG_OK && y[0] == 0.0f && y[3] == 0.0f;
+  kern &= d->ops->cast(d, SG_Q_COMPUTE, h, 7, x, SG_F32, 4) == SG_ERR_INVALID_ARGUMENT;
+  kern &= d->ops->accumulate(d, SG_Q_COMPUTE, h, 3, x, SG_F32, 4) == SG_ERR_INVALID_ARGUMENT;
+  kern &= d->ops->zero(d, (sg__queue)5, y, 4) == SG_ERR_INVALID_ARGUMENT;
+  double ss = 0, nf = 0;
+  kern &= d->ops->sumsq(d, SG_Q_COMPUTE, x, SG_F32, 4, &ss, &nf) == SG_OK && ss == 30.0 && nf == 0.0;
+  check(kern, "cpu device: copy, zero, cast, sumsq through the vtable; bad dtype/queue rejected");
+  d->ops->destroy(d);
+}
+
+static void test_device_queue(void) {
+  sg__device *d = NULL;
+  if (sg__device_cpu_create(1, 1, &d) != SG_OK) {
+    check(0, "cpu device: create threaded");
+    return;
+  }
+  static job_log log;
+  static job jobs[200];
+  memset(&log, 0, sizeof log);
+  uint64_t t = 0;
+  int tickets_ok = 1;
+  for (int i = 0; i < 100; i++) {
+    jobs[i] = (job){&log, i, 0, 0, 0, NULL};
+    tickets_ok &= d->ops->comm_submit(d, job_fn, &jobs[i], &t) == SG_OK && t == (uint64_t)i + 1;
+  }
+  sg_status st = d->ops->comm_wait(d, 100, sg__now_ms() + 10000);
+  int fifo = atomic_load(&log.ran) == 100;
+  for (int i = 0; i < 100; i++) fifo &= log.order[i] == i;
+  check(tickets_ok && st == SG_OK && fifo, "comm queue: tickets 1..100, jobs run in FIFO order");
+  check(d->ops->comm_wait(d, 101, INT64_MAX) == SG_ERR_INVALID_ARGUMENT,
+        "comm queue: waiting for a ticket never issued is an error");
+
+  /* deadline */
+  jobs[100] = (job){&log, 100, 0, 1, 0, NULL};
+  d->ops->comm_submit(d, job_fn, &jobs[100], &t);
+  int64_t t0 = sg__now_ms();
+  st = d->ops->comm_wait(d, t, t0 + 60);
+  int64_t waited = sg__now_ms() - t0;
+  int msg = strstr(sg_last_error(), "deadline") != NULL;
+  atomic_store(&log.release, 1);
+  sg_status st2 = d->ops->compute_wait_comm(d, t, INT64_MAX);
+  check(st == SG_ERR_TIMEOUT && msg && waited >= 55 && st2 == SG_OK,
+        "comm queue: a blocked job times out at the deadline (%lld ms) with a message, then completes",
+        (long long)waited);
+
+  /* ordering of SG_Q_COMM work issued from the host thread */
+  int word = 0;
+  float zeroed = 1.0f;
+  jobs[101] = (job){&log, 101, 0, 0, 30, &word};
+  d->ops->comm_submit(d, job_fn, &jobs[101], &t);
+  st = d->ops->zero(d, SG_Q_COMM, &zeroed, sizeof zeroed);
+  check(st == SG_OK && word == 1 && zeroed == 0.0f,
+        "comm queue: SG_Q_COMM work from the host runs after the pending jobs");
+
+  /* failure: the first failing job's status and text stick; later jobs are skipped */
+  int before = atomic_load(&log.ran);
+  jobs[102] = (job){&log, 102, 1, 0, 0, NULL};
+  jobs[103] = (job){&log, 103, 1, 0, 0, NULL};
+  jobs[104] = (job){&log, 104, 0, 0, 0, NULL};
+  uint64_t tf, tl;
+  d->ops->comm_submit(d, job_fn, &jobs[102], &tf);
+  d->ops->comm_submit(d, job_fn, &jobs[103], &tl);
+  d->ops->comm_submit(d, job_fn, &jobs[104], &tl);
+  sg__err_clear();
+  st = d->ops->comm_wait(d, tl, sg__now_ms() + 10000);
+  int text = strstr(sg_last_error(), "job 102 failed") != NULL;
+  sg__err_clear();
+  st2 = d->ops->comm_wait(d, tf - 1, INT64_MAX); /* an earlier ticket reports it too */
+  int text2 = strstr(sg_last_error(), "job 102 failed") != NULL;
+  check(st == SG_ERR_COMM && text && st2 == SG_ERR_COMM && text2 && atomic_load(&log.ran) == before + 1,
+        "comm queue: first failure (status and text from the worker) returned by every later wait; "
+        "later jobs skipped");
+  d->ops->destroy(d);
+}
+
+static void test_device_inline_and_destroy(void) {
+  sg__device *d = NULL;
+  static job_log log;
+  static job jobs[20];
+  memset(&log, 0, sizeof log);
+  int ok = sg__device_cpu_create(0, 0, &d) == SG_OK;
+  uint64_t t = 0;
+  jobs[0] = (job){&log, 0, 0, 0, 0, NULL};
+  jobs[1] = (job){&log, 1, 1, 0, 0, NULL};
+  jobs[2] = (job){&log, 2, 0, 0, 0, NULL};
+  ok &= d->ops->comm_submit(d, job_fn, &jobs[0], &t) == SG_OK && t == 1 && atomic_load(&log.ran) == 1;
+  sg_status st = d->ops->comm_submit(d, job_fn, &jobs[1], &t);
+  sg__err_clear();
+  sg_status st2 = d->ops->comm_submit(d, job_fn, &jobs[2], &t);
+  int text = strstr(sg_last_error(), "job 1 failed") != NULL;
+  ok &= st == SG_ERR_COMM && st2 == SG_ERR_COMM && text && t == 3 && atomic_load(&log.ran) == 2;
+  ok &= d->ops->comm_wait(d, 3, 0) == SG_ERR_COMM;
+  d->ops->destroy(d);
+  check(ok, "inline comm (threaded_comm = 0): jobs run in submit, failure sticks, later jobs skipped");
+
+  /* destroy with jobs still queued: they all run before the worker is joined */
+  memset(&log, 0, sizeof log);
+  ok = sg__device_cpu_create(0, 1, &d) == SG_OK;
+  for (int i = 0; i < 10; i++) {
+    jobs[i] = (job){&log, i, 0, 0, 3, NULL};
+    ok &= d->ops->comm_submit(d, job_fn, &jobs[i], &t) == SG_OK;
+  }
+  d->ops->destroy(d);
+  check(ok && atomic_load(&log.ran) == 10, "destroy runs the pending jobs and joins the worker");
+}
+
 int main(void) {
   set_threads(2);
   test_bf16_all();
@@ -585,6 +762,9 @@ int main(void) {
   test_reduce();
   test_sumsq();
   test_adamw_loop();
+  test_device_memory();
+  test_device_queue();
+  test_device_inline_and_destroy();
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
 }

@@ -287,10 +287,10 @@ static sg_status cpu_adamw(sg__device *d, sg__queue q, const sg__adamw_args *a) 
 static sg_status cpu_accumulate(sg__device *d, sg__queue q, void *acc, int acc_dtype,
                                 const void *src, int src_dtype, size_t n) {
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: NULL device");
-  if (acc_dtype != SG_F32 && acc_dtype != SG_BF16)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: acc dtype must be f32 or bf16 (%d)", acc_dtype);
-  if (!sg__dtype_valid(src_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: bad src dtype (%d)", src_dtype);
+  /* any acc dtype: f32/bf16 accumulators, and f16 gradient slots (sg_grad_add) */
+  if (!sg__dtype_valid(acc_dtype) || !sg__dtype_valid(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: bad dtype (acc %d, src %d)", acc_dtype,
+                   src_dtype);
   if (n && (!acc || !src)) return sg__err(SG_ERR_INVALID_ARGUMENT, "accumulate: NULL buffer");
   SG_TRY(enter_queue(d, q, "accumulate"));
   sg__cpu_accumulate(acc, acc_dtype, src, src_dtype, n);
