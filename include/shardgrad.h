@@ -266,6 +266,56 @@ SG_API sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int
  * collectives. SG_ERR_UNSUPPORTED when built without MPI or without NCCL. */
 SG_API sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out);
 
+/* ---------------------------------------------------------------------------------------- */
+/* Checkpoints                                                                               */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Collective. Saves the engine's training state into directory `dir` (created if missing; it
+ * must be on a file system every rank sees): each rank writes the fragments of the parameters
+ * it owns (working values, fp32 master where the params are not f32, AdamW m and v, with a
+ * CRC-32C per chunk); rank 0 then writes `dir/manifest` (world size, step, loss-scale state, lr,
+ * config, every parameter's name, numel, flags and dtype, where each fragment is), which commits
+ * the save. Every save writes new file names (a new generation), fsyncs them and the directory,
+ * and deletes the previous generation only after the new manifest is durable: a crash at any
+ * point leaves the previous checkpoint in `dir` loadable. Gradients are not saved: call it
+ * between steps. Every rank returns the same status.
+ * SG_ERR_INVALID_STATE: a micro-batch is in progress on this rank (it returns at once, without
+ *   joining the collective). SG_ERR_IO: a file could not be created, written or synced (the
+ *   previous checkpoint stays current). */
+SG_API sg_status sg_save(sg_engine *e, const char *dir);
+
+/* Collective. Restores a checkpoint written by sg_save at any world size, bucket size or
+ * strategy: master weights, m, v and working parameters (bit for bit, so that training
+ * continues exactly as it would have), the step counter, lr, and the dynamic loss scale with
+ * its count of clean steps (when both the checkpoint and the engine scale dynamically).
+ * Gradients accumulated since the last step are discarded. Each rank reads only the parts of
+ * the files its shard needs, verifying every checksum, into host memory (the size of its
+ * shard); nothing in the engine changes on any rank until every rank has succeeded.
+ * Every rank returns the same status, with the file and the reason:
+ * SG_ERR_IO: directory, manifest or a rank file missing or unreadable.
+ * SG_ERR_CORRUPT: bad magic or format version, checksum mismatch, truncated file, a rank file
+ *   that does not belong to the manifest.
+ * SG_ERR_MISMATCH: a parameter of the engine is not in the checkpoint or the checkpoint has one
+ *   the engine does not, numel or param dtype differ (the message names the parameter).
+ * SG_ERR_INVALID_STATE: a micro-batch is in progress on this rank (as for sg_save). */
+SG_API sg_status sg_load(sg_engine *e, const char *dir);
+
+/* Collective; rank 0 writes. The full fp32 master weights of every parameter, by name, as a
+ * safetensors file at `path` (1-D tensors of numel elements, dtype F32; metadata "format": "pt"
+ * and the step), written to path.tmp, fsynced and renamed. Readable by the Python
+ * `safetensors` package, PyTorch and the Hugging Face tools. Every rank returns the same status
+ * (SG_ERR_IO when rank 0 cannot write). */
+SG_API sg_status sg_export(sg_engine *e, const char *path);
+
+/* Collective; every rank reads `path`. Sets every parameter (working copy and fp32 master) from
+ * the safetensors tensor of the same name (F32, BF16 or F16; any shape with numel elements);
+ * tensors without a matching parameter are ignored. Optimizer state and step are unchanged
+ * (a fresh engine starts training from the file). Every rank checks the whole header before any
+ * parameter changes: SG_ERR_IO (missing, unreadable), SG_ERR_CORRUPT (malformed header, data
+ * offsets outside the file), SG_ERR_MISMATCH (a parameter missing, numel differs, another
+ * dtype). A read error after that point names the parameters already set. */
+SG_API sg_status sg_import(sg_engine *e, const char *path);
+
 #ifdef __cplusplus
 }
 #endif

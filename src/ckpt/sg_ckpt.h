@@ -1,0 +1,166 @@
+/* Checkpoints (DESIGN.md section 7; issue 5): internal interface of src/ckpt.
+ *
+ * On disk, a checkpoint directory holds
+ *   manifest               the commit point, written last by rank 0 (tmp + fsync + rename)
+ *   g<G>.r<R>.shard        rank R's file of generation G (one generation per sg_save)
+ * and nothing else of ours once a save has finished. Every save writes a new generation under
+ * new names, so the files the current manifest names are never touched; the previous
+ * generation is deleted only after the new manifest is durable.
+ *
+ * A rank file holds the elements of every parameter fragment the rank owned in the saving
+ * plan, concatenated (the manifest says where each fragment is), once per section: working
+ * params (param dtype), fp32 master (absent for f32 params, whose working copy is the master),
+ * m and v. Each section is cut into chunks of chunk_bytes, each with its own CRC-32C, so a
+ * loading rank reads and verifies just the chunks that hold what its new shard needs.
+ *
+ * All integers are little-endian; float data are written as the host holds them (the library
+ * supports little-endian hosts only, as safetensors does). */
+#ifndef SG_CKPT_H
+#define SG_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/sg_core.h" /* sg_status, sg__err */
+
+#define SG_CK_VERSION 1u
+#define SG_CK_MANIFEST_NAME "manifest"
+#define SG_CK_MANIFEST_TMP "manifest.tmp"
+#define SG_CK_MAX_WORLD 4096u
+#define SG_CK_MAX_NAME 255u
+#define SG_CK_CHUNK_DEFAULT (1u << 20)
+#define SG_CK_CHUNK_MIN 64u
+#define SG_CK_CHUNK_MAX (1u << 30)
+#define SG_CK_FIXED_HEADER 64u   /* bytes of the shard header before the section table */
+#define SG_CK_SECTION_BYTES 32u  /* one section descriptor */
+#define SG_CK_NCFG 21            /* config words recorded in the manifest */
+
+/* Sections of a rank file, in file order. */
+enum { SG_CK_WORK = 0, SG_CK_MASTER = 1, SG_CK_M = 2, SG_CK_V = 3, SG_CK_KINDS = 4 };
+
+/* ---------------------------------------------------------------------------------------- */
+/* CRC-32C (Castagnoli, reflected 0x82F63B78), chainable: crc(crc(0, a), b) == crc(0, a||b). */
+uint32_t sg__crc32c(uint32_t crc, const void *data, size_t n);
+/* The portable slicing-by-8 path alone (tests compare it with the hardware path). */
+uint32_t sg__crc32c_sw(uint32_t crc, const void *data, size_t n);
+
+/* Chunk size of the files sg_save writes (bytes, SG_CK_CHUNK_MIN..MAX; 0 restores the
+ * default). A test hook: small chunks give small files many checksums. */
+void sg__ckpt_set_chunk_bytes(uint32_t bytes);
+uint32_t sg__ckpt_chunk_bytes(void);
+
+/* ---------------------------------------------------------------------------------------- */
+/* manifest                                                                                  */
+
+typedef struct sg__ck_frag {
+  uint32_t rank;      /* file holding it */
+  uint64_t param_off; /* element offset inside the parameter */
+  uint64_t len;       /* elements, >= 1 */
+  uint64_t elem_off;  /* element offset inside the file's sections */
+} sg__ck_frag;
+
+typedef struct sg__ck_param {
+  char *name;
+  uint64_t numel;
+  uint32_t flags, dtype;
+  uint32_t nfrags;
+  sg__ck_frag *frags; /* sorted by param_off, tiling [0, numel) */
+} sg__ck_param;
+
+typedef struct sg__ck_file {
+  char *name;          /* plain file name inside the checkpoint directory */
+  uint64_t bytes;      /* file size */
+  uint64_t numel;      /* elements per section */
+  uint32_t header_crc; /* the file's header checksum: binds the file to this manifest */
+} sg__ck_file;
+
+typedef struct sg__ck_manifest {
+  uint64_t generation;
+  uint32_t world, strategy, param_dtype, has_master;
+  uint64_t plan_hash;
+  uint64_t step;
+  float loss_scale;
+  uint32_t clean_steps, dynamic_scale;
+  float lr;
+  uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (see sg__ck_cfg_words) */
+  uint32_t nparams;
+  sg__ck_param *params;     /* registration order of the saving engine */
+  sg__ck_file *files;       /* [world] */
+} sg__ck_manifest;
+
+/* Encodes m (checksum included) into a malloc'd buffer. */
+sg_status sg__ck_manifest_encode(const sg__ck_manifest *m, uint8_t **out, size_t *len);
+/* Parses and validates untrusted bytes: SG_ERR_CORRUPT naming `what` and the reason, or
+ * SG_ERR_OUT_OF_MEMORY. On success *m owns its memory (sg__ck_manifest_free). */
+sg_status sg__ck_manifest_parse(const uint8_t *buf, size_t len, const char *what,
+                                sg__ck_manifest *m);
+void sg__ck_manifest_free(sg__ck_manifest *m);
+/* The generation of a manifest's bytes without verifying anything (0 when unreadable). */
+uint64_t sg__ck_manifest_peek_generation(const uint8_t *buf, size_t len);
+/* Config words recorded in the manifest (informational: a load may change the config). */
+void sg__ck_cfg_words(const sg_config *c, uint64_t w[SG_CK_NCFG]);
+
+/* ---------------------------------------------------------------------------------------- */
+/* rank file header                                                                          */
+
+typedef struct sg__ck_section {
+  uint32_t kind, elem_bytes;
+  uint64_t offset;    /* in the file */
+  uint64_t bytes;     /* = numel * elem_bytes */
+  uint64_t crc_index; /* index of the section's first chunk checksum in crcs */
+} sg__ck_section;
+
+typedef struct sg__ck_header {
+  uint32_t header_bytes; /* fixed part + section table + chunk checksums + header checksum */
+  uint64_t generation, plan_hash;
+  uint32_t rank, world, nsections, chunk_bytes;
+  uint64_t numel;        /* elements per section */
+  uint64_t nchunks;
+  sg__ck_section sec[SG_CK_KINDS];
+  uint32_t *crcs;        /* [nchunks] (owned by the header after parse/layout) */
+  uint32_t header_crc;
+} sg__ck_header;
+
+/* Lays out sections for `kinds` (ascending, elem_bytes each) and `numel` elements: offsets,
+ * chunk counts, header_bytes; allocates crcs. SG_ERR_INVALID_ARGUMENT if it does not fit. */
+sg_status sg__ck_header_layout(sg__ck_header *h, const uint32_t *kinds,
+                               const uint32_t *elem_bytes, uint32_t nsections);
+/* Writes the header (h->header_bytes bytes) into buf, sets h->header_crc. */
+void sg__ck_header_encode(sg__ck_header *h, uint8_t *buf);
+/* From the first SG_CK_FIXED_HEADER bytes: magic, version and the header size, checked
+ * against the file size. SG_ERR_CORRUPT naming `what` otherwise. */
+sg_status sg__ck_header_size(const uint8_t *fixed, size_t fixed_len, uint64_t file_bytes,
+                             const char *what, uint32_t *header_bytes);
+/* Parses and validates a whole header (checksum included). On success h->crcs is malloc'd. */
+sg_status sg__ck_header_parse(const uint8_t *buf, size_t len, const char *what, sg__ck_header *h);
+void sg__ck_header_free(sg__ck_header *h);
+
+/* ---------------------------------------------------------------------------------------- */
+/* files (sg_ckpt_io.c): every failure is SG_ERR_IO with the path and strerror                */
+
+/* strerror, thread-safe: the text of err in buf. */
+const char *sg__ck_errstr(int err, char *buf, size_t n);
+/* dir + "/" + name, malloc'd; NULL when out of memory. */
+char *sg__ck_path(const char *dir, const char *name);
+sg_status sg__ck_write_at(int fd, const void *buf, size_t n, uint64_t off, const char *path);
+/* Reads exactly n bytes at off; a short file is SG_ERR_CORRUPT ("truncated"). */
+sg_status sg__ck_read_at(int fd, void *buf, size_t n, uint64_t off, const char *path);
+sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes);
+sg_status sg__ck_fsync_close(int fd, const char *path);
+sg_status sg__ck_fsync_dir(const char *dir);
+sg_status sg__ck_rename(const char *from, const char *to);
+/* Whole small file (manifest, safetensors header) into memory, at most max bytes. */
+sg_status sg__ck_read_file(const char *path, size_t max, uint8_t **out, size_t *len);
+/* Writes a whole buffer to path via path.tmp, fsync, rename, directory fsync. */
+sg_status sg__ck_write_atomic(const char *dir, const char *name, const char *tmp_name,
+                              const uint8_t *buf, size_t len);
+/* mkdir if missing; SG_ERR_IO if it is not a directory or cannot be made. */
+sg_status sg__ck_make_dir(const char *dir);
+
+/* Rank file names: "g<gen>.r<rank>.shard" and the temporary "g<gen>.r<rank>.tmp". */
+void sg__ck_shard_name(char *buf, size_t n, uint64_t gen, int rank, int tmp);
+/* 1 when `name` is one of ours (shard, its temporary, the manifest's temporary); *gen is its
+ * generation (0 for the manifest's temporary). */
+int sg__ck_parse_name(const char *name, uint64_t *gen);
+
+#endif /* SG_CKPT_H */

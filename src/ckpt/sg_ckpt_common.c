@@ -1,0 +1,74 @@
+/* Pieces shared by sg_save, sg_load, sg_export and sg_import: the agreement round, the sections
+ * of a checkpoint, device addresses of fragments, the in-place gather of working params. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sg_ckpt_engine.h"
+
+sg_status sg__ck_agree(sg_engine *e, const char *fn, sg_status local, const uint64_t val[4],
+                       sg__ck_vote **all_out) {
+  *all_out = NULL;
+  sg__ck_vote *all = calloc((size_t)e->world, sizeof *all);
+  if (!all) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  sg__ck_vote *mine = &all[e->rank];
+  mine->status = (uint64_t)local;
+  if (val) memcpy(mine->val, val, sizeof mine->val);
+  if (local != SG_OK) snprintf(mine->msg, sizeof mine->msg, "%s", sg_last_error());
+  sg_status st = sg__engine_allgather_host(e, all, sizeof *all);
+  if (st != SG_OK) {
+    free(all);
+    return sg__engine_broken(e, st);
+  }
+  *all_out = all;
+  for (int r = 0; r < e->world; r++) {
+    const sg_status s = (sg_status)all[r].status;
+    if (s == SG_OK) continue;
+    all[r].msg[SG_CK_VOTE_MSG - 1] = 0;
+    if (r == e->rank) return sg__err(s, "%s", all[r].msg);
+    return sg__err(s, "%s: rank %d failed: %s", fn, r, all[r].msg);
+  }
+  return SG_OK;
+}
+
+uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes) {
+  uint32_t n = 0;
+  kinds[n] = SG_CK_WORK;
+  elem_bytes[n++] = (uint32_t)sg__dtype_size(e->cfg.param_dtype);
+  if (e->master) {
+    kinds[n] = SG_CK_MASTER;
+    elem_bytes[n++] = 4;
+  }
+  kinds[n] = SG_CK_M;
+  elem_bytes[n++] = 4;
+  kinds[n] = SG_CK_V;
+  elem_bytes[n++] = 4;
+  return n;
+}
+
+char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, size_t opt_off) {
+  const size_t flat = e->plan->params[id].offset + param_off;
+  switch (kind) {
+  case SG_CK_WORK: return e->params + flat * sg__dtype_size(e->cfg.param_dtype);
+  case SG_CK_MASTER: return (char *)(e->master + opt_off);
+  case SG_CK_M: return (char *)(e->m + opt_off);
+  default: return (char *)(e->v + opt_off);
+  }
+}
+
+static sg_status gather_job(void *arg) {
+  sg_engine *e = arg;
+  const sg__plan *p = e->plan;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  for (int b = 0; b < p->nbuckets; b++) {
+    const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+    SG_TRY(e->comm->ops->all_gather(e->comm, e->params + p->buckets[b].start * P,
+                                    sg__plan_slice_numel(p, b) * P, dl));
+  }
+  return SG_OK;
+}
+
+sg_status sg__ck_gather_params(sg_engine *e) {
+  if (e->cfg.strategy == SG_NO_SHARD || e->world == 1) return SG_OK;
+  return sg__engine_run_comm(e, gather_job, e);
+}

@@ -1,0 +1,418 @@
+/* sg_load: at any world size, bucket size or strategy. Each rank intersects the pieces its new
+ * shard holds with the manifest's fragments, reads just those ranges (whole checksum chunks
+ * around them, each verified) into host staging, and only when every rank has succeeded does
+ * any rank copy the staging into the engine and all-gather the working parameters. */
+#define _POSIX_C_SOURCE 200809L /* close */
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "sg_ckpt_engine.h"
+
+#define SG_CK_MANIFEST_MAX ((size_t)1 << 31)
+
+/* Elements [elem, elem+n) of rank file `file` go to staging element `dst` (shard coords). */
+typedef struct {
+  uint32_t file;
+  uint64_t elem, n, dst;
+} req_t;
+
+typedef struct {
+  const char *dir;
+  sg__ck_manifest m;
+  int *map;                 /* engine id -> manifest parameter */
+  req_t *reqs;
+  size_t nreq, cap;
+  uint32_t nkinds, kinds[SG_CK_KINDS], esz[SG_CK_KINDS];
+  uint8_t *stage[SG_CK_KINDS]; /* by section index: staging in shard coordinates */
+  size_t opt_numel;
+} load_ctx;
+
+static void ctx_free(load_ctx *c) {
+  sg__ck_manifest_free(&c->m);
+  free(c->map);
+  free(c->reqs);
+  for (int k = 0; k < SG_CK_KINDS; k++) free(c->stage[k]);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* matching the engine's parameters with the manifest's                                      */
+
+static size_t name_hash(const char *n, size_t mask) {
+  return (size_t)sg__hash_bytes(SG__HASH_INIT, n, strlen(n)) & mask;
+}
+
+static sg_status map_params(sg_engine *e, load_ctx *c, const char *mpath) {
+  const sg__ck_manifest *m = &c->m;
+  size_t cap = 16;
+  while (cap < 2 * (size_t)m->nparams) cap *= 2;
+  int64_t *slot = malloc(cap * sizeof *slot);
+  uint8_t *used = calloc(m->nparams, 1);
+  c->map = malloc((size_t)e->nparams * sizeof *c->map);
+  sg_status st = SG_OK;
+  if (!slot || !used || !c->map) {
+    st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+    goto done;
+  }
+  for (size_t k = 0; k < cap; k++) slot[k] = -1;
+  for (uint32_t i = 0; i < m->nparams; i++) {
+    size_t h = name_hash(m->params[i].name, cap - 1);
+    while (slot[h] >= 0) h = (h + 1) & (cap - 1);
+    slot[h] = i;
+  }
+  for (int id = 0; id < e->nparams && st == SG_OK; id++) {
+    int64_t found = -1;
+    for (size_t h = name_hash(e->names[id], cap - 1); slot[h] >= 0 && found < 0;
+         h = (h + 1) & (cap - 1))
+      if (strcmp(m->params[slot[h]].name, e->names[id]) == 0) found = slot[h];
+    if (found < 0) {
+      st = sg__err(SG_ERR_MISMATCH, "parameter '%s' is not in the checkpoint '%s'", e->names[id],
+                   mpath);
+      break;
+    }
+    const sg__ck_param *p = &m->params[found];
+    if (p->numel != e->numels[id]) {
+      st = sg__err(SG_ERR_MISMATCH, "parameter '%s' has %zu elements, %" PRIu64 " in '%s'",
+                   e->names[id], e->numels[id], p->numel, mpath);
+      break;
+    }
+    if (p->flags != e->flags[id])
+      SG_LOG(SG_LOG_WARN, e->rank, "sg_load: parameter '%s' has flags %u, %u in '%s'",
+             e->names[id], (unsigned)e->flags[id], (unsigned)p->flags, mpath);
+    c->map[id] = (int)found;
+    used[found] = 1;
+  }
+  for (uint32_t i = 0; i < m->nparams && st == SG_OK; i++)
+    if (!used[i])
+      st = sg__err(SG_ERR_MISMATCH, "'%s' holds parameter '%s', which the engine does not have",
+                   mpath, m->params[i].name);
+done:
+  free(slot);
+  free(used);
+  return st;
+}
+
+static sg_status check_manifest(sg_engine *e, load_ctx *c, const char *mpath) {
+  if (c->m.param_dtype != (uint32_t)e->cfg.param_dtype)
+    return sg__err(SG_ERR_MISMATCH, "'%s' holds %s parameters, the engine's are %s", mpath,
+                   sg__dtype_name((sg_dtype)c->m.param_dtype),
+                   sg__dtype_name(e->cfg.param_dtype));
+  return map_params(e, c, mpath);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* what this rank reads                                                                      */
+
+static sg_status add_req(load_ctx *c, req_t r) {
+  if (c->nreq == c->cap) {
+    size_t cap = c->cap ? 2 * c->cap : 256;
+    req_t *n = realloc(c->reqs, cap * sizeof *n);
+    if (!n) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+    c->reqs = n;
+    c->cap = cap;
+  }
+  c->reqs[c->nreq++] = r;
+  return SG_OK;
+}
+
+typedef struct {
+  load_ctx *c;
+  int id;
+} piece_arg;
+
+/* A piece of the new shard against the saved fragments of the same parameter. */
+static sg_status add_piece(sg_engine *e, const sg__piece *pc, void *arg) {
+  const piece_arg *a = arg;
+  const sg__ck_param *p = &a->c->m.params[a->c->map[a->id]];
+  const uint64_t lo = pc->param_off, hi = pc->param_off + pc->len;
+  for (uint32_t k = 0; k < p->nfrags; k++) {
+    const sg__ck_frag *f = &p->frags[k];
+    const uint64_t x0 = lo > f->param_off ? lo : f->param_off;
+    const uint64_t x1 = hi < f->param_off + f->len ? hi : f->param_off + f->len;
+    if (x0 >= x1) continue;
+    SG_TRY(add_req(a->c, (req_t){f->rank, f->elem_off + (x0 - f->param_off), x1 - x0,
+                                 pc->opt_off + (x0 - lo)}));
+  }
+  return SG_OK;
+}
+
+static int req_cmp(const void *x, const void *y) {
+  const req_t *a = x, *b = y;
+  if (a->file != b->file) return a->file < b->file ? -1 : 1;
+  return a->elem < b->elem ? -1 : a->elem > b->elem;
+}
+
+static sg_status plan_reads(sg_engine *e, load_ctx *c) {
+  for (int id = 0; id < e->nparams; id++) {
+    piece_arg a = {c, id};
+    SG_TRY(sg__engine_for_pieces(e, id, add_piece, &a));
+  }
+  qsort(c->reqs, c->nreq, sizeof *c->reqs, req_cmp);
+  c->nkinds = sg__ck_kinds(e, c->kinds, c->esz);
+  c->opt_numel = e->lay.opt_numel;
+  for (uint32_t s = 0; s < c->nkinds; s++) {
+    c->stage[s] = calloc(c->opt_numel ? c->opt_numel : 1, c->esz[s]);
+    if (!c->stage[s])
+      return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory for the staging of %zu elements",
+                     c->opt_numel);
+  }
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* reading one rank file                                                                     */
+
+typedef struct {
+  int fd;
+  const char *path;
+  const sg__ck_header *h;
+  const sg__ck_section *sec;
+  uint8_t *cache;     /* one verified chunk */
+  uint64_t cached;    /* its index + 1; 0: none */
+} creader;
+
+static sg_status bad_chunk(const creader *r, uint64_t k) {
+  return sg__err(SG_ERR_CORRUPT, "'%s': checksum mismatch in section %u, chunk %" PRIu64, r->path,
+                 r->sec->kind, k);
+}
+
+static sg_status verify(const creader *r, uint64_t k, const uint8_t *data, size_t n) {
+  return sg__crc32c(0, data, n) == r->h->crcs[r->sec->crc_index + k] ? SG_OK : bad_chunk(r, k);
+}
+
+static sg_status load_chunk(creader *r, uint64_t k) {
+  if (r->cached == k + 1) return SG_OK;
+  const uint64_t cb = r->h->chunk_bytes, s = k * cb;
+  const size_t n = (size_t)(r->sec->bytes - s < cb ? r->sec->bytes - s : cb);
+  r->cached = 0;
+  SG_TRY(sg__ck_read_at(r->fd, r->cache, n, r->sec->offset + s, r->path));
+  SG_TRY(verify(r, k, r->cache, n));
+  r->cached = k + 1;
+  return SG_OK;
+}
+
+/* Bytes [b0, b1) of the section into dst: whole chunks straight into dst (one read for a run
+ * of them), partial ones through the cache, every chunk verified. */
+static sg_status read_range(creader *r, uint64_t b0, uint64_t b1, uint8_t *dst) {
+  const uint64_t cb = r->h->chunk_bytes, end = r->sec->bytes;
+  while (b0 < b1) {
+    const uint64_t k = b0 / cb, cs = k * cb, ce = cs + cb < end ? cs + cb : end;
+    if (b0 == cs && b1 >= ce) {
+      uint64_t e = ce; /* extend over the following chunks that are wholly inside */
+      while (e < b1) {
+        const uint64_t ne = e + cb < end ? e + cb : end;
+        if (ne > b1) break;
+        e = ne;
+      }
+      SG_TRY(sg__ck_read_at(r->fd, dst, (size_t)(e - b0), r->sec->offset + b0, r->path));
+      for (uint64_t o = b0; o < e; o += cb)
+        SG_TRY(verify(r, o / cb, dst + (o - b0), (size_t)(e - o < cb ? e - o : cb)));
+      dst += e - b0;
+      b0 = e;
+    } else {
+      SG_TRY(load_chunk(r, k));
+      const uint64_t n = (b1 < ce ? b1 : ce) - b0;
+      memcpy(dst, r->cache + (b0 - cs), (size_t)n);
+      dst += n;
+      b0 += n;
+    }
+  }
+  return SG_OK;
+}
+
+/* The file's header against the manifest's record of it and against this engine's sections. */
+static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header *h,
+                              uint64_t bytes, const char *path) {
+  const sg__ck_file *f = &c->m.files[r];
+  if (h->header_crc != f->header_crc || h->generation != c->m.generation || h->rank != r ||
+      h->world != c->m.world || h->plan_hash != c->m.plan_hash || h->numel != f->numel)
+    return sg__err(SG_ERR_CORRUPT, "'%s' does not belong to this checkpoint (its header differs "
+                   "from the manifest's record)", path);
+  if (h->nsections != c->nkinds)
+    return sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected %u", path, h->nsections, c->nkinds);
+  for (uint32_t s = 0; s < c->nkinds; s++)
+    if (h->sec[s].kind != c->kinds[s] || h->sec[s].elem_bytes != c->esz[s])
+      return sg__err(SG_ERR_CORRUPT, "'%s': section %u is not the expected one", path, s);
+  const sg__ck_section *last = &h->sec[h->nsections - 1];
+  if (last->offset + last->bytes != bytes)
+    return sg__err(SG_ERR_CORRUPT, "'%s': %" PRIu64 " bytes, the header describes %" PRIu64,
+                   path, bytes, last->offset + last->bytes);
+  return SG_OK;
+}
+
+static sg_status read_header(int fd, uint64_t bytes, const char *path, sg__ck_header *h) {
+  uint8_t fixed[SG_CK_FIXED_HEADER];
+  uint32_t hb = 0;
+  if (bytes < sizeof fixed) return sg__err(SG_ERR_CORRUPT, "'%s' is truncated (%" PRIu64
+                                           " bytes)", path, bytes);
+  SG_TRY(sg__ck_read_at(fd, fixed, sizeof fixed, 0, path));
+  SG_TRY(sg__ck_header_size(fixed, sizeof fixed, bytes, path, &hb));
+  uint8_t *buf = malloc(hb);
+  if (!buf) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%u bytes)", hb);
+  sg_status st = sg__ck_read_at(fd, buf, hb, 0, path);
+  if (st == SG_OK) st = sg__ck_header_parse(buf, hb, path, h);
+  free(buf);
+  return st;
+}
+
+/* Requests [q0, q1) of file r, section by section. */
+static sg_status read_sections(load_ctx *c, creader *rd, size_t q0, size_t q1) {
+  for (uint32_t s = 0; s < c->nkinds; s++) {
+    rd->sec = &rd->h->sec[s];
+    rd->cached = 0;
+    const uint64_t es = c->esz[s];
+    for (size_t q = q0; q < q1; q++) {
+      const req_t *rq = &c->reqs[q];
+      SG_TRY(read_range(rd, rq->elem * es, (rq->elem + rq->n) * es, c->stage[s] + rq->dst * es));
+    }
+  }
+  return SG_OK;
+}
+
+static sg_status read_rank_file(load_ctx *c, uint32_t r, size_t q0, size_t q1) {
+  const sg__ck_file *f = &c->m.files[r];
+  char *path = sg__ck_path(c->dir, f->name);
+  if (!path) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  int fd = -1;
+  uint64_t bytes = 0;
+  sg__ck_header h = {0};
+  creader rd = {-1, path, &h, NULL, NULL, 0};
+  sg_status st;
+  SG_TRY_GOTO(sg__ck_open_read(path, &fd, &bytes), st, done);
+  rd.fd = fd;
+  if (bytes != f->bytes) {
+    st = sg__err(SG_ERR_CORRUPT, "'%s' has %" PRIu64 " bytes, the manifest says %" PRIu64
+                 " (truncated or replaced)", path, bytes, f->bytes);
+    goto done;
+  }
+  SG_TRY_GOTO(read_header(fd, bytes, path, &h), st, done);
+  SG_TRY_GOTO(check_header(c, r, &h, bytes, path), st, done);
+  if (q0 < q1) {
+    rd.cache = malloc(h.chunk_bytes);
+    if (!rd.cache) {
+      st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+      goto done;
+    }
+    st = read_sections(c, &rd, q0, q1);
+  }
+done:
+  if (fd >= 0) close(fd);
+  free(rd.cache);
+  sg__ck_header_free(&h);
+  free(path);
+  return st;
+}
+
+/* Files this rank needs, plus (header only) the files r with r % world == rank, so that every
+ * file of the checkpoint is checked by somebody even when nobody needs its data. */
+static sg_status read_files(sg_engine *e, load_ctx *c) {
+  size_t q = 0;
+  for (uint32_t r = 0; r < c->m.world; r++) {
+    const size_t q0 = q;
+    while (q < c->nreq && c->reqs[q].file == r) q++;
+    if (q > q0 || r % (uint32_t)e->world == (uint32_t)e->rank)
+      SG_TRY(read_rank_file(c, r, q0, q));
+  }
+  return SG_OK;
+}
+
+static sg_status load_local(sg_engine *e, const char *dir, load_ctx *c) {
+  c->dir = dir;
+  char *mpath = sg__ck_path(dir, SG_CK_MANIFEST_NAME);
+  if (!mpath) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_load: out of host memory");
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  sg_status st;
+  SG_TRY_GOTO(sg__ck_read_file(mpath, SG_CK_MANIFEST_MAX, &buf, &len), st, done);
+  SG_TRY_GOTO(sg__ck_manifest_parse(buf, len, mpath, &c->m), st, done);
+  SG_TRY_GOTO(check_manifest(e, c, mpath), st, done);
+  SG_TRY_GOTO(plan_reads(e, c), st, done);
+  st = read_files(e, c);
+done:
+  if (st != SG_OK) sg__err_prefix(st, "sg_load");
+  free(buf);
+  free(mpath);
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* applying (every rank succeeded)                                                           */
+
+static sg_status h2d(sg_engine *e, void *dst, const void *src, size_t bytes) {
+  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, src, bytes, SG_COPY_H2D);
+}
+
+static void *state_base(sg_engine *e, uint32_t kind) {
+  return kind == SG_CK_MASTER ? (void *)e->master : kind == SG_CK_M ? (void *)e->m : (void *)e->v;
+}
+
+/* master/m/v whole (staging is zero where the engine keeps padding); working params: this
+ * rank's slice of every bucket (the gather fills the rest), or everything under NO_SHARD. */
+static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  for (uint32_t s = 1; s < c->nkinds; s++)
+    SG_TRY(h2d(e, state_base(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
+  if (e->cfg.strategy == SG_NO_SHARD) return h2d(e, e->params, c->stage[0], c->opt_numel * P);
+  const sg__plan *p = e->plan;
+  for (int b = 0; b < p->nbuckets; b++)
+    SG_TRY(h2d(e, e->params + sg__plan_slice_start(p, b, e->rank) * P,
+               c->stage[0] + p->buckets[b].shard_offset * P, sg__plan_slice_numel(p, b) * P));
+  return SG_OK;
+}
+
+/* Gradients accumulated before the load belong to the old state: cleared. */
+static sg_status clear_grads(sg_engine *e) {
+  sg__device *d = e->dev;
+  SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, e->accum,
+                      e->lay.accum_numel * sg__dtype_size(e->cfg.accum_dtype)));
+  if (e->nosync) SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, e->nosync, e->plan->total_numel * 4));
+  memset(e->nosync_dirty, 0, (size_t)e->plan->nbuckets);
+  return SG_OK;
+}
+
+static sg_status apply(sg_engine *e, const load_ctx *c) {
+  SG_TRY(apply_arrays(e, c));
+  SG_TRY(clear_grads(e));
+  SG_TRY(sg__ck_gather_params(e));
+  e->step = c->m.step;
+  e->lr = c->m.lr;
+  if (e->dynamic_scale && c->m.dynamic_scale) {
+    e->loss_scale = c->m.loss_scale;
+    e->clean_steps = (int)c->m.clean_steps;
+  }
+  return SG_OK;
+}
+
+sg_status sg_load(sg_engine *e, const char *dir) {
+  static const char *fn = "sg_load";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (!dir || !dir[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: dir is NULL or empty", fn);
+  /* As in sg_save: a rank in the middle of a micro-batch fails alone. */
+  SG_TRY(sg__grads_idle(e, fn));
+  load_ctx c;
+  memset(&c, 0, sizeof c);
+  const sg_status local = load_local(e, dir, &c);
+  const uint64_t v[4] = {c.m.generation, c.m.step, 0, 0};
+  sg__ck_vote *all = NULL;
+  sg_status st = sg__ck_agree(e, fn, local, v, &all);
+  for (int r = 1; st == SG_OK && r < e->world; r++)
+    if (all[r].val[0] != all[0].val[0])
+      st = sg__err(SG_ERR_MISMATCH, "%s: ranks read different checkpoints from '%s' (generation "
+                   "%" PRIu64 " on rank 0, %" PRIu64 " on rank %d)", fn, dir, all[0].val[0],
+                   all[r].val[0], r);
+  free(all);
+  if (st == SG_OK) {
+    st = apply(e, &c);
+    if (st != SG_OK) {
+      sg__err_prefix(st, fn);
+      sg__engine_broken(e, st);
+    }
+  }
+  if (st == SG_OK)
+    SG_LOG(SG_LOG_INFO, e->rank, "loaded step %" PRIu64 " from '%s' (saved at world %u)",
+           c.m.step, dir, c.m.world);
+  ctx_free(&c);
+  return st;
+}
