@@ -15,7 +15,7 @@
 
 #include <math.h>    /* fabs, ldexp, frexp */
 #include <pthread.h> /* rank threads */
-#include <stdarg.h> /* va_list */
+#include <stdarg.h>  /* va_list */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -82,9 +82,9 @@ static uint16_t to_f16(float f) {
   double a = fabs((double)f);
   if (a == 0) return sign;
   int e;
-  frexp(a, &e);                       /* a = m * 2^e, m in [0.5, 1) */
+  frexp(a, &e);                              /* a = m * 2^e, m in [0.5, 1) */
   const int q = e - 11 < -24 ? -24 : e - 11; /* quantum: 11 significant bits, min 2^-24 */
-  double n = a / ldexp(1.0, q);       /* exact: a scaled by a power of two */
+  double n = a / ldexp(1.0, q);              /* exact: a scaled by a power of two */
   double r = floor(n);
   if (n - r > 0.5 || (n - r == 0.5 && fmod(r, 2.0) != 0)) r += 1;
   /* r * 2^q as f16: find its encoding by search-free construction */
@@ -106,27 +106,40 @@ static const char *dname(int dt) {
 /* Rounds v (already an fp32 value for the 16-bit types) to dtype and back. */
 static double round_to(int dt, double v) {
   switch (dt) {
-    case SG_F32: return (float)v;
-    case SG_BF16: return from_bf16(to_bf16((float)v));
-    case SG_F16: return from_f16(to_f16((float)v));
+    case SG_F32:
+      return (float)v;
+    case SG_BF16:
+      return from_bf16(to_bf16((float)v));
+    case SG_F16:
+      return from_f16(to_f16((float)v));
   }
   return v;
 }
 
 static void set_elem(void *buf, int dt, size_t i, double v) {
   switch (dt) {
-    case SG_F32: ((float *)buf)[i] = (float)v; break;
-    case SG_BF16: ((uint16_t *)buf)[i] = to_bf16((float)v); break;
-    case SG_F16: ((uint16_t *)buf)[i] = to_f16((float)v); break;
-    default: ((double *)buf)[i] = v;
+    case SG_F32:
+      ((float *)buf)[i] = (float)v;
+      break;
+    case SG_BF16:
+      ((uint16_t *)buf)[i] = to_bf16((float)v);
+      break;
+    case SG_F16:
+      ((uint16_t *)buf)[i] = to_f16((float)v);
+      break;
+    default:
+      ((double *)buf)[i] = v;
   }
 }
 
 static double get_elem(const void *buf, int dt, size_t i) {
   switch (dt) {
-    case SG_F32: return ((const float *)buf)[i];
-    case SG_BF16: return from_bf16(((const uint16_t *)buf)[i]);
-    case SG_F16: return from_f16(((const uint16_t *)buf)[i]);
+    case SG_F32:
+      return ((const float *)buf)[i];
+    case SG_BF16:
+      return from_bf16(((const uint16_t *)buf)[i]);
+    case SG_F16:
+      return from_f16(((const uint16_t *)buf)[i]);
   }
   return ((const double *)buf)[i];
 }
@@ -199,7 +212,16 @@ static void chunk_of(size_t n, int w, int k, size_t *off, size_t *len) {
   *len = base + (kk < rem ? 1u : 0u);
 }
 
-static uint64_t fnv(const void *p, size_t n) { return sg__hash_bytes(SG__HASH_INIT, p, n); }
+/* Word-wise hash (the byte-wise FNV is slow under the sanitizers on 24 MB buffers). */
+static uint64_t fnv(const void *p, size_t n) {
+  uint64_t h = SG__HASH_INIT, w;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    memcpy(&w, (const char *)p + i, 8);
+    h = mix(h ^ w);
+  }
+  return sg__hash_bytes(h, (const char *)p + i, n - i);
+}
 
 /* Every rank's all-reduce result must have the same bits: gather the hashes. */
 static int same_on_all_ranks(rank_ctx *x, uint64_t h) {
@@ -218,6 +240,15 @@ static int verify(rank_ctx *x, const void *buf, int dt, size_t off, size_t len, 
                   val_fn val, uint64_t seed, size_t *bad) {
   for (size_t i = off; i < off + len; i++) {
     const double got = get_elem(buf, dt, i);
+    if (val == exact_adapter) { /* integer sums: exact in any order */
+      double sum = 0;
+      for (int k = 0; k < x->world; k++) sum += exact_val(k, i);
+      if (got != sum) {
+        *bad = i;
+        return 0;
+      }
+      continue;
+    }
     const double want = ordered_sum(dt, x->world, owner, val, seed, i);
     double ref = 0, abssum = 0;
     for (int k = 0; k < x->world; k++) {
@@ -266,8 +297,8 @@ static void test_reduce_scatter(rank_ctx *x, int dt, size_t n, int random) {
   const sg_status st =
       x->c->ops->reduce_scatter(x->c, buf, n, dt, sg__deadline((int)x->timeout_ms));
   size_t bad = 0;
-  const int ok = st == SG_OK &&
-                 verify(x, buf, dt, (size_t)x->rank * n, n, x->rank, val, seed, &bad);
+  const int ok =
+      st == SG_OK && verify(x, buf, dt, (size_t)x->rank * n, n, x->rank, val, seed, &bad);
   check(x->rank, ok, "reduce_scatter %-4s n=%-7zu %s inputs: status %s", dname(dt), n,
         random ? "random" : "exact ", sg_status_string(st));
   if (!ok && st == SG_OK)
@@ -283,8 +314,12 @@ static void test_all_gather(rank_ctx *x, size_t bytes) {
   for (size_t i = 0; i < bytes; i++) buf[(size_t)x->rank * bytes + i] = gather_byte(x->rank, i);
   const sg_status st = x->c->ops->all_gather(x->c, buf, bytes, sg__deadline((int)x->timeout_ms));
   int ok = st == SG_OK;
-  for (int k = 0; ok && k < x->world; k++)
-    for (size_t i = 0; ok && i < bytes; i++) ok = buf[(size_t)k * bytes + i] == gather_byte(k, i);
+  unsigned char *want = malloc(bytes + 1);
+  for (int k = 0; ok && k < x->world; k++) {
+    for (size_t i = 0; i < bytes; i++) want[i] = gather_byte(k, i);
+    ok = memcmp(buf + (size_t)k * bytes, want, bytes) == 0;
+  }
+  free(want);
   check(x->rank, ok, "all_gather bytes=%-8zu status %s", bytes, sg_status_string(st));
   free(buf);
 }
@@ -313,6 +348,9 @@ static void run_collectives(rank_ctx *x) {
   for (int dt = 0; dt <= SG__F64; dt++) {
     for (size_t ci = 0; ci < N_COUNTS; ci++) {
       const size_t n = k_counts[ci];
+      /* 3M: f32 (native path) and bf16 (fp32-partials path) cover the multi-piece rings; f16
+       * and f64 share those paths and would only add minutes under the sanitizers */
+      if (n > 1000000 && (dt == SG_F16 || dt == SG__F64)) continue;
       test_all_reduce(x, dt, n, 0);
       test_reduce_scatter(x, dt, per_rank(n, x->world), 0);
       if (n == 65 || n == 1000 || n == 100003) {
@@ -415,7 +453,8 @@ static void test_api(void) {
         "create_local(4097) rejected");
   check(0, sg_comm_create_local(2, NULL) == SG_ERR_INVALID_ARGUMENT, "create_local(NULL) rejected");
 #ifdef SG_HAVE_MPI
-  check(0, sg_comm_create_mpi(NULL, NULL) == SG_ERR_INVALID_ARGUMENT, "create_mpi(out NULL) rejected");
+  check(0, sg_comm_create_mpi(NULL, NULL) == SG_ERR_INVALID_ARGUMENT,
+        "create_mpi(out NULL) rejected");
 #else
   sg_comm *m = (sg_comm *)1;
   check(0, sg_comm_create_mpi(NULL, &m) == SG_ERR_UNSUPPORTED && m == NULL,

@@ -31,10 +31,14 @@ enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
 
 static const char *op_name(int op) {
   switch (op) {
-    case OP_ALL_REDUCE: return "all_reduce";
-    case OP_REDUCE_SCATTER: return "reduce_scatter";
-    case OP_ALL_GATHER: return "all_gather";
-    case OP_BROADCAST: return "broadcast";
+    case OP_ALL_REDUCE:
+      return "all_reduce";
+    case OP_REDUCE_SCATTER:
+      return "reduce_scatter";
+    case OP_ALL_GATHER:
+      return "all_gather";
+    case OP_BROADCAST:
+      return "broadcast";
   }
   return "?";
 }
@@ -50,11 +54,11 @@ typedef struct lgroup {
   pthread_mutex_t mu;
   pthread_cond_t cv; /* CLOCK_MONOTONIC, like the deadlines */
   int world;
-  int refs;    /* communicators not yet destroyed */
-  int arrived; /* at the current barrier */
-  int busy;    /* ranks inside a data phase (reading peers' buffers) */
+  int refs;     /* communicators not yet destroyed */
+  int arrived;  /* at the current barrier */
+  int busy;     /* ranks inside a data phase (reading peers' buffers) */
   uint64_t gen; /* barrier generation: bumped when the last rank arrives */
-  int broken;  /* never cleared */
+  int broken;   /* never cleared */
   int broken_rank;
   char broken_why[96];
   lpost posts[]; /* [world] */
@@ -175,8 +179,8 @@ static sg_status check_posts(sg_comm *c, const char *fn) {
     return sg__err(SG_ERR_MISMATCH,
                    "%s: ranks disagree: rank 0 called %s(count=%zu, dtype=%d, root=%d), rank %d "
                    "called %s(count=%zu, dtype=%d, root=%d); communicator now broken",
-                   fn, op_name(p0->op), p0->count, p0->dtype, p0->root, k, op_name(p->op),
-                   p->count, p->dtype, p->root);
+                   fn, op_name(p0->op), p0->count, p0->dtype, p0->root, k, op_name(p->op), p->count,
+                   p->dtype, p->root);
   }
   return SG_OK;
 }
@@ -241,8 +245,8 @@ static sg_status fail_data(sg_comm *c, const char *fn, sg_status st) {
 }
 
 /* Arguments shared by every collective; fills the error text on failure. */
-static sg_status check_common(sg_comm *c, const char *fn, const void *buf, size_t count,
-                              int dtype, int any_dtype) {
+static sg_status check_common(sg_comm *c, const char *fn, const void *buf, size_t count, int dtype,
+                              int any_dtype) {
   if (!any_dtype && !(sg__dtype_valid(dtype) || dtype == SG__F64))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown dtype (%d)", fn, dtype);
   const size_t es = any_dtype ? 1u : elem_size(dtype);
@@ -258,7 +262,8 @@ static sg_status local_all_reduce(sg_comm *c, void *buf, size_t count, int dtype
   static const char fn[] = "sg_comm(local) all_reduce";
   SG_TRY(sg__comm_usable(c, fn));
   if (group_of(c)->broken) return fail_broken(c, fn);
-  if (check_common(c, fn, buf, count, dtype, 0) != SG_OK) return fail_args(c, "passed invalid arguments");
+  if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
+    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, count, OP_ALL_REDUCE, dtype, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
@@ -287,7 +292,8 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
   static const char fn[] = "sg_comm(local) reduce_scatter";
   SG_TRY(sg__comm_usable(c, fn));
   if (group_of(c)->broken) return fail_broken(c, fn);
-  if (check_common(c, fn, buf, count, dtype, 0) != SG_OK) return fail_args(c, "passed invalid arguments");
+  if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
+    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
@@ -304,7 +310,8 @@ static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t d
   static const char fn[] = "sg_comm(local) all_gather";
   SG_TRY(sg__comm_usable(c, fn));
   if (group_of(c)->broken) return fail_broken(c, fn);
-  if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK) return fail_args(c, "passed invalid arguments");
+  if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
+    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, bytes, OP_ALL_GATHER, 0, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
@@ -328,7 +335,8 @@ static sg_status local_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
     return fail_args(c, "passed invalid arguments");
   }
   /* bytes counts once, not per rank */
-  if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK) return fail_args(c, "passed invalid arguments");
+  if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
+    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, bytes, OP_BROADCAST, 0, root};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   if (c->rank != root) {
@@ -355,18 +363,19 @@ static void local_destroy(sg_comm *c) {
 }
 
 static const sg__comm_ops local_ops = {
-    "local",           local_all_reduce, local_reduce_scatter, local_all_gather,
-    local_broadcast,   local_destroy,
+    "local",          local_all_reduce, local_reduce_scatter,
+    local_all_gather, local_broadcast,  local_destroy,
 };
 
 static sg_status group_create(int world, lgroup **out) {
   lgroup *g = calloc(1, sizeof *g + (size_t)world * sizeof(lpost));
   pthread_condattr_t ca;
   int cond_ok = 0;
-  if (!g) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm_create_local: out of memory (world %d)", world);
+  if (!g)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm_create_local: out of memory (world %d)", world);
   if (pthread_condattr_init(&ca) == 0) {
-    cond_ok = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) == 0 &&
-              pthread_cond_init(&g->cv, &ca) == 0;
+    cond_ok =
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&g->cv, &ca) == 0;
     pthread_condattr_destroy(&ca);
   }
   if (!cond_ok) goto fail;
@@ -387,8 +396,8 @@ fail:
 sg_status sg_comm_create_local(int world, sg_comm **comms) {
   if (!comms) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_comm_create_local: comms is NULL");
   if (world < 1 || world > 4096)
-    return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "sg_comm_create_local: world must be in 1..4096 (%d)", world);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_comm_create_local: world must be in 1..4096 (%d)",
+                   world);
   for (int r = 0; r < world; r++) comms[r] = NULL;
   lgroup *g = NULL;
   SG_TRY(group_create(world, &g));

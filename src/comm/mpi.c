@@ -33,6 +33,7 @@
 #define SG__MPI_PIECE ((size_t)1 << 20) /* bytes of one message of a reduction (fp32 partials) */
 #define SG__MPI_NRX 4                   /* receives in flight per reduction */
 #define SG__MPI_CANCEL_GRACE_MS 200     /* how long a cancelled receive may take to finish */
+#define SG__MPI_SPINS 2000u             /* polls before a waiting rank starts yielding its core */
 
 enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
 
@@ -40,10 +41,10 @@ typedef struct mcomm {
   sg_comm c; /* first: the sg_comm pointer is the allocation */
   MPI_Comm comm;
   int tag_ub;
-  uint64_t seq;      /* collectives called so far (same on every healthy rank) */
-  unsigned char *rx; /* SG__MPI_NRX receive buffers of SG__MPI_PIECE bytes */
-  int rx_lost;       /* a receive into rx could not be finished: rx must never be freed */
-  int ag_ring;       /* all_gather: 1 ring, 0 MPI_Iallgather */
+  uint64_t seq;       /* collectives called so far (same on every healthy rank) */
+  unsigned char *rx;  /* SG__MPI_NRX receive buffers of SG__MPI_PIECE bytes */
+  int rx_lost;        /* a receive into rx could not be finished: rx must never be freed */
+  int ag_ring;        /* all_gather: 1 ring, 0 MPI_Iallgather */
   MPI_Request *sends; /* per-call request arrays, grown on demand */
   MPI_Request *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */
@@ -94,8 +95,7 @@ static int grow(void **p, size_t *cap, size_t n, size_t es) {
  * Receives are cancelled; one that does not finish within the grace period (it was already
  * matched) is freed, and as its buffer may still be written, internal receive buffers are then
  * never freed. */
-static void abort_requests(mcomm *m, MPI_Request *recvs, size_t nrecv, int into_rx,
-                           size_t nsend) {
+static void abort_requests(mcomm *m, MPI_Request *recvs, size_t nrecv, int into_rx, size_t nsend) {
   for (size_t i = 0; i < nsend; i++)
     if (m->sends[i] != MPI_REQUEST_NULL) MPI_Request_free(&m->sends[i]);
   for (size_t i = 0; i < nrecv; i++)
@@ -123,18 +123,25 @@ static sg_status timed_out(sg_comm *c, const char *fn, const char *what) {
                        what, c->rank, c->world);
 }
 
+/* Between two polls: spin first (a yield on a busy machine can cost a whole time slice, which
+ * ruins small messages), then yield so that ranks sharing a core (oversubscribed runs) let the
+ * peer they wait for run. */
+static void idle(unsigned spins) {
+  if (spins >= SG__MPI_SPINS) sched_yield();
+}
+
 /* Polls one request until it completes or the deadline passes. expect >= 0: the received byte
  * count must match (a peer that called with another count is a mismatch, not data). */
 static sg_status wait_one(sg_comm *c, const char *fn, MPI_Request *rq, long long expect,
                           int64_t deadline_ms) {
   MPI_Status st;
   int done = 0;
-  for (;;) {
+  for (unsigned spins = 0;; spins++) {
     const int rc = MPI_Test(rq, &done, &st);
     if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, "MPI_Test", rc);
     if (done) break;
     if (sg__now_ms() > deadline_ms) return timed_out(c, fn, expect >= 0 ? "a message" : "a send");
-    sched_yield(); /* ranks may share cores (oversubscribed runs) */
+    idle(spins);
   }
   if (expect >= 0) {
     int n = -1;
@@ -161,11 +168,11 @@ typedef struct ring {
   sg_comm *c;
   const char *fn;
   unsigned char *buf;
-  int dtype;     /* element dtype; -1: bytes (all_gather) */
-  size_t es;     /* bytes per element in buf */
-  size_t count;  /* reduce-scatter / all-gather: per rank; all-reduce: total */
-  int split;     /* 1: chunks split `count` near-equally (all-reduce); 0: `count` each */
-  size_t pe;     /* elements per piece */
+  int dtype;    /* element dtype; -1: bytes (all_gather) */
+  size_t es;    /* bytes per element in buf */
+  size_t count; /* reduce-scatter / all-gather: per rank; all-reduce: total */
+  int split;    /* 1: chunks split `count` near-equally (all-reduce); 0: `count` each */
+  size_t pe;    /* elements per piece */
   int tag;
   int64_t deadline_ms;
 } ring;
@@ -280,7 +287,7 @@ static sg_status consume(const ring *R, const cursor *cu, const void *rx, size_t
   const int rx_dtype = cu->step == 0 ? R->dtype : SG_F32;
   if (last) {
     sg__cpu_accumulate((void *)rx, SG_F32, own, R->dtype, pl); /* fp32 total */
-    sg__cpu_cast(own, R->dtype, rx, SG_F32, pl);                /* the one rounding */
+    sg__cpu_cast(own, R->dtype, rx, SG_F32, pl);               /* the one rounding */
     return SG_OK;
   }
   /* the fp32 partial goes to slot j of scratch, once the previous send from that slot is done */
@@ -313,13 +320,15 @@ static sg_status ring_reduce_scatter(const ring *R) {
   for (int i = 0; i < SG__MPI_NRX; i++) rx_req[i] = MPI_REQUEST_NULL;
   cursor cu = {0, 0, 0, 0}, post = {0, 0, 0, 0};
   int more = cursor_seek(R, &post, 2), have = cursor_seek(R, &cu, 2);
-  for (int i = 0; i < SG__MPI_NRX; i++) SG_TRY_GOTO(post_rx(R, &post, &more, (size_t)i, &rx_req[i]), st, fail);
+  for (int i = 0; i < SG__MPI_NRX; i++)
+    SG_TRY_GOTO(post_rx(R, &post, &more, (size_t)i, &rx_req[i]), st, fail);
   SG_TRY_GOTO(send_chunk(R, mod(R->c->rank - 1, R->c->world), &nsend), st, fail);
   for (size_t i = 0; have; i++) {
     MPI_Request *rq = &rx_req[i % SG__MPI_NRX];
     size_t po, pl;
     piece(R, cu.k, cu.j, &po, &pl);
-    SG_TRY_GOTO(wait_one(R->c, R->fn, rq, (long long)msg_bytes(R, cu.step, pl), R->deadline_ms), st, fail);
+    SG_TRY_GOTO(wait_one(R->c, R->fn, rq, (long long)msg_bytes(R, cu.step, pl), R->deadline_ms), st,
+                fail);
     SG_TRY_GOTO(consume(R, &cu, m->rx + (i % SG__MPI_NRX) * SG__MPI_PIECE, &nsend), st, fail);
     SG_TRY_GOTO(post_rx(R, &post, &more, i + SG__MPI_NRX, rq), st, fail);
     have = cursor_next(R, &cu, 2);
@@ -352,7 +361,8 @@ static sg_status ring_all_gather(const ring *R) {
   for (int more = cursor_seek(R, &cu, 1); more; more = cursor_next(R, &cu, 1), i++) {
     size_t po, pl;
     piece(R, cu.k, cu.j, &po, &pl);
-    SG_TRY_GOTO(wait_one(R->c, R->fn, &m->recvs[i], (long long)(pl * R->es), R->deadline_ms), st, fail);
+    SG_TRY_GOTO(wait_one(R->c, R->fn, &m->recvs[i], (long long)(pl * R->es), R->deadline_ms), st,
+                fail);
     if (cu.step < R->c->world - 2)
       SG_TRY_GOTO(isend(R, R->buf + po * R->es, pl * R->es, &m->sends[nsend++]), st, fail);
   }
@@ -459,12 +469,12 @@ static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
 static sg_status wait_coll(sg_comm *c, const char *fn, const char *what, MPI_Request *rq,
                            int64_t deadline_ms) {
   int done = 0;
-  for (;;) {
+  for (unsigned spins = 0;; spins++) {
     const int rc = MPI_Test(rq, &done, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, what, rc);
     if (done) return SG_OK;
     if (sg__now_ms() > deadline_ms) return timed_out(c, fn, what);
-    sched_yield();
+    idle(spins);
   }
 }
 
@@ -480,14 +490,13 @@ static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t dea
     return ring_all_gather(&R);
   }
   MPI_Request rq = MPI_REQUEST_NULL;
-  const int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)bytes, MPI_BYTE,
-                                m->comm, &rq);
+  const int rc =
+      MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, (int)bytes, MPI_BYTE, m->comm, &rq);
   if (rc != MPI_SUCCESS) return SG__MPI_FAIL(c, fn, "MPI_Iallgather", rc);
   return wait_coll(c, fn, "MPI_Iallgather", &rq, deadline_ms);
 }
 
-static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
-                               int64_t deadline_ms) {
+static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(mpi) broadcast";
   SG_TRY(check_call(c, fn, buf, bytes, -1, 1));
   if (root < 0 || root >= c->world)
@@ -537,8 +546,7 @@ static void mpi_destroy(sg_comm *c) {
 }
 
 static const sg__comm_ops mpi_ops = {
-    "mpi",         mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather,
-    mpi_broadcast, mpi_destroy,
+    "mpi", mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather, mpi_broadcast, mpi_destroy,
 };
 
 /* Initializes MPI when nobody has and reports the thread level. Counts one live communicator
@@ -608,8 +616,8 @@ sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
     release_mpi();
     return st;
   }
-  SG_LOG(SG_LOG_DEBUG, m->c.rank, "%s: rank %d of %d, thread level %d", fn, m->c.rank,
-         m->c.world, provided);
+  SG_LOG(SG_LOG_DEBUG, m->c.rank, "%s: rank %d of %d, thread level %d", fn, m->c.rank, m->c.world,
+         provided);
   *out = &m->c;
   return SG_OK;
 }
