@@ -26,7 +26,10 @@ sg_status sg__ck_agree(sg_engine *e, const char *fn, sg_status local, const uint
     if (s == SG_OK) continue;
     all[r].msg[SG_CK_VOTE_MSG - 1] = 0;
     if (r == e->rank) return sg__err(s, "%s", all[r].msg);
-    return sg__err(s, "%s: rank %d failed: %s", fn, r, all[r].msg);
+    const char *msg = all[r].msg;
+    const size_t n = strlen(fn);
+    if (strncmp(msg, fn, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ') msg += n + 2;
+    return sg__err(s, "%s: rank %d failed: %s", fn, r, msg);
   }
   return SG_OK;
 }

@@ -174,8 +174,10 @@ typedef struct {
 } creader;
 
 static sg_status bad_chunk(const creader *r, uint64_t k) {
-  return sg__err(SG_ERR_CORRUPT, "'%s': checksum mismatch in section %u, chunk %" PRIu64, r->path,
-                 r->sec->kind, k);
+  static const char *const names[SG_CK_KINDS] = {"working params", "master", "m", "v"};
+  return sg__err(SG_ERR_CORRUPT, "'%s': checksum mismatch in the %s section, chunk %" PRIu64
+                 " (bytes %" PRIu64 "..)", r->path, names[r->sec->kind], k,
+                 r->sec->offset + k * r->h->chunk_bytes);
 }
 
 static sg_status verify(const creader *r, uint64_t k, const uint8_t *data, size_t n) {

@@ -1,0 +1,3 @@
+# Checkpoints (issue 5): save/load at any world size, damaged files, kill -9 during saves,
+# safetensors export/import. Ranks run as threads (label local).
+sg_add_test(test_ckpt SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt.c LABELS local TIMEOUT 300)
