@@ -14,7 +14,19 @@
 
 #include <stdint.h>  // uint16_t, uint64_t, uintptr_t
 
+#ifdef SG_CUDA_EMULATE
+#include "sg_cuda_emu.h"  // host emulation for tests without a GPU (tests/test_cuda_emu.cpp)
+#define SG_LAUNCH(k, grid, block, stream, ...) \
+  ((void)(stream), sg_emu_launch((k), (grid), (block), __VA_ARGS__))
+#define SG_LAUNCH_SYNC(k, grid, block, stream, ...) \
+  ((void)(stream), sg_emu_launch_sync((k), (grid), (block), __VA_ARGS__))
+#else
 #include <cuda_runtime.h>  // launches, cudaMemcpyAsync
+// k is a pointer to a kernel (so that template arguments do not split the macro's arguments).
+// SG_LAUNCH_SYNC marks kernels that use __syncthreads (the host emulation needs to know).
+#define SG_LAUNCH(k, grid, block, stream, ...) (k)<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#define SG_LAUNCH_SYNC SG_LAUNCH
+#endif
 
 #include "../sg_elem.h"        // element math: conversions, accumulate, AdamW, hash
 #include "sg_cuda_kernels.h"  // launcher declarations, sg__cuda_launch
@@ -323,20 +335,18 @@ __global__ void adamw_kernel(const seg_entry *tab, int nsegs, uint64_t work, ada
 template <int ADT>
 void launch_accumulate(unsigned grid, cudaStream_t s, void *acc, const void *src, int sdt,
                        size_t n) {
-  switch (sdt) {
-    case 0: accumulate_kernel<ADT, 0><<<grid, kThreads, 0, s>>>(acc, src, n); break;
-    case 1: accumulate_kernel<ADT, 1><<<grid, kThreads, 0, s>>>(acc, src, n); break;
-    default: accumulate_kernel<ADT, 2><<<grid, kThreads, 0, s>>>(acc, src, n); break;
-  }
+  void (*k)(void *, const void *, size_t) = sdt == 0   ? accumulate_kernel<ADT, 0>
+                                            : sdt == 1 ? accumulate_kernel<ADT, 1>
+                                                       : accumulate_kernel<ADT, 2>;
+  SG_LAUNCH(k, grid, kThreads, s, acc, src, n);
 }
 
 template <int DDT>
 void launch_cast(unsigned grid, cudaStream_t s, void *dst, const void *src, int sdt, size_t n) {
-  switch (sdt) {
-    case 0: cast_kernel<DDT, 0><<<grid, kThreads, 0, s>>>(dst, src, n); break;
-    case 1: cast_kernel<DDT, 1><<<grid, kThreads, 0, s>>>(dst, src, n); break;
-    default: cast_kernel<DDT, 2><<<grid, kThreads, 0, s>>>(dst, src, n); break;
-  }
+  void (*k)(void *, const void *, size_t) = sdt == 0   ? cast_kernel<DDT, 0>
+                                            : sdt == 1 ? cast_kernel<DDT, 1>
+                                                       : cast_kernel<DDT, 2>;
+  SG_LAUNCH(k, grid, kThreads, s, dst, src, n);
 }
 
 template <int N>
@@ -346,27 +356,24 @@ int launch_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int
   for (int k = 0; k < N; k++) t.p[k] = k < nsrc ? srcs[k] : nullptr;
   cudaStream_t s = (cudaStream_t)L.stream;
   if (dtype == 3) {
-    reduce_sum_f64_kernel<N><<<grid_for(n, L.max_blocks), kThreads, 0, s>>>((double *)dst, t,
-                                                                             nsrc, n);
+    void (*k)(double *, src_table<N>, int, size_t) = reduce_sum_f64_kernel<N>;
+    SG_LAUNCH(k, grid_for(n, L.max_blocks), kThreads, s, (double *)dst, t, nsrc, n);
     return launch_result();
   }
-  const unsigned grid = grid_for(groups_of(n), L.max_blocks);
-  switch (dtype) {
-    case 0: reduce_sum_kernel<0, N><<<grid, kThreads, 0, s>>>(dst, t, nsrc, n); break;
-    case 1: reduce_sum_kernel<1, N><<<grid, kThreads, 0, s>>>(dst, t, nsrc, n); break;
-    default: reduce_sum_kernel<2, N><<<grid, kThreads, 0, s>>>(dst, t, nsrc, n); break;
-  }
+  void (*k)(void *, src_table<N>, int, size_t) = dtype == 0   ? reduce_sum_kernel<0, N>
+                                                 : dtype == 1 ? reduce_sum_kernel<1, N>
+                                                              : reduce_sum_kernel<2, N>;
+  SG_LAUNCH(k, grid_for(groups_of(n), L.max_blocks), kThreads, s, dst, t, nsrc, n);
   return launch_result();
 }
 
 template <int PDT>
 void launch_adamw(unsigned grid, cudaStream_t s, int gdt, const seg_entry *tab, int nsegs,
                   uint64_t work, const adamw_params &p) {
-  switch (gdt) {
-    case 0: adamw_kernel<PDT, 0><<<grid, kThreads, 0, s>>>(tab, nsegs, work, p); break;
-    case 1: adamw_kernel<PDT, 1><<<grid, kThreads, 0, s>>>(tab, nsegs, work, p); break;
-    default: adamw_kernel<PDT, 2><<<grid, kThreads, 0, s>>>(tab, nsegs, work, p); break;
-  }
+  void (*k)(const seg_entry *, int, uint64_t, adamw_params) = gdt == 0   ? adamw_kernel<PDT, 0>
+                                                              : gdt == 1 ? adamw_kernel<PDT, 1>
+                                                                         : adamw_kernel<PDT, 2>;
+  SG_LAUNCH(k, grid, kThreads, s, tab, nsegs, work, p);
 }
 
 }  // namespace
@@ -420,15 +427,16 @@ extern "C" int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, 
   const unsigned grid = grid_for(n, L.max_blocks);
   cudaStream_t s = (cudaStream_t)L.stream;
   const float f = (float)value;
-  switch (dtype) {
-    case 0: fill_kernel<float><<<grid, kThreads, 0, s>>>((float *)dst, f, n); break;
-    case 1:
-      fill_kernel<uint16_t><<<grid, kThreads, 0, s>>>((uint16_t *)dst, sg_elem_f32_to_bf16(f), n);
-      break;
-    case 2:
-      fill_kernel<uint16_t><<<grid, kThreads, 0, s>>>((uint16_t *)dst, sg_elem_f32_to_f16(f), n);
-      break;
-    default: fill_kernel<double><<<grid, kThreads, 0, s>>>((double *)dst, value, n); break;
+  if (dtype == 0) {
+    void (*k)(float *, float, size_t) = fill_kernel<float>;
+    SG_LAUNCH(k, grid, kThreads, s, (float *)dst, f, n);
+  } else if (dtype == 3) {
+    void (*k)(double *, double, size_t) = fill_kernel<double>;
+    SG_LAUNCH(k, grid, kThreads, s, (double *)dst, value, n);
+  } else {
+    void (*k)(uint16_t *, uint16_t, size_t) = fill_kernel<uint16_t>;
+    const uint16_t h = dtype == 1 ? sg_elem_f32_to_bf16(f) : sg_elem_f32_to_f16(f);
+    SG_LAUNCH(k, grid, kThreads, s, (uint16_t *)dst, h, n);
   }
   return launch_result();
 }
@@ -449,15 +457,15 @@ extern "C" int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_
     const unsigned grid = (unsigned)(nchunks < (uint64_t)(L.max_blocks > 0 ? L.max_blocks : 1)
                                          ? nchunks
                                          : (uint64_t)(L.max_blocks > 0 ? L.max_blocks : 1));
-    switch (dtype) {
-      case 0: sumsq_chunks_kernel<0><<<grid, kSumsqThreads, 0, s>>>(x, n, partials); break;
-      case 1: sumsq_chunks_kernel<1><<<grid, kSumsqThreads, 0, s>>>(x, n, partials); break;
-      default: sumsq_chunks_kernel<2><<<grid, kSumsqThreads, 0, s>>>(x, n, partials); break;
-    }
+    void (*k)(const void *, size_t, double *) = dtype == 0   ? sumsq_chunks_kernel<0>
+                                                 : dtype == 1 ? sumsq_chunks_kernel<1>
+                                                              : sumsq_chunks_kernel<2>;
+    SG_LAUNCH_SYNC(k, grid, kSumsqThreads, s, x, n, partials);
     const int rc = launch_result();
     if (rc != 0) return rc;
   }
-  sumsq_combine_kernel<<<1, kCombineThreads, 0, s>>>(partials, nchunks, result2);
+  void (*combine)(const double *, uint64_t, double *) = sumsq_combine_kernel;
+  SG_LAUNCH_SYNC(combine, 1u, kCombineThreads, s, (const double *)partials, nchunks, result2);
   return launch_result();
 }
 

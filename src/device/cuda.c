@@ -193,12 +193,12 @@ static sg_status sg__cudev_alloc(sg__device *dev, size_t bytes, void **out) {
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   *out = NULL;
-  if (bytes == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bytes must be > 0", fn);
   if (sg__device_should_fail_alloc())
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn,
                    bytes);
   SG_TRY(sg__cuda_enter(d, fn));
-  SG__CU(cudaMalloc(out, bytes), fn);
+  /* 0 bytes still gets a distinct non-NULL block, as on the CPU device */
+  SG__CU(cudaMalloc(out, bytes ? bytes : 256), fn);
   return SG_OK;
 }
 
@@ -213,12 +213,11 @@ static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out)
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   *out = NULL;
-  if (bytes == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bytes must be > 0", fn);
   if (sg__device_should_fail_alloc())
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn,
                    bytes);
   SG_TRY(sg__cuda_enter(d, fn));
-  SG__CU(cudaMallocHost(out, bytes), fn);
+  SG__CU(cudaMallocHost(out, bytes ? bytes : 64), fn);
   return SG_OK;
 }
 

@@ -1,0 +1,145 @@
+// Host emulation of the small CUDA subset that sg_cuda_kernels.cu uses, so that its kernels can
+// run on a machine without a GPU (tests/test_cuda_emu.cpp compiles the .cu as C++ with
+// SG_CUDA_EMULATE). It checks the kernels' own logic: grid-stride loops, groups of 4 and their
+// vector paths, segment lookup, the sumsq partition and combine, launch-shape independence.
+// It cannot check what only hardware does (device code generation, -fmad=false, memory model).
+//
+// A launch runs its blocks one after the other, all on the calling thread. Kernels without
+// __syncthreads (SG_LAUNCH) run their threads one after the other; kernels with it
+// (SG_LAUNCH_SYNC) run the threads of a block as fibers that hand over at every __syncthreads.
+// Either way __shared__ arrays can be function-local statics: one block uses them at a time.
+#ifndef SG_CUDA_EMU_H
+#define SG_CUDA_EMU_H
+
+#include <cstdint>             // uint64_t
+#include <cstdio>              // fprintf
+#include <cstring>             // memmove
+#include <exception>           // std::terminate
+#include <functional>          // the fibers' body
+#include <vector>
+
+#include <ucontext.h>  // fibers for the threads of a block
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(x)
+
+typedef void *cudaStream_t;
+typedef int cudaError_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
+
+struct dim3 {
+  unsigned x, y, z;
+};
+struct float4 {
+  float x, y, z, w;
+};
+struct uint2 {
+  unsigned x, y;
+};
+inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+
+inline thread_local dim3 threadIdx;
+inline thread_local dim3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+// Kernels with __syncthreads run the threads of a block as fibers (ucontext) on the calling
+// thread: each runs until its next __syncthreads, then hands over to the next one, round robin.
+// Every thread of a correct kernel reaches the same barriers, so when the last thread arrives,
+// the first one continues past the barrier. Cheap enough for 1024-thread blocks on 2 cores,
+// where OS threads meeting at a barrier were not.
+struct sg_emu_fibers {
+  std::vector<ucontext_t> ctx;
+  std::vector<std::vector<char>> stacks;
+  ucontext_t main;
+  unsigned n = 0;
+  const std::function<void()> *body = nullptr;
+};
+
+inline sg_emu_fibers *sg_emu_current_fibers;
+
+inline void sg_emu_switch(unsigned from, unsigned to) {
+  threadIdx = dim3{to, 0, 0};
+  swapcontext(&sg_emu_current_fibers->ctx[from], &sg_emu_current_fibers->ctx[to]);
+}
+
+// A kernel launched with SG_LAUNCH (not SG_LAUNCH_SYNC) must not get here: its threads run one
+// after the other.
+inline void __syncthreads() {
+  sg_emu_fibers *f = sg_emu_current_fibers;
+  if (!f) {
+    fprintf(stderr, "sg_cuda_emu: __syncthreads in a kernel launched without SG_LAUNCH_SYNC\n");
+    std::terminate();
+  }
+  const unsigned me = threadIdx.x;
+  sg_emu_switch(me, (me + 1) % f->n);
+}
+
+// Fiber entry: run the kernel for this thread, then pass on (the last one returns to main).
+inline void sg_emu_fiber_main() {
+  sg_emu_fibers *f = sg_emu_current_fibers;
+  const unsigned me = threadIdx.x;
+  (*f->body)();
+  if (me + 1 < f->n) {
+    threadIdx = dim3{me + 1, 0, 0};
+    setcontext(&f->ctx[me + 1]);
+  }
+  setcontext(&f->main);
+}
+
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+
+inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind,
+                                   cudaStream_t) {
+  memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+
+// Runs k<<<grid, block>>>(args...) to completion for a kernel without __syncthreads: block by
+// block, thread by thread, on the calling thread.
+template <typename... P, typename... A>
+void sg_emu_launch(void (*k)(P...), unsigned grid, unsigned block, A... args) {
+  gridDim = dim3{grid, 1, 1};
+  blockDim = dim3{block, 1, 1};
+  for (unsigned b = 0; b < grid; b++)
+    for (unsigned t = 0; t < block; t++) {
+      blockIdx = dim3{b, 0, 0};
+      threadIdx = dim3{t, 0, 0};
+      k(args...);
+    }
+}
+
+// The same for a kernel with __syncthreads, its threads as fibers. Not reentrant.
+template <typename... P, typename... A>
+void sg_emu_launch_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) {
+  static sg_emu_fibers f;
+  const size_t stack_bytes = 64 * 1024;
+  gridDim = dim3{grid, 1, 1};
+  blockDim = dim3{block, 1, 1};
+  const std::function<void()> body = [&] { k(args...); };
+  f.n = block;
+  f.body = &body;
+  f.ctx.resize(block);
+  if (f.stacks.size() < block) f.stacks.resize(block, std::vector<char>(stack_bytes));
+  sg_emu_current_fibers = &f;
+  for (unsigned b = 0; b < grid; b++) {
+    blockIdx = dim3{b, 0, 0};
+    for (unsigned t = 0; t < block; t++) {
+      getcontext(&f.ctx[t]);
+      f.ctx[t].uc_stack.ss_sp = f.stacks[t].data();
+      f.ctx[t].uc_stack.ss_size = stack_bytes;
+      f.ctx[t].uc_link = nullptr;
+      makecontext(&f.ctx[t], sg_emu_fiber_main, 0);
+    }
+    threadIdx = dim3{0, 0, 0};
+    swapcontext(&f.main, &f.ctx[0]);  // back here when the block's last thread has finished
+  }
+  sg_emu_current_fibers = nullptr;
+}
+
+#endif  // SG_CUDA_EMU_H

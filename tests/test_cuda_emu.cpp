@@ -1,0 +1,299 @@
+// The CUDA kernels of kernels/cuda/sg_cuda_kernels.cu run on the host through the emulation of
+// kernels/cuda/sg_cuda_emu.h (no GPU needed), against the CPU kernels on the same inputs:
+// bitwise for accumulate, cast, reduce_sum, fill and adamw (a NaN equals any NaN), sumsq within
+// 1e-12 relative with the same non-finite count. Every launcher runs with several grid limits,
+// which must give the same bits, and on arrays shifted by one element, which takes the
+// unaligned (scalar) paths. What this cannot check: device code generation and -fmad=false
+// (tests/gpu/test_cuda_kernels.c does, on a GPU).
+#define SG_CUDA_EMULATE 1
+#include "cuda/sg_cuda_kernels.cu"  // the kernels and launchers, compiled for the host
+
+#include <cmath>    // std::isnan, std::fabs, std::pow, std::sqrt
+#include <cstdio>   // printf
+#include <cstdlib>  // malloc, free
+
+extern "C" {
+#include "cpu/sg_cpu_kernels.h"  // the references
+}
+
+static int g_pass, g_fail;
+
+static void check(bool ok, const char *what) {
+  printf("%s %s\n", ok ? "ok  " : "FAIL", what);
+  (ok ? g_pass : g_fail)++;
+}
+
+static uint64_t g_rng = 0x2545f4914f6cdd1dull;
+static uint64_t rnd() {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return g_rng;
+}
+static float rnd_unit() { return (float)((double)(rnd() >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
+static size_t esize(int dt) { return dt == 3 ? 8u : dt == 0 ? 4u : 2u; }
+
+// Random values; with specials, some raw bit patterns (NaN, inf, subnormals).
+static void fill_random(void *p, int dt, size_t n, float scale, bool specials) {
+  for (size_t i = 0; i < n; i++) {
+    const bool raw = specials && rnd() % 16 == 0;
+    if (dt == 3) {
+      ((double *)p)[i] = (double)rnd_unit() * scale;
+    } else if (dt == 0) {
+      float f = rnd_unit() * scale;
+      const uint32_t u = (uint32_t)rnd();
+      if (raw) memcpy(&f, &u, 4);
+      ((float *)p)[i] = f;
+    } else {
+      uint16_t h = (uint16_t)rnd();
+      if (!raw)
+        h = dt == 1 ? sg_elem_f32_to_bf16(rnd_unit() * scale) : sg_elem_f32_to_f16(rnd_unit() * scale);
+      ((uint16_t *)p)[i] = h;
+    }
+  }
+}
+
+static bool is_nan(const void *p, int dt, size_t i) {
+  if (dt == 3) return std::isnan(((const double *)p)[i]);
+  const float f = sg_elem_load(p, dt, i);
+  return f != f;
+}
+
+static bool same(const void *a, const void *b, int dt, size_t n) {
+  const size_t es = esize(dt);
+  for (size_t i = 0; i < n; i++) {
+    if (memcmp((const char *)a + i * es, (const char *)b + i * es, es) == 0) continue;
+    if (is_nan(a, dt, i) && is_nan(b, dt, i)) continue;
+    printf("  first difference at %zu of %zu\n", i, n);
+    return false;
+  }
+  return true;
+}
+
+static const size_t k_sizes[] = {1, 3, 4, 5, 63, 1000, 4097, 30011};
+static const int k_grids[] = {1, 3, 64};
+
+// ---- accumulate, cast -------------------------------------------------------------------------
+
+static void test_elementwise() {
+  char what[128];
+  for (size_t n : k_sizes)
+    for (size_t off = 0; off < 2; off++)
+      for (int g : k_grids) {
+        sg__cuda_launch L = {nullptr, g};
+        for (int adt = 0; adt < 2; adt++)
+          for (int sdt = 0; sdt < 3; sdt++) {
+            std::vector<char> acc((n + off) * esize(adt)), src((n + off) * esize(sdt));
+            fill_random(acc.data(), adt, n + off, 8.0f, true);
+            fill_random(src.data(), sdt, n + off, 8.0f, true);
+            std::vector<char> ref = acc;
+            sg__cpu_accumulate(ref.data() + off * esize(adt), adt, src.data() + off * esize(sdt),
+                               sdt, n);
+            int rc = sg__cuda_accumulate(L, acc.data() + off * esize(adt), adt,
+                                         src.data() + off * esize(sdt), sdt, n);
+            snprintf(what, sizeof what, "accumulate acc %d src %d n %zu off %zu grid %d", adt,
+                     sdt, n, off, g);
+            check(rc == 0 && same(ref.data(), acc.data(), adt, n + off), what);
+          }
+        for (int ddt = 0; ddt < 3; ddt++)
+          for (int sdt = 0; sdt < 3; sdt++) {
+            std::vector<char> dst((n + off) * esize(ddt), 0), src((n + off) * esize(sdt));
+            fill_random(src.data(), sdt, n + off, 70000.0f, true);
+            std::vector<char> ref = dst;
+            sg__cpu_cast(ref.data() + off * esize(ddt), ddt, src.data() + off * esize(sdt), sdt, n);
+            int rc = sg__cuda_cast(L, dst.data() + off * esize(ddt), ddt,
+                                   src.data() + off * esize(sdt), sdt, n);
+            snprintf(what, sizeof what, "cast dst %d src %d n %zu off %zu grid %d", ddt, sdt, n,
+                     off, g);
+            const bool ok = ddt == sdt ? memcmp(ref.data(), dst.data(), dst.size()) == 0
+                                       : same(ref.data(), dst.data(), ddt, n + off);
+            check(rc == 0 && ok, what);
+          }
+      }
+}
+
+// ---- reduce_sum, fill ---------------------------------------------------------------------------
+
+static void test_reduce_sum() {
+  char what[128];
+  static const int nsrcs[] = {1, 2, 3, 33};  // 33: the large by-value table
+  for (int dt = 0; dt < 4; dt++)
+    for (int nsrc : nsrcs)
+      for (int in_place = 0; in_place < 2; in_place++) {
+        const size_t n = 5003;
+        std::vector<std::vector<char>> src(nsrc, std::vector<char>(n * esize(dt)));
+        std::vector<const void *> ptrs(nsrc);
+        for (int k = 0; k < nsrc; k++) {
+          fill_random(src[k].data(), dt, n, 4.0f, true);
+          ptrs[k] = src[k].data();
+        }
+        std::vector<char> ref(n * esize(dt)), out(n * esize(dt));
+        sg__cpu_reduce_sum(ref.data(), ptrs.data(), nsrc, dt, n);
+        void *dst = in_place ? (void *)src[0].data() : (void *)out.data();
+        sg__cuda_launch L = {nullptr, 3};
+        int rc = sg__cuda_reduce_sum(L, dst, ptrs.data(), nsrc, dt, n);
+        snprintf(what, sizeof what, "reduce_sum dtype %d nsrc %d%s", dt, nsrc,
+                 in_place ? " in place" : "");
+        check(rc == 0 && same(ref.data(), dst, dt, n), what);
+      }
+  const void *none[1] = {nullptr};
+  sg__cuda_launch L = {nullptr, 1};
+  check(sg__cuda_reduce_sum(L, (void *)none, none, SG__CUDA_MAX_SRCS + 1, 0, 4) ==
+            cudaErrorInvalidValue,
+        "reduce_sum: too many sources rejected");
+  for (int dt = 0; dt < 4; dt++) {
+    const size_t n = 1001;
+    std::vector<char> got(n * esize(dt)), want(n * esize(dt));
+    for (size_t i = 0; i < n; i++) {
+      if (dt == 3)
+        ((double *)want.data())[i] = -2.5;
+      else
+        sg_elem_store(want.data(), dt, i, -2.5f);
+    }
+    check(sg__cuda_fill(L, got.data(), dt, n, -2.5) == 0 && got == want, "fill");
+  }
+}
+
+// ---- sumsq ----------------------------------------------------------------------------------
+
+static bool close_rel(double a, double b) {
+  if (a == b) return true;
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  return std::fabs(a - b) <= 1e-12 * std::fabs(a);
+}
+
+static void test_sumsq() {
+  char what[160];
+  static const size_t sizes[] = {0, 1, 5, 8191, 8192, 8193, 50000};
+  for (int dt = 0; dt < 3; dt++)
+    for (size_t n : sizes)
+      for (int specials = 0; specials < 2; specials++) {
+        std::vector<char> x(n * esize(dt) + 8);
+        fill_random(x.data(), dt, n, 3.0f, specials != 0);
+        double cs = 0, cn = 0;
+        sg__cpu_sumsq(x.data(), dt, n, &cs, &cn);
+        double first[2] = {0, 0};
+        for (int g : k_grids) {
+          std::vector<char> scratch(sg__cuda_sumsq_scratch_bytes(n));
+          double *r = (double *)scratch.data();
+          sg__cuda_launch L = {nullptr, g};
+          int rc = sg__cuda_sumsq(L, x.data(), dt, n, r, r);
+          snprintf(what, sizeof what, "sumsq dtype %d n %zu specials %d grid %d: cpu %.17g/%g emu %.17g/%g",
+                   dt, n, specials, g, cs, cn, r[0], r[1]);
+          check(rc == 0 && close_rel(cs, r[0]) && cn == r[1], what);
+          if (g == k_grids[0]) {
+            first[0] = r[0];
+            first[1] = r[1];
+          } else {
+            check(memcmp(first, r, sizeof first) == 0, "sumsq: same bits for every grid limit");
+          }
+        }
+      }
+}
+
+// ---- adamw ----------------------------------------------------------------------------------
+
+static int make_segments(sg__seg *segs, size_t *shard_n, size_t *flat_n) {
+  static const size_t lens[] = {1, 2, 3, 4, 5, 63, 64, 65, 1000, 4099, 0, 7};
+  size_t so = 1, fo = 3;
+  int n = 0;
+  for (int rep = 0; rep < 2; rep++)
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++, n++) {
+      segs[n].shard_off = so;
+      segs[n].flat_off = fo;
+      segs[n].len = lens[(i * 5 + (size_t)rep) % (sizeof lens / sizeof lens[0])];
+      segs[n].decay = (int)((i + (size_t)rep) % 3 != 0);
+      segs[n].sr_index = ((uint64_t)n << 40) + (uint64_t)(rep * 17);
+      so += segs[n].len + (size_t)(rnd() % 3);
+      fo += segs[n].len + (size_t)(rnd() % 5);
+    }
+  *shard_n = so + 4;
+  *flat_n = fo + 4;
+  return n;
+}
+
+struct adamw_state {
+  std::vector<char> param, grad;
+  std::vector<float> master, m, v;
+};
+
+static void adamw_args(sg__adamw_args *a, adamw_state *s, int pdt, int gdt, bool master, bool sr,
+                       const sg__seg *segs, int nsegs, uint64_t step) {
+  memset(a, 0, sizeof *a);
+  const double lr = 1e-3, wd = 0.01, b1 = 0.9, b2 = 0.999;
+  a->param = s->param.data();
+  a->param_dtype = pdt;
+  a->master = master ? s->master.data() : nullptr;
+  a->m = s->m.data();
+  a->v = s->v.data();
+  a->grad = s->grad.data();
+  a->grad_dtype = gdt;
+  a->segs = segs;
+  a->nsegs = nsegs;
+  a->grad_scale = 0.25f;
+  a->decay_factor = (float)(1.0 - lr * wd);
+  a->beta1 = (float)b1;
+  a->one_minus_beta1 = (float)(1.0 - b1);
+  a->beta2 = (float)b2;
+  a->one_minus_beta2 = (float)(1.0 - b2);
+  a->step_size = (float)(lr / (1.0 - std::pow(b1, (double)step)));
+  a->bc2_sqrt = (float)std::sqrt(1.0 - std::pow(b2, (double)step));
+  a->eps = 1e-8f;
+  a->stochastic_rounding = sr;
+  a->seed = 99;
+  a->step = step;
+}
+
+static void test_adamw() {
+  struct {
+    int pdt, gdt;
+    bool master, sr;
+  } cases[] = {{0, 0, false, false}, {0, 1, false, false}, {0, 2, false, false},
+               {0, 0, true, false},  {1, 0, true, false},  {1, 0, true, true},
+               {1, 1, true, true},   {2, 0, true, false},  {2, 2, true, false}};
+  char what[128];
+  for (const auto &c : cases) {
+    sg__seg segs[32];
+    size_t sn, fn;
+    const int nsegs = make_segments(segs, &sn, &fn);
+    adamw_state s0;
+    s0.param.resize(fn * esize(c.pdt));
+    s0.grad.resize(sn * esize(c.gdt));
+    s0.master.resize(sn);
+    s0.m.resize(sn);
+    s0.v.resize(sn);
+    fill_random(s0.param.data(), c.pdt, fn, 1.0f, false);
+    fill_random(s0.grad.data(), c.gdt, sn, 0.1f, false);
+    fill_random(s0.master.data(), 0, sn, 1.0f, false);
+    fill_random(s0.m.data(), 0, sn, 0.01f, false);
+    for (float &x : s0.v) x = std::fabs(rnd_unit()) * 1e-4f;
+    adamw_state ref = s0;
+    sg__adamw_args a;
+    adamw_args(&a, &ref, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5);
+    sg__cpu_adamw(&a);
+    for (int g : k_grids) {
+      adamw_state s = s0;
+      std::vector<char> table(sg__cuda_adamw_table_bytes(nsegs));
+      uint64_t work = 0;
+      sg__cuda_adamw_table_build(table.data(), segs, nsegs, &work);
+      adamw_args(&a, &s, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5);
+      sg__cuda_launch L = {nullptr, g};
+      int rc = sg__cuda_adamw(L, &a, table.data(), work);
+      snprintf(what, sizeof what, "adamw param %d grad %d master %d sr %d grid %d", c.pdt, c.gdt,
+               (int)c.master, (int)c.sr, g);
+      const bool ok = rc == 0 && same(ref.param.data(), s.param.data(), c.pdt, fn) &&
+                      same(ref.master.data(), s.master.data(), 0, sn) &&
+                      same(ref.m.data(), s.m.data(), 0, sn) && same(ref.v.data(), s.v.data(), 0, sn);
+      check(ok, what);
+    }
+  }
+}
+
+int main() {
+  test_elementwise();
+  test_reduce_sum();
+  test_sumsq();
+  test_adamw();
+  printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail ? 1 : 0;
+}
