@@ -1,4 +1,4 @@
-/* bench_step: time of one training step of the example MLP and memory per rank, at W ranks
+/* sg_bench_step: time of one training step of the example MLP and memory per rank, at W ranks
  * (default 2 threads; or one rank per process under mpirun with --mpi), for
  *
  *   plain   a plain data-parallel loop written here: one all-reduce of the full f32 gradient
@@ -270,7 +270,7 @@ static int run_engine(rank_ctx *c, mlp_model *m, sg_strategy strategy, double *t
   if (st == SG_OK) st = engine_steps(c, &me, times, loss);
   if (st == SG_OK) st = sg_memory(e, &mem);
   if (st != SG_OK)
-    fprintf(stderr, "bench_step: rank %d: %s: %s: %s\n", c->rank, variant_names[strategy + 1],
+    fprintf(stderr, "sg_bench_step: rank %d: %s: %s: %s\n", c->rank, variant_names[strategy + 1],
             sg_status_string(st), sg_last_error());
   else if (c->rank == 0) {
     result *r = &c->res[strategy + 1];
@@ -289,7 +289,7 @@ static void *rank_main(void *arg) {
   mlp_model m;
   double *times = calloc((size_t)c->o->steps, sizeof *times);
   if (!times || mlp_init(&m, c->o->layers, c->o->hidden, c->o->batch, 1) != 0) {
-    fprintf(stderr, "bench_step: out of memory\n");
+    fprintf(stderr, "sg_bench_step: out of memory\n");
     free(times);
     c->rc = 1;
     return NULL;
@@ -320,7 +320,7 @@ static void print_table(const options *o, const rank_ctx *c0) {
   mlp_model m;
   if (mlp_init(&m, o->layers, o->hidden, 1, 1) != 0) return;
   printf(
-      "bench_step: MLP %d layers x %d hidden, %zu params, batch %d per rank, %s engine "
+      "sg_bench_step: MLP %d layers x %d hidden, %zu params, batch %d per rank, %s engine "
       "params, W=%d (%s), bucket %.3g MiB, %d warm-up + %d timed steps\n",
       o->layers, o->hidden, m.total_numel, o->batch,
       o->dtype == SG_F32    ? "f32"
@@ -415,7 +415,7 @@ static int parse_args(int argc, char **argv, options *o) {
       rc = -1;
     if (rc) {
       fprintf(stderr,
-              "usage: bench_step [--ranks N | --mpi] [--steps N] [--warmup N] "
+              "usage: sg_bench_step [--ranks N | --mpi] [--steps N] [--warmup N] "
               "[--batch N] [--hidden N] [--layers N] [--bucket-mb X] [--lr X] "
               "[--dtype f32|bf16|f16]\n");
       return -1;
@@ -441,7 +441,7 @@ static int run_threads(const options *o) {
   pthread_barrier_init(&sh.bar, NULL, (unsigned)w);
   sg_status st = sg_comm_create_local(w, comms);
   if (st != SG_OK) {
-    fprintf(stderr, "bench_step: sg_comm_create_local: %s\n", sg_last_error());
+    fprintf(stderr, "sg_bench_step: sg_comm_create_local: %s\n", sg_last_error());
     goto destroy;
   }
   int started = 0;
@@ -452,7 +452,7 @@ static int run_threads(const options *o) {
   }
   rc = started == w ? 0 : 1; /* a missing thread leaves the others at a barrier: report, exit */
   if (rc) {
-    fprintf(stderr, "bench_step: pthread_create failed\n");
+    fprintf(stderr, "sg_bench_step: pthread_create failed\n");
     exit(1);
   }
   for (int i = 0; i < w; i++) {
@@ -479,7 +479,7 @@ static int run_mpi(const options *o) {
   rank_ctx c = {.o = o};
   const sg_status st = sg_comm_create_mpi(NULL, &c.comm);
   if (st != SG_OK) {
-    fprintf(stderr, "bench_step: sg_comm_create_mpi: %s\n", sg_last_error());
+    fprintf(stderr, "sg_bench_step: sg_comm_create_mpi: %s\n", sg_last_error());
     goto done;
   }
   c.rank = sg_comm_rank(c.comm);
@@ -493,7 +493,7 @@ done:
   return rc;
 #else
   (void)o;
-  fprintf(stderr, "bench_step: built without MPI (--mpi unavailable)\n");
+  fprintf(stderr, "sg_bench_step: built without MPI (--mpi unavailable)\n");
   return 1;
 #endif
 }
