@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# GPU checks of shardgrad, for a machine with (at least) one NVIDIA GPU. Not part of ctest: CI
+# has no GPU. Usage, from anywhere:
+#
+#   bash tests/gpu/run.sh            # results in $OUT/gpu_results.txt, else build-gpu/gpu_results.txt
+#
+# Steps (each with a time limit; a failing step does not stop the others):
+#   1. configure and build the CUDA library (cmake -DSG_WITH_CUDA=ON) in build-gpu/ (or
+#      $SG_GPU_BUILD), for the GPU's own architecture (SG_GPU_ARCHS overrides, e.g. "80;90");
+#   2. test_cuda_device and test_cuda_emu (also in ctest), test_cuda_kernels (every CUDA kernel
+#      against the CPU kernels: bitwise, sumsq within 1e-12) and test_cuda_queues (streams,
+#      tickets, deadlines, NCCL at world 1);
+#   3. compute-sanitizer memcheck on test_cuda_kernels --quick (skipped, and said so, when
+#      compute-sanitizer is not installed);
+#   4. the engine tests on the CUDA device: see the HOOK below.
+# The results file has one line per step (PASS / FAIL / SKIP with the test's own summary line),
+# the logs are next to it in logs/. Exit status: 0 when nothing failed.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+B="${SG_GPU_BUILD:-$ROOT/build-gpu}"
+if [[ -n "${OUT:-}" ]]; then DEST="$OUT"; else DEST="$B"; fi
+mkdir -p "$DEST/logs" "$B"
+RES="$DEST/gpu_results.txt"
+LOGS="$DEST/logs"
+JOBS="$(nproc 2>/dev/null || echo 2)"
+NPASS=0
+NFAIL=0
+NSKIP=0
+
+export PATH="$PATH:/usr/local/cuda/bin"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64"
+
+line() { echo "$*" | tee -a "$RES"; }
+pass() { NPASS=$((NPASS + 1)); line "PASS  $*"; }
+fail() { NFAIL=$((NFAIL + 1)); line "FAIL  $*"; }
+skip() { NSKIP=$((NSKIP + 1)); line "SKIP  $*"; }
+
+# The test's own summary ("N passed, M failed"), or the log's last line.
+summary_of() {
+  local s
+  s="$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$1" | tail -1)"
+  [[ -n "$s" ]] || s="$(tail -1 "$1" 2>/dev/null)"
+  echo "$s"
+}
+
+# run_step NAME TIMEOUT_S COMMAND...: runs in $B, log in $LOGS/NAME.log.
+run_step() {
+  local name="$1" limit="$2"
+  shift 2
+  local log="$LOGS/$name.log" t0=$SECONDS rc
+  (cd "$B" && timeout "$limit" "$@") >"$log" 2>&1
+  rc=$?
+  local took=$((SECONDS - t0))
+  if [[ $rc -eq 0 ]]; then
+    pass "$name (${took}s): $(summary_of "$log")"
+  elif [[ $rc -eq 124 ]]; then
+    fail "$name: timed out after ${limit}s: $(summary_of "$log")"
+  else
+    fail "$name (exit $rc, ${took}s): $(summary_of "$log")"
+    grep -E '^FAIL' "$log" | head -20 | sed 's/^/      /' | tee -a "$RES"
+  fi
+  return $rc
+}
+
+: >"$RES"
+line "shardgrad GPU checks, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+if command -v nvidia-smi >/dev/null; then
+  line "gpu: $(nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | head -4 | tr '\n' ';')"
+else
+  line "gpu: nvidia-smi not found"
+fi
+line "nvcc: $(nvcc --version 2>/dev/null | tail -1)"
+
+# ---- 1. build --------------------------------------------------------------------------------
+ARCHS="${SG_GPU_ARCHS:-}"
+if [[ -z "$ARCHS" ]] && command -v nvidia-smi >/dev/null; then
+  # compute_cap "9.0" -> "90"; several GPUs of one kind give one entry
+  ARCHS="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d ' .' | sort -u | paste -sd ';' -)"
+fi
+[[ -n "$ARCHS" ]] || ARCHS="80;90"
+line "architectures: $ARCHS"
+
+BUILD_OK=0
+if ! command -v cmake >/dev/null; then
+  fail "configure: cmake not found"
+elif run_step configure 600 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
+  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=OFF &&
+  run_step build 1200 cmake --build "$B" -j "$JOBS" --target shardgrad shardgrad_static \
+    test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues; then
+  BUILD_OK=1
+fi
+
+# ---- 2. tests --------------------------------------------------------------------------------
+TESTS="$B/tests"
+if [[ $BUILD_OK -eq 1 ]]; then
+  run_step test_cuda_device 120 "$TESTS/test_cuda_device"
+  run_step test_cuda_emu 300 "$TESTS/test_cuda_emu"
+  run_step test_cuda_kernels 600 "$TESTS/test_cuda_kernels"
+  run_step test_cuda_queues 300 "$TESTS/test_cuda_queues"
+else
+  skip "tests: the build failed (see $LOGS/configure.log, $LOGS/build.log)"
+fi
+
+# ---- 3. compute-sanitizer ----------------------------------------------------------------------
+SAN="$(command -v compute-sanitizer || true)"
+for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+  /opt/nvidia/compute-sanitizer/compute-sanitizer; do
+  [[ -z "$SAN" && -x "$c" ]] && SAN="$c"
+done
+if [[ $BUILD_OK -ne 1 ]]; then
+  skip "memcheck: the build failed"
+elif [[ -z "$SAN" ]]; then
+  skip "memcheck: compute-sanitizer not found"
+else
+  run_step memcheck_test_cuda_kernels 600 "$SAN" --tool memcheck --error-exitcode 99 \
+    "$TESTS/test_cuda_kernels" --quick
+  grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_kernels.log" | tail -1 | sed 's/^/      /' |
+    tee -a "$RES"
+fi
+
+# ---- 4. engine tests on the CUDA device --------------------------------------------------------
+# ===== HOOK (lead): engine tests with SG_DEVICE_CUDA =====================================
+# When the engine supports SG_DEVICE_CUDA, run its tests here on the GPU, e.g.:
+#   run_step engine_cuda 600 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_w2" --local 1
+#   run_step engine_cuda_w2 600 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_w2" --local 2
+# (build those targets in step 1 too). Until then this step is reported as skipped.
+# ========================================================================================
+ENGINE_CUDA_HOOK="${ENGINE_CUDA_HOOK:-}"
+if [[ -n "$ENGINE_CUDA_HOOK" && $BUILD_OK -eq 1 ]]; then
+  run_step engine_cuda 900 bash -c "$ENGINE_CUDA_HOOK"
+else
+  skip "engine tests with SG_DEVICE_CUDA: hook not filled in yet (tests/gpu/run.sh, HOOK)"
+fi
+
+line "summary: $NPASS passed, $NFAIL failed, $NSKIP skipped; logs in $LOGS"
+[[ $NFAIL -eq 0 ]]
