@@ -1,0 +1,256 @@
+/* sg_bench_adamw: the fused AdamW step of one rank (sg__cpu_adamw) over N parameters, beside a
+ * STREAM triad measured in the same process with the same OpenMP threads.
+ *
+ * The step is memory bound, so its figure of merit is the bandwidth it reaches: bytes the step
+ * must move per element divided by the time.
+ *   f32 params (the param is the master):   grad 4 + param r/w 8 + m r/w 8 + v r/w 8  = 28 B
+ *   bf16 params (fp32 master):               grad 4 + master r/w 8 + m 8 + v 8 + bf16 param
+ *                                            write 2                                   = 30 B
+ *   STREAM triad a[i] = b[i] + s*c[i] on doubles: 3 x 8                                = 24 B
+ *                                            (as STREAM counts it: the write-allocate read of
+ *                                            a[] is not counted)
+ * The ratio adamw GB/s / triad GB/s says how close the step is to what this machine's memory
+ * gives a simple streaming loop. Goal: >= 0.8 at 16M parameters and up.
+ *
+ * Before timing, one untimed step is checked against sg_elem_adamw on a sample of elements.
+ * Times are the median of the repeats after the warm-up.
+ *
+ *   sg_bench_adamw [--sizes 1,4,16,64] [--reps 10] [--warmup 2]   (sizes in Mi parameters) */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, posix_memalign */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu/sg_cpu_kernels.h" /* sg__cpu_adamw */
+#include "sg_elem.h"            /* sg_elem_adamw: the reference of the untimed check */
+
+#define SEG_MAX ((size_t)4 << 20) /* split the shard into parameters of at most 4 Mi elements */
+
+typedef struct options {
+  size_t sizes[16];
+  int nsizes, reps, warmup;
+} options;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int threads(void) {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+static void *xalloc(size_t bytes) {
+  void *p = NULL;
+  if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
+    fprintf(stderr, "sg_bench_adamw: out of memory (%zu bytes)\n", bytes);
+    exit(1);
+  }
+  return p;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *t, int n) {
+  qsort(t, (size_t)n, sizeof *t, cmp_double);
+  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+/* Values a training run would hold; written by the threads that later use them (first touch). */
+static void fill(float *x, size_t n, float base, float scale) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < n; i++) x[i] = base + scale * (float)((i * 2654435761u) % 1000u) / 1000.0f;
+}
+
+/* ---- STREAM triad ---------------------------------------------------------------------------- */
+
+static void triad(double *restrict a, const double *restrict b, const double *restrict c, double s,
+                  size_t n) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
+
+static double time_triad(size_t n, const options *o) {
+  double *a = xalloc(8 * n), *b = xalloc(8 * n), *c = xalloc(8 * n);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < n; i++) a[i] = 0.0, b[i] = 1.0, c[i] = 2.0;
+  double t[64];
+  int reps = o->reps < 64 ? o->reps : 64;
+  for (int r = 0; r < o->warmup; r++) triad(a, b, c, 3.0, n);
+  for (int r = 0; r < reps; r++) {
+    double t0 = now_s();
+    triad(a, b, c, 3.0, n);
+    t[r] = now_s() - t0;
+  }
+  volatile double sink = a[n / 2]; /* keep the stores */
+  (void)sink;
+  free(a), free(b), free(c);
+  return median(t, reps);
+}
+
+/* ---- AdamW ----------------------------------------------------------------------------------- */
+
+typedef struct state {
+  size_t n;
+  int bf16;
+  void *param;
+  float *master, *m, *v, *grad;
+  sg__seg *segs;
+  int nsegs;
+} state;
+
+static void state_init(state *s, size_t n, int bf16) {
+  s->n = n;
+  s->bf16 = bf16;
+  s->param = xalloc(n * (bf16 ? 2 : 4));
+  s->master = bf16 ? xalloc(4 * n) : NULL;
+  s->m = xalloc(4 * n), s->v = xalloc(4 * n), s->grad = xalloc(4 * n);
+  fill(s->bf16 ? s->master : (float *)s->param, n, -0.5f, 1.0f);
+  if (bf16) sg__cpu_cast(s->param, 1, s->master, 0, n);
+  fill(s->m, n, -0.01f, 0.02f), fill(s->v, n, 1e-6f, 1e-4f), fill(s->grad, n, -1.0f, 2.0f);
+  s->nsegs = (int)((n + SEG_MAX - 1) / SEG_MAX);
+  s->segs = xalloc(sizeof(sg__seg) * (size_t)s->nsegs);
+  for (int k = 0; k < s->nsegs; k++) {
+    size_t off = (size_t)k * SEG_MAX;
+    s->segs[k].shard_off = s->segs[k].flat_off = off;
+    s->segs[k].len = n - off < SEG_MAX ? n - off : SEG_MAX;
+    s->segs[k].decay = !(k & 1); /* alternate, as weights and biases/norms would */
+    s->segs[k].sr_index = off;
+  }
+}
+
+static void state_free(state *s) {
+  free(s->param), free(s->master), free(s->m), free(s->v), free(s->grad), free(s->segs);
+}
+
+static sg__adamw_args args_of(const state *s, uint64_t t) {
+  sg__adamw_args a;
+  memset(&a, 0, sizeof a);
+  const double lr = 1e-3, wd = 0.01, b1 = 0.9, b2 = 0.999;
+  a.param = s->param, a.param_dtype = s->bf16 ? 1 : 0, a.master = s->master;
+  a.m = s->m, a.v = s->v, a.grad = s->grad, a.grad_dtype = 0;
+  a.segs = s->segs, a.nsegs = s->nsegs;
+  a.grad_scale = 0.5f;
+  a.decay_factor = (float)(1.0 - lr * wd);
+  a.beta1 = (float)b1, a.one_minus_beta1 = (float)(1.0 - (double)(float)b1);
+  a.beta2 = (float)b2, a.one_minus_beta2 = (float)(1.0 - (double)(float)b2);
+  a.step_size = (float)(lr / (1.0 - pow(b1, (double)t)));
+  a.bc2_sqrt = (float)sqrt(1.0 - pow(b2, (double)t));
+  a.eps = 1e-8f;
+  a.step = t;
+  return a;
+}
+
+/* One untimed step; every 4099th element is recomputed with the element function. */
+static int check_step(state *s) {
+  const size_t stride = 4099, ns = s->n / stride + 1;
+  float *p0 = xalloc(4 * ns), *m0 = xalloc(4 * ns), *v0 = xalloc(4 * ns);
+  for (size_t j = 0; j < ns && j * stride < s->n; j++) {
+    size_t i = j * stride;
+    p0[j] = s->bf16 ? s->master[i] : ((float *)s->param)[i];
+    m0[j] = s->m[i], v0[j] = s->v[i];
+  }
+  sg__adamw_args a = args_of(s, 1);
+  sg__cpu_adamw(&a);
+  int ok = 1;
+  for (size_t j = 0; j < ns && j * stride < s->n; j++) {
+    size_t i = j * stride;
+    const sg__seg *sg = &s->segs[i / SEG_MAX];
+    sg_elem_adamw_k k = sg_elem_adamw_consts(sg->decay ? a.decay_factor : 1.0f, a.one_minus_beta1,
+                                             a.beta2, a.one_minus_beta2, a.step_size, a.bc2_sqrt, a.eps);
+    float m = m0[j], v = v0[j];
+    float p = sg_elem_adamw(p0[j], s->grad[i] * a.grad_scale, &m, &v, k);
+    float got = s->bf16 ? s->master[i] : ((float *)s->param)[i];
+    ok &= got == p && s->m[i] == m && s->v[i] == v;
+    if (s->bf16) ok &= ((uint16_t *)s->param)[i] == sg_elem_f32_to_bf16(p);
+  }
+  free(p0), free(m0), free(v0);
+  return ok;
+}
+
+static double time_adamw(state *s, const options *o) {
+  double t[64];
+  int reps = o->reps < 64 ? o->reps : 64;
+  uint64_t step = 2;
+  for (int r = 0; r < o->warmup; r++) {
+    sg__adamw_args a = args_of(s, step++);
+    sg__cpu_adamw(&a);
+  }
+  for (int r = 0; r < reps; r++) {
+    sg__adamw_args a = args_of(s, step++);
+    double t0 = now_s();
+    sg__cpu_adamw(&a);
+    t[r] = now_s() - t0;
+  }
+  return median(t, reps);
+}
+
+/* ---- main ------------------------------------------------------------------------------------ */
+
+static int parse(int argc, char **argv, options *o) {
+  const size_t defaults[] = {1, 4, 16, 64};
+  o->nsizes = 4, o->reps = 10, o->warmup = 2;
+  for (int i = 0; i < 4; i++) o->sizes[i] = defaults[i] << 20;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+      o->reps = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) {
+      o->warmup = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
+      o->nsizes = 0;
+      for (char *tok = strtok(argv[++i], ","); tok && o->nsizes < 16; tok = strtok(NULL, ","))
+        o->sizes[o->nsizes++] = (size_t)strtoull(tok, NULL, 10) << 20;
+    } else {
+      fprintf(stderr, "usage: %s [--sizes 1,4,16,64] [--reps 10] [--warmup 2]  (sizes in Mi)\n", argv[0]);
+      return 0;
+    }
+  }
+  return o->reps > 0 && o->warmup >= 0 && o->nsizes > 0;
+}
+
+int main(int argc, char **argv) {
+  options o;
+  if (!parse(argc, argv, &o)) return 2;
+  printf("sg_bench_adamw: fused AdamW step (sg__cpu_adamw) vs STREAM triad, %d OpenMP thread(s), "
+         "median of %d after %d warm-up\n", threads(), o.reps, o.warmup);
+  printf("bytes per element: f32 params 28, bf16 params (fp32 master) 30, triad 24 (3 doubles)\n\n");
+  printf("%8s  %-5s  %10s  %11s  %11s  %6s  %s\n", "params", "param", "adamw ms", "adamw GB/s",
+         "triad GB/s", "ratio", "check");
+  int all_ok = 1;
+  for (int k = 0; k < o.nsizes; k++) {
+    size_t n = o.sizes[k];
+    double triad_gbs = 24.0 * (double)n / time_triad(n, &o) / 1e9;
+    for (int bf16 = 0; bf16 <= 1; bf16++) {
+      state s;
+      state_init(&s, n, bf16);
+      int ok = check_step(&s);
+      double t = time_adamw(&s, &o);
+      double gbs = (bf16 ? 30.0 : 28.0) * (double)n / t / 1e9;
+      printf("%7zuM  %-5s  %10.3f  %11.2f  %11.2f  %6.2f  %s\n", n >> 20, bf16 ? "bf16" : "f32",
+             t * 1e3, gbs, triad_gbs, gbs / triad_gbs, ok ? "ok" : "WRONG");
+      all_ok &= ok;
+      state_free(&s);
+    }
+  }
+  return all_ok ? 0 : 1;
+}
