@@ -69,7 +69,8 @@ SG_API int sg_has_backend(const char *name);
 /* Types                                                                                     */
 /* ---------------------------------------------------------------------------------------- */
 
-typedef enum { SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2 } sg_dtype;
+/* SG_DTYPE_AUTO (config only): grad_dtype = param_dtype, reduce_dtype = grad_dtype. */
+typedef enum { SG_DTYPE_AUTO = -1, SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2 } sg_dtype;
 typedef enum { SG_DEVICE_CPU = 0, SG_DEVICE_CUDA = 1 } sg_device;
 typedef enum {
   SG_NO_SHARD = 0,     /* plain data parallel: everything replicated, all-reduce */
@@ -114,8 +115,9 @@ typedef struct sg_config {
   sg_device device;       /* SG_DEVICE_CPU */
   int cuda_device;        /* -1: current device */
   sg_dtype param_dtype;   /* SG_F32: dtype of the working parameters */
-  sg_dtype grad_dtype;    /* = param_dtype: dtype of the gradients the caller writes */
-  sg_dtype reduce_dtype;  /* = grad_dtype: dtype on the wire (sums are done in fp32) */
+  sg_dtype grad_dtype;    /* SG_DTYPE_AUTO (= param_dtype): dtype of the gradients written */
+  sg_dtype reduce_dtype;  /* SG_DTYPE_AUTO (= grad_dtype): dtype on the wire; sums in fp32.
+                             Only = grad_dtype is supported (SG_ERR_UNSUPPORTED otherwise). */
   sg_dtype accum_dtype;   /* SG_F32 (or SG_BF16): the sharded gradient accumulator */
   size_t bucket_bytes;    /* 32 MiB, in grad_dtype bytes; >= 64 elements */
   int staging_buckets;    /* 2 (SHARD_GRAD_OP): full-size gradient buckets in flight, >= 1 */
@@ -216,6 +218,9 @@ typedef struct sg_step_info {
 SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
 SG_API sg_status sg_set_lr(sg_engine *e, float lr);
 SG_API sg_status sg_get_loss_scale(sg_engine *e, float *scale);
+/* The stream (a cudaStream_t) that the caller's kernels run on; the engine orders its own work
+ * after it. NULL: an internal stream. CPU engines accept only NULL (SG_ERR_UNSUPPORTED). */
+SG_API sg_status sg_set_stream(sg_engine *e, void *cuda_stream);
 
 typedef struct sg_memory_stats {
   size_t struct_size;

@@ -154,7 +154,7 @@ static void test_config_init(void) {
   CHECK(c.struct_size == sizeof c && c.strategy == SG_SHARD_GRAD_OP && c.device == SG_DEVICE_CPU &&
             c.cuda_device == -1,
         "struct_size, strategy, device");
-  CHECK(c.param_dtype == SG_F32 && c.grad_dtype == SG_F32 && c.reduce_dtype == SG_F32 &&
+  CHECK(c.param_dtype == SG_F32 && c.grad_dtype == SG_DTYPE_AUTO && c.reduce_dtype == SG_DTYPE_AUTO &&
             c.accum_dtype == SG_F32,
         "dtypes");
   CHECK(c.bucket_bytes == 32u << 20 && c.staging_buckets == 2, "bucket defaults");
@@ -211,7 +211,7 @@ BAD(b_strategy_neg, "strategy", c->strategy = (sg_strategy)-1)
 BAD(b_device, "device", c->device = (sg_device)2)
 BAD(b_cuda_device, "cuda_device", c->cuda_device = -2)
 BAD(b_param_dtype, "param_dtype", c->param_dtype = (sg_dtype)3)
-BAD(b_grad_dtype, "grad_dtype", c->grad_dtype = (sg_dtype)-1)
+BAD(b_grad_dtype, "grad_dtype", c->grad_dtype = (sg_dtype)-2)
 BAD(b_reduce_dtype, "reduce_dtype", c->reduce_dtype = (sg_dtype)7)
 BAD(b_accum_f16, "accum_dtype", c->accum_dtype = SG_F16)
 BAD(b_accum_bad, "accum_dtype", c->accum_dtype = (sg_dtype)9)

@@ -1,9 +1,10 @@
 /* The engine at W ranks against one rank on the combined batch (DESIGN.md section 9).
  *
  * Gradients are small multiples of 1/8 (|g| <= 2/8), so sums over up to 4 ranks and 3
- * micro-batches are exact in f32, bf16 and f16: for W = 2 and 4 (the 1/W average is then exact)
- * the parameters, master weights and moments must be bitwise equal to the single-rank run fed
- * with sum_r g_r / W. For W = 3 and for random gradients the tolerance is stated per check.
+ * micro-batches are exact in f32, bf16 and f16, so the parameters, master weights and moments
+ * must be bitwise equal to the single-rank run fed with sum_r g_r / W (W = 2, 4, averaging on)
+ * or sum_r g_r (W = 3, averaging off: 1/3 is inexact). Random gradients: the tolerance is
+ * stated in compare_result.
  *
  * Usage: test_engine --local W   (ranks as threads; W in 2..4, or 0 for all of 2, 3, 4)
  *        test_engine --mpi       (one rank per process under mpirun)
@@ -86,11 +87,13 @@ typedef struct {
   sg_comm *comm;
   int world;  /* world of the run being fed; 1 for the reference */
   int feed_w; /* number of ranks whose gradients are combined (reference: W) */
+  int average;/* grad_average: on for W = 2, 4 (1/W exact); off for W = 3, so that the
+                 reference's gradient (the plain sum) is exact too */
   result *res;
   char err[512];
 } run_arg;
 
-static sg_status setup(const tcase *tc, sg_comm *comm, sg_engine **out, int *ids) {
+static sg_status setup(const tcase *tc, int average, sg_comm *comm, sg_engine **out, int *ids) {
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
   if (st) return st;
@@ -102,6 +105,7 @@ static sg_status setup(const tcase *tc, sg_comm *comm, sg_engine **out, int *ids
   cfg.bucket_bytes = BUCKET_BYTES;
   cfg.staging_buckets = tc->shuffle ? 1 : 2;
   cfg.max_grad_norm = tc->clip;
+  cfg.grad_average = average;
   cfg.lr = 0.01f;
   cfg.timeout_ms = 60000;
   cfg.loss_scale = 1.0f; /* static: the test's gradients are not scaled */
@@ -134,7 +138,7 @@ static sg_status write_grad(run_arg *a, sg_engine *e, int id, int p, int step, i
       for (int r = 0; r < a->feed_w; r++) v += grad_val(a->tc, r, step, k, p, i);
     else
       v = grad_val(a->tc, rank, step, k, p, i);
-    store(g, a->tc->gdt, i, (float)(a->world == 1 ? v / a->feed_w : v));
+    store(g, a->tc->gdt, i, (float)(a->world == 1 && a->average ? v / a->feed_w : v));
   }
   return sg_grad_ready(e, id);
 }
@@ -162,7 +166,9 @@ static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
       order_for(tc, step, k, sg_comm_rank(a->comm), order);
       for (int j = 0; j < NP && !st; j++) st = write_grad(a, e, ids[order[j]], order[j], step, k);
     }
-    sg_step_info info = {sizeof info};
+    sg_step_info info;
+    memset(&info, 0, sizeof info);
+    info.struct_size = sizeof info;
     if (!st) st = sg_step(e, &info);
     if (!st) a->res->norm[step] = info.grad_norm;
   }
@@ -190,7 +196,7 @@ static void *run_thread(void *arg) {
   run_arg *a = arg;
   sg_engine *e = NULL;
   int ids[NP];
-  sg_status st = setup(a->tc, a->comm, &e, ids);
+  sg_status st = setup(a->tc, a->average, a->comm, &e, ids);
   if (!st) st = train(a, e, ids);
   if (!st) st = collect(a, e, ids);
   a->res->ok = st == SG_OK;
@@ -212,16 +218,23 @@ static void free_result(result *r) {
 /* ---------------------------------------------------------------------------------------- */
 /* comparison                                                                                */
 
-static double max_rel(const float *a, const float *b, size_t n, size_t *bad_i) {
-  double worst = 0;
+static size_t first_diff(const float *a, const float *b, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (memcmp(&a[i], &b[i], 4) != 0) return i;
+  return 0;
+}
+
+/* Root-mean-square of (got - ref) over the root-mean-square of (ref - base): how large the
+ * disagreement is against the size of what training changed (base NULL: against ref itself). */
+static double rms_rel(const float *got, const float *ref, const float *base, size_t n) {
+  double num = 0, den = 0;
   for (size_t i = 0; i < n; i++) {
-    double d = fabs((double)a[i] - (double)b[i]) / (fabs((double)b[i]) + 1e-3);
-    if (d > worst || (isnan(a[i]) != isnan(b[i]))) {
-      worst = isnan(a[i]) != isnan(b[i]) ? INFINITY : d;
-      *bad_i = i;
-    }
+    const double d = (double)got[i] - ref[i], r = (double)ref[i] - (base ? base[i] : 0.0);
+    num += d * d;
+    den += r * r;
   }
-  return worst;
+  if (isnan(num)) return INFINITY;
+  return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 static const char *sname(sg_strategy s) {
@@ -229,36 +242,46 @@ static const char *sname(sg_strategy s) {
 }
 static const char *dname(sg_dtype d) { return d == SG_F32 ? "f32" : d == SG_BF16 ? "bf16" : "f16"; }
 
-/* Bitwise when exact is set, else relative difference (|a-b| / (|b| + 1e-3)) <= tol. */
+/* Bitwise when exact is set, else rms_rel(got, ref, base) <= tol. */
 static void compare(const char *what, const tcase *tc, int w, int rank, float *const *got,
-                    float *const *ref, int exact, double tol) {
+                    float *const *ref, int against_init, int exact, double tol) {
   for (int p = 0; p < NP; p++) {
-    size_t n = k_sizes[p], bad = 0;
+    const size_t n = k_sizes[p];
     if (exact) {
-      int same = memcmp(got[p], ref[p], n * 4) == 0;
-      if (!same) max_rel(got[p], ref[p], n, &bad);
-      CHECK(same, "%s W=%d rank %d %s p%s g%s mb%d%s%s%s: %s of param %d (numel %zu) differs at %zu: "
-            "%.9g vs %.9g", sname(tc->strategy), w, rank, "bitwise", dname(tc->pdt),
-            dname(tc->gdt), tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
+      const int same = memcmp(got[p], ref[p], n * 4) == 0;
+      const size_t bad = same ? 0 : first_diff(got[p], ref[p], n);
+      CHECK(same, "%s W=%d rank %d p%s g%s mb%d%s%s%s: %s of param %d (numel %zu) differs at "
+            "%zu: %.9g vs %.9g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt),
+            tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
             tc->adt == SG_BF16 ? " accum-bf16" : "", what, p, n, bad, got[p][bad], ref[p][bad]);
-    } else {
-      double d = max_rel(got[p], ref[p], n, &bad);
-      CHECK(d <= tol, "%s W=%d rank %d p%s g%s mb%d: %s of param %d differs by %.3g > %.3g at %zu",
-            sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt), tc->mb, what, p, d, tol,
-            bad);
+      continue;
     }
+    float *base = NULL;
+    if (against_init) {
+      base = malloc(n * 4);
+      for (size_t i = 0; i < n; i++) base[i] = init_val(p, i);
+    }
+    const double d = rms_rel(got[p], ref[p], base, n);
+    free(base);
+    CHECK(d <= tol, "%s W=%d rank %d p%s g%s mb%d: %s of param %d: rms difference %.3g of the "
+          "update > %.3g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt), tc->mb,
+          what, p, d, tol);
   }
 }
 
 static void compare_result(const tcase *tc, int w, int rank, const result *got, const result *ref) {
-  const int exact = !tc->random && (w == 2 || w == 4);
-  /* W=3: 1/3 is inexact, so the averaged gradient differs by an ulp; AdamW's normalisation
-   * keeps the relative effect small. Random gradients: sums in a different order. */
-  const double tol = tc->pdt == SG_F32 ? 2e-4 : 1.6e-2;
-  compare("param", tc, w, rank, got->param, ref->param, exact, tol);
-  compare("master", tc, w, rank, got->master, ref->master, exact, tol);
-  compare("m", tc, w, rank, got->m, ref->m, exact, exact ? 0 : 1e-3);
-  compare("v", tc, w, rank, got->v, ref->v, exact, exact ? 0 : 1e-3);
+  const int exact = !tc->random;
+  /* Stated tolerances, as the rms of the disagreement over the rms of what training changed.
+   * Random gradients: each
+   * rank's gradient is rounded to the grad dtype before the sum, the reference rounds the sum
+   * once, and near-zero sums can flip the sign of an element's first AdamW update (an lr-sized
+   * difference, large in the rms of a 64-element parameter): 1e-3 for f32 gradients, 0.1 for
+   * bf16/f16 gradients. */
+  const double tol = tc->gdt == SG_F32 ? 1e-3 : 0.1;
+  compare("param", tc, w, rank, got->param, ref->param, 1, exact, tol);
+  compare("master", tc, w, rank, got->master, ref->master, 1, exact, tol);
+  compare("m", tc, w, rank, got->m, ref->m, 0, exact, tol);
+  compare("v", tc, w, rank, got->v, ref->v, 0, exact, tol);
   for (int s = 0; s < tc->steps; s++) {
     const double d = fabs((double)got->norm[s] - (double)ref->norm[s]) / ((double)ref->norm[s] + 1e-12);
     CHECK(exact ? got->norm[s] == ref->norm[s] : d < 1e-5, "%s W=%d grad_norm step %d: %.9g vs %.9g",
@@ -266,10 +289,12 @@ static void compare_result(const tcase *tc, int w, int rank, const result *got, 
   }
 }
 
+static int avg_for(int w) { return (w & (w - 1)) == 0; }
+
 static int run_reference(const tcase *tc, int feed_w, result *ref) {
   sg_comm *c = NULL;
   if (sg_comm_create_local(1, &c)) return 0;
-  run_arg a = {tc, c, 1, feed_w, ref, ""};
+  run_arg a = {tc, c, 1, feed_w, avg_for(feed_w), ref, ""};
   run_thread(&a);
   CHECK(ref->ok, "reference run failed: %s", a.err);
   sg_comm_destroy(c);
@@ -277,7 +302,9 @@ static int run_reference(const tcase *tc, int feed_w, result *ref) {
 }
 
 static void run_local(const tcase *tc, int w) {
-  result ref = {0}, res[4] = {{0}};
+  result ref, res[4];
+  memset(&ref, 0, sizeof ref);
+  memset(res, 0, sizeof res);
   if (!run_reference(tc, w, &ref)) return;
   sg_comm *comms[4];
   sg_status st = sg_comm_create_local(w, comms);
@@ -286,7 +313,7 @@ static void run_local(const tcase *tc, int w) {
   pthread_t th[4];
   run_arg args[4];
   for (int r = 0; r < w; r++) {
-    args[r] = (run_arg){tc, comms[r], w, w, &res[r], ""};
+    args[r] = (run_arg){tc, comms[r], w, w, avg_for(w), &res[r], ""};
     pthread_create(&th[r], NULL, run_thread, &args[r]);
   }
   for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
@@ -310,7 +337,7 @@ static void run_mpi(const tcase *tc, sg_comm *comm) {
   const int w = sg_comm_size(comm), rank = sg_comm_rank(comm);
   result ref = {0}, res = {0};
   if (!run_reference(tc, w, &ref)) return;
-  run_arg a = {tc, comm, w, w, &res, ""};
+  run_arg a = {tc, comm, w, w, avg_for(w), &res, ""};
   run_thread(&a);
   CHECK(res.ok, "%s W=%d rank %d failed: %s", sname(tc->strategy), w, rank, a.err);
   if (res.ok) compare_result(tc, w, rank, &res, &ref);
@@ -371,6 +398,6 @@ int main(int argc, char **argv) {
       for (int w = 2; w <= 4; w++)
         if (local_w == 0 || local_w == w) run_local(&cases[c], w);
   }
-  if (rank == 0 || g_fail) printf("%s%d passed, %d failed\n", use_mpi ? "rank check: " : "", g_pass, g_fail);
+  if (rank == 0 || g_fail) printf("%s%d passed, %d failed\n", use_mpi ? "mpi: " : "", g_pass, g_fail);
   return g_fail != 0;
 }

@@ -20,8 +20,8 @@ static void sg__config_defaults(sg_config *c) {
   c->device = SG_DEVICE_CPU;
   c->cuda_device = -1;
   c->param_dtype = SG_F32;
-  c->grad_dtype = SG_F32;
-  c->reduce_dtype = SG_F32;
+  c->grad_dtype = SG_DTYPE_AUTO;
+  c->reduce_dtype = SG_DTYPE_AUTO;
   c->accum_dtype = SG_F32;
   c->bucket_bytes = (size_t)32 << 20;
   c->staging_buckets = 2;
@@ -68,6 +68,9 @@ sg_status sg__config_copy(const sg_config *in, sg_config *out, const char *fn) {
   sg__config_defaults(&c);
   memcpy(&c, in, in->struct_size);
   c.struct_size = sizeof c;
+  /* AUTO resolves here, so that every later check, hash and comparison sees real dtypes. */
+  if (c.grad_dtype == SG_DTYPE_AUTO) c.grad_dtype = c.param_dtype;
+  if (c.reduce_dtype == SG_DTYPE_AUTO) c.reduce_dtype = c.grad_dtype;
   *out = c;
   return SG_OK;
 }
@@ -111,8 +114,9 @@ static sg_status sg__config_check_enums(const sg_config *c, const char *fn) {
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->cuda_device must be >= -1 (got %d)", fn,
                    c->cuda_device);
   SG_TRY(sg__check_dtype(fn, "param_dtype", (int)c->param_dtype));
-  SG_TRY(sg__check_dtype(fn, "grad_dtype", (int)c->grad_dtype));
-  SG_TRY(sg__check_dtype(fn, "reduce_dtype", (int)c->reduce_dtype));
+  if (c->grad_dtype != SG_DTYPE_AUTO) SG_TRY(sg__check_dtype(fn, "grad_dtype", (int)c->grad_dtype));
+  if (c->reduce_dtype != SG_DTYPE_AUTO)
+    SG_TRY(sg__check_dtype(fn, "reduce_dtype", (int)c->reduce_dtype));
   if (c->accum_dtype != SG_F32 && c->accum_dtype != SG_BF16)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->accum_dtype must be SG_F32 or SG_BF16 (got %d)", fn,
@@ -121,11 +125,12 @@ static sg_status sg__config_check_enums(const sg_config *c, const char *fn) {
 }
 
 static sg_status sg__config_check_sizes(const sg_config *c, const char *fn) {
-  size_t min_bytes = 64 * sg__dtype_size(c->grad_dtype);
+  const sg_dtype gdt = c->grad_dtype == SG_DTYPE_AUTO ? c->param_dtype : c->grad_dtype;
+  size_t min_bytes = 64 * sg__dtype_size(gdt);
   if (c->bucket_bytes < min_bytes)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->bucket_bytes must be >= %zu (64 %s elements) (got %zu)", fn, min_bytes,
-                   sg__dtype_name(c->grad_dtype), c->bucket_bytes);
+                   sg__dtype_name(gdt), c->bucket_bytes);
   if (c->staging_buckets < 1 || c->staging_buckets > 64)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->staging_buckets must be in 1..64 (got %d)",
                    fn, c->staging_buckets);

@@ -50,9 +50,11 @@ sg_status sg__err_at(sg_status st, const char *file, int line, const char *fmt, 
 }
 
 sg_status sg__err_prefix(sg_status st, const char *fn) {
-  if (!fn || !fn[0]) return st;
+  if (st == SG_OK || !fn || !fn[0]) return st;
   size_t plen = strlen(fn) + 2; /* "fn: " without the NUL is strlen+2 */
   size_t cap = sizeof sg__err_buf;
+  /* already named by the layer below */
+  if (strncmp(sg__err_buf, fn, plen - 2) == 0 && sg__err_buf[plen - 2] == ':') return st;
   if (plen >= cap - 1) return st;
   size_t n = strlen(sg__err_buf);
   if (n + plen > cap - 1) n = cap - 1 - plen; /* keep the prefix, truncate the tail */

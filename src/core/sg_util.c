@@ -12,6 +12,7 @@ const char *sg__dtype_name(sg_dtype d) {
     case SG_F32: return "f32";
     case SG_BF16: return "bf16";
     case SG_F16: return "f16";
+    case SG_DTYPE_AUTO: return "auto";
   }
   return "unknown";
 }

@@ -33,7 +33,8 @@ sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn) {
 }
 
 sg_status sg__engine_broken(sg_engine *e, sg_status st) {
-  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA) {
+  /* A collective that failed or disagreed leaves the ranks out of step for good. */
+  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA || st == SG_ERR_MISMATCH) {
     e->state = SG_ES_BROKEN;
     SG_LOG(SG_LOG_WARN, e->rank, "engine broken: %s", sg_last_error());
   }
@@ -387,10 +388,11 @@ static sg_status setup_buffers(sg_engine *e) {
 }
 
 static sg_status finalize_local(sg_engine *e) {
-  SG_TRY(build_plan(e, &e->plan));
-  SG_TRY(setup_buffers(e));
-  SG_TRY(sg__step_build_segments(e));
-  return sg__grads_init(e);
+  sg_status st = build_plan(e, &e->plan);
+  if (st == SG_OK) st = setup_buffers(e);
+  if (st == SG_OK) st = sg__step_build_segments(e);
+  if (st == SG_OK) st = sg__grads_init(e);
+  return sg__err_prefix(st, "sg_finalize");
 }
 
 sg_status sg_finalize(sg_engine *e) {
@@ -420,7 +422,7 @@ fail:
     e->comm->scratch = NULL;
     e->comm->scratch_bytes = 0;
   }
-  return st;
+  return sg__err_prefix(st, fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -563,7 +565,7 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
   if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
   SG_TRY(sg__grads_idle(e, fn));
   if (!e->master) return sg_get_param(e, id, dst, SG_F32);
-  return gather_state(e, id, e->master, dst);
+  return sg__err_prefix(gather_state(e, id, e->master, dst), fn);
 }
 
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
@@ -574,7 +576,7 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   if (which != 0 && which != 1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: which must be 0 (m) or 1 (v), got %d", fn, which);
   SG_TRY(sg__grads_idle(e, fn));
-  return gather_state(e, id, which == 0 ? e->m : e->v, dst);
+  return sg__err_prefix(gather_state(e, id, which == 0 ? e->m : e->v, dst), fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -642,6 +644,15 @@ sg_status sg_set_lr(sg_engine *e, float lr) {
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr must be finite and >= 0 (got %g)", fn, lr);
   e->lr = lr;
   return SG_OK;
+}
+
+sg_status sg_set_stream(sg_engine *e, void *stream) {
+  static const char *fn = "sg_set_stream";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (e->state == SG_ES_BROKEN) return sg__engine_check(e, fn, 1);
+  if (e->touched)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress", fn);
+  return sg__err_prefix(e->dev->ops->set_stream(e->dev, stream), fn);
 }
 
 sg_status sg_get_loss_scale(sg_engine *e, float *scale) {
