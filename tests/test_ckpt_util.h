@@ -31,7 +31,7 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_unlock(&g_lock);                                                               \
   } while (0)
 
-static int finish(void) {
+static inline int finish(void) {
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail != 0;
 }
@@ -48,14 +48,14 @@ typedef struct {
   void *arg;
 } rank_thread;
 
-static void *rank_main(void *p) {
+static inline void *rank_main(void *p) {
   rank_thread *t = p;
   t->fn(t->rank, t->world, t->comm, t->arg);
   return NULL;
 }
 
 /* fn(rank, world, comm, arg) on `world` threads; arg is shared. */
-static void run_ranks(int world, rank_fn fn, void *arg) {
+static inline void run_ranks(int world, rank_fn fn, void *arg) {
   sg_comm *comms[8];
   pthread_t th[8];
   rank_thread rt[8];
@@ -86,12 +86,12 @@ typedef struct {
   const char *rename;    /* register param 0 under this name instead (mismatch tests) */
 } model_cfg;
 
-static void param_name(const model_cfg *m, int p, char *buf, size_t n) {
+static inline void param_name(const model_cfg *m, int p, char *buf, size_t n) {
   if (p == 0 && m->rename) snprintf(buf, n, "%s", m->rename);
   else snprintf(buf, n, "layer%d.%s", p, p % 3 == 1 ? "bias" : "weight");
 }
 
-static uint64_t mix64(uint64_t x) {
+static inline uint64_t mix64(uint64_t x) {
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
   x ^= x >> 33;
@@ -101,15 +101,15 @@ static uint64_t mix64(uint64_t x) {
 }
 
 /* Gradient of element i of param p at optimizer step `step`: k/8, k in -2..2. */
-static float grad_val(int step, int p, size_t i) {
+static inline float grad_val(int step, int p, size_t i) {
   const uint64_t h = mix64(((uint64_t)step << 48) ^ ((uint64_t)p << 40) ^ (uint64_t)i ^ 0x5eed);
   return (float)((int)(h % 5) - 2) * 0.125f;
 }
 
-static float init_val(int p, size_t i) { return (float)sin(0.37 * (double)i + (double)p) * 0.5f; }
+static inline float init_val(int p, size_t i) { return (float)sin(0.37 * (double)i + (double)p) * 0.5f; }
 
 /* Engine with the model registered, finalized and initialized (identically on every rank). */
-static sg_status make_engine(sg_comm *c, const model_cfg *m, sg_engine **out, int *ids) {
+static inline sg_status make_engine(sg_comm *c, const model_cfg *m, sg_engine **out, int *ids) {
   *out = NULL;
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
@@ -149,7 +149,7 @@ static sg_status make_engine(sg_comm *c, const model_cfg *m, sg_engine **out, in
 }
 
 /* Optimizer steps [from, to): every rank writes the same gradients, in backward order. */
-static sg_status train(sg_engine *e, const model_cfg *m, const int *ids, int from, int to) {
+static inline sg_status train(sg_engine *e, const model_cfg *m, const int *ids, int from, int to) {
   sg_status st = SG_OK;
   for (int s = from; s < to && !st; s++) {
     for (int p = m->nparams - 1; p >= 0 && !st; p--) {
@@ -172,10 +172,9 @@ typedef struct {
   int ok;
 } snap;
 
-static const char *k_what[4] = {"param", "master", "m", "v"};
 
 /* Collective (sg_get_master / sg_get_optim_state). */
-static sg_status take_snap(sg_engine *e, const model_cfg *m, const int *ids, snap *s) {
+static inline sg_status take_snap(sg_engine *e, const model_cfg *m, const int *ids, snap *s) {
   memset(s, 0, sizeof *s);
   sg_status st = SG_OK;
   for (int p = 0; p < m->nparams && !st; p++) {
@@ -190,14 +189,14 @@ static sg_status take_snap(sg_engine *e, const model_cfg *m, const int *ids, sna
   return st;
 }
 
-static void free_snap(snap *s) {
+static inline void free_snap(snap *s) {
   for (int k = 0; k < 4; k++)
     for (int p = 0; p < MAXP; p++) free(s->v[k][p]);
   memset(s, 0, sizeof *s);
 }
 
 /* 1 when bitwise equal; prints the first difference under `label` otherwise. */
-static int same_snap(const char *label, const model_cfg *m, const snap *a, const snap *b) {
+static inline int same_snap(const char *label, const model_cfg *m, const snap *a, const snap *b) {
   if (!a->ok || !b->ok) {
     printf("  %s: snapshot missing\n", label);
     return 0;
@@ -207,7 +206,8 @@ static int same_snap(const char *label, const model_cfg *m, const snap *a, const
       if (memcmp(a->v[k][p], b->v[k][p], m->sizes[p] * 4) != 0) {
         size_t i = 0;
         while (memcmp(&a->v[k][p][i], &b->v[k][p][i], 4) == 0) i++;
-        printf("  %s: %s of param %d differs at %zu: %.9g vs %.9g\n", label, k_what[k], p, i,
+        static const char *const what[4] = {"param", "master", "m", "v"};
+        printf("  %s: %s of param %d differs at %zu: %.9g vs %.9g\n", label, what[k], p, i,
                a->v[k][p][i], b->v[k][p][i]);
         return 0;
       }
@@ -218,6 +218,6 @@ static int same_snap(const char *label, const model_cfg *m, const snap *a, const
   return 1;
 }
 
-static int contains(const char *hay, const char *needle) { return strstr(hay, needle) != NULL; }
+static inline int contains(const char *hay, const char *needle) { return strstr(hay, needle) != NULL; }
 
 #endif /* TEST_CKPT_UTIL_H */
