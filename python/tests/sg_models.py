@@ -93,32 +93,46 @@ def param_groups_like_sharded(model, weight_decay):
 
 
 def torch_reference(model, batches, lr, weight_decay, max_grad_norm=0.0, betas=(0.9, 0.999),
-                    eps=1e-8):
+                    eps=1e-8, per_rank=False):
     """Single-process torch.optim.AdamW on the combined batch (all ranks concatenated), with
-    the same accumulation (loss / micro per micro-batch) and clipping. Returns the model and
-    the per-step losses (mean over micro-batches)."""
+    the same accumulation (loss / micro per micro-batch) and clipping. Returns the model, the
+    per-step losses (mean over micro-batches), the per-step gradient norms before clipping
+    and the optimizer."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(param_groups_like_sharded(model, weight_decay), lr=lr, betas=betas,
                             eps=eps, foreach=False)
-    losses = []
+    losses, norms = [], []
     for step in batches:
         tot = 0.0
         for micro in step:
+            if per_rank:
+                for part in micro:
+                    loss = lm_loss(model, part) / len(step)
+                    loss.backward()
+                    tot += loss.item() / len(micro)
+                continue
             loss = lm_loss(model, torch.cat(micro)) / len(step)
             loss.backward()
             tot += loss.item()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if per_rank:  # DDP averages the summed gradients after the backward passes
+            for g in grads:
+                g.div_(len(step[0]))
+        norms.append(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
         if max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(tot)
-    return model, losses
+    return model, losses, norms, opt
 
 
 def train_sharded(model, opt, batches, rank, use_no_sync=False):
     """One rank's loop with ShardedAdamW: its slice of every micro-batch, loss / micro, the
-    first micro-batches under no_sync when asked. Returns the per-step local losses."""
-    losses = []
+    first micro-batches under no_sync when asked. Returns the per-step local losses and the
+    step infos."""
+    losses, infos = [], []
     for step in batches:
         tot = 0.0
         for m, micro in enumerate(step):
@@ -133,7 +147,8 @@ def train_sharded(model, opt, batches, rank, use_no_sync=False):
             tot += loss.item()
         opt.step()
         losses.append(tot)
-    return losses
+        infos.append(opt.last_step_info)
+    return losses, infos
 
 
 def max_param_diff(a, b):

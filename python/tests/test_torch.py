@@ -1,0 +1,404 @@
+"""shardgrad.torch.ShardedAdamW against torch.optim.AdamW on a small transformer LM.
+
+Two references, both torch.optim.AdamW (single-tensor path) in one process, 20 steps
+(lr 3e-3, weight decay 0.1, clipping at 0.5, 1-3 micro-batches), parameters up to ~4 in size:
+ - the combined batch (all ranks' data in one batch): every parameter within TOL = 5e-5;
+ - DDP's gradients (each rank's slice separately, summed, divided by W): within TOL_DDP = 2e-6.
+Measured: ~3e-7 against DDP's gradients (a few float32 ulps: a different summation order). Against
+the combined batch also ~3e-7, except at W = 3 where torch itself differs by 1.1e-5 between
+the two references: one element of an attention key weight has a gradient of 3e-8 (|g| ~ eps)
+and Adam turns its rounding into a 1e-5 step difference. Rank replicas must agree bitwise.
+"""
+
+import copy
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import shardgrad as sg  # noqa: E402
+from shardgrad.torch import ShardedAdamW  # noqa: E402
+from sg_models import (lm_loss, make_batches, make_model, max_param_diff,  # noqa: E402
+                       param_groups_like_sharded, torch_reference, train_sharded)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOL = 5e-5
+TOL_DDP = 2e-6
+STEPS = 20
+HP = dict(lr=3e-3, weight_decay=0.1)
+FAST = dict(timeout_ms=60000)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # Two rank threads on two cores: one intra-op thread each keeps the runs predictable.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(world, micro, clip):
+    base = make_model(0)
+    batches = make_batches(1, STEPS, micro, world, 4)
+    ref, losses, norms, _ = torch_reference(base, batches, max_grad_norm=clip, **HP)
+    return base, batches, ref, losses, norms
+
+
+@functools.lru_cache(maxsize=None)
+def ddp_reference(world, micro, clip):
+    base, batches = reference(world, micro, clip)[:2]
+    return torch_reference(base, batches, max_grad_norm=clip, per_rank=True, **HP)[0]
+
+
+def run_sharded(world, micro, clip, strategy, no_sync, **extra):
+    base, batches, ref, ref_losses, ref_norms = reference(world, micro, clip)
+    models = [copy.deepcopy(base) for _ in range(world)]  # built here: torch RNG is global
+
+    def body(comm):
+        m = models[comm.rank]
+        opt = ShardedAdamW(m, comm, strategy=strategy, max_grad_norm=clip, bucket_bytes=8192,
+                           **HP, **FAST, **extra)
+        losses, infos = train_sharded(m, opt, batches, comm.rank, use_no_sync=no_sync)
+        mem = opt.memory()
+        opt.close()
+        return losses, infos, mem
+
+    results = sg.run_threads(world, body)
+    return models, results, ref, ref_losses, ref_norms
+
+
+CASES = [
+    # world, micro-batches, clip, strategy, no_sync for all but the last micro-batch
+    (1, 2, 0.5, "shard_grad_op", True),
+    (2, 2, 0.5, "shard_grad_op", False),
+    (2, 3, 0.5, "shard_grad_op", True),
+    (2, 1, 0.0, "shard_grad_op", False),
+    (2, 2, 0.5, "no_shard", True),
+    (3, 1, 0.5, "shard_opt", False),
+]
+
+
+@pytest.mark.parametrize("world,micro,clip,strategy,no_sync", CASES)
+def test_matches_torch_adamw(world, micro, clip, strategy, no_sync):
+    models, results, ref, ref_losses, ref_norms = run_sharded(world, micro, clip, strategy,
+                                                              no_sync)
+    diff, scale = max_param_diff(models[0], ref)
+    diff_ddp, _ = max_param_diff(models[0], ddp_reference(world, micro, clip))
+    for m in models[1:]:
+        for a, b in zip(models[0].parameters(), m.parameters()):
+            assert torch.equal(a, b), "rank replicas differ"
+    infos = results[0][1]
+    assert [i.step for i in infos] == list(range(1, STEPS + 1))
+    norm_err = max(abs(i.grad_norm - n) / n for i, n in zip(infos, ref_norms))
+    # the global loss is the mean of the ranks' losses
+    losses = np.mean([r[0] for r in results], axis=0)
+    loss_err = np.max(np.abs(losses - np.array(ref_losses)))
+    mem = results[0][2]
+    print("W=%d %s micro=%d clip=%g no_sync=%s: max |param - torch| = %.3g combined batch, "
+          "%.3g DDP gradients (|param| <= %.2f), grad-norm rel err %.2g, loss err %.2g, "
+          "loss %.3f -> %.3f; shard %d of %d elements"
+          % (world, strategy, micro, clip, no_sync, diff, diff_ddp, scale, norm_err, loss_err,
+             ref_losses[0], ref_losses[-1], mem.shard_numel, mem.numel))
+    assert diff <= TOL
+    assert diff_ddp <= TOL_DDP
+    assert norm_err <= 1e-4
+    assert loss_err <= 1e-4
+    assert ref_losses[-1] < ref_losses[0] - 0.5  # it learns
+    if clip:
+        assert min(i.clip_coef for i in infos) < 1.0  # clipping was active
+    if strategy != "no_shard":
+        assert mem.shard_numel * world == mem.numel
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_matches_torch_adamw_under_mpirun(tmp_path):
+    if not sg.has_backend("mpi"):
+        pytest.skip("libshardgrad built without MPI")
+    out = str(tmp_path / "res")
+    env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root", sys.executable,
+           os.path.join(HERE, "mpi_helper.py"), out, "shard_grad_op", "2", "1", "0.5"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = [json.load(open("%s.%d.json" % (out, k))) for k in range(2)]
+    assert [x["rank"] for x in res] == [0, 1] and all(x["world"] == 2 for x in res)
+    assert res[0]["sha"] == res[1]["sha"], "rank replicas differ"
+    norm_err = max(abs(a - b) / b for a, b in zip(res[0]["norms"], res[0]["ref_norms"]))
+    print("mpirun -np 2 SHARD_GRAD_OP micro=2 (no_sync) clip=0.5: max |param - torch| = %.3g, "
+          "grad-norm rel err %.2g, loss %.3f -> %.3f, shard %d of %d"
+          % (res[0]["diff"], norm_err, res[0]["first_loss"], res[0]["last_loss"],
+             res[0]["shard_numel"], res[0]["numel"]))
+    assert max(x["diff"] for x in res) <= TOL
+    assert norm_err <= 1e-4
+    assert res[0]["shard_numel"] * 2 == res[0]["numel"]
+
+
+# ------------------------------------------------------------------------------------------
+# behaviour of the optimizer object
+
+
+def _single(model, **kw):
+    comm = sg.Comm.local(1)[0]
+    return ShardedAdamW(model, comm, **FAST, **kw), comm
+
+
+def test_zero_copy_params_and_grads_dropped():
+    model = make_model(0)
+    frozen_ptr = model.frozen_gain.data_ptr()
+    opt, comm = _single(model, lr=1e-3)
+    tokens = make_batches(1, 1, 1, 1, 2)[0][0][0]
+    lm_loss(model, tokens).backward()
+    e = opt.engine
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        assert p.grad is None, name  # handed to the library, then dropped
+        assert p.data_ptr() == e.param_ptr(opt.param_id(p)), name
+    assert model.frozen_gain.data_ptr() == frozen_ptr  # left alone
+    assert model.frozen_gain.grad is None
+    assert e.num_params == sum(1 for p in model.parameters() if p.requires_grad)
+    # a write through the library's view shows in the model (and vice versa)
+    view = e.param_tensor(opt.param_id(model.head.bias))
+    view[0] = 42.0
+    assert model.head.bias[0].item() == 42.0
+    with torch.no_grad():
+        model.head.bias[1] = -7.0
+    assert e.get_param(opt.param_id(model.head.bias))[1] == -7.0
+    opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()  # parameters copied back into torch memory, still usable
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+        if p.requires_grad:
+            assert p.data_ptr() != 0
+    lm_loss(model, tokens).backward()  # the model still trains with plain torch
+    assert model.head.weight.grad is not None
+    assert e.closed
+    comm.close()
+
+
+def test_no_decay_for_1d_params_and_frozen_skipped():
+    lin = torch.nn.Linear(4, 3)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lr, wd = 0.1, 0.5
+    opt, comm = _single(lin, lr=lr, weight_decay=wd)
+    for _ in range(3):
+        (lin(torch.ones(2, 4)) * 0.0).sum().backward()  # zero gradients: only decay acts
+        opt.step()
+    f = float(np.float32(1 - np.float32(lr) * np.float32(wd)))
+    torch.testing.assert_close(lin.weight.detach(), w0 * f ** 3, rtol=1e-6, atol=1e-7)
+    assert torch.equal(lin.bias.detach(), b0)  # 1-D: no decay
+    opt.close()
+    comm.close()
+    # told otherwise: decay everything except names listed
+    lin2 = torch.nn.Linear(4, 3)
+    b0 = lin2.bias.detach().clone()
+    w0 = lin2.weight.detach().clone()
+    opt, comm = _single(lin2, lr=lr, weight_decay=wd, no_decay={"weight"})
+    (lin2(torch.ones(2, 4)) * 0.0).sum().backward()
+    opt.step()
+    torch.testing.assert_close(lin2.bias.detach(), b0 * f, rtol=1e-6, atol=1e-7)
+    assert torch.equal(lin2.weight.detach(), w0)
+    opt.close()
+    comm.close()
+
+
+def test_lr_scheduler_drives_the_library_lr():
+    base = make_model(0)
+    batches = make_batches(2, 8, 1, 1, 4)
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(param_groups_like_sharded(ref, 0.1), lr=3e-3, foreach=False)
+    rs = torch.optim.lr_scheduler.StepLR(ropt, step_size=2, gamma=0.5)
+    model = copy.deepcopy(base)
+    opt, comm = _single(model, lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    seen = []
+    for step in batches:
+        lm_loss(ref, step[0][0]).backward()
+        ropt.step()
+        ropt.zero_grad()
+        rs.step()
+        lm_loss(model, step[0][0]).backward()
+        opt.step()
+        seen.append(opt.engine.lr)
+        sched.step()
+    assert seen == [pytest.approx(3e-3 * 0.5 ** (k // 2)) for k in range(8)]
+    diff, _ = max_param_diff(model, ref)
+    print("StepLR over 8 steps: lr %s, max |param - torch| = %.3g" % (seen, diff))
+    assert diff <= TOL
+    opt.lr = 1e-4  # the setter writes param_groups, read at the next step
+    assert opt.param_groups[0]["lr"] == 1e-4
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    with pytest.raises(sg.UnsupportedError, match="lr"):
+        opt.step()
+    opt.close()
+    comm.close()
+
+
+def test_state_dict_matches_torch_state():
+    base = make_model(0)
+    batches = make_batches(3, 4, 1, 2, 4)
+    ref, _, _, ropt = torch_reference(base, batches, **HP)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(comm):
+        m = models[comm.rank]
+        opt = ShardedAdamW(m, comm, **HP, **FAST)
+        train_sharded(m, opt, batches, comm.rank)
+        sd = opt.state_dict()  # collective
+        masters = opt.master_weights()
+        opt.close()
+        return sd, masters
+
+    (sd, masters), (sd1, _) = sg.run_threads(2, body)
+    rstate = {id(p): s for p, s in ropt.state.items()}
+    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    assert sd["names"] == [n for n, _ in named]
+    worst = 0.0
+    for i, (n, p) in enumerate(named):
+        st = sd["state"][i]
+        assert float(st["step"]) == 4.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = rstate[id(p)][key]
+            worst = max(worst, ((st[key] - want).abs().max() / want.abs().max().clamp_min(
+                1e-12)).item())
+            assert torch.equal(st[key], sd1["state"][i][key])  # every rank gets the full state
+        torch.testing.assert_close(masters[n], p.detach(), rtol=0, atol=TOL)
+        torch.testing.assert_close(st["master"], p.detach(), rtol=0, atol=TOL)
+    print("state_dict: max relative difference of exp_avg/exp_avg_sq vs torch = %.3g" % worst)
+    assert worst < 1e-3
+    assert sd["param_groups"][0]["lr"] == HP["lr"]
+
+
+def test_bf16_params_train_and_loss_falls():
+    """A bf16 model: param_dtype follows the parameters, the library keeps fp32 masters."""
+    base = make_model(0).to(torch.bfloat16)
+    batches = make_batches(4, 15, 1, 2, 8)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def body(comm):
+        m = models[comm.rank]
+        opt = ShardedAdamW(m, comm, **HP, **FAST)
+        losses = []
+        for step in batches:
+            loss = lm_loss(m, step[0][comm.rank])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        cfg, mem = opt.engine.config, opt.memory()
+        dtypes = {p.dtype for p in m.parameters() if p.requires_grad}
+        opt.close()
+        return losses, dtypes, cfg, mem
+
+    (l0, d0, cfg, mem), (l1, *_) = sg.run_threads(2, body)
+    assert cfg.param_dtype == sg.DType.BF16 and cfg.grad_dtype == sg.DType.BF16
+    assert d0 == {torch.bfloat16}
+    assert mem.master_bytes == 4 * mem.shard_numel  # fp32 master of this rank's shard
+    print("bf16 W=2: loss %.3f -> %.3f; %s" % ((l0[0] + l1[0]) / 2, (l0[-1] + l1[-1]) / 2, mem))
+    assert (l0[-1] + l1[-1]) / 2 < (l0[0] + l1[0]) / 2 - 0.3
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+
+
+class Reordered(torch.nn.Module):
+    """Registered output layer first: named_parameters order is not execution order."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = torch.nn.Linear(64, 8)
+        self.mid = torch.nn.Linear(64, 64)
+        self.inp = torch.nn.Linear(16, 64)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+
+def test_param_order_backward_needs_no_extra_staging():
+    """With param_order='backward' the plan follows gradient arrival, and SHARD_GRAD_OP keeps
+    its planned staging buckets; in named_parameters order the output layer's gradients
+    arrive first but are reduced last, so the library must allocate extra staging buckets
+    (and warns)."""
+    grads = {}
+    for order in ("backward", "registration"):
+        torch.manual_seed(0)
+        base = Reordered()
+        models = [copy.deepcopy(base) for _ in range(2)]
+
+        def body(comm):
+            m = models[comm.rank]
+            opt = ShardedAdamW(m, comm, bucket_bytes=4096, param_order=order, **FAST)
+            seen = []
+            for _ in range(3):
+                m(torch.ones(4, 16)).square().mean().backward()
+                seen.append(opt.memory().grads_bytes)
+                opt.step()
+            opt.close()
+            return seen
+
+        grads[order] = sg.run_threads(2, body)[0]
+    print("gradient bytes per rank over 3 steps: %s" % grads)
+    assert len(set(grads["backward"])) == 1
+    assert grads["registration"][0] > grads["backward"][0]
+
+
+def test_argument_errors():
+    comm = sg.Comm.local(1)[0]
+    with pytest.raises(TypeError):
+        ShardedAdamW(torch.nn.Linear(2, 2), "not a comm")
+    with pytest.raises(ValueError):
+        ShardedAdamW(torch.nn.Linear(2, 2), comm, param_order="random")
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(sg.InvalidArgumentError, match="no trainable"):
+        ShardedAdamW(frozen, comm)
+    with pytest.raises(TypeError, match="unknown field"):
+        ShardedAdamW(torch.nn.Linear(2, 2), comm, momentum=0.9)
+    opt = ShardedAdamW(torch.nn.Linear(2, 2), comm, param_order="registration", **FAST)
+    with pytest.raises(sg.UnsupportedError):
+        opt.load_state_dict({})
+    with pytest.raises(sg.UnsupportedError):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    assert "ShardedAdamW(2 params" in repr(opt)
+    opt.close()
+    comm.close()
+
+
+# ------------------------------------------------------------------------------------------
+# memory
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_peak_memory_below_replicated_torch_adamw():
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
+    res = {}
+    for mode in ("torch", "sharded"):
+        out = os.path.join(os.environ.get("TMPDIR", "/tmp"), "sg_mem_%d_%s.json"
+                           % (os.getpid(), mode))
+        r = subprocess.run([sys.executable, os.path.join(HERE, "mem_helper.py"), mode, "2", out],
+                           env=env, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        with open(out) as f:
+            res[mode] = json.load(f)
+        os.unlink(out)
+    t, s = res["torch"], res["sharded"]
+    mib = 1 << 20
+    print("peak memory of a training step, 2 ranks as threads, %d parameters per replica:"
+          % t["params"])
+    print("  torch.optim.AdamW, replicated state: %.1f MiB above baseline (%.1f MiB per rank; "
+          "optimizer state %.1f MiB per rank)" % (t["step_peak_bytes"] / mib,
+                                                 t["step_peak_bytes"] / 2 / mib,
+                                                 t["optimizer_state_bytes"] / 2 / mib))
+    print("  ShardedAdamW SHARD_GRAD_OP:          %.1f MiB above baseline (%.1f MiB per rank; "
+          "library holds %.1f MiB per rank incl. the %.1f MiB working params that replaced "
+          "torch's)" % (s["step_peak_bytes"] / mib, s["step_peak_bytes"] / 2 / mib,
+                        s["library_total_bytes_per_rank"] / mib,
+                        s["library"]["params_bytes"] / mib))
+    assert s["step_peak_bytes"] < t["step_peak_bytes"]
