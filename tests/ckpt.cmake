@@ -3,3 +3,18 @@
 sg_add_test(test_ckpt SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt.c LABELS local TIMEOUT 300)
 sg_add_test(test_ckpt_corrupt SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt_corrupt.c LABELS local TIMEOUT 300)
 sg_add_test(test_ckpt_kill SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt_kill.c LABELS local TIMEOUT 300)
+
+# libFuzzer target over the checkpoint readers (clang only): scripts/fuzz_ckpt.sh builds it in
+# build-fuzz/ with coverage and sanitizers and runs it for a bounded time.
+option(SG_FUZZ "Build the libFuzzer target fuzz_ckpt (needs clang)" OFF)
+if(SG_FUZZ)
+  if(CMAKE_C_COMPILER_ID MATCHES "Clang")
+    add_executable(fuzz_ckpt ${CMAKE_CURRENT_SOURCE_DIR}/fuzz_ckpt.c)
+    target_link_libraries(fuzz_ckpt PRIVATE shardgrad_internal)
+    target_compile_options(fuzz_ckpt PRIVATE -fsanitize=fuzzer)
+    target_link_options(fuzz_ckpt PRIVATE -fsanitize=fuzzer)
+  else()
+    message(WARNING "SG_FUZZ=ON needs clang (CMAKE_C_COMPILER_ID is ${CMAKE_C_COMPILER_ID}): "
+                    "fuzz_ckpt is not built")
+  endif()
+endif()
