@@ -20,6 +20,8 @@
 
 #include <ucontext.h>  // fibers for the threads of a block
 
+#include "sg_cuda_emu_hook.h"  // sg_emu_enqueue: a mock runtime's streams
+
 #define __global__
 #define __device__
 #define __host__
@@ -94,16 +96,24 @@ inline void sg_emu_fiber_main() {
 
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 
+// Work on a stream: queued when a mock runtime is attached and a stream is given, else now.
+inline void sg_emu_submit(cudaStream_t s, std::function<void()> work) {
+  if (sg_emu_enqueue && s)
+    sg_emu_enqueue(s, std::move(work));
+  else
+    work();
+}
+
 inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind,
-                                   cudaStream_t) {
-  memmove(dst, src, bytes);
+                                   cudaStream_t s) {
+  sg_emu_submit(s, [=] { memmove(dst, src, bytes); });
   return cudaSuccess;
 }
 
 // Runs k<<<grid, block>>>(args...) to completion for a kernel without __syncthreads: block by
 // block, thread by thread, on the calling thread.
 template <typename... P, typename... A>
-void sg_emu_launch(void (*k)(P...), unsigned grid, unsigned block, A... args) {
+void sg_emu_run(void (*k)(P...), unsigned grid, unsigned block, A... args) {
   gridDim = dim3{grid, 1, 1};
   blockDim = dim3{block, 1, 1};
   for (unsigned b = 0; b < grid; b++)
@@ -116,7 +126,7 @@ void sg_emu_launch(void (*k)(P...), unsigned grid, unsigned block, A... args) {
 
 // The same for a kernel with __syncthreads, its threads as fibers. Not reentrant.
 template <typename... P, typename... A>
-void sg_emu_launch_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) {
+void sg_emu_run_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) {
   static sg_emu_fibers f;
   const size_t stack_bytes = 64 * 1024;
   gridDim = dim3{grid, 1, 1};
@@ -140,6 +150,18 @@ void sg_emu_launch_sync(void (*k)(P...), unsigned grid, unsigned block, A... arg
     swapcontext(&f.main, &f.ctx[0]);  // back here when the block's last thread has finished
   }
   sg_emu_current_fibers = nullptr;
+}
+
+// k<<<grid, block, 0, s>>>(args...): the arguments are copied, as a real launch does.
+template <typename... P, typename... A>
+void sg_emu_launch(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block, A... args) {
+  sg_emu_submit(s, [=] { sg_emu_run(k, grid, block, args...); });
+}
+
+template <typename... P, typename... A>
+void sg_emu_launch_sync(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block,
+                        A... args) {
+  sg_emu_submit(s, [=] { sg_emu_run_sync(k, grid, block, args...); });
 }
 
 #endif  // SG_CUDA_EMU_H

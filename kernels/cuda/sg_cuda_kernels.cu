@@ -17,9 +17,9 @@
 #ifdef SG_CUDA_EMULATE
 #include "sg_cuda_emu.h"  // host emulation for tests without a GPU (tests/test_cuda_emu.cpp)
 #define SG_LAUNCH(k, grid, block, stream, ...) \
-  ((void)(stream), sg_emu_launch((k), (grid), (block), __VA_ARGS__))
+  sg_emu_launch((stream), (k), (grid), (block), __VA_ARGS__)
 #define SG_LAUNCH_SYNC(k, grid, block, stream, ...) \
-  ((void)(stream), sg_emu_launch_sync((k), (grid), (block), __VA_ARGS__))
+  sg_emu_launch_sync((stream), (k), (grid), (block), __VA_ARGS__)
 #else
 #include <cuda_runtime.h>  // launches, cudaMemcpyAsync
 // k is a pointer to a kernel (so that template arguments do not split the macro's arguments).

@@ -419,9 +419,8 @@ static sg_status sg__cuda_adamw_check(const sg__adamw_args *a, const char *fn) {
   if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL args", fn);
   if (!sg__cuda_dtype_ok(a->param_dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad param_dtype (%d)", fn, a->param_dtype);
-  if (a->grad_dtype != SG_F32 && a->grad_dtype != SG_BF16)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: grad_dtype must be f32 or bf16 (%d)", fn,
-                   a->grad_dtype);
+  if (!sg__cuda_dtype_ok(a->grad_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad grad_dtype (%d)", fn, a->grad_dtype);
   if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad segments (%d)", fn, a->nsegs);
   if (a->nsegs > 0 && (!a->param || !a->m || !a->v || !a->grad))

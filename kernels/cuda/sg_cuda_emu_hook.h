@@ -1,0 +1,11 @@
+// The one link between the host emulation of the CUDA kernels (sg_cuda_emu.h) and a mock CUDA
+// runtime (tests/cudamock): when the runtime sets sg_emu_enqueue, emulated kernels and copies
+// launched on a stream are queued there (run when the stream is forced) instead of at once.
+#ifndef SG_CUDA_EMU_HOOK_H
+#define SG_CUDA_EMU_HOOK_H
+
+#include <functional>  // std::function
+
+inline void (*sg_emu_enqueue)(void *stream, std::function<void()> work) = nullptr;
+
+#endif  // SG_CUDA_EMU_HOOK_H

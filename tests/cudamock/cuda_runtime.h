@@ -1,0 +1,98 @@
+/* A mock of the part of the CUDA runtime API that src/device/cuda.c uses, for testing the CUDA
+ * device (and the engine on it) on machines without a GPU. Only tests/cuda.cmake's mock library
+ * puts this directory on the include path; real builds use the toolkit's header.
+ *
+ * Model (tests/cudamock/sg_cudamock.cpp): "device" memory is host memory; a stream is a FIFO of
+ * work that runs only when something forces it (cudaStreamQuery, cudaEventQuery, a stream that
+ * waits on one of its events, cudaFree). Work is therefore as late as CUDA allows, so a missing
+ * event between two streams, or a host read without a wait, gives wrong data in a test instead
+ * of passing by luck. Kernels are the emulated kernels of kernels/cuda (sg_cuda_emu.h), queued
+ * on the stream they are launched on. */
+#ifndef SG_CUDAMOCK_RUNTIME_H
+#define SG_CUDAMOCK_RUNTIME_H
+
+#include <stddef.h> /* size_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600
+} cudaError_t;
+
+typedef struct CUstream_st *cudaStream_t;
+typedef struct CUevent_st *cudaEvent_t;
+typedef void (*cudaHostFn_t)(void *user_data);
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4
+};
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDisableTiming 0x02
+#define CUDART_CB
+
+const char *cudaGetErrorString(cudaError_t e);
+const char *cudaGetErrorName(cudaError_t e);
+cudaError_t cudaGetLastError(void);
+
+cudaError_t cudaGetDeviceCount(int *count);
+cudaError_t cudaGetDevice(int *device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device);
+cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest);
+
+cudaError_t cudaMalloc(void **p, size_t bytes);
+cudaError_t cudaFree(void *p);
+cudaError_t cudaMallocHost(void **p, size_t bytes);
+cudaError_t cudaFreeHost(void *p);
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s);
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
+                            cudaStream_t s);
+cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s);
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *user_data);
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags);
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned int flags, int priority);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamQuery(cudaStream_t s);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags);
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaEventQuery(cudaEvent_t e);
+
+/* ---- controls for tests ----------------------------------------------------------------- */
+
+/* Number of mock GPUs (default 1); 0 makes cudaGetDeviceCount fail with cudaErrorNoDevice. */
+void sg_cudamock_set_devices(int n);
+/* A stalled stream runs nothing (queries say cudaErrorNotReady), like a stream stuck behind a
+ * collective that never completes. */
+void sg_cudamock_stall(cudaStream_t s, int on);
+/* Work items queued on s and not yet run. */
+size_t sg_cudamock_pending(cudaStream_t s);
+/* Runs everything that can run (all streams), as time passing on a real GPU would. */
+void sg_cudamock_drain(void);
+/* Allocations made with cudaMalloc / cudaMallocAsync / cudaMallocHost and not freed. */
+size_t sg_cudamock_live_allocations(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SG_CUDAMOCK_RUNTIME_H */

@@ -1,0 +1,354 @@
+// The mock CUDA runtime of tests/cudamock/cuda_runtime.h: lazy streams over host memory.
+//
+// Every stream is a FIFO of work items; an event is a position in one stream's FIFO. Nothing
+// runs when it is enqueued: a stream advances only when forced (a query of the stream or of one
+// of its events, another stream's wait on one of its events, cudaFree, sg_cudamock_drain), and
+// a wait item advances the stream it waits on up to the event's position first. One global
+// lock serializes everything (rank threads of the local communicator share the mock).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cuda/sg_cuda_emu_hook.h"  // sg_emu_enqueue: emulated kernels go to our streams
+#include "cuda_runtime.h"
+
+namespace {
+
+struct Item {
+  CUstream_st *wait_on = nullptr;  // a wait item: that stream up to wait_pos first
+  uint64_t wait_pos = 0;
+  std::function<void()> fn;  // else: the work
+};
+
+}  // namespace
+
+struct CUstream_st {
+  std::deque<Item> q;
+  uint64_t enq = 0;   // items ever queued
+  uint64_t done = 0;  // items run
+  bool stalled = false;
+  bool busy = false;  // being advanced (a wait cycle would recurse forever)
+  bool alive = true;
+};
+
+struct CUevent_st {
+  CUstream_st *s = nullptr;  // NULL: never recorded (queries succeed, waits are no-ops)
+  uint64_t pos = 0;
+  bool alive = true;
+};
+
+namespace {
+
+std::recursive_mutex g_mu;
+int g_devices = 1;
+thread_local int g_current = 0;
+thread_local cudaError_t g_last = cudaSuccess;
+// Objects live until exit so that a late wait on a destroyed stream stays safe.
+std::vector<std::unique_ptr<CUstream_st>> g_streams;
+std::vector<std::unique_ptr<CUevent_st>> g_events;
+std::map<void *, size_t> g_allocs;
+
+const size_t kTooLarge = (size_t)1 << 40;  // "more than the GPU has"
+
+cudaError_t fail(cudaError_t e) {
+  g_last = e;
+  return e;
+}
+
+// Runs s up to `target` items; false if it cannot get there (stalled, or a wait that cannot).
+bool advance(CUstream_st *s, uint64_t target) {
+  if (s->done >= target) return true;
+  if (s->stalled || s->busy) return false;
+  s->busy = true;
+  bool ok = true;
+  while (s->done < target) {
+    CUstream_st *const on = s->q.front().wait_on;
+    const uint64_t pos = s->q.front().wait_pos;
+    if (on && !advance(on, pos)) {
+      ok = false;
+      break;
+    }
+    std::function<void()> fn = std::move(s->q.front().fn);
+    s->q.pop_front();
+    s->done++;
+    if (fn) fn();
+  }
+  s->busy = false;
+  return ok;
+}
+
+void push(CUstream_st *s, Item it) {
+  s->q.push_back(std::move(it));
+  s->enq++;
+}
+
+void push_fn(CUstream_st *s, std::function<void()> fn) {
+  Item it;
+  it.fn = std::move(fn);
+  push(s, std::move(it));
+}
+
+bool valid_stream(CUstream_st *s) { return s && s->alive; }
+bool valid_event(CUevent_st *e) { return e && e->alive; }
+
+// Device-wide synchronization (what cudaFree implies).
+void drain_all() {
+  for (auto &s : g_streams) advance(s.get(), s->enq);
+}
+
+void *alloc_aligned(size_t bytes) {
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  void *p = aligned_alloc(256, rounded ? rounded : 256);
+  if (p) g_allocs[p] = bytes;
+  return p;
+}
+
+cudaError_t free_tracked(void *p) {
+  if (!p) return cudaSuccess;
+  auto it = g_allocs.find(p);
+  if (it == g_allocs.end()) return fail(cudaErrorInvalidValue);  // double or foreign free
+  g_allocs.erase(it);
+  free(p);
+  return cudaSuccess;
+}
+
+void enqueue_hook(void *stream, std::function<void()> work) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  push_fn((CUstream_st *)stream, std::move(work));
+}
+
+struct Init {
+  Init() { sg_emu_enqueue = enqueue_hook; }
+} g_init;
+
+}  // namespace
+
+extern "C" {
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+  }
+  return "unknown error";
+}
+
+const char *cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+  }
+  return "cudaErrorUnknown";
+}
+
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = g_last;
+  g_last = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaGetDeviceCount(int *count) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!count) return fail(cudaErrorInvalidValue);
+  *count = g_devices;
+  return g_devices > 0 ? cudaSuccess : fail(cudaErrorNoDevice);
+}
+
+cudaError_t cudaGetDevice(int *device) {
+  if (!device) return fail(cudaErrorInvalidValue);
+  *device = g_current;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (device < 0 || device >= g_devices) return fail(cudaErrorInvalidDevice);
+  g_current = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device) {
+  if (!value || attr != cudaDevAttrMultiProcessorCount) return fail(cudaErrorInvalidValue);
+  *value = 4;  // small grids: many grid-stride rounds
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!p) return fail(cudaErrorInvalidValue);
+  *p = nullptr;
+  if (bytes >= kTooLarge) return fail(cudaErrorMemoryAllocation);
+  *p = alloc_aligned(bytes);
+  return *p ? cudaSuccess : fail(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFree(void *p) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  drain_all();  // cudaFree synchronizes the device
+  return free_tracked(p);
+}
+
+cudaError_t cudaMallocHost(void **p, size_t bytes) { return cudaMalloc(p, bytes); }
+
+cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
+
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  return cudaMalloc(p, bytes);
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  if (!g_allocs.count(p)) return fail(cudaErrorInvalidValue);
+  push_fn(s, [p] { free_tracked(p); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
+                            cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  if ((!dst || !src) && bytes) return fail(cudaErrorInvalidValue);
+  (void)kind;
+  push_fn(s, [=] { memmove(dst, src, bytes); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  if (!dst && bytes) return fail(cudaErrorInvalidValue);
+  push_fn(s, [=] { memset(dst, value, bytes); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *user_data) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s) || !fn) return fail(cudaErrorInvalidValue);
+  push_fn(s, [=] { fn(user_data); });
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!s) return fail(cudaErrorInvalidValue);
+  (void)flags;
+  g_streams.push_back(std::make_unique<CUstream_st>());
+  *s = g_streams.back().get();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned int flags, int priority) {
+  (void)priority;
+  return cudaStreamCreateWithFlags(s, flags);
+}
+
+// Pending work still completes after a real destroy: run what can run now.
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  advance(s, s->enq);
+  s->alive = false;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  return advance(s, s->enq) ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(s) || !valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
+  (void)flags;
+  if (!e->s) return cudaSuccess;  // never recorded: nothing to wait for
+  Item it;
+  it.wait_on = e->s;
+  it.wait_pos = e->pos;  // the event as it is now, as CUDA specifies
+  push(s, std::move(it));
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!e) return fail(cudaErrorInvalidValue);
+  (void)flags;
+  g_events.push_back(std::make_unique<CUevent_st>());
+  *e = g_events.back().get();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
+  e->alive = false;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_event(e) || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  e->s = s;
+  e->pos = s->enq;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
+  if (!e->s) return cudaSuccess;
+  return advance(e->s, e->pos) ? cudaSuccess : cudaErrorNotReady;
+}
+
+void sg_cudamock_set_devices(int n) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  g_devices = n;
+}
+
+void sg_cudamock_stall(cudaStream_t s, int on) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (s) s->stalled = on != 0;
+}
+
+size_t sg_cudamock_pending(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return s ? (size_t)(s->enq - s->done) : 0;
+}
+
+void sg_cudamock_drain(void) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  drain_all();
+}
+
+size_t sg_cudamock_live_allocations(void) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return g_allocs.size();
+}
+
+}  // extern "C"

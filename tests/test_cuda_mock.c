@@ -1,0 +1,369 @@
+/* src/device/cuda.c on the mock CUDA runtime of tests/cudamock (lazy streams: work runs only
+ * when something forces it), so that its stream logic is checked without a GPU:
+ *  - a comm job sees the compute work issued before it (event at submit), the compute queue
+ *    sees a job's work after compute_wait_comm, a stream switch keeps earlier work first;
+ *    both for host-driven jobs and for stream-ordered ones (communicator hooks attached);
+ *  - deadlines: a stalled comm stream gives SG_ERR_TIMEOUT, calls the abort hook, and breaks
+ *    the device; a communicator error seen by the poll hook breaks it too; detach on destroy;
+ *  - kernels through the device (adamw with its cached segment table, sumsq, reduce_sum, cast,
+ *    accumulate) against the CPU kernels;
+ *  - allocation failures, and no device memory left behind by destroy. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h> /* the mock's: controls (stall, pending) and streams */
+
+#include "cpu/sg_cpu_kernels.h"    /* references */
+#include "device/sg_device.h"      /* the vtable, sg__device_cuda_create */
+#include "device/sg_device_cuda.h" /* comm stream, hooks */
+
+static int g_pass, g_fail;
+
+static void check(int ok, const char *what) {
+  printf("%s %s%s%s\n", ok ? "ok  " : "FAIL", what, ok ? "" : " -- ", ok ? "" : sg_last_error());
+  if (ok)
+    g_pass++;
+  else
+    g_fail++;
+}
+
+static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
+
+#define N 10000
+
+/* ---- hooks -------------------------------------------------------------------------------- */
+
+typedef struct hook_state {
+  int polls, aborts, detaches;
+  sg_status poll_result;
+} hook_state;
+
+static sg_status hook_poll(void *arg) {
+  hook_state *h = (hook_state *)arg;
+  h->polls++;
+  if (h->poll_result != SG_OK) return sg__err(h->poll_result, "mock comm: peer failed");
+  return SG_OK;
+}
+static void hook_abort(void *arg) { ((hook_state *)arg)->aborts++; }
+static void hook_detach(void *arg) { ((hook_state *)arg)->detaches++; }
+
+static void attach(sg__device *d, hook_state *h) {
+  sg__cuda_comm_hooks hk = {hook_poll, hook_abort, hook_detach, h};
+  sg__device_cuda_set_comm_hooks(d, &hk);
+}
+
+/* ---- jobs ----------------------------------------------------------------------------------- */
+
+typedef struct copy_job {
+  sg__device *d;
+  float *dst;
+  const float *src;
+} copy_job;
+
+static sg_status copy_job_fn(void *arg) {
+  copy_job *j = (copy_job *)arg;
+  return j->d->ops->copy(j->d, SG_Q_COMM, j->dst, j->src, N * 4, SG_COPY_D2D);
+}
+
+/* compute: a += a; job: b = a (comm); compute after compute_wait_comm: b += b. Lazy streams
+ * make any missing dependency visible as b != 4h. */
+static void ordering(sg__device *d, const char *mode) {
+  const sg__device_ops *o = d->ops;
+  float h[N], back[N];
+  for (int i = 0; i < N; i++) h[i] = (float)(i % 97);
+  float *a = NULL, *b = NULL;
+  o->alloc(d, N * 4, (void **)&a);
+  o->alloc(d, N * 4, (void **)&b);
+  o->copy(d, SG_Q_COMPUTE, a, h, N * 4, SG_COPY_H2D);
+  o->zero(d, SG_Q_COMPUTE, b, N * 4);
+  o->accumulate(d, SG_Q_COMPUTE, a, 0, a, 0, N);
+  copy_job j = {d, b, a};
+  uint64_t t = 0;
+  char what[128];
+  snprintf(what, sizeof what, "%s: comm_submit", mode);
+  check(o->comm_submit(d, copy_job_fn, &j, &t) == SG_OK, what);
+  check(o->compute_wait_comm(d, t, sg__deadline(5000)) == SG_OK, "compute_wait_comm");
+  o->accumulate(d, SG_Q_COMPUTE, b, 0, b, 0, N);
+  memset(back, 0, sizeof back);
+  o->copy(d, SG_Q_COMPUTE, back, b, N * 4, SG_COPY_D2H);
+  int ok = 1;
+  for (int i = 0; i < N && ok; i++) ok = back[i] == 4.0f * h[i];
+  snprintf(what, sizeof what, "%s: job after compute work, compute after the job (b == 4h)", mode);
+  check(ok, what);
+  snprintf(what, sizeof what, "%s: comm_wait", mode);
+  check(o->comm_wait(d, t, sg__deadline(5000)) == SG_OK, what);
+  o->free(d, a);
+  o->free(d, b);
+}
+
+/* set_stream: work queued on the old stream stays ahead of work on the new one. */
+static void stream_switch(sg__device *d) {
+  const sg__device_ops *o = d->ops;
+  float h[N], back[N];
+  for (int i = 0; i < N; i++) h[i] = (float)i;
+  float *a = NULL;
+  o->alloc(d, N * 4, (void **)&a);
+  o->copy(d, SG_Q_COMPUTE, a, h, N * 4, SG_COPY_H2D);
+  o->accumulate(d, SG_Q_COMPUTE, a, 0, a, 0, N); /* on our own stream, not run yet */
+  cudaStream_t user;
+  cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking);
+  check(o->set_stream(d, user) == SG_OK, "set_stream(user)");
+  o->accumulate(d, SG_Q_COMPUTE, a, 0, a, 0, N); /* on the user's stream */
+  o->copy(d, SG_Q_COMPUTE, back, a, N * 4, SG_COPY_D2H);
+  check(back[3] == 12.0f && back[N - 1] == 4.0f * (N - 1), "stream switch keeps the order");
+  check(o->set_stream(d, NULL) == SG_OK, "set_stream(NULL)");
+  check(o->sync(d, sg__deadline(1000)) == SG_OK, "sync");
+  check(sg_cudamock_pending(user) == 0, "user stream drained");
+  cudaStreamDestroy(user);
+  o->free(d, a);
+}
+
+/* host-driven jobs: the comm work is done when the job's call returns */
+typedef struct probe_job {
+  sg__device *d;
+  float *dst, *src;
+  size_t pending_after;
+} probe_job;
+
+static sg_status probe_job_fn(void *arg) {
+  probe_job *j = (probe_job *)arg;
+  sg_status st = j->d->ops->copy(j->d, SG_Q_COMM, j->dst, j->src, 64, SG_COPY_D2D);
+  j->pending_after = sg_cudamock_pending((cudaStream_t)sg__device_cuda_comm_stream(j->d));
+  return st;
+}
+
+static void host_driven(sg__device *d, int attached) {
+  float *a = NULL, *b = NULL;
+  d->ops->alloc(d, 64, (void **)&a);
+  d->ops->alloc(d, 64, (void **)&b);
+  probe_job j = {d, b, a, 99};
+  uint64_t t;
+  d->ops->comm_submit(d, probe_job_fn, &j, &t);
+  if (attached)
+    check(j.pending_after > 0, "stream-ordered jobs: comm work stays queued");
+  else
+    check(j.pending_after == 0, "host-driven jobs: comm work done when the call returns");
+  d->ops->comm_wait(d, t, sg__deadline(1000));
+  d->ops->free(d, a);
+  d->ops->free(d, b);
+}
+
+/* ---- failures --------------------------------------------------------------------------------- */
+
+typedef struct nothing_job {
+  int ran;
+} nothing_job;
+
+static sg_status nothing_fn(void *arg) {
+  ((nothing_job *)arg)->ran++;
+  return SG_OK;
+}
+
+static sg_status failing_fn(void *arg) {
+  (void)arg;
+  return sg__err(SG_ERR_COMM, "mock job: collective failed");
+}
+
+static void timeouts(void) {
+  sg__device *d = NULL;
+  hook_state h = {0, 0, 0, SG_OK};
+  sg__device_cuda_create(0, 0, &d);
+  attach(d, &h);
+  cudaStream_t comm = (cudaStream_t)sg__device_cuda_comm_stream(d);
+  sg_cudamock_stall(comm, 1);
+  nothing_job nj = {0};
+  uint64_t t = 0;
+  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_OK && nj.ran == 1, "submit on a stalled stream");
+  int64_t t0 = sg__now_ms();
+  check(d->ops->comm_wait(d, t, sg__now_ms() + 50) == SG_ERR_TIMEOUT && says("deadline"),
+        "stalled comm stream: SG_ERR_TIMEOUT");
+  check(sg__now_ms() - t0 < 5000, "timeout returned promptly");
+  check(h.aborts == 1 && h.polls > 0, "abort hook called once, poll hook called while waiting");
+  check(d->ops->comm_wait(d, t, sg__deadline(1000)) == SG_ERR_TIMEOUT,
+        "later waits return the recorded timeout");
+  check(d->ops->sync(d, sg__deadline(1000)) == SG_ERR_TIMEOUT, "sync returns it too");
+  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_ERR_TIMEOUT && nj.ran == 1,
+        "later submits fail without running the job");
+  sg_cudamock_stall(comm, 0);
+  d->ops->destroy(d);
+  check(h.detaches == 1, "destroy detaches the hooks");
+
+  /* the communicator reports a failure through the poll hook */
+  hook_state h2 = {0, 0, 0, SG_ERR_COMM};
+  sg__device_cuda_create(0, 0, &d);
+  attach(d, &h2);
+  comm = (cudaStream_t)sg__device_cuda_comm_stream(d);
+  sg_cudamock_stall(comm, 1);
+  d->ops->comm_submit(d, nothing_fn, &nj, &t);
+  check(d->ops->comm_wait(d, t, sg__deadline(5000)) == SG_ERR_COMM && says("peer failed"),
+        "poll hook failure: SG_ERR_COMM with its text");
+  check(d->ops->comm_wait(d, t, sg__deadline(5000)) == SG_ERR_COMM, "and it sticks");
+  sg_cudamock_stall(comm, 0);
+  d->ops->destroy(d);
+
+  /* a failing job: returned by submit and by every later wait */
+  sg__device_cuda_create(0, 0, &d);
+  check(d->ops->comm_submit(d, failing_fn, NULL, &t) == SG_ERR_COMM && says("collective failed"),
+        "failing job: submit returns its failure");
+  check(d->ops->comm_wait(d, t, sg__deadline(1000)) == SG_ERR_COMM && says("collective failed"),
+        "failing job: comm_wait returns it");
+  check(d->ops->comm_wait(d, t + 1, sg__deadline(1000)) == SG_ERR_COMM,
+        "failing job: the device stays broken");
+  d->ops->destroy(d);
+}
+
+static void allocations(sg__device *d) {
+  void *p = (void *)&p;
+  sg__device_fail_alloc_after(0);
+  check(d->ops->alloc(d, 64, &p) == SG_ERR_OUT_OF_MEMORY && p == NULL, "injected alloc failure");
+  sg__device_fail_alloc_after(-1);
+  check(d->ops->alloc(d, (size_t)1 << 45, &p) == SG_ERR_OUT_OF_MEMORY && says("cudaMalloc") &&
+            says("cuda.c:"),
+        "too large: SG_ERR_OUT_OF_MEMORY naming cudaMalloc with file:line");
+  check(d->ops->alloc(d, 0, &p) == SG_OK && p != NULL, "0 bytes: a block");
+  d->ops->free(d, p);
+  check(d->ops->host_alloc(d, 100, &p) == SG_OK && p != NULL, "host_alloc");
+  d->ops->host_free(d, p);
+  check(d->ops->copy(d, 7, p, p, 4, SG_COPY_D2D) == SG_ERR_INVALID_ARGUMENT, "bad queue");
+  check(d->ops->copy(d, SG_Q_COMPUTE, NULL, p, 4, SG_COPY_D2D) == SG_ERR_INVALID_ARGUMENT,
+        "NULL dst");
+  check(d->ops->accumulate(d, SG_Q_COMPUTE, p, SG_F16, p, 0, 4) == SG_ERR_INVALID_ARGUMENT,
+        "accumulate into f16 rejected");
+  check(d->ops->comm_wait(d, 1000000, sg__deadline(10)) == SG_ERR_INVALID_ARGUMENT,
+        "ticket never issued");
+}
+
+/* ---- kernels through the device ------------------------------------------------------------- */
+
+static uint64_t g_rng = 88172645463325252ull;
+static float rnd(void) {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return (float)((double)(g_rng >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+}
+
+static void kernels(sg__device *d) {
+  const sg__device_ops *o = d->ops;
+  enum { S = 5000 };
+  /* adamw: bf16 params with master and stochastic rounding, segments with gaps */
+  sg__seg segs[3] = {{0, 10, 1000, 1, 0}, {1003, 1020, 1, 0, 1ull << 40}, {1010, 2000, 3001, 1, 2ull << 40}};
+  static uint16_t p_h[S];
+  static float mst_h[S], m_h[S], v_h[S], g_h[S];
+  for (int i = 0; i < S; i++) {
+    mst_h[i] = rnd();
+    p_h[i] = (uint16_t)(i * 7);
+    m_h[i] = rnd() * 0.01f;
+    v_h[i] = fabsf(rnd()) * 1e-4f;
+    g_h[i] = rnd() * 0.1f;
+  }
+  void *p, *mst, *m, *v, *g;
+  o->alloc(d, sizeof p_h, &p);
+  o->alloc(d, sizeof mst_h, &mst);
+  o->alloc(d, sizeof m_h, &m);
+  o->alloc(d, sizeof v_h, &v);
+  o->alloc(d, sizeof g_h, &g);
+  o->copy(d, SG_Q_COMPUTE, p, p_h, sizeof p_h, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, mst, mst_h, sizeof mst_h, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, m, m_h, sizeof m_h, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, v, v_h, sizeof v_h, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, g, g_h, sizeof g_h, SG_COPY_H2D);
+  sg__adamw_args a;
+  memset(&a, 0, sizeof a);
+  a.param_dtype = SG_BF16;
+  a.grad_dtype = SG_F32;
+  a.segs = segs;
+  a.grad_scale = 0.5f;
+  a.decay_factor = 0.9999f;
+  a.beta1 = 0.9f;
+  a.one_minus_beta1 = 0.1f;
+  a.beta2 = 0.999f;
+  a.one_minus_beta2 = 0.001f;
+  a.bc2_sqrt = 0.05f;
+  a.eps = 1e-8f;
+  a.stochastic_rounding = 1;
+  a.seed = 5;
+  int ok = 1;
+  for (int step = 1; step <= 3; step++) {
+    a.step = (uint64_t)step;
+    a.step_size = 0.001f * (float)step;
+    a.segs = step == 3 ? segs + 1 : segs; /* the third step changes the table: upload again */
+    a.nsegs = step == 3 ? 2 : 3;
+    a.param = p_h, a.master = mst_h, a.m = m_h, a.v = v_h, a.grad = g_h;
+    sg__cpu_adamw(&a);
+    a.param = p, a.master = mst, a.m = m, a.v = v, a.grad = g;
+    /* Nothing forces the streams in between: step 3 re-uploads the table while steps 1 and 2
+     * (and step 1's upload) are still queued, and its kernel follows step 2's on the other
+     * queue through the table's event. */
+    ok &= o->adamw(d, step == 2 ? SG_Q_COMM : SG_Q_COMPUTE, &a) == SG_OK;
+  }
+  static uint16_t p_got[S];
+  static float f_got[S];
+  o->copy(d, SG_Q_COMPUTE, p_got, p, sizeof p_got, SG_COPY_D2H);
+  ok &= memcmp(p_got, p_h, sizeof p_h) == 0;
+  o->copy(d, SG_Q_COMPUTE, f_got, mst, sizeof f_got, SG_COPY_D2H);
+  ok &= memcmp(f_got, mst_h, sizeof mst_h) == 0;
+  o->copy(d, SG_Q_COMPUTE, f_got, v, sizeof f_got, SG_COPY_D2H);
+  ok &= memcmp(f_got, v_h, sizeof v_h) == 0;
+  check(ok, "adamw (3 steps, both queues, table changed on step 3) == CPU bitwise");
+
+  double cs, cn, gs = -1, gn = -1;
+  sg__cpu_sumsq(mst_h, SG_F32, S, &cs, &cn);
+  check(o->sumsq(d, SG_Q_COMPUTE, mst, SG_F32, S, &gs, &gn) == SG_OK &&
+            fabs(gs - cs) <= 1e-12 * cs && gn == cn,
+        "sumsq == CPU");
+
+  /* reduce_sum in place over three device buffers, f32 */
+  const void *srcs[3] = {m, v, mst};
+  const void *hsrcs[3] = {m_h, v_h, mst_h};
+  static float want[S];
+  sg__cpu_reduce_sum(want, hsrcs, 3, SG_F32, S);
+  o->reduce_sum(d, SG_Q_COMPUTE, m, srcs, 3, SG_F32, S);
+  o->copy(d, SG_Q_COMPUTE, f_got, m, sizeof f_got, SG_COPY_D2H);
+  check(memcmp(f_got, want, sizeof want) == 0, "reduce_sum in place == CPU");
+
+  /* cast f32 -> f16, accumulate f16 into bf16 */
+  static uint16_t h16[S], want16[S], got16[S];
+  sg__cpu_cast(want16, SG_F16, mst_h, SG_F32, S);
+  o->cast(d, SG_Q_COMPUTE, g, SG_F16, mst, SG_F32, S);
+  o->copy(d, SG_Q_COMPUTE, h16, g, sizeof h16, SG_COPY_D2H);
+  check(memcmp(h16, want16, sizeof h16) == 0, "cast f32 -> f16 == CPU");
+  memcpy(want16, p_h, sizeof want16);
+  sg__cpu_accumulate(want16, SG_BF16, h16, SG_F16, S);
+  o->accumulate(d, SG_Q_COMPUTE, p, SG_BF16, g, SG_F16, S);
+  o->copy(d, SG_Q_COMPUTE, got16, p, sizeof got16, SG_COPY_D2H);
+  check(memcmp(got16, want16, sizeof got16) == 0, "accumulate f16 into bf16 == CPU");
+
+  void *bufs[5] = {p, mst, m, v, g};
+  for (int i = 0; i < 5; i++) o->free(d, bufs[i]);
+}
+
+int main(void) {
+  sg__device *d = NULL;
+  sg_cudamock_set_devices(0);
+  check(sg__device_cuda_create(0, -1, &d) == SG_ERR_CUDA && says("no CUDA device found") &&
+            d == NULL,
+        "no mock GPU: SG_ERR_CUDA, no CUDA device found");
+  sg_cudamock_set_devices(1);
+  check(sg__device_cuda_create(0, 1, &d) == SG_ERR_INVALID_ARGUMENT, "cuda_device out of range");
+  const size_t live0 = sg_cudamock_live_allocations();
+  check(sg__device_cuda_create(0, -1, &d) == SG_OK && d, "create");
+  ordering(d, "host-driven");
+  host_driven(d, 0);
+  stream_switch(d);
+  allocations(d);
+  kernels(d);
+  hook_state h = {0, 0, 0, SG_OK};
+  attach(d, &h);
+  ordering(d, "stream-ordered");
+  host_driven(d, 1);
+  check(d->ops->sync(d, sg__deadline(1000)) == SG_OK, "sync");
+  d->ops->destroy(d);
+  sg_cudamock_drain();
+  check(sg_cudamock_live_allocations() == live0, "destroy leaves no device or pinned memory");
+  timeouts();
+  printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail ? 1 : 0;
+}
