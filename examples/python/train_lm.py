@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Train a small character-level transformer language model with shardgrad's ShardedAdamW.
+
+    # W ranks as processes (one rank per process, Comm.mpi):
+    mpirun -np 2 python3 examples/python/train_lm.py
+    # W ranks as threads of this process (Comm.local):
+    python3 examples/python/train_lm.py --ranks 2
+    # your own text instead of the generated corpus:
+    python3 examples/python/train_lm.py --ranks 2 --text some_book.txt
+
+The library is found through SHARDGRAD_LIBRARY (e.g. build/libshardgrad.so), next to the
+package, or the system path; the package itself through PYTHONPATH=python or `pip install
+./python`. Each rank trains on its own random windows of the corpus; gradients are averaged
+over ranks, AdamW state is sharded (SHARD_GRAD_OP unless --strategy says otherwise). Rank 0
+prints loss and throughput; every rank prints its memory at the end. Exits with status 1 if
+the loss did not fall.
+"""
+
+import argparse
+import math
+import os
+import random
+import sys
+import threading
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))  # run from a checkout
+
+import shardgrad as sg  # noqa: E402
+from shardgrad.torch import ShardedAdamW  # noqa: E402
+
+# ------------------------------------------------------------------------------------------
+# data
+
+
+def generate_corpus(n_sentences=6000, seed=1234):
+    """English-like text from a small grammar: enough structure for a tiny model to learn."""
+    rnd = random.Random(seed)
+    subj = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the farmer",
+            "our teacher", "the small fox", "a sailor"]
+    verb = ["sees", "likes", "finds", "follows", "paints", "carries", "watches", "feeds",
+            "remembers", "greets"]
+    obj = ["the red ball", "a green apple", "the river", "an empty box", "the tall tree",
+           "a quiet house", "the morning sun", "a wooden boat", "the long road", "a letter"]
+    tail = ["", " today", " at night", " in the garden", " near the sea", " every morning",
+            " with great care", " again"]
+    out = []
+    for _ in range(n_sentences):
+        s = "%s %s %s%s." % (rnd.choice(subj), rnd.choice(verb), rnd.choice(obj),
+                              rnd.choice(tail))
+        out.append(s[0].upper() + s[1:])
+    return " ".join(out) + "\n"
+
+
+class CharData:
+    def __init__(self, text):
+        chars = sorted(set(text))
+        self.itos = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+
+    @property
+    def vocab(self):
+        return len(self.itos)
+
+    def batch(self, gen, batch, seq):
+        ix = torch.randint(0, len(self.data) - seq - 1, (batch,), generator=gen)
+        return torch.stack([self.data[i:i + seq + 1] for i in ix.tolist()])
+
+    def decode(self, ids):
+        return "".join(self.itos[i] for i in ids)
+
+
+# ------------------------------------------------------------------------------------------
+# model
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, n, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class CharLM(nn.Module):
+    def __init__(self, vocab, d, heads, layers, seq):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, x):
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+    def loss(self, tokens):
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               tokens[:, 1:].reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, ids, n, seq):
+        x = torch.tensor([ids], dtype=torch.long)
+        for _ in range(n):
+            logits = self(x[:, -seq:])[0, -1]
+            x = torch.cat([x, logits.argmax().view(1, 1)], dim=1)
+        return x[0].tolist()
+
+
+# ------------------------------------------------------------------------------------------
+# training
+
+
+def rss_mib():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def train_rank(comm, args, data, out):
+    rank, world = comm.rank, comm.size
+    torch.manual_seed(args.seed)  # every rank builds the same model (rank 0's is broadcast)
+    model = CharLM(data.vocab, args.d, args.heads, args.layers, args.seq)
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    nparams = sum(p.numel() for p in model.parameters())
+    opt = ShardedAdamW(model, comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                       strategy=args.strategy, max_grad_norm=args.clip,
+                       bucket_bytes=args.bucket_kib << 10)
+    warmup = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank: own data
+    tokens_per_step = world * args.micro * args.batch * args.seq
+    if rank == 0:
+        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s), %s, %s params"
+              % (nparams, args.layers, args.d, data.vocab, world, comm.kind,
+                 opt.engine.config.strategy.name, args.dtype), flush=True)
+    losses = []
+    t0 = time.perf_counter()
+    t_last, tok_last = t0, 0
+    for step in range(1, args.steps + 1):
+        loss_sum = 0.0
+        for m in range(args.micro):
+            x = data.batch(gen, args.batch, args.seq)
+            if m < args.micro - 1:
+                with opt.no_sync():  # accumulate locally, reduce with the last micro-batch
+                    loss = model.loss(x) / args.micro
+                    loss.backward()
+            else:
+                loss = model.loss(x) / args.micro
+                loss.backward()
+            loss_sum += loss.item()
+        opt.step()
+        sched.step()
+        losses.append(loss_sum)
+        if rank == 0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
+            now = time.perf_counter()
+            tok = step * tokens_per_step
+            rate = (tok - tok_last) / max(now - t_last, 1e-9)
+            info = opt.last_step_info
+            print("step %4d  loss %.4f  lr %.2e  grad-norm %.3f  %8.0f tokens/s" % (
+                step, loss_sum, opt.lr, info.grad_norm, rate), flush=True)
+            t_last, tok_last = now, tok
+    elapsed = time.perf_counter() - t0
+    mem = opt.memory()
+    sample = None
+    if rank == 0:
+        prompt = data.data[:16].tolist()
+        sample = data.decode(model.generate(prompt, 80, args.seq))
+    out[rank] = dict(losses=losses, mem=mem, elapsed=elapsed, tokens=args.steps * tokens_per_step,
+                     sample=sample, nparams=nparams)
+    opt.close()
+    return out[rank]
+
+
+def loss_trend(results):
+    """Mean loss over ranks of the first and the last n steps."""
+    r0 = results[0]
+    n = max(1, min(10, len(r0["losses"]) // 4))
+    first = sum(sum(r["losses"][:n]) / n for r in results) / len(results)
+    last = sum(sum(r["losses"][-n:]) / n for r in results) / len(results)
+    return first, last, n
+
+
+def print_memory(rank, res):
+    mem = res["mem"]
+    mib = 1 << 20
+    print("rank %d memory: library %.2f MiB (params %.2f, grads %.2f, master %.2f, optim %.2f, "
+          "comm %.2f; peak %.2f), %d of %d elements in this rank's shard; process RSS %.0f MiB"
+          % (rank, mem.total_bytes / mib, mem.params_bytes / mib, mem.grads_bytes / mib,
+             mem.master_bytes / mib, mem.optim_bytes / mib, mem.comm_bytes / mib,
+             mem.peak_bytes / mib, mem.shard_numel, mem.numel, rss_mib()), flush=True)
+
+
+def under_mpirun():
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="ranks as threads of this process (default: MPI under mpirun, else 1)")
+    ap.add_argument("--text", help="train on this UTF-8 text file instead of a generated corpus")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    ap.add_argument("--micro", type=int, default=1, help="micro-batches per step (no_sync)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--strategy", default="shard_grad_op",
+                    choices=["shard_grad_op", "shard_opt", "no_shard"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--bucket-kib", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads per rank (default: cores / local ranks)")
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = generate_corpus()
+    data = CharData(text)
+    if len(data.data) < args.seq + 2:
+        sys.exit("the text is shorter than one sequence")
+
+    use_mpi = args.ranks is None and under_mpirun()
+    local = 1 if use_mpi else (args.ranks or 1)
+    if use_mpi:
+        local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
+
+    out = {}
+    if use_mpi:
+        comm = sg.Comm.mpi()
+        rank, world = comm.rank, comm.size
+        res = train_rank(comm, args, data, out)
+        print_memory(rank, res)
+        comm.close()
+        if rank != 0:
+            return 0
+        results = [res]
+        kind = "mpi"
+    else:
+        sg.run_threads(local, train_rank, args, data, out)
+        world, results, kind = local, [out[r] for r in range(local)], "local"
+        for r in range(world):
+            print_memory(r, out[r])
+    first, last, n = loss_trend(results)
+    r0 = results[0]
+    print("%d ranks (%s): %d steps in %.1f s, %.0f tokens/s overall" % (
+        world, kind, len(r0["losses"]), r0["elapsed"], r0["tokens"] / r0["elapsed"]))
+    print("sample: %r" % r0["sample"])
+    fell = last < first - 0.1
+    print("loss %s from %.4f (mean of the first %d steps) to %.4f (mean of the last %d)"
+          % ("fell" if fell else "did NOT fall", first, n, last, n), flush=True)
+    return 0 if fell else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
