@@ -27,6 +27,7 @@ class Status(enum.IntEnum):
 
 
 class DType(enum.IntEnum):
+    AUTO = -1  # config only: grad_dtype = param_dtype, reduce_dtype = grad_dtype
     F32 = 0
     BF16 = 1
     F16 = 2

@@ -13,6 +13,7 @@ _DTYPE_NAMES = {
     "f32": DType.F32, "fp32": DType.F32, "float32": DType.F32, "float": DType.F32,
     "bf16": DType.BF16, "bfloat16": DType.BF16,
     "f16": DType.F16, "fp16": DType.F16, "float16": DType.F16, "half": DType.F16,
+    "auto": DType.AUTO,
 }
 _STRATEGY_NAMES = {
     "no_shard": Strategy.NO_SHARD, "ddp": Strategy.NO_SHARD,
@@ -83,8 +84,9 @@ _BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding")
 class Config:
     """Engine configuration: every sg_config field as a keyword argument or attribute.
 
-    Defaults come from sg_config_init (the C library), so they never drift from the header.
-    As the header says, grad_dtype defaults to param_dtype and reduce_dtype to grad_dtype.
+    Defaults come from sg_config_init (the C library), so they never drift from the header;
+    grad_dtype and reduce_dtype default to DType.AUTO (= param_dtype, resolved by the library;
+    see effective_grad_dtype).
     Unknown names raise TypeError, wrong types TypeError, bad enum names ValueError; ranges are
     checked by the library itself (validate(), also run by the constructor), raising
     InvalidArgumentError with the library's message.
@@ -105,11 +107,6 @@ class Config:
                             % (", ".join(unknown), ", ".join(FIELDS)))
         for k, v in kwargs.items():
             setattr(self, k, v)
-        # The header's defaults that follow another field.
-        if "param_dtype" in kwargs and "grad_dtype" not in kwargs:
-            self.grad_dtype = self.param_dtype
-        if "reduce_dtype" not in kwargs:
-            self.reduce_dtype = self.grad_dtype
         if validate:
             self.validate()
 
@@ -149,6 +146,12 @@ class Config:
         if not lo <= v <= hi:
             raise ValueError("Config.%s: %d outside [%d, %d]" % (name, v, lo, hi))
         return v
+
+    @property
+    def effective_grad_dtype(self):
+        """grad_dtype with AUTO resolved (= param_dtype): the dtype of gradient slots."""
+        g = self.grad_dtype
+        return self.param_dtype if g == DType.AUTO else g
 
     # -- whole-struct helpers -------------------------------------------------------------
     def validate(self):

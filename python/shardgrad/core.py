@@ -4,6 +4,7 @@ import atexit
 import ctypes
 import dataclasses
 import math
+import os
 import sys
 import threading
 import weakref
@@ -347,6 +348,9 @@ def _src_pointer(src, numel, what, dtype=None, device=Device.CPU):
             raise InvalidArgumentError("%s: tensor has %d elements, parameter has %d"
                                        % (what, t.numel(), numel), function="python")
         dt = to_dtype(dtype if dtype is not None else t.dtype, what)
+        if dt == DType.AUTO:
+            raise InvalidArgumentError("%s: DType.AUTO is for the config only" % what,
+                                       function="python")
         if (t.device.type == "cuda") != (device == Device.CUDA):
             raise InvalidArgumentError("%s: tensor on %s but the engine runs on %s"
                                        % (what, t.device, device.name), function="python")
@@ -364,6 +368,9 @@ def _src_pointer(src, numel, what, dtype=None, device=Device.CPU):
         dt = to_dtype(a.dtype, what)
     else:
         dt = to_dtype(dtype, what)
+        if dt == DType.AUTO:
+            raise InvalidArgumentError("%s: DType.AUTO is for the config only" % what,
+                                       function="python")
         if a.dtype.itemsize != _ITEMSIZE[dt]:
             raise InvalidArgumentError("%s: array of %s cannot hold %s" % (what, a.dtype, dt.name),
                                        function="python")
@@ -407,7 +414,7 @@ class Engine:
         self._ids = {}
         self._finalized = False
         self._pdtype = config.param_dtype
-        self._gdtype = config.grad_dtype
+        self._gdtype = config.effective_grad_dtype
         self._device = config.device
         self._lr = float(config.lr)
         _live_engines.add(self)
@@ -533,6 +540,8 @@ class Engine:
         """Copy of working parameter `pid` converted to dtype (NumPy; bf16 as uint16)."""
         pid = self._check_id(pid)
         dt = to_dtype(dtype)
+        if dt == DType.AUTO:
+            dt = self._pdtype
         out = np.empty(self._shapes[pid], dtype=_NP_DTYPE[dt])
         _call("sg_get_param", self.handle, pid, ctypes.c_void_p(out.ctypes.data), int(dt))
         return out
@@ -622,6 +631,8 @@ class Engine:
 
     @property
     def lr(self):
+        """The last lr set through this object (None after load(): the checkpoint's lr is in
+        effect, and the C API has no getter)."""
         return self._lr
 
     @lr.setter
@@ -634,10 +645,20 @@ class Engine:
         _call("sg_get_loss_scale", self.handle, ctypes.byref(s))
         return float(s.value)
 
+    @property
+    def param_dtype(self):
+        return self._pdtype
+
+    @property
+    def grad_dtype(self):
+        """dtype of the gradient slots (config grad_dtype with AUTO resolved)."""
+        return self._gdtype
+
     def set_stream(self, stream):
-        """CUDA stream for compute (an int handle or a torch.cuda.Stream)."""
+        """The caller's CUDA stream (an int handle, a torch.cuda.Stream, or None for the
+        engine's own); CPU engines accept only None/0."""
         ptr = getattr(stream, "cuda_stream", stream)
-        _call("sg_set_stream", self.handle, ctypes.c_void_p(ptr))
+        _call("sg_set_stream", self.handle, ctypes.c_void_p(ptr or None))
 
     # -- memory ---------------------------------------------------------------------------
     def memory(self):
@@ -645,18 +666,25 @@ class Engine:
         _call("sg_memory", self.handle, ctypes.byref(out))
         return MemoryStats._from(out)
 
-    # -- checkpoints (when the library has them) ------------------------------------------
+    # -- checkpoints ----------------------------------------------------------------------
     def save(self, directory):
-        _call("sg_save", self.handle, str(directory).encode())
+        """Collective: the training state (params, masters, moments, step, lr, loss scale) into
+        `directory`, each rank writing its shard; crash-safe (see sg_save)."""
+        _call("sg_save", self.handle, os.fsencode(directory))
 
     def load(self, directory):
-        _call("sg_load", self.handle, str(directory).encode())
+        """Collective: restores a checkpoint saved at any world size, bucket size or strategy."""
+        _call("sg_load", self.handle, os.fsencode(directory))
+        self._lr = None  # restored from the checkpoint; the C API has no getter
 
     def export(self, path):
-        _call("sg_export", self.handle, str(path).encode())
+        """Collective (rank 0 writes): fp32 master weights by name as a safetensors file."""
+        _call("sg_export", self.handle, os.fsencode(path))
 
     def import_(self, path):
-        _call("sg_import", self.handle, str(path).encode())
+        """Collective: sets parameters (working and master) from a safetensors file by name;
+        optimizer state and step are unchanged."""
+        _call("sg_import", self.handle, os.fsencode(path))
 
     def _need_host(self, what):
         if self._device != Device.CPU:

@@ -385,8 +385,33 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         raise UnsupportedError("ShardedAdamW.load_state_dict: the C API has no setter for "
-                               "AdamW moments; use Engine.save/load where the library has them",
+                               "AdamW moments; use save()/load() (sharded checkpoints)",
                                function="python")
+
+    def save(self, directory):
+        """Collective: sharded checkpoint of parameters, masters, moments, step, lr and loss
+        scale (sg_save); crash-safe. Call between steps."""
+        self._ensure_ready()
+        self._engine.save(directory)
+
+    def load(self, directory):
+        """Collective: restores a save() made at any world size, bucket size or strategy; the
+        model's parameters change in place. The learning rate stays param_groups' (the
+        scheduler's): it is applied again at the next step."""
+        self._ensure_ready()
+        self._engine.load(directory)
+        self.last_step_info = None
+
+    def export(self, path):
+        """Collective (rank 0 writes): fp32 master weights by parameter name, safetensors."""
+        self._ensure_ready()
+        self._engine.export(path)
+
+    def import_(self, path):
+        """Collective: sets the parameters from a safetensors file by name (optimizer state
+        unchanged)."""
+        self._ensure_ready()
+        self._engine.import_(path)
 
     # -- teardown -------------------------------------------------------------------------
     def close(self):

@@ -118,6 +118,14 @@ def test_c_argument_checks_reachable_with_null_handles():
     L.sg_comm_destroy(None)
     L.sg_engine_destroy(None)
     assert L.sg_has_backend(None) == 0
+    # NCCL: without NCCL (or a GPU) these refuse; with NULL outputs they must not crash
+    nccl = {"sg_nccl_unique_id": (None,), "sg_comm_create_nccl": (0, 1, None, -1, None),
+            "sg_comm_create_nccl_mpi": (None, None)}
+    for name, args in nccl.items():
+        if _lib.has(name):
+            rc = getattr(L, name)(*args)
+            assert rc in (sg.Status.ERR_INVALID_ARGUMENT, sg.Status.ERR_UNSUPPORTED), (name, rc)
+            assert L.sg_last_error().decode().startswith(name), (name, L.sg_last_error())
     print("%d functions answered a NULL handle with SG_ERR_INVALID_ARGUMENT" % len(calls))
 
 
@@ -149,7 +157,7 @@ def _c_compiler():
 STRUCTS = {"sg_config": SgConfig, "sg_step_info": SgStepInfo, "sg_memory_stats": SgMemoryStats}
 ENUMS = {
     **{"SG_" + s.name: int(s) for s in sg.Status},
-    **{"SG_" + d.name: int(d) for d in sg.DType},
+    **{("SG_DTYPE_AUTO" if d == sg.DType.AUTO else "SG_" + d.name): int(d) for d in sg.DType},
     **{"SG_DEVICE_" + d.name: int(d) for d in sg.Device},
     **{"SG_" + s.name: int(s) for s in sg.Strategy},
     "SG_PARAM_NO_DECAY": sg.PARAM_NO_DECAY,
@@ -208,7 +216,7 @@ def test_config_init_defaults_and_struct_size():
     assert "struct_size" in sg.last_error()
     cfg = sg.Config()
     want = dict(strategy=sg.Strategy.SHARD_GRAD_OP, device=sg.Device.CPU, cuda_device=-1,
-                param_dtype=sg.DType.F32, grad_dtype=sg.DType.F32, reduce_dtype=sg.DType.F32,
+                param_dtype=sg.DType.F32, grad_dtype=sg.DType.AUTO, reduce_dtype=sg.DType.AUTO,
                 accum_dtype=sg.DType.F32, bucket_bytes=32 << 20, staging_buckets=2,
                 lr=np.float32(1e-3), beta1=np.float32(0.9), beta2=np.float32(0.999),
                 eps=np.float32(1e-8), weight_decay=np.float32(0.01), max_grad_norm=0.0,
@@ -230,9 +238,11 @@ def test_config_keywords_validated():
                   skip_nonfinite=False, seed=2**63)
     assert c.strategy == sg.Strategy.NO_SHARD
     assert c.param_dtype == sg.DType.BF16
-    assert c.grad_dtype == sg.DType.BF16 and c.reduce_dtype == sg.DType.BF16  # follow
+    assert c.grad_dtype == sg.DType.AUTO and c.reduce_dtype == sg.DType.AUTO
+    assert c.effective_grad_dtype == sg.DType.BF16  # AUTO follows param_dtype
     assert c.max_grad_norm == 1.0 and c.skip_nonfinite == 0 and c.seed == 2**63
-    assert sg.Config(param_dtype="bf16", grad_dtype="f32").grad_dtype == sg.DType.F32
+    c2 = sg.Config(param_dtype="bf16", grad_dtype="f32", reduce_dtype="auto")
+    assert c2.grad_dtype == sg.DType.F32 and c2.effective_grad_dtype == sg.DType.F32
     assert sg.Config(strategy=sg.Strategy.SHARD_OPT).strategy == sg.Strategy.SHARD_OPT
     assert sg.Config(strategy="SG_SHARD_GRAD_OP").strategy == sg.Strategy.SHARD_GRAD_OP
     assert sg.Config(param_dtype=np.float16).param_dtype == sg.DType.F16
@@ -571,19 +581,87 @@ def test_estimate_memory_zero2_vs_ddp():
           % (ddp.total_bytes / 2**20, z2.total_bytes / 2**20))
 
 
-def test_optional_functions_raise_unsupported_when_absent():
+def test_set_stream_on_cpu():
     comm = sg.Comm.local(1)[0]
     with sg.Engine(comm, **FAST) as e:
-        e.add_param("w", 8)
-        e.finalize()
-        for name, call in (("sg_save", lambda: e.save("/nonexistent/x")),
-                           ("sg_set_stream", lambda: e.set_stream(0))):
-            if _lib.has(name):
-                with pytest.raises(sg.ShardgradError):
-                    call()
-            else:
-                with pytest.raises(sg.UnsupportedError, match=name):
-                    call()
+        e.set_stream(None)  # NULL is accepted everywhere
+        with pytest.raises(sg.UnsupportedError, match="sg_set_stream"):
+            e.set_stream(0x1234)
+    comm.close()
+
+
+def _ckpt_engine(comm, strategy="shard_grad_op", bucket_bytes=1024):
+    e = sg.Engine(comm, lr=0.01, strategy=strategy, bucket_bytes=bucket_bytes, **FAST)
+    e.add_param("emb", (50, 8))
+    e.add_param("bias", 8, no_decay=True)
+    e.add_param("out", (8, 30))
+    e.finalize()
+    return e
+
+
+def _train(e, steps, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        for i in (2, 1, 0):
+            e.grad_add(i, rng.standard_normal(e.param_shape(i)).astype(np.float32))
+        e.step()
+
+
+def test_checkpoint_save_at_w2_load_at_w1_and_export(tmp_path):
+    """Saved by 2 thread ranks, loaded by 1 rank with another strategy and bucket size: the
+    same parameters and moments, and the next step agrees with a run that never stopped."""
+    ck = str(tmp_path / "ck")
+    init = np.random.default_rng(1)
+
+    inits = [init.standard_normal(s).astype(np.float32) for s in ((50, 8), (8,), (8, 30))]
+
+    def save_body(comm):
+        with _ckpt_engine(comm) as e:
+            for i, v in enumerate(inits):
+                e.set_param(i, v)
+            _train(e, 3, seed=7)  # same gradients on both ranks: the average is the same
+            e.save(ck)
+            e.export(str(tmp_path / "w.safetensors"))
+            state = [(e.get_param(i), e.get_optim_state(i, "m"), e.get_optim_state(i, "v"))
+                     for i in range(3)]
+            _train(e, 1, seed=8)
+            return state, [e.get_param(i) for i in range(3)]
+
+    (state, after), _ = sg.run_threads(2, save_body)
+    comm = sg.Comm.local(1)[0]
+    with _ckpt_engine(comm, strategy="no_shard", bucket_bytes=1 << 20) as e:
+        e.load(ck)
+        assert e.lr is None  # the checkpoint's lr is in effect
+        for i in range(3):
+            np.testing.assert_array_equal(e.get_param(i), state[i][0])
+            np.testing.assert_array_equal(e.get_optim_state(i, "m"), state[i][1])
+            np.testing.assert_array_equal(e.get_optim_state(i, "v"), state[i][2])
+        _train(e, 1, seed=8)
+        for i in range(3):
+            np.testing.assert_allclose(e.get_param(i), after[i], rtol=1e-6, atol=1e-7)
+    comm.close()
+    # safetensors: 8-byte header length, JSON header naming every parameter
+    import json
+    import struct
+    raw = open(tmp_path / "w.safetensors", "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    assert {"emb", "bias", "out"} <= set(header)
+    assert header["out"]["dtype"] == "F32"
+    lo, hi = header["out"]["data_offsets"]
+    np.testing.assert_array_equal(
+        np.frombuffer(raw[8 + n + lo:8 + n + hi], np.float32), state[2][0].ravel())
+    # import into a fresh engine: parameters from the file, state untouched
+    comm = sg.Comm.local(1)[0]
+    with _ckpt_engine(comm) as e:
+        e.import_(str(tmp_path / "w.safetensors"))
+        for i in range(3):
+            np.testing.assert_array_equal(e.get_param(i), state[i][0])
+            assert not e.get_optim_state(i, "m").any()
+        with pytest.raises(sg.ShardgradIOError):
+            e.load(str(tmp_path / "missing"))
+        with pytest.raises(sg.ShardgradIOError):
+            e.import_(str(tmp_path / "missing.safetensors"))
     comm.close()
 
 

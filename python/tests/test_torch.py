@@ -279,6 +279,42 @@ def test_state_dict_matches_torch_state():
     assert sd["param_groups"][0]["lr"] == HP["lr"]
 
 
+def test_save_at_w2_load_at_w1_continues_training(tmp_path):
+    """ShardedAdamW.save by 2 thread ranks, load into a fresh model at W=1: the model's
+    parameters become the saved ones in place, and the next steps match a run at W=1 that
+    continues from the same state (same data on every rank, so W does not matter)."""
+    base = make_model(0)
+    batches = make_batches(5, 6, 1, 1, 4)
+    models = [copy.deepcopy(base) for _ in range(2)]
+    ck = str(tmp_path / "ck")
+
+    def body(comm):
+        m = models[comm.rank]
+        opt = ShardedAdamW(m, comm, **HP, **FAST)
+        for step in batches[:3]:
+            lm_loss(m, step[0][0]).backward()  # every rank the same data
+            opt.step()
+        opt.save(ck)
+        for step in batches[3:]:
+            lm_loss(m, step[0][0]).backward()
+            opt.step()
+        opt.close()
+
+    sg.run_threads(2, body)
+    fresh = make_model(1)
+    opt, comm = _single(fresh, param_order="registration", **HP)
+    opt.load(ck)
+    for step in batches[3:]:
+        lm_loss(fresh, step[0][0]).backward()
+        opt.step()
+    diff, _ = max_param_diff(fresh, models[0])
+    print("continued after save at W=2 / load at W=1: max |param diff| = %.3g" % diff)
+    assert diff <= TOL_DDP
+    assert opt.last_step_info.step == 6
+    opt.close()
+    comm.close()
+
+
 def test_bf16_params_train_and_loss_falls():
     """A bf16 model: param_dtype follows the parameters, the library keeps fp32 masters."""
     base = make_model(0).to(torch.bfloat16)
@@ -300,7 +336,7 @@ def test_bf16_params_train_and_loss_falls():
         return losses, dtypes, cfg, mem
 
     (l0, d0, cfg, mem), (l1, *_) = sg.run_threads(2, body)
-    assert cfg.param_dtype == sg.DType.BF16 and cfg.grad_dtype == sg.DType.BF16
+    assert cfg.param_dtype == sg.DType.BF16 and cfg.effective_grad_dtype == sg.DType.BF16
     assert d0 == {torch.bfloat16}
     assert mem.master_bytes == 4 * mem.shard_numel  # fp32 master of this rank's shard
     print("bf16 W=2: loss %.3f -> %.3f; %s" % ((l0[0] + l1[0]) / 2, (l0[-1] + l1[-1]) / 2, mem))
