@@ -2,11 +2,12 @@
  * shard holds with the manifest's fragments, reads just those ranges (whole checksum chunks
  * around them, each verified) into host staging, and only when every rank has succeeded does
  * any rank copy the staging into the engine and all-gather the working parameters. */
-#define _POSIX_C_SOURCE 200809L /* close */
+#define _DEFAULT_SOURCE /* close, madvise */
 
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "sg_ckpt_engine.h"
@@ -35,6 +36,22 @@ static void ctx_free(load_ctx *c) {
   free(c->map);
   free(c->reqs);
   for (int k = 0; k < SG_CK_KINDS; k++) free(c->stage[k]);
+}
+
+#define SG__HUGE ((size_t)2 << 20)
+
+/* Zeroed host staging. Large ones are 2 MiB aligned and offered to transparent huge pages: a
+ * first touch of hundreds of MiB then takes 512 times fewer page faults. */
+static uint8_t *stage_alloc(size_t bytes) {
+  if (bytes < 8 * SG__HUGE) return calloc(bytes ? bytes : 1, 1);
+  const size_t n = (bytes + SG__HUGE - 1) / SG__HUGE * SG__HUGE;
+  uint8_t *p = aligned_alloc(SG__HUGE, n);
+  if (!p) return NULL;
+#ifdef MADV_HUGEPAGE
+  (void)madvise(p, n, MADV_HUGEPAGE);
+#endif
+  memset(p, 0, bytes);
+  return p;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -153,7 +170,7 @@ static sg_status plan_reads(sg_engine *e, load_ctx *c) {
   c->nkinds = sg__ck_kinds(e, c->kinds, c->esz);
   c->opt_numel = e->lay.opt_numel;
   for (uint32_t s = 0; s < c->nkinds; s++) {
-    c->stage[s] = calloc(c->opt_numel ? c->opt_numel : 1, c->esz[s]);
+    c->stage[s] = stage_alloc(c->opt_numel * c->esz[s]);
     if (!c->stage[s])
       return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory for the staging of %zu elements",
                      c->opt_numel);

@@ -21,7 +21,7 @@
 
 #include "sg_ckpt_engine.h"
 
-#define SG_CK_IO_BUF (16u << 20) /* host staging between the device and the file */
+#define SG_CK_IO_BUF (4u << 20) /* host staging between the device and the file */
 
 /* ---------------------------------------------------------------------------------------- */
 /* rank 0: directory and generation                                                          */

@@ -45,10 +45,57 @@ uint32_t sg__crc32c_sw(uint32_t crc, const void *data, size_t n) {
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* The crc32 instruction has a latency of 3 cycles and a throughput of 1: three independent
+ * streams over three consecutive blocks of SG__LANE bytes run three times as fast, and are then
+ * joined with the linear map "append SG__LANE zero bytes" (g_shift, table-driven). */
+#define SG__LANE 4096
+
+static uint32_t g_shift[4][256];
+static pthread_once_t g_shift_once = PTHREAD_ONCE_INIT;
+
+__attribute__((target("sse4.2"))) static uint32_t raw_zeros(uint32_t r, size_t n) {
+  uint64_t c = r;
+  for (size_t i = 0; i < n / 8; i++) c = __builtin_ia32_crc32di(c, 0);
+  return (uint32_t)c;
+}
+
+/* g_shift[k][b] = (register b << 8k) advanced over SG__LANE zero bytes; built from the images
+ * of the 32 basis vectors, as the map is linear over GF(2). */
+static void build_shift(void) {
+  uint32_t basis[32];
+  for (int i = 0; i < 32; i++) basis[i] = raw_zeros(1u << i, SG__LANE);
+  for (int k = 0; k < 4; k++)
+    for (uint32_t b = 0; b < 256; b++) {
+      uint32_t x = 0;
+      for (int i = 0; i < 8; i++)
+        if (b & (1u << i)) x ^= basis[8 * k + i];
+      g_shift[k][b] = x;
+    }
+}
+
+static uint32_t shift(uint32_t r) {
+  return g_shift[0][r & 0xff] ^ g_shift[1][(r >> 8) & 0xff] ^ g_shift[2][(r >> 16) & 0xff] ^
+         g_shift[3][r >> 24];
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const void *data,
                                                           size_t n) {
   const uint8_t *p = data;
   uint64_t c = ~crc;
+  if (n >= 3 * SG__LANE) pthread_once(&g_shift_once, build_shift);
+  for (; n >= 3 * SG__LANE; n -= 3 * SG__LANE, p += 3 * SG__LANE) {
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < SG__LANE; i += 8) {
+      uint64_t a, b, d;
+      memcpy(&a, p + i, 8);
+      memcpy(&b, p + SG__LANE + i, 8);
+      memcpy(&d, p + 2 * SG__LANE + i, 8);
+      c = __builtin_ia32_crc32di(c, a);
+      c1 = __builtin_ia32_crc32di(c1, b);
+      c2 = __builtin_ia32_crc32di(c2, d);
+    }
+    c = shift(shift((uint32_t)c) ^ (uint32_t)c1) ^ (uint32_t)c2;
+  }
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t x;
     memcpy(&x, p, 8);
