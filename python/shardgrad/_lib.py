@@ -69,8 +69,8 @@ PROTOTYPES = {
     "sg_estimate_memory": (_status, [ctypes.POINTER(SgConfig), ctypes.POINTER(_c_size), _c_int,
                                      _c_int, ctypes.POINTER(SgMemoryStats)]),
     "sg_engine_destroy": (None, [_vp]),
-    # Named in DESIGN.md section 7 but not (yet) in every build of the library: bound when the
-    # library exports them, otherwise the Python method raises UnsupportedError.
+    # Added after version 0.1.0's first builds: bound when the library exports them, otherwise
+    # the Python method raises UnsupportedError.
     "sg_comm_create_nccl_mpi": (_status, [_vp, _pp]),
     "sg_nccl_unique_id": (_status, [_vp]),
     "sg_comm_create_nccl": (_status, [_c_int, _c_int, _vp, _c_int, _pp]),
@@ -79,12 +79,13 @@ PROTOTYPES = {
     "sg_load": (_status, [_vp, _c_char_p]),
     "sg_export": (_status, [_vp, _c_char_p]),
     "sg_import": (_status, [_vp, _c_char_p]),
+    "sg_get_step": (_status, [_vp, ctypes.POINTER(ctypes.c_uint64)]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
 OPTIONAL = frozenset({
     "sg_comm_create_nccl_mpi", "sg_nccl_unique_id", "sg_comm_create_nccl", "sg_set_stream",
-    "sg_save", "sg_load", "sg_export", "sg_import",
+    "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step",
 })
 
 

@@ -640,6 +640,13 @@ class Engine:
         self.set_lr(value)
 
     @property
+    def step_count(self):
+        """Optimizer steps taken so far (skipped steps do not count; restored by load())."""
+        v = ctypes.c_uint64()
+        _call("sg_get_step", self.handle, ctypes.byref(v))
+        return int(v.value)
+
+    @property
     def loss_scale(self):
         s = ctypes.c_float()
         _call("sg_get_loss_scale", self.handle, ctypes.byref(s))

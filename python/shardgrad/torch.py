@@ -44,8 +44,10 @@ import contextlib
 import functools
 import weakref
 
+import numpy as np
 import torch
 
+from . import _lib
 from ._structs import DType, Device
 from .config import Config
 from .core import Comm, Engine
@@ -86,6 +88,11 @@ def _named_params(model):
     return out
 
 
+def _f32_short(x):
+    """The shortest decimal that rounds to the same float32 (0.1 rather than 0.10000000149)."""
+    return float(str(np.float32(x)))
+
+
 def _grad_hook(opt_ref, pid, param):
     opt = opt_ref()
     if opt is not None:
@@ -98,7 +105,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     model: an nn.Module (names from named_parameters) or an iterable of parameters or
     (name, parameter) pairs; every rank must pass the same names and shapes.
     comm: a shardgrad.Comm (Comm.mpi() or one of Comm.local(n)).
-    lr, betas, eps, weight_decay: as torch.optim.AdamW (weight decay default 0.01).
+    lr, betas, eps, weight_decay: as torch.optim.AdamW; unset ones come from `config`, else
+    the library defaults (1e-3, (0.9, 0.999), 1e-8, 0.01 as in torch.optim.AdamW).
     no_decay: None (ndim <= 1 parameters are excluded from weight decay), a set of names, or a
     callable (name, param) -> bool that decides for every parameter.
     broadcast: make every rank start from rank 0's values (sg_broadcast_params); default when
@@ -109,7 +117,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     bucket_bytes, param_dtype, timeout_ms, ...). param_dtype defaults to the parameters' dtype.
     """
 
-    def __init__(self, model, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+    def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
                  no_decay=None, broadcast=None, param_order="backward", config=None,
                  **config_kwargs):
         if not isinstance(comm, Comm):
@@ -135,7 +143,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._no_decay = no_decay
         self._broadcast = broadcast
         self.last_step_info = None
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        # Unset hyperparameters come from `config`, else from the library's defaults (which are
+        # torch.optim.AdamW's: 1e-3, (0.9, 0.999), 1e-8, 0.01).
+        src = config if config is not None else Config(validate=False)
+        lr = _f32_short(src.lr) if lr is None else float(lr)
+        betas = ((_f32_short(src.beta1), _f32_short(src.beta2)) if betas is None
+                 else tuple(float(b) for b in betas))
+        eps = _f32_short(src.eps) if eps is None else float(eps)
+        weight_decay = (_f32_short(src.weight_decay) if weight_decay is None
+                        else float(weight_decay))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._init_done = False
         super().__init__([p for _, p in named], defaults)
         self._init_done = True
@@ -339,6 +356,12 @@ class ShardedAdamW(torch.optim.Optimizer):
     def loss_scale(self):
         return self._engine.loss_scale
 
+    @property
+    def step_count(self):
+        """Optimizer steps taken (restored by load())."""
+        self._ensure_ready()
+        return self._engine.step_count
+
     def scale_loss(self, loss):
         """loss * current loss scale (only differs from loss for fp16 dynamic scaling)."""
         s = self._engine.loss_scale
@@ -366,7 +389,10 @@ class ShardedAdamW(torch.optim.Optimizer):
     def param_state(self, p):
         """Collective: {'step', 'exp_avg', 'exp_avg_sq', 'master'} of parameter p (fp32)."""
         e, pid = self._engine, self.param_id(p)
-        step = self.last_step_info.step if self.last_step_info else 0
+        if _lib.has("sg_get_step"):
+            step = e.step_count
+        else:
+            step = self.last_step_info.step if self.last_step_info else 0
         return {"step": torch.tensor(float(step)),
                 "exp_avg": torch.from_numpy(e.get_optim_state(pid, 0)),
                 "exp_avg_sq": torch.from_numpy(e.get_optim_state(pid, 1)),

@@ -106,7 +106,8 @@ def test_c_argument_checks_reachable_with_null_handles():
         "sg_memory": (None, ctypes.byref(ms)),
         "sg_estimate_memory": (None, None, 1, 1, ctypes.byref(ms)),
     }
-    for name in ("sg_set_stream", "sg_save", "sg_load", "sg_export", "sg_import"):
+    for name in ("sg_set_stream", "sg_save", "sg_load", "sg_export", "sg_import",
+                 "sg_get_step"):
         if _lib.has(name):
             calls[name] = (None, None)
     for name, args in calls.items():
@@ -371,6 +372,12 @@ def test_mismatch_between_thread_ranks():
     print("mismatch message:", msgs[0])
 
 
+@pytest.mark.skipif(sg.has_backend("mpi"), reason="built with MPI (tested under mpirun)")
+def test_comm_mpi_unsupported_without_mpi():
+    with pytest.raises(sg.UnsupportedError):
+        sg.Comm.mpi()
+
+
 def test_comm_close_refused_while_engine_uses_it():
     comm = sg.Comm.local(1)[0]
     e = sg.Engine(comm, **FAST)
@@ -632,6 +639,8 @@ def test_checkpoint_save_at_w2_load_at_w1_and_export(tmp_path):
     with _ckpt_engine(comm, strategy="no_shard", bucket_bytes=1 << 20) as e:
         e.load(ck)
         assert e.lr is None  # the checkpoint's lr is in effect
+        if _lib.has("sg_get_step"):
+            assert e.step_count == 3
         for i in range(3):
             np.testing.assert_array_equal(e.get_param(i), state[i][0])
             np.testing.assert_array_equal(e.get_optim_state(i, "m"), state[i][1])

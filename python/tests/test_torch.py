@@ -304,6 +304,8 @@ def test_save_at_w2_load_at_w1_continues_training(tmp_path):
     fresh = make_model(1)
     opt, comm = _single(fresh, param_order="registration", **HP)
     opt.load(ck)
+    if sg._lib.has("sg_get_step"):
+        assert opt.step_count == 3
     for step in batches[3:]:
         lm_loss(fresh, step[0][0]).backward()
         opt.step()
@@ -384,6 +386,23 @@ def test_param_order_backward_needs_no_extra_staging():
     print("gradient bytes per rank over 3 steps: %s" % grads)
     assert len(set(grads["backward"])) == 1
     assert grads["registration"][0] > grads["backward"][0]
+
+
+def test_hyperparameters_from_arguments_config_and_defaults():
+    comm = sg.Comm.local(1)[0]
+    lin = torch.nn.Linear(2, 2)
+    opt = ShardedAdamW(lin, comm, param_order="registration", **FAST)
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (1e-3, (0.9, 0.999), 1e-8, 0.01)
+    opt.close()
+    cfg = sg.Config(lr=0.1, weight_decay=0.0, beta2=0.95, max_grad_norm=2.0)
+    opt = ShardedAdamW(lin, comm, config=cfg, eps=1e-6, param_order="registration")
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.1, (0.9, 0.95), 1e-6, 0.0)
+    c = opt.engine.config
+    assert c.max_grad_norm == 2.0 and c.eps == np.float32(1e-6) and c.lr == np.float32(0.1)
+    opt.close()
+    comm.close()
 
 
 def test_argument_errors():
