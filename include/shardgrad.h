@@ -321,6 +321,10 @@ SG_API sg_status sg_export(sg_engine *e, const char *path);
  * dtype). A read error after that point names the parameters already set. */
 SG_API sg_status sg_import(sg_engine *e, const char *path);
 
+/* Optimizer steps taken so far (skipped steps do not count), as sg_step_info.step reports it;
+ * restored by sg_load, so that a resumed training loop knows where it is. */
+SG_API sg_status sg_get_step(sg_engine *e, uint64_t *step);
+
 #ifdef __cplusplus
 }
 #endif

@@ -435,3 +435,11 @@ sg_status sg_load(sg_engine *e, const char *dir) {
   ctx_free(&c);
   return st;
 }
+
+sg_status sg_get_step(sg_engine *e, uint64_t *step) {
+  static const char *fn = "sg_get_step";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!step) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: step is NULL", fn);
+  *step = e->step;
+  return SG_OK;
+}
