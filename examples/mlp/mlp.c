@@ -2,6 +2,7 @@
  *
  *   mlp --ranks 2 --strategy shard_grad_op --dtype bf16      (2 ranks as threads)
  *   mpirun -np 2 mlp --mpi                                   (one rank per process)
+ *   mlp --save ck --save-every 50 ; mlp --resume ck --ranks 3   (checkpoint, resume elsewhere)
  *
  * Every rank holds the full model (working parameters), computes forward and backward on its own
  * slice of the data in plain C, writes each gradient into the engine's slot (sg_grad_ptr, in the
@@ -25,6 +26,8 @@ typedef struct options {
   double bucket_mb;
   float lr, clip;
   uint64_t seed;
+  const char *save_dir, *resume_dir; /* --save (with --save-every N, and at the end), --resume */
+  int save_every;
 } options;
 
 typedef struct rank_run {
@@ -128,10 +131,18 @@ static void *train(void *arg) {
   CHECK(sg_estimate_memory(&ddp_cfg, m.numel, m.nparams, world, &ddp));
   if (rank == 0) print_memory(o, &m, &mem, &ddp, world);
 
+  int start = 0;
+  if (o->resume_dir) { /* any world size, strategy or bucket size; the data stream continues */
+    uint64_t done = 0;
+    CHECK(sg_load(e, o->resume_dir));
+    CHECK(sg_get_step(e, &done));
+    start = (int)done;
+    if (rank == 0) printf("resumed from %s at step %d\n", o->resume_dir, start);
+  }
   float first = 0.0f, last = 0.0f;
   int skipped = 0;
   const double t_start = now_s();
-  for (int step = 0; step < o->steps; step++) {
+  for (int step = start; step < o->steps; step++) {
     const double t0 = now_s();
     float scale = 1.0f, loss_sum = 0.0f;
     CHECK(sg_get_loss_scale(e, &scale));
@@ -146,7 +157,7 @@ static void *train(void *arg) {
     CHECK(sg_step(e, &info));
     const double dt = now_s() - t0;
     last = loss_sum / (float)o->micro;
-    if (step == 0) first = last;
+    if (step == start) first = last;
     skipped += info.skipped;
     if (rank == 0 && (step % o->log_every == 0 || step == o->steps - 1)) {
       printf("step %5d  loss %.6f  grad_norm %.5f  %.1f steps/s", step, (double)last,
@@ -154,13 +165,18 @@ static void *train(void *arg) {
       if (o->dtype == SG_F16) printf("  loss_scale %g", (double)info.loss_scale);
       printf("%s\n", info.skipped ? "  (skipped: non-finite gradients)" : "");
     }
+    const int save_now = o->save_every > 0 && (step + 1) % o->save_every == 0;
+    if (o->save_dir && (save_now || step == o->steps - 1)) {
+      CHECK(sg_save(e, o->save_dir));
+      if (rank == 0) printf("saved step %llu to %s\n", (unsigned long long)info.step, o->save_dir);
+    }
   }
-  const double rate = (double)o->steps / (now_s() - t_start);
+  const double rate = (double)(o->steps - start) / (now_s() - t_start);
   if (rank == 0) {
     printf(
         "loss %.4g -> %.4g (%.1fx lower) in %d steps, %.1f steps/s, %s, W=%d, %.3f MiB/rank "
         "vs %.3f MiB NO_SHARD%s\n",
-        (double)first, (double)last, (double)(first / last), o->steps, rate,
+        (double)first, (double)last, (double)(first / last), o->steps - start, rate,
         strategy_name(o->strategy), world, mib(mem.total_bytes), mib(ddp.total_bytes),
         skipped ? " (some steps skipped)" : "");
     if (o->check && !(last < 0.5f * first)) {
@@ -183,7 +199,8 @@ static void usage(void) {
           "usage: mlp [--ranks N | --mpi] [--strategy no_shard|shard_opt|shard_grad_op]\n"
           "           [--dtype f32|bf16|f16] [--steps N] [--micro-batches N] [--no-sync]\n"
           "           [--batch N] [--hidden N] [--layers N] [--bucket-mb X] [--lr X]\n"
-          "           [--clip X] [--seed N] [--log-every N] [--check]\n");
+          "           [--clip X] [--seed N] [--log-every N] [--check]\n"
+          "           [--save DIR [--save-every N]] [--resume DIR]\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out) {
@@ -246,7 +263,13 @@ static int parse_value(options *o, const char *flag, const char *v) {
   } else if (!strcmp(flag, "--clip")) {
     rc = parse_num(v, 0.0, &d);
     o->clip = (float)d;
-  } else if (!strcmp(flag, "--seed")) {
+  } else if (!strcmp(flag, "--save"))
+    o->save_dir = v;
+  else if (!strcmp(flag, "--resume"))
+    o->resume_dir = v;
+  else if (!strcmp(flag, "--save-every"))
+    rc = parse_int(v, 1, 1 << 30, &o->save_every);
+  else if (!strcmp(flag, "--seed")) {
     rc = parse_num(v, 0.0, &d);
     o->seed = (uint64_t)d;
   } else
