@@ -18,3 +18,10 @@ if(SG_FUZZ)
                     "fuzz_ckpt is not built")
   endif()
 endif()
+
+# The MLP example's --save/--save-every/--resume (runs tests/mlp.cmake's test_mlp binary).
+if(EXISTS ${PROJECT_SOURCE_DIR}/examples/mlp/mlp.c)
+  add_test(NAME test_ckpt_mlp COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt_mlp.sh
+           $<TARGET_FILE:test_mlp>)
+  set_tests_properties(test_ckpt_mlp PROPERTIES TIMEOUT 120 LABELS local)
+endif()
