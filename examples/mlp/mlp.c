@@ -172,7 +172,9 @@ static void *train(void *arg) {
     }
   }
   const double rate = (double)(o->steps - start) / (now_s() - t_start);
-  if (rank == 0) {
+  if (rank == 0 && start >= o->steps) {
+    printf("nothing to train: the checkpoint is at step %d, --steps is %d\n", start, o->steps);
+  } else if (rank == 0) {
     printf(
         "loss %.4g -> %.4g (%.1fx lower) in %d steps, %.1f steps/s, %s, W=%d, %.3f MiB/rank "
         "vs %.3f MiB NO_SHARD%s\n",
