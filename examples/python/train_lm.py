@@ -21,7 +21,6 @@ import math
 import os
 import random
 import sys
-import threading
 import time
 
 import torch

@@ -2,7 +2,6 @@
 helper script. Import only where torch is present."""
 
 import copy
-import math
 
 import torch
 import torch.nn as nn
