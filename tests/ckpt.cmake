@@ -25,3 +25,11 @@ if(EXISTS ${PROJECT_SOURCE_DIR}/examples/mlp/mlp.c)
            $<TARGET_FILE:test_mlp>)
   set_tests_properties(test_ckpt_mlp PROPERTIES TIMEOUT 120 LABELS local)
 endif()
+
+# One rank per process: save at W=3 under mpirun, load at W=1 (rank 0 alone) and at W=3.
+if(SG_WITH_MPI)
+  add_executable(test_ckpt_mpi ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt_mpi.c)
+  target_link_libraries(test_ckpt_mpi PRIVATE shardgrad_internal MPI::MPI_C)
+  target_compile_options(test_ckpt_mpi PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
+  sg_add_mpi_test(test_ckpt_mpi_np3 EXE test_ckpt_mpi NP 3 TIMEOUT 300)
+endif()

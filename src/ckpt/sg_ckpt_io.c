@@ -188,8 +188,23 @@ sg_status sg__ck_make_dir(const char *dir) {
     return sg__err(SG_ERR_IO, "'%s' exists and is not a directory", dir);
   }
   if (errno != ENOENT) return IO_FAIL("cannot stat", dir);
-  if (mkdir(dir, 0755) != 0 && errno != EEXIST) return IO_FAIL("cannot create directory", dir);
-  return SG_OK;
+  if (mkdir(dir, 0755) != 0) {
+    if (errno == EEXIST) return SG_OK;
+    return IO_FAIL("cannot create directory", dir);
+  }
+  /* The new directory's entry in its parent must be durable too. */
+  char *parent = malloc(strlen(dir) + 3);
+  if (!parent) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  const char *slash = strrchr(dir, '/');
+  if (!slash) strcpy(parent, ".");
+  else if (slash == dir) strcpy(parent, "/");
+  else {
+    memcpy(parent, dir, (size_t)(slash - dir));
+    parent[slash - dir] = 0;
+  }
+  const sg_status st = sg__ck_fsync_dir(parent);
+  free(parent);
+  return st;
 }
 
 void sg__ck_shard_name(char *buf, size_t n, uint64_t gen, int rank, int tmp) {
