@@ -217,6 +217,8 @@ typedef struct sg_step_info {
  * applies AdamW to this rank's shard and all-gathers the working parameters. info may be NULL. */
 SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
 SG_API sg_status sg_set_lr(sg_engine *e, float lr);
+/* The learning rate in effect (config, sg_set_lr, or restored by sg_load). */
+SG_API sg_status sg_get_lr(sg_engine *e, float *lr);
 SG_API sg_status sg_get_loss_scale(sg_engine *e, float *scale);
 /* The stream (a cudaStream_t) that the caller's kernels run on; the engine orders its own work
  * after it. NULL: an internal stream. CPU engines accept only NULL (SG_ERR_UNSUPPORTED). */

@@ -64,6 +64,7 @@ PROTOTYPES = {
     "sg_set_sync": (_status, [_vp, _c_int]),
     "sg_step": (_status, [_vp, ctypes.POINTER(SgStepInfo)]),
     "sg_set_lr": (_status, [_vp, _c_float]),
+    "sg_get_lr": (_status, [_vp, ctypes.POINTER(_c_float)]),
     "sg_get_loss_scale": (_status, [_vp, _fp]),
     "sg_memory": (_status, [_vp, ctypes.POINTER(SgMemoryStats)]),
     "sg_estimate_memory": (_status, [ctypes.POINTER(SgConfig), ctypes.POINTER(_c_size), _c_int,
@@ -85,7 +86,7 @@ PROTOTYPES = {
 # Functions the library may lack (see above); every other entry must be exported.
 OPTIONAL = frozenset({
     "sg_comm_create_nccl_mpi", "sg_nccl_unique_id", "sg_comm_create_nccl", "sg_set_stream",
-    "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step",
+    "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step", "sg_get_lr",
 })
 
 

@@ -631,8 +631,11 @@ class Engine:
 
     @property
     def lr(self):
-        """The last lr set through this object (None after load(): the checkpoint's lr is in
-        effect, and the C API has no getter)."""
+        """The learning rate in effect (after load(): the checkpoint's)."""
+        if _lib.has("sg_get_lr"):
+            v = ctypes.c_float()
+            _call("sg_get_lr", self.handle, ctypes.byref(v))
+            return float(v.value)
         return self._lr
 
     @lr.setter

@@ -646,6 +646,14 @@ sg_status sg_set_lr(sg_engine *e, float lr) {
   return SG_OK;
 }
 
+sg_status sg_get_lr(sg_engine *e, float *lr) {
+  static const char *fn = "sg_get_lr";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
+  *lr = e->lr;
+  return SG_OK;
+}
+
 sg_status sg_set_stream(sg_engine *e, void *stream) {
   static const char *fn = "sg_set_stream";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
