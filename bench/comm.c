@@ -2,11 +2,13 @@
  * same buffers in the same run (nccl-tests conventions).
  *
  *   mpirun -np 2 sg_bench_comm [--min BYTES] [--max BYTES] [--dtype f32|bf16] [--iters N]
+ *                              [--ops rs,ag,ar]
  *
  * For each size S (64 KiB .. 256 MiB, powers of 4), S is the whole buffer: reduce-scatter
  * reduces S into S/W per rank, all-gather fills S from S/W per rank, all-reduce reduces S.
  *   algbw = S / time; busbw = algbw * (W-1)/W (reduce-scatter, all-gather), 2(W-1)/W
- *   (all-reduce); time = mean over the timed iterations, slowest rank.
+ *   (all-reduce); time = mean over the iterations of a round, slowest rank; the median of 5
+ *   rounds (ours and MPI's alternate) is reported, as the machine may be shared.
  *   ratio = our busbw / MPI's busbw
  * MPI counterparts: MPI_Reduce_scatter_block, MPI_Allgather (in place), MPI_Allreduce (in
  * place), MPI_FLOAT / MPI_SUM. bf16 has no MPI type: with --dtype bf16 the MPI column is the
@@ -31,6 +33,7 @@ static const char *const op_names[] = {"reduce_scatter", "all_gather", "all_redu
 typedef struct opts {
   size_t min_bytes, max_bytes;
   int dtype, iters;
+  const char *ops; /* subset, e.g. "rs,ag" (default all) */
 } opts;
 
 static int g_bad; /* failed correctness checks on this rank */
@@ -187,15 +190,27 @@ static double time_calls(sg_comm *c, int mine, int op, const bufs *b, int dtype,
   return tmax;
 }
 
+#define SG_BENCH_ROUNDS 5
+
+static double median(double *v, int n) {
+  for (int i = 1; i < n; i++) /* insertion sort: n is tiny */
+    for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+      const double t = v[j];
+      v[j] = v[j - 1];
+      v[j - 1] = t;
+    }
+  return v[n / 2];
+}
+
 static double busbw_factor(int op, int w) {
   return op == OP_AR ? 2.0 * (w - 1) / w : (double)(w - 1) / w;
 }
 
 static int iters_for(size_t bytes, int iters) {
   if (iters > 0) return iters;
-  const size_t budget = (size_t)512 << 20; /* about 512 MiB moved per measurement */
+  const size_t budget = (size_t)256 << 20; /* about 256 MiB per round */
   size_t n = budget / bytes;
-  return n < 3 ? 3 : n > 50 ? 50 : (int)n;
+  return n < 2 ? 2 : n > 40 ? 40 : (int)n;
 }
 
 static void print_size(char *out, size_t n, size_t bytes) {
@@ -208,14 +223,21 @@ static void print_size(char *out, size_t n, size_t bytes) {
 static void run_size(sg_comm *c, const opts *o, size_t bytes, void *big, void *recv) {
   bufs b = {big, recv, bytes};
   const int w = c->world;
+  static const char *const keys[] = {"rs", "ag", "ar"};
   for (int op = OP_RS; op <= OP_AR; op++) {
+    if (!strstr(o->ops, keys[op])) continue;
     check_ours(c, op, &b, o->dtype);
     check_theirs(op, &b, w, c->rank);
     memset(big, 0, 2 * bytes);
     const int it = iters_for(bytes, o->iters);
-    const double t_us = time_calls(c, 1, op, &b, o->dtype, it);
-    memset(big, 0, 2 * bytes);
-    const double t_mpi = time_calls(c, 0, op, &b, o->dtype, it);
+    /* rounds alternate ours and MPI's so that load from other processes hits both alike; the
+     * median round is reported */
+    double ts[SG_BENCH_ROUNDS], tm[SG_BENCH_ROUNDS];
+    for (int k = 0; k < SG_BENCH_ROUNDS; k++) {
+      ts[k] = time_calls(c, 1, op, &b, o->dtype, it);
+      tm[k] = time_calls(c, 0, op, &b, o->dtype, it);
+    }
+    const double t_us = median(ts, SG_BENCH_ROUNDS), t_mpi = median(tm, SG_BENCH_ROUNDS);
     if (c->rank != 0) continue;
     /* algbw of MPI's call on the same element count: for bf16 it moves twice the bytes */
     const double mpi_bytes =
@@ -239,7 +261,7 @@ static size_t parse_size(const char *s) {
 }
 
 int main(int argc, char **argv) {
-  opts o = {(size_t)64 << 10, (size_t)256 << 20, SG_F32, 0};
+  opts o = {(size_t)64 << 10, (size_t)256 << 20, SG_F32, 0, "rs,ag,ar"};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--min"))
       o.min_bytes = parse_size(argv[i + 1]);
@@ -247,6 +269,8 @@ int main(int argc, char **argv) {
       o.max_bytes = parse_size(argv[i + 1]);
     else if (!strcmp(argv[i], "--iters"))
       o.iters = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--ops"))
+      o.ops = argv[i + 1];
     else if (!strcmp(argv[i], "--dtype"))
       o.dtype = !strcmp(argv[i + 1], "bf16") ? SG_BF16 : SG_F32;
   }

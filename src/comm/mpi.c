@@ -30,10 +30,17 @@
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_add, _accumulate, _cast */
 #include "sg_comm.h"                          /* sg_comm, sg__comm_ops, sg__comm_fail */
 
+#ifndef SG__MPI_PIECE
 #define SG__MPI_PIECE ((size_t)1 << 20) /* bytes of one message of a reduction (fp32 partials) */
-#define SG__MPI_NRX 4                   /* receives in flight per reduction */
-#define SG__MPI_CANCEL_GRACE_MS 200     /* how long a cancelled receive may take to finish */
-#define SG__MPI_SPINS 2000u             /* polls before a waiting rank starts yielding its core */
+#endif
+#ifndef SG__MPI_AG_PIECE
+#define SG__MPI_AG_PIECE ((size_t)4 << 20) /* bytes of one message of all_gather (copy only) */
+#endif
+#ifndef SG__MPI_NRX
+#define SG__MPI_NRX 4 /* receives in flight per reduction */
+#endif
+#define SG__MPI_CANCEL_GRACE_MS 200 /* how long a cancelled receive may take to finish */
+#define SG__MPI_SPINS 2000u         /* polls before a waiting rank starts yielding its core */
 
 enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
 
@@ -433,8 +440,9 @@ static ring make_ring(sg_comm *c, const char *fn, void *buf, size_t count, int d
   R.es = dtype >= 0 ? elem_size(dtype) : 1u;
   R.count = count;
   R.split = split;
-  /* pieces sized by the widest message: fp32 partials (f64: f64) */
-  R.pe = SG__MPI_PIECE / (dtype == SG__F64 ? 8u : dtype >= 0 ? 4u : 1u);
+  /* pieces sized by the widest message: fp32 partials (f64: f64); plain all-gathers only copy
+   * and take bigger pieces (fewer handshakes) */
+  R.pe = dtype >= 0 ? SG__MPI_PIECE / (dtype == SG__F64 ? 8u : 4u) : SG__MPI_AG_PIECE;
   R.tag = 0;
   R.deadline_ms = deadline_ms;
   return R;
