@@ -22,14 +22,16 @@ if(SG_WITH_CUDA)
       LABELS cuda TIMEOUT 300)
     set_target_properties(test_cuda_emu PROPERTIES CXX_STANDARD 17 CXX_STANDARD_REQUIRED ON)
 
-    # The whole library on a mock CUDA runtime (tests/cudamock: lazy streams over host memory,
-    # the emulated kernels), so that src/device/cuda.c and the engine on the CUDA device run
-    # without a GPU. No NCCL (sg_nccl_stub.c). Tests link it instead of shardgrad_internal.
+    # The whole library on a mock CUDA runtime and a mock NCCL (tests/cudamock: lazy streams
+    # over host memory, the emulated kernels, ranks as threads), so that src/device/cuda.c,
+    # src/comm/nccl.c and the engine on the CUDA device run without a GPU. Tests link it
+    # instead of shardgrad_internal.
     set(_sg_mock_sources ${SG_CORE_SOURCES}
       ${PROJECT_SOURCE_DIR}/src/comm/comm.c ${PROJECT_SOURCE_DIR}/src/comm/local.c
       ${PROJECT_SOURCE_DIR}/src/comm/sg_nccl_stub.c ${PROJECT_SOURCE_DIR}/src/device/cpu.c
-      ${PROJECT_SOURCE_DIR}/src/device/cuda.c
+      ${PROJECT_SOURCE_DIR}/src/device/cuda.c ${PROJECT_SOURCE_DIR}/src/comm/nccl.c
       ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudamock.cpp
+      ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_ncclmock.cpp
       ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudamock_kernels.cpp)
     if(SG_WITH_MPI)
       list(APPEND _sg_mock_sources ${PROJECT_SOURCE_DIR}/src/comm/mpi.c)
@@ -39,7 +41,8 @@ if(SG_WITH_CUDA)
     target_include_directories(shardgrad_cudamock BEFORE PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/cudamock)
     target_include_directories(shardgrad_cudamock PUBLIC ${PROJECT_SOURCE_DIR}/include
       ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/kernels)
-    target_compile_definitions(shardgrad_cudamock PUBLIC SG_HAVE_CUDA PRIVATE SG_BUILDING_LIBRARY)
+    target_compile_definitions(shardgrad_cudamock PUBLIC SG_HAVE_CUDA SG_HAVE_NCCL
+      PRIVATE SG_BUILDING_LIBRARY)
     target_compile_options(shardgrad_cudamock PRIVATE $<$<COMPILE_LANGUAGE:C>:${SG_C_FLAGS}>)
     set_target_properties(shardgrad_cudamock PROPERTIES CXX_STANDARD 17 CXX_STANDARD_REQUIRED ON)
     target_link_libraries(shardgrad_cudamock PUBLIC Threads::Threads m)
@@ -51,7 +54,7 @@ if(SG_WITH_CUDA)
       target_link_libraries(shardgrad_cudamock PUBLIC MPI::MPI_C)
     endif()
 
-    foreach(t test_cuda_mock)
+    foreach(t test_cuda_mock test_cuda_mock_engine test_cuda_mock_nccl)
       add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
       target_link_libraries(${t} PRIVATE shardgrad_cudamock)
       target_compile_options(${t} PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)

@@ -81,7 +81,7 @@ static void test_elementwise() {
     for (size_t off = 0; off < 2; off++)
       for (int g : k_grids) {
         sg__cuda_launch L = {nullptr, g};
-        for (int adt = 0; adt < 2; adt++)
+        for (int adt = 0; adt < 3; adt++)
           for (int sdt = 0; sdt < 3; sdt++) {
             std::vector<char> acc((n + off) * esize(adt)), src((n + off) * esize(sdt));
             fill_random(acc.data(), adt, n + off, 8.0f, true);

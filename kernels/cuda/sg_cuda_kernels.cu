@@ -383,14 +383,16 @@ void launch_adamw(unsigned grid, cudaStream_t s, int gdt, const seg_entry *tab, 
 extern "C" int sg__cuda_accumulate(sg__cuda_launch L, void *acc, int acc_dtype, const void *src,
                                    int src_dtype, size_t n) {
   if (n == 0) return 0;
-  if (!acc || !src || (acc_dtype != 0 && acc_dtype != 1) || src_dtype < 0 || src_dtype > 2)
+  if (!acc || !src || acc_dtype < 0 || acc_dtype > 2 || src_dtype < 0 || src_dtype > 2)
     return (int)cudaErrorInvalidValue;
   const unsigned grid = grid_for(groups_of(n), L.max_blocks);
   cudaStream_t s = (cudaStream_t)L.stream;
   if (acc_dtype == 0)
     launch_accumulate<0>(grid, s, acc, src, src_dtype, n);
-  else
+  else if (acc_dtype == 1)
     launch_accumulate<1>(grid, s, acc, src, src_dtype, n);
+  else  // f16 gradient slots (sg_grad_add)
+    launch_accumulate<2>(grid, s, acc, src, src_dtype, n);
   return launch_result();
 }
 

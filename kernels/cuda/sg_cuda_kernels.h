@@ -26,7 +26,8 @@ typedef struct sg__cuda_launch {
   int max_blocks; /* grid-stride kernels use at most this many blocks (>= 1) */
 } sg__cuda_launch;
 
-/* acc[i] = round_acc(acc[i] + src[i]); acc f32 or bf16, src any of f32/bf16/f16. */
+/* acc[i] = round_acc(acc[i] + src[i]) in fp32; acc and src any of f32/bf16/f16 (f32/bf16
+ * accumulators, and f16 gradient slots for sg_grad_add). */
 int sg__cuda_accumulate(sg__cuda_launch L, void *acc, int acc_dtype, const void *src,
                         int src_dtype, size_t n);
 /* dst[i] = round_dst(src[i]) through fp32 (exact widening, one rounding). */

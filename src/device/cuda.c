@@ -274,11 +274,10 @@ static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, i
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
-  if (acc_dtype != SG_F32 && acc_dtype != SG_BF16)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: acc_dtype must be f32 or bf16 (%d)", fn,
-                   acc_dtype);
-  if (!sg__cuda_dtype_ok(src_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad src_dtype (%d)", fn, src_dtype);
+  /* any acc dtype: f32/bf16 accumulators, and f16 gradient slots (sg_grad_add) */
+  if (!sg__cuda_dtype_ok(acc_dtype) || !sg__cuda_dtype_ok(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (acc %d, src %d)", fn, acc_dtype,
+                   src_dtype);
   if (n == 0) return SG_OK;
   if (!acc || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   SG_TRY(sg__cuda_enter(d, fn));

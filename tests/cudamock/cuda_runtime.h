@@ -39,6 +39,18 @@ enum cudaMemcpyKind {
   cudaMemcpyDefault = 4
 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaMemoryType {
+  cudaMemoryTypeUnregistered = 0,
+  cudaMemoryTypeHost = 1,
+  cudaMemoryTypeDevice = 2,
+  cudaMemoryTypeManaged = 3
+};
+struct cudaPointerAttributes {
+  enum cudaMemoryType type;
+  int device;
+  void *devicePointer;
+  void *hostPointer;
+};
 
 #define cudaStreamNonBlocking 0x01
 #define cudaEventDisableTiming 0x02
@@ -59,6 +71,8 @@ cudaError_t cudaFree(void *p);
 cudaError_t cudaMallocHost(void **p, size_t bytes);
 cudaError_t cudaFreeHost(void *p);
 cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s);
+/* device for cudaMalloc/cudaMallocAsync memory, host for cudaMallocHost, else unregistered */
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p);
 cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,

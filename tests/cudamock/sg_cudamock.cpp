@@ -24,7 +24,8 @@ namespace {
 struct Item {
   CUstream_st *wait_on = nullptr;  // a wait item: that stream up to wait_pos first
   uint64_t wait_pos = 0;
-  std::function<void()> fn;  // else: the work
+  std::function<bool()> gate;  // a gated item (collectives): done when gate() says so
+  std::function<void()> fn;    // else: the work
 };
 
 }  // namespace
@@ -54,6 +55,7 @@ thread_local cudaError_t g_last = cudaSuccess;
 std::vector<std::unique_ptr<CUstream_st>> g_streams;
 std::vector<std::unique_ptr<CUevent_st>> g_events;
 std::map<void *, size_t> g_allocs;
+std::map<void *, bool> g_is_host;  // cudaMallocHost
 
 const size_t kTooLarge = (size_t)1 << 40;  // "more than the GPU has"
 
@@ -74,6 +76,13 @@ bool advance(CUstream_st *s, uint64_t target) {
     if (on && !advance(on, pos)) {
       ok = false;
       break;
+    }
+    if (s->q.front().gate) {
+      std::function<bool()> gate = s->q.front().gate;  // may advance other streams
+      if (!gate()) {
+        ok = false;
+        break;
+      }
     }
     std::function<void()> fn = std::move(s->q.front().fn);
     s->q.pop_front();
@@ -103,10 +112,11 @@ void drain_all() {
   for (auto &s : g_streams) advance(s.get(), s->enq);
 }
 
+// Exactly `bytes` (aligned like cudaMalloc), so that a sanitizer sees overruns of "device" memory.
 void *alloc_aligned(size_t bytes) {
-  const size_t rounded = (bytes + 255) / 256 * 256;
-  void *p = aligned_alloc(256, rounded ? rounded : 256);
-  if (p) g_allocs[p] = bytes;
+  void *p = nullptr;
+  if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0) return nullptr;
+  g_allocs[p] = bytes;
   return p;
 }
 
@@ -115,6 +125,7 @@ cudaError_t free_tracked(void *p) {
   auto it = g_allocs.find(p);
   if (it == g_allocs.end()) return fail(cudaErrorInvalidValue);  // double or foreign free
   g_allocs.erase(it);
+  g_is_host.erase(p);
   free(p);
   return cudaSuccess;
 }
@@ -129,6 +140,22 @@ struct Init {
 } g_init;
 
 }  // namespace
+
+// ---- for the NCCL mock (sg_cudamock_internal.h) ---------------------------------------------
+
+std::recursive_mutex &sg_cudamock_lock() { return g_mu; }
+
+uint64_t sg_cudamock_push_gate(cudaStream_t s, std::function<bool()> gate) {
+  Item it;
+  it.gate = std::move(gate);
+  const uint64_t pos = s->enq;  // the item's index: the stream has done `pos` items before it
+  push(s, std::move(it));
+  return pos;
+}
+
+bool sg_cudamock_at(cudaStream_t s, uint64_t pos) { return advance(s, pos) && s->done == pos; }
+
+bool sg_cudamock_valid_stream(cudaStream_t s) { return valid_stream(s); }
 
 extern "C" {
 
@@ -211,7 +238,28 @@ cudaError_t cudaFree(void *p) {
   return free_tracked(p);
 }
 
-cudaError_t cudaMallocHost(void **p, size_t bytes) { return cudaMalloc(p, bytes); }
+cudaError_t cudaMallocHost(void **p, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  cudaError_t e = cudaMalloc(p, bytes);
+  if (e == cudaSuccess) g_is_host[*p] = true;
+  return e;
+}
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!a) return fail(cudaErrorInvalidValue);
+  memset(a, 0, sizeof *a);
+  a->type = cudaMemoryTypeUnregistered;
+  auto it = g_allocs.upper_bound((void *)p);
+  if (it == g_allocs.begin()) return cudaSuccess;
+  --it;
+  const char *base = (const char *)it->first;
+  if ((const char *)p >= base + (it->second ? it->second : 1)) return cudaSuccess;
+  a->type = g_is_host.count(it->first) ? cudaMemoryTypeHost : cudaMemoryTypeDevice;
+  a->devicePointer = a->type == cudaMemoryTypeDevice ? (void *)p : nullptr;
+  a->hostPointer = a->type == cudaMemoryTypeHost ? (void *)p : nullptr;
+  return cudaSuccess;
+}
 
 cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
 

@@ -174,7 +174,7 @@ static void test_cast_one(int ddt, int sdt, size_t n, size_t off) {
 static void test_elementwise(void) {
   for (size_t k = 0; k < nsizes(); k++)
     for (size_t off = 0; off < 2; off++) {
-      for (int adt = 0; adt < 2; adt++)
+      for (int adt = 0; adt < 3; adt++)
         for (int sdt = 0; sdt < 3; sdt++) test_accumulate_one(adt, sdt, k_sizes[k], off);
       for (int ddt = 0; ddt < 3; ddt++)
         for (int sdt = 0; sdt < 3; sdt++) test_cast_one(ddt, sdt, k_sizes[k], off);

@@ -1,0 +1,93 @@
+/* A mock of the part of NCCL that src/comm/nccl.c uses, for tests without a GPU
+ * (tests/cudamock/sg_ncclmock.cpp): ranks are threads of one process, found through the unique
+ * id; a collective is a gated item on each rank's mock CUDA stream that completes when every
+ * rank's stream has reached it. Sums run in rank order in fp32 (f64 for f64) and are rounded
+ * once, like the local communicator, so results can be compared bit for bit. Communicators are
+ * non-blocking when asked: init and ncclGroupEnd return ncclInProgress, and
+ * ncclCommGetAsyncError says when they are done. */
+#ifndef SG_NCCLMOCK_H
+#define SG_NCCLMOCK_H
+
+#include <limits.h> /* INT_MIN */
+#include <stddef.h>
+
+#include "cuda_runtime.h" /* cudaStream_t (the mock's) */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NCCL_UNIQUE_ID_BYTES 128
+typedef struct {
+  char internal[NCCL_UNIQUE_ID_BYTES];
+} ncclUniqueId;
+
+typedef enum {
+  ncclSuccess = 0,
+  ncclUnhandledCudaError = 1,
+  ncclSystemError = 2,
+  ncclInternalError = 3,
+  ncclInvalidArgument = 4,
+  ncclInvalidUsage = 5,
+  ncclRemoteError = 6,
+  ncclInProgress = 7
+} ncclResult_t;
+
+typedef struct ncclComm *ncclComm_t;
+
+typedef enum {
+  ncclInt8 = 0,
+  ncclChar = 0,
+  ncclFloat16 = 6,
+  ncclFloat32 = 7,
+  ncclFloat64 = 8,
+  ncclBfloat16 = 9
+} ncclDataType_t;
+typedef enum { ncclSum = 0 } ncclRedOp_t;
+
+typedef struct ncclConfig_v22800 {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+} ncclConfig_t;
+#define NCCL_CONFIG_UNDEF_INT INT_MIN
+#define NCCL_CONFIG_INITIALIZER {sizeof(ncclConfig_t), 0xcafebeef, 22809, NCCL_CONFIG_UNDEF_INT}
+
+const char *ncclGetErrorString(ncclResult_t r);
+const char *ncclGetLastError(ncclComm_t comm);
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t *config);
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
+ncclResult_t ncclCommAbort(ncclComm_t comm);
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
+ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t stream);
+ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+                               ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                               cudaStream_t stream);
+ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
+                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
+                           ncclDataType_t datatype, int root, ncclComm_t comm,
+                           cudaStream_t stream);
+
+/* ---- controls for tests ----------------------------------------------------------------- */
+
+/* The communicator reports `r` as its asynchronous error from now on (a peer died). */
+void sg_ncclmock_fail(ncclComm_t comm, ncclResult_t r);
+/* The same for every live communicator. */
+void sg_ncclmock_fail_all(ncclResult_t r);
+/* Communicators created and not destroyed or aborted. */
+int sg_ncclmock_live(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SG_NCCLMOCK_H */

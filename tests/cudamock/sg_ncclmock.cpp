@@ -1,0 +1,357 @@
+// The NCCL mock of tests/cudamock/nccl.h. A group of communicators is found through its unique
+// id (ranks are threads of this process). The k-th collective of every rank is one Coll; each
+// rank's call queues a gated item on its (mock CUDA) stream, and the data moves when the first
+// of those items is forced and every rank's stream has reached its own item. Everything runs
+// under the CUDA mock's global lock.
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nccl.h"
+#include "sg_cudamock_internal.h"  // lock, gated stream items
+#include "sg_elem.h"               // bf16/f16 conversions for the sums
+
+namespace {
+
+enum Kind { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
+
+struct Part {
+  bool joined = false;
+  cudaStream_t s = nullptr;
+  uint64_t pos = 0;
+  const void *send = nullptr;
+  void *recv = nullptr;
+};
+
+struct Coll {
+  Kind kind;
+  size_t count;
+  ncclDataType_t dt;
+  int root;
+  std::vector<Part> parts;
+  int joined = 0;
+  bool done = false;
+  bool aborted = false;
+  bool mismatch = false;
+};
+
+struct Group {
+  int world = 0;
+  int joined = 0;
+  std::vector<ncclComm *> members;
+  std::map<uint64_t, std::shared_ptr<Coll>> colls;
+};
+
+}  // namespace
+
+struct ncclComm {
+  std::shared_ptr<Group> g;
+  int rank = 0;
+  bool blocking = true;
+  bool initializing = false;
+  bool settling = false;  // a non-blocking call returned ncclInProgress; done at the next query
+  ncclResult_t async = ncclSuccess;
+  uint64_t seq = 0;
+};
+
+namespace {
+
+std::map<std::string, std::shared_ptr<Group>> g_groups;  // ids still accepting ranks
+uint64_t g_ids = 0;
+int g_live = 0;
+std::vector<ncclComm *> g_all;  // live communicators
+thread_local int t_depth = 0;
+thread_local std::vector<std::function<void()>> t_pending;
+thread_local std::vector<ncclComm *> t_touched;
+
+int elem_code(ncclDataType_t dt) {
+  return dt == ncclBfloat16 ? 1 : dt == ncclFloat16 ? 2 : dt == ncclFloat64 ? 3 : dt == ncclInt8 ? 4 : 0;
+}
+
+size_t esize(ncclDataType_t dt) {
+  return dt == ncclFloat64 ? 8 : dt == ncclFloat32 ? 4 : dt == ncclInt8 ? 1 : 2;
+}
+
+// Sum over ranks, in rank order starting from rank 0's value, of element i of each `src`.
+void reduce(const std::vector<const char *> &src, ncclDataType_t dt, size_t n, char *out) {
+  const int code = elem_code(dt);
+  for (size_t i = 0; i < n; i++) {
+    if (code == 3) {
+      double t = ((const double *)src[0])[i];
+      for (size_t r = 1; r < src.size(); r++) t = t + ((const double *)src[r])[i];
+      ((double *)out)[i] = t;
+    } else {
+      float t = sg_elem_load(src[0], code, i);
+      for (size_t r = 1; r < src.size(); r++) t = t + sg_elem_load(src[r], code, i);
+      sg_elem_store(out, code, i, t);
+    }
+  }
+}
+
+// Moves the data of a collective whose every rank has reached it. Results go through a copy
+// first: buffers are in place and overlap.
+void execute(Coll &c) {
+  const int w = (int)c.parts.size();
+  const size_t es = esize(c.dt), bytes = c.count * es;
+  if (c.kind == kAllReduce) {
+    std::vector<const char *> src;
+    for (const Part &p : c.parts) src.push_back((const char *)p.send);
+    std::vector<char> out(bytes);
+    reduce(src, c.dt, c.count, out.data());
+    for (const Part &p : c.parts) memcpy(p.recv, out.data(), bytes);
+  } else if (c.kind == kReduceScatter) {
+    std::vector<std::vector<char>> out(w, std::vector<char>(bytes));
+    for (int r = 0; r < w; r++) {
+      std::vector<const char *> src;
+      for (const Part &p : c.parts) src.push_back((const char *)p.send + (size_t)r * bytes);
+      reduce(src, c.dt, c.count, out[r].data());
+    }
+    for (int r = 0; r < w; r++) memcpy(c.parts[r].recv, out[r].data(), bytes);
+  } else if (c.kind == kAllGather) {
+    std::vector<char> all(bytes * w);
+    for (int r = 0; r < w; r++) memcpy(all.data() + (size_t)r * bytes, c.parts[r].send, bytes);
+    for (const Part &p : c.parts) memcpy(p.recv, all.data(), all.size());
+  } else {
+    std::vector<char> v((const char *)c.parts[c.root].send, (const char *)c.parts[c.root].send + bytes);
+    for (const Part &p : c.parts) memcpy(p.recv, v.data(), bytes);
+  }
+}
+
+// The gate of rank `rank`'s item: true once the collective has run (or was aborted).
+bool gate(const std::shared_ptr<Coll> &c) {
+  if (c->done || c->aborted) return true;
+  if (c->joined < (int)c->parts.size()) return false;
+  for (const Part &p : c->parts)
+    if (!sg_cudamock_at(p.s, p.pos)) return false;
+  if (!c->mismatch) execute(*c);
+  c->done = true;
+  return true;
+}
+
+ncclResult_t usable(ncclComm_t comm) {
+  if (!comm) return ncclInvalidArgument;
+  if (comm->initializing || comm->settling) return ncclInvalidUsage;  // not ready for calls
+  return comm->async == ncclSuccess ? ncclSuccess : ncclInvalidUsage;
+}
+
+// Joins this rank to the comm's next collective; queues its gated item on s.
+void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count,
+          ncclDataType_t dt, int root, cudaStream_t s) {
+  Group &g = *comm->g;
+  std::shared_ptr<Coll> &c = g.colls[comm->seq++];
+  if (!c) {
+    c = std::make_shared<Coll>();
+    c->kind = kind, c->count = count, c->dt = dt, c->root = root;
+    c->parts.resize(g.world);
+  } else if (c->kind != kind || c->count != count || c->dt != dt || c->root != root) {
+    c->mismatch = true;  // ranks disagree: nothing moves, every rank gets an error
+    for (ncclComm *m : g.members)
+      if (m) m->async = ncclInvalidUsage;
+  }
+  std::shared_ptr<Coll> held = c;
+  Part &p = c->parts[comm->rank];
+  p.joined = true, p.s = s, p.send = send, p.recv = recv;
+  p.pos = sg_cudamock_push_gate(s, [held] { return gate(held); });
+  c->joined++;
+}
+
+ncclResult_t call(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count,
+                  ncclDataType_t dt, int root, cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  ncclResult_t r = usable(comm);
+  if (r != ncclSuccess) return r;
+  if (!sg_cudamock_valid_stream(s) || (count && (!send || !recv))) return ncclInvalidArgument;
+  if (t_depth == 0) {
+    join(comm, kind, send, recv, count, dt, root, s);
+    return ncclSuccess;
+  }
+  t_pending.push_back([=] { join(comm, kind, send, recv, count, dt, root, s); });
+  t_touched.push_back(comm);
+  return ncclSuccess;
+}
+
+void forget(ncclComm_t comm) {
+  Group &g = *comm->g;
+  if (comm->rank < (int)g.members.size() && g.members[comm->rank] == comm)
+    g.members[comm->rank] = nullptr;
+  g_live--;
+  for (size_t i = 0; i < g_all.size(); i++)
+    if (g_all[i] == comm) g_all.erase(g_all.begin() + (long)i);
+  delete comm;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char *ncclGetErrorString(ncclResult_t r) {
+  switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+  }
+  return "unknown result code";
+}
+
+const char *ncclGetLastError(ncclComm_t comm) {
+  (void)comm;
+  return "mock NCCL";
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!id) return ncclInvalidArgument;
+  memset(id->internal, 0, sizeof id->internal);
+  snprintf(id->internal, sizeof id->internal, "sg-ncclmock-%llu-%p", (unsigned long long)++g_ids,
+           (void *)&g_ids);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t *config) {
+  std::unique_lock<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!out || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  *out = nullptr;
+  const std::string key(id.internal, sizeof id.internal);
+  std::shared_ptr<Group> &g = g_groups[key];
+  if (!g) {
+    g = std::make_shared<Group>();
+    g->world = nranks;
+    g->members.assign(nranks, nullptr);
+  }
+  if (g->world != nranks || g->members[rank]) return ncclInvalidUsage;
+  ncclComm_t c = new ncclComm;
+  c->g = g;
+  c->rank = rank;
+  c->blocking = !config || config->blocking != 0;  // NCCL's default is blocking
+  g->members[rank] = c;
+  g->joined++;
+  g_live++;
+  g_all.push_back(c);
+  std::shared_ptr<Group> mine = g;
+  if (g->joined == g->world) g_groups.erase(key);  // an id makes one communicator
+  *out = c;
+  if (!c->blocking) {
+    c->initializing = mine->joined < mine->world;
+    c->async = c->initializing ? ncclInProgress : ncclSuccess;
+    return c->initializing ? ncclInProgress : ncclSuccess;
+  }
+  for (int i = 0; i < 60000 && mine->joined < mine->world; i++) {
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lk.lock();
+  }
+  return mine->joined == mine->world ? ncclSuccess : ncclSystemError;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!comm || !async_error) return ncclInvalidArgument;
+  if (comm->initializing && comm->g->joined == comm->g->world) {
+    comm->initializing = false;
+    comm->async = ncclSuccess;
+  }
+  if (comm->settling) {  // reported once as in progress, then done
+    comm->settling = false;
+    *async_error = ncclInProgress;
+    return ncclSuccess;
+  }
+  *async_error = comm->async;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!comm) return ncclInvalidArgument;
+  if (comm->blocking) return ncclSuccess;
+  comm->settling = true;
+  return ncclInProgress;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!comm) return ncclInvalidArgument;
+  forget(comm);
+  return ncclSuccess;
+}
+
+// Collectives this rank has joined and not finished complete without moving data, as kernels
+// leave when NCCL aborts; the other ranks' items stay stuck (their peer is gone).
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!comm) return ncclInvalidArgument;
+  for (auto &kv : comm->g->colls)
+    if (!kv.second->done && kv.second->parts[comm->rank].joined) kv.second->aborted = true;
+  forget(comm);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart(void) {
+  t_depth++;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (t_depth == 0) return ncclInvalidUsage;
+  if (--t_depth > 0) return ncclSuccess;
+  for (auto &f : t_pending) f();
+  t_pending.clear();
+  bool in_progress = false;
+  for (ncclComm *c : t_touched)
+    if (!c->blocking) c->settling = in_progress = true;
+  t_touched.clear();
+  return in_progress ? ncclInProgress : ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t stream) {
+  if (op != ncclSum) return ncclInvalidArgument;
+  return call(comm, kAllReduce, sendbuff, recvbuff, count, datatype, 0, stream);
+}
+
+ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+                               ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                               cudaStream_t stream) {
+  if (op != ncclSum) return ncclInvalidArgument;
+  return call(comm, kReduceScatter, sendbuff, recvbuff, recvcount, datatype, 0, stream);
+}
+
+ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
+                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+  return call(comm, kAllGather, sendbuff, recvbuff, sendcount, datatype, 0, stream);
+}
+
+ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
+                           ncclDataType_t datatype, int root, ncclComm_t comm,
+                           cudaStream_t stream) {
+  if (!comm || root < 0 || root >= comm->g->world) return ncclInvalidArgument;
+  return call(comm, kBroadcast, sendbuff, recvbuff, count, datatype, root, stream);
+}
+
+void sg_ncclmock_fail(ncclComm_t comm, ncclResult_t r) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (comm) comm->async = r;
+}
+
+void sg_ncclmock_fail_all(ncclResult_t r) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  for (ncclComm *c : g_all) c->async = r;
+}
+
+int sg_ncclmock_live(void) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  return g_live;
+}
+
+}  // extern "C"

@@ -1,0 +1,316 @@
+/* The engine on the CUDA device, without a GPU: the mock CUDA runtime and mock NCCL of
+ * tests/cudamock (lazy streams over host memory, the emulated CUDA kernels, ranks as threads)
+ * under src/device/cuda.c and src/comm/nccl.c. Each case trains W ranks (threads) on
+ * SG_DEVICE_CPU with the local communicator (the reference), then on SG_DEVICE_CUDA with the
+ * local communicator (host-driven comm jobs) and with the NCCL one (stream-ordered comm jobs),
+ * with the same gradients; parameters, master weights and AdamW moments must agree bit for bit
+ * (the CUDA kernels and the CPU kernels run the same element math, and the mock NCCL sums like
+ * the local communicator), the reported gradient norm within 1e-6 (its sum of squares is
+ * partitioned differently).
+ *
+ * Gradients reach the CUDA engine the way a training program's kernels would: written by host
+ * functions queued on the caller's stream (sg_set_stream), into sg_grad_ptr slots or into
+ * device buffers passed to sg_grad_add. Since the mock runs stream work only when something
+ * waits for it, a dependency the engine fails to express (an event between its streams, a wait
+ * before reading) shows up as wrong numbers here. */
+#define _POSIX_C_SOURCE 200809L
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h> /* the mock's: streams, host functions, device buffers */
+#include <nccl.h>         /* the mock's: sg_ncclmock_live */
+
+#include "shardgrad.h"
+#include "sg_elem.h" /* sg_elem_store: gradients in their dtype */
+
+#define NP 6
+#define MAXW 3
+#define STEPS 3
+static const size_t k_sizes[NP] = {1, 63, 1000, 4097, 100, 30011};
+
+static int g_pass, g_fail;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void check(int ok, const char *what) {
+  pthread_mutex_lock(&g_lock);
+  printf("%s %s\n", ok ? "ok  " : "FAIL", what);
+  if (ok)
+    g_pass++;
+  else
+    g_fail++;
+  pthread_mutex_unlock(&g_lock);
+}
+
+typedef struct tcase {
+  const char *name;
+  sg_strategy strategy;
+  sg_dtype pdt, gdt, adt;
+  int world, mb, nosync;
+} tcase;
+
+typedef struct result {
+  float *param[NP], *master[NP], *m[NP], *v[NP];
+  float norm[STEPS];
+} result;
+
+typedef struct rank_arg {
+  const tcase *tc;
+  sg_comm *comm;
+  int cuda;
+  int rank;
+  const unsigned char *nccl_id; /* NCCL: the rank creates its communicator */
+  result res;
+  char err[512];
+} rank_arg;
+
+static float grad_val(int rank, int step, int k, int p, size_t i) {
+  uint64_t x = ((uint64_t)rank * 1000003u + (uint64_t)step * 7919u + (uint64_t)k * 104729u +
+                (uint64_t)p * 15485863u + i) * 0x9e3779b97f4a7c15ull;
+  x ^= x >> 29;
+  return (float)((double)(x >> 11) * 0x1.0p-53 - 0.5);
+}
+
+/* ---- gradient writers queued on the caller's stream -------------------------------------- */
+
+typedef struct gwrite {
+  void *dst;
+  sg_dtype dtype;
+  size_t n;
+  int rank, step, k, p;
+} gwrite;
+
+static void CUDART_CB gwrite_fn(void *arg) {
+  gwrite *w = (gwrite *)arg;
+  for (size_t i = 0; i < w->n; i++)
+    sg_elem_store(w->dst, w->dtype, i, grad_val(w->rank, w->step, w->k, w->p, i));
+  free(w);
+}
+
+/* Writes the gradient of param p: into dst now (CPU), or by a host function on stream s. */
+static void write_grad(void *dst, sg_dtype dt, cudaStream_t s, int rank, int step, int k, int p) {
+  gwrite *w = (gwrite *)malloc(sizeof *w);
+  gwrite tmp = {dst, dt, k_sizes[p], rank, step, k, p};
+  *w = tmp;
+  if (s)
+    cudaLaunchHostFunc(s, gwrite_fn, w);
+  else
+    gwrite_fn(w);
+}
+
+/* ---- one rank -------------------------------------------------------------------------------- */
+
+static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
+  const tcase *tc = a->tc;
+  sg_config cfg;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (st) return st;
+  cfg.strategy = tc->strategy;
+  cfg.device = a->cuda ? SG_DEVICE_CUDA : SG_DEVICE_CPU;
+  cfg.param_dtype = tc->pdt;
+  cfg.grad_dtype = tc->gdt;
+  cfg.reduce_dtype = tc->gdt;
+  cfg.accum_dtype = tc->adt;
+  cfg.bucket_bytes = 8192;
+  cfg.lr = 0.01f;
+  cfg.loss_scale = 1.0f;
+  cfg.timeout_ms = 60000;
+  if ((st = sg_engine_create(a->comm, &cfg, e))) return st;
+  for (int p = 0; p < NP && !st; p++) {
+    char name[32];
+    snprintf(name, sizeof name, "p%d", p);
+    st = sg_add_param(*e, name, k_sizes[p], p % 3 == 1 ? SG_PARAM_NO_DECAY : 0, &ids[p]);
+  }
+  if (!st) st = sg_finalize(*e);
+  float *init = (float *)malloc(k_sizes[NP - 1] * sizeof *init);
+  for (int p = 0; p < NP && !st; p++) {
+    for (size_t i = 0; i < k_sizes[p]; i++) init[i] = 0.01f * (float)((i * 37 + (size_t)p) % 101);
+    st = sg_set_param(*e, ids[p], init, SG_F32);
+  }
+  free(init);
+  return st;
+}
+
+/* Even params through sg_grad_ptr, odd ones through sg_grad_add from a buffer of the device. */
+static sg_status micro_batch(rank_arg *a, sg_engine *e, const int *ids, void *const *src,
+                             cudaStream_t s, int step, int k) {
+  const int rank = sg_comm_rank(a->comm);
+  const sg_dtype gdt = a->tc->gdt;
+  sg_status st = SG_OK;
+  if (a->tc->nosync) st = sg_set_sync(e, k == a->tc->mb - 1);
+  for (int p = NP - 1; p >= 0 && !st; p--) {
+    if (p % 2 == 0) {
+      void *g = NULL;
+      st = sg_grad_ptr(e, ids[p], &g);
+      if (!st) write_grad(g, gdt, s, rank, step, k, p);
+      if (!st) st = sg_grad_ready(e, ids[p]);
+    } else {
+      write_grad(src[p], gdt, s, rank, step, k, p);
+      st = sg_grad_add(e, ids[p], src[p], gdt);
+    }
+  }
+  return st;
+}
+
+static sg_status collect(sg_engine *e, const int *ids, result *r) {
+  sg_status st = SG_OK;
+  for (int p = 0; p < NP && !st; p++) {
+    const size_t n = k_sizes[p] * sizeof(float);
+    r->param[p] = malloc(n), r->master[p] = malloc(n), r->m[p] = malloc(n), r->v[p] = malloc(n);
+    st = sg_get_param(e, ids[p], r->param[p], SG_F32);
+    if (!st) st = sg_get_master(e, ids[p], r->master[p]);
+    if (!st) st = sg_get_optim_state(e, ids[p], 0, r->m[p]);
+    if (!st) st = sg_get_optim_state(e, ids[p], 1, r->v[p]);
+  }
+  return st;
+}
+
+static void *rank_main(void *arg) {
+  rank_arg *a = (rank_arg *)arg;
+  sg_engine *e = NULL;
+  int ids[NP];
+  void *src[NP] = {0};
+  cudaStream_t s = NULL;
+  sg_status st = SG_OK;
+  if (a->nccl_id)
+    st = sg_comm_create_nccl(a->rank, a->tc->world, a->nccl_id, 0, &a->comm);
+  if (!st) st = setup(a, &e, ids);
+  if (!st && a->cuda) {
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    st = sg_set_stream(e, s);
+  }
+  for (int p = 0; p < NP && !st; p++) {
+    size_t bytes = k_sizes[p] * 4;
+    if (a->cuda ? cudaMalloc(&src[p], bytes) != cudaSuccess : !(src[p] = malloc(bytes)))
+      st = SG_ERR_OUT_OF_MEMORY;
+  }
+  for (int step = 0; step < STEPS && !st; step++) {
+    for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, src, s, step, k);
+    sg_step_info info;
+    memset(&info, 0, sizeof info);
+    info.struct_size = sizeof info;
+    if (!st) st = sg_step(e, &info);
+    a->res.norm[step] = info.grad_norm;
+  }
+  if (!st) st = collect(e, ids, &a->res);
+  if (st) snprintf(a->err, sizeof a->err, "%s: %s", sg_status_string(st), sg_last_error());
+  sg_engine_destroy(e);
+  for (int p = 0; p < NP; p++) a->cuda ? (void)cudaFree(src[p]) : free(src[p]);
+  if (s) cudaStreamDestroy(s);
+  if (a->nccl_id) sg_comm_destroy(a->comm);
+  return NULL;
+}
+
+enum { RUN_CPU, RUN_CUDA_LOCAL, RUN_CUDA_NCCL };
+static const char *const k_runs[] = {"cpu+local", "cuda+local", "cuda+nccl"};
+
+/* W ranks of one kind; 0 when anything failed (reported). */
+static int run(const tcase *tc, int kind, rank_arg *args) {
+  sg_comm *comms[MAXW] = {0};
+  unsigned char id[128];
+  pthread_t th[MAXW];
+  char what[200];
+  if (kind == RUN_CUDA_NCCL ? sg_nccl_unique_id(id) != SG_OK
+                            : sg_comm_create_local(tc->world, comms) != SG_OK) {
+    check(0, "communicator");
+    return 0;
+  }
+  for (int r = 0; r < tc->world; r++) {
+    memset(&args[r], 0, sizeof args[r]);
+    args[r].tc = tc;
+    args[r].comm = comms[r];
+    args[r].cuda = kind != RUN_CPU;
+    args[r].rank = r;
+    args[r].nccl_id = kind == RUN_CUDA_NCCL ? id : NULL;
+    pthread_create(&th[r], NULL, rank_main, &args[r]);
+  }
+  int ok = 1;
+  for (int r = 0; r < tc->world; r++) {
+    pthread_join(th[r], NULL);
+    if (kind != RUN_CUDA_NCCL) sg_comm_destroy(comms[r]);
+    snprintf(what, sizeof what, "%s on %s, rank %d: trains %s%s", tc->name, k_runs[kind], r,
+             args[r].err[0] ? "-- " : "", args[r].err);
+    check(!args[r].err[0], what);
+    ok &= !args[r].err[0];
+  }
+  return ok;
+}
+
+static int same_bits(const float *a, const float *b, size_t n, size_t *at) {
+  for (size_t i = 0; i < n; i++)
+    if (memcmp(&a[i], &b[i], 4) != 0) {
+      *at = i;
+      return 0;
+    }
+  return 1;
+}
+
+static const char *const k_fields[4] = {"param", "master", "m", "v"};
+
+static const float *field(const result *r, int f, int p) {
+  return f == 0 ? r->param[p] : f == 1 ? r->master[p] : f == 2 ? r->m[p] : r->v[p];
+}
+
+static void compare(const tcase *tc, const char *run, const rank_arg *cpu, const rank_arg *gpu) {
+  char what[200];
+  for (int r = 0; r < tc->world; r++) {
+    int bad_f = -1, bad_p = -1;
+    size_t at = 0;
+    for (int p = 0; p < NP && bad_f < 0; p++)
+      for (int f = 0; f < 4 && bad_f < 0; f++)
+        if (!same_bits(field(&cpu[r].res, f, p), field(&gpu[r].res, f, p), k_sizes[p], &at))
+          bad_f = f, bad_p = p;
+    if (bad_f < 0)
+      snprintf(what, sizeof what, "%s rank %d: %s == cpu bitwise (params, master, m, v)",
+               tc->name, r, run);
+    else
+      snprintf(what, sizeof what, "%s rank %d: %s != cpu: %s of p%d at %zu (cpu %.9g, %.9g)",
+               tc->name, r, run, k_fields[bad_f], bad_p, at,
+               (double)field(&cpu[r].res, bad_f, bad_p)[at],
+               (double)field(&gpu[r].res, bad_f, bad_p)[at]);
+    check(bad_f < 0, what);
+    int norms = 1;
+    for (int s = 0; s < STEPS; s++)
+      norms &= fabsf(cpu[r].res.norm[s] - gpu[r].res.norm[s]) <= 1e-6f * fabsf(cpu[r].res.norm[s]);
+    snprintf(what, sizeof what, "%s rank %d: %s gradient norms agree (1e-6)", tc->name, r, run);
+    check(norms, what);
+  }
+}
+
+static void free_results(rank_arg *args, int w) {
+  for (int r = 0; r < w; r++)
+    for (int p = 0; p < NP; p++) {
+      free(args[r].res.param[p]);
+      free(args[r].res.master[p]);
+      free(args[r].res.m[p]);
+      free(args[r].res.v[p]);
+    }
+}
+
+int main(void) {
+  static const tcase cases[] = {
+      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0},
+      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0},
+      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0},
+      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1},
+      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0},
+      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    static rank_arg ref[MAXW], got[MAXW];
+    const tcase *tc = &cases[i];
+    const int ok_ref = run(tc, RUN_CPU, ref);
+    for (int kind = RUN_CUDA_LOCAL; kind <= RUN_CUDA_NCCL; kind++) {
+      if (run(tc, kind, got) && ok_ref) compare(tc, k_runs[kind], ref, got);
+      free_results(got, tc->world);
+    }
+    free_results(ref, tc->world);
+  }
+  sg_cudamock_drain();
+  check(sg_ncclmock_live() == 0, "every NCCL communicator destroyed");
+  printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail ? 1 : 0;
+}
