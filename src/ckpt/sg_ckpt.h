@@ -14,7 +14,23 @@
  * loading rank reads and verifies just the chunks that hold what its new shard needs.
  *
  * All integers are little-endian; float data are written as the host holds them (the library
- * supports little-endian hosts only, as safetensors does). */
+ * supports little-endian hosts only, as safetensors does). Format version 1:
+ *
+ * manifest                               rank file g<G>.r<R>.shard
+ *   "SGCKMANF" u32 version u32 0           "SGCKSHRD" u32 version u32 header_bytes
+ *   u64 total_bytes u64 generation         u64 generation u64 plan_hash
+ *   u32 world strategy param_dtype         u32 rank world nsections chunk_bytes
+ *       has_master                         u64 numel (elements per section) u64 nchunks
+ *   u64 plan_hash step                     nsections x {u32 kind elem_bytes, u64 offset bytes
+ *   u32 loss_scale(f32) clean_steps                     crc_index}
+ *       dynamic_scale lr(f32)              nchunks x u32 CRC-32C of each chunk of each section
+ *   u32 ncfg, ncfg x u64 config words      u32 CRC-32C of all header bytes before it
+ *   u32 nparams                            section data, back to back (kinds ascending:
+ *   world x {u16 len, name, u64 bytes,       working params, master, m, v)
+ *            u64 numel, u32 header_crc}
+ *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
+ *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
+ *   u32 CRC-32C of all bytes before it */
 #ifndef SG_CKPT_H
 #define SG_CKPT_H
 

@@ -166,7 +166,7 @@ static sg_status plan_reads(sg_engine *e, load_ctx *c) {
     piece_arg a = {c, id};
     SG_TRY(sg__engine_for_pieces(e, id, add_piece, &a));
   }
-  qsort(c->reqs, c->nreq, sizeof *c->reqs, req_cmp);
+  if (c->nreq > 1) qsort(c->reqs, c->nreq, sizeof *c->reqs, req_cmp);
   c->nkinds = sg__ck_kinds(e, c->kinds, c->esz);
   c->opt_numel = e->lay.opt_numel;
   for (uint32_t s = 0; s < c->nkinds; s++) {
