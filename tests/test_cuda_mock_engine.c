@@ -8,11 +8,15 @@
  * the local communicator), the reported gradient norm within 1e-6 (its sum of squares is
  * partitioned differently).
  *
- * Gradients reach the CUDA engine the way a training program's kernels would: written by host
- * functions queued on the caller's stream (sg_set_stream), into sg_grad_ptr slots or into
- * device buffers passed to sg_grad_add. Since the mock runs stream work only when something
- * waits for it, a dependency the engine fails to express (an event between its streams, a wait
- * before reading) shows up as wrong numbers here. */
+ * Gradients reach the CUDA engine the way a training program's kernels would: in stream order
+ * on the caller's stream (sg_set_stream): a host function fills a pinned buffer, a copy moves
+ * it into an sg_grad_ptr slot or into a device buffer passed to sg_grad_add. Since the mock runs
+ * stream work only when something waits for it, a dependency the engine fails to express (an
+ * event between its streams, a wait before reading) shows up as wrong numbers here.
+ *
+ * Built a second time against the real CUDA runtime and NCCL (SG_TEST_REAL_GPU, target
+ * test_cuda_engine, run by tests/gpu/run.sh): the same comparisons on a GPU, where NCCL runs
+ * only at W = 1 (it refuses two ranks on one GPU). */
 #define _POSIX_C_SOURCE 200809L
 
 #include <math.h>
@@ -21,8 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cuda_runtime.h> /* the mock's: streams, host functions, device buffers */
-#include <nccl.h>         /* the mock's: sg_ncclmock_live */
+#include <cuda_runtime.h> /* streams, host functions, device buffers (the mock's, or CUDA's) */
+#ifndef SG_TEST_REAL_GPU
+#include <nccl.h> /* the mock's: sg_ncclmock_live */
+#endif
 
 #include "shardgrad.h"
 #include "sg_elem.h" /* sg_elem_store: gradients in their dtype */
@@ -90,15 +96,20 @@ static void CUDART_CB gwrite_fn(void *arg) {
   free(w);
 }
 
-/* Writes the gradient of param p: into dst now (CPU), or by a host function on stream s. */
-static void write_grad(void *dst, sg_dtype dt, cudaStream_t s, int rank, int step, int k, int p) {
+/* Writes the gradient of param p into dst: now (CPU), or on stream s: a host function fills
+ * the pinned buffer `stage`, then a copy moves it to device memory (stream order makes both
+ * reuses of `stage` safe). */
+static void write_grad(void *dst, sg_dtype dt, cudaStream_t s, void *stage, int rank, int step,
+                       int k, int p) {
   gwrite *w = (gwrite *)malloc(sizeof *w);
-  gwrite tmp = {dst, dt, k_sizes[p], rank, step, k, p};
+  gwrite tmp = {s ? stage : dst, dt, k_sizes[p], rank, step, k, p};
   *w = tmp;
-  if (s)
-    cudaLaunchHostFunc(s, gwrite_fn, w);
-  else
+  if (!s) {
     gwrite_fn(w);
+    return;
+  }
+  cudaLaunchHostFunc(s, gwrite_fn, w);
+  cudaMemcpyAsync(dst, stage, k_sizes[p] * (dt == SG_F32 ? 4 : 2), cudaMemcpyHostToDevice, s);
 }
 
 /* ---- one rank -------------------------------------------------------------------------------- */
@@ -136,7 +147,7 @@ static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
 
 /* Even params through sg_grad_ptr, odd ones through sg_grad_add from a buffer of the device. */
 static sg_status micro_batch(rank_arg *a, sg_engine *e, const int *ids, void *const *src,
-                             cudaStream_t s, int step, int k) {
+                             void *const *stage, cudaStream_t s, int step, int k) {
   const int rank = sg_comm_rank(a->comm);
   const sg_dtype gdt = a->tc->gdt;
   sg_status st = SG_OK;
@@ -145,10 +156,10 @@ static sg_status micro_batch(rank_arg *a, sg_engine *e, const int *ids, void *co
     if (p % 2 == 0) {
       void *g = NULL;
       st = sg_grad_ptr(e, ids[p], &g);
-      if (!st) write_grad(g, gdt, s, rank, step, k, p);
+      if (!st) write_grad(g, gdt, s, stage[p], rank, step, k, p);
       if (!st) st = sg_grad_ready(e, ids[p]);
     } else {
-      write_grad(src[p], gdt, s, rank, step, k, p);
+      write_grad(src[p], gdt, s, stage[p], rank, step, k, p);
       st = sg_grad_add(e, ids[p], src[p], gdt);
     }
   }
@@ -172,7 +183,7 @@ static void *rank_main(void *arg) {
   rank_arg *a = (rank_arg *)arg;
   sg_engine *e = NULL;
   int ids[NP];
-  void *src[NP] = {0};
+  void *src[NP] = {0}, *stage[NP] = {0};
   cudaStream_t s = NULL;
   sg_status st = SG_OK;
   if (a->nccl_id)
@@ -186,9 +197,11 @@ static void *rank_main(void *arg) {
     size_t bytes = k_sizes[p] * 4;
     if (a->cuda ? cudaMalloc(&src[p], bytes) != cudaSuccess : !(src[p] = malloc(bytes)))
       st = SG_ERR_OUT_OF_MEMORY;
+    if (a->cuda && cudaMallocHost(&stage[p], bytes) != cudaSuccess) st = SG_ERR_OUT_OF_MEMORY;
   }
   for (int step = 0; step < STEPS && !st; step++) {
-    for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, src, s, step, k);
+    for (int k = 0; k < a->tc->mb && !st; k++)
+      st = micro_batch(a, e, ids, src, stage, s, step, k);
     sg_step_info info;
     memset(&info, 0, sizeof info);
     info.struct_size = sizeof info;
@@ -198,7 +211,11 @@ static void *rank_main(void *arg) {
   if (!st) st = collect(e, ids, &a->res);
   if (st) snprintf(a->err, sizeof a->err, "%s: %s", sg_status_string(st), sg_last_error());
   sg_engine_destroy(e);
-  for (int p = 0; p < NP; p++) a->cuda ? (void)cudaFree(src[p]) : free(src[p]);
+  if (s) cudaStreamSynchronize(s); /* host functions may still use the staging buffers */
+  for (int p = 0; p < NP; p++) {
+    a->cuda ? (void)cudaFree(src[p]) : free(src[p]);
+    if (stage[p]) cudaFreeHost(stage[p]);
+  }
   if (s) cudaStreamDestroy(s);
   if (a->nccl_id) sg_comm_destroy(a->comm);
   return NULL;
@@ -304,13 +321,18 @@ int main(void) {
     const tcase *tc = &cases[i];
     const int ok_ref = run(tc, RUN_CPU, ref);
     for (int kind = RUN_CUDA_LOCAL; kind <= RUN_CUDA_NCCL; kind++) {
+#ifdef SG_TEST_REAL_GPU
+      if (kind == RUN_CUDA_NCCL && tc->world > 1) continue; /* one GPU: NCCL needs W == 1 */
+#endif
       if (run(tc, kind, got) && ok_ref) compare(tc, k_runs[kind], ref, got);
       free_results(got, tc->world);
     }
     free_results(ref, tc->world);
   }
+#ifndef SG_TEST_REAL_GPU
   sg_cudamock_drain();
   check(sg_ncclmock_live() == 0, "every NCCL communicator destroyed");
+#endif
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
 }

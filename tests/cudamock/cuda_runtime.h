@@ -84,6 +84,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags);
 cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned int flags, int priority);
 cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamQuery(cudaStream_t s);
+/* Runs the stream's work; a mock cannot block, so a stream that cannot finish (stalled) gives
+ * cudaErrorNotReady instead of waiting forever. */
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags);
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags);

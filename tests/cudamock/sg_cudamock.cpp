@@ -331,6 +331,8 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
   return advance(s, s->enq) ? cudaSuccess : cudaErrorNotReady;
 }
 
+cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaStreamQuery(s); }
+
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!valid_stream(s) || !valid_event(e)) return fail(cudaErrorInvalidResourceHandle);

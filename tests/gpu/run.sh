@@ -12,7 +12,8 @@
 #      tickets, deadlines, NCCL at world 1);
 #   3. compute-sanitizer memcheck on test_cuda_kernels --quick (skipped, and said so, when
 #      compute-sanitizer is not installed);
-#   4. the engine tests on the CUDA device: see the HOOK below.
+#   4. the engine on the CUDA device: test_cuda_engine (W = 1..3 ranks as threads with the local
+#      communicator, W = 1 with NCCL, bitwise against the CPU device), then the HOOK below.
 # The results file has one line per step (PASS / FAIL / SKIP with the test's own summary line),
 # the logs are next to it in logs/. Exit status: 0 when nothing failed.
 set -uo pipefail
@@ -87,7 +88,7 @@ if ! command -v cmake >/dev/null; then
 elif run_step configure 600 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
   -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=OFF &&
   run_step build 1200 cmake --build "$B" -j "$JOBS" --target shardgrad shardgrad_static \
-    test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues; then
+    test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues test_cuda_engine; then
   BUILD_OK=1
 fi
 
@@ -120,17 +121,22 @@ else
 fi
 
 # ---- 4. engine tests on the CUDA device --------------------------------------------------------
-# ===== HOOK (lead): engine tests with SG_DEVICE_CUDA =====================================
-# When the engine supports SG_DEVICE_CUDA, run its tests here on the GPU, e.g.:
-#   run_step engine_cuda 600 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_w2" --local 1
-#   run_step engine_cuda_w2 600 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_w2" --local 2
-# (build those targets in step 1 too). Until then this step is reported as skipped.
+if [[ $BUILD_OK -eq 1 ]]; then
+  run_step test_cuda_engine 600 "$TESTS/test_cuda_engine"
+else
+  skip "test_cuda_engine: the build failed"
+fi
+# ===== HOOK (lead): the engine's own tests with SG_DEVICE_CUDA ===========================
+# Run them here on the GPU once they can select the device, e.g.:
+#   run_step engine_cuda 600 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_w2" --local 2
+# (and add their targets to the build in step 1), or pass a command in ENGINE_CUDA_HOOK.
+# Until then this step is reported as skipped.
 # ========================================================================================
 ENGINE_CUDA_HOOK="${ENGINE_CUDA_HOOK:-}"
 if [[ -n "$ENGINE_CUDA_HOOK" && $BUILD_OK -eq 1 ]]; then
-  run_step engine_cuda 900 bash -c "$ENGINE_CUDA_HOOK"
+  run_step engine_cuda_hook 900 bash -c "$ENGINE_CUDA_HOOK"
 else
-  skip "engine tests with SG_DEVICE_CUDA: hook not filled in yet (tests/gpu/run.sh, HOOK)"
+  skip "the engine's own tests with SG_DEVICE_CUDA: hook not filled in yet (tests/gpu/run.sh, HOOK)"
 fi
 
 line "summary: $NPASS passed, $NFAIL failed, $NSKIP skipped; logs in $LOGS"
