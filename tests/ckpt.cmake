@@ -33,3 +33,20 @@ if(SG_WITH_MPI)
   target_compile_options(test_ckpt_mpi PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   sg_add_mpi_test(test_ckpt_mpi_np3 EXE test_ckpt_mpi NP 3 TIMEOUT 300)
 endif()
+
+# CUDA builds: test_ckpt again with every engine on SG_DEVICE_CUDA over tests/cudamock's mock
+# runtime (target shardgrad_cudamock from tests/cuda.cmake), so that the checkpoint code's
+# device copies run through src/device/cuda.c without a GPU.
+if(SG_WITH_CUDA)
+  include(CheckLanguage)
+  check_language(CXX)
+  if(CMAKE_CXX_COMPILER)
+    add_executable(test_ckpt_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt.c)
+    target_compile_definitions(test_ckpt_cudamock PRIVATE SG_TEST_CUDA_MOCK)
+    target_link_libraries(test_ckpt_cudamock PRIVATE shardgrad_cudamock)
+    target_compile_options(test_ckpt_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+                           -ffp-contract=off)
+    add_test(NAME test_ckpt_cudamock COMMAND test_ckpt_cudamock)
+    set_tests_properties(test_ckpt_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
+  endif()
+endif()

@@ -76,6 +76,15 @@ static inline void run_ranks(int world, rank_fn fn, void *arg) {
 
 #define MAXP 8
 
+/* The device every engine of the test runs on: SG_DEVICE_CUDA when the test is built against
+ * the mock CUDA runtime (SG_TEST_CUDA_MOCK), so that every device copy of the checkpoint code
+ * goes through src/device/cuda.c. */
+#ifdef SG_TEST_CUDA_MOCK
+static const sg_device g_test_device = SG_DEVICE_CUDA;
+#else
+static const sg_device g_test_device = SG_DEVICE_CPU;
+#endif
+
 typedef struct {
   int nparams;
   size_t sizes[MAXP];
@@ -115,6 +124,7 @@ static inline sg_status make_engine(sg_comm *c, const model_cfg *m, sg_engine **
   sg_status st = sg_config_init(&cfg, sizeof cfg);
   if (st) return st;
   cfg.strategy = m->strategy;
+  cfg.device = g_test_device;
   cfg.param_dtype = cfg.grad_dtype = cfg.reduce_dtype = m->dtype;
   cfg.bucket_bytes = m->bucket_bytes;
   cfg.lr = 0.01f;
