@@ -34,10 +34,10 @@ typedef struct {
 typedef struct {
   const options *o;
   const char *dir;
-  int world;              /* ranks of this engine */
+  int world; /* ranks of this engine */
   int do_save;
   pthread_barrier_t bar;
-  double t_save, t_load;  /* best over reps */
+  double t_save, t_load; /* best over reps */
   int ok[16];
   char err[512];
 } shared;
@@ -68,7 +68,8 @@ static sg_status make(const options *o, sg_comm *c, sg_engine **e, int *ids) {
   if (!st) st = sg_finalize(*e);
   float *v = malloc((per + (size_t)o->params) * sizeof *v);
   for (int p = 0; p < o->params && !st; p++) {
-    for (size_t i = 0; i < per + (size_t)p; i++) v[i] = (float)((i * 2654435761u + (size_t)p) % 1000) * 1e-3f;
+    for (size_t i = 0; i < per + (size_t)p; i++)
+      v[i] = (float)((i * 2654435761u + (size_t)p) % 1000) * 1e-3f;
     st = sg_set_param(*e, ids[p], v, SG_F32);
   }
   free(v);
@@ -111,7 +112,8 @@ static void *rank_main(void *p) {
     if (!st && memcmp(before, after, n0 * 4) != 0) st = SG_ERR_INTERNAL;
   }
   s->ok[a->rank] = st == SG_OK;
-  if (st && a->rank == 0) snprintf(s->err, sizeof s->err, "%s: %s", sg_status_string(st), sg_last_error());
+  if (st && a->rank == 0)
+    snprintf(s->err, sizeof s->err, "%s: %s", sg_status_string(st), sg_last_error());
   free(before);
   free(after);
   sg_engine_destroy(e);
@@ -174,16 +176,23 @@ static void row(const char *what, double bytes, double secs, double base) {
 int main(int argc, char **argv) {
   options o = {32u << 20, 8, 2, 3, SG_BF16, NULL};
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--numel") && i + 1 < argc) o.numel = (size_t)atof(argv[++i]);
-    else if (!strcmp(argv[i], "--params") && i + 1 < argc) o.params = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--ranks") && i + 1 < argc) o.ranks = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) o.reps = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--dir") && i + 1 < argc) o.dir = argv[++i];
+    if (!strcmp(argv[i], "--numel") && i + 1 < argc)
+      o.numel = (size_t)atof(argv[++i]);
+    else if (!strcmp(argv[i], "--params") && i + 1 < argc)
+      o.params = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--ranks") && i + 1 < argc)
+      o.ranks = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+      o.reps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--dir") && i + 1 < argc)
+      o.dir = argv[++i];
     else if (!strcmp(argv[i], "--dtype") && i + 1 < argc)
       o.dtype = !strcmp(argv[++i], "f32") ? SG_F32 : SG_BF16;
     else {
-      printf("usage: %s [--numel N] [--params K] [--ranks W] [--dtype f32|bf16] [--dir D] "
-             "[--reps R]\n", argv[0]);
+      printf(
+          "usage: %s [--numel N] [--params K] [--ranks W] [--dtype f32|bf16] [--dir D] "
+          "[--reps R]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -208,9 +217,10 @@ int main(int argc, char **argv) {
   s.dir = ck;
   s.world = o.ranks;
   s.do_save = 1;
-  printf("bench_ckpt: %zu parameters (%s) in %d tensors, W=%d ranks (threads), best of %d, "
-         "directory %s\n", o.numel, o.dtype == SG_F32 ? "f32" : "bf16", o.params, o.ranks, o.reps,
-         root);
+  printf(
+      "bench_ckpt: %zu parameters (%s) in %d tensors, W=%d ranks (threads), best of %d, "
+      "directory %s\n",
+      o.numel, o.dtype == SG_F32 ? "f32" : "bf16", o.params, o.ranks, o.reps, root);
   if (!run(&s)) return 1;
   const double bytes = dir_bytes(ck);
   shared h;
@@ -237,8 +247,9 @@ int main(int argc, char **argv) {
   snprintf(what, sizeof what, "sg_load (W=%d)", h.world);
   row(what, bytes, half_ok ? h.t_load : 0, t_cp);
   row("cat > /dev/null", bytes, t_cat, 0);
-  printf("\nthroughput ratio ('x cp'): sg_save against cp -r + sync (the same durability), "
-         "sg_load against cp -r\n");
+  printf(
+      "\nthroughput ratio ('x cp'): sg_save against cp -r + sync (the same durability), "
+      "sg_load against cp -r\n");
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
   if (system(cmd) != 0) printf("could not remove %s\n", root);
   return 0;

@@ -52,9 +52,9 @@ static void test_crc(void) {
 typedef struct {
   model_cfg m;
   const char *dir;
-  int load;          /* sg_load(dir) first */
-  int from, to;      /* optimizer steps trained: [from, to) */
-  int save_at;       /* save after this many steps (-1: never) */
+  int load;     /* sg_load(dir) first */
+  int from, to; /* optimizer steps trained: [from, to) */
+  int save_at;  /* save after this many steps (-1: never) */
   const snap *want_loaded, *want_end;
   snap mid[8], end[8];
   sg_status load_st[8];
@@ -104,8 +104,8 @@ static const char *sname(sg_strategy s) {
 }
 static const char *dname(sg_dtype d) { return d == SG_F32 ? "f32" : d == SG_BF16 ? "bf16" : "f16"; }
 
-static const model_cfg k_model = {7, {1, 63, 64, 65, 1000, 4097, 20011}, SG_SHARD_GRAD_OP,
-                                  SG_F32, 4096, 0, NULL};
+static const model_cfg k_model = {
+    7, {1, 63, 64, 65, 1000, 4097, 20011}, SG_SHARD_GRAD_OP, SG_F32, 4096, 0, NULL};
 
 typedef struct {
   int world;
@@ -116,7 +116,10 @@ typedef struct {
 /* Save at W=4 after 3 steps, continue to 6; the same straight; load at each target, train 3. */
 static void test_resume(sg_dtype dt, int dynamic, uint32_t chunk) {
   char dir[300];
-  path_in(dir, sizeof dir, dt == SG_F32 ? "resume_f32" : dt == SG_BF16 ? "resume_bf16" : "resume_f16");
+  path_in(dir, sizeof dir,
+          dt == SG_F32    ? "resume_f32"
+          : dt == SG_BF16 ? "resume_bf16"
+                          : "resume_f16");
   sg__ckpt_set_chunk_bytes(chunk);
   model_cfg m = k_model;
   m.dtype = dt;
@@ -126,11 +129,14 @@ static void test_resume(sg_dtype dt, int dynamic, uint32_t chunk) {
   run_ranks(4, run_rank, a);
   int ok = 1;
   for (int r = 0; r < 4; r++) ok &= a->ok[r];
-  CHECK(ok, "%s: W=4 run with a save after step 3: %s", dname(dt), a->err[0][0] ? a->err[0] : a->err[1]);
+  CHECK(ok, "%s: W=4 run with a save after step 3: %s", dname(dt),
+        a->err[0][0] ? a->err[0] : a->err[1]);
   if (!ok) goto done;
   for (int r = 1; r < 4; r++)
-    CHECK(same_snap("ranks agree", &m, &a->end[0], &a->end[r]), "%s: rank %d's state differs "
-          "from rank 0's", dname(dt), r);
+    CHECK(same_snap("ranks agree", &m, &a->end[0], &a->end[r]),
+          "%s: rank %d's state differs "
+          "from rank 0's",
+          dname(dt), r);
   printf("%s%s: saved at W=4 SHARD_GRAD_OP bucket 4 KiB, chunk %u bytes\n", dname(dt),
          dynamic ? " (dynamic loss scale)" : "", sg__ckpt_chunk_bytes());
 
@@ -162,8 +168,8 @@ static void test_resume(sg_dtype dt, int dynamic, uint32_t chunk) {
             dname(dt), tg[t].world, sname(tg[t].strategy), tg[t].bucket_bytes, r);
       CHECK(same_snap("after 3 more steps", &m, &c->end[r], &a->end[0]),
             "%s: W=4 -> W=%d %s bucket %zu rank %d: 3 steps after the load equal the "
-            "uninterrupted run", dname(dt), tg[t].world, sname(tg[t].strategy),
-            tg[t].bucket_bytes, r);
+            "uninterrupted run",
+            dname(dt), tg[t].world, sname(tg[t].strategy), tg[t].bucket_bytes, r);
     }
     printf("%s: resumed at W=%d %s bucket %zu: bitwise equal\n", dname(dt), tg[t].world,
            sname(tg[t].strategy), tg[t].bucket_bytes);
@@ -192,7 +198,7 @@ static void test_empty_ranks(void) {
     *c = (run_spec){.m = m, .dir = dir, .load = 1, .from = 2, .to = 4, .save_at = -1};
     run_ranks(w, run_rank, c);
     CHECK(c->ok[0] && same_snap("tiny", &m, &c->mid[0], &a->mid[0]) &&
-          same_snap("tiny", &m, &c->end[0], &a->end[0]),
+              same_snap("tiny", &m, &c->end[0], &a->end[0]),
           "tiny model: W=4 -> W=%d load and 2 more steps bitwise equal: %s", w, c->err[0]);
     free_spec(c);
     free(c);
@@ -205,7 +211,7 @@ static void test_empty_ranks(void) {
 /* failures                                                                                  */
 
 typedef struct {
-  model_cfg m;     /* the loading engine */
+  model_cfg m; /* the loading engine */
   const char *dir;
   sg_status st[8];
   char err[8][512];
@@ -406,12 +412,14 @@ static dir_count count_dir(const char *dir) {
     int r = 0;
     char tail[16];
     if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-    if (!strcmp(de->d_name, "manifest")) c.manifest++;
+    if (!strcmp(de->d_name, "manifest"))
+      c.manifest++;
     else if (sscanf(de->d_name, "g%lu.r%d.%15s", &g, &r, tail) == 3 && !strcmp(tail, "shard")) {
       c.shards++;
       if (c.gen && g != c.gen) c.stale++;
       c.gen = g;
-    } else c.other++;
+    } else
+      c.other++;
   }
   if (d) closedir(d);
   return c;
@@ -432,18 +440,20 @@ static void test_hygiene(void) {
   path_in(dir, sizeof dir, "hygiene");
   save_f32(dir, 3);
   dir_count c = count_dir(dir);
-  CHECK(c.manifest == 1 && c.shards == 3 && c.other == 0, "after a W=3 save: manifest + 3 rank "
-        "files (%d, %d, %d others)", c.manifest, c.shards, c.other);
-  touch(dir, "g7.r0.tmp");     /* an interrupted save's leftovers */
+  CHECK(c.manifest == 1 && c.shards == 3 && c.other == 0,
+        "after a W=3 save: manifest + 3 rank "
+        "files (%d, %d, %d others)",
+        c.manifest, c.shards, c.other);
+  touch(dir, "g7.r0.tmp"); /* an interrupted save's leftovers */
   touch(dir, "g7.r1.shard");
   touch(dir, "manifest.tmp");
-  touch(dir, "notes.txt");     /* the user's */
+  touch(dir, "notes.txt"); /* the user's */
   save_f32(dir, 2);
   c = count_dir(dir);
   CHECK(c.manifest == 1 && c.shards == 2 && c.stale == 0 && c.gen == 8 && c.other == 1,
         "after a W=2 save over leftovers: manifest + 2 rank files of generation 8, the user's file "
-        "kept (%d, %d, stale %d, gen %lu, %d others)", c.manifest, c.shards, c.stale, c.gen,
-        c.other);
+        "kept (%d, %d, stale %d, gen %lu, %d others)",
+        c.manifest, c.shards, c.stale, c.gen, c.other);
   fail_spec *f = calloc(1, sizeof *f);
   f->m = k_model;
   f->dir = dir;
@@ -584,10 +594,11 @@ static void test_import_foreign(void) {
   char path[300];
   path_in(path, sizeof path, "foreign.safetensors");
   model_cfg m = {2, {6, 4}, SG_SHARD_GRAD_OP, SG_F32, 4096, 0, "we\"ird\\name\xc3\xa9"};
-  const char *json = "{\"__metadata__\":{\"a\":\"b\"},\"extra\":{\"dtype\":\"I64\",\"shape\":[1],"
-                     "\"data_offsets\":[0,8]},\"layer1.bias\":{\"shape\":[2,2],\"dtype\":\"F16\","
-                     "\"data_offsets\":[20,28]},\"we\\\"ird\\\\name\\u00e9\":{\"dtype\":\"BF16\","
-                     "\"shape\":[2,3],\"data_offsets\":[8,20]}}";
+  const char *json =
+      "{\"__metadata__\":{\"a\":\"b\"},\"extra\":{\"dtype\":\"I64\",\"shape\":[1],"
+      "\"data_offsets\":[0,8]},\"layer1.bias\":{\"shape\":[2,2],\"dtype\":\"F16\","
+      "\"data_offsets\":[20,28]},\"we\\\"ird\\\\name\\u00e9\":{\"dtype\":\"BF16\","
+      "\"shape\":[2,3],\"data_offsets\":[8,20]}}";
   const size_t n = strlen(json);
   uint8_t buf[512] = {0};
   for (int i = 0; i < 8; i++) buf[i] = (uint8_t)((uint64_t)n >> (8 * i));
@@ -600,11 +611,14 @@ static void test_import_foreign(void) {
   write_bytes(path, buf, 8 + n + 28);
   st_spec *x = st_run(&m, 2, path, 0);
   const float want0[6] = {1, 2, -1, 0.125f, 0, 3}, want1[4] = {1, -2, 0.5f, 0};
-  CHECK(x->st[0] == SG_OK && x->st[1] == SG_OK, "import of BF16/F16 2-D tensors with escaped "
-        "names and extra tensors: %s", x->err[0]);
+  CHECK(x->st[0] == SG_OK && x->st[1] == SG_OK,
+        "import of BF16/F16 2-D tensors with escaped "
+        "names and extra tensors: %s",
+        x->err[0]);
   if (x->st[0] == SG_OK)
     CHECK(!memcmp(x->s[1].v[1][0], want0, sizeof want0) &&
-          !memcmp(x->s[1].v[1][1], want1, sizeof want1), "import: values converted to fp32");
+              !memcmp(x->s[1].v[1][1], want1, sizeof want1),
+          "import: values converted to fp32");
   st_free(x);
   /* the same file with the escaped name broken: the parameter is missing */
   m.rename = "weird";
@@ -621,14 +635,16 @@ static void test_import_foreign(void) {
   m.sizes[1] = 4;
   write_bytes(path, buf, 8 + n + 20); /* data cut short */
   x = st_run(&m, 2, path, 0);
-  CHECK(x->st[0] == SG_ERR_CORRUPT && x->st[1] == SG_ERR_CORRUPT, "import: data offsets beyond "
-        "the file: %s \"%s\"", sg_status_string(x->st[0]), x->err[0]);
+  CHECK(x->st[0] == SG_ERR_CORRUPT && x->st[1] == SG_ERR_CORRUPT,
+        "import: data offsets beyond "
+        "the file: %s \"%s\"",
+        sg_status_string(x->st[0]), x->err[0]);
   st_free(x);
   buf[8 + 20] = 'X'; /* break the JSON */
   write_bytes(path, buf, 8 + n + 28);
   x = st_run(&m, 2, path, 0);
-  CHECK(x->st[0] == SG_ERR_CORRUPT, "import: malformed JSON: %s \"%s\"",
-        sg_status_string(x->st[0]), x->err[0]);
+  CHECK(x->st[0] == SG_ERR_CORRUPT, "import: malformed JSON: %s \"%s\"", sg_status_string(x->st[0]),
+        x->err[0]);
   st_free(x);
   unlink(path);
   path_in(path, sizeof path, "missing.safetensors");
@@ -658,7 +674,8 @@ static void test_safetensors(void) {
     for (int p = 0; p < m.nparams; p++)
       ok &= !memcmp(y->s[2].v[1][p], x->s[0].v[1][p], m.sizes[p] * 4) &&
             !memcmp(y->s[2].v[0][p], x->s[0].v[0][p], m.sizes[p] * 4);
-    CHECK(ok, "import at W=3 bf16: masters equal the exported values, working params their "
+    CHECK(ok,
+          "import at W=3 bf16: masters equal the exported values, working params their "
           "rounding");
   }
   st_free(y);
@@ -681,15 +698,19 @@ static void test_safetensors(void) {
   if (x->st[0] == SG_OK) check_export_file(path, &k_model, &x->s[0]);
   st_free(x);
   x = st_run(&k_model, 2, "/nonexistent/dir/x.safetensors", 1);
-  CHECK(x->st[0] == SG_ERR_IO && x->st[1] == SG_ERR_IO, "export into a missing directory: %s on "
-        "rank 0, %s on rank 1", sg_status_string(x->st[0]), sg_status_string(x->st[1]));
+  CHECK(x->st[0] == SG_ERR_IO && x->st[1] == SG_ERR_IO,
+        "export into a missing directory: %s on "
+        "rank 0, %s on rank 1",
+        sg_status_string(x->st[0]), sg_status_string(x->st[1]));
   st_free(x);
   /* optional: the Python safetensors package reads the file too */
   char cmd[600];
-  snprintf(cmd, sizeof cmd, "python3 -c 'import safetensors' >/dev/null 2>&1 && python3 -c '"
+  snprintf(cmd, sizeof cmd,
+           "python3 -c 'import safetensors' >/dev/null 2>&1 && python3 -c '"
            "from safetensors.numpy import load_file; d = load_file(\"%s\"); "
            "assert d[\"layer6.weight\"].shape == (20011,) and str(d[\"layer0.weight\"].dtype) == "
-           "\"float32\"'", path);
+           "\"float32\"'",
+           path);
   if (system("python3 -c 'import safetensors' >/dev/null 2>&1") == 0)
     CHECK(system(cmd) == 0, "the Python safetensors package reads the export");
   else

@@ -16,12 +16,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ckpt/sg_ckpt.h"                 /* chunk size hook, header/manifest parsers, CRC */
-#include "engine/sg_engine_internal.h"    /* the loading engine's raw memory (CPU device) */
+#include "ckpt/sg_ckpt.h"              /* chunk size hook, header/manifest parsers, CRC */
+#include "engine/sg_engine_internal.h" /* the loading engine's raw memory (CPU device) */
 #include "test_ckpt_util.h"
 
 static char g_root[256], g_dir[300];
-static const model_cfg k_m = {6, {1, 63, 64, 65, 300, 700}, SG_SHARD_GRAD_OP, SG_BF16, 1024, 0,
+static const model_cfg k_m = {6,   {1, 63, 64, 65, 300, 700}, SG_SHARD_GRAD_OP, SG_BF16, 1024, 0,
                               NULL};
 static uint64_t g_rng = 0x1234567;
 
@@ -171,9 +171,10 @@ static void sweep_flips(loader *L, const char *path, size_t head, int full) {
     b.p[off] ^= x;
     patch(path, off, b.p + off, 1);
   }
-  CHECK(t.refused == t.tried && t.tried > 0, "%s: %d of %d byte flips refused with "
-        "SG_ERR_CORRUPT/IO (first exception at byte %ld: %s)", path, t.refused, t.tried,
-        t.first_bad, sg_status_string(t.first_st));
+  CHECK(t.refused == t.tried && t.tried > 0,
+        "%s: %d of %d byte flips refused with "
+        "SG_ERR_CORRUPT/IO (first exception at byte %ld: %s)",
+        path, t.refused, t.tried, t.first_bad, sg_status_string(t.first_st));
   CHECK(t.unchanged == t.tried, "%s: the engine is unchanged after every refused load (%d/%d)",
         path, t.unchanged, t.tried);
   printf("%s (%zu bytes): %d flips refused\n", path, b.n, t.refused);
@@ -198,9 +199,10 @@ static void sweep_truncations(loader *L, const char *path, int full) {
   rename(path, moved);
   outcome(L, &t, -2, sg_load(L->e, g_dir));
   rename(moved, path);
-  CHECK(t.refused == t.tried, "%s: %d of %d truncations, an extension and removal refused "
-        "(first exception at length %ld: %s)", path, t.refused, t.tried, t.first_bad,
-        sg_status_string(t.first_st));
+  CHECK(t.refused == t.tried,
+        "%s: %d of %d truncations, an extension and removal refused "
+        "(first exception at length %ld: %s)",
+        path, t.refused, t.tried, t.first_bad, sg_status_string(t.first_st));
   CHECK(t.unchanged == t.tried, "%s: the engine is unchanged after every refused load", path);
   printf("%s: %d truncations refused\n", path, t.refused);
   free(b.p);
@@ -229,9 +231,10 @@ static void sweep_manifest_structure(loader *L, const char *path) {
     b.p[off] ^= x;
   }
   patch(path, 0, b.p, b.n);
-  CHECK(other == 0 && tried == refused + ok, "manifest with recomputed checksum: %d flips, %d "
-        "refused (CORRUPT/IO/MISMATCH), %d accepted, %d other statuses", tried, refused, ok,
-        other);
+  CHECK(other == 0 && tried == refused + ok,
+        "manifest with recomputed checksum: %d flips, %d "
+        "refused (CORRUPT/IO/MISMATCH), %d accepted, %d other statuses",
+        tried, refused, ok, other);
   printf("manifest structure: %d flips past the checksum: %d refused, %d accepted\n", tried,
          refused, ok);
   free(b.p);
@@ -266,8 +269,10 @@ static void sweep_header_structure(const char *path) {
       memcpy(b.p + hb - 4, save, 4);
       b.p[off] ^= (uint8_t)(1u << bit);
     }
-  CHECK(parsed + refused == tried, "rank file header with recomputed checksum: %d bit flips, "
-        "%d refused with SG_ERR_CORRUPT, %d parsed", tried, refused, parsed);
+  CHECK(parsed + refused == tried,
+        "rank file header with recomputed checksum: %d bit flips, "
+        "%d refused with SG_ERR_CORRUPT, %d parsed",
+        tried, refused, parsed);
   free(b.p);
 }
 
@@ -319,8 +324,10 @@ int main(void) {
     CHECK(0, "loading engine: %s", sg_last_error());
     return finish();
   }
-  CHECK(sg_load(L.e, g_dir) == SG_OK && L.e->step == 2, "the intact checkpoint loads at W=1 "
-        "(step %llu): %s", (unsigned long long)L.e->step, sg_last_error());
+  CHECK(sg_load(L.e, g_dir) == SG_OK && L.e->step == 2,
+        "the intact checkpoint loads at W=1 "
+        "(step %llu): %s",
+        (unsigned long long)L.e->step, sg_last_error());
   raw_take(&L);
   char files[3][400];
   snprintf(files[0], sizeof files[0], "%s/manifest", g_dir);
@@ -330,8 +337,10 @@ int main(void) {
     sweep_flips(&L, files[f], f == 0 ? 1u << 30 : 1200, full);
     sweep_truncations(&L, files[f], full);
   }
-  CHECK(sg_load(L.e, g_dir) == SG_OK && raw_same(&L), "the restored checkpoint loads again, "
-        "same state: %s", sg_last_error());
+  CHECK(sg_load(L.e, g_dir) == SG_OK && raw_same(&L),
+        "the restored checkpoint loads again, "
+        "same state: %s",
+        sg_last_error());
   sweep_manifest_structure(&L, files[0]);
   sweep_header_structure(files[1]);
   sweep_header_structure(files[2]);

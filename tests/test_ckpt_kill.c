@@ -26,7 +26,7 @@
 #include "engine/sg_engine_internal.h" /* the loaded step counter */
 #include "test_ckpt_util.h"
 
-static const model_cfg k_m = {4, {1000, 65, 200000, 4097}, SG_SHARD_GRAD_OP, SG_BF16, 65536, 0,
+static const model_cfg k_m = {4,   {1000, 65, 200000, 4097}, SG_SHARD_GRAD_OP, SG_BF16, 65536, 0,
                               NULL};
 
 /* ---------------------------------------------------------------------------------------- */
@@ -80,11 +80,12 @@ static int64_t now_us(void) {
 
 static void sleep_us(int64_t us) {
   struct timespec t = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
-  while (nanosleep(&t, &t) != 0 && errno == EINTR) {}
+  while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+  }
 }
 
 typedef struct {
-  int64_t last;     /* last reported step, -1 none */
+  int64_t last; /* last reported step, -1 none */
   int count;
   int64_t t_first, t_last; /* times of the first and last report (us) */
 } reports;
@@ -124,7 +125,8 @@ typedef struct {
 
 static int eng_init(eng *x, const model_cfg *m) {
   memset(x, 0, sizeof *x);
-  return sg_comm_create_local(1, &x->comm) == SG_OK && make_engine(x->comm, m, &x->e, x->ids) == SG_OK;
+  return sg_comm_create_local(1, &x->comm) == SG_OK &&
+         make_engine(x->comm, m, &x->e, x->ids) == SG_OK;
 }
 
 static void eng_free(eng *x) {
@@ -138,7 +140,8 @@ static int interrupted(const char *dir) {
   int tmp = 0, gens = 0;
   unsigned long g0 = 0, g = 0;
   for (struct dirent *de; d && (de = readdir(d)) != NULL;) {
-    if (strstr(de->d_name, ".tmp")) tmp = 1;
+    if (strstr(de->d_name, ".tmp"))
+      tmp = 1;
     else if (sscanf(de->d_name, "g%lu.", &g) == 1 && g != g0) {
       gens++;
       g0 = g;
@@ -242,12 +245,14 @@ int main(int argc, char **argv) {
     ok_rounds += ok;
     prev = got;
   }
-  CHECK(ok_rounds == rounds, "%d of %d kill -9 rounds left a checkpoint that loads at the last "
-        "reported step (or the next) and equals the uninterrupted run bit for bit", ok_rounds,
-        rounds);
-  printf("%d rounds, final step %lld: %d killed before their first save, %d left an "
-         "interrupted save behind, %d committed a save they did not live to report\n", rounds,
-         (long long)prev, s.before_first, s.mid_save, s.after_commit);
+  CHECK(ok_rounds == rounds,
+        "%d of %d kill -9 rounds left a checkpoint that loads at the last "
+        "reported step (or the next) and equals the uninterrupted run bit for bit",
+        ok_rounds, rounds);
+  printf(
+      "%d rounds, final step %lld: %d killed before their first save, %d left an "
+      "interrupted save behind, %d committed a save they did not live to report\n",
+      rounds, (long long)prev, s.before_first, s.mid_save, s.after_commit);
   CHECK(sg_save(ld.e, dir) == SG_OK, "a save after all that: %s", sg_last_error());
   CHECK(!interrupted(dir), "and the leftovers of interrupted saves are gone");
   eng_free(&ref);

@@ -37,8 +37,11 @@ static void resume(sg_comm *comm, const model_cfg *m, const char *dir, const sna
   if (!st) CHECK(same_snap(label, m, &a, s3), "%s: the loaded state equals the saved one", label);
   if (!st) st = train(e, m, ids, 3, 6);
   if (!st) st = take_snap(e, m, ids, &b);
-  if (!st) CHECK(same_snap(label, m, &b, s6), "%s: 3 steps later it equals the uninterrupted "
-                 "run", label);
+  if (!st)
+    CHECK(same_snap(label, m, &b, s6),
+          "%s: 3 steps later it equals the uninterrupted "
+          "run",
+          label);
   CHECK(st == SG_OK, "%s: %s", label, sg_last_error());
   free_snap(&a);
   free_snap(&b);

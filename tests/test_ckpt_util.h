@@ -17,18 +17,19 @@
 static int g_pass, g_fail;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
-#define CHECK(cond, ...)                                                                         \
-  do {                                                                                           \
-    const int ok_ = (cond) ? 1 : 0;                                                              \
-    pthread_mutex_lock(&g_lock);                                                                 \
-    if (ok_) g_pass++;                                                                           \
-    else {                                                                                       \
-      g_fail++;                                                                                  \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                \
-      printf(__VA_ARGS__);                                                                       \
-      printf("\n");                                                                              \
-    }                                                                                            \
-    pthread_mutex_unlock(&g_lock);                                                               \
+#define CHECK(cond, ...)                          \
+  do {                                            \
+    const int ok_ = (cond) ? 1 : 0;               \
+    pthread_mutex_lock(&g_lock);                  \
+    if (ok_)                                      \
+      g_pass++;                                   \
+    else {                                        \
+      g_fail++;                                   \
+      printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+      printf(__VA_ARGS__);                        \
+      printf("\n");                               \
+    }                                             \
+    pthread_mutex_unlock(&g_lock);                \
   } while (0)
 
 static inline int finish(void) {
@@ -89,15 +90,17 @@ typedef struct {
   int nparams;
   size_t sizes[MAXP];
   sg_strategy strategy;
-  sg_dtype dtype;        /* param and grad dtype */
+  sg_dtype dtype; /* param and grad dtype */
   size_t bucket_bytes;
-  int dynamic;           /* f16: dynamic loss scale with a short window */
-  const char *rename;    /* register param 0 under this name instead (mismatch tests) */
+  int dynamic;        /* f16: dynamic loss scale with a short window */
+  const char *rename; /* register param 0 under this name instead (mismatch tests) */
 } model_cfg;
 
 static inline void param_name(const model_cfg *m, int p, char *buf, size_t n) {
-  if (p == 0 && m->rename) snprintf(buf, n, "%s", m->rename);
-  else snprintf(buf, n, "layer%d.%s", p, p % 3 == 1 ? "bias" : "weight");
+  if (p == 0 && m->rename)
+    snprintf(buf, n, "%s", m->rename);
+  else
+    snprintf(buf, n, "layer%d.%s", p, p % 3 == 1 ? "bias" : "weight");
 }
 
 static inline uint64_t mix64(uint64_t x) {
@@ -115,7 +118,9 @@ static inline float grad_val(int step, int p, size_t i) {
   return (float)((int)(h % 5) - 2) * 0.125f;
 }
 
-static inline float init_val(int p, size_t i) { return (float)sin(0.37 * (double)i + (double)p) * 0.5f; }
+static inline float init_val(int p, size_t i) {
+  return (float)sin(0.37 * (double)i + (double)p) * 0.5f;
+}
 
 /* Engine with the model registered, finalized and initialized (identically on every rank). */
 static inline sg_status make_engine(sg_comm *c, const model_cfg *m, sg_engine **out, int *ids) {
@@ -182,7 +187,6 @@ typedef struct {
   int ok;
 } snap;
 
-
 /* Collective (sg_get_master / sg_get_optim_state). */
 static inline sg_status take_snap(sg_engine *e, const model_cfg *m, const int *ids, snap *s) {
   memset(s, 0, sizeof *s);
@@ -228,6 +232,8 @@ static inline int same_snap(const char *label, const model_cfg *m, const snap *a
   return 1;
 }
 
-static inline int contains(const char *hay, const char *needle) { return strstr(hay, needle) != NULL; }
+static inline int contains(const char *hay, const char *needle) {
+  return strstr(hay, needle) != NULL;
+}
 
 #endif /* TEST_CKPT_UTIL_H */

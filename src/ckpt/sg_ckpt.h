@@ -47,9 +47,9 @@
 #define SG_CK_CHUNK_DEFAULT (1u << 20)
 #define SG_CK_CHUNK_MIN 64u
 #define SG_CK_CHUNK_MAX (1u << 30)
-#define SG_CK_FIXED_HEADER 64u   /* bytes of the shard header before the section table */
-#define SG_CK_SECTION_BYTES 32u  /* one section descriptor */
-#define SG_CK_NCFG 21            /* config words recorded in the manifest */
+#define SG_CK_FIXED_HEADER 64u  /* bytes of the shard header before the section table */
+#define SG_CK_SECTION_BYTES 32u /* one section descriptor */
+#define SG_CK_NCFG 21           /* config words recorded in the manifest */
 
 /* Sections of a rank file, in file order. */
 enum { SG_CK_WORK = 0, SG_CK_MASTER = 1, SG_CK_M = 2, SG_CK_V = 3, SG_CK_KINDS = 4 };
@@ -100,8 +100,8 @@ typedef struct sg__ck_manifest {
   float lr;
   uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (see sg__ck_cfg_words) */
   uint32_t nparams;
-  sg__ck_param *params;     /* registration order of the saving engine */
-  sg__ck_file *files;       /* [world] */
+  sg__ck_param *params; /* registration order of the saving engine */
+  sg__ck_file *files;   /* [world] */
 } sg__ck_manifest;
 
 /* Encodes m (checksum included) into a malloc'd buffer. */
@@ -130,17 +130,17 @@ typedef struct sg__ck_header {
   uint32_t header_bytes; /* fixed part + section table + chunk checksums + header checksum */
   uint64_t generation, plan_hash;
   uint32_t rank, world, nsections, chunk_bytes;
-  uint64_t numel;        /* elements per section */
+  uint64_t numel; /* elements per section */
   uint64_t nchunks;
   sg__ck_section sec[SG_CK_KINDS];
-  uint32_t *crcs;        /* [nchunks] (owned by the header after parse/layout) */
+  uint32_t *crcs; /* [nchunks] (owned by the header after parse/layout) */
   uint32_t header_crc;
 } sg__ck_header;
 
 /* Lays out sections for `kinds` (ascending, elem_bytes each) and `numel` elements: offsets,
  * chunk counts, header_bytes; allocates crcs. SG_ERR_INVALID_ARGUMENT if it does not fit. */
-sg_status sg__ck_header_layout(sg__ck_header *h, const uint32_t *kinds,
-                               const uint32_t *elem_bytes, uint32_t nsections);
+sg_status sg__ck_header_layout(sg__ck_header *h, const uint32_t *kinds, const uint32_t *elem_bytes,
+                               uint32_t nsections);
 /* Writes the header (h->header_bytes bytes) into buf, sets h->header_crc. */
 void sg__ck_header_encode(sg__ck_header *h, uint8_t *buf);
 /* From the first SG_CK_FIXED_HEADER bytes: magic, version and the header size, checked

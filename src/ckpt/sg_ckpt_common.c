@@ -52,10 +52,14 @@ uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes)
 char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, size_t opt_off) {
   const size_t flat = e->plan->params[id].offset + param_off;
   switch (kind) {
-  case SG_CK_WORK: return e->params + flat * sg__dtype_size(e->cfg.param_dtype);
-  case SG_CK_MASTER: return (char *)(e->master + opt_off);
-  case SG_CK_M: return (char *)(e->m + opt_off);
-  default: return (char *)(e->v + opt_off);
+    case SG_CK_WORK:
+      return e->params + flat * sg__dtype_size(e->cfg.param_dtype);
+    case SG_CK_MASTER:
+      return (char *)(e->master + opt_off);
+    case SG_CK_M:
+      return (char *)(e->m + opt_off);
+    default:
+      return (char *)(e->v + opt_off);
   }
 }
 

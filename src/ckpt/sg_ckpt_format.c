@@ -109,14 +109,27 @@ static uint32_t bits_of(float f) {
 /* config words                                                                              */
 
 void sg__ck_cfg_words(const sg_config *c, uint64_t w[SG_CK_NCFG]) {
-  const uint64_t v[SG_CK_NCFG] = {
-      (uint64_t)c->strategy, (uint64_t)c->device, (uint64_t)c->param_dtype,
-      (uint64_t)c->grad_dtype, (uint64_t)c->reduce_dtype, (uint64_t)c->accum_dtype,
-      (uint64_t)c->bucket_bytes, bits_of(c->lr), bits_of(c->beta1), bits_of(c->beta2),
-      bits_of(c->eps), bits_of(c->weight_decay), bits_of(c->max_grad_norm),
-      (uint64_t)c->grad_average, bits_of(c->loss_scale), bits_of(c->init_loss_scale),
-      (uint64_t)(int64_t)c->scale_window, bits_of(c->min_loss_scale), (uint64_t)c->skip_nonfinite,
-      (uint64_t)c->stochastic_rounding, c->seed};
+  const uint64_t v[SG_CK_NCFG] = {(uint64_t)c->strategy,
+                                  (uint64_t)c->device,
+                                  (uint64_t)c->param_dtype,
+                                  (uint64_t)c->grad_dtype,
+                                  (uint64_t)c->reduce_dtype,
+                                  (uint64_t)c->accum_dtype,
+                                  (uint64_t)c->bucket_bytes,
+                                  bits_of(c->lr),
+                                  bits_of(c->beta1),
+                                  bits_of(c->beta2),
+                                  bits_of(c->eps),
+                                  bits_of(c->weight_decay),
+                                  bits_of(c->max_grad_norm),
+                                  (uint64_t)c->grad_average,
+                                  bits_of(c->loss_scale),
+                                  bits_of(c->init_loss_scale),
+                                  (uint64_t)(int64_t)c->scale_window,
+                                  bits_of(c->min_loss_scale),
+                                  (uint64_t)c->skip_nonfinite,
+                                  (uint64_t)c->stochastic_rounding,
+                                  c->seed};
   memcpy(w, v, sizeof v);
 }
 
@@ -252,7 +265,8 @@ static sg_status parse_head(rbuf *r, const char *what, sg__ck_manifest *m) {
   m->lr = f_of(rb_u32(r));
   const uint32_t ncfg = rb_u32(r);
   if (r->bad) return CORRUPT("%s: truncated", what);
-  if (ncfg != SG_CK_NCFG) return CORRUPT("%s: %u config words, expected %d", what, ncfg, SG_CK_NCFG);
+  if (ncfg != SG_CK_NCFG)
+    return CORRUPT("%s: %u config words, expected %d", what, ncfg, SG_CK_NCFG);
   for (int k = 0; k < SG_CK_NCFG; k++) m->cfg[k] = rb_u64(r);
   m->nparams = rb_u32(r);
   if (r->bad) return CORRUPT("%s: truncated", what);
@@ -289,8 +303,7 @@ static sg_status parse_files(rbuf *r, const char *what, sg__ck_manifest *m) {
   return SG_OK;
 }
 
-static sg_status parse_frags(rbuf *r, const char *what, const sg__ck_manifest *m,
-                             sg__ck_param *p) {
+static sg_status parse_frags(rbuf *r, const char *what, const sg__ck_manifest *m, sg__ck_param *p) {
   if (p->nfrags < 1 || p->nfrags > rb_left(r) / 28)
     return CORRUPT("%s: parameter '%s': %u fragments", what, p->name, p->nfrags);
   p->frags = calloc(p->nfrags, sizeof *p->frags);
@@ -309,8 +322,8 @@ static sg_status parse_frags(rbuf *r, const char *what, const sg__ck_manifest *m
     next += f->len;
   }
   if (next != p->numel)
-    return CORRUPT("%s: parameter '%s': fragments cover %" PRIu64 " of %" PRIu64 " elements",
-                   what, p->name, next, p->numel);
+    return CORRUPT("%s: parameter '%s': fragments cover %" PRIu64 " of %" PRIu64 " elements", what,
+                   p->name, next, p->numel);
   return SG_OK;
 }
 
@@ -357,7 +370,10 @@ static sg_status check_unique(const char *what, const sg__ck_manifest *m) {
   return st;
 }
 
-typedef struct { uint32_t rank; uint64_t off, len; } run_t;
+typedef struct {
+  uint32_t rank;
+  uint64_t off, len;
+} run_t;
 
 static int run_cmp(const void *a, const void *b) {
   const run_t *x = a, *y = b;
@@ -385,8 +401,8 @@ static sg_status check_tiling(const char *what, const sg__ck_manifest *m) {
     const uint32_t r = j < n ? runs[j].rank : m->world;
     for (; rank < r; rank++, next = 0)
       if (next != m->files[rank].numel)
-        st = CORRUPT("%s: rank file %u: fragments cover %" PRIu64 " of %" PRIu64 " elements",
-                     what, rank, next, m->files[rank].numel);
+        st = CORRUPT("%s: rank file %u: fragments cover %" PRIu64 " of %" PRIu64 " elements", what,
+                     rank, next, m->files[rank].numel);
     if (j < n && st == SG_OK) {
       if (runs[j].off != next) st = CORRUPT("%s: rank file %u: fragments overlap", what, r);
       next = runs[j].off + runs[j].len;
@@ -417,8 +433,8 @@ fail:
 
 static uint64_t div_up(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
 
-sg_status sg__ck_header_layout(sg__ck_header *h, const uint32_t *kinds,
-                               const uint32_t *elem_bytes, uint32_t nsections) {
+sg_status sg__ck_header_layout(sg__ck_header *h, const uint32_t *kinds, const uint32_t *elem_bytes,
+                               uint32_t nsections) {
   if (nsections < 1 || nsections > SG_CK_KINDS || h->chunk_bytes < SG_CK_CHUNK_MIN ||
       h->numel > ((uint64_t)1 << 56))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "checkpoint header: bad layout request");
@@ -428,8 +444,8 @@ sg_status sg__ck_header_layout(sg__ck_header *h, const uint32_t *kinds,
     h->sec[s] = (sg__ck_section){kinds[s], elem_bytes[s], 0, h->numel * elem_bytes[s], nchunks};
     nchunks += div_up(h->sec[s].bytes, h->chunk_bytes);
   }
-  const uint64_t hb = SG_CK_FIXED_HEADER + (uint64_t)SG_CK_SECTION_BYTES * nsections +
-                      4 * nchunks + 4;
+  const uint64_t hb =
+      SG_CK_FIXED_HEADER + (uint64_t)SG_CK_SECTION_BYTES * nsections + 4 * nchunks + 4;
   if (hb > UINT32_MAX)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "checkpoint header: %" PRIu64 " chunks are too many",
                    nchunks);
@@ -511,8 +527,7 @@ static sg_status check_sections(const char *what, const sg__ck_header *h) {
   return SG_OK;
 }
 
-sg_status sg__ck_header_parse(const uint8_t *buf, size_t len, const char *what,
-                              sg__ck_header *h) {
+sg_status sg__ck_header_parse(const uint8_t *buf, size_t len, const char *what, sg__ck_header *h) {
   memset(h, 0, sizeof *h);
   uint32_t hb = 0;
   SG_TRY(sg__ck_header_size(buf, len, len, what, &hb));
@@ -530,9 +545,8 @@ sg_status sg__ck_header_parse(const uint8_t *buf, size_t len, const char *what,
   h->numel = get_le(buf + 48, 8);
   h->nchunks = get_le(buf + 56, 8);
   if (h->nsections < 1 || h->nsections > SG_CK_KINDS || h->chunk_bytes < SG_CK_CHUNK_MIN ||
-      h->chunk_bytes > SG_CK_CHUNK_MAX || h->numel > ((uint64_t)1 << 56) ||
-      h->world < 1 || h->world > SG_CK_MAX_WORLD || h->rank >= h->world ||
-      h->nchunks > (uint64_t)hb / 4 ||
+      h->chunk_bytes > SG_CK_CHUNK_MAX || h->numel > ((uint64_t)1 << 56) || h->world < 1 ||
+      h->world > SG_CK_MAX_WORLD || h->rank >= h->world || h->nchunks > (uint64_t)hb / 4 ||
       hb < SG_CK_FIXED_HEADER + SG_CK_SECTION_BYTES * h->nsections + 4)
     return CORRUPT("%s: bad header fields", what);
   const uint8_t *p = buf + SG_CK_FIXED_HEADER;

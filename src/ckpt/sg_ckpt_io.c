@@ -21,8 +21,7 @@ const char *sg__ck_errstr(int err, char *buf, size_t n) {
 #define errstr sg__ck_errstr
 
 /* SG_ERR_IO "<what> '<path>': <strerror>" with this file's line. */
-#define IO_FAIL(what, path)                                                                      \
-  io_fail(__FILE__, __LINE__, errno, what, path)
+#define IO_FAIL(what, path) io_fail(__FILE__, __LINE__, errno, what, path)
 
 static sg_status io_fail(const char *file, int line, int err, const char *what, const char *path) {
   char b[128];
@@ -132,8 +131,9 @@ sg_status sg__ck_read_file(const char *path, size_t max, uint8_t **out, size_t *
   SG_TRY(sg__ck_open_read(path, &fd, &bytes));
   sg_status st = SG_OK;
   if (bytes > max) {
-    st = sg__err(SG_ERR_CORRUPT, "'%s' is too large for what it should be (%" PRIu64
-                 " bytes, at most %zu)", path, bytes, max);
+    st = sg__err(SG_ERR_CORRUPT,
+                 "'%s' is too large for what it should be (%" PRIu64 " bytes, at most %zu)", path,
+                 bytes, max);
     goto done;
   }
   uint8_t *buf = malloc(bytes ? (size_t)bytes : 1);
@@ -196,8 +196,10 @@ sg_status sg__ck_make_dir(const char *dir) {
   char *parent = malloc(strlen(dir) + 3);
   if (!parent) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   const char *slash = strrchr(dir, '/');
-  if (!slash) strcpy(parent, ".");
-  else if (slash == dir) strcpy(parent, "/");
+  if (!slash)
+    strcpy(parent, ".");
+  else if (slash == dir)
+    strcpy(parent, "/");
   else {
     memcpy(parent, dir, (size_t)(slash - dir));
     parent[slash - dir] = 0;

@@ -23,7 +23,7 @@ typedef struct {
 typedef struct {
   const char *dir;
   sg__ck_manifest m;
-  int *map;                 /* engine id -> manifest parameter */
+  int *map; /* engine id -> manifest parameter */
   req_t *reqs;
   size_t nreq, cap;
   uint32_t nkinds, kinds[SG_CK_KINDS], esz[SG_CK_KINDS];
@@ -96,8 +96,8 @@ static sg_status map_params(sg_engine *e, load_ctx *c, const char *mpath) {
       break;
     }
     if (p->flags != e->flags[id])
-      SG_LOG(SG_LOG_WARN, e->rank, "sg_load: parameter '%s' has flags %u, %u in '%s'",
-             e->names[id], (unsigned)e->flags[id], (unsigned)p->flags, mpath);
+      SG_LOG(SG_LOG_WARN, e->rank, "sg_load: parameter '%s' has flags %u, %u in '%s'", e->names[id],
+             (unsigned)e->flags[id], (unsigned)p->flags, mpath);
     c->map[id] = (int)found;
     used[found] = 1;
   }
@@ -114,8 +114,7 @@ done:
 static sg_status check_manifest(sg_engine *e, load_ctx *c, const char *mpath) {
   if (c->m.param_dtype != (uint32_t)e->cfg.param_dtype)
     return sg__err(SG_ERR_MISMATCH, "'%s' holds %s parameters, the engine's are %s", mpath,
-                   sg__dtype_name((sg_dtype)c->m.param_dtype),
-                   sg__dtype_name(e->cfg.param_dtype));
+                   sg__dtype_name((sg_dtype)c->m.param_dtype), sg__dtype_name(e->cfg.param_dtype));
   return map_params(e, c, mpath);
 }
 
@@ -186,15 +185,16 @@ typedef struct {
   const char *path;
   const sg__ck_header *h;
   const sg__ck_section *sec;
-  uint8_t *cache;     /* one verified chunk */
-  uint64_t cached;    /* its index + 1; 0: none */
+  uint8_t *cache;  /* one verified chunk */
+  uint64_t cached; /* its index + 1; 0: none */
 } creader;
 
 static sg_status bad_chunk(const creader *r, uint64_t k) {
   static const char *const names[SG_CK_KINDS] = {"working params", "master", "m", "v"};
-  return sg__err(SG_ERR_CORRUPT, "'%s': checksum mismatch in the %s section, chunk %" PRIu64
-                 " (bytes %" PRIu64 "..)", r->path, names[r->sec->kind], k,
-                 r->sec->offset + k * r->h->chunk_bytes);
+  return sg__err(SG_ERR_CORRUPT,
+                 "'%s': checksum mismatch in the %s section, chunk %" PRIu64 " (bytes %" PRIu64
+                 "..)",
+                 r->path, names[r->sec->kind], k, r->sec->offset + k * r->h->chunk_bytes);
 }
 
 static sg_status verify(const creader *r, uint64_t k, const uint8_t *data, size_t n) {
@@ -242,13 +242,15 @@ static sg_status read_range(creader *r, uint64_t b0, uint64_t b1, uint8_t *dst) 
 }
 
 /* The file's header against the manifest's record of it and against this engine's sections. */
-static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header *h,
-                              uint64_t bytes, const char *path) {
+static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header *h, uint64_t bytes,
+                              const char *path) {
   const sg__ck_file *f = &c->m.files[r];
   if (h->header_crc != f->header_crc || h->generation != c->m.generation || h->rank != r ||
       h->world != c->m.world || h->plan_hash != c->m.plan_hash || h->numel != f->numel)
-    return sg__err(SG_ERR_CORRUPT, "'%s' does not belong to this checkpoint (its header differs "
-                   "from the manifest's record)", path);
+    return sg__err(SG_ERR_CORRUPT,
+                   "'%s' does not belong to this checkpoint (its header differs "
+                   "from the manifest's record)",
+                   path);
   if (h->nsections != c->nkinds)
     return sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected %u", path, h->nsections, c->nkinds);
   for (uint32_t s = 0; s < c->nkinds; s++)
@@ -256,16 +258,16 @@ static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header
       return sg__err(SG_ERR_CORRUPT, "'%s': section %u is not the expected one", path, s);
   const sg__ck_section *last = &h->sec[h->nsections - 1];
   if (last->offset + last->bytes != bytes)
-    return sg__err(SG_ERR_CORRUPT, "'%s': %" PRIu64 " bytes, the header describes %" PRIu64,
-                   path, bytes, last->offset + last->bytes);
+    return sg__err(SG_ERR_CORRUPT, "'%s': %" PRIu64 " bytes, the header describes %" PRIu64, path,
+                   bytes, last->offset + last->bytes);
   return SG_OK;
 }
 
 static sg_status read_header(int fd, uint64_t bytes, const char *path, sg__ck_header *h) {
   uint8_t fixed[SG_CK_FIXED_HEADER];
   uint32_t hb = 0;
-  if (bytes < sizeof fixed) return sg__err(SG_ERR_CORRUPT, "'%s' is truncated (%" PRIu64
-                                           " bytes)", path, bytes);
+  if (bytes < sizeof fixed)
+    return sg__err(SG_ERR_CORRUPT, "'%s' is truncated (%" PRIu64 " bytes)", path, bytes);
   SG_TRY(sg__ck_read_at(fd, fixed, sizeof fixed, 0, path));
   SG_TRY(sg__ck_header_size(fixed, sizeof fixed, bytes, path, &hb));
   uint8_t *buf = malloc(hb);
@@ -302,8 +304,10 @@ static sg_status read_rank_file(load_ctx *c, uint32_t r, size_t q0, size_t q1) {
   SG_TRY_GOTO(sg__ck_open_read(path, &fd, &bytes), st, done);
   rd.fd = fd;
   if (bytes != f->bytes) {
-    st = sg__err(SG_ERR_CORRUPT, "'%s' has %" PRIu64 " bytes, the manifest says %" PRIu64
-                 " (truncated or replaced)", path, bytes, f->bytes);
+    st =
+        sg__err(SG_ERR_CORRUPT,
+                "'%s' has %" PRIu64 " bytes, the manifest says %" PRIu64 " (truncated or replaced)",
+                path, bytes, f->bytes);
     goto done;
   }
   SG_TRY_GOTO(read_header(fd, bytes, path, &h), st, done);
@@ -331,8 +335,7 @@ static sg_status read_files(sg_engine *e, load_ctx *c) {
   for (uint32_t r = 0; r < c->m.world; r++) {
     const size_t q0 = q;
     while (q < c->nreq && c->reqs[q].file == r) q++;
-    if (q > q0 || r % (uint32_t)e->world == (uint32_t)e->rank)
-      SG_TRY(read_rank_file(c, r, q0, q));
+    if (q > q0 || r % (uint32_t)e->world == (uint32_t)e->rank) SG_TRY(read_rank_file(c, r, q0, q));
   }
   return SG_OK;
 }
@@ -418,9 +421,10 @@ sg_status sg_load(sg_engine *e, const char *dir) {
   sg_status st = sg__ck_agree(e, fn, local, v, &all);
   for (int r = 1; st == SG_OK && r < e->world; r++)
     if (all[r].val[0] != all[0].val[0])
-      st = sg__err(SG_ERR_MISMATCH, "%s: ranks read different checkpoints from '%s' (generation "
-                   "%" PRIu64 " on rank 0, %" PRIu64 " on rank %d)", fn, dir, all[0].val[0],
-                   all[r].val[0], r);
+      st = sg__err(SG_ERR_MISMATCH,
+                   "%s: ranks read different checkpoints from '%s' (generation "
+                   "%" PRIu64 " on rank 0, %" PRIu64 " on rank %d)",
+                   fn, dir, all[0].val[0], all[r].val[0], r);
   free(all);
   if (st == SG_OK) {
     st = apply(e, &c);
@@ -430,8 +434,8 @@ sg_status sg_load(sg_engine *e, const char *dir) {
     }
   }
   if (st == SG_OK)
-    SG_LOG(SG_LOG_INFO, e->rank, "loaded step %" PRIu64 " from '%s' (saved at world %u)",
-           c.m.step, dir, c.m.world);
+    SG_LOG(SG_LOG_INFO, e->rank, "loaded step %" PRIu64 " from '%s' (saved at world %u)", c.m.step,
+           dir, c.m.world);
   ctx_free(&c);
   return st;
 }

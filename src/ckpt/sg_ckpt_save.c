@@ -69,9 +69,9 @@ typedef struct {
   const char *path;
   sg__ck_header *h;
   uint8_t *buf;
-  size_t cap, fill;     /* buffer holds whole chunks; fill bytes pending */
-  uint64_t sec_done;    /* bytes of the current section already written */
-  uint64_t crc_next;    /* index of the next chunk checksum */
+  size_t cap, fill;  /* buffer holds whole chunks; fill bytes pending */
+  uint64_t sec_done; /* bytes of the current section already written */
+  uint64_t crc_next; /* index of the next chunk checksum */
   const sg__ck_section *sec;
 } writer;
 
@@ -118,8 +118,8 @@ static sg_status write_section(sg_engine *e, writer *w, int s) {
     }
   if (w->fill > 0) SG_TRY(flush(w));
   if (w->sec_done != w->sec->bytes)
-    return sg__err(SG_ERR_INTERNAL, "section %d: wrote %" PRIu64 " of %" PRIu64
-                   " bytes", s, w->sec_done, w->sec->bytes);
+    return sg__err(SG_ERR_INTERNAL, "section %d: wrote %" PRIu64 " of %" PRIu64 " bytes", s,
+                   w->sec_done, w->sec->bytes);
   return SG_OK;
 }
 
@@ -131,7 +131,9 @@ static size_t owned_numel(const sg_engine *e) {
   return n;
 }
 
-typedef struct { uint64_t bytes, numel, header_crc; } file_info;
+typedef struct {
+  uint64_t bytes, numel, header_crc;
+} file_info;
 
 /* Data first (the checksums are known only then), the header last, then fsync. */
 static sg_status write_file_body(sg_engine *e, writer *w, file_info *info) {
@@ -160,8 +162,11 @@ static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, fi
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
     goto done;
   }
-  h = (sg__ck_header){.generation = gen, .plan_hash = e->plan->hash, .rank = (uint32_t)e->rank,
-                      .world = (uint32_t)e->world, .chunk_bytes = sg__ckpt_chunk_bytes(),
+  h = (sg__ck_header){.generation = gen,
+                      .plan_hash = e->plan->hash,
+                      .rank = (uint32_t)e->rank,
+                      .world = (uint32_t)e->world,
+                      .chunk_bytes = sg__ckpt_chunk_bytes(),
                       .numel = owned_numel(e)};
   SG_TRY_GOTO(sg__ck_header_layout(&h, kinds, esz, sg__ck_kinds(e, kinds, esz)), st, done);
   w.cap = SG_CK_IO_BUF / h.chunk_bytes * h.chunk_bytes;
@@ -178,8 +183,10 @@ static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, fi
     goto done;
   }
   st = write_file_body(e, &w, info);
-  if (st == SG_OK) st = sg__ck_fsync_close(w.fd, tmp);
-  else close(w.fd);
+  if (st == SG_OK)
+    st = sg__ck_fsync_close(w.fd, tmp);
+  else
+    close(w.fd);
   if (st == SG_OK) st = sg__ck_rename(tmp, dst);
   if (st == SG_OK) st = sg__ck_fsync_dir(dir);
   if (st != SG_OK) unlink(tmp);
@@ -208,7 +215,8 @@ static sg_status fill_params(const sg_engine *e, sg__ck_manifest *m) {
   for (int id = 0; id < e->nparams && st == SG_OK; id++) {
     sg__ck_param *p = &m->params[id];
     const size_t k0 = sg__ck_frag_begin(e, id, 0), k1 = sg__ck_frag_end(e, id, e->world - 1);
-    *p = (sg__ck_param){e->names[id], e->numels[id], e->flags[id], (uint32_t)e->cfg.param_dtype,
+    *p = (sg__ck_param){e->names[id],        e->numels[id],
+                        e->flags[id],        (uint32_t)e->cfg.param_dtype,
                         (uint32_t)(k1 - k0), calloc(k1 - k0, sizeof(sg__ck_frag))};
     if (!p->frags) {
       st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -254,13 +262,17 @@ static void free_manifest_tables(const sg_engine *e, sg__ck_manifest *m) {
 
 static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
                                 const sg__ck_vote *all) {
-  sg__ck_manifest m = {.generation = gen, .world = (uint32_t)e->world,
+  sg__ck_manifest m = {.generation = gen,
+                       .world = (uint32_t)e->world,
                        .strategy = (uint32_t)e->cfg.strategy,
                        .param_dtype = (uint32_t)e->cfg.param_dtype,
-                       .has_master = e->master != NULL, .plan_hash = e->plan->hash,
-                       .step = e->step, .loss_scale = e->loss_scale,
+                       .has_master = e->master != NULL,
+                       .plan_hash = e->plan->hash,
+                       .step = e->step,
+                       .loss_scale = e->loss_scale,
                        .clean_steps = (uint32_t)e->clean_steps,
-                       .dynamic_scale = (uint32_t)e->dynamic_scale, .lr = e->lr,
+                       .dynamic_scale = (uint32_t)e->dynamic_scale,
+                       .lr = e->lr,
                        .nparams = (uint32_t)e->nparams};
   sg__ck_cfg_words(&e->cfg, m.cfg);
   uint8_t *buf = NULL;
@@ -347,7 +359,7 @@ sg_status sg_save(sg_engine *e, const char *dir) {
   free(all);
   if (st != SG_OK) return st;
   if (e->rank == 0) remove_old(e, dir, gen);
-  SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")",
-         e->step, dir, gen);
+  SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")", e->step,
+         dir, gen);
   return SG_OK;
 }

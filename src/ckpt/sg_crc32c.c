@@ -37,8 +37,8 @@ uint32_t sg__crc32c_sw(uint32_t crc, const void *data, size_t n) {
   for (; n >= 8; n -= 8, p += 8) {
     const uint64_t x = load_le64(p) ^ c;
     c = g_table[7][x & 0xff] ^ g_table[6][(x >> 8) & 0xff] ^ g_table[5][(x >> 16) & 0xff] ^
-        g_table[4][(x >> 24) & 0xff] ^ g_table[3][(x >> 32) & 0xff] ^
-        g_table[2][(x >> 40) & 0xff] ^ g_table[1][(x >> 48) & 0xff] ^ g_table[0][x >> 56];
+        g_table[4][(x >> 24) & 0xff] ^ g_table[3][(x >> 32) & 0xff] ^ g_table[2][(x >> 40) & 0xff] ^
+        g_table[1][(x >> 48) & 0xff] ^ g_table[0][x >> 56];
   }
   while (n--) c = (c >> 8) ^ g_table[0][(c ^ *p++) & 0xffu];
   return ~c;
@@ -78,8 +78,7 @@ static uint32_t shift(uint32_t r) {
          g_shift[3][r >> 24];
 }
 
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const void *data,
-                                                          size_t n) {
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const void *data, size_t n) {
   const uint8_t *p = data;
   uint64_t c = ~crc;
   if (n >= 3 * SG__LANE) pthread_once(&g_shift_once, build_shift);

@@ -5,6 +5,8 @@
  * Shapes are 1-D: the engine knows element counts, not shapes; callers reshape. */
 #define _POSIX_C_SOURCE 200809L /* close, unlink, open flags */
 
+#include "sg_safetensors.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -14,7 +16,6 @@
 #include <unistd.h>
 
 #include "sg_ckpt_engine.h"
-#include "sg_safetensors.h"
 
 #define SG_ST_BLOCK (16u << 20) /* host bytes per device copy when writing */
 
@@ -85,8 +86,9 @@ static sg_status export_header(const sg_engine *e, uint8_t **out, size_t *len) {
   for (int id = 0; id < e->nparams; id++) {
     sb_str(&b, ",");
     sb_json_string(&b, e->names[id]);
-    snprintf(num, sizeof num, ":{\"dtype\":\"F32\",\"shape\":[%zu],\"data_offsets\":[%" PRIu64
-             ",%" PRIu64 "]}", e->numels[id], begin[id], begin[id] + (uint64_t)e->numels[id] * 4);
+    snprintf(num, sizeof num,
+             ":{\"dtype\":\"F32\",\"shape\":[%zu],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}",
+             e->numels[id], begin[id], begin[id] + (uint64_t)e->numels[id] * 4);
     sb_str(&b, num);
   }
   sb_str(&b, "}");
@@ -106,12 +108,12 @@ static sg_status export_header(const sg_engine *e, uint8_t **out, size_t *len) {
 /* export                                                                                    */
 
 typedef struct {
-  int fd;             /* rank 0's temporary file, -1 elsewhere */
+  int fd; /* rank 0's temporary file, -1 elsewhere */
   char *tmp;
-  uint64_t pos;       /* next write offset */
-  sg_status wst;      /* rank 0's first write failure; gathering continues so ranks stay in step */
-  uint8_t *host;      /* SG_ST_BLOCK bytes */
-  float *gbuf;        /* device: one bucket of master values (sharded bf16/f16 at W > 1) */
+  uint64_t pos;  /* next write offset */
+  sg_status wst; /* rank 0's first write failure; gathering continues so ranks stay in step */
+  uint8_t *host; /* SG_ST_BLOCK bytes */
+  float *gbuf;   /* device: one bucket of master values (sharded bf16/f16 at W > 1) */
 } exporter;
 
 static int needs_gather(const sg_engine *e) {
@@ -204,8 +206,10 @@ static sg_status export_close(exporter *x, const char *path) {
   sg_status st = x->wst;
   const int fd = x->fd;
   x->fd = -1;
-  if (st == SG_OK) st = sg__ck_fsync_close(fd, x->tmp);
-  else close(fd);
+  if (st == SG_OK)
+    st = sg__ck_fsync_close(fd, x->tmp);
+  else
+    close(fd);
   if (st == SG_OK) st = sg__ck_rename(x->tmp, path);
   if (st == SG_OK) {
     char *dir = parent_dir(path);
@@ -234,8 +238,8 @@ sg_status sg_export(sg_engine *e, const char *path) {
   exporter x = {-1, NULL, 0, SG_OK, NULL, NULL};
   /* Round 1: everybody has its gather buffer and rank 0 its file, or nobody gathers. */
   sg_status local = SG_OK;
-  if (needs_gather(e)) local = e->dev->ops->alloc(e->dev, e->plan->max_bucket_numel * 4,
-                                                  (void **)&x.gbuf);
+  if (needs_gather(e))
+    local = e->dev->ops->alloc(e->dev, e->plan->max_bucket_numel * 4, (void **)&x.gbuf);
   if (local == SG_OK && e->rank == 0) local = export_open(e, path, &x);
   if (local != SG_OK) sg__err_prefix(local, fn);
   sg__ck_vote *all = NULL;
@@ -282,8 +286,8 @@ static sg_status import_header(importer *im) {
   uint64_t n = 0;
   for (int i = 7; i >= 0; i--) n = (n << 8) | n8[i];
   if (n > SG_ST_MAX_HEADER || n > bytes - 8)
-    return sg__err(SG_ERR_CORRUPT, "'%s': header length %" PRIu64 " in a file of %" PRIu64
-                   " bytes", im->path, n, bytes);
+    return sg__err(SG_ERR_CORRUPT, "'%s': header length %" PRIu64 " in a file of %" PRIu64 " bytes",
+                   im->path, n, bytes);
   char *hdr = malloc((size_t)n + 1);
   if (!hdr) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   sg_status st = sg__ck_read_at(im->fd, hdr, (size_t)n, 8, im->path);
@@ -301,12 +305,16 @@ static sg_status match_entry(sg_engine *e, importer *im, int id) {
     return sg__err(SG_ERR_MISMATCH, "tensor '%s' in '%s' has dtype %s; F32, BF16 or F16 needed",
                    t->name, im->path, t->dtype_name);
   if (t->numel != e->numels[id])
-    return sg__err(SG_ERR_MISMATCH, "tensor '%s' in '%s' has %" PRIu64 " elements, the "
-                   "parameter %zu", t->name, im->path, t->numel, e->numels[id]);
+    return sg__err(SG_ERR_MISMATCH,
+                   "tensor '%s' in '%s' has %" PRIu64
+                   " elements, the "
+                   "parameter %zu",
+                   t->name, im->path, t->numel, e->numels[id]);
   if (t->end > im->data_bytes || t->end - t->begin != t->numel * sg__dtype_size(t->dtype))
-    return sg__err(SG_ERR_CORRUPT, "'%s': tensor '%s' has data offsets [%" PRIu64 ", %" PRIu64
-                   "] for %" PRIu64 " elements in %" PRIu64 " data bytes", im->path, t->name,
-                   t->begin, t->end, t->numel, im->data_bytes);
+    return sg__err(SG_ERR_CORRUPT,
+                   "'%s': tensor '%s' has data offsets [%" PRIu64 ", %" PRIu64 "] for %" PRIu64
+                   " elements in %" PRIu64 " data bytes",
+                   im->path, t->name, t->begin, t->end, t->numel, im->data_bytes);
   im->map[id] = (int)(t - im->ent);
   return SG_OK;
 }
@@ -324,8 +332,8 @@ static sg_status import_values(sg_engine *e, importer *im) {
     const sg__st_entry *t = &im->ent[im->map[id]];
     void *buf = malloc(t->end - t->begin ? (size_t)(t->end - t->begin) : 1);
     if (!buf) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (tensor '%s')", t->name);
-    sg_status st = sg__ck_read_at(im->fd, buf, (size_t)(t->end - t->begin),
-                                  im->data_off + t->begin, im->path);
+    sg_status st =
+        sg__ck_read_at(im->fd, buf, (size_t)(t->end - t->begin), im->data_off + t->begin, im->path);
     if (st == SG_OK) st = sg_set_param(e, id, buf, (sg_dtype)t->dtype);
     free(buf);
     if (st != SG_OK) {

@@ -11,11 +11,11 @@
 #define SG_ST_MAX_HEADER ((uint64_t)100 << 20) /* the format's own limit */
 
 typedef struct sg__st_entry {
-  char *name;           /* decoded UTF-8 */
-  int dtype;            /* SG_F32, SG_BF16, SG_F16, or -1 for any other dtype */
-  char dtype_name[16];  /* as written (truncated) */
-  uint64_t numel;       /* product of the shape */
-  uint64_t begin, end;  /* data_offsets, relative to the start of the data */
+  char *name;          /* decoded UTF-8 */
+  int dtype;           /* SG_F32, SG_BF16, SG_F16, or -1 for any other dtype */
+  char dtype_name[16]; /* as written (truncated) */
+  uint64_t numel;      /* product of the shape */
+  uint64_t begin, end; /* data_offsets, relative to the start of the data */
 } sg__st_entry;
 
 /* Parses the JSON header (n bytes, no terminator needed). Every tensor needs "dtype", "shape"

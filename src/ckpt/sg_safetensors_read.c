@@ -13,8 +13,7 @@ typedef struct {
 } jp;
 
 static int peek(jp *j) {
-  while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
-    j->p++;
+  while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
   return j->p < j->end ? (unsigned char)*j->p : -1;
 }
 
@@ -30,10 +29,14 @@ static int hex4(jp *j, uint32_t *v) {
   for (int i = 0; i < 4; i++) {
     const char c = *j->p++;
     x <<= 4;
-    if (c >= '0' && c <= '9') x |= (uint32_t)(c - '0');
-    else if (c >= 'a' && c <= 'f') x |= (uint32_t)(c - 'a' + 10);
-    else if (c >= 'A' && c <= 'F') x |= (uint32_t)(c - 'A' + 10);
-    else return 0;
+    if (c >= '0' && c <= '9')
+      x |= (uint32_t)(c - '0');
+    else if (c >= 'a' && c <= 'f')
+      x |= (uint32_t)(c - 'a' + 10);
+    else if (c >= 'A' && c <= 'F')
+      x |= (uint32_t)(c - 'A' + 10);
+    else
+      return 0;
   }
   *v = x;
   return 1;
@@ -92,18 +95,36 @@ static int jstring(jp *j, char **out, int *oom) {
   while (ok && *j->p != '"') {
     const unsigned char c = (unsigned char)*j->p++;
     uint32_t cp = c;
-    if (c < 0x20) ok = 0;
+    if (c < 0x20)
+      ok = 0;
     else if (c == '\\') {
       const char e = *j->p++;
       switch (e) {
-      case '"': case '\\': case '/': cp = (uint32_t)e; break;
-      case 'b': cp = '\b'; break;
-      case 'f': cp = '\f'; break;
-      case 'n': cp = '\n'; break;
-      case 'r': cp = '\r'; break;
-      case 't': cp = '\t'; break;
-      case 'u': ok = unicode_escape(j, &cp); break;
-      default: ok = 0;
+        case '"':
+        case '\\':
+        case '/':
+          cp = (uint32_t)e;
+          break;
+        case 'b':
+          cp = '\b';
+          break;
+        case 'f':
+          cp = '\f';
+          break;
+        case 'n':
+          cp = '\n';
+          break;
+        case 'r':
+          cp = '\r';
+          break;
+        case 't':
+          cp = '\t';
+          break;
+        case 'u':
+          ok = unicode_escape(j, &cp);
+          break;
+        default:
+          ok = 0;
       }
       if (ok && buf) put_utf8(buf, &n, cp);
       continue;
@@ -169,13 +190,22 @@ static int jskip(jp *j, int depth) {
   if (depth > SG_ST_MAX_DEPTH) return 0;
   int oom = 0;
   switch (peek(j)) {
-  case '"': return jstring(j, NULL, &oom);
-  case '{': j->p++; return skip_container(j, '}', depth, 1);
-  case '[': j->p++; return skip_container(j, ']', depth, 0);
-  case 't': return skip_word(j, "true");
-  case 'f': return skip_word(j, "false");
-  case 'n': return skip_word(j, "null");
-  default: return skip_number(j);
+    case '"':
+      return jstring(j, NULL, &oom);
+    case '{':
+      j->p++;
+      return skip_container(j, '}', depth, 1);
+    case '[':
+      j->p++;
+      return skip_container(j, ']', depth, 0);
+    case 't':
+      return skip_word(j, "true");
+    case 'f':
+      return skip_word(j, "false");
+    case 'n':
+      return skip_word(j, "null");
+    default:
+      return skip_number(j);
   }
 }
 
