@@ -26,16 +26,12 @@ if(SG_WITH_CUDA)
     # over host memory, the emulated kernels, ranks as threads), so that src/device/cuda.c,
     # src/comm/nccl.c and the engine on the CUDA device run without a GPU. Tests link it
     # instead of shardgrad_internal.
-    set(_sg_mock_sources ${SG_CORE_SOURCES}
-      ${PROJECT_SOURCE_DIR}/src/comm/comm.c ${PROJECT_SOURCE_DIR}/src/comm/local.c
-      ${PROJECT_SOURCE_DIR}/src/comm/sg_nccl_stub.c ${PROJECT_SOURCE_DIR}/src/device/cpu.c
-      ${PROJECT_SOURCE_DIR}/src/device/cuda.c ${PROJECT_SOURCE_DIR}/src/comm/nccl.c
-      ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudamock.cpp
+    # The library's own C sources (cuda.c and nccl.c included), the kernels as host C++.
+    set(_sg_mock_sources ${SG_SOURCES})
+    list(FILTER _sg_mock_sources EXCLUDE REGEX "\\.cu$")
+    list(APPEND _sg_mock_sources ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudamock.cpp
       ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_ncclmock.cpp
       ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudamock_kernels.cpp)
-    if(SG_WITH_MPI)
-      list(APPEND _sg_mock_sources ${PROJECT_SOURCE_DIR}/src/comm/mpi.c)
-    endif()
     add_library(shardgrad_cudamock STATIC EXCLUDE_FROM_ALL ${_sg_mock_sources})
     # BEFORE: <cuda_runtime.h> must be the mock's
     target_include_directories(shardgrad_cudamock BEFORE PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/cudamock)
