@@ -98,7 +98,8 @@ static void test_nccl_public(void) {
   check(sg_comm_create_nccl(0, 0, id, 0, &c) == SG_ERR_INVALID_ARGUMENT, "create_nccl: world 0");
   check(sg_comm_create_nccl(0, 1, id, -2, &c) == SG_ERR_INVALID_ARGUMENT,
         "create_nccl: cuda_device -2");
-  check(sg_comm_create_nccl_mpi(NULL, NULL) == SG_ERR_INVALID_ARGUMENT, "create_nccl_mpi: out NULL");
+  check(sg_comm_create_nccl_mpi(NULL, NULL) == SG_ERR_INVALID_ARGUMENT,
+        "create_nccl_mpi: out NULL");
 #ifdef SG_HAVE_NCCL
   check(sg_has_backend("nccl") == 1, "has_backend(nccl)");
   memset(id, 0, sizeof id);
@@ -107,9 +108,9 @@ static void test_nccl_public(void) {
   for (int i = 0; i < 128; i++) nonzero |= id[i];
   check(nonzero != 0, "unique_id: not all zero");
   unsetenv("SG_NCCL_ID_FILE");
-  check(sg_comm_create_nccl(0, 1, NULL, 0, &c) == SG_ERR_INVALID_ARGUMENT &&
-            says("SG_NCCL_ID_FILE"),
-        "create_nccl: id NULL without SG_NCCL_ID_FILE");
+  check(
+      sg_comm_create_nccl(0, 1, NULL, 0, &c) == SG_ERR_INVALID_ARGUMENT && says("SG_NCCL_ID_FILE"),
+      "create_nccl: id NULL without SG_NCCL_ID_FILE");
   sg_status st = sg_comm_create_nccl(0, 1, id, -1, &c);
   if (st == SG_OK) {
     check(sg_comm_rank(c) == 0 && sg_comm_size(c) == 1, "create_nccl (GPU): world 1");

@@ -47,7 +47,8 @@ static void fill_random(void *p, int dt, size_t n, float scale, bool specials) {
     } else {
       uint16_t h = (uint16_t)rnd();
       if (!raw)
-        h = dt == 1 ? sg_elem_f32_to_bf16(rnd_unit() * scale) : sg_elem_f32_to_f16(rnd_unit() * scale);
+        h = dt == 1 ? sg_elem_f32_to_bf16(rnd_unit() * scale)
+                    : sg_elem_f32_to_f16(rnd_unit() * scale);
       ((uint16_t *)p)[i] = h;
     }
   }
@@ -91,8 +92,8 @@ static void test_elementwise() {
                                sdt, n);
             int rc = sg__cuda_accumulate(L, acc.data() + off * esize(adt), adt,
                                          src.data() + off * esize(sdt), sdt, n);
-            snprintf(what, sizeof what, "accumulate acc %d src %d n %zu off %zu grid %d", adt,
-                     sdt, n, off, g);
+            snprintf(what, sizeof what, "accumulate acc %d src %d n %zu off %zu grid %d", adt, sdt,
+                     n, off, g);
             check(rc == 0 && same(ref.data(), acc.data(), adt, n + off), what);
           }
         for (int ddt = 0; ddt < 3; ddt++)
@@ -178,8 +179,9 @@ static void test_sumsq() {
           double *r = (double *)scratch.data();
           sg__cuda_launch L = {nullptr, g};
           int rc = sg__cuda_sumsq(L, x.data(), dt, n, r, r);
-          snprintf(what, sizeof what, "sumsq dtype %d n %zu specials %d grid %d: cpu %.17g/%g emu %.17g/%g",
-                   dt, n, specials, g, cs, cn, r[0], r[1]);
+          snprintf(what, sizeof what,
+                   "sumsq dtype %d n %zu specials %d grid %d: cpu %.17g/%g emu %.17g/%g", dt, n,
+                   specials, g, cs, cn, r[0], r[1]);
           check(rc == 0 && close_rel(cs, r[0]) && cn == r[1], what);
           if (g == k_grids[0]) {
             first[0] = r[0];
@@ -283,7 +285,8 @@ static void test_adamw() {
                (int)c.master, (int)c.sr, g);
       const bool ok = rc == 0 && same(ref.param.data(), s.param.data(), c.pdt, fn) &&
                       same(ref.master.data(), s.master.data(), 0, sn) &&
-                      same(ref.m.data(), s.m.data(), 0, sn) && same(ref.v.data(), s.v.data(), 0, sn);
+                      same(ref.m.data(), s.m.data(), 0, sn) &&
+                      same(ref.v.data(), s.v.data(), 0, sn);
       check(ok, what);
     }
   }

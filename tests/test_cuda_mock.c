@@ -150,7 +150,8 @@ static void host_driven(sg__device *d, int attached) {
   d->ops->free(d, b);
 }
 
-/* ---- failures --------------------------------------------------------------------------------- */
+/* ---- failures ---------------------------------------------------------------------------------
+ */
 
 typedef struct nothing_job {
   int ran;
@@ -175,7 +176,8 @@ static void timeouts(void) {
   sg_cudamock_stall(comm, 1);
   nothing_job nj = {0};
   uint64_t t = 0;
-  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_OK && nj.ran == 1, "submit on a stalled stream");
+  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_OK && nj.ran == 1,
+        "submit on a stalled stream");
   int64_t t0 = sg__now_ms();
   check(d->ops->comm_wait(d, t, sg__now_ms() + 50) == SG_ERR_TIMEOUT && says("deadline"),
         "stalled comm stream: SG_ERR_TIMEOUT");
@@ -249,7 +251,8 @@ static void kernels(sg__device *d) {
   const sg__device_ops *o = d->ops;
   enum { S = 5000 };
   /* adamw: bf16 params with master and stochastic rounding, segments with gaps */
-  sg__seg segs[3] = {{0, 10, 1000, 1, 0}, {1003, 1020, 1, 0, 1ull << 40}, {1010, 1990, 3001, 1, 2ull << 40}};
+  sg__seg segs[3] = {
+      {0, 10, 1000, 1, 0}, {1003, 1020, 1, 0, 1ull << 40}, {1010, 1990, 3001, 1, 2ull << 40}};
   static uint16_t p_h[S];
   static float mst_h[S], m_h[S], v_h[S], g_h[S];
   for (int i = 0; i < S; i++) {
@@ -343,9 +346,9 @@ static void kernels(sg__device *d) {
 int main(void) {
   sg__device *d = NULL;
   sg_cudamock_set_devices(0);
-  check(sg__device_cuda_create(0, -1, &d) == SG_ERR_CUDA && says("no CUDA device found") &&
-            d == NULL,
-        "no mock GPU: SG_ERR_CUDA, no CUDA device found");
+  check(
+      sg__device_cuda_create(0, -1, &d) == SG_ERR_CUDA && says("no CUDA device found") && d == NULL,
+      "no mock GPU: SG_ERR_CUDA, no CUDA device found");
   sg_cudamock_set_devices(1);
   check(sg__device_cuda_create(0, 1, &d) == SG_ERR_INVALID_ARGUMENT, "cuda_device out of range");
   const size_t live0 = sg_cudamock_live_allocations();

@@ -75,7 +75,8 @@ typedef struct rank_arg {
 
 static float grad_val(int rank, int step, int k, int p, size_t i) {
   uint64_t x = ((uint64_t)rank * 1000003u + (uint64_t)step * 7919u + (uint64_t)k * 104729u +
-                (uint64_t)p * 15485863u + i) * 0x9e3779b97f4a7c15ull;
+                (uint64_t)p * 15485863u + i) *
+               0x9e3779b97f4a7c15ull;
   x ^= x >> 29;
   return (float)((double)(x >> 11) * 0x1.0p-53 - 0.5);
 }
@@ -186,8 +187,7 @@ static void *rank_main(void *arg) {
   void *src[NP] = {0}, *stage[NP] = {0};
   cudaStream_t s = NULL;
   sg_status st = SG_OK;
-  if (a->nccl_id)
-    st = sg_comm_create_nccl(a->rank, a->tc->world, a->nccl_id, 0, &a->comm);
+  if (a->nccl_id) st = sg_comm_create_nccl(a->rank, a->tc->world, a->nccl_id, 0, &a->comm);
   if (!st) st = setup(a, &e, ids);
   if (!st && a->cuda) {
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -200,8 +200,7 @@ static void *rank_main(void *arg) {
     if (a->cuda && cudaMallocHost(&stage[p], bytes) != cudaSuccess) st = SG_ERR_OUT_OF_MEMORY;
   }
   for (int step = 0; step < STEPS && !st; step++) {
-    for (int k = 0; k < a->tc->mb && !st; k++)
-      st = micro_batch(a, e, ids, src, stage, s, step, k);
+    for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, src, stage, s, step, k);
     sg_step_info info;
     memset(&info, 0, sizeof info);
     info.struct_size = sizeof info;
@@ -281,8 +280,8 @@ static void compare(const tcase *tc, const char *run, const rank_arg *cpu, const
         if (!same_bits(field(&cpu[r].res, f, p), field(&gpu[r].res, f, p), k_sizes[p], &at))
           bad_f = f, bad_p = p;
     if (bad_f < 0)
-      snprintf(what, sizeof what, "%s rank %d: %s == cpu bitwise (params, master, m, v)",
-               tc->name, r, run);
+      snprintf(what, sizeof what, "%s rank %d: %s == cpu bitwise (params, master, m, v)", tc->name,
+               r, run);
     else
       snprintf(what, sizeof what, "%s rank %d: %s != cpu: %s of p%d at %zu (cpu %.9g, %.9g)",
                tc->name, r, run, k_fields[bad_f], bad_p, at,

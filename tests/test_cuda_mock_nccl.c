@@ -56,7 +56,8 @@ static void *rank_thread(void *arg) {
 }
 
 /* Runs body on `world` rank threads, each with its communicator (destroyed afterwards). */
-static int run_ranks(int world, const unsigned char *id, void (*body)(rank_ctx *), const char *what) {
+static int run_ranks(int world, const unsigned char *id, void (*body)(rank_ctx *),
+                     const char *what) {
   pthread_t th[W];
   rank_ctx x[W];
   for (int r = 0; r < world; r++) {
@@ -78,7 +79,10 @@ static int run_ranks(int world, const unsigned char *id, void (*body)(rank_ctx *
 
 static size_t esize(int dt) { return dt == SG__F64 ? 8 : dt == SG_F32 ? 4 : 2; }
 
-static double val(int dt, int rank, size_t i) { (void)dt; return (double)((int)(i % 13) - 6) * 0.5 + rank; }
+static double val(int dt, int rank, size_t i) {
+  (void)dt;
+  return (double)((int)(i % 13) - 6) * 0.5 + rank;
+}
 
 static void put(void *p, int dt, size_t i, double v) {
   if (dt == SG__F64)
@@ -198,7 +202,8 @@ static void body_args(rank_ctx *x) {
   check(sg_comm_rank(c) == x->rank && sg_comm_size(c) == x->world, "rank and size");
 }
 
-/* ---- failures ---------------------------------------------------------------------------------- */
+/* ---- failures ----------------------------------------------------------------------------------
+ */
 
 typedef struct coll_job {
   sg_comm *c;
@@ -225,8 +230,7 @@ static void body_stuck(rank_ctx *x) {
   check(d->ops->comm_submit(d, allreduce_job, &j, &t) == SG_OK, "stuck: the job is queued");
   check(d->ops->comm_wait(d, t, sg__now_ms() + 100) == SG_ERR_TIMEOUT, "stuck: SG_ERR_TIMEOUT");
   check(c->broken && sg_ncclmock_live() == live - 1, "stuck: communicator aborted and broken");
-  check(c->ops->all_reduce(c, buf, 4, SG_F32, sg__deadline(1000)) == SG_ERR_COMM &&
-            says("broken"),
+  check(c->ops->all_reduce(c, buf, 4, SG_F32, sg__deadline(1000)) == SG_ERR_COMM && says("broken"),
         "stuck: later collectives refused");
   c->dev = NULL;
   d->ops->destroy(d); /* hooks detached; the comm is destroyed after it */
@@ -295,7 +299,8 @@ int main(void) {
     pthread_create(&th, NULL, lone_rank0, &c);
     void *ret = NULL;
     pthread_join(th, &ret);
-    check((sg_status)(size_t)ret == SG_ERR_TIMEOUT && c == NULL, "init without the other rank: SG_ERR_TIMEOUT");
+    check((sg_status)(size_t)ret == SG_ERR_TIMEOUT && c == NULL,
+          "init without the other rank: SG_ERR_TIMEOUT");
     check(access(path, F_OK) != 0, "the id file is removed after a failed initialization too");
     unsetenv("SG_NCCL_INIT_TIMEOUT_MS");
     unsetenv("SG_NCCL_ID_FILE");

@@ -11,11 +11,11 @@
 #ifndef SG_CUDA_EMU_H
 #define SG_CUDA_EMU_H
 
-#include <cstdint>             // uint64_t
-#include <cstdio>              // fprintf
-#include <cstring>             // memmove
-#include <exception>           // std::terminate
-#include <functional>          // the fibers' body
+#include <cstdint>     // uint64_t
+#include <cstdio>      // fprintf
+#include <cstring>     // memmove
+#include <exception>   // std::terminate
+#include <functional>  // the fibers' body
 #include <vector>
 
 #include <ucontext.h>  // fibers for the threads of a block
@@ -159,8 +159,7 @@ void sg_emu_launch(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned bloc
 }
 
 template <typename... P, typename... A>
-void sg_emu_launch_sync(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block,
-                        A... args) {
+void sg_emu_launch_sync(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block, A... args) {
   sg_emu_submit(s, [=] { sg_emu_run_sync(k, grid, block, args...); });
 }
 

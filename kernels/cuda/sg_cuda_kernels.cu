@@ -28,13 +28,13 @@
 #define SG_LAUNCH_SYNC SG_LAUNCH
 #endif
 
-#include "../sg_elem.h"        // element math: conversions, accumulate, AdamW, hash
+#include "../sg_elem.h"       // element math: conversions, accumulate, AdamW, hash
 #include "sg_cuda_kernels.h"  // launcher declarations, sg__cuda_launch
 
 namespace {
 
-constexpr int kThreads = 256;        // block size of every grid-stride kernel
-constexpr int kSumsqThreads = 256;   // block size of sumsq's first pass (part of its result)
+constexpr int kThreads = 256;          // block size of every grid-stride kernel
+constexpr int kSumsqThreads = 256;     // block size of sumsq's first pass (part of its result)
 constexpr int kCombineThreads = 1024;  // the single block of sumsq's second pass
 
 // ---- launch shape ---------------------------------------------------------------------------
@@ -403,8 +403,8 @@ extern "C" int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const 
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)L.stream;
   if (dst_dtype == src_dtype)  // a plain copy keeps every bit, signalling NaNs included (as CPU)
-    return (int)cudaMemcpyAsync(dst, src, n * (dst_dtype == 0 ? 4u : 2u),
-                                cudaMemcpyDeviceToDevice, s);
+    return (int)cudaMemcpyAsync(dst, src, n * (dst_dtype == 0 ? 4u : 2u), cudaMemcpyDeviceToDevice,
+                                s);
   const unsigned grid = grid_for(groups_of(n), L.max_blocks);
   switch (dst_dtype) {
     case 0: launch_cast<0>(grid, s, dst, src, src_dtype, n); break;
@@ -414,8 +414,8 @@ extern "C" int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const 
   return launch_result();
 }
 
-extern "C" int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs,
-                                   int nsrc, int dtype, size_t n) {
+extern "C" int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc,
+                                   int dtype, size_t n) {
   if (n == 0) return 0;
   if (!dst || !srcs || nsrc < 1 || nsrc > SG__CUDA_MAX_SRCS || dtype < 0 || dtype > 3)
     return (int)cudaErrorInvalidValue;
@@ -448,8 +448,8 @@ extern "C" size_t sg__cuda_sumsq_scratch_bytes(size_t n) {
   return (2 + 2 * (nchunks > 0 ? nchunks : 1)) * sizeof(double);
 }
 
-extern "C" int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n,
-                              void *scratch, double *result2) {
+extern "C" int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n, void *scratch,
+                              double *result2) {
   if (!scratch || !result2 || dtype < 0 || dtype > 2 || (n > 0 && !x))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = (cudaStream_t)L.stream;
@@ -460,8 +460,8 @@ extern "C" int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_
                                          ? nchunks
                                          : (uint64_t)(L.max_blocks > 0 ? L.max_blocks : 1));
     void (*k)(const void *, size_t, double *) = dtype == 0   ? sumsq_chunks_kernel<0>
-                                                 : dtype == 1 ? sumsq_chunks_kernel<1>
-                                                              : sumsq_chunks_kernel<2>;
+                                                : dtype == 1 ? sumsq_chunks_kernel<1>
+                                                             : sumsq_chunks_kernel<2>;
     SG_LAUNCH_SYNC(k, grid, kSumsqThreads, s, x, n, partials);
     const int rc = launch_result();
     if (rc != 0) return rc;

@@ -28,8 +28,8 @@ typedef struct sg__cuda_launch {
 
 /* acc[i] = round_acc(acc[i] + src[i]) in fp32; acc and src any of f32/bf16/f16 (f32/bf16
  * accumulators, and f16 gradient slots for sg_grad_add). */
-int sg__cuda_accumulate(sg__cuda_launch L, void *acc, int acc_dtype, const void *src,
-                        int src_dtype, size_t n);
+int sg__cuda_accumulate(sg__cuda_launch L, void *acc, int acc_dtype, const void *src, int src_dtype,
+                        size_t n);
 /* dst[i] = round_dst(src[i]) through fp32 (exact widening, one rounding). */
 int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const void *src, int src_dtype,
                   size_t n);
@@ -38,8 +38,8 @@ int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const void *src, 
  * srcs is a host array of device pointers, passed by value to the kernel (at most
  * SG__CUDA_MAX_SRCS). dst may be one of the srcs. */
 #define SG__CUDA_MAX_SRCS 4000
-int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc,
-                        int dtype, size_t n);
+int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc, int dtype,
+                        size_t n);
 
 /* dst[i] = value rounded to dtype (0..3). */
 int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, double value);
@@ -60,8 +60,7 @@ int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n, void *
  * copy it to device memory, and pass the device copy and *work from the build to the launch.
  * a->segs is not read by the launch. */
 size_t sg__cuda_adamw_table_bytes(int nsegs);
-void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs, int nsegs,
-                                uint64_t *work);
+void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs, int nsegs, uint64_t *work);
 int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const void *dev_table,
                    uint64_t work);
 

@@ -50,12 +50,12 @@
 
 /* One NCCL communicator. */
 typedef struct sg__nccl {
-  ncclComm_t comm;     /* NULL once aborted */
-  int ordinal;         /* its GPU */
-  cudaStream_t own;    /* collectives with no CUDA device bound */
-  void *stage;         /* device staging for host buffers, stream-ordered allocation */
+  ncclComm_t comm;  /* NULL once aborted */
+  int ordinal;      /* its GPU */
+  cudaStream_t own; /* collectives with no CUDA device bound */
+  void *stage;      /* device staging for host buffers, stream-ordered allocation */
   size_t stage_cap;
-  sg__device *hooked;  /* the CUDA device whose waits poll this communicator */
+  sg__device *hooked; /* the CUDA device whose waits poll this communicator */
 } sg__nccl;
 
 static const char *sg__nccl_base(const char *file) {
@@ -164,12 +164,12 @@ static sg_status sg__nccl_id_parse(const unsigned char *rec, ssize_t got, const 
   static const char fn[] = "sg__nccl_id_file_read";
   if (got != SG__NCCL_ID_FILE_BYTES || memcmp(rec, SG__NCCL_ID_MAGIC, 8) != 0 ||
       sg__nccl_get_u32(rec + 8) != SG__NCCL_ID_VERSION)
-    return sg__err(SG_ERR_CORRUPT, "%s: %s is not a shardgrad NCCL id file (%zd bytes)", fn,
-                   path, got);
+    return sg__err(SG_ERR_CORRUPT, "%s: %s is not a shardgrad NCCL id file (%zd bytes)", fn, path,
+                   got);
   uint32_t w = sg__nccl_get_u32(rec + 12);
   if (w != (uint32_t)world)
-    return sg__err(SG_ERR_MISMATCH, "%s: %s was written for world %u, this rank has world %d",
-                   fn, path, (unsigned)w, world);
+    return sg__err(SG_ERR_MISMATCH, "%s: %s was written for world %u, this rank has world %d", fn,
+                   path, (unsigned)w, world);
   memcpy(id128, rec + 16, SG__NCCL_ID_BYTES);
   return SG_OK;
 }
@@ -188,8 +188,7 @@ sg_status sg__nccl_id_file_read(const char *path, int world, int64_t deadline_ms
                         strerror(errno));
     if (sg__nccl_expired(deadline_ms))
       return sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
-                        "%s: %s did not appear before the deadline (is rank 0 running?)", fn,
-                        path);
+                        "%s: %s did not appear before the deadline (is rank 0 running?)", fn, path);
     struct timespec ts = {0, (iter < 10 ? 1 : 20) * 1000000L};
     nanosleep(&ts, NULL);
   }
@@ -231,12 +230,11 @@ static sg_status sg__nccl_fail(sg_comm *c, sg_status st, const char *fn, const c
                        sg__nccl_base(__FILE__), line);
 }
 
-static sg_status sg__nccl_cuda_fail(sg_comm *c, const char *fn, const char *what,
-                                    cudaError_t e, int line) {
+static sg_status sg__nccl_cuda_fail(sg_comm *c, const char *fn, const char *what, cudaError_t e,
+                                    int line) {
   sg__nccl_abort((sg__nccl *)c->impl);
   return sg__comm_fail(c, SG_ERR_CUDA, fn, "%s failed: %s (%s) (%s:%d)", what,
-                       cudaGetErrorString(e), cudaGetErrorName(e), sg__nccl_base(__FILE__),
-                       line);
+                       cudaGetErrorString(e), cudaGetErrorName(e), sg__nccl_base(__FILE__), line);
 }
 
 static sg_status sg__nccl_timeout(sg_comm *c, const char *fn, const char *what, int line) {
@@ -289,12 +287,11 @@ static sg_status sg__nccl_hook_poll(void *arg) {
   sg_comm *c = (sg_comm *)arg;
   sg__nccl *n = (sg__nccl *)c->impl;
   if (!n->comm)
-    return sg__err(SG_ERR_COMM, "sg_comm(nccl): communicator (rank %d of %d) was aborted",
-                   c->rank, c->world);
+    return sg__err(SG_ERR_COMM, "sg_comm(nccl): communicator (rank %d of %d) was aborted", c->rank,
+                   c->world);
   ncclResult_t r = sg__nccl_async(n);
   if (r == ncclSuccess || r == ncclInProgress) return SG_OK;
-  return sg__nccl_fail(c, SG_ERR_COMM, "sg_comm(nccl)", "asynchronous NCCL operation", r,
-                       __LINE__);
+  return sg__nccl_fail(c, SG_ERR_COMM, "sg_comm(nccl)", "asynchronous NCCL operation", r, __LINE__);
 }
 
 static void sg__nccl_hook_abort(void *arg) {
@@ -335,8 +332,12 @@ static sg_status sg__nccl_bind(sg_comm *c, const char *fn, cudaStream_t *s, int 
 
 /* ---- collectives ---------------------------------------------------------------------------- */
 
-typedef enum { SG__NC_ALL_REDUCE, SG__NC_REDUCE_SCATTER, SG__NC_ALL_GATHER, SG__NC_BROADCAST }
-    sg__nccl_kind;
+typedef enum {
+  SG__NC_ALL_REDUCE,
+  SG__NC_REDUCE_SCATTER,
+  SG__NC_ALL_GATHER,
+  SG__NC_BROADCAST
+} sg__nccl_kind;
 
 /* One collective: count elements of dtype (per rank for reduce-scatter / all-gather). Byte
  * collectives use dtype SG__NCCL_BYTES. */
@@ -369,8 +370,7 @@ static size_t sg__nccl_total(const sg_comm *c, const sg__nccl_call *k) {
                                                                             : b;
 }
 
-static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf,
-                                   cudaStream_t s) {
+static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf, cudaStream_t s) {
   sg__nccl *n = (sg__nccl *)c->impl;
   const ncclDataType_t t = sg__nccl_type(k->dtype);
   const size_t slice = k->count * sg__nccl_esize(k->dtype) * (size_t)c->rank;
@@ -642,15 +642,12 @@ sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_d
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
   *out = NULL;
   if (world < 1 || rank < 0 || rank >= world)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: rank %d / world %d out of range", fn, rank,
-                   world);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: rank %d / world %d out of range", fn, rank, world);
   if (cuda_device < -1)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn,
-                   cuda_device);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn, cuda_device);
   const char *path = id128 ? NULL : getenv("SG_NCCL_ID_FILE");
   if (!id128 && (!path || !*path))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL and SG_NCCL_ID_FILE is not set",
-                   fn);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL and SG_NCCL_ID_FILE is not set", fn);
   int ordinal = 0;
   SG_TRY(sg__nccl_pick_gpu(cuda_device, &ordinal, fn));
   ncclUniqueId id;
@@ -706,8 +703,8 @@ sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
   sg_status st = SG_OK;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
     (void)cudaGetLastError();
-    st = sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: no CUDA device found (rank %d)", fn,
-                    rank);
+    st =
+        sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: no CUDA device found (rank %d)", fn, rank);
   }
   /* Rank 0's id and everyone's readiness in one round: [ok flag, id]. */
   unsigned char msg[1 + SG__NCCL_ID_BYTES];

@@ -42,24 +42,24 @@
 typedef struct sg__cuda_dev {
   sg__device base;
   int ordinal;
-  int max_blocks;           /* grid-stride launches: 8 blocks per SM */
-  cudaStream_t compute;     /* the caller's stream or own_compute */
+  int max_blocks;       /* grid-stride launches: 8 blocks per SM */
+  cudaStream_t compute; /* the caller's stream or own_compute */
   cudaStream_t own_compute;
   cudaStream_t comm;
-  cudaEvent_t order_ev;     /* compute -> comm ordering at submit, stream switches */
+  cudaEvent_t order_ev; /* compute -> comm ordering at submit, stream switches */
   cudaEvent_t ring[SG__CUDA_RING];
-  uint64_t last_ticket;     /* tickets issued so far are 1..last_ticket */
-  uint64_t done_ticket;     /* every ticket <= this one is known to be complete */
-  sg_status fail_st;        /* first failure of a comm job or a wait; SG_OK while healthy */
+  uint64_t last_ticket; /* tickets issued so far are 1..last_ticket */
+  uint64_t done_ticket; /* every ticket <= this one is known to be complete */
+  sg_status fail_st;    /* first failure of a comm job or a wait; SG_OK while healthy */
   char fail_msg[SG__CUDA_FAIL_CAP];
   sg__cuda_comm_hooks hooks;
-  int have_hooks;           /* a stream-ordered communicator (NCCL) is attached */
-  int in_job;               /* inside comm_submit's call of the job */
+  int have_hooks; /* a stream-ordered communicator (NCCL) is attached */
+  int in_job;     /* inside comm_submit's call of the job */
   /* AdamW segment table: device copy, pinned staging, last segments uploaded */
   void *seg_dev;
   void *seg_host;
   size_t seg_cap;
-  cudaEvent_t seg_ev;       /* after the last upload or kernel that used the table */
+  cudaEvent_t seg_ev; /* after the last upload or kernel that used the table */
   sg__seg *seg_last;
   int seg_last_n;
   uint64_t seg_work;
@@ -81,27 +81,17 @@ static sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, c
                     cudaGetErrorName(e));
 }
 
-#define SG__CU(call, fn)                                                                        \
-  do {                                                                                         \
-    cudaError_t sg__e_ = (call);                                                               \
-    if (sg__e_ != cudaSuccess) return sg__cuda_err(sg__e_, (fn), #call, __FILE__, __LINE__);  \
-  } while (0)
-
-#define SG__CU_GOTO(call, fn, st, label)                                                        \
-  do {                                                                                         \
-    cudaError_t sg__e_ = (call);                                                               \
-    if (sg__e_ != cudaSuccess) {                                                               \
-      (st) = sg__cuda_err(sg__e_, (fn), #call, __FILE__, __LINE__);                            \
-      goto label;                                                                              \
-    }                                                                                          \
+#define SG__CU(call, fn)                                                                     \
+  do {                                                                                       \
+    cudaError_t sg__e_ = (call);                                                             \
+    if (sg__e_ != cudaSuccess) return sg__cuda_err(sg__e_, (fn), #call, __FILE__, __LINE__); \
   } while (0)
 
 /* A launcher's result (a cudaError_t value). */
-#define SG__CU_LAUNCH(expr, fn)                                                                 \
-  do {                                                                                         \
-    int sg__rc_ = (expr);                                                                      \
-    if (sg__rc_ != 0)                                                                          \
-      return sg__cuda_err((cudaError_t)sg__rc_, (fn), #expr, __FILE__, __LINE__);             \
+#define SG__CU_LAUNCH(expr, fn)                                                                   \
+  do {                                                                                            \
+    int sg__rc_ = (expr);                                                                         \
+    if (sg__rc_ != 0) return sg__cuda_err((cudaError_t)sg__rc_, (fn), #expr, __FILE__, __LINE__); \
   } while (0)
 
 static sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
@@ -156,8 +146,8 @@ static void sg__cuda_backoff(unsigned iter) {
 
 /* Waits for ev (or, when ev is NULL, for all of stream s) until deadline_ms. Comm failures seen
  * through the hooks and timeouts are recorded: the comm queue's state is unknown afterwards. */
-static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s,
-                               int64_t deadline_ms, const char *fn) {
+static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, int64_t deadline_ms,
+                               const char *fn) {
   for (unsigned iter = 0;; iter++) {
     cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
     if (e == cudaSuccess) return SG_OK;
@@ -194,8 +184,7 @@ static sg_status sg__cudev_alloc(sg__device *dev, size_t bytes, void **out) {
   if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   *out = NULL;
   if (sg__device_should_fail_alloc())
-    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn,
-                   bytes);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn, bytes);
   SG_TRY(sg__cuda_enter(d, fn));
   /* 0 bytes still gets a distinct non-NULL block, as on the CPU device */
   SG__CU(cudaMalloc(out, bytes ? bytes : 256), fn);
@@ -214,8 +203,7 @@ static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out)
   if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   *out = NULL;
   if (sg__device_should_fail_alloc())
-    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn,
-                   bytes);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn, bytes);
   SG_TRY(sg__cuda_enter(d, fn));
   SG__CU(cudaMallocHost(out, bytes ? bytes : 64), fn);
   return SG_OK;
@@ -230,7 +218,7 @@ static void sg__cudev_host_free(sg__device *dev, void *p) {
 /* ---- copies and fills ------------------------------------------------------------------- */
 
 static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const void *src,
-                               size_t bytes, sg__copy_kind kind) {
+                                size_t bytes, sg__copy_kind kind) {
   static const char fn[] = "sg__device_cuda.copy";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
@@ -269,7 +257,7 @@ static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t 
 static int sg__cuda_dtype_ok(int dt) { return dt == SG_F32 || dt == SG_BF16 || dt == SG_F16; }
 
 static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, int acc_dtype,
-                                     const void *src, int src_dtype, size_t n) {
+                                      const void *src, int src_dtype, size_t n) {
   static const char fn[] = "sg__device_cuda.accumulate";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
@@ -287,7 +275,7 @@ static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, i
 }
 
 static sg_status sg__cudev_cast(sg__device *dev, sg__queue q, void *dst, int dst_dtype,
-                               const void *src, int src_dtype, size_t n) {
+                                const void *src, int src_dtype, size_t n) {
   static const char fn[] = "sg__device_cuda.cast";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
@@ -303,7 +291,7 @@ static sg_status sg__cudev_cast(sg__device *dev, sg__queue q, void *dst, int dst
 }
 
 static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
-                                     const void *const *srcs, int nsrc, int dtype, size_t n) {
+                                      const void *const *srcs, int nsrc, int dtype, size_t n) {
   static const char fn[] = "sg__device_cuda.reduce_sum";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
@@ -311,8 +299,8 @@ static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
   if (!sg__cuda_dtype_ok(dtype) && dtype != 3)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
   if (nsrc < 1 || nsrc > SG__CUDA_MAX_SRCS)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: nsrc must be in 1..%d (%d)", fn,
-                   SG__CUDA_MAX_SRCS, nsrc);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: nsrc must be in 1..%d (%d)", fn, SG__CUDA_MAX_SRCS,
+                   nsrc);
   if (n == 0) return SG_OK;
   if (!dst || !srcs) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   for (int k = 0; k < nsrc; k++)
@@ -337,12 +325,11 @@ static sg_status sg__cuda_red_reserve(sg__cuda_dev *d, cudaStream_t s, size_t by
   return SG_OK;
 }
 
-static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, int dtype,
-                                size_t n, double *sumsq, double *nonfinite) {
+static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, int dtype, size_t n,
+                                 double *sumsq, double *nonfinite) {
   static const char fn[] = "sg__device_cuda.sumsq";
   sg__cuda_dev *d = sg__cuda(dev);
-  if (!d || !sumsq || !nonfinite)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  if (!d || !sumsq || !nonfinite) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   if (!sg__cuda_dtype_ok(dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
@@ -355,8 +342,7 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
   SG_TRY(sg__cuda_red_reserve(d, s, sg__cuda_sumsq_scratch_bytes(n), fn));
   double *result = (double *)d->red_dev; /* the first two doubles of the scratch */
   SG__CU_LAUNCH(sg__cuda_sumsq(sg__cuda_launch_on(d, q), x, dtype, n, d->red_dev, result), fn);
-  SG__CU(cudaMemcpyAsync(d->red_host, result, 2 * sizeof(double), cudaMemcpyDeviceToHost, s),
-         fn);
+  SG__CU(cudaMemcpyAsync(d->red_host, result, 2 * sizeof(double), cudaMemcpyDeviceToHost, s), fn);
   SG_TRY(sg__cuda_wait(d, NULL, s, INT64_MAX, fn));
   *sumsq = d->red_host[0];
   *nonfinite = d->red_host[1];
@@ -455,7 +441,7 @@ static cudaEvent_t sg__cuda_ticket_event(sg__cuda_dev *d, uint64_t ticket) {
 }
 
 static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void *arg,
-                                      uint64_t *ticket) {
+                                       uint64_t *ticket) {
   static const char fn[] = "sg__device_cuda.comm_submit";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !job || !ticket) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
@@ -507,7 +493,7 @@ static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t d
 }
 
 static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
-                                            int64_t deadline_ms) {
+                                             int64_t deadline_ms) {
   static const char fn[] = "sg__device_cuda.compute_wait_comm";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
@@ -634,8 +620,7 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
   *out = NULL;
   if (rank < 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: rank must be >= 0 (%d)", fn, rank);
   if (cuda_device < -1)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn,
-                   cuda_device);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn, cuda_device);
   int ordinal = 0;
   SG_TRY(sg__cuda_pick(cuda_device, &ordinal));
   sg__cuda_dev *d = (sg__cuda_dev *)calloc(1, sizeof *d);

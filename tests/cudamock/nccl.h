@@ -52,7 +52,8 @@ typedef struct ncclConfig_v22800 {
   int blocking;
 } ncclConfig_t;
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
-#define NCCL_CONFIG_INITIALIZER {sizeof(ncclConfig_t), 0xcafebeef, 22809, NCCL_CONFIG_UNDEF_INT}
+#define NCCL_CONFIG_INITIALIZER \
+  { sizeof(ncclConfig_t), 0xcafebeef, 22809, NCCL_CONFIG_UNDEF_INT }
 
 const char *ncclGetErrorString(ncclResult_t r);
 const char *ncclGetLastError(ncclComm_t comm);
@@ -74,8 +75,7 @@ ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recv
 ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
                            ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, int root, ncclComm_t comm,
-                           cudaStream_t stream);
+                           ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
 
 /* ---- controls for tests ----------------------------------------------------------------- */
 

@@ -69,7 +69,11 @@ thread_local std::vector<std::function<void()>> t_pending;
 thread_local std::vector<ncclComm *> t_touched;
 
 int elem_code(ncclDataType_t dt) {
-  return dt == ncclBfloat16 ? 1 : dt == ncclFloat16 ? 2 : dt == ncclFloat64 ? 3 : dt == ncclInt8 ? 4 : 0;
+  return dt == ncclBfloat16  ? 1
+         : dt == ncclFloat16 ? 2
+         : dt == ncclFloat64 ? 3
+         : dt == ncclInt8    ? 4
+                             : 0;
 }
 
 size_t esize(ncclDataType_t dt) {
@@ -116,7 +120,8 @@ void execute(Coll &c) {
     for (int r = 0; r < w; r++) memcpy(all.data() + (size_t)r * bytes, c.parts[r].send, bytes);
     for (const Part &p : c.parts) memcpy(p.recv, all.data(), all.size());
   } else {
-    std::vector<char> v((const char *)c.parts[c.root].send, (const char *)c.parts[c.root].send + bytes);
+    std::vector<char> v((const char *)c.parts[c.root].send,
+                        (const char *)c.parts[c.root].send + bytes);
     for (const Part &p : c.parts) memcpy(p.recv, v.data(), bytes);
   }
 }
@@ -139,8 +144,8 @@ ncclResult_t usable(ncclComm_t comm) {
 }
 
 // Joins this rank to the comm's next collective; queues its gated item on s.
-void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count,
-          ncclDataType_t dt, int root, cudaStream_t s) {
+void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count, ncclDataType_t dt,
+          int root, cudaStream_t s) {
   Group &g = *comm->g;
   std::shared_ptr<Coll> &c = g.colls[comm->seq++];
   if (!c) {

@@ -59,8 +59,9 @@ static void fill_random(void *p, int dt, size_t n, float scale, int specials) {
       ((float *)p)[i] = f;
     } else {
       uint16_t h = (uint16_t)rnd();
-      if (!raw) h = dt == 1 ? sg_elem_f32_to_bf16(rnd_unit() * scale)
-                            : sg_elem_f32_to_f16(rnd_unit() * scale);
+      if (!raw)
+        h = dt == 1 ? sg_elem_f32_to_bf16(rnd_unit() * scale)
+                    : sg_elem_f32_to_f16(rnd_unit() * scale);
       ((uint16_t *)p)[i] = h;
     }
   }
@@ -68,7 +69,8 @@ static void fill_random(void *p, int dt, size_t n, float scale, int specials) {
 
 static int is_nan(const void *p, int dt, size_t i) {
   if (dt == 3) return isnan(((const double *)p)[i]);
-  return !sg_elem_isfinite(sg_elem_load(p, dt, i)) && sg_elem_load(p, dt, i) != sg_elem_load(p, dt, i);
+  return !sg_elem_isfinite(sg_elem_load(p, dt, i)) &&
+         sg_elem_load(p, dt, i) != sg_elem_load(p, dt, i);
 }
 
 /* Bitwise equal, except that any NaN equals any NaN. Returns the first differing index or n. */
@@ -196,8 +198,8 @@ static void test_reduce_one(int dt, int nsrc, size_t n, int in_place) {
   void *hd = malloc(b), *got = malloc(b);
   void *dd = in_place ? ds[0] : dev_alloc(b);
   sg__cpu_reduce_sum(hd, (const void *const *)hs, nsrc, dt, n);
-  sg_status st = g_dev->ops->reduce_sum(g_dev, SG_Q_COMPUTE, dd, (const void *const *)ds, nsrc,
-                                        dt, n);
+  sg_status st =
+      g_dev->ops->reduce_sum(g_dev, SG_Q_COMPUTE, dd, (const void *const *)ds, nsrc, dt, n);
   d2h(got, dd, b);
   char what[96];
   snprintf(what, sizeof what, "reduce_sum dtype %d nsrc %d%s", dt, nsrc,
@@ -288,12 +290,12 @@ static void test_sumsq(void) {
     for (size_t k = 0; k < nsizes(); k++) test_sumsq_one(dt, k_sizes[k], 0);
   for (int dt = 0; dt < 3; dt++) test_sumsq_one(dt, g_quick ? 5000 : 300001, 1);
   double s = -1, c = -1;
-  check(g_dev->ops->sumsq(g_dev, SG_Q_COMPUTE, NULL, 0, 0, &s, &c) == SG_OK && s == 0.0 &&
-            c == 0.0,
+  check(g_dev->ops->sumsq(g_dev, SG_Q_COMPUTE, NULL, 0, 0, &s, &c) == SG_OK && s == 0.0 && c == 0.0,
         "sumsq n 0", NULL);
 }
 
-/* ---- fill (launcher only) ----------------------------------------------------------------------- */
+/* ---- fill (launcher only) -----------------------------------------------------------------------
+ */
 
 static void test_fill(void) {
   for (int dt = 0; dt < 4; dt++) {
@@ -409,8 +411,8 @@ static void adamw_set(sg__adamw_args *a, const adamw_bufs *b, const adamw_case *
   a->stochastic_rounding = c->sr;
 }
 
-static void adamw_compare(const adamw_bufs *h, const adamw_bufs *d, const adamw_case *c,
-                          size_t sn, size_t fn, const char *what) {
+static void adamw_compare(const adamw_bufs *h, const adamw_bufs *d, const adamw_case *c, size_t sn,
+                          size_t fn, const char *what) {
   void *gp = malloc(fn * esize(c->pdt));
   float *gf = malloc(sn * 4);
   char w[160];

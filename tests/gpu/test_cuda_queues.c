@@ -136,7 +136,8 @@ static void test_timeout(void) {
   check(d->ops->comm_submit(d, sleep_job_fn, &j, &t) == SG_OK, "submit a 1.5 s job");
   int64_t t0 = sg__now_ms();
   sg_status st = d->ops->comm_wait(d, t, sg__now_ms() + 100);
-  check(st == SG_ERR_TIMEOUT && sg__now_ms() - t0 < 1400, "comm_wait past its deadline: SG_ERR_TIMEOUT");
+  check(st == SG_ERR_TIMEOUT && sg__now_ms() - t0 < 1400,
+        "comm_wait past its deadline: SG_ERR_TIMEOUT");
   check(d->ops->comm_wait(d, t, sg__deadline(10000)) == SG_ERR_TIMEOUT,
         "later waits return the recorded failure");
   check(d->ops->comm_submit(d, sleep_job_fn, &j, &t) != SG_OK, "later submits fail");
@@ -214,8 +215,10 @@ static void nccl_collectives(sg__device *d, sg_comm *c, int bound, int host) {
         d->ops->copy(d, SG_Q_COMPUTE, back, buf, n * 8, SG_COPY_D2H);
       char what[128];
       snprintf(what, sizeof what, "nccl %s dtype %d, %s, %s buffer",
-               op == 0 ? "all_reduce" : op == 1 ? "reduce_scatter" : op == 2 ? "all_gather"
-                                                                               : "broadcast",
+               op == 0   ? "all_reduce"
+               : op == 1 ? "reduce_scatter"
+               : op == 2 ? "all_gather"
+                         : "broadcast",
                dtypes[k], bound ? "bound to the device" : "unbound", host ? "host" : "device");
       /* bf16/f16 sums of one rank are exact copies; the bits must be unchanged */
       check(st == SG_OK && memcmp(back, h, n * 8) == 0, what);
