@@ -6,8 +6,9 @@
  * once: they run after the compute work that comm_submit ordered before the job, and the
  * device's ticket events mark their end. Such collectives must therefore be issued from comm
  * jobs. The device's host waits poll this communicator (sg__cuda_comm_hooks): an asynchronous
- * NCCL error or a passed deadline aborts it. Collectives on host memory (or with no CUDA device
- * bound) are staged through device memory and complete before returning, within the deadline.
+ * NCCL error or a passed deadline aborts it. Collectives on host memory are staged through
+ * device memory; they, and collectives with no CUDA device bound, complete before returning,
+ * within the deadline (device buffers must then be ready when the call is made).
  *
  * Communicators are created non-blocking (ncclConfig_t.blocking = 0), so that initialization
  * and every enqueue can be waited for with a deadline: calls may return ncclInProgress, and a
