@@ -154,7 +154,7 @@ else
 fi
 
 if stage "configure $N-asan/ (ASan+UBSan)" configure_asan && stage "build $N-asan/" build "$B-asan"; then
-  ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0} \
+  SG_TEST_QUICK=1 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0} \
   UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
     stage "ctest $N-asan/ (unit, local)" run_ctest "$B-asan" -L "unit|local"
 else
@@ -163,11 +163,15 @@ fi
 
 TSAN_CC=${TSAN_CC:-$(pick_tsan_cc)}
 if stage "configure $N-tsan/ (TSan, $TSAN_CC)" configure_tsan && stage "build $N-tsan/" build "$B-tsan"; then
-  TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
+  SG_TEST_QUICK=1 TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
     stage "ctest $N-tsan/ (local)" run_ctest_no_aslr "$B-tsan" -L local
 else
   skip "ctest $N-tsan/" "build failed"
 fi
+
+# libFuzzer over the checkpoint readers (manifest, rank-file header, safetensors header, sg_load),
+# ASan+UBSan, bounded time; any finding fails the stage.
+stage "fuzz checkpoint readers (${SG_FUZZ_SECONDS:-60}s)" "$ROOT/scripts/fuzz_ckpt.sh" "${SG_FUZZ_SECONDS:-60}"
 
 if [ -d "$ROOT/python/tests" ]; then
   stage "pytest python/tests" run_pytest
@@ -178,8 +182,7 @@ fi
 echo
 echo "==== summary ($((SECONDS - T_START))s) ===="
 printf '%s\n' "${SUMMARY[@]}"
-if [ "$FAILED" -ne 0 ]; then
-  echo "RESULT: FAILED"
-  exit 1
-fi
-echo "RESULT: all passed"
+n_pass=$(printf '%s\n' "${SUMMARY[@]}" | grep -c '^PASS')
+n_fail=$(printf '%s\n' "${SUMMARY[@]}" | grep -c '^FAIL')
+echo "stages: $n_pass passed, $n_fail failed"
+[ "$FAILED" -eq 0 ]
