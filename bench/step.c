@@ -226,10 +226,12 @@ static double formula(const sg_config *cfg, const sg_memory_stats *s) {
   if (bucket > G * psi) bucket = G * psi; /* a bucket never holds more than the model */
   const int lowp = P < 4;
   switch (cfg->strategy) {
+    /* NO_SHARD and SHARD_OPT also keep the accumulator that sums micro-batches (README,
+     * "Memory per rank"): A*psi replicated, A*psi/W sharded. */
     case SG_NO_SHARD:
-      return P * psi + G * psi + (lowp ? 4 * psi : 0) + 8 * psi;
+      return P * psi + G * psi + A * psi + (lowp ? 4 * psi : 0) + 8 * psi;
     case SG_SHARD_OPT:
-      return P * psi + G * psi + (lowp ? 4 * shard : 0) + 8 * shard;
+      return P * psi + G * psi + A * shard + (lowp ? 4 * shard : 0) + 8 * shard;
     default:
       return P * psi + cfg->staging_buckets * bucket + A * shard + (lowp ? 4 * shard : 0) +
              8 * shard;
@@ -352,8 +354,9 @@ static void print_table(const options *o, const rank_ctx *c0) {
   printf(
       "step ms: median; vs plain: step time / plain loop's (lower is faster). MiB/rank: "
       "measured (sg_memory total, comm scratch included; plain: its own allocations, f32).\n"
-      "formula: DESIGN.md section 3 on the padded plan size, without comm scratch, staging "
-      "S*B with B capped at the model's gradient size.%s\n",
+      "formula: DESIGN.md section 3 (with the README's accumulator for NO_SHARD/SHARD_OPT) on "
+      "the padded plan size, without comm scratch, staging S*B with B capped at the model's "
+      "gradient size.%s\n",
       o->mpi ? "" : " The threads' shared sum buffer of the plain loop is not counted.");
   mlp_free(&m);
 }
