@@ -14,7 +14,7 @@
  * place), MPI_FLOAT / MPI_SUM. bf16 has no MPI type: with --dtype bf16 the MPI column is the
  * f32 call on the same number of elements (twice the bytes).
  * Before timing, an untimed pass with small-integer inputs (exact sums) checks every result;
- * a failed check is printed and makes the exit status non-zero. SG_MPI_ALLGATHER=mpi|ring
+ * a failed check is printed and makes the exit status non-zero. SG_MPI_ALLGATHER=direct|ring|mpi
  * selects our all-gather algorithm. */
 #define _POSIX_C_SOURCE 200809L
 
@@ -292,7 +292,9 @@ int main(int argc, char **argv) {
     const char *ag = getenv("SG_MPI_ALLGATHER");
     printf("sg_bench_comm: %d ranks, dtype %s, all_gather algorithm %s\n", w,
            o.dtype == SG_F32 ? "f32" : "bf16",
-           ag && !strcmp(ag, "mpi") ? "MPI_Iallgather" : "ring");
+           !ag                  ? "direct (default)"
+           : !strcmp(ag, "mpi") ? "MPI_Iallgather"
+                                : ag);
     printf("%-15s %8s %5s | %-30s | %-30s | %s\n", "", "", "", "  shardgrad (ours)", "  Open MPI",
            "");
     printf("%-15s %8s %5s | %10s %8s %8s | %10s %8s %8s | %7s\n", "op", "size", "iters", "time(us)",

@@ -13,6 +13,18 @@
  * computed in fp32 and rounded once, at the owner. That doubles the bytes of those hops; with
  * W = 2 there are none.
  *
+ * All-gather (and the second half of all-reduce) is direct by default: every rank posts its
+ * slice to every peer at once. It moves the same bytes per rank as a ring without the chain of
+ * forwards, and measured >= MPI_Allgather here, where the ring fell behind with ranks sharing
+ * cores. SG_MPI_ALLGATHER=ring|mpi selects the ring or MPI_Iallgather (bench/comm.c).
+ * Broadcast is MPI_Ibcast, polled.
+ *
+ * Wire data is bytes (MPI has no bf16). Buffers must be host memory (CPU device or none).
+ *
+ * Threads: MPI_THREAD_SERIALIZED or better makes the communicator `threaded` (the engine calls
+ * it from its comm worker, one call at a time); below that the engine runs collectives on the
+ * calling thread.
+ *
  * Deadlines. Every wait polls MPI_Test until done or the deadline passes; then the pending
  * receives are cancelled, the sends released, and the communicator is broken (SG_ERR_TIMEOUT).
  * Messages carry a tag derived from (call number, op, count, dtype), so a rank that skipped or
@@ -40,9 +52,12 @@
 #define SG__MPI_NRX 4 /* receives in flight per reduction */
 #endif
 #define SG__MPI_CANCEL_GRACE_MS 200 /* how long a cancelled receive may take to finish */
-#define SG__MPI_SPINS 2000u         /* polls before a waiting rank starts yielding its core */
+#ifndef SG__MPI_SPINS
+#define SG__MPI_SPINS 2000u
+#endif /* polls before a waiting rank starts yielding its core */
 
 enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
+enum { AG_DIRECT = 0, AG_RING, AG_MPI };
 
 typedef struct mcomm {
   sg_comm c; /* first: the sg_comm pointer is the allocation */
@@ -51,7 +66,7 @@ typedef struct mcomm {
   uint64_t seq;       /* collectives called so far (same on every healthy rank) */
   unsigned char *rx;  /* SG__MPI_NRX receive buffers of SG__MPI_PIECE bytes */
   int rx_lost;        /* a receive into rx could not be finished: rx must never be freed */
-  int ag_ring;        /* all_gather: 1 ring, 0 MPI_Iallgather */
+  int ag_algo;        /* all_gather algorithm: AG_DIRECT, AG_RING or AG_MPI */
   MPI_Request *sends; /* per-call request arrays, grown on demand */
   MPI_Request *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */
@@ -215,8 +230,9 @@ typedef struct cursor {
   size_t j, np;
 } cursor;
 
-/* first chunk index at step s is k0 + ... : recv chunk of reduce-scatter is (r-2-s), of
- * all-gather (r-1-s). `shift` is 2 or 1. Returns 0 at the end. */
+/* Moves the cursor to the next item that exists (chunks may be empty or shorter). At step s
+ * rank r receives chunk (r-shift-s): shift 2 for reduce-scatter, 1 for all-gather. Returns 0
+ * after the last step. */
 static int cursor_seek(const ring *R, cursor *cu, int shift) {
   const int w = R->c->world, r = R->c->rank;
   while (cu->step < w - 1) {
@@ -276,6 +292,21 @@ static size_t msg_bytes(const ring *R, int step, size_t len) {
   return (is_wide(R->dtype) && step > 0 ? 4u : R->es) * len;
 }
 
+/* dst[i] += src[i] for f32 and f64: the same single IEEE add as sg__cpu_reduce_add, but as a
+ * plain loop that the compiler vectorizes; the tiled kernel (built for the 16-bit types) is
+ * about 2x slower here, and this add is half of a reduce-scatter's time. */
+static void add_native(void *dst, const void *src, int dtype, size_t n) {
+  if (dtype == SG_F32) {
+    float *restrict d = dst;
+    const float *restrict s = src;
+    for (size_t i = 0; i < n; i++) d[i] = d[i] + s[i];
+  } else {
+    double *restrict d = dst;
+    const double *restrict s = src;
+    for (size_t i = 0; i < n; i++) d[i] = d[i] + s[i];
+  }
+}
+
 /* Combines the partial that arrived in rx with this rank's piece. */
 static sg_status consume(const ring *R, const cursor *cu, const void *rx, size_t *nsend) {
   mcomm *m = mc(R->c);
@@ -284,7 +315,7 @@ static sg_status consume(const ring *R, const cursor *cu, const void *rx, size_t
   piece(R, cu->k, cu->j, &po, &pl);
   unsigned char *own = R->buf + po * R->es;
   if (!is_wide(R->dtype)) {
-    sg__cpu_reduce_add(own, rx, R->dtype, pl); /* partial stored in place of our slice */
+    add_native(own, rx, R->dtype, pl); /* partial stored in place of our slice */
     return last ? SG_OK : isend(R, own, pl * R->es, &m->sends[(*nsend)++]);
   }
   if (last && cu->step == 0) {
@@ -373,6 +404,45 @@ static sg_status ring_all_gather(const ring *R) {
     if (cu.step < R->c->world - 2)
       SG_TRY_GOTO(isend(R, R->buf + po * R->es, pl * R->es, &m->sends[nsend++]), st, fail);
   }
+  SG_TRY_GOTO(wait_all(R->c, R->fn, m->sends, nsend, R->deadline_ms), st, fail);
+  return SG_OK;
+fail:
+  abort_requests(m, m->recvs, nrecv, 0, nsend);
+  return st;
+}
+
+/* Direct all-gather: every rank sends its slice to every other rank and receives theirs, all
+ * posted at once (rank r talks to r+1, r+2, ... and hears r-1, r-2, ... so that the pairs stay
+ * balanced). The same bytes per rank as the ring, without its chain of forwards, which stalls
+ * when ranks share cores. */
+static sg_status direct_all_gather(const ring *R) {
+  mcomm *m = mc(R->c);
+  const int w = R->c->world, r = R->c->rank;
+  size_t nsend = 0, nrecv = 0, off, len;
+  sg_status st = SG_OK;
+  int rc = MPI_SUCCESS;
+  for (int d = 1; d < w && rc == MPI_SUCCESS; d++) {
+    const int from = mod(r - d, w), to = mod(r + d, w);
+    chunk(R, from, &off, &len);
+    for (size_t j = 0; j < npieces(len, R->pe) && rc == MPI_SUCCESS; j++) {
+      size_t po, pl;
+      piece(R, from, j, &po, &pl);
+      rc = MPI_Irecv(R->buf + po * R->es, (int)(pl * R->es), MPI_BYTE, from, R->tag, m->comm,
+                     &m->recvs[nrecv++]);
+    }
+    chunk(R, r, &off, &len);
+    for (size_t j = 0; j < npieces(len, R->pe) && rc == MPI_SUCCESS; j++) {
+      size_t po, pl;
+      piece(R, r, j, &po, &pl);
+      rc = MPI_Isend(R->buf + po * R->es, (int)(pl * R->es), MPI_BYTE, to, R->tag, m->comm,
+                     &m->sends[nsend++]);
+    }
+  }
+  if (rc != MPI_SUCCESS) {
+    st = SG__MPI_FAIL(R->c, R->fn, "MPI_Isend/MPI_Irecv", rc);
+    goto fail;
+  }
+  SG_TRY_GOTO(wait_all(R->c, R->fn, m->recvs, nrecv, R->deadline_ms), st, fail);
   SG_TRY_GOTO(wait_all(R->c, R->fn, m->sends, nsend, R->deadline_ms), st, fail);
   return SG_OK;
 fail:
@@ -469,7 +539,7 @@ static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
   SG_TRY(prepare(&R, 1));
   SG_TRY(ring_reduce_scatter(&R));
   R.tag += 1;
-  return ring_all_gather(&R);
+  return mc(c)->ag_algo == AG_RING ? ring_all_gather(&R) : direct_all_gather(&R);
 }
 
 /* Polls a nonblocking collective. It cannot be cancelled: on expiry it is left pending (the
@@ -493,9 +563,9 @@ static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t dea
   ring R = make_ring(c, fn, buf, bytes, -1, 0, deadline_ms);
   R.tag = call_tag(m, OP_ALL_GATHER, bytes, -1);
   if (c->world == 1 || bytes == 0) return SG_OK;
-  if (m->ag_ring || bytes > (size_t)INT_MAX) {
+  if (m->ag_algo != AG_MPI || bytes > (size_t)INT_MAX) {
     SG_TRY(prepare(&R, 0));
-    return ring_all_gather(&R);
+    return m->ag_algo == AG_RING ? ring_all_gather(&R) : direct_all_gather(&R);
   }
   MPI_Request rq = MPI_REQUEST_NULL;
   const int rc =
@@ -595,9 +665,12 @@ static sg_status setup(mcomm *m, MPI_Comm base) {
   m->tag_ub = flag && ub && *ub > 2 ? *ub : 32767;
   m->rx = malloc(SG__MPI_NRX * SG__MPI_PIECE);
   if (!m->rx) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory for receive buffers", fn);
-  /* SG_MPI_ALLGATHER=ring|mpi overrides the measured default (bench/comm.c) */
+  /* SG_MPI_ALLGATHER=direct|ring|mpi overrides the measured default (bench/comm.c) */
   const char *ag = getenv("SG_MPI_ALLGATHER");
-  m->ag_ring = ag && strcmp(ag, "mpi") == 0 ? 0 : 1;
+  m->ag_algo = !ag                   ? AG_DIRECT
+               : !strcmp(ag, "mpi")  ? AG_MPI
+               : !strcmp(ag, "ring") ? AG_RING
+                                     : AG_DIRECT;
   return SG_OK;
 }
 
