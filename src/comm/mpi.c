@@ -48,6 +48,9 @@
 #ifndef SG__MPI_AG_PIECE
 #define SG__MPI_AG_PIECE ((size_t)4 << 20) /* bytes of one message of all_gather (copy only) */
 #endif
+#ifndef SG__MPI_DIRECT_PIECE
+#define SG__MPI_DIRECT_PIECE ((size_t)1 << 30) /* bytes of one message of a direct all-gather */
+#endif
 #ifndef SG__MPI_NRX
 #define SG__MPI_NRX 4 /* receives in flight per reduction */
 #endif
@@ -415,7 +418,12 @@ fail:
  * posted at once (rank r talks to r+1, r+2, ... and hears r-1, r-2, ... so that the pairs stay
  * balanced). The same bytes per rank as the ring, without its chain of forwards, which stalls
  * when ranks share cores. */
-static sg_status direct_all_gather(const ring *R) {
+static sg_status direct_all_gather(const ring *ring_layout) {
+  /* nothing is forwarded, so nothing gains from small pieces: one message per peer, split
+   * only where MPI's int count requires it */
+  ring D = *ring_layout;
+  const ring *R = &D;
+  D.pe = SG__MPI_DIRECT_PIECE / D.es;
   mcomm *m = mc(R->c);
   const int w = R->c->world, r = R->c->rank;
   size_t nsend = 0, nrecv = 0, off, len;
