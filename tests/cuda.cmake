@@ -4,7 +4,7 @@
 # registered, since CI has no GPU: tests/gpu/run.sh builds and runs them on a GPU machine.
 if(SG_WITH_CUDA)
   set(_sg_cuda_defs SG_HAVE_CUDA)
-  if(SG_NCCL_LIBRARY)
+  if(SG_HAVE_NCCL_H)
     list(APPEND _sg_cuda_defs SG_HAVE_NCCL)
   endif()
 
@@ -41,7 +41,14 @@ if(SG_WITH_CUDA)
       PRIVATE SG_BUILDING_LIBRARY)
     target_compile_options(shardgrad_cudamock PRIVATE $<$<COMPILE_LANGUAGE:C>:${SG_C_FLAGS}>)
     set_target_properties(shardgrad_cudamock PROPERTIES CXX_STANDARD 17 CXX_STANDARD_REQUIRED ON)
-    target_link_libraries(shardgrad_cudamock PUBLIC Threads::Threads m)
+    target_link_libraries(shardgrad_cudamock PUBLIC Threads::Threads m ${CMAKE_DL_LIBS})
+    # nccl.c finds NCCL at run time (src/comm/sg_nccl_dl.h). The mock NCCL is linked into each
+    # test program and exported from it (nccl* only), so the loader finds it in the global
+    # symbol scope, as it would an NCCL that a program links itself; -u links it even into
+    # programs that call none of its test controls.
+    target_link_options(shardgrad_cudamock INTERFACE
+      "LINKER:--dynamic-list=${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_ncclmock.dynlist"
+      "LINKER:-u,ncclGetVersion")
     if(OpenMP_C_FOUND)
       target_link_libraries(shardgrad_cudamock PUBLIC OpenMP::OpenMP_C)
     endif()
@@ -65,13 +72,13 @@ if(SG_WITH_CUDA)
   # kernels on the same inputs; test_cuda_queues the device's queues and the NCCL communicator.
   foreach(t test_cuda_kernels test_cuda_queues)
     add_executable(${t} EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/gpu/${t}.c)
-    target_link_libraries(${t} PRIVATE shardgrad_internal CUDA::cudart)
+    target_link_libraries(${t} PRIVATE shardgrad_internal) # CUDA runtime: static, through it
     target_compile_options(${t} PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
     target_compile_definitions(${t} PRIVATE ${_sg_cuda_defs})
   endforeach()
   # The engine on the GPU against the CPU device: test_cuda_mock_engine.c, built for real CUDA.
   add_executable(test_cuda_engine EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/test_cuda_mock_engine.c)
-  target_link_libraries(test_cuda_engine PRIVATE shardgrad_internal CUDA::cudart)
+  target_link_libraries(test_cuda_engine PRIVATE shardgrad_internal)
   target_compile_options(test_cuda_engine PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   target_compile_definitions(test_cuda_engine PRIVATE ${_sg_cuda_defs} SG_TEST_REAL_GPU)
 endif()

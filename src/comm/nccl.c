@@ -23,6 +23,13 @@
  * MPI (sg_comm_create_nccl_mpi). The file and MPI bootstraps wait at most
  * SG_NCCL_INIT_TIMEOUT_MS (default 600000 ms); so does NCCL's initialization.
  *
+ * NCCL is not linked: it is loaded with dlopen by the first sg_nccl_unique_id,
+ * sg_comm_create_nccl or sg_comm_create_nccl_mpi (sg_nccl_dl.h: an NCCL the process already
+ * has, e.g. torch's, else SG_NCCL_LIBRARY, else libnccl.so.2). So sg_has_backend("nccl") is 1
+ * whenever this file was built against <nccl.h>, and a missing or unusable NCCL shows up as
+ * SG_ERR_UNSUPPORTED from those calls. The creation calls look for the GPU first, so a machine
+ * without one still gets SG_ERR_CUDA.
+ *
  * Without NCCL (SG_HAVE_NCCL undefined) this file is empty and sg_nccl_stub.c provides the
  * public functions. */
 #ifdef SG_HAVE_NCCL
@@ -45,16 +52,18 @@
 
 #include "../device/sg_device_cuda.h" /* comm stream of the bound device, wait hooks */
 #include "sg_comm.h"                  /* sg_comm, sg__comm_ops, sg__comm_fail */
+#include "sg_nccl_dl.h"               /* NCCL's functions, loaded at run time */
 #include "sg_nccl_internal.h"         /* id file bootstrap */
 
 #define SG__NCCL_DEFAULT_TIMEOUT_MS 600000
 
 /* One NCCL communicator. */
 typedef struct sg__nccl {
-  ncclComm_t comm;  /* NULL once aborted */
-  int ordinal;      /* its GPU */
-  cudaStream_t own; /* collectives with no CUDA device bound */
-  void *stage;      /* device staging for host buffers, stream-ordered allocation */
+  const sg__nccl_lib *nc; /* NCCL's functions */
+  ncclComm_t comm;        /* NULL once aborted */
+  int ordinal;            /* its GPU */
+  cudaStream_t own;       /* collectives with no CUDA device bound */
+  void *stage;            /* device staging for host buffers, stream-ordered allocation */
   size_t stage_cap;
   sg__device *hooked; /* the CUDA device whose waits poll this communicator */
 } sg__nccl;
@@ -214,7 +223,7 @@ sg_status sg__nccl_id_file_read(const char *path, int world, int64_t deadline_ms
 
 static void sg__nccl_abort(sg__nccl *n) {
   if (!n->comm) return;
-  (void)ncclCommAbort(n->comm);
+  (void)n->nc->CommAbort(n->comm);
   n->comm = NULL;
 }
 
@@ -222,12 +231,12 @@ static void sg__nccl_abort(sg__nccl *n) {
 static sg_status sg__nccl_fail(sg_comm *c, sg_status st, const char *fn, const char *what,
                                ncclResult_t r, int line) {
   sg__nccl *n = (sg__nccl *)c->impl;
-  const char *last = ncclGetLastError(n->comm);
+  const char *last = n->nc->GetLastError(n->comm);
   char detail[256];
   snprintf(detail, sizeof detail, "%s", last ? last : "");
   sg__nccl_abort(n);
   return sg__comm_fail(c, st, fn, "%s failed: %s%s%s (rank %d of %d) (%s:%d)", what,
-                       ncclGetErrorString(r), detail[0] ? ": " : "", detail, c->rank, c->world,
+                       n->nc->GetErrorString(r), detail[0] ? ": " : "", detail, c->rank, c->world,
                        sg__nccl_base(__FILE__), line);
 }
 
@@ -249,7 +258,7 @@ static sg_status sg__nccl_timeout(sg_comm *c, const char *fn, const char *what, 
 /* The communicator's asynchronous state: ncclSuccess, ncclInProgress or an error. */
 static ncclResult_t sg__nccl_async(const sg__nccl *n) {
   ncclResult_t r = ncclSuccess;
-  ncclResult_t e = ncclCommGetAsyncError(n->comm, &r);
+  ncclResult_t e = n->nc->CommGetAsyncError(n->comm, &r);
   return e != ncclSuccess ? e : r;
 }
 
@@ -376,12 +385,14 @@ static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf
   const ncclDataType_t t = sg__nccl_type(k->dtype);
   const size_t slice = k->count * sg__nccl_esize(k->dtype) * (size_t)c->rank;
   switch (k->kind) {
-    case SG__NC_ALL_REDUCE: return ncclAllReduce(buf, buf, k->count, t, ncclSum, n->comm, s);
+    case SG__NC_ALL_REDUCE:
+      return n->nc->AllReduce(buf, buf, k->count, t, ncclSum, n->comm, s);
     case SG__NC_REDUCE_SCATTER: /* in place: NCCL wants recvbuff = sendbuff + rank*count */
-      return ncclReduceScatter(buf, buf + slice, k->count, t, ncclSum, n->comm, s);
+      return n->nc->ReduceScatter(buf, buf + slice, k->count, t, ncclSum, n->comm, s);
     case SG__NC_ALL_GATHER: /* in place: sendbuff = recvbuff + rank*count */
-      return ncclAllGather(buf + slice, buf, k->count, ncclInt8, n->comm, s);
-    case SG__NC_BROADCAST: return ncclBroadcast(buf, buf, k->count, ncclInt8, k->root, n->comm, s);
+      return n->nc->AllGather(buf + slice, buf, k->count, ncclInt8, n->comm, s);
+    case SG__NC_BROADCAST:
+      return n->nc->Broadcast(buf, buf, k->count, ncclInt8, k->root, n->comm, s);
   }
   return ncclInvalidArgument;
 }
@@ -389,10 +400,11 @@ static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf
 /* Enqueues one collective as a group on stream s and waits until NCCL has enqueued it. */
 static sg_status sg__nccl_enqueue(sg_comm *c, const sg__nccl_call *k, void *buf, cudaStream_t s,
                                   const char *fn, int64_t deadline_ms) {
-  ncclResult_t r = ncclGroupStart();
+  const sg__nccl_lib *nc = ((sg__nccl *)c->impl)->nc;
+  ncclResult_t r = nc->GroupStart();
   if (r != ncclSuccess) return sg__nccl_fail(c, SG_ERR_COMM, fn, "ncclGroupStart", r, __LINE__);
   r = sg__nccl_issue(c, k, (char *)buf, s);
-  ncclResult_t g = ncclGroupEnd();
+  ncclResult_t g = nc->GroupEnd();
   if (r != ncclSuccess && r != ncclInProgress)
     return sg__nccl_fail(c, SG_ERR_COMM, fn, "collective", r, __LINE__);
   return sg__nccl_settle(c, g, fn, "ncclGroupEnd", deadline_ms, __LINE__);
@@ -499,15 +511,15 @@ static void sg__nccl_destroy(sg_comm *c) {
     (void)cudaSetDevice(n->ordinal);
     if (n->comm) {
       int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
-      ncclResult_t r = ncclCommFinalize(n->comm);
+      ncclResult_t r = n->nc->CommFinalize(n->comm);
       for (unsigned iter = 0; r == ncclInProgress && !sg__nccl_expired(deadline); iter++) {
         sg__nccl_backoff(iter);
         r = sg__nccl_async(n);
       }
       if (r == ncclSuccess)
-        (void)ncclCommDestroy(n->comm);
+        (void)n->nc->CommDestroy(n->comm);
       else
-        (void)ncclCommAbort(n->comm);
+        (void)n->nc->CommAbort(n->comm);
       n->comm = NULL;
     }
     if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
@@ -549,40 +561,40 @@ static sg_status sg__nccl_pick_gpu(int cuda_device, int *ordinal, const char *fn
 }
 
 /* NCCL's non-blocking initialization, waited for with the init timeout. */
-static sg_status sg__nccl_init_comm(int rank, int world, const ncclUniqueId *id, ncclComm_t *out,
-                                    const char *fn) {
+static sg_status sg__nccl_init_comm(const sg__nccl_lib *nc, int rank, int world,
+                                    const ncclUniqueId *id, ncclComm_t *out, const char *fn) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   ncclComm_t comm = NULL;
   int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
-  ncclResult_t r = ncclCommInitRankConfig(&comm, world, *id, rank, &cfg);
+  ncclResult_t r = nc->CommInitRankConfig(&comm, world, *id, rank, &cfg);
   for (unsigned iter = 0; r == ncclInProgress && comm; iter++) {
     if (sg__nccl_expired(deadline)) {
-      (void)ncclCommAbort(comm);
+      (void)nc->CommAbort(comm);
       return sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
                         "%s: NCCL initialization (rank %d of %d) did not complete within "
                         "SG_NCCL_INIT_TIMEOUT_MS=%d ms (do all ranks use the same id?)",
                         fn, rank, world, sg__nccl_init_timeout_ms());
     }
     sg__nccl_backoff(iter);
-    ncclResult_t e = ncclCommGetAsyncError(comm, &r);
+    ncclResult_t e = nc->CommGetAsyncError(comm, &r);
     if (e != ncclSuccess) r = e;
   }
   if (r != ncclSuccess) {
     char detail[256];
-    const char *last = ncclGetLastError(comm);
+    const char *last = nc->GetLastError(comm);
     snprintf(detail, sizeof detail, "%s", last ? last : "");
-    if (comm) (void)ncclCommAbort(comm);
+    if (comm) (void)nc->CommAbort(comm);
     return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__,
                       "%s: NCCL initialization (rank %d of %d) failed: %s%s%s", fn, rank, world,
-                      ncclGetErrorString(r), detail[0] ? ": " : "", detail);
+                      nc->GetErrorString(r), detail[0] ? ": " : "", detail);
   }
   *out = comm;
   return SG_OK;
 }
 
-static sg_status sg__nccl_new(int rank, int world, const ncclUniqueId *id, int ordinal,
-                              sg_comm **out, const char *fn) {
+static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const ncclUniqueId *id,
+                              int ordinal, sg_comm **out, const char *fn) {
   sg_comm *c = (sg_comm *)calloc(1, sizeof *c);
   sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
   sg_status st = SG_OK;
@@ -590,6 +602,7 @@ static sg_status sg__nccl_new(int rank, int world, const ncclUniqueId *id, int o
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: communicator struct", fn);
     goto fail;
   }
+  n->nc = nc;
   n->ordinal = ordinal;
   c->ops = &sg__nccl_ops;
   c->rank = rank;
@@ -603,7 +616,7 @@ static sg_status sg__nccl_new(int rank, int world, const ncclUniqueId *id, int o
                     cudaGetErrorString(e));
     goto fail;
   }
-  SG_TRY_GOTO(sg__nccl_init_comm(rank, world, id, &n->comm, fn), st, fail);
+  SG_TRY_GOTO(sg__nccl_init_comm(nc, rank, world, id, &n->comm, fn), st, fail);
   SG_LOG(SG_LOG_INFO, rank, "nccl communicator: rank %d of %d on GPU %d", rank, world, ordinal);
   *out = c;
   return SG_OK;
@@ -618,8 +631,9 @@ fail:
 }
 
 /* The id: the caller's, or through SG_NCCL_ID_FILE (rank 0 creates and writes it). */
-static sg_status sg__nccl_bootstrap(int rank, int world, const void *id128, const char *path,
-                                    ncclUniqueId *id, const char *fn) {
+static sg_status sg__nccl_bootstrap(const sg__nccl_lib *nc, int rank, int world,
+                                    const void *id128, const char *path, ncclUniqueId *id,
+                                    const char *fn) {
   if (id128) {
     memcpy(id->internal, id128, SG__NCCL_ID_BYTES);
     return SG_OK;
@@ -628,10 +642,10 @@ static sg_status sg__nccl_bootstrap(int rank, int world, const void *id128, cons
     int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
     return sg__err_prefix(sg__nccl_id_file_read(path, world, deadline, id->internal), fn);
   }
-  ncclResult_t r = ncclGetUniqueId(id);
+  ncclResult_t r = nc->GetUniqueId(id);
   if (r != ncclSuccess)
     return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: ncclGetUniqueId failed: %s", fn,
-                      ncclGetErrorString(r));
+                      nc->GetErrorString(r));
   if (access(path, F_OK) == 0)
     SG_LOG(SG_LOG_WARN, rank, "%s: replacing an existing %s (left by an earlier run?)", fn, path);
   return sg__err_prefix(sg__nccl_id_file_write(path, id->internal, world), fn);
@@ -651,9 +665,11 @@ sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_d
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL and SG_NCCL_ID_FILE is not set", fn);
   int ordinal = 0;
   SG_TRY(sg__nccl_pick_gpu(cuda_device, &ordinal, fn));
+  const sg__nccl_lib *nc = NULL;
+  SG_TRY(sg__nccl_lib_load(fn, &nc));
   ncclUniqueId id;
-  SG_TRY(sg__nccl_bootstrap(rank, world, id128, path, &id, fn));
-  sg_status st = sg__nccl_new(rank, world, &id, ordinal, out, fn);
+  SG_TRY(sg__nccl_bootstrap(nc, rank, world, id128, path, &id, fn));
+  sg_status st = sg__nccl_new(nc, rank, world, &id, ordinal, out, fn);
   /* Every rank has read the file once initialization is over (it needs all of them). */
   if (path && rank == 0) (void)unlink(path);
   return st;
@@ -662,11 +678,13 @@ sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_d
 sg_status sg_nccl_unique_id(void *id128) {
   static const char fn[] = "sg_nccl_unique_id";
   if (!id128) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL", fn);
+  const sg__nccl_lib *nc = NULL;
+  SG_TRY(sg__nccl_lib_load(fn, &nc));
   ncclUniqueId id;
-  ncclResult_t r = ncclGetUniqueId(&id);
+  ncclResult_t r = nc->GetUniqueId(&id);
   if (r != ncclSuccess)
     return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: ncclGetUniqueId failed: %s", fn,
-                      ncclGetErrorString(r));
+                      nc->GetErrorString(r));
   memcpy(id128, id.internal, SG__NCCL_ID_BYTES);
   return SG_OK;
 }
@@ -707,18 +725,21 @@ sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
     st =
         sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: no CUDA device found (rank %d)", fn, rank);
   }
+  /* Every rank loads NCCL here, so that one without it fails all of them in the round below. */
+  const sg__nccl_lib *nc = NULL;
+  if (st == SG_OK) st = sg__nccl_lib_load(fn, &nc);
   /* Rank 0's id and everyone's readiness in one round: [ok flag, id]. */
   unsigned char msg[1 + SG__NCCL_ID_BYTES];
   memset(msg, 0, sizeof msg);
   ncclUniqueId id;
   msg[0] = st == SG_OK;
   if (rank == 0 && st == SG_OK) {
-    ncclResult_t r = ncclGetUniqueId(&id);
+    ncclResult_t r = nc->GetUniqueId(&id);
     if (r == ncclSuccess)
       memcpy(msg + 1, id.internal, SG__NCCL_ID_BYTES);
     else
       st = sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: ncclGetUniqueId failed: %s", fn,
-                      ncclGetErrorString(r));
+                      nc->GetErrorString(r));
     msg[0] = st == SG_OK;
   }
   int ok = st == SG_OK, all_ok = 0;
@@ -727,7 +748,8 @@ sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
     return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: MPI bootstrap failed", fn);
   if (st != SG_OK) return st;
   if (!all_ok || !msg[0])
-    return sg__err(SG_ERR_COMM, "%s: another rank failed to set up its GPU or the NCCL id", fn);
+    return sg__err(SG_ERR_COMM,
+                   "%s: another rank failed to set up its GPU, load NCCL or make the NCCL id", fn);
   memcpy(id.internal, msg + 1, SG__NCCL_ID_BYTES);
   return sg_comm_create_nccl(rank, world, id.internal, local % ndev, out);
 }

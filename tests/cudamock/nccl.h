@@ -17,6 +17,12 @@
 extern "C" {
 #endif
 
+/* The version of the real header this mock follows (ncclGetVersion says the same). */
+#define NCCL_MAJOR 2
+#define NCCL_MINOR 28
+#define NCCL_PATCH 9
+#define NCCL_VERSION_CODE 22809
+
 #define NCCL_UNIQUE_ID_BYTES 128
 typedef struct {
   char internal[NCCL_UNIQUE_ID_BYTES];
@@ -55,6 +61,7 @@ typedef struct ncclConfig_v22800 {
 #define NCCL_CONFIG_INITIALIZER \
   { sizeof(ncclConfig_t), 0xcafebeef, 22809, NCCL_CONFIG_UNDEF_INT }
 
+ncclResult_t ncclGetVersion(int *version);
 const char *ncclGetErrorString(ncclResult_t r);
 const char *ncclGetLastError(ncclComm_t comm);
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id);

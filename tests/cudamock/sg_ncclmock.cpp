@@ -193,6 +193,12 @@ void forget(ncclComm_t comm) {
 
 extern "C" {
 
+ncclResult_t ncclGetVersion(int *version) {
+  if (!version) return ncclInvalidArgument;
+  *version = NCCL_VERSION_CODE;
+  return ncclSuccess;
+}
+
 const char *ncclGetErrorString(ncclResult_t r) {
   switch (r) {
     case ncclSuccess: return "no error";
