@@ -249,8 +249,10 @@ SG_API void sg_engine_destroy(sg_engine *e);
 /* CUDA / NCCL (section maintained with src/comm/nccl.c)                                     */
 /* ---------------------------------------------------------------------------------------- */
 
-/* NCCL communicators: one rank per GPU. All return SG_ERR_UNSUPPORTED when the library is built
- * without NCCL (sg_has_backend("nccl") == 0), SG_ERR_CUDA ("no CUDA device found") on a machine
+/* NCCL communicators: one rank per GPU. NCCL is not linked: it is loaded on first use (an NCCL
+ * already in the process, e.g. PyTorch's, else $SG_NCCL_LIBRARY, else libnccl.so.2), and
+ * SG_ERR_UNSUPPORTED names what was tried when none loads. All return SG_ERR_UNSUPPORTED when the
+ * library is built without NCCL (sg_has_backend("nccl") == 0), SG_ERR_CUDA ("no CUDA device found") on a machine
  * without a GPU, SG_ERR_TIMEOUT when the ranks do not all join within SG_NCCL_INIT_TIMEOUT_MS
  * (default 600000 ms), SG_ERR_COMM when NCCL fails. Collectives use the engine's CUDA device
  * (sg_config.device = SG_DEVICE_CUDA, cuda_device = the communicator's GPU). */
