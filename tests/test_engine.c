@@ -47,6 +47,7 @@ typedef struct {
   int shuffle;     /* gradients in random order, one staging bucket */
   float clip;
   int steps;
+  int sr;          /* stochastic rounding of bf16 params (the bits must not depend on W) */
 } tcase;
 
 typedef struct {
@@ -106,6 +107,8 @@ static sg_status setup(const tcase *tc, int average, sg_comm *comm, sg_engine **
   cfg.staging_buckets = tc->shuffle ? 1 : 2;
   cfg.max_grad_norm = tc->clip;
   cfg.grad_average = average;
+  cfg.stochastic_rounding = tc->sr;
+  cfg.seed = 1234;
   cfg.lr = 0.01f;
   cfg.timeout_ms = 60000;
   cfg.loss_scale = 1.0f; /* static: the test's gradients are not scaled */
@@ -250,10 +253,10 @@ static void compare(const char *what, const tcase *tc, int w, int rank, float *c
     if (exact) {
       const int same = memcmp(got[p], ref[p], n * 4) == 0;
       const size_t bad = same ? 0 : first_diff(got[p], ref[p], n);
-      CHECK(same, "%s W=%d rank %d p%s g%s mb%d%s%s%s: %s of param %d (numel %zu) differs at "
+      CHECK(same, "%s W=%d rank %d p%s g%s mb%d%s%s%s%s: %s of param %d (numel %zu) differs at "
             "%zu: %.9g vs %.9g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt),
             tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
-            tc->adt == SG_BF16 ? " accum-bf16" : "", what, p, n, bad, got[p][bad], ref[p][bad]);
+            tc->adt == SG_BF16 ? " accum-bf16" : "", tc->sr ? " sr" : "", what, p, n, bad, got[p][bad], ref[p][bad]);
       continue;
     }
     float *base = NULL;
@@ -357,15 +360,18 @@ static int make_cases(tcase *out, int quick) {
       for (int mb = 1; mb <= 3; mb += 2)
         for (int ns = 0; ns <= (mb > 1); ns++) {
           if (quick && (d == 2 || (ns && d != 0))) continue;
-          out[n++] = (tcase){strategies[s], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3};
+          out[n++] = (tcase){strategies[s], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3, 0};
         }
-  /* clipping, bf16 accumulator, shuffled order with one staging bucket, random gradients */
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2};
-  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3};
-  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3};
+  /* clipping, bf16 accumulator, shuffled order with one staging bucket, random gradients,
+   * stochastic rounding */
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 0, 0, 0, 0.0f, 3, 1};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_F32, SG_F32, 1, 0, 0, 1, 0.0f, 2, 1};
   return n;
 }
 
@@ -379,7 +385,7 @@ int main(int argc, char **argv) {
   if (local_w < 0 && !use_mpi) local_w = 0;
   /* sanitizer builds (scripts/test.sh) run the smaller matrix: 5-20x slower per element */
   if (getenv("SG_TEST_QUICK") && atoi(getenv("SG_TEST_QUICK")) > 0) quick = 1;
-  tcase cases[64];
+  tcase cases[64] = {{0}};
   const int nc = make_cases(cases, quick);
   int rank = 0;
   if (use_mpi) {
