@@ -7,3 +7,5 @@ endforeach()
 foreach(np 2 3 4)
   sg_add_mpi_test(test_engine_mpi_np${np} EXE test_engine_w2 NP ${np} ARGS --mpi --quick TIMEOUT 600)
 endforeach()
+# sg_memory == sg_estimate_memory == the DESIGN.md section 3 formulas
+sg_add_test(test_memory SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_memory.c LABELS local TIMEOUT 300)

@@ -1,0 +1,136 @@
+/* sg_memory (what an engine allocated) against sg_estimate_memory (the same layout computed
+ * without allocating) and against the formulas of DESIGN.md section 3, for every strategy,
+ * param dtype, accumulator dtype and W in 1..4 (ranks as threads). */
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "shardgrad.h"
+
+static int g_pass, g_fail;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+#define CHECK(cond, ...)                                                                         \
+  do {                                                                                           \
+    pthread_mutex_lock(&g_lock);                                                                 \
+    if (cond) g_pass++;                                                                          \
+    else {                                                                                       \
+      g_fail++;                                                                                  \
+      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                \
+      printf(__VA_ARGS__);                                                                       \
+      printf("\n");                                                                              \
+    }                                                                                            \
+    pthread_mutex_unlock(&g_lock);                                                               \
+  } while (0)
+
+static const size_t k_numels[] = {7, 4096, 100003, 65, 1, 300000, 2048};
+#define NP ((int)(sizeof k_numels / sizeof k_numels[0]))
+#define ALIGN 256 /* bytes: every buffer in an arena starts here */
+
+typedef struct {
+  sg_config cfg;
+  sg_comm *comm;
+  sg_memory_stats mem;
+  sg_status st;
+} rank_arg;
+
+static void *rank_main(void *p) {
+  rank_arg *a = p;
+  sg_engine *e = NULL;
+  a->st = sg_engine_create(a->comm, &a->cfg, &e);
+  for (int i = 0; i < NP && a->st == SG_OK; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "p%d", i);
+    int id;
+    a->st = sg_add_param(e, name, k_numels[i], 0, &id);
+  }
+  if (a->st == SG_OK) a->st = sg_finalize(e);
+  a->mem.struct_size = sizeof a->mem;
+  if (a->st == SG_OK) a->st = sg_memory(e, &a->mem);
+  sg_engine_destroy(e);
+  return NULL;
+}
+
+static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
+
+/* DESIGN.md section 3 per kind, on the plan's padded sizes; each buffer rounded up to ALIGN. */
+static void check_formula(const sg_config *c, int w, const sg_memory_stats *m) {
+  const size_t P = c->param_dtype == SG_F32 ? 4 : 2, A = c->accum_dtype == SG_F32 ? 4 : 2;
+  const size_t psi = m->numel, shard = m->shard_numel;
+  CHECK(m->params_bytes == up(P * psi), "W=%d params %zu, want %zu", w, m->params_bytes,
+        up(P * psi));
+  CHECK(m->master_bytes == (P < 4 ? up(4 * shard) : 0), "W=%d master %zu", w, m->master_bytes);
+  CHECK(m->optim_bytes == 2 * up(4 * shard), "W=%d optim %zu", w, m->optim_bytes);
+  if (c->strategy == SG_NO_SHARD) {
+    CHECK(shard == psi, "NO_SHARD shard_numel %zu == numel %zu", shard, psi);
+  } else {
+    CHECK(shard * (size_t)w == psi, "W=%d shard_numel %zu * W == numel %zu", w, shard, psi);
+  }
+  if (c->strategy == SG_SHARD_GRAD_OP) {
+    /* staging: S buckets of the largest bucket (here the 300000-element param, padded) */
+    const size_t big = (300000 + 64 * (size_t)w - 1) / (64 * (size_t)w) * (64 * (size_t)w);
+    const size_t want = 2 * up(P * big) + up(A * shard);
+    CHECK(m->grads_bytes == want, "W=%d SHARD_GRAD_OP grads %zu, want %zu", w, m->grads_bytes,
+          want);
+  } else {
+    const size_t acc = c->strategy == SG_NO_SHARD ? psi : shard;
+    CHECK(m->grads_bytes == up(P * psi) + up(A * acc), "W=%d grads %zu", w, m->grads_bytes);
+  }
+  CHECK(m->total_bytes == m->params_bytes + m->grads_bytes + m->master_bytes + m->optim_bytes +
+                              m->comm_bytes,
+        "total is the sum of the kinds");
+  CHECK(m->peak_bytes >= m->total_bytes, "peak >= total");
+}
+
+static void run(sg_strategy s, sg_dtype pdt, sg_dtype adt, int w) {
+  sg_comm *comms[4];
+  if (sg_comm_create_local(w, comms) != SG_OK) {
+    CHECK(0, "sg_comm_create_local: %s", sg_last_error());
+    return;
+  }
+  rank_arg args[4];
+  pthread_t th[4];
+  for (int r = 0; r < w; r++) {
+    memset(&args[r], 0, sizeof args[r]);
+    sg_config_init(&args[r].cfg, sizeof args[r].cfg);
+    args[r].cfg.strategy = s;
+    args[r].cfg.param_dtype = pdt;
+    args[r].cfg.accum_dtype = adt;
+    args[r].cfg.bucket_bytes = 256 * 1024;
+    args[r].cfg.timeout_ms = 30000;
+    args[r].comm = comms[r];
+    pthread_create(&th[r], NULL, rank_main, &args[r]);
+  }
+  for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
+  size_t numels[NP];
+  memcpy(numels, k_numels, sizeof numels);
+  sg_memory_stats est;
+  memset(&est, 0, sizeof est);
+  est.struct_size = sizeof est;
+  sg_status st = sg_estimate_memory(&args[0].cfg, numels, NP, w, &est);
+  CHECK(st == SG_OK, "sg_estimate_memory: %s", sg_last_error());
+  for (int r = 0; r < w; r++) {
+    CHECK(args[r].st == SG_OK, "rank %d: %s", r, sg_status_string(args[r].st));
+    if (args[r].st != SG_OK || st != SG_OK) continue;
+    const sg_memory_stats *m = &args[r].mem;
+    CHECK(m->params_bytes == est.params_bytes && m->grads_bytes == est.grads_bytes &&
+              m->master_bytes == est.master_bytes && m->optim_bytes == est.optim_bytes &&
+              m->comm_bytes == est.comm_bytes && m->total_bytes == est.total_bytes &&
+              m->numel == est.numel && m->shard_numel == est.shard_numel,
+          "strategy %d pdt %d adt %d W=%d rank %d: sg_memory total %zu != estimate %zu", (int)s,
+          (int)pdt, (int)adt, w, r, m->total_bytes, est.total_bytes);
+    check_formula(&args[r].cfg, w, m);
+  }
+  for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+}
+
+int main(void) {
+  const sg_strategy ss[] = {SG_NO_SHARD, SG_SHARD_OPT, SG_SHARD_GRAD_OP};
+  const sg_dtype ps[] = {SG_F32, SG_BF16, SG_F16};
+  for (int s = 0; s < 3; s++)
+    for (int p = 0; p < 3; p++)
+      for (int a = 0; a < 2; a++)
+        for (int w = 1; w <= 4; w++) run(ss[s], ps[p], a ? SG_BF16 : SG_F32, w);
+  printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail != 0;
+}
