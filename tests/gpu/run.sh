@@ -13,7 +13,12 @@
 #   3. compute-sanitizer memcheck on test_cuda_kernels --quick (skipped, and said so, when
 #      compute-sanitizer is not installed);
 #   4. the engine on the CUDA device: test_cuda_engine (W = 1..3 ranks as threads with the local
-#      communicator, W = 1 with NCCL, bitwise against the CPU device), then the HOOK below.
+#      communicator, W = 1 with NCCL, bitwise against the CPU device), then the HOOK below;
+#   5. benchmark and example (built separately, so that a failure there leaves steps 2-4 alone):
+#      sg_bench_adamw_cuda (fused AdamW vs device-to-device copy, 1M..256M params),
+#      bench/adamw_torch.py (torch.optim.AdamW(fused=True), when torch is importable) and
+#      examples/mlp_cuda --ranks 2 --check (two ranks as threads on the one GPU, cuBLAS GEMMs);
+#      their tables are copied into the results file.
 # The results file has one line per step (PASS / FAIL / SKIP with the test's own summary line),
 # the logs are next to it in logs/. Exit status: 0 when nothing failed.
 set -uo pipefail
@@ -86,7 +91,7 @@ BUILD_OK=0
 if ! command -v cmake >/dev/null; then
   fail "configure: cmake not found"
 elif run_step configure 600 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
-  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=OFF &&
+  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON &&
   run_step build 1200 cmake --build "$B" -j "$JOBS" --target shardgrad shardgrad_static \
     test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues test_cuda_engine; then
   BUILD_OK=1
@@ -137,6 +142,38 @@ if [[ -n "$ENGINE_CUDA_HOOK" && $BUILD_OK -eq 1 ]]; then
   run_step engine_cuda_hook 900 bash -c "$ENGINE_CUDA_HOOK"
 else
   skip "the engine's own tests with SG_DEVICE_CUDA: hook not filled in yet (tests/gpu/run.sh, HOOK)"
+fi
+
+
+# ---- 5. AdamW benchmark (ours, torch's) and the cuBLAS MLP example ---------------------------
+# copy_log NAME: the step's output, indented, into the results file (tables, not just a summary).
+copy_log() { sed 's/^/      /' "$LOGS/$1.log" | tail -40 | tee -a "$RES"; }
+EXTRA_OK=0
+if [[ $BUILD_OK -ne 1 ]]; then
+  skip "bench and example: the build failed"
+elif run_step build_bench_example 300 cmake --build "$B" -j "$JOBS" --target sg_bench_adamw_cuda \
+  example_mlp_cuda; then
+  EXTRA_OK=1
+fi
+if [[ $EXTRA_OK -eq 1 ]]; then
+  run_step bench_adamw_cuda 120 "$B/bench/sg_bench_adamw_cuda" --sizes 1,4,16,64,256 --reps 20
+  copy_log bench_adamw_cuda
+fi
+if ! command -v python3 >/dev/null || ! timeout 60 python3 -c "import torch" >/dev/null 2>&1; then
+  skip "bench_adamw_torch: torch is not importable"
+else
+  run_step bench_adamw_torch 180 python3 "$ROOT/bench/adamw_torch.py" --sizes 1,4,16,64,256 \
+    --reps 20
+  copy_log bench_adamw_torch
+fi
+if [[ $EXTRA_OK -eq 1 ]]; then
+  run_step mlp_cuda_ranks2 120 "$B/examples/mlp_cuda" --ranks 2 --steps 300 --log-every 50 --check
+  copy_log mlp_cuda_ranks2
+  run_step mlp_cuda_ranks2_bf16 120 "$B/examples/mlp_cuda" --ranks 2 --steps 300 --dtype bf16 \
+    --log-every 100 --check
+  copy_log mlp_cuda_ranks2_bf16
+else
+  skip "bench_adamw_cuda, mlp_cuda: not built"
 fi
 
 line "summary: $NPASS passed, $NFAIL failed, $NSKIP skipped; logs in $LOGS"
