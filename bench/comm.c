@@ -15,7 +15,8 @@
  * f32 call on the same number of elements (twice the bytes).
  * Before timing, an untimed pass with small-integer inputs (exact sums) checks every result;
  * a failed check is printed and makes the exit status non-zero. SG_MPI_ALLGATHER=direct|ring|mpi
- * selects our all-gather algorithm. */
+ * selects our all-gather algorithm, SG_MPI_REDUCE_SCATTER=ring|direct our reduce-scatter (and
+ * all-reduce's first half). */
 #define _POSIX_C_SOURCE 200809L
 
 #include <mpi.h>
@@ -289,12 +290,13 @@ int main(int argc, char **argv) {
     return 1;
   }
   if (c->rank == 0) {
-    const char *ag = getenv("SG_MPI_ALLGATHER");
-    printf("sg_bench_comm: %d ranks, dtype %s, all_gather algorithm %s\n", w,
+    const char *ag = getenv("SG_MPI_ALLGATHER"), *rs = getenv("SG_MPI_REDUCE_SCATTER");
+    printf("sg_bench_comm: %d ranks, dtype %s, all_gather algorithm %s, reduce_scatter %s\n", w,
            o.dtype == SG_F32 ? "f32" : "bf16",
            !ag                  ? "direct (default)"
            : !strcmp(ag, "mpi") ? "MPI_Iallgather"
-                                : ag);
+                                : ag,
+           rs && *rs ? rs : w == 2 ? "ring (default)" : "direct (default)");
     printf("%-15s %8s %5s | %-30s | %-30s | %s\n", "", "", "", "  shardgrad (ours)", "  Open MPI",
            "");
     printf("%-15s %8s %5s | %10s %8s %8s | %10s %8s %8s | %7s\n", "op", "size", "iters", "time(us)",

@@ -5,11 +5,27 @@ foreach(w 1 3 4 8)
   add_test(NAME test_comm_local${w} COMMAND test_comm_local2 --local ${w})
   set_tests_properties(test_comm_local${w} PROPERTIES TIMEOUT 300 LABELS local)
 endforeach()
+# MPI: the default reduce-scatter, then each algorithm forced (SG_MPI_REDUCE_SCATTER); the test
+# reads the same variable to know the summation order it must match bit for bit.
 foreach(np 2 3 4)
   sg_add_mpi_test(test_comm_mpi_np${np} EXE test_comm_local2 NP ${np} ARGS --mpi TIMEOUT 300)
+  foreach(algo ring direct)
+    sg_add_mpi_test(test_comm_mpi_${algo}_np${np} EXE test_comm_local2 NP ${np} ARGS --mpi
+      TIMEOUT 300)
+    if(TEST test_comm_mpi_${algo}_np${np})
+      set_tests_properties(test_comm_mpi_${algo}_np${np} PROPERTIES
+        ENVIRONMENT "OMPI_MCA_rmaps_base_oversubscribe=1;OMP_NUM_THREADS=1;SG_MPI_REDUCE_SCATTER=${algo}")
+    endif()
+  endforeach()
 endforeach()
 # One rank skips a collective: the others time out, and every process still exits cleanly.
 foreach(np 2 3)
-  sg_add_mpi_test(test_comm_mpi_timeout_np${np} EXE test_comm_local2 NP ${np}
-    ARGS --mpi --timeout TIMEOUT 120)
+  foreach(algo ring direct)
+    sg_add_mpi_test(test_comm_mpi_timeout_${algo}_np${np} EXE test_comm_local2 NP ${np}
+      ARGS --mpi --timeout TIMEOUT 120)
+    if(TEST test_comm_mpi_timeout_${algo}_np${np})
+      set_tests_properties(test_comm_mpi_timeout_${algo}_np${np} PROPERTIES
+        ENVIRONMENT "OMPI_MCA_rmaps_base_oversubscribe=1;OMP_NUM_THREADS=1;SG_MPI_REDUCE_SCATTER=${algo}")
+    endif()
+  endforeach()
 endforeach()

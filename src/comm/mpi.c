@@ -1,17 +1,29 @@
 /* MPI communicator: one rank per process (DESIGN.md section 6).
  *
- * Reduce-scatter and all-reduce are rings over point-to-point messages: Open MPI's
- * MPI_Reduce_scatter_block is an order of magnitude slower than a ring with a vectorized add,
- * and MPI has no bf16. Each chunk is cut into pieces of at most SG__MPI_PIECE bytes so that the
- * transfer of one piece overlaps the add of the previous one and the receive buffers stay small.
+ * Reduce-scatter (and the first half of all-reduce) has two algorithms, selected by
+ * SG_MPI_REDUCE_SCATTER=direct|ring (read when the communicator is created; unset: ring for
+ * two ranks, direct from three, as measured with bench/comm.c on a 2-core machine). Open MPI's
+ * MPI_Reduce_scatter_block is several times slower than either, and MPI has no bf16.
  *
- * Numerics. Chunk q is summed around the ring starting at rank q+1 and ending at its owner q:
- * a fixed order, so results are deterministic and all-reduce gives the same bits on every rank.
- * f32 and f64 partials travel and are stored in the buffer's own type (the buffer slice of a
- * chunk is no longer needed once its contribution is added). For bf16 and f16 the first hop
- * sends the raw values; later hops send fp32 partials held in c->scratch, so the sum is
- * computed in fp32 and rounded once, at the owner. That doubles the bytes of those hops; with
- * W = 2 there are none.
+ * Direct: every rank sends slice k of its buffer to rank k and receives every peer's values of
+ * its own slice, in pieces of at most SG__MPI_RS_PIECE bytes: two pieces per peer are in
+ * flight (the next one arrives while the current one is summed) and sends run a few pieces
+ * ahead of the sum. The pieces land in our receive buffers, or in c->scratch (count*4 bytes)
+ * when those are too small (many ranks, large counts). Each element is summed over ranks
+ * 0..W-1 in fp32 (f64: f64) and rounded once to the dtype, like the local communicator: the
+ * result does not depend on arrival order. No rank waits on a forwarded partial, which is what
+ * made the ring slow with ranks sharing cores (a chain of W-1 dependent waits).
+ *
+ * Ring: chunk q is summed around the ring starting at rank q+1 and ending at its owner q, each
+ * chunk cut into pieces of at most SG__MPI_PIECE bytes so that the transfer of one piece
+ * overlaps the add of the previous one. f32 and f64 partials travel and are stored in the
+ * buffer's own type (the buffer slice of a chunk is no longer needed once its contribution is
+ * added). For bf16 and f16 the first hop sends the raw values; later hops send fp32 partials
+ * held in c->scratch, so the sum is computed in fp32 and rounded once, at the owner. That
+ * doubles the bytes of those hops; with W = 2 there are none.
+ *
+ * Both orders are fixed, so results are deterministic and all-reduce gives the same bits on
+ * every rank (they differ between the two algorithms only for three or more ranks).
  *
  * All-gather (and the second half of all-reduce) is direct by default: every rank posts its
  * slice to every peer at once. It moves the same bytes per rank as a ring without the chain of
@@ -51,6 +63,12 @@
 #ifndef SG__MPI_DIRECT_PIECE
 #define SG__MPI_DIRECT_PIECE ((size_t)1 << 30) /* bytes of one message of a direct all-gather */
 #endif
+#ifndef SG__MPI_RS_PIECE
+#define SG__MPI_RS_PIECE ((size_t)256 << 10) /* most bytes of one message of a direct reduce */
+#endif
+#ifndef SG__MPI_SENDS_AHEAD
+#define SG__MPI_SENDS_AHEAD 3 /* pieces a direct reduce-scatter sends before summing its first */
+#endif
 #ifndef SG__MPI_NRX
 #define SG__MPI_NRX 4 /* receives in flight per reduction */
 #endif
@@ -61,6 +79,7 @@
 
 enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
 enum { AG_DIRECT = 0, AG_RING, AG_MPI };
+enum { RS_DIRECT = 0, RS_RING };
 
 typedef struct mcomm {
   sg_comm c; /* first: the sg_comm pointer is the allocation */
@@ -70,6 +89,7 @@ typedef struct mcomm {
   unsigned char *rx;  /* SG__MPI_NRX receive buffers of SG__MPI_PIECE bytes */
   int rx_lost;        /* a receive into rx could not be finished: rx must never be freed */
   int ag_algo;        /* all_gather algorithm: AG_DIRECT, AG_RING or AG_MPI */
+  int rs_algo;        /* reduce_scatter (and all_reduce's first half): RS_DIRECT or RS_RING */
   MPI_Request *sends; /* per-call request arrays, grown on demand */
   MPI_Request *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */
@@ -459,6 +479,191 @@ fail:
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Direct reduce-scatter                                                                     */
+
+#define SG__MPI_SUM_BLOCK 1024 /* elements summed per block: the fp32 partials stay in L1 */
+
+/* dst[i] = sum over k of src[k][i] in k order, rounded once to dtype (fp32 math; f64: f64).
+ * dst may be one of the sources. f32 and f64 are plain loops over a block (the compiler
+ * vectorizes them, unlike the tiled kernel); bf16/f16 use the kernel the local backend uses. */
+static void sum_sources(void *dst, const void *const *src, int nsrc, int dtype, size_t n) {
+  if (is_wide(dtype)) {
+    sg__cpu_reduce_sum(dst, src, nsrc, dtype, n);
+    return;
+  }
+  for (size_t b = 0; b < n; b += SG__MPI_SUM_BLOCK) {
+    const size_t m = n - b < SG__MPI_SUM_BLOCK ? n - b : SG__MPI_SUM_BLOCK;
+    if (dtype == SG_F32) {
+      float acc[SG__MPI_SUM_BLOCK];
+      const float *s0 = (const float *)src[0] + b;
+      for (size_t i = 0; i < m; i++) acc[i] = s0[i];
+      for (int k = 1; k < nsrc; k++) {
+        const float *restrict sk = (const float *)src[k] + b;
+        for (size_t i = 0; i < m; i++) acc[i] = acc[i] + sk[i];
+      }
+      memcpy((float *)dst + b, acc, m * sizeof *acc);
+    } else {
+      double acc[SG__MPI_SUM_BLOCK];
+      const double *s0 = (const double *)src[0] + b;
+      for (size_t i = 0; i < m; i++) acc[i] = s0[i];
+      for (int k = 1; k < nsrc; k++) {
+        const double *restrict sk = (const double *)src[k] + b;
+        for (size_t i = 0; i < m; i++) acc[i] = acc[i] + sk[i];
+      }
+      memcpy((double *)dst + b, acc, m * sizeof *acc);
+    }
+  }
+}
+
+/* Elements per message: two pieces of every peer fit in the larger of the engine's scratch
+ * (4 bytes per element of the longest chunk) and our receive buffers. It depends only on the
+ * call's arguments, so sender and receiver cut a chunk the same way. */
+static size_t direct_piece(const ring *R) {
+  size_t off, len;
+  chunk(R, 0, &off, &len); /* chunk 0 is the longest */
+  const size_t peers = (size_t)R->c->world - 1, rx_bytes = SG__MPI_NRX * SG__MPI_PIECE;
+  const size_t room = len * 4u > rx_bytes ? len * 4u : rx_bytes;
+  size_t pe = room / (2u * peers * R->es);
+  if (pe > SG__MPI_RS_PIECE / R->es) pe = SG__MPI_RS_PIECE / R->es;
+  return pe > 0 ? pe : 1u;
+}
+
+/* Where the pieces land: our receive buffers when they are large enough (a receive that cannot
+ * be cancelled then never writes into freed memory), else the engine's scratch. */
+static sg_status direct_region(const ring *R, unsigned char **region, int *into_rx) {
+  mcomm *m = mc(R->c);
+  const size_t need = 2u * ((size_t)R->c->world - 1) * R->pe * R->es;
+  *into_rx = need <= SG__MPI_NRX * SG__MPI_PIECE;
+  if (*into_rx) {
+    *region = m->rx;
+    return SG_OK;
+  }
+  if (!R->c->scratch || R->c->scratch_bytes < need)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: scratch too small (%zu bytes, need %zu)", R->fn,
+                   R->c->scratch ? R->c->scratch_bytes : 0, need);
+  *region = R->c->scratch;
+  return SG_OK;
+}
+
+/* Posts the receives of piece j of our chunk from every peer, into half j%2 of the region:
+ * peer k's values go to slot k (k < rank) or k-1. */
+static sg_status post_piece(const ring *R, unsigned char *region, size_t j) {
+  mcomm *m = mc(R->c);
+  const int w = R->c->world, r = R->c->rank;
+  const size_t peers = (size_t)w - 1, half = j % 2u;
+  size_t po, pl;
+  piece(R, r, j, &po, &pl);
+  for (int k = 0; k < w; k++) {
+    if (k == r) continue;
+    const size_t slot = (size_t)(k < r ? k : k - 1);
+    unsigned char *dst = region + ((half * peers + slot) * R->pe) * R->es;
+    const int rc = MPI_Irecv(dst, (int)(pl * R->es), MPI_BYTE, k, R->tag, m->comm,
+                             &m->recvs[half * peers + slot]);
+    if (rc != MPI_SUCCESS) return SG__MPI_FAIL(R->c, R->fn, "MPI_Irecv", rc);
+  }
+  return SG_OK;
+}
+
+/* Sends piece j of chunk k to its owner k, for every peer whose chunk has a piece j (rank r
+ * serves r+1, r+2, ... first, so that no rank is everybody's first target). Sends follow the
+ * receiver's pace (see direct_reduce_scatter): posting every piece at once left hundreds of
+ * unexpected rendezvous headers, each with an eagerly copied first fragment, and was slower
+ * for large buffers. */
+static sg_status post_sends(const ring *R, size_t j, size_t *nsend) {
+  mcomm *m = mc(R->c);
+  const int w = R->c->world, r = R->c->rank;
+  for (int d = 1; d < w; d++) {
+    const int to = mod(r + d, w);
+    size_t off, len, po, pl;
+    chunk(R, to, &off, &len);
+    if (j >= npieces(len, R->pe)) continue;
+    piece(R, to, j, &po, &pl);
+    const int rc = MPI_Isend(R->buf + po * R->es, (int)(pl * R->es), MPI_BYTE, to, R->tag,
+                             m->comm, &m->sends[(*nsend)++]);
+    if (rc != MPI_SUCCESS) return SG__MPI_FAIL(R->c, R->fn, "MPI_Isend", rc);
+  }
+  return SG_OK;
+}
+
+/* Waits for piece j from every peer and writes the sum over ranks 0..W-1 (ours read from buf)
+ * over our own values. */
+static sg_status sum_piece(const ring *R, unsigned char *region, size_t j) {
+  mcomm *m = mc(R->c);
+  const int w = R->c->world, r = R->c->rank;
+  const size_t peers = (size_t)w - 1, half = j % 2u;
+  const void *src[64];
+  const void **srcs = w <= 64 ? src : malloc((size_t)w * sizeof *srcs);
+  if (!srcs) return sg__comm_fail(R->c, SG_ERR_OUT_OF_MEMORY, R->fn, "out of memory (%d)", w);
+  size_t po, pl;
+  piece(R, r, j, &po, &pl);
+  sg_status st = SG_OK;
+  for (int k = 0; k < w; k++) {
+    if (k == r) {
+      srcs[k] = R->buf + po * R->es;
+      continue;
+    }
+    const size_t slot = (size_t)(k < r ? k : k - 1);
+    srcs[k] = region + ((half * peers + slot) * R->pe) * R->es;
+    st = wait_one(R->c, R->fn, &m->recvs[half * peers + slot], (long long)(pl * R->es),
+                  R->deadline_ms);
+    if (st != SG_OK) goto done;
+  }
+  sum_sources(R->buf + po * R->es, srcs, w, R->dtype, pl);
+done:
+  if (srcs != src) free(srcs);
+  return st;
+}
+
+/* Every rank sends chunk k straight to its owner k and sums what it receives for its own chunk
+ * in rank order. Unlike the ring nothing waits for a forwarded partial, so ranks sharing cores
+ * do not stall in a chain; the receives of piece j+1 are in flight while piece j is summed. */
+static sg_status direct_reduce_scatter(const ring *R) {
+  mcomm *m = mc(R->c);
+  const size_t peers = (size_t)R->c->world - 1;
+  size_t nsend = 0, off, len;
+  unsigned char *region = NULL;
+  int into_rx = 0;
+  sg_status st = direct_region(R, &region, &into_rx);
+  if (st != SG_OK) return st;
+  chunk(R, R->c->rank, &off, &len);
+  const size_t np = npieces(len, R->pe);
+  chunk(R, 0, &off, &len);
+  const size_t np_max = npieces(len, R->pe); /* chunk 0 is the longest */
+  for (size_t j = 0; j < 2 && j < np; j++) SG_TRY_GOTO(post_piece(R, region, j), st, fail);
+  /* piece j+SENDS_AHEAD goes out once piece j is summed: every rank runs a few pieces ahead
+   * of its peers' receives, never the whole chunk */
+  for (size_t j = 0; j < SG__MPI_SENDS_AHEAD; j++) SG_TRY_GOTO(post_sends(R, j, &nsend), st, fail);
+  for (size_t j = 0; j < np; j++) {
+    SG_TRY_GOTO(sum_piece(R, region, j), st, fail);
+    if (j + 2 < np) SG_TRY_GOTO(post_piece(R, region, j + 2), st, fail);
+    SG_TRY_GOTO(post_sends(R, j + SG__MPI_SENDS_AHEAD, &nsend), st, fail);
+  }
+  for (size_t j = np + SG__MPI_SENDS_AHEAD; j < np_max; j++) /* peers' longer chunks */
+    SG_TRY_GOTO(post_sends(R, j, &nsend), st, fail);
+  SG_TRY_GOTO(wait_all(R->c, R->fn, m->sends, nsend, R->deadline_ms), st, fail);
+  return SG_OK;
+fail:
+  abort_requests(m, m->recvs, 2 * peers, into_rx, nsend);
+  return st;
+}
+
+/* Request arrays of a direct reduce-scatter: every piece of every peer's chunk is sent at once;
+ * two pieces per peer are received at a time. */
+static sg_status prepare_direct(ring *R) {
+  mcomm *m = mc(R->c);
+  R->pe = direct_piece(R);
+  size_t off, len;
+  chunk(R, 0, &off, &len);
+  const size_t peers = (size_t)R->c->world - 1, nsend = peers * npieces(len, R->pe);
+  if (!grow((void **)&m->sends, &m->cap_sends, nsend, sizeof(MPI_Request)) ||
+      !grow((void **)&m->recvs, &m->cap_recvs, 2 * peers, sizeof(MPI_Request)))
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory for %zu requests", R->fn, nsend);
+  for (size_t i = 0; i < nsend; i++) m->sends[i] = MPI_REQUEST_NULL;
+  for (size_t i = 0; i < 2 * peers; i++) m->recvs[i] = MPI_REQUEST_NULL;
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Collectives                                                                               */
 
 /* Tag of a call: differs between calls, ops and sizes, so stray or mismatched messages never
@@ -533,6 +738,10 @@ static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dty
   ring R = make_ring(c, fn, buf, count, dtype, 0, deadline_ms);
   R.tag = call_tag(mc(c), OP_REDUCE_SCATTER, count, dtype);
   if (c->world == 1 || count == 0) return SG_OK;
+  if (mc(c)->rs_algo == RS_DIRECT) {
+    SG_TRY(prepare_direct(&R));
+    return direct_reduce_scatter(&R);
+  }
   SG_TRY(prepare(&R, 1));
   return ring_reduce_scatter(&R);
 }
@@ -544,8 +753,15 @@ static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
   ring R = make_ring(c, fn, buf, count, dtype, 1, deadline_ms);
   R.tag = call_tag(mc(c), OP_ALL_REDUCE, count, dtype);
   if (c->world == 1 || count == 0) return SG_OK;
-  SG_TRY(prepare(&R, 1));
-  SG_TRY(ring_reduce_scatter(&R));
+  if (mc(c)->rs_algo == RS_DIRECT) {
+    ring D = R; /* its own piece size; the all-gather below keeps the ring's */
+    SG_TRY(prepare_direct(&D));
+    SG_TRY(direct_reduce_scatter(&D));
+  } else {
+    SG_TRY(prepare(&R, 1));
+    SG_TRY(ring_reduce_scatter(&R));
+  }
+  SG_TRY(prepare(&R, 0));
   R.tag += 1;
   return mc(c)->ag_algo == AG_RING ? ring_all_gather(&R) : direct_all_gather(&R);
 }
@@ -679,6 +895,13 @@ static sg_status setup(mcomm *m, MPI_Comm base) {
                : !strcmp(ag, "mpi")  ? AG_MPI
                : !strcmp(ag, "ring") ? AG_RING
                                      : AG_DIRECT;
+  /* SG_MPI_REDUCE_SCATTER=direct|ring likewise (also all_reduce's reduction half); unset:
+   * the ring for two ranks (one hop, bigger pieces: measured faster), direct from three */
+  const char *rs = getenv("SG_MPI_REDUCE_SCATTER");
+  m->rs_algo = rs && !strcmp(rs, "ring")     ? RS_RING
+               : rs && !strcmp(rs, "direct") ? RS_DIRECT
+               : m->c.world == 2             ? RS_RING
+                                             : RS_DIRECT;
   return SG_OK;
 }
 
