@@ -8,8 +8,8 @@
  * Direct: every rank sends slice k of its buffer to rank k and receives every peer's values of
  * its own slice, in pieces of at most SG__MPI_RS_PIECE bytes: two pieces per peer are in
  * flight (the next one arrives while the current one is summed) and sends run a few pieces
- * ahead of the sum. The pieces land in our receive buffers, or in c->scratch (count*4 bytes)
- * when those are too small (many ranks, large counts). Each element is summed over ranks
+ * ahead of the sum. The pieces land in our receive buffers (piece size shrinks with W so that
+ * they always fit). Each element is summed over ranks
  * 0..W-1 in fp32 (f64: f64) and rounded once to the dtype, like the local communicator: the
  * result does not depend on arrival order. No rank waits on a forwarded partial, which is what
  * made the ring slow with ranks sharing cores (a chain of W-1 dependent waits).
@@ -515,33 +515,24 @@ static void sum_sources(void *dst, const void *const *src, int nsrc, int dtype, 
   }
 }
 
-/* Elements per message: two pieces of every peer fit in the larger of the engine's scratch
- * (4 bytes per element of the longest chunk) and our receive buffers. It depends only on the
- * call's arguments, so sender and receiver cut a chunk the same way. */
+/* Elements per message: two pieces of every peer fit in our receive buffers. It depends only on
+ * the call's arguments, so sender and receiver cut a chunk the same way. */
 static size_t direct_piece(const ring *R) {
-  size_t off, len;
-  chunk(R, 0, &off, &len); /* chunk 0 is the longest */
   const size_t peers = (size_t)R->c->world - 1, rx_bytes = SG__MPI_NRX * SG__MPI_PIECE;
-  const size_t room = len * 4u > rx_bytes ? len * 4u : rx_bytes;
-  size_t pe = room / (2u * peers * R->es);
+  size_t pe = rx_bytes / (2u * peers * R->es);
   if (pe > SG__MPI_RS_PIECE / R->es) pe = SG__MPI_RS_PIECE / R->es;
   return pe > 0 ? pe : 1u;
 }
 
-/* Where the pieces land: our receive buffers when they are large enough (a receive that cannot
- * be cancelled then never writes into freed memory), else the engine's scratch. */
+/* The pieces land in our receive buffers, never in the engine's scratch: a receive that cannot
+ * be cancelled after a failure then never writes into memory the engine has freed. */
 static sg_status direct_region(const ring *R, unsigned char **region, int *into_rx) {
-  mcomm *m = mc(R->c);
   const size_t need = 2u * ((size_t)R->c->world - 1) * R->pe * R->es;
-  *into_rx = need <= SG__MPI_NRX * SG__MPI_PIECE;
-  if (*into_rx) {
-    *region = m->rx;
-    return SG_OK;
-  }
-  if (!R->c->scratch || R->c->scratch_bytes < need)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: scratch too small (%zu bytes, need %zu)", R->fn,
-                   R->c->scratch ? R->c->scratch_bytes : 0, need);
-  *region = R->c->scratch;
+  if (need > SG__MPI_NRX * SG__MPI_PIECE)
+    return sg__err(SG_ERR_INTERNAL, "%s: direct pieces (%zu bytes) exceed the receive buffers",
+                   R->fn, need);
+  *into_rx = 1;
+  *region = mc(R->c)->rx;
   return SG_OK;
 }
 
