@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""torch.optim.AdamW(fused=True) on CUDA over the sizes of bench/adamw_cuda.cu, in GB/s counted
+"""torch.optim.AdamW(fused=True) on CUDA over the sizes of bench/bench_adamw_cuda.cu, in GB/s counted
 the same way (28 B/param for f32 params; 30 B/param for bf16 params with an fp32 master, which
 torch has no fused form of: its row uses f32 params and says so), so that the two can be put
 side by side. Goal of issue 3: sg_bench_adamw_cuda >= 1.2x torch's speed.

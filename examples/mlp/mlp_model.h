@@ -1,5 +1,5 @@
 /* A small multi-layer perceptron in plain C (f32 math), shared by examples/mlp/mlp.c and
- * bench/step.c. The task is regression on data from a fixed random teacher network with MSE
+ * bench/bench_step.c. The task is regression on data from a fixed random teacher network with MSE
  * loss, so that the loss has a known floor (near zero) and its decrease is easy to check.
  *
  * Parameters, in registration order: W0, b0, W1, b1, ... (Wl is dims[l+1] x dims[l], row-major;

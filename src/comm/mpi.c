@@ -2,7 +2,7 @@
  *
  * Reduce-scatter (and the first half of all-reduce) has two algorithms, selected by
  * SG_MPI_REDUCE_SCATTER=direct|ring (read when the communicator is created; unset: ring for
- * two ranks, direct from three, as measured with bench/comm.c on a 2-core machine). Open MPI's
+ * two ranks, direct from three, as measured with bench/bench_comm.c on a 2-core machine). Open MPI's
  * MPI_Reduce_scatter_block is several times slower than either, and MPI has no bf16.
  *
  * Direct: every rank sends slice k of its buffer to rank k and receives every peer's values of
@@ -28,7 +28,7 @@
  * All-gather (and the second half of all-reduce) is direct by default: every rank posts its
  * slice to every peer at once. It moves the same bytes per rank as a ring without the chain of
  * forwards, and measured >= MPI_Allgather here, where the ring fell behind with ranks sharing
- * cores. SG_MPI_ALLGATHER=ring|mpi selects the ring or MPI_Iallgather (bench/comm.c).
+ * cores. SG_MPI_ALLGATHER=ring|mpi selects the ring or MPI_Iallgather (bench/bench_comm.c).
  * Broadcast is MPI_Ibcast, polled.
  *
  * Wire data is bytes (MPI has no bf16). Buffers must be host memory (CPU device or none).
@@ -880,7 +880,7 @@ static sg_status setup(mcomm *m, MPI_Comm base) {
   m->tag_ub = flag && ub && *ub > 2 ? *ub : 32767;
   m->rx = malloc(SG__MPI_NRX * SG__MPI_PIECE);
   if (!m->rx) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory for receive buffers", fn);
-  /* SG_MPI_ALLGATHER=direct|ring|mpi overrides the measured default (bench/comm.c) */
+  /* SG_MPI_ALLGATHER=direct|ring|mpi overrides the measured default (bench/bench_comm.c) */
   const char *ag = getenv("SG_MPI_ALLGATHER");
   m->ag_algo = !ag                   ? AG_DIRECT
                : !strcmp(ag, "mpi")  ? AG_MPI

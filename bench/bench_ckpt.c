@@ -1,4 +1,4 @@
-/* bench_ckpt: checkpoint save and load throughput at W ranks (threads), beside plain copies of
+/* sg_bench_ckpt: checkpoint save and load throughput at W ranks (threads), beside plain copies of
  * the same bytes measured in the same run:
  *
  *   sg_save            every rank writes its file (CRC-32C per chunk, fsync, rename, directory
@@ -13,7 +13,7 @@
  * would see them. Correctness is checked in an untimed pass (the master weights after the load
  * equal those before). Best of --reps repetitions.
  *
- *   bench_ckpt [--numel N] [--params K] [--ranks W] [--dtype f32|bf16] [--dir D] [--reps R] */
+ *   sg_bench_ckpt [--numel N] [--params K] [--ranks W] [--dtype f32|bf16] [--dir D] [--reps R] */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_barrier, mkdtemp */
 #include <pthread.h>
 #include <stdio.h>
@@ -218,7 +218,7 @@ int main(int argc, char **argv) {
   s.world = o.ranks;
   s.do_save = 1;
   printf(
-      "bench_ckpt: %zu parameters (%s) in %d tensors, W=%d ranks (threads), best of %d, "
+      "sg_bench_ckpt: %zu parameters (%s) in %d tensors, W=%d ranks (threads), best of %d, "
       "directory %s\n",
       o.numel, o.dtype == SG_F32 ? "f32" : "bf16", o.params, o.ranks, o.reps, root);
   if (!run(&s)) return 1;

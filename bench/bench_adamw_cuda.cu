@@ -2,7 +2,7 @@
  * device calls) over N parameters, beside a device-to-device cudaMemcpyAsync measured in the
  * same run on the same stream.
  *
- * Bytes per parameter, counted as bench/adamw.c counts them:
+ * Bytes per parameter, counted as bench/bench_adamw.c counts them:
  *   f32 params (the param is the master):  grad 4 + param r/w 8 + m r/w 8 + v r/w 8   = 28 B
  *   bf16 params (fp32 master):              grad 4 + master r/w 8 + m 8 + v 8 + bf16 write 2
  *                                                                                      = 30 B
@@ -32,7 +32,7 @@ extern "C" {                    /* a C header without C++ guards */
 }
 #include "cuda/sg_cuda_kernels.h" /* sg__cuda_adamw and its segment table */
 
-#define SEG_MAX ((size_t)4 << 20) /* parameters of at most 4 Mi elements, as bench/adamw.c */
+#define SEG_MAX ((size_t)4 << 20) /* parameters of at most 4 Mi elements, as bench/bench_adamw.c */
 
 #define CU(call)                                                                        \
   do {                                                                                  \
@@ -121,7 +121,7 @@ void launch(const state &s, sg__cuda_launch L, uint64_t t) {
   if (e) CU((cudaError_t)e);
 }
 
-/* Values a training run would hold (as bench/adamw.c fills them). */
+/* Values a training run would hold (as bench/bench_adamw.c fills them). */
 void fill_host(std::vector<float> &x, float base, float scale) {
   for (size_t i = 0; i < x.size(); i++)
     x[i] = base + scale * (float)((i * 2654435761u) % 1000u) / 1000.0f;

@@ -1,6 +1,0 @@
-# sg_bench_comm: our MPI communicator's reduce-scatter / all-gather / all-reduce beside
-# MPI_Reduce_scatter_block / MPI_Allgather / MPI_Allreduce (see bench/comm.c). MPI builds only.
-#   mpirun -np 2 build/bench/sg_bench_comm
-if(SG_WITH_MPI)
-  sg_add_bench(sg_bench_comm SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm.c)
-endif()
