@@ -65,7 +65,7 @@ static sg_status coll_job_fn(void *arg) {
   return sg__err(SG_ERR_INTERNAL, "unknown collective %d", (int)j->op);
 }
 
-static int64_t host_deadline(const sg_engine *e) {
+int64_t sg__engine_host_deadline(const sg_engine *e) {
   /* Every collective on the queue has its own deadline, so a host wait needs only a backstop
    * for a queue of several of them. */
   return e->cfg.timeout_ms > 0 ? sg__now_ms() + 2 * (int64_t)e->cfg.timeout_ms : INT64_MAX;
@@ -74,7 +74,7 @@ static int64_t host_deadline(const sg_engine *e) {
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
   uint64_t t = 0;
   sg_status st = e->dev->ops->comm_submit(e->dev, fn, arg, &t);
-  if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, host_deadline(e));
+  if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, sg__engine_host_deadline(e));
   if (t > e->last_ticket) e->last_ticket = t;
   return sg__engine_broken(e, st);
 }
@@ -530,7 +530,7 @@ sg_status sg_broadcast_params(sg_engine *e, int root) {
   if (root < 0 || root >= e->world)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d outside 0..%d", fn, root, e->world - 1);
   SG_TRY(sg__grads_idle(e, fn));
-  SG_TRY(e->dev->ops->sync(e->dev, host_deadline(e)));
+  SG_TRY(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)));
   SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0, root));
   return master_from_working(e);
 }
@@ -549,7 +549,7 @@ static sg_status gather_state(sg_engine *e, int id, const float *state, float *d
   sg_status st;
   SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, tmp + (size_t)e->rank * slice,
                                 state + b->shard_offset, slice * 4, SG_COPY_D2D), st, done);
-  SG_TRY_GOTO(e->dev->ops->sync(e->dev, host_deadline(e)), st, done);
+  SG_TRY_GOTO(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)), st, done);
   SG_TRY_GOTO(run_coll(e, SG_COLL_ALLGATHER, tmp, slice * 4, 0, 0), st, done);
   st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start), pp->numel * 4,
                          SG_COPY_D2H);

@@ -67,6 +67,9 @@ sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn);
 /* Marks the engine broken after a failed collective and keeps the failure text. */
 sg_status sg__engine_broken(sg_engine *e, sg_status st);
 
+/* Deadline of a host wait for the comm queue: every collective on it has its own deadline, so
+ * this is only a backstop for a queue of several (2 x timeout_ms; none when timeout_ms <= 0). */
+int64_t sg__engine_host_deadline(const sg_engine *e);
 /* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
 /* In-place all-reduce of device memory through the comm queue, waited for. */

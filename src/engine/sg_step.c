@@ -147,7 +147,7 @@ static sg_status gather_params(sg_engine *e) {
   if (st == SG_OK) {
     e->last_ticket = t;
     /* The caller's next kernels read the parameters: they wait for the gather. */
-    st = e->dev->ops->compute_wait_comm(e->dev, t, sg__deadline(2 * e->cfg.timeout_ms));
+    st = e->dev->ops->compute_wait_comm(e->dev, t, sg__engine_host_deadline(e));
   }
   return sg__engine_broken(e, st);
 }
@@ -183,7 +183,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   SG_TRY(check_info(info));
   SG_TRY(sg__grads_flush(e, fn));
   SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
-                                                     sg__deadline(2 * e->cfg.timeout_ms))));
+                                                     sg__engine_host_deadline(e))));
   double ss[2] = {0, 0};
   SG_TRY(global_sumsq(e, ss));
   const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
