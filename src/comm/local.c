@@ -90,6 +90,14 @@ static void break_group(lgroup *g, int rank, const char *why) {
   pthread_mutex_unlock(&g->mu);
 }
 
+/* The early check of every collective; peers set the flag under the mutex at any time. */
+static int group_is_broken(lgroup *g) {
+  pthread_mutex_lock(&g->mu);
+  const int b = g->broken;
+  pthread_mutex_unlock(&g->mu);
+  return b;
+}
+
 /* Fails this rank because the group is broken (by a peer or by itself earlier). */
 static sg_status fail_broken(sg_comm *c, const char *fn) {
   lgroup *g = group_of(c);
@@ -261,7 +269,7 @@ static sg_status local_all_reduce(sg_comm *c, void *buf, size_t count, int dtype
                                   int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_reduce";
   SG_TRY(sg__comm_usable(c, fn));
-  if (group_of(c)->broken) return fail_broken(c, fn);
+  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
     return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, count, OP_ALL_REDUCE, dtype, -1};
@@ -291,7 +299,7 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
                                       int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) reduce_scatter";
   SG_TRY(sg__comm_usable(c, fn));
-  if (group_of(c)->broken) return fail_broken(c, fn);
+  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
     return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1};
@@ -309,7 +317,7 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
 static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_gather";
   SG_TRY(sg__comm_usable(c, fn));
-  if (group_of(c)->broken) return fail_broken(c, fn);
+  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
     return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, bytes, OP_ALL_GATHER, 0, -1};
@@ -329,7 +337,7 @@ static sg_status local_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
                                  int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) broadcast";
   SG_TRY(sg__comm_usable(c, fn));
-  if (group_of(c)->broken) return fail_broken(c, fn);
+  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (root < 0 || root >= c->world) {
     sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root out of range (%d, world %d)", fn, root, c->world);
     return fail_args(c, "passed invalid arguments");
