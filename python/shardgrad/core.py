@@ -511,14 +511,17 @@ class Engine:
         _call("sg_param_ptr", self.handle, self._check_id(pid), ctypes.byref(p))
         return p.value
 
+    def _host_view(self, ptr, pid, dtype):
+        """Zero-copy NumPy view of numel(pid) elements of dtype at ptr, owned by this engine."""
+        n = self._numels[pid]
+        buf = _host_buffer(ptr, n * _ITEMSIZE[dtype], self)
+        return np.frombuffer(buf, dtype=_NP_DTYPE[dtype], count=n).reshape(self._shapes[pid])
+
     def param(self, pid):
         """Zero-copy NumPy view of working parameter `pid` (bf16 as uint16). CPU only."""
         pid = self._check_id(pid)
         self._need_host("param")
-        ptr = self.param_ptr(pid)
-        n = self._numels[pid]
-        buf = _host_buffer(ptr, n * _ITEMSIZE[self._pdtype], self)
-        return np.frombuffer(buf, dtype=_NP_DTYPE[self._pdtype], count=n).reshape(self._shapes[pid])
+        return self._host_view(self.param_ptr(pid), pid, self._pdtype)
 
     def param_tensor(self, pid):
         """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines)."""
@@ -584,10 +587,7 @@ class Engine:
         valid until grad_ready(pid). CPU only."""
         pid = self._check_id(pid)
         self._need_host("grad")
-        ptr = self.grad_ptr(pid)
-        n = self._numels[pid]
-        buf = _host_buffer(ptr, n * _ITEMSIZE[self._gdtype], self)
-        return np.frombuffer(buf, dtype=_NP_DTYPE[self._gdtype], count=n).reshape(self._shapes[pid])
+        return self._host_view(self.grad_ptr(pid), pid, self._gdtype)
 
     def grad_tensor(self, pid):
         """Zero-copy torch view of the gradient slot of `pid`, valid until grad_ready(pid)."""
