@@ -14,35 +14,22 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
-#include <errno.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #ifdef MLP_CUDA_HAVE_MPI
 #include <mpi.h>
 #endif
 
+#include "mlp_cli.h"
 #include "mlp_cuda_kernels.h"
 #include "mlp_model.h"
 #include "shardgrad.h"
 
 typedef struct options {
-  sg_strategy strategy;
-  sg_dtype dtype; /* SG_F32 or SG_BF16 */
-  int ranks, nccl, gpu, steps, micro, batch, hidden, layers, check, log_every;
-  double bucket_mb;
-  float lr, clip;
-  uint64_t seed;
+  mlp_cli c; /* the flags shared with examples/mlp; dtype SG_F32 or SG_BF16 */
+  int nccl, gpu;
 } options;
-
-typedef struct rank_run {
-  const options *o;
-  sg_comm *comm;
-  int gpu; /* the GPU this rank computes on */
-  int rc;  /* 0 ok, 1 a call failed, 2 --check failed */
-} rank_run;
 
 /* The GPU side of one rank's model: f32 activations and deltas, their bf16 mirrors in bf16
  * mode (the GEMM inputs), a column of ones (bias gradients as a GEMM), the per-micro-batch
@@ -63,22 +50,8 @@ typedef struct gpu_model {
   cublasHandle_t blas;
 } gpu_model;
 
-static const char *strategy_name(sg_strategy s) {
-  return s == SG_NO_SHARD ? "NO_SHARD" : s == SG_SHARD_OPT ? "SHARD_OPT" : "SHARD_GRAD_OP";
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static double mib(size_t bytes) { return (double)bytes / (1024.0 * 1024.0); }
-
 static int failed(int rank, const char *what, sg_status st) {
-  fprintf(stderr, "mlp_cuda: rank %d: %s failed: %s: %s\n", rank, what, sg_status_string(st),
-          sg_last_error());
-  return 1;
+  return mlp_cli_failed("mlp_cuda", rank, what, st);
 }
 
 static int cuda_failed(int rank, const char *what, cudaError_t e) {
@@ -262,8 +235,8 @@ static int propagate(gpu_model *g, int l, int rank) {
 static int micro_batch(gpu_model *g, sg_engine *e, const options *o, int step, int mb, int rank,
                        int world, float scale) {
   mlp_model *m = g->m;
-  const uint64_t slot = ((uint64_t)step * (uint64_t)o->micro + (uint64_t)mb) * (uint64_t)world;
-  mlp_make_batch(m, (slot + (uint64_t)rank) * (uint64_t)o->batch);
+  const uint64_t slot = ((uint64_t)step * (uint64_t)o->c.micro + (uint64_t)mb) * (uint64_t)world;
+  mlp_make_batch(m, (slot + (uint64_t)rank) * (uint64_t)o->c.batch);
   const size_t nx = (size_t)m->batch * MLP_IN, ny = (size_t)m->batch * MLP_OUT;
   /* pageable sources: the copies are staged before they return, so the host may refill */
   cudaError_t ce = cudaMemcpyAsync(g->act[0], m->act[0], nx * 4, cudaMemcpyHostToDevice, g->stream);
@@ -283,17 +256,9 @@ static int micro_batch(gpu_model *g, sg_engine *e, const options *o, int step, i
 }
 
 static void make_config(const options *o, int gpu, sg_config *cfg) {
-  cfg->strategy = o->strategy;
+  mlp_cli_config(&o->c, cfg);
   cfg->device = SG_DEVICE_CUDA;
   cfg->cuda_device = gpu;
-  cfg->param_dtype = o->dtype;
-  cfg->grad_dtype = o->dtype;
-  cfg->reduce_dtype = o->dtype;
-  cfg->bucket_bytes = (size_t)(o->bucket_mb * 1024.0 * 1024.0);
-  cfg->lr = o->lr;
-  cfg->max_grad_norm = o->clip;
-  cfg->seed = o->seed;
-  cfg->timeout_ms = 120000; /* a failed rank makes the others fail within 2 minutes, not hang */
 }
 
 static void print_memory(const options *o, const mlp_model *m, const sg_memory_stats *mem,
@@ -302,15 +267,10 @@ static void print_memory(const options *o, const mlp_model *m, const sg_memory_s
   const int have_prop = cudaGetDeviceProperties(&prop, gpu) == cudaSuccess;
   printf("mlp_cuda: %s, W=%d (%s), %s params, %d layers x %d hidden, %zu params, batch %d x %d "
          "micro-batch(es) per rank, GPU %d (%s)\n",
-         strategy_name(o->strategy), world, o->nccl ? "NCCL" : "threads on one GPU",
-         o->dtype == SG_BF16 ? "bf16" : "f32", m->layers, o->hidden, m->total_numel, o->batch,
-         o->micro, gpu, have_prop ? prop.name : "?");
-  printf("memory per rank: %.3f MiB (params %.3f, grads %.3f, master %.3f, optim %.3f, comm %.3f)"
-         " vs %.3f MiB with NO_SHARD\n",
-         mib(mem->total_bytes), mib(mem->params_bytes), mib(mem->grads_bytes),
-         mib(mem->master_bytes), mib(mem->optim_bytes), mib(mem->comm_bytes),
-         mib(ddp->total_bytes));
-  printf("loss below is rank 0's local loss (each rank trains on its own slice of the data)\n");
+         mlp_cli_strategy_name(o->c.strategy), world, o->nccl ? "NCCL" : "threads on one GPU",
+         o->c.dtype == SG_BF16 ? "bf16" : "f32", m->layers, o->c.hidden, m->total_numel, o->c.batch,
+         o->c.micro, gpu, have_prop ? prop.name : "?");
+  mlp_cli_print_memory(mem, ddp);
 }
 
 /* The step's mean loss over its micro-batches (waits for the stream: the loss is a host value). */
@@ -326,20 +286,20 @@ static int read_loss(gpu_model *g, int micro, int rank, float *loss) {
 }
 
 static void *train(void *arg) {
-  rank_run *r = arg;
+  mlp_rank_run *r = arg;
   const options *o = r->o;
   const int rank = sg_comm_rank(r->comm), world = sg_comm_size(r->comm);
   sg_engine *e = NULL;
   mlp_model m;
   gpu_model g;
   memset(&g, 0, sizeof g);
-  if (mlp_init(&m, o->layers, o->hidden, o->batch, o->seed) != 0) {
+  if (mlp_init(&m, o->c.layers, o->c.hidden, o->c.batch, o->c.seed) != 0) {
     fprintf(stderr, "mlp_cuda: rank %d: out of memory\n", rank);
     r->rc = 1;
     return NULL;
   }
   g.m = &m;
-  g.bf16 = o->dtype == SG_BF16;
+  g.bf16 = o->c.dtype == SG_BF16;
   sg_config cfg;
   CHECK(sg_config_init(&cfg, sizeof cfg));
   make_config(o, r->gpu, &cfg);
@@ -351,7 +311,7 @@ static void *train(void *arg) {
   BLAS(cublasSetStream(g.blas, g.stream));
   CHECK(sg_set_stream(e, g.stream));
   CHECK(setup_params(&g, e));
-  CU(gpu_alloc(&g, o->micro));
+  CU(gpu_alloc(&g, o->c.micro));
 
   sg_memory_stats mem = {.struct_size = sizeof mem}, ddp = {.struct_size = sizeof ddp};
   CHECK(sg_memory(e, &mem));
@@ -362,13 +322,13 @@ static void *train(void *arg) {
 
   float first = 0.0f, last = 0.0f;
   int skipped = 0;
-  const double t_start = now_s();
-  for (int step = 0; step < o->steps; step++) {
-    const double t0 = now_s();
+  const double t_start = mlp_cli_now_s();
+  for (int step = 0; step < o->c.steps; step++) {
+    const double t0 = mlp_cli_now_s();
     float scale = 1.0f;
     CHECK(sg_get_loss_scale(e, &scale));
-    for (int mb = 0; mb < o->micro; mb++) {
-      if (micro_batch(&g, e, o, step, mb, rank, world, scale / (float)o->micro)) {
+    for (int mb = 0; mb < o->c.micro; mb++) {
+      if (micro_batch(&g, e, o, step, mb, rank, world, scale / (float)o->c.micro)) {
         r->rc = 1;
         goto done;
       }
@@ -376,30 +336,21 @@ static void *train(void *arg) {
     }
     sg_step_info info = {.struct_size = sizeof info};
     CHECK(sg_step(e, &info));
-    if (read_loss(&g, o->micro, rank, &last)) {
+    if (read_loss(&g, o->c.micro, rank, &last)) {
       r->rc = 1;
       goto done;
     }
-    const double dt = now_s() - t0;
+    const double dt = mlp_cli_now_s() - t0;
     if (step == 0) first = last;
     skipped += info.skipped;
-    if (rank == 0 && (step % o->log_every == 0 || step == o->steps - 1))
+    if (rank == 0 && (step % o->c.log_every == 0 || step == o->c.steps - 1))
       printf("step %5d  loss %.6f  grad_norm %.5f  %.1f steps/s%s\n", step, (double)last,
              (double)info.grad_norm, 1.0 / dt, info.skipped ? "  (skipped: non-finite gradients)" : "");
   }
-  const double rate = (double)o->steps / (now_s() - t_start);
-  if (rank == 0) {
-    printf("loss %.4g -> %.4g (%.1fx lower) in %d steps, %.1f steps/s, %s, W=%d, %.3f MiB/rank "
-           "vs %.3f MiB NO_SHARD%s\n",
-           (double)first, (double)last, (double)(first / last), o->steps, rate,
-           strategy_name(o->strategy), world, mib(mem.total_bytes), mib(ddp.total_bytes),
-           skipped ? " (some steps skipped)" : "");
-    if (o->check && !(last < 0.5f * first)) {
-      fprintf(stderr, "mlp_cuda: --check failed: final loss %g is not below 0.5 x first loss %g\n",
-              (double)last, (double)first);
-      r->rc = 2;
-    }
-  }
+  const double rate = (double)o->c.steps / (mlp_cli_now_s() - t_start);
+  if (rank == 0)
+    r->rc = mlp_cli_report("mlp_cuda", &o->c, first, last, o->c.steps, rate, world, &mem, &ddp,
+                           skipped);
 done:
   if (g.stream) (void)cudaStreamSynchronize(g.stream); /* our kernels may still read the buffers */
   sg_engine_destroy(e);
@@ -421,138 +372,30 @@ static void usage(void) {
           "  process under mpirun, one GPU each (NCCL)\n");
 }
 
-static int parse_int(const char *s, int lo_, int hi, int *out) {
-  char *end = NULL;
-  errno = 0;
-  const long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo_ || v > hi) return -1;
-  *out = (int)v;
-  return 0;
+static int switch_flag(void *opts, const char *flag) {
+  options *o = opts;
+  if (strcmp(flag, "--nccl")) return 0;
+  o->nccl = 1;
+  return 1;
 }
 
-static int parse_num(const char *s, double lo_, double *out) {
-  char *end = NULL;
-  errno = 0;
-  const double v = strtod(s, &end);
-  if (errno || end == s || *end || !(v >= lo_)) return -1;
-  *out = v;
-  return 0;
+static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
+  options *o = opts;
+  if (strcmp(flag, "--gpu")) return 0;
+  *bad = mlp_cli_parse_int(v, 0, 1023, &o->gpu) != 0;
+  return 1;
 }
 
-static int parse_enum(const char *s, const char *const *names, int n, int *out) {
-  for (int i = 0; i < n; i++)
-    if (strcmp(s, names[i]) == 0) {
-      *out = i;
-      return 0;
-    }
-  return -1;
-}
-
-static int parse_value(options *o, const char *flag, const char *v) {
-  static const char *const strategies[] = {"no_shard", "shard_opt", "shard_grad_op"};
-  static const char *const dtypes[] = {"f32", "bf16"}; /* f16 needs loss scaling: not here */
-  double d = 0.0;
-  int i = 0, rc = 0;
-  if (!strcmp(flag, "--strategy")) {
-    rc = parse_enum(v, strategies, 3, &i);
-    o->strategy = (sg_strategy)i;
-  } else if (!strcmp(flag, "--dtype")) {
-    rc = parse_enum(v, dtypes, 2, &i);
-    o->dtype = (sg_dtype)i;
-  } else if (!strcmp(flag, "--ranks"))
-    rc = parse_int(v, 1, 64, &o->ranks);
-  else if (!strcmp(flag, "--gpu"))
-    rc = parse_int(v, 0, 1023, &o->gpu);
-  else if (!strcmp(flag, "--steps"))
-    rc = parse_int(v, 1, 100000000, &o->steps);
-  else if (!strcmp(flag, "--micro-batches"))
-    rc = parse_int(v, 1, 1000000, &o->micro);
-  else if (!strcmp(flag, "--batch"))
-    rc = parse_int(v, 1, 1 << 20, &o->batch);
-  else if (!strcmp(flag, "--hidden"))
-    rc = parse_int(v, 1, 1 << 16, &o->hidden);
-  else if (!strcmp(flag, "--layers"))
-    rc = parse_int(v, 1, MLP_MAX_LAYERS, &o->layers);
-  else if (!strcmp(flag, "--log-every"))
-    rc = parse_int(v, 1, 1 << 30, &o->log_every);
-  else if (!strcmp(flag, "--bucket-mb"))
-    rc = parse_num(v, 1e-6, &o->bucket_mb);
-  else if (!strcmp(flag, "--lr")) {
-    rc = parse_num(v, 0.0, &d);
-    o->lr = (float)d;
-  } else if (!strcmp(flag, "--clip")) {
-    rc = parse_num(v, 0.0, &d);
-    o->clip = (float)d;
-  } else if (!strcmp(flag, "--seed")) {
-    rc = parse_num(v, 0.0, &d);
-    o->seed = (uint64_t)d;
-  } else
-    rc = -1;
-  if (rc) fprintf(stderr, "mlp_cuda: bad value for %s: '%s'\n", flag, v);
-  return rc;
-}
-
+/* f16 needs loss scaling, which this example does not do: --dtype takes f32 and bf16 only. */
 static int parse_args(int argc, char **argv, options *o) {
-  *o = (options){.strategy = SG_SHARD_GRAD_OP,
-                 .dtype = SG_F32,
-                 .ranks = 2,
-                 .steps = 200,
-                 .micro = 1,
-                 .batch = 32,
-                 .hidden = 128,
-                 .layers = 3,
-                 .bucket_mb = 0.25,
-                 .lr = 3e-3f,
-                 .clip = 1.0f,
-                 .seed = 1,
-                 .log_every = 1};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!strcmp(a, "--nccl"))
-      o->nccl = 1;
-    else if (!strcmp(a, "--check"))
-      o->check = 1;
-    else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      usage();
-      exit(0);
-    } else if (!strncmp(a, "--", 2) && i + 1 < argc) {
-      if (parse_value(o, a, argv[++i])) return -1;
-    } else {
-      fprintf(stderr, "mlp_cuda: unknown argument '%s'\n", a);
-      return -1;
-    }
-  }
-  return 0;
-}
-
-/* Ranks as threads on one GPU: NCCL refuses two ranks on one device, the local communicator
- * does not. */
-static int run_threads(const options *o) {
-  sg_comm **comms = calloc((size_t)o->ranks, sizeof *comms);
-  rank_run *runs = calloc((size_t)o->ranks, sizeof *runs);
-  pthread_t *th = calloc((size_t)o->ranks, sizeof *th);
-  int rc = 1, started = 0;
-  if (!comms || !runs || !th) goto done;
-  const sg_status st = sg_comm_create_local(o->ranks, comms);
-  if (st != SG_OK) {
-    failed(0, "sg_comm_create_local", st);
-    goto done;
-  }
-  for (; started < o->ranks; started++) {
-    runs[started] = (rank_run){.o = o, .comm = comms[started], .gpu = o->gpu};
-    if (pthread_create(&th[started], NULL, train, &runs[started]) != 0) break;
-  }
-  rc = started == o->ranks ? 0 : 1;
-  for (int i = 0; i < started; i++) {
-    pthread_join(th[i], NULL);
-    if (runs[i].rc > rc) rc = runs[i].rc;
-  }
-  for (int i = 0; i < o->ranks; i++) sg_comm_destroy(comms[i]);
-done:
-  free(comms);
-  free(runs);
-  free(th);
-  return rc;
+  static const mlp_cli_prog prog = {.name = "mlp_cuda",
+                                    .max_ranks = 64,
+                                    .n_dtypes = 2,
+                                    .usage = usage,
+                                    .switch_flag = switch_flag,
+                                    .value_flag = value_flag};
+  memset(o, 0, sizeof *o);
+  return mlp_cli_parse(&prog, argc, argv, &o->c, o);
 }
 
 #ifdef MLP_CUDA_HAVE_MPI
@@ -575,7 +418,7 @@ static int run_nccl(const options *o) {
     fprintf(stderr, "mlp_cuda: MPI_Init_thread failed\n");
     return 1;
   }
-  rank_run run = {.o = o};
+  mlp_rank_run run = {.o = o};
   const sg_status st = sg_comm_create_nccl_mpi(NULL, &run.comm);
   if (st != SG_OK) {
     rc = failed(-1, "sg_comm_create_nccl_mpi", st);
@@ -604,5 +447,7 @@ int main(int argc, char **argv) {
     return 64;
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
-  return o.nccl ? run_nccl(&o) : run_threads(&o);
+  /* Ranks as threads on one GPU: NCCL refuses two ranks on one device, the local communicator
+   * does not. */
+  return o.nccl ? run_nccl(&o) : mlp_cli_run_threads("mlp_cuda", &o, o.c.ranks, o.gpu, train);
 }
