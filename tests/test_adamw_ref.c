@@ -35,20 +35,7 @@
 #define SG_TEST_DATA_DIR "tests/data"
 #endif
 
-static int g_pass, g_fail;
-
-static void check(int ok, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  printf("%s - ", ok ? "ok  " : "FAIL");
-  vprintf(fmt, ap);
-  printf("\n");
-  va_end(ap);
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-}
+#include "sg_test_check.h"
 
 /* ---- reference file ------------------------------------------------------------------------ */
 
@@ -306,11 +293,11 @@ static void check_case(const ref_case *c) {
          "bit-equal; whole run: max %.2f ulp, rel %.2e, %ld of %ld not bit-equal\n",
          rep.p_ulp, rep.p_rel, rep.p_mismatch, rep.p_total, full.p_ulp, full.p_rel,
          full.p_mismatch, full.p_total);
-  check(rep.mv_mismatch == 0 && full.mv_mismatch == 0,
+  CHECK(rep.mv_mismatch == 0 && full.mv_mismatch == 0,
         "%s: exp_avg and exp_avg_sq bit-equal to torch at every step (%ld differ)", c->name,
         rep.mv_mismatch + full.mv_mismatch);
-  check(rep.p_ulp <= 3.0, "%s: params within 3 ulp of torch per step (max %.2f)", c->name, rep.p_ulp);
-  check(full.p_ulp <= 16.0, "%s: params within 16 ulp of torch over %u steps (max %.2f)", c->name,
+  CHECK(rep.p_ulp <= 3.0, "%s: params within 3 ulp of torch per step (max %.2f)", c->name, rep.p_ulp);
+  CHECK(full.p_ulp <= 16.0, "%s: params within 16 ulp of torch over %u steps (max %.2f)", c->name,
         c->steps, full.p_ulp);
 }
 
@@ -334,11 +321,11 @@ static void check_layouts(const ref_case *c) {
     free(p), free(m), free(v);
   }
   int pad = run_segments(c, 0, c->wd, all_decay, seg, &rounding_ok);
-  check(pad && memcmp(one, seg, 4 * total) == 0,
+  CHECK(pad && memcmp(one, seg, 4 * total) == 0,
         "%s: 5 segments with padding = one segment, bit for bit; padding untouched", c->name);
   for (int pdt = 1; pdt <= 2; pdt++) {
     pad = run_segments(c, pdt, c->wd, all_decay, seg, &rounding_ok);
-    check(pad && rounding_ok && memcmp(one, seg, 4 * total) == 0,
+    CHECK(pad && rounding_ok && memcmp(one, seg, 4 * total) == 0,
           "%s: %s params = RNE(fp32 master) at every step, master = fp32 run; padding untouched",
           c->name, pdt == 1 ? "bf16" : "f16");
   }
@@ -354,7 +341,7 @@ static void check_no_decay(const ref_case *c) {
   int pad = run_segments(c, 0, c->wd, all_decay, plain, &r); /* wd of the file: 0 */
   pad &= run_segments(c, 0, 0.1f, no_decay, nd, &r);
   pad &= run_segments(c, 0, 0.1f, alt_decay, alt, &r);
-  check(pad && memcmp(plain, nd, 4 * total) == 0,
+  CHECK(pad && memcmp(plain, nd, 4 * total) == 0,
         "%s: NO_DECAY segments with wd 0.1 in the args = torch's wd 0 run, bit for bit", c->name);
   /* segments 1 and 3 (elements [1,17) and [64,65)) decay; 0, 2, 4 do not */
   int odd_differ = 0, even_same = 1;
@@ -367,7 +354,7 @@ static void check_no_decay(const ref_case *c) {
       else
         even_same &= fbits(a) == fbits(b);
     }
-  check(pad && odd_differ && even_same,
+  CHECK(pad && odd_differ && even_same,
         "%s: mixed segments: only the decay segments change under wd 0.1", c->name);
   free(plain), free(nd), free(alt);
 }
@@ -377,7 +364,7 @@ int main(void) {
   for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
     ref_case c;
     int ok = load_case(names[k], &c);
-    check(ok, "load %s/adamw_%s.bin (magic, version, size)", SG_TEST_DATA_DIR, names[k]);
+    CHECK(ok, "load %s/adamw_%s.bin (magic, version, size)", SG_TEST_DATA_DIR, names[k]);
     if (!ok) continue;
     check_case(&c);
     check_layouts(&c);
@@ -385,10 +372,9 @@ int main(void) {
     if (c.flags & 1) {
       float lo = 1.0f;
       for (uint32_t t = 0; t < c.steps; t++) lo = c.coef[t] < lo ? c.coef[t] : lo;
-      check(lo < 1.0f, "%s: the clipping case really clips (min coef %.4f)", c.name, lo);
+      CHECK(lo < 1.0f, "%s: the clipping case really clips (min coef %.4f)", c.name, lo);
     }
     free_case(&c);
   }
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

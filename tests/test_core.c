@@ -12,19 +12,8 @@
 
 #include "core/sg_core.h" /* sg__err, sg__config_*, SG_LOG */
 
-static int g_pass, g_fail;
-
-#define CHECK(cond, ...)                                     \
-  do {                                                       \
-    if (cond) {                                              \
-      g_pass++;                                              \
-    } else {                                                 \
-      g_fail++;                                              \
-      printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      printf(__VA_ARGS__);                                   \
-      printf("\n");                                          \
-    }                                                        \
-  } while (0)
+#define SG_TEST_PRINT_PASSES 0
+#include "sg_test_check.h"
 
 static void test_status_strings(void) {
   printf("status strings ...\n");
@@ -468,6 +457,5 @@ int main(void) {
   test_config_check();
   test_dynamic_scale();
   test_logging();
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

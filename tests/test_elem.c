@@ -28,20 +28,7 @@
 #include "device/sg_device.h"   /* the CPU device: memory, comm queue */
 #include "sg_elem.h"            /* element math */
 
-static int g_pass, g_fail;
-
-static void check(int ok, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  printf("%s - ", ok ? "ok  " : "FAIL");
-  vprintf(fmt, ap);
-  printf("\n");
-  va_end(ap);
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-}
+#include "sg_test_check.h"
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
 static uint64_t rnd64(void) { /* xorshift64* */
@@ -135,8 +122,8 @@ static void test_bf16_all(void) {
       bad_trip += back != h;
     }
   }
-  check(bad_val == 0, "bf16 -> f32 exact for all 65536 patterns, NaN quiet with sign (%d bad)", bad_val);
-  check(bad_trip == 0, "bf16 -> f32 -> bf16 round trip exact (NaN: quieted) (%d bad)", bad_trip);
+  CHECK(bad_val == 0, "bf16 -> f32 exact for all 65536 patterns, NaN quiet with sign (%d bad)", bad_val);
+  CHECK(bad_trip == 0, "bf16 -> f32 -> bf16 round trip exact (NaN: quieted) (%d bad)", bad_trip);
 }
 
 static void test_f16_all(void) {
@@ -162,10 +149,10 @@ static void test_f16_all(void) {
     }
 #endif
   }
-  check(bad_val == 0, "f16 -> f32 exact for all 65536 patterns incl. subnormals, NaN quiet (%d bad)", bad_val);
-  check(bad_trip == 0, "f16 -> f32 -> f16 round trip exact (NaN: quieted) (%d bad)", bad_trip);
+  CHECK(bad_val == 0, "f16 -> f32 exact for all 65536 patterns incl. subnormals, NaN quiet (%d bad)", bad_val);
+  CHECK(bad_trip == 0, "f16 -> f32 -> f16 round trip exact (NaN: quieted) (%d bad)", bad_trip);
 #ifdef HAVE_FLOAT16
-  check(bad_gcc == 0, "f16 -> f32 equals gcc's _Float16 conversion (%d bad)", bad_gcc);
+  CHECK(bad_gcc == 0, "f16 -> f32 equals gcc's _Float16 conversion (%d bad)", bad_gcc);
 #endif
 }
 
@@ -225,12 +212,12 @@ static void test_rounding(void) {
     uint32_t e = 98u + (uint32_t)(rnd32() % 48u);
     check_one(bitsf((rnd32() & 0x807fffffu) | (e << 23)), &s);
   }
-  check(s.bad_bf16 == 0, "f32 -> bf16 RNE equals the double reference on %ld values (%ld bad)", s.n, s.bad_bf16);
-  check(s.bad_f16 == 0, "f32 -> f16 RNE equals the double reference on %ld values (%ld bad)", s.n, s.bad_f16);
+  CHECK(s.bad_bf16 == 0, "f32 -> bf16 RNE equals the double reference on %ld values (%ld bad)", s.n, s.bad_bf16);
+  CHECK(s.bad_f16 == 0, "f32 -> f16 RNE equals the double reference on %ld values (%ld bad)", s.n, s.bad_f16);
 #ifdef HAVE_FLOAT16
-  check(s.bad_gcc == 0, "f32 -> f16 equals gcc's _Float16 conversion on %ld values (%ld bad)", s.n, s.bad_gcc);
+  CHECK(s.bad_gcc == 0, "f32 -> f16 equals gcc's _Float16 conversion on %ld values (%ld bad)", s.n, s.bad_gcc);
 #endif
-  check(sg_elem_f32_to_bf16(3.4028235e38f) == 0x7f80u && sg_elem_f32_to_f16(65520.0f) == 0x7c00u &&
+  CHECK(sg_elem_f32_to_bf16(3.4028235e38f) == 0x7f80u && sg_elem_f32_to_f16(65520.0f) == 0x7c00u &&
             sg_elem_f32_to_f16(65519.99f) == 0x7bffu && sg_elem_f32_to_f16(-1e6f) == 0xfc00u,
         "overflow: values past the half-way point become inf, below stay at the maximum");
 }
@@ -251,8 +238,8 @@ static void test_stochastic(void) {
     uint16_t lo = (uint16_t)(fbits(x) >> 16);
     bad_nb += a != lo && a != (uint16_t)(lo + 1);
   }
-  check(bad_det == 0, "stochastic rounding is a pure function of (x, seed, step, index)");
-  check(bad_nb == 0, "stochastic rounding gives one of the two bf16 neighbours (inf/NaN: RNE)");
+  CHECK(bad_det == 0, "stochastic rounding is a pure function of (x, seed, step, index)");
+  CHECK(bad_nb == 0, "stochastic rounding gives one of the two bf16 neighbours (inf/NaN: RNE)");
   /* unbiased: for fractions f of the bf16 spacing, P(up) = f within 5 sigma over 200000 draws */
   const double fracs[] = {0.0, 1.0 / 65536, 0.1, 0.25, 0.5, 0.75, 0.999};
   int worst_ok = 1;
@@ -269,7 +256,7 @@ static void test_stochastic(void) {
     if (z > worst) worst = z;
     worst_ok &= z < 5.0;
   }
-  check(worst_ok, "stochastic rounding unbiased: P(round up) = fraction (worst %.2f sigma)", worst);
+  CHECK(worst_ok, "stochastic rounding unbiased: P(round up) = fraction (worst %.2f sigma)", worst);
   /* the hash: the top bit is set about half the time, and seed/step/index all matter */
   long ones = 0;
   int diff = 1;
@@ -278,7 +265,7 @@ static void test_stochastic(void) {
     ones += h >> 31;
     diff &= h != sg_elem_hash64(2, 1, (uint64_t)i) || h != sg_elem_hash64(1, 2, (uint64_t)i);
   }
-  check(ones > 49000 && ones < 51000 && diff, "hash bits balanced (%ld/100000) and keyed by seed and step", ones);
+  CHECK(ones > 49000 && ones < 51000 && diff, "hash bits balanced (%ld/100000) and keyed by seed and step", ones);
 }
 
 /* ---- CPU loops vs naive loops -------------------------------------------------------------- */
@@ -370,7 +357,7 @@ static void test_cast(void) {
         ok &= same_for_threads(run_cast, zero, dd, src, n, dd, sd, want);
         free(src), free(zero), free(want);
       }
-  check(ok, "cast: all 9 dtype pairs x sizes 0..100003 equal the naive loop, any thread count");
+  CHECK(ok, "cast: all 9 dtype pairs x sizes 0..100003 equal the naive loop, any thread count");
 }
 
 static void test_accumulate(void) {
@@ -385,7 +372,7 @@ static void test_accumulate(void) {
         ok &= same_for_threads(run_accum, acc, ad, src, n, ad, sd, want);
         free(acc), free(src), free(want);
       }
-  check(ok, "accumulate: acc x src in f32/bf16/f16 x sizes equal the naive loop, any thread count");
+  CHECK(ok, "accumulate: acc x src in f32/bf16/f16 x sizes equal the naive loop, any thread count");
 }
 
 static double load_any(const void *p, int d, size_t i) {
@@ -431,9 +418,9 @@ static void test_reduce(void) {
         for (int k = 0; k < nsrc; k++) free(src[k]);
         free(want);
       }
-  check(ok_sum, "reduce_sum: f32/bf16/f16/f64, 1-4 sources, sums in source order, any thread count");
-  check(ok_alias, "reduce_sum: dst may be one of the sources");
-  check(ok_add, "reduce_add: dst + src rounded once, all dtypes");
+  CHECK(ok_sum, "reduce_sum: f32/bf16/f16/f64, 1-4 sources, sums in source order, any thread count");
+  CHECK(ok_alias, "reduce_sum: dst may be one of the sources");
+  CHECK(ok_add, "reduce_add: dst + src rounded once, all dtypes");
 }
 
 static void test_sumsq(void) {
@@ -467,9 +454,9 @@ static void test_sumsq(void) {
       free(x), free(clean);
     }
   set_threads(2);
-  check(ok_det, "sumsq: same bits for 1, 2, 3, 7 threads (sizes up to 4.9M, 300 blocks)");
-  check(ok_val, "sumsq: equals a long double sum within 1e-13 relative (worst %.2e)", worst_rel);
-  check(ok_nf, "sumsq: counts inf/NaN exactly in the same pass");
+  CHECK(ok_det, "sumsq: same bits for 1, 2, 3, 7 threads (sizes up to 4.9M, 300 blocks)");
+  CHECK(ok_val, "sumsq: equals a long double sum within 1e-13 relative (worst %.2e)", worst_rel);
+  CHECK(ok_nf, "sumsq: counts inf/NaN exactly in the same pass");
 }
 
 /* ---- AdamW loop vs the element function ---------------------------------------------------- */
@@ -576,7 +563,7 @@ static void test_adamw_loop(void) {
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     int ok = 1;
     for (size_t t = 0; t < sizeof totals / sizeof totals[0]; t++) ok &= adamw_case_ok(cases[c], totals[t]);
-    check(ok, "adamw loop = element function: param %s grad %s%s%s, gaps untouched, any thread count",
+    CHECK(ok, "adamw loop = element function: param %s grad %s%s%s, gaps untouched, any thread count",
           dname(cases[c].pdt), dname(cases[c].gdt), cases[c].master ? " +master" : "",
           cases[c].sr ? " +SR" : "");
   }
@@ -619,7 +606,7 @@ static sg_status job_fn(void *arg) {
 
 static void test_device_memory(void) {
   sg__device *d = NULL;
-  check(sg__device_cpu_create(0, 1, &d) == SG_OK && d && d->kind == SG_DEVICE_CPU, "cpu device: create");
+  CHECK(sg__device_cpu_create(0, 1, &d) == SG_OK && d && d->kind == SG_DEVICE_CPU, "cpu device: create");
   if (!d) return;
   int aligned = 1;
   void *p[5] = {0};
@@ -627,18 +614,18 @@ static void test_device_memory(void) {
     aligned &= d->ops->alloc(d, (size_t)(i * 1000), &p[i]) == SG_OK && p[i] && ((uintptr_t)p[i] % 64) == 0;
   }
   for (int i = 0; i < 5; i++) d->ops->free(d, p[i]);
-  check(aligned, "cpu device: alloc gives 64-byte aligned blocks, also for 0 bytes");
+  CHECK(aligned, "cpu device: alloc gives 64-byte aligned blocks, also for 0 bytes");
   sg__device_fail_alloc_after(2);
   void *a = NULL, *b = NULL, *c = NULL, *e = NULL;
   sg_status s1 = d->ops->alloc(d, 64, &a), s2 = d->ops->host_alloc(d, 64, &b);
   sg_status s3 = d->ops->alloc(d, 64, &c);
   int msg = strstr(sg_last_error(), "injected") != NULL;
   sg_status s4 = d->ops->alloc(d, 64, &e);
-  check(s1 == SG_OK && s2 == SG_OK && s3 == SG_ERR_OUT_OF_MEMORY && !c && msg && s4 == SG_OK,
+  CHECK(s1 == SG_OK && s2 == SG_OK && s3 == SG_ERR_OUT_OF_MEMORY && !c && msg && s4 == SG_OK,
         "cpu device: fail_alloc_after(2): two allocations succeed, the third fails once");
   d->ops->free(d, a), d->ops->host_free(d, b), d->ops->free(d, e);
   sg__device_fail_alloc_after(-1);
-  check(d->ops->set_stream(d, NULL) == SG_OK && d->ops->set_stream(d, (void *)d) == SG_ERR_UNSUPPORTED &&
+  CHECK(d->ops->set_stream(d, NULL) == SG_OK && d->ops->set_stream(d, (void *)d) == SG_ERR_UNSUPPORTED &&
             d->ops->sync(d, INT64_MAX) == SG_OK,
         "cpu device: set_stream(NULL) ok, a stream is unsupported; sync ok");
   float x[4] = {1, 2, 3, 4}, y[4];
@@ -651,14 +638,14 @@ static void test_device_memory(void) {
   kern &= d->ops->zero(d, (sg__queue)5, y, 4) == SG_ERR_INVALID_ARGUMENT;
   double ss = 0, nf = 0;
   kern &= d->ops->sumsq(d, SG_Q_COMPUTE, x, SG_F32, 4, &ss, &nf) == SG_OK && ss == 30.0 && nf == 0.0;
-  check(kern, "cpu device: copy, zero, cast, sumsq through the vtable; bad dtype/queue rejected");
+  CHECK(kern, "cpu device: copy, zero, cast, sumsq through the vtable; bad dtype/queue rejected");
   d->ops->destroy(d);
 }
 
 static void test_device_queue(void) {
   sg__device *d = NULL;
   if (sg__device_cpu_create(1, 1, &d) != SG_OK) {
-    check(0, "cpu device: create threaded");
+    CHECK(0, "cpu device: create threaded");
     return;
   }
   static job_log log;
@@ -673,8 +660,8 @@ static void test_device_queue(void) {
   sg_status st = d->ops->comm_wait(d, 100, sg__now_ms() + 10000);
   int fifo = atomic_load(&log.ran) == 100;
   for (int i = 0; i < 100; i++) fifo &= log.order[i] == i;
-  check(tickets_ok && st == SG_OK && fifo, "comm queue: tickets 1..100, jobs run in FIFO order");
-  check(d->ops->comm_wait(d, 101, INT64_MAX) == SG_ERR_INVALID_ARGUMENT,
+  CHECK(tickets_ok && st == SG_OK && fifo, "comm queue: tickets 1..100, jobs run in FIFO order");
+  CHECK(d->ops->comm_wait(d, 101, INT64_MAX) == SG_ERR_INVALID_ARGUMENT,
         "comm queue: waiting for a ticket never issued is an error");
 
   /* deadline */
@@ -686,7 +673,7 @@ static void test_device_queue(void) {
   int msg = strstr(sg_last_error(), "deadline") != NULL;
   atomic_store(&log.release, 1);
   sg_status st2 = d->ops->compute_wait_comm(d, t, INT64_MAX);
-  check(st == SG_ERR_TIMEOUT && msg && waited >= 55 && st2 == SG_OK,
+  CHECK(st == SG_ERR_TIMEOUT && msg && waited >= 55 && st2 == SG_OK,
         "comm queue: a blocked job times out at the deadline (%lld ms) with a message, then completes",
         (long long)waited);
 
@@ -696,7 +683,7 @@ static void test_device_queue(void) {
   jobs[101] = (job){&log, 101, 0, 0, 30, &word};
   d->ops->comm_submit(d, job_fn, &jobs[101], &t);
   st = d->ops->zero(d, SG_Q_COMM, &zeroed, sizeof zeroed);
-  check(st == SG_OK && word == 1 && zeroed == 0.0f,
+  CHECK(st == SG_OK && word == 1 && zeroed == 0.0f,
         "comm queue: SG_Q_COMM work from the host runs after the pending jobs");
 
   /* failure: the first failing job's status and text stick; later jobs are skipped */
@@ -714,7 +701,7 @@ static void test_device_queue(void) {
   sg__err_clear();
   st2 = d->ops->comm_wait(d, tf - 1, INT64_MAX); /* an earlier ticket reports it too */
   int text2 = strstr(sg_last_error(), "job 102 failed") != NULL;
-  check(st == SG_ERR_COMM && text && st2 == SG_ERR_COMM && text2 && atomic_load(&log.ran) == before + 1,
+  CHECK(st == SG_ERR_COMM && text && st2 == SG_ERR_COMM && text2 && atomic_load(&log.ran) == before + 1,
         "comm queue: first failure (status and text from the worker) returned by every later wait; "
         "later jobs skipped");
   d->ops->destroy(d);
@@ -738,7 +725,7 @@ static void test_device_inline_and_destroy(void) {
   ok &= st == SG_ERR_COMM && st2 == SG_ERR_COMM && text && t == 3 && atomic_load(&log.ran) == 2;
   ok &= d->ops->comm_wait(d, 3, 0) == SG_ERR_COMM;
   d->ops->destroy(d);
-  check(ok, "inline comm (threaded_comm = 0): jobs run in submit, failure sticks, later jobs skipped");
+  CHECK(ok, "inline comm (threaded_comm = 0): jobs run in submit, failure sticks, later jobs skipped");
 
   /* destroy with jobs still queued: they all run before the worker is joined */
   memset(&log, 0, sizeof log);
@@ -748,7 +735,7 @@ static void test_device_inline_and_destroy(void) {
     ok &= d->ops->comm_submit(d, job_fn, &jobs[i], &t) == SG_OK;
   }
   d->ops->destroy(d);
-  check(ok && atomic_load(&log.ran) == 10, "destroy runs the pending jobs and joins the worker");
+  CHECK(ok && atomic_load(&log.ran) == 10, "destroy runs the pending jobs and joins the worker");
 }
 
 int main(void) {
@@ -765,6 +752,5 @@ int main(void) {
   test_device_memory();
   test_device_queue();
   test_device_inline_and_destroy();
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

@@ -18,21 +18,8 @@
 #include "../kernels/sg_elem.h" /* dtype conversions for the test's own gradients */
 #include "shardgrad.h"
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                                                                         \
-  do {                                                                                           \
-    pthread_mutex_lock(&g_lock);                                                                 \
-    if (cond) g_pass++;                                                                          \
-    else {                                                                                       \
-      g_fail++;                                                                                  \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                \
-      printf(__VA_ARGS__);                                                                       \
-      printf("\n");                                                                              \
-    }                                                                                            \
-    pthread_mutex_unlock(&g_lock);                                                               \
-  } while (0)
+#define SG_TEST_PRINT_PASSES 0
+#include "sg_test_check.h"
 
 static const size_t k_sizes[] = {1, 63, 64, 65, 1000, 4097, 100003, 300000};
 #define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
@@ -406,6 +393,6 @@ int main(int argc, char **argv) {
       for (int w = 2; w <= 4; w++)
         if (local_w == 0 || local_w == w) run_local(&cases[c], w);
   }
-  if (rank == 0 || g_fail) printf("%s%d passed, %d failed\n", use_mpi ? "mpi: " : "", g_pass, g_fail);
-  return g_fail != 0;
+  if (rank == 0 || sg_test_failures()) return sg_test_summary(use_mpi ? "mpi: " : "");
+  return sg_test_failures() != 0;
 }

@@ -29,26 +29,8 @@
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_cast: gradients into f16/bf16 slots */
 #include "shardgrad.h"
 
-static atomic_int g_pass, g_fail;
-static _Thread_local char t_tag[96] = "[main]";
-static _Thread_local int t_quiet;
-
-static int check_(int ok, int line, const char *fmt, ...) {
-  char what[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(what, sizeof what, fmt, ap);
-  va_end(ap);
-  if (ok) {
-    atomic_fetch_add(&g_pass, 1);
-    if (!t_quiet) printf("ok   %s %s\n", t_tag, what);
-  } else {
-    atomic_fetch_add(&g_fail, 1);
-    printf("FAIL %s %s (line %d; last error: \"%s\")\n", t_tag, what, line, sg_last_error());
-  }
-  return ok;
-}
-#define CHECK(cond, ...) check_(!!(cond), __LINE__, __VA_ARGS__)
+#define SG_TEST_DEFAULT_TAG "[main]"
+#include "sg_test_check.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* model and gradients                                                                       */
@@ -210,8 +192,8 @@ static float scale_of(sg_engine *e) {
 static void *rank_main(void *arg) {
   rank_ctx *x = arg;
   const scenario *sc = x->sc;
-  snprintf(t_tag, sizeof t_tag, "[%s W=%d r%d]", sc->label, x->world, x->rank);
-  t_quiet = x->rank != 0;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[%s W=%d r%d]", sc->label, x->world, x->rank);
+  sg_test_quiet = x->rank != 0;
   if (!CHECK(setup_engine(x, x->ct, 0, &x->et) && setup_engine(x, x->cr, 1, &x->er),
              "test and reference engines finalized and initialized"))
     return NULL;
@@ -287,8 +269,8 @@ static void *rank_main(void *arg) {
 
 static void *nan_rank_main(void *arg) {
   rank_ctx *x = arg;
-  snprintf(t_tag, sizeof t_tag, "[%s W=%d r%d]", x->sc->label, x->world, x->rank);
-  t_quiet = x->rank != 0;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[%s W=%d r%d]", x->sc->label, x->world, x->rank);
+  sg_test_quiet = x->rank != 0;
   if (!CHECK(setup_engine(x, x->ct, 0, &x->et) && setup_engine(x, x->cr, 1, &x->er),
              "test and reference engines finalized and initialized"))
     return NULL;
@@ -340,7 +322,7 @@ static void *nan_rank_main(void *arg) {
 
 static void grad_add_f16(void) {
   printf("== sg_grad_add with f16 gradients, W=1 ==\n");
-  snprintf(t_tag, sizeof t_tag, "[grad_add f16 W=1]");
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[grad_add f16 W=1]");
   const scenario sc = {"grad_add f16", SG_F16, 1024.0f, 1, 0.0f, 0, NULL, 0, 1};
   sg_comm *ca = NULL, *cb = NULL;
   sg_comm_create_local(1, &ca);
@@ -422,7 +404,5 @@ int main(void) {
     run(&nan_sc, W, nan_rank_main);
   }
   grad_add_f16();
-  const int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
-  printf("%d passed, %d failed\n", pass, fail);
-  return fail ? 1 : 0;
+  return sg_test_summary("");
 }

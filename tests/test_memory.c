@@ -7,21 +7,8 @@
 
 #include "shardgrad.h"
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                                                                         \
-  do {                                                                                           \
-    pthread_mutex_lock(&g_lock);                                                                 \
-    if (cond) g_pass++;                                                                          \
-    else {                                                                                       \
-      g_fail++;                                                                                  \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__);                                                \
-      printf(__VA_ARGS__);                                                                       \
-      printf("\n");                                                                              \
-    }                                                                                            \
-    pthread_mutex_unlock(&g_lock);                                                               \
-  } while (0)
+#define SG_TEST_PRINT_PASSES 0
+#include "sg_test_check.h"
 
 static const size_t k_numels[] = {7, 4096, 100003, 65, 1, 300000, 2048};
 #define NP ((int)(sizeof k_numels / sizeof k_numels[0]))
@@ -131,6 +118,5 @@ int main(void) {
     for (int p = 0; p < 3; p++)
       for (int a = 0; a < 2; a++)
         for (int w = 1; w <= 4; w++) run(ss[s], ps[p], a ? SG_BF16 : SG_F32, w);
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail != 0;
+  return sg_test_summary("");
 }

@@ -26,26 +26,8 @@
 #include "core/sg_core.h" /* sg__err_clear */
 #include "shardgrad.h"
 
-static atomic_int g_pass, g_fail;
-static _Thread_local char t_tag[96] = "[main]";
-static _Thread_local int t_quiet;
-
-static int check_(int ok, int line, const char *fmt, ...) {
-  char what[600];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(what, sizeof what, fmt, ap);
-  va_end(ap);
-  if (ok) {
-    atomic_fetch_add(&g_pass, 1);
-    if (!t_quiet) printf("ok   %s %s\n", t_tag, what);
-  } else {
-    atomic_fetch_add(&g_fail, 1);
-    printf("FAIL %s %s (line %d)\n", t_tag, what, line);
-  }
-  return ok;
-}
-#define CHECK(cond, ...) check_(!!(cond), __LINE__, __VA_ARGS__)
+#define SG_TEST_DEFAULT_TAG "[main]"
+#include "sg_test_check.h"
 
 #define NP 5
 static const char *k_names[NP] = {"embed.weight", "embed.bias", "block.weight", "block.norm",
@@ -236,8 +218,8 @@ typedef struct rank_arg {
 
 static void *rank_main(void *p) {
   sg_comm *comm = ((rank_arg *)p)->comm;
-  snprintf(t_tag, sizeof t_tag, "[W=%d r%d]", sg_comm_size(comm), sg_comm_rank(comm));
-  t_quiet = sg_comm_rank(comm) != 0;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[W=%d r%d]", sg_comm_size(comm), sg_comm_rank(comm));
+  sg_test_quiet = sg_comm_rank(comm) != 0;
   run_all(comm);
   return NULL;
 }
@@ -269,9 +251,9 @@ static int run_mpi(void) {
   }
   if (!CHECK(st == SG_OK, "sg_comm_create_mpi (%s)", sg_last_error())) return 1;
   const int W = sg_comm_size(comm);
-  snprintf(t_tag, sizeof t_tag, "[mpi W=%d r%d]", W, sg_comm_rank(comm));
-  t_quiet = sg_comm_rank(comm) != 0;
-  if (!t_quiet) printf("== W=%d, one rank per MPI process ==\n", W);
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[mpi W=%d r%d]", W, sg_comm_rank(comm));
+  sg_test_quiet = sg_comm_rank(comm) != 0;
+  if (!sg_test_quiet) printf("== W=%d, one rank per MPI process ==\n", W);
   if (W >= 2) run_all(comm);
   else CHECK(1, "W=1: no rank can disagree; nothing to check");
   sg_comm_destroy(comm);
@@ -293,7 +275,5 @@ int main(int argc, char **argv) {
     run_mpi();
   else
     run_threads();
-  const int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
-  printf("%d passed, %d failed\n", pass, fail);
-  return fail ? 1 : 0;
+  return sg_test_summary("");
 }

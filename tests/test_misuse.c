@@ -36,35 +36,16 @@
 /* ---------------------------------------------------------------------------------------- */
 /* checks                                                                                    */
 
-static atomic_int g_pass, g_fail;
-static _Thread_local char t_tag[64] = "[main]";
-static _Thread_local int t_quiet; /* only one rank prints passing checks */
-
-static int check_(int ok, int line, const char *fmt, ...) {
-  char what[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(what, sizeof what, fmt, ap);
-  va_end(ap);
-  if (ok) {
-    atomic_fetch_add(&g_pass, 1);
-    if (!t_quiet) printf("ok   %s %s\n", t_tag, what);
-  } else {
-    atomic_fetch_add(&g_fail, 1);
-    printf("FAIL %s %s (line %d; last error: \"%s\")\n", t_tag, what, line, sg_last_error());
-  }
-  fflush(stdout);
-  return ok;
-}
-#define CHECK(cond, ...) check_(!!(cond), __LINE__, __VA_ARGS__)
+#define SG_TEST_DEFAULT_TAG "[main]"
+#include "sg_test_check.h"
 
 /* The call must return `want`, and sg_last_error() must be non-empty and contain `fn`. */
 static int expect_(sg_status got, sg_status want, const char *fn, const char *call, int line) {
   const char *msg = sg_last_error();
   const int ok = got == want && msg && msg[0] && strstr(msg, fn);
-  if (ok) return check_(1, line, "%s -> %s", call, sg_status_string(want));
-  return check_(0, line, "%s -> %s (want %s; error text must name %s)", call,
-                sg_status_string(got), sg_status_string(want), fn);
+  if (ok) return sg_test_check_(1, __FILE__, line, "EXPECT", "%s -> %s", call, sg_status_string(want));
+  return sg_test_check_(0, __FILE__, line, "EXPECT", "%s -> %s (want %s; error text must name %s)", call,
+                        sg_status_string(got), sg_status_string(want), fn);
 }
 #define EXPECT(want, fn, call) (sg__err_clear(), expect_((call), (want), (fn), #call, __LINE__))
 #define EXPECT_OK(call) CHECK((call) == SG_OK, "%s -> SG_OK", #call)
@@ -579,8 +560,8 @@ static void micro_batch(rank_ctx *x, int mb, int misuse) {
 
 static void *rank_main(void *arg) {
   rank_ctx *x = arg;
-  snprintf(t_tag, sizeof t_tag, "[%s W=%d r%d]", x->rc->label, x->world, x->rank);
-  t_quiet = x->rank != 0;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[%s W=%d r%d]", x->rc->label, x->world, x->rank);
+  sg_test_quiet = x->rank != 0;
   sg_config c;
   base_config(&c, x->rc);
   if (!CHECK(sg_engine_create(x->ct, &c, &x->et) == SG_OK &&
@@ -653,7 +634,7 @@ static void part_engine(const run_cfg *rc) {
 static void part_oom(void) {
   printf("== allocation failures (W=1, bf16 params so that a master copy exists) ==\n");
   const run_cfg rc = {1, SG_BF16, SG_SHARD_GRAD_OP, "oom"};
-  snprintf(t_tag, sizeof t_tag, "[oom W=1]");
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[oom W=1]");
   sg_comm *ct = NULL, *cr = NULL;
   sg_comm_create_local(1, &ct);
   sg_comm_create_local(1, &cr);
@@ -760,8 +741,8 @@ typedef struct broken_ctx {
 
 static void *broken_main(void *arg) {
   broken_ctx *b = arg;
-  snprintf(t_tag, sizeof t_tag, "[broken%d W=2 r%d]", b->scenario, b->rank);
-  t_quiet = 0;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[broken%d W=2 r%d]", b->scenario, b->rank);
+  sg_test_quiet = 0;
   const run_cfg rc = {2, SG_F32, SG_SHARD_GRAD_OP, "broken"};
   sg_config c;
   base_config(&c, &rc);
@@ -812,7 +793,7 @@ static void *broken_main(void *arg) {
 }
 
 static void part_broken(void) {
-  snprintf(t_tag, sizeof t_tag, "[main]");
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[main]");
   for (int scenario = 0; scenario < 2; scenario++) {
     printf("== misuse that breaks the communicator: %s ==\n",
            scenario == 0 ? "mismatched collectives" : "a rank skips a collective");
@@ -837,8 +818,8 @@ static void part_broken(void) {
 
 static void *inflight_main(void *arg) {
   rank_ctx *x = arg;
-  snprintf(t_tag, sizeof t_tag, "[inflight W=2 r%d]", x->rank);
-  t_quiet = x->rank != 0;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[inflight W=2 r%d]", x->rank);
+  sg_test_quiet = x->rank != 0;
   sg_config c;
   base_config(&c, x->rc);
   for (int round = 0; round < 2; round++) {
@@ -863,7 +844,7 @@ static void *inflight_main(void *arg) {
 }
 
 static void part_inflight(void) {
-  snprintf(t_tag, sizeof t_tag, "[main]");
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[main]");
   printf("== sg_engine_destroy with reductions in flight (W=2) ==\n");
   const run_cfg rc = {2, SG_F32, SG_SHARD_GRAD_OP, "inflight"};
   sg_comm *comms[2];
@@ -893,7 +874,5 @@ int main(void) {
   part_oom();
   part_broken();
   part_inflight();
-  const int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
-  printf("%d passed, %d failed\n", pass, fail);
-  return fail ? 1 : 0;
+  return sg_test_summary("");
 }

@@ -13,22 +13,9 @@
 
 #include "plan/sg_plan.h" /* sg__plan_build */
 
-static int g_pass, g_fail;
-
-#define CHECK(cond, ...)                                       \
-  do {                                                         \
-    if (cond) {                                                \
-      g_pass++;                                                \
-    } else {                                                   \
-      g_fail++;                                                \
-      if (g_fail <= 30) {                                      \
-        printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-        printf(__VA_ARGS__);                                   \
-        printf("\n");                                          \
-      }                                                        \
-    }                                                          \
-  } while (0)
-
+#define SG_TEST_PRINT_PASSES 0
+#define SG_TEST_MAX_FAIL_LINES 30
+#include "sg_test_check.h"
 /* splitmix64: small, seedable, identical everywhere */
 static uint64_t g_rng;
 static uint64_t rnd(void) {
@@ -461,6 +448,5 @@ int main(int argc, char **argv) {
   test_random(200, 1500);
   test_oom();
   test_large();
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }
