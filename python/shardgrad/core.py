@@ -517,6 +517,10 @@ class Engine:
         buf = _host_buffer(ptr, n * _ITEMSIZE[dtype], self)
         return np.frombuffer(buf, dtype=_NP_DTYPE[dtype], count=n).reshape(self._shapes[pid])
 
+    def _tensor_view(self, ptr, pid, dtype):
+        """Zero-copy torch tensor of numel(pid) elements of dtype at ptr on the engine's device."""
+        return _torch_view(ptr, self._numels[pid], dtype, self._shapes[pid], self._device, self)
+
     def param(self, pid):
         """Zero-copy NumPy view of working parameter `pid` (bf16 as uint16). CPU only."""
         pid = self._check_id(pid)
@@ -526,9 +530,7 @@ class Engine:
     def param_tensor(self, pid):
         """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines)."""
         pid = self._check_id(pid)
-        ptr = self.param_ptr(pid)
-        return _torch_view(ptr, self._numels[pid], self._pdtype, self._shapes[pid], self._device,
-                           self)
+        return self._tensor_view(self.param_ptr(pid), pid, self._pdtype)
 
     def set_param(self, pid, src, dtype=None):
         """Sets working parameter and this rank's master fragments from host memory."""
@@ -592,9 +594,7 @@ class Engine:
     def grad_tensor(self, pid):
         """Zero-copy torch view of the gradient slot of `pid`, valid until grad_ready(pid)."""
         pid = self._check_id(pid)
-        ptr = self.grad_ptr(pid)
-        return _torch_view(ptr, self._numels[pid], self._gdtype, self._shapes[pid], self._device,
-                           self)
+        return self._tensor_view(self.grad_ptr(pid), pid, self._gdtype)
 
     def grad_ready(self, pid):
         _call("sg_grad_ready", self.handle, self._check_id(pid))
