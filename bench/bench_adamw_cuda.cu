@@ -100,18 +100,11 @@ void state_free(state &s) {
 sg__adamw_args args_of(const state &s, uint64_t t) {
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
-  const double lr = 1e-3, wd = 0.01, b1 = 0.9, b2 = 0.999;
   a.param = s.param, a.param_dtype = s.bf16 ? 1 : 0, a.master = s.master;
   a.m = s.m, a.v = s.v, a.grad = s.grad, a.grad_dtype = 0;
   a.segs = s.segs.data(), a.nsegs = (int)s.segs.size();
   a.grad_scale = 0.5f;
-  a.decay_factor = (float)(1.0 - lr * wd);
-  a.beta1 = (float)b1, a.one_minus_beta1 = (float)(1.0 - (double)(float)b1);
-  a.beta2 = (float)b2, a.one_minus_beta2 = (float)(1.0 - (double)(float)b2);
-  a.step_size = (float)(lr / (1.0 - pow(b1, (double)t)));
-  a.bc2_sqrt = (float)sqrt(1.0 - pow(b2, (double)t));
-  a.eps = 1e-8f;
-  a.step = t;
+  sg__adamw_scalars(&a, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
   return a;
 }
 

@@ -3,6 +3,7 @@
 #ifndef SG_KERNEL_ARGS_H
 #define SG_KERNEL_ARGS_H
 
+#include <math.h>   /* pow, sqrt: host-side step scalars */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,5 +50,22 @@ typedef struct sg__adamw_args {
   uint64_t seed;            /* stochastic rounding: hash of (seed, step, sr_index + i) */
   uint64_t step;
 } sg__adamw_args;
+
+/* The per-step scalars of sg__adamw_args from the (float) hyperparameters, computed in double
+ * on the host as DESIGN.md section 5 says. The engine and the benchmarks share this rule. */
+static inline void sg__adamw_scalars(sg__adamw_args *a, float lr, float beta1, float beta2,
+                                     float eps, float wd, uint64_t t) {
+  const double bc1 = 1.0 - pow((double)beta1, (double)t);
+  const double bc2 = 1.0 - pow((double)beta2, (double)t);
+  a->decay_factor = (float)(1.0 - (double)lr * (double)wd);
+  a->beta1 = beta1;
+  a->one_minus_beta1 = (float)(1.0 - (double)beta1);
+  a->beta2 = beta2;
+  a->one_minus_beta2 = (float)(1.0 - (double)beta2);
+  a->step_size = (float)((double)lr / bc1);
+  a->bc2_sqrt = (float)sqrt(bc2);
+  a->eps = eps;
+  a->step = t;
+}
 
 #endif /* SG_KERNEL_ARGS_H */

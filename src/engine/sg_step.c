@@ -92,8 +92,6 @@ static void scale_update(sg_engine *e, int overflow) {
 
 static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
   const sg_config *c = &e->cfg;
-  const double t = (double)e->step;
-  const double bc1 = 1.0 - pow((double)c->beta1, t), bc2 = 1.0 - pow((double)c->beta2, t);
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
   a.param = e->params;
@@ -106,17 +104,9 @@ static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
   a.segs = e->segs;
   a.nsegs = e->nsegs;
   a.grad_scale = grad_scale;
-  a.decay_factor = (float)(1.0 - (double)e->lr * (double)c->weight_decay);
-  a.beta1 = c->beta1;
-  a.one_minus_beta1 = (float)(1.0 - (double)c->beta1);
-  a.beta2 = c->beta2;
-  a.one_minus_beta2 = (float)(1.0 - (double)c->beta2);
-  a.step_size = (float)((double)e->lr / bc1);
-  a.bc2_sqrt = (float)sqrt(bc2);
-  a.eps = c->eps;
+  sg__adamw_scalars(&a, e->lr, c->beta1, c->beta2, c->eps, c->weight_decay, e->step);
   a.stochastic_rounding = c->stochastic_rounding && c->param_dtype == SG_BF16;
   a.seed = c->seed;
-  a.step = e->step;
   return a;
 }
 
