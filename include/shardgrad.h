@@ -329,6 +329,56 @@ SG_API sg_status sg_import(sg_engine *e, const char *path);
  * restored by sg_load, so that a resumed training loop knows where it is. */
 SG_API sg_status sg_get_step(sg_engine *e, uint64_t *step);
 
+/* ---------------------------------------------------------------------------------------- */
+/* Tracing: when the bucket reductions ran, against the caller's backward pass               */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Every time is taken on the queue the work runs on: the caller's stream (CUDA) or thread (CPU)
+ * for SG_TRACE_GRAD_READY, SG_TRACE_STEP and SG_TRACE_MARK, the engine's communication stream
+ * (CUDA) or thread (CPU) for SG_TRACE_REDUCE and SG_TRACE_GATHER. So on a GPU a GRAD_READY
+ * event is the moment the caller's kernels before sg_grad_ready finished, not the moment the
+ * host called it, and a REDUCE that starts before the last GRAD_READY of its micro-batch ran
+ * while the backward pass was still computing. */
+typedef enum {
+  SG_TRACE_GRAD_READY = 0, /* instant: a gradient became ready (sg_grad_ready, sg_grad_add);
+                              id = parameter id, label = its name */
+  SG_TRACE_REDUCE = 1,     /* span: one bucket's reduce-scatter (all-reduce under NO_SHARD)
+                              and its accumulation; id = bucket index in reduction order */
+  SG_TRACE_STEP = 2,       /* span: the step's gradient norm and AdamW on this rank's shard */
+  SG_TRACE_GATHER = 3,     /* span: the step's all-gather of the working parameters */
+  SG_TRACE_MARK = 4        /* instant: sg_trace_mark; label = its label */
+} sg_trace_kind;
+
+typedef struct sg_trace_event {
+  int32_t kind;      /* sg_trace_kind */
+  int32_t id;        /* parameter or bucket index; -1 where none applies */
+  uint64_t step;     /* optimizer steps taken when the event was issued (sg_get_step) */
+  double start_us;   /* microseconds since sg_trace_start, on the queue's clock */
+  double end_us;     /* == start_us for instants */
+  char label[48];    /* NUL-terminated, truncated */
+} sg_trace_event;
+
+/* Starts recording (after sg_finalize) into room for `max_events` events (0: 16384; at most
+ * 4194304); events beyond it are counted as dropped, not recorded. Not collective. Already
+ * recording: SG_ERR_INVALID_STATE. Recording also starts by itself at sg_finalize when the
+ * environment variable SG_TRACE names a file (%r becomes the rank); sg_engine_destroy then
+ * writes the trace there. */
+SG_API sg_status sg_trace_start(sg_engine *e, size_t max_events);
+/* Stops recording; the events stay readable until the next sg_trace_start. */
+SG_API sg_status sg_trace_stop(sg_engine *e);
+/* An instant on the caller's queue, e.g. "backward" where the backward pass begins. */
+SG_API sg_status sg_trace_mark(sg_engine *e, const char *label);
+/* Copies up to `cap` recorded events, in the order they were issued, to `out` (may be NULL when
+ * cap is 0); *count receives the number recorded (may exceed cap), *dropped (may be NULL) the
+ * number that did not fit. Waits for the engine's queued work to finish, since times are known
+ * only then. */
+SG_API sg_status sg_trace_events(sg_engine *e, sg_trace_event *out, size_t cap, size_t *count,
+                                 uint64_t *dropped);
+/* Writes the recorded events as a Chrome trace (JSON; chrome://tracing, https://ui.perfetto.dev)
+ * to `path` (%r becomes the rank): pid = rank, one track for the caller's queue and one for the
+ * communication queue. Waits like sg_trace_events. SG_ERR_IO when the file cannot be written. */
+SG_API sg_status sg_trace_write(sg_engine *e, const char *path);
+
 #ifdef __cplusplus
 }
 #endif

@@ -62,6 +62,13 @@ static inline int64_t sg__deadline(int timeout_ms) {
   return timeout_ms > 0 ? sg__now_ms() + timeout_ms : INT64_MAX;
 }
 
+/* Monotonic clock in microseconds (tracing on the CPU device). */
+double sg__now_us(void);
+
+/* `pattern` with every "%r" replaced by the rank ("x" for rank < 0) into out[cap]; 0 when it
+ * does not fit. File names of SG_LOG_FILE, SG_TRACE and sg_trace_write. */
+int sg__path_for_rank(const char *pattern, int rank, char *out, size_t cap);
+
 /* Hashing (FNV-1a 64) for plan and config agreement across ranks. */
 uint64_t sg__hash_bytes(uint64_t h, const void *p, size_t n);
 #define SG__HASH_INIT 0xcbf29ce484222325ull

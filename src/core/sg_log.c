@@ -57,30 +57,6 @@ int sg__log_enabled(sg__log_level lvl) {
   return (int)lvl <= sg__log_level_cur;
 }
 
-/* The pattern with every %r replaced by the rank ("x" when not tied to a rank). */
-static int sg__log_path(int rank, char *out, size_t cap) {
-  char rs[16];
-  if (rank >= 0)
-    snprintf(rs, sizeof rs, "%d", rank);
-  else
-    snprintf(rs, sizeof rs, "x");
-  size_t n = 0;
-  for (const char *p = sg__log_pattern; *p; p++) {
-    const char *piece = p;
-    size_t len = 1;
-    if (p[0] == '%' && p[1] == 'r') {
-      piece = rs;
-      len = strlen(rs);
-      p++;
-    }
-    if (n + len >= cap) return 0;
-    memcpy(out + n, piece, len);
-    n += len;
-  }
-  out[n] = '\0';
-  return 1;
-}
-
 /* Destination for rank; called with sg__log_mu held. Files are opened on first use, in append
  * mode, and kept open for the life of the process. */
 static FILE *sg__log_stream(int rank) {
@@ -96,7 +72,7 @@ static FILE *sg__log_stream(int rank) {
     sg__log_capdests = cap;
   }
   char path[SG__LOG_PATH + 32];
-  FILE *f = sg__log_path(key, path, sizeof path) ? fopen(path, "a") : NULL;
+  FILE *f = sg__path_for_rank(sg__log_pattern, key, path, sizeof path) ? fopen(path, "a") : NULL;
   sg__log_dests[sg__log_ndests].rank = key;
   sg__log_dests[sg__log_ndests].f = f; /* a failed open is remembered: no retry per line */
   sg__log_ndests++;

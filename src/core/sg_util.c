@@ -1,8 +1,9 @@
 /* Small helpers shared by every layer: dtype names, the monotonic clock, FNV-1a hashing,
- * and the version / backend queries of the public API. */
+ * per-rank file names, and the version / backend queries of the public API. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, CLOCK_MONOTONIC under -std=c11 */
 
-#include <string.h> /* strcmp */
+#include <stdio.h>  /* snprintf */
+#include <string.h> /* strcmp, strlen, memcpy */
 #include <time.h>   /* clock_gettime */
 
 #include "sg_core.h" /* sg__dtype_name, sg__now_ms, sg__hash_bytes */
@@ -21,6 +22,35 @@ int64_t sg__now_ms(void) {
   struct timespec ts;
   if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) return 0;
   return (int64_t)ts.tv_sec * 1000 + (int64_t)(ts.tv_nsec / 1000000);
+}
+
+double sg__now_us(void) {
+  struct timespec ts;
+  if (clock_gettime(CLOCK_MONOTONIC, &ts) != 0) return 0;
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+int sg__path_for_rank(const char *pattern, int rank, char *out, size_t cap) {
+  char rs[16];
+  if (rank >= 0)
+    snprintf(rs, sizeof rs, "%d", rank);
+  else
+    snprintf(rs, sizeof rs, "x");
+  size_t n = 0;
+  for (const char *p = pattern; *p; p++) {
+    const char *piece = p;
+    size_t len = 1;
+    if (p[0] == '%' && p[1] == 'r') {
+      piece = rs;
+      len = strlen(rs);
+      p++;
+    }
+    if (n + len >= cap) return 0;
+    memcpy(out + n, piece, len);
+    n += len;
+  }
+  out[n] = '\0';
+  return 1;
 }
 
 uint64_t sg__hash_bytes(uint64_t h, const void *p, size_t n) {

@@ -9,6 +9,7 @@
 #define _POSIX_C_SOURCE 200809L /* posix_memalign, pthread_condattr_setclock, CLOCK_MONOTONIC */
 
 #include <errno.h>     /* ETIMEDOUT */
+#include <math.h>      /* NAN, isnan */
 #include <pthread.h>   /* worker thread, mutex, condition variables */
 #include <stdatomic.h> /* allocation-failure test hook */
 #include <stdint.h>    /* INT64_MAX */
@@ -352,6 +353,38 @@ static sg_status cpu_set_stream(sg__device *d, void *stream) {
   return SG_OK;
 }
 
+/* ---- timing marks: the monotonic clock when the queue gets there -------------------------- */
+
+/* Compute work runs inline and comm-queue work inside a job runs on the thread that marks, so
+ * "now" is when the queue reaches the mark. NaN: never recorded. */
+static sg_status cpu_marks_create(sg__device *d, size_t n, void **marks) {
+  if (!d || !marks || n == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "marks_create: bad argument");
+  double *t = malloc(n * sizeof *t);
+  if (!t) return sg__err(SG_ERR_OUT_OF_MEMORY, "marks_create: out of host memory (%zu marks)", n);
+  for (size_t i = 0; i < n; i++) t[i] = NAN;
+  *marks = t;
+  return SG_OK;
+}
+
+static void cpu_marks_destroy(sg__device *d, void *marks, size_t n) { free(marks); }
+
+static sg_status cpu_mark(sg__device *d, void *marks, size_t i, sg__queue q) {
+  if (!d || !marks) return sg__err(SG_ERR_INVALID_ARGUMENT, "mark: NULL argument");
+  ((double *)marks)[i] = sg__now_us();
+  return SG_OK;
+}
+
+static sg_status cpu_mark_elapsed(sg__device *d, void *marks, size_t from, size_t to,
+                                  double *us) {
+  if (!d || !marks || !us) return sg__err(SG_ERR_INVALID_ARGUMENT, "mark_elapsed: NULL argument");
+  const double *t = marks;
+  if (isnan(t[from]) || isnan(t[to]))
+    return sg__err(SG_ERR_INVALID_STATE, "mark_elapsed: mark %zu was never recorded",
+                   isnan(t[from]) ? from : to);
+  *us = t[to] - t[from];
+  return SG_OK;
+}
+
 /* Pending jobs are run (or skipped after a failure) before the worker exits. A job stuck in a
  * collective is bounded by that communicator's own deadline, so the join ends. */
 static void cpu_destroy(sg__device *d) {
@@ -388,6 +421,10 @@ static const sg__device_ops cpu_ops = {
     .compute_wait_comm = cpu_compute_wait_comm,
     .sync = cpu_sync,
     .set_stream = cpu_set_stream,
+    .marks_create = cpu_marks_create,
+    .marks_destroy = cpu_marks_destroy,
+    .mark = cpu_mark,
+    .mark_elapsed = cpu_mark_elapsed,
     .destroy = cpu_destroy,
 };
 

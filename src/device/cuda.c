@@ -530,6 +530,64 @@ static sg_status sg__cudev_set_stream(sg__device *dev, void *stream) {
   return SG_OK;
 }
 
+/* ---- timing marks: events with timing, read against each other ------------------------- */
+
+static void sg__cudev_marks_destroy(sg__device *dev, void *marks, size_t n) {
+  if (!dev || !marks) return;
+  cudaEvent_t *ev = marks;
+  (void)cudaSetDevice(sg__cuda(dev)->ordinal);
+  for (size_t i = 0; i < n; i++)
+    if (ev[i]) (void)cudaEventDestroy(ev[i]);
+  free(ev);
+}
+
+static sg_status sg__cudev_marks_create(sg__device *dev, size_t n, void **marks) {
+  static const char fn[] = "sg__device_cuda.marks_create";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !marks || n == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad argument", fn);
+  cudaEvent_t *ev = calloc(n, sizeof *ev);
+  if (!ev) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory (%zu marks)", fn, n);
+  sg_status st = sg__cuda_enter(d, fn);
+  for (size_t i = 0; i < n && st == SG_OK; i++) {
+    cudaError_t e = cudaEventCreateWithFlags(&ev[i], 0); /* 0: timing enabled */
+    if (e != cudaSuccess) st = sg__cuda_err(e, fn, "cudaEventCreateWithFlags", __FILE__, __LINE__);
+  }
+  if (st != SG_OK) {
+    sg__cudev_marks_destroy(dev, ev, n);
+    return st;
+  }
+  *marks = ev;
+  return SG_OK;
+}
+
+static sg_status sg__cudev_mark(sg__device *dev, void *marks, size_t i, sg__queue q) {
+  static const char fn[] = "sg__device_cuda.mark";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !marks) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU(cudaEventRecord(((cudaEvent_t *)marks)[i], sg__cuda_stream(d, q)), fn);
+  return SG_OK;
+}
+
+static sg_status sg__cudev_mark_elapsed(sg__device *dev, void *marks, size_t from, size_t to,
+                                        double *us) {
+  static const char fn[] = "sg__device_cuda.mark_elapsed";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !marks || !us) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  const cudaEvent_t *ev = marks;
+  SG_TRY(sg__cuda_enter(d, fn));
+  float ms = 0;
+  cudaError_t e = cudaEventElapsedTime(&ms, ev[from], ev[to]);
+  if (e == cudaErrorInvalidResourceHandle) {
+    (void)cudaGetLastError(); /* an event never recorded: not sticky, not a device failure */
+    return sg__err(SG_ERR_INVALID_STATE, "%s: mark %zu or %zu was never recorded", fn, from, to);
+  }
+  if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventElapsedTime", __FILE__, __LINE__);
+  *us = (double)ms * 1e3;
+  return SG_OK;
+}
+
 /* ---- lifetime --------------------------------------------------------------------------- */
 
 static void sg__cudev_destroy(sg__device *dev) {
@@ -574,6 +632,10 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_compute_wait_comm,
     sg__cudev_sync,
     sg__cudev_set_stream,
+    sg__cudev_marks_create,
+    sg__cudev_marks_destroy,
+    sg__cudev_mark,
+    sg__cudev_mark_elapsed,
     sg__cudev_destroy,
 };
 

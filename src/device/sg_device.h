@@ -66,6 +66,14 @@ typedef struct sg__device_ops {
   sg_status (*sync)(sg__device *d, int64_t deadline_ms);
   /* caller's stream (CUDA); CPU: SG_ERR_UNSUPPORTED for non-NULL */
   sg_status (*set_stream)(sg__device *d, void *stream);
+  /* Timing marks (tracing): a set of n marks; mark i records when queue q reaches that point
+   * (SG_Q_COMM only from inside a comm job); elapsed gives the microseconds from mark `from`
+   * to mark `to` once both are complete (the caller waited for both queues), and
+   * SG_ERR_INVALID_STATE for a mark never recorded. CUDA: events with timing; CPU: clock. */
+  sg_status (*marks_create)(sg__device *d, size_t n, void **marks);
+  void (*marks_destroy)(sg__device *d, void *marks, size_t n);
+  sg_status (*mark)(sg__device *d, void *marks, size_t i, sg__queue q);
+  sg_status (*mark_elapsed)(sg__device *d, void *marks, size_t from, size_t to, double *us);
   void (*destroy)(sg__device *d);
 } sg__device_ops;
 

@@ -179,6 +179,7 @@ void sg_engine_destroy(sg_engine *e) {
    * and jobs after a failure are skipped, so this ends), and the memory goes back through the
    * device before the device itself is destroyed. */
   if (e->dev && e->last_ticket) (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, INT64_MAX);
+  sg__trace_free(e);
   free_finalized(e);
   if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */
   if (e->comm) {
@@ -412,6 +413,7 @@ sg_status sg_finalize(sg_engine *e) {
   free(all);
   e->state = SG_ES_READY;
   sg__grads_reset_microbatch(e);
+  sg__trace_auto_start(e);
   SG_LOG(SG_LOG_INFO, e->rank, "finalized: %d params, %d buckets, %zu elements, shard %zu",
          e->nparams, e->plan->nbuckets, e->plan->total_numel, e->lay.opt_numel);
   return SG_OK;

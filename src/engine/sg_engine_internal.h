@@ -59,6 +59,7 @@ struct sg_engine {
   float loss_scale;
   int clean_steps;
   int dynamic_scale;
+  struct sg__trace *trace; /* sg_trace_*; NULL until first started */
 };
 
 /* Call-order and argument checks shared by the public functions. */
@@ -96,5 +97,18 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn);
 
 /* sg_step.c */
 sg_status sg__step_build_segments(sg_engine *e);
+
+/* sg_trace.c. Records are created on the caller's thread only: a comm job gets its record
+ * index when it is submitted and marks its start and end from the comm queue. */
+/* A new event (issued now, step = e->step); -1 when not recording or full. */
+int64_t sg__trace_new(sg_engine *e, int kind, int id, const char *label);
+/* Start (which 0) or end (which 1) of record `rec` when queue q gets here; rec < 0: nothing. */
+void sg__trace_at(sg_engine *e, int64_t rec, int which, sg__queue q);
+/* An instant on the caller's queue. */
+int64_t sg__trace_instant(sg_engine *e, int kind, int id, const char *label);
+/* sg_finalize: starts recording when SG_TRACE names a file. */
+void sg__trace_auto_start(sg_engine *e);
+/* sg_engine_destroy, before the device goes: writes the SG_TRACE file, frees the marks. */
+void sg__trace_free(sg_engine *e);
 
 #endif /* SG_ENGINE_INTERNAL_H */

@@ -1,5 +1,6 @@
 /* Micro-batches: gradient slots, readiness, bucket launches in plan order, the reduction jobs
  * that run on the comm queue, and local accumulation for sg_set_sync(e, 0). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,6 +10,7 @@ typedef struct {
   sg_engine *e;
   int bucket;
   char *slot; /* the bucket's gradients, grad dtype, bucket numel elements */
+  int64_t trace; /* trace record, -1 none */
 } sg__reduce_job;
 
 static size_t gsize(const sg_engine *e) { return sg__dtype_size(e->cfg.grad_dtype); }
@@ -74,9 +76,8 @@ void sg__grads_reset_microbatch(sg_engine *e) {
 /* ---------------------------------------------------------------------------------------- */
 /* the reduction job (comm queue)                                                            */
 
-static sg_status reduce_job_fn(void *arg) {
-  sg__reduce_job j = *(sg__reduce_job *)arg;
-  free(arg);
+static sg_status reduce_bucket(const sg__reduce_job *jp) {
+  const sg__reduce_job j = *jp;
   sg_engine *e = j.e;
   sg_comm *c = e->comm;
   sg__device *d = e->dev;
@@ -95,6 +96,15 @@ static sg_status reduce_job_fn(void *arg) {
   }
   /* The slot is handed out again for the next micro-batch and must read as zeros. */
   return d->ops->zero(d, SG_Q_COMM, j.slot, b->numel * gsize(e));
+}
+
+static sg_status reduce_job_fn(void *arg) {
+  sg__reduce_job j = *(sg__reduce_job *)arg;
+  free(arg);
+  sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
+  sg_status st = reduce_bucket(&j);
+  if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
+  return st;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -212,7 +222,10 @@ static sg_status unfold_local(sg_engine *e, int b, char *slot) {
 static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   sg__reduce_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  *j = (sg__reduce_job){e, b, slot};
+  char label[48];
+  snprintf(label, sizeof label, "%s b%d",
+           e->cfg.strategy == SG_NO_SHARD ? "all-reduce" : "reduce-scatter", b);
+  *j = (sg__reduce_job){e, b, slot, sg__trace_new(e, SG_TRACE_REDUCE, b, label)};
   uint64_t t = 0;
   sg_status st = e->dev->ops->comm_submit(e->dev, reduce_job_fn, j, &t);
   if (st != SG_OK) {
@@ -245,6 +258,7 @@ static sg_status launch_ready(sg_engine *e) {
 }
 
 static sg_status mark_ready(sg_engine *e, int id) {
+  sg__trace_instant(e, SG_TRACE_GRAD_READY, id, e->names[id]);
   e->ready[id] = 1;
   e->touched = 1;
   e->pending[e->plan->params[id].bucket]--;

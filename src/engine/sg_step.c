@@ -110,12 +110,10 @@ static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
   return a;
 }
 
-typedef struct { sg_engine *e; } sg__gather_job;
+typedef struct { sg_engine *e; int64_t trace; } sg__gather_job;
 
 /* In-place all-gather of every bucket's working parameters. */
-static sg_status gather_job_fn(void *arg) {
-  sg_engine *e = ((sg__gather_job *)arg)->e;
-  free(arg);
+static sg_status gather_all(sg_engine *e) {
   const sg__plan *p = e->plan;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   for (int b = 0; b < p->nbuckets; b++) {
@@ -126,11 +124,21 @@ static sg_status gather_job_fn(void *arg) {
   return SG_OK;
 }
 
+static sg_status gather_job_fn(void *arg) {
+  const sg__gather_job j = *(sg__gather_job *)arg;
+  free(arg);
+  sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
+  sg_status st = gather_all(j.e);
+  if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
+  return st;
+}
+
 static sg_status gather_params(sg_engine *e) {
   if (e->cfg.strategy == SG_NO_SHARD || e->world == 1) return SG_OK;
   sg__gather_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
   j->e = e;
+  j->trace = sg__trace_new(e, SG_TRACE_GATHER, -1, "all-gather");
   uint64_t t = 0;
   sg_status st = e->dev->ops->comm_submit(e->dev, gather_job_fn, j, &t);
   if (st != SG_OK && t == 0) free(j);
@@ -156,7 +164,7 @@ static sg_status check_info(const sg_step_info *info) {
   return SG_OK;
 }
 
-static sg_status apply(sg_engine *e, float grad_scale) {
+static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
   e->step++;
   sg__adamw_args a = adamw_args(e, grad_scale);
   sg_status st = e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
@@ -164,6 +172,7 @@ static sg_status apply(sg_engine *e, float grad_scale) {
     e->step--;
     return st;
   }
+  sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
   return gather_params(e);
 }
 
@@ -174,6 +183,8 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   SG_TRY(sg__grads_flush(e, fn));
   SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
                                                      sg__engine_host_deadline(e))));
+  const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, "step");
+  sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
   double ss[2] = {0, 0};
   SG_TRY(global_sumsq(e, ss));
   const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
@@ -186,7 +197,10 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
     clip = fmin(1.0, (double)e->cfg.max_grad_norm / (norm + 1e-6));
   sg_step_info v = {sizeof v, e->step, (float)norm, (float)clip, e->loss_scale, skip};
   sg_status st = SG_OK;
-  if (!skip) st = apply(e, (float)(avg * inv_scale * clip));
+  if (skip)
+    sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
+  else
+    st = apply(e, (float)(avg * inv_scale * clip), trace);
   if (st == SG_OK)
     st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->accum, e->lay.accum_numel * sg__dtype_size(e->cfg.accum_dtype));
   if (st != SG_OK) return st;
