@@ -14,3 +14,9 @@ target_include_directories(test_mlp_bf16_nosync PRIVATE ${SG_MLP_DIR})
 sg_add_mpi_test(test_mlp_mpi EXE test_mlp NP 2
   ARGS --mpi --steps 40 --hidden 32 --layers 3 --batch 16 --bucket-mb 0.004 --lr 0.01
        --log-every 10 --check)
+# --trace: the Chrome trace of steps 2.. per rank and the summary line (several buckets, so
+# that there are reductions to hide behind the backward pass).
+add_test(NAME test_mlp_trace COMMAND test_mlp --ranks 2 --steps 6 --hidden 32 --layers 3
+  --batch 16 --bucket-mb 0.004 --log-every 10 --trace ${CMAKE_CURRENT_BINARY_DIR}/mlp_trace-%r.json)
+set_tests_properties(test_mlp_trace PROPERTIES TIMEOUT 300 LABELS local
+  PASS_REGULAR_EXPRESSION "trace: 5 steps, [0-9]+ reductions: .* 0 events dropped")

@@ -98,8 +98,10 @@ static void *train(void *arg) {
     const double t0 = mlp_cli_now_s();
     float scale = 1.0f, loss_sum = 0.0f;
     CHECK(sg_get_loss_scale(e, &scale));
+    CHECK(mlp_cli_trace_step(&o->c, e, step, start));
     for (int mb = 0; mb < o->c.micro; mb++) {
       if (o->no_sync && o->c.micro > 1) CHECK(sg_set_sync(e, mb == o->c.micro - 1));
+      CHECK(mlp_cli_trace_micro(&o->c, e, step, start));
       float loss = 0.0f;
       CHECK(micro_batch(&me, o, step, mb, rank, world, scale, &loss));
       CHECK(sg_backward_end(e));
@@ -124,6 +126,7 @@ static void *train(void *arg) {
     }
   }
   const double rate = (double)(o->c.steps - start) / (mlp_cli_now_s() - t_start);
+  CHECK(mlp_cli_trace_finish(&o->c, e, rank));
   if (rank == 0 && start >= o->c.steps) {
     printf("nothing to train: the checkpoint is at step %d, --steps is %d\n", start, o->c.steps);
   } else if (rank == 0) {
@@ -145,7 +148,7 @@ static void usage(void) {
           "           [--dtype f32|bf16|f16] [--steps N] [--micro-batches N] [--no-sync]\n"
           "           [--batch N] [--hidden N] [--layers N] [--bucket-mb X] [--lr X]\n"
           "           [--clip X] [--seed N] [--log-every N] [--check]\n"
-          "           [--save DIR [--save-every N]] [--resume DIR]\n");
+          "           [--save DIR [--save-every N]] [--resume DIR] [--trace FILE]\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {

@@ -27,6 +27,7 @@ typedef struct mlp_cli {
   double bucket_mb;
   float lr, clip;
   uint64_t seed;
+  const char *trace; /* --trace PATH: Chrome trace of the steps after the first (%r: rank) */
 } mlp_cli;
 
 /* What differs between the programs' command lines. */
@@ -114,6 +115,79 @@ static inline int mlp_cli_report(const char *prog, const mlp_cli *c, float first
   return 0;
 }
 
+/* ---- --trace ------------------------------------------------------------------------------- */
+
+/* Called at the top of every step: tracing starts after the first step (warm-up: first-touch
+ * page faults, cuBLAS handles) and every micro-batch is opened by a mark. */
+static inline sg_status mlp_cli_trace_step(const mlp_cli *c, sg_engine *e, int step, int start) {
+  if (!c->trace || step <= start) return SG_OK;
+  return step == start + 1 ? sg_trace_start(e, 1u << 20) : SG_OK;
+}
+
+static inline sg_status mlp_cli_trace_micro(const mlp_cli *c, sg_engine *e, int step, int start) {
+  return c->trace && step > start ? sg_trace_mark(e, "micro-batch") : SG_OK;
+}
+
+/* Per-step averages of a trace: a reduction is hidden for the part of it that ran before the
+ * last gradient of its micro-batch was ready (the backward pass was still computing), exposed
+ * for the rest. Micro-batches are delimited by the marks and the steps. */
+typedef struct mlp_trace_sums {
+  double reduce, hidden, step, gather;
+  int steps, reductions;
+} mlp_trace_sums;
+
+static inline double mlp_trace_last_ready(const sg_trace_event *ev, size_t n, size_t i) {
+  double t = -1.0;
+  for (size_t j = i; j-- > 0 && ev[j].kind != SG_TRACE_MARK && ev[j].kind != SG_TRACE_STEP;)
+    if (ev[j].kind == SG_TRACE_GRAD_READY && ev[j].start_us > t) t = ev[j].start_us;
+  for (size_t j = i + 1; j < n && ev[j].kind != SG_TRACE_MARK && ev[j].kind != SG_TRACE_STEP; j++)
+    if (ev[j].kind == SG_TRACE_GRAD_READY && ev[j].start_us > t) t = ev[j].start_us;
+  return t;
+}
+
+static inline mlp_trace_sums mlp_trace_sum(const sg_trace_event *ev, size_t n) {
+  mlp_trace_sums s = {0};
+  for (size_t i = 0; i < n; i++) {
+    const double d = ev[i].end_us - ev[i].start_us;
+    if (ev[i].kind == SG_TRACE_STEP) {
+      s.step += d;
+      s.steps++;
+    } else if (ev[i].kind == SG_TRACE_GATHER) {
+      s.gather += d;
+    } else if (ev[i].kind == SG_TRACE_REDUCE) {
+      const double ready = mlp_trace_last_ready(ev, n, i);
+      s.reduce += d;
+      s.reductions++;
+      if (ready > ev[i].start_us)
+        s.hidden += (ready < ev[i].end_us ? ready : ev[i].end_us) - ev[i].start_us;
+    }
+  }
+  return s;
+}
+
+/* Writes the trace file and prints rank 0's summary line; 0 when there is none to write. */
+static inline sg_status mlp_cli_trace_finish(const mlp_cli *c, sg_engine *e, int rank) {
+  if (!c->trace) return SG_OK;
+  size_t n = 0;
+  uint64_t dropped = 0;
+  sg_status st = sg_trace_events(e, NULL, 0, &n, &dropped);
+  if (st == SG_ERR_INVALID_STATE) return SG_OK; /* fewer than two steps: nothing traced */
+  if (st != SG_OK) return st;
+  sg_trace_event *ev = calloc(n ? n : 1, sizeof *ev);
+  if (!ev) return SG_ERR_OUT_OF_MEMORY;
+  if ((st = sg_trace_events(e, ev, n, &n, &dropped)) == SG_OK) st = sg_trace_write(e, c->trace);
+  const mlp_trace_sums s = mlp_trace_sum(ev, n);
+  free(ev);
+  if (st != SG_OK || rank != 0 || s.steps == 0) return st;
+  const double k = 1e-3 / s.steps; /* us in all -> ms per step */
+  printf("trace: %d steps, %d reductions: %.3f ms/step reducing, %.0f%% of it hidden behind the "
+         "backward pass (%.3f ms/step exposed); step %.3f ms, all-gather %.3f ms; %llu events "
+         "dropped; written to %s\n", s.steps, s.reductions, s.reduce * k,
+         s.reduce > 0 ? 100.0 * s.hidden / s.reduce : 0.0, (s.reduce - s.hidden) * k, s.step * k,
+         s.gather * k, (unsigned long long)dropped, c->trace);
+  return SG_OK;
+}
+
 /* ---- command line -------------------------------------------------------------------------- */
 
 static inline int mlp_cli_parse_int(const char *s, int lo, int hi, int *out) {
@@ -181,7 +255,9 @@ static inline int mlp_cli_common_value(const mlp_cli_prog *p, mlp_cli *c, const 
   } else if (!strcmp(flag, "--seed")) {
     rc = mlp_cli_parse_num(v, 0.0, &d);
     c->seed = (uint64_t)d;
-  } else
+  } else if (!strcmp(flag, "--trace"))
+    c->trace = v;
+  else
     return 1;
   *bad = rc != 0;
   return 0;

@@ -2,6 +2,7 @@
  *
  *   mlp_cuda --ranks 2 --dtype bf16                 (2 ranks as threads on one GPU, local comm)
  *   mpirun -np 8 mlp_cuda --nccl                    (one GPU per rank, NCCL)
+ *   mlp_cuda --nccl-solo --trace t.json             (one rank, NCCL of world 1, traced)
  *
  * Same model and data as examples/mlp (mlp_model.c: the teacher network, the data stream, the
  * initial values). Each rank keeps its activations on the GPU, runs every matrix product with
@@ -28,7 +29,7 @@
 
 typedef struct options {
   mlp_cli c; /* the flags shared with examples/mlp; dtype SG_F32 or SG_BF16 */
-  int nccl, gpu;
+  int nccl, nccl_solo, gpu;
 } options;
 
 /* The GPU side of one rank's model: f32 activations and deltas, their bf16 mirrors in bf16
@@ -267,7 +268,7 @@ static void print_memory(const options *o, const mlp_model *m, const sg_memory_s
   const int have_prop = cudaGetDeviceProperties(&prop, gpu) == cudaSuccess;
   printf("mlp_cuda: %s, W=%d (%s), %s params, %d layers x %d hidden, %zu params, batch %d x %d "
          "micro-batch(es) per rank, GPU %d (%s)\n",
-         mlp_cli_strategy_name(o->c.strategy), world, o->nccl ? "NCCL" : "threads on one GPU",
+         mlp_cli_strategy_name(o->c.strategy), world, o->nccl || o->nccl_solo ? "NCCL" : "threads on one GPU",
          o->c.dtype == SG_BF16 ? "bf16" : "f32", m->layers, o->c.hidden, m->total_numel, o->c.batch,
          o->c.micro, gpu, have_prop ? prop.name : "?");
   mlp_cli_print_memory(mem, ddp);
@@ -327,7 +328,9 @@ static void *train(void *arg) {
     const double t0 = mlp_cli_now_s();
     float scale = 1.0f;
     CHECK(sg_get_loss_scale(e, &scale));
+    CHECK(mlp_cli_trace_step(&o->c, e, step, 0));
     for (int mb = 0; mb < o->c.micro; mb++) {
+      CHECK(mlp_cli_trace_micro(&o->c, e, step, 0));
       if (micro_batch(&g, e, o, step, mb, rank, world, scale / (float)o->c.micro)) {
         r->rc = 1;
         goto done;
@@ -348,6 +351,7 @@ static void *train(void *arg) {
              (double)info.grad_norm, 1.0 / dt, info.skipped ? "  (skipped: non-finite gradients)" : "");
   }
   const double rate = (double)o->c.steps / (mlp_cli_now_s() - t_start);
+  CHECK(mlp_cli_trace_finish(&o->c, e, rank));
   if (rank == 0)
     r->rc = mlp_cli_report("mlp_cuda", &o->c, first, last, o->c.steps, rate, world, &mem, &ddp,
                            skipped);
@@ -363,19 +367,25 @@ done:
 
 static void usage(void) {
   fprintf(stderr,
-          "usage: mlp_cuda [--ranks N [--gpu G] | --nccl] [--strategy no_shard|shard_opt|"
-          "shard_grad_op]\n"
+          "usage: mlp_cuda [--ranks N [--gpu G] | --nccl | --nccl-solo [--gpu G]]\n"
+          "                [--strategy no_shard|shard_opt|shard_grad_op]\n"
           "                [--dtype f32|bf16] [--steps N] [--micro-batches N] [--batch N]\n"
           "                [--hidden N] [--layers N] [--bucket-mb X] [--lr X] [--clip X]\n"
-          "                [--seed N] [--log-every N] [--check]\n"
+          "                [--seed N] [--log-every N] [--check] [--trace FILE]\n"
           "  --ranks N: N ranks as threads on GPU G (local communicator); --nccl: one rank per\n"
-          "  process under mpirun, one GPU each (NCCL)\n");
+          "  process under mpirun, one GPU each (NCCL); --nccl-solo: one rank, an NCCL\n"
+          "  communicator of world 1 on GPU G, no MPI (stream-ordered reductions on one GPU)\n"
+          "  --trace FILE: Chrome trace of the steps after the first (%r: rank) and a summary\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {
   options *o = opts;
-  if (strcmp(flag, "--nccl")) return 0;
-  o->nccl = 1;
+  if (!strcmp(flag, "--nccl"))
+    o->nccl = 1;
+  else if (!strcmp(flag, "--nccl-solo"))
+    o->nccl_solo = 1;
+  else
+    return 0;
   return 1;
 }
 
@@ -440,6 +450,22 @@ static int run_nccl(const options *o) {
 }
 #endif
 
+/* One rank on one GPU over an NCCL communicator of world 1, without MPI: the engine's
+ * reductions are stream-ordered as they are on several GPUs, so --trace shows them overlapping
+ * the backward GEMMs (ranks as threads use the host-driven local communicator instead). */
+static int run_nccl_solo(const options *o) {
+  unsigned char id[128];
+  mlp_rank_run run = {.o = o, .gpu = o->gpu};
+  sg_status st = sg_nccl_unique_id(id);
+  if (st == SG_OK) st = sg_comm_create_nccl(0, 1, id, o->gpu, &run.comm);
+  if (st != SG_OK)
+    run.rc = failed(0, "sg_comm_create_nccl (world 1)", st);
+  else
+    train(&run);
+  sg_comm_destroy(run.comm);
+  return run.rc;
+}
+
 int main(int argc, char **argv) {
   options o;
   if (parse_args(argc, argv, &o) != 0) {
@@ -449,5 +475,6 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   /* Ranks as threads on one GPU: NCCL refuses two ranks on one device, the local communicator
    * does not. */
+  if (o.nccl_solo) return run_nccl_solo(&o);
   return o.nccl ? run_nccl(&o) : mlp_cli_run_threads("mlp_cuda", &o, o.c.ranks, o.gpu, train);
 }
