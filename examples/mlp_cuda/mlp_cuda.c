@@ -375,7 +375,7 @@ static void usage(void) {
           "  --ranks N: N ranks as threads on GPU G (local communicator); --nccl: one rank per\n"
           "  process under mpirun, one GPU each (NCCL); --nccl-solo: one rank, an NCCL\n"
           "  communicator of world 1 on GPU G, no MPI (stream-ordered reductions on one GPU)\n"
-          "  --trace FILE: Chrome trace of the steps after the first (%r: rank) and a summary\n");
+          "  --trace FILE: Chrome trace of the steps after the first (%%r: rank) and a summary\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {
