@@ -7,13 +7,16 @@
     python3 examples/python/train_lm.py --ranks 2
     # your own text instead of the generated corpus:
     python3 examples/python/train_lm.py --ranks 2 --text some_book.txt
+    # a Chrome trace per rank (chrome://tracing, https://ui.perfetto.dev) of steps 2.. :
+    python3 examples/python/train_lm.py --ranks 2 --trace /tmp/lm-%r.json
 
 The library is found through SHARDGRAD_LIBRARY (e.g. build/libshardgrad.so), next to the
 package, or the system path; the package itself through PYTHONPATH=python or `pip install
 ./python`. Each rank trains on its own random windows of the corpus; gradients are averaged
 over ranks, AdamW state is sharded (SHARD_GRAD_OP unless --strategy says otherwise). Rank 0
 prints loss and throughput; every rank prints its memory at the end. Exits with status 1 if
-the loss did not fall.
+the loss did not fall. With --trace, rank 0 also prints how much of the gradient reduction time
+ran while the backward pass was still computing (shardgrad.trace_overlap).
 """
 
 import argparse
@@ -144,6 +147,29 @@ def rss_mib():
     return float("nan")
 
 
+def trace_path(path, world):
+    """Every rank writes its own file: %r becomes the rank (added before the extension when
+    several ranks share a path without it)."""
+    if world > 1 and "%r" not in path:
+        root, ext = os.path.splitext(path)
+        path = root + "-%r" + ext
+    return path
+
+
+def finish_trace(engine, path, rank, world):
+    """Stops the trace, writes it, and (rank 0) prints the overlap summary."""
+    engine.trace_stop()
+    events, dropped = engine.trace_events()
+    path = trace_path(path, world)
+    engine.trace_write(path)
+    if rank == 0:
+        ov = sg.trace_overlap(events)
+        print("trace: %s (%d events, %d dropped): reductions %.1f ms over %d steps, %.0f%% of "
+              "the reduction time hidden behind the backward pass, %.1f ms exposed" % (
+                  path.replace("%r", "0"), len(events), dropped, ov["reduce_us"] / 1e3,
+                  ov["steps"], 100 * ov["hidden_fraction"], ov["exposed_us"] / 1e3), flush=True)
+
+
 def train_rank(comm, args, data, out):
     rank, world = comm.rank, comm.size
     torch.manual_seed(args.seed)  # every rank builds the same model (rank 0's is broadcast)
@@ -173,13 +199,20 @@ def train_rank(comm, args, data, out):
             if m < args.micro - 1:
                 with opt.no_sync():  # accumulate locally, reduce with the last micro-batch
                     loss = model.loss(x) / args.micro
+                    if args.trace and step > 1:
+                        opt.engine.trace_mark("backward")
                     loss.backward()
             else:
                 loss = model.loss(x) / args.micro
+                if args.trace and step > 1:
+                    opt.engine.trace_mark("backward")  # where the backward pass begins
                 loss.backward()
             loss_sum += loss.item()
         opt.step()
         sched.step()
+        if args.trace and step == 1:
+            # from the second step on: the first backward finalizes the engine (warm-up)
+            opt.engine.trace_start()
         losses.append(loss_sum)
         if rank == 0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
             now = time.perf_counter()
@@ -190,6 +223,8 @@ def train_rank(comm, args, data, out):
                 step, loss_sum, opt.lr, info.grad_norm, rate), flush=True)
             t_last, tok_last = now, tok
     elapsed = time.perf_counter() - t0
+    if args.trace and args.steps > 1:
+        finish_trace(opt.engine, args.trace, rank, world)
     mem = opt.memory()
     sample = None
     if rank == 0:
@@ -245,6 +280,9 @@ def main():
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads per rank (default: cores / local ranks)")
     ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--trace", metavar="PATH",
+                    help="write a Chrome trace of steps 2.. to PATH (%%r: the rank) and print "
+                    "how much reduction time the backward pass hid")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

@@ -10,20 +10,22 @@ The C library is found through SHARDGRAD_LIBRARY, next to this package, or the s
 """
 
 from ._lib import LibraryNotFoundError, library_path
-from ._structs import PARAM_NO_DECAY, DType, Device, Status, Strategy
+from ._structs import PARAM_NO_DECAY, DType, Device, Status, Strategy, TraceKind
 from .config import Config
-from .core import (Comm, Engine, MemoryStats, StepInfo, estimate_memory, has_backend,
-                   last_error, run_threads, status_string, version)
+from .core import (Comm, Engine, MemoryStats, StepInfo, TraceEvent, estimate_memory,
+                   has_backend, last_error, run_threads, status_string, version)
 from .errors import (CommError, CorruptError, CudaError, InternalError, InvalidArgumentError,
                      InvalidStateError, MismatchError, OutOfMemoryError, ShardgradError,
                      ShardgradIOError, ShardgradTimeoutError, UnsupportedError)
+from .tracing import trace_overlap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LibraryNotFoundError", "library_path", "PARAM_NO_DECAY", "DType", "Device", "Status",
-    "Strategy", "Config", "Comm", "Engine", "MemoryStats", "StepInfo", "estimate_memory",
-    "has_backend", "last_error", "run_threads", "status_string", "version", "ShardgradError",
+    "Strategy", "TraceKind", "Config", "Comm", "Engine", "MemoryStats", "StepInfo", "TraceEvent",
+    "trace_overlap", "estimate_memory", "has_backend", "last_error", "run_threads",
+    "status_string", "version", "ShardgradError",
     "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError", "UnsupportedError",
     "MismatchError", "CommError", "ShardgradTimeoutError", "ShardgradIOError", "CorruptError",
     "CudaError", "InternalError",

@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 
-from ._structs import SgConfig, SgMemoryStats, SgStepInfo
+from ._structs import SgConfig, SgMemoryStats, SgStepInfo, SgTraceEvent
 
 __all__ = ["LibraryNotFoundError", "load", "library_path", "PROTOTYPES", "OPTIONAL"]
 
@@ -81,12 +81,19 @@ PROTOTYPES = {
     "sg_export": (_status, [_vp, _c_char_p]),
     "sg_import": (_status, [_vp, _c_char_p]),
     "sg_get_step": (_status, [_vp, ctypes.POINTER(ctypes.c_uint64)]),
+    "sg_trace_start": (_status, [_vp, _c_size]),
+    "sg_trace_stop": (_status, [_vp]),
+    "sg_trace_mark": (_status, [_vp, _c_char_p]),
+    "sg_trace_events": (_status, [_vp, ctypes.POINTER(SgTraceEvent), _c_size,
+                                  ctypes.POINTER(_c_size), ctypes.POINTER(ctypes.c_uint64)]),
+    "sg_trace_write": (_status, [_vp, _c_char_p]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
 OPTIONAL = frozenset({
     "sg_comm_create_nccl_mpi", "sg_nccl_unique_id", "sg_comm_create_nccl", "sg_set_stream",
     "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step", "sg_get_lr",
+    "sg_trace_start", "sg_trace_stop", "sg_trace_mark", "sg_trace_events", "sg_trace_write",
 })
 
 

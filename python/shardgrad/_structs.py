@@ -7,8 +7,8 @@ program compiled against the header. C enums are int-sized (all values fit in an
 import ctypes
 import enum
 
-__all__ = ["Status", "DType", "Device", "Strategy", "PARAM_NO_DECAY", "SgConfig", "SgStepInfo",
-           "SgMemoryStats"]
+__all__ = ["Status", "DType", "Device", "Strategy", "TraceKind", "PARAM_NO_DECAY", "SgConfig",
+           "SgStepInfo", "SgMemoryStats", "SgTraceEvent"]
 
 
 class Status(enum.IntEnum):
@@ -42,6 +42,14 @@ class Strategy(enum.IntEnum):
     NO_SHARD = 0
     SHARD_OPT = 1
     SHARD_GRAD_OP = 2
+
+
+class TraceKind(enum.IntEnum):
+    GRAD_READY = 0  # instant on the caller's queue: a gradient became ready (id = parameter)
+    REDUCE = 1      # span on the comm queue: one bucket's reduction (id = bucket index)
+    STEP = 2        # span on the caller's queue: gradient norm and AdamW on the shard
+    GATHER = 3      # span on the comm queue: the step's all-gather of the parameters
+    MARK = 4        # instant on the caller's queue: Engine.trace_mark(label)
 
 
 PARAM_NO_DECAY = 1
@@ -93,4 +101,15 @@ class SgMemoryStats(ctypes.Structure):
         (n, ctypes.c_size_t) for n in (
             "params_bytes", "grads_bytes", "master_bytes", "optim_bytes", "comm_bytes",
             "total_bytes", "peak_bytes", "numel", "shard_numel")
+    ]
+
+
+class SgTraceEvent(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("id", ctypes.c_int32),
+        ("step", ctypes.c_uint64),
+        ("start_us", ctypes.c_double),
+        ("end_us", ctypes.c_double),
+        ("label", ctypes.c_char * 48),
     ]

@@ -1,6 +1,7 @@
 """Comm and Engine: Python objects over the sg_comm and sg_engine handles."""
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import math
@@ -12,12 +13,15 @@ import weakref
 import numpy as np
 
 from . import _lib
-from ._structs import DType, Device, PARAM_NO_DECAY, SgMemoryStats, SgStepInfo
+from ._structs import (DType, Device, PARAM_NO_DECAY, SgMemoryStats, SgStepInfo, SgTraceEvent,
+                       TraceKind)
 from .config import Config, to_dtype
-from .errors import InvalidArgumentError, InvalidStateError, UnsupportedError, check
+from .errors import (InvalidArgumentError, InvalidStateError, ShardgradError, UnsupportedError,
+                     check)
 
-__all__ = ["Comm", "Engine", "StepInfo", "MemoryStats", "estimate_memory", "run_threads",
-           "version", "has_backend", "status_string", "last_error"]
+__all__ = ["Comm", "Engine", "StepInfo", "MemoryStats", "TraceKind", "TraceEvent",
+           "estimate_memory", "run_threads", "version", "has_backend", "status_string",
+           "last_error"]
 
 # numpy dtype of each sg_dtype; bf16 has no numpy type and is viewed as its bits (uint16).
 _NP_DTYPE = {DType.F32: np.dtype(np.float32), DType.BF16: np.dtype(np.uint16),
@@ -270,6 +274,34 @@ class MemoryStats:
                     self.params_bytes / mib, self.grads_bytes / mib, self.master_bytes / mib,
                     self.optim_bytes / mib, self.comm_bytes / mib, self.total_bytes / mib,
                     self.peak_bytes / mib, self.numel, self.shard_numel))
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEvent:
+    """One recorded event (sg_trace_event). Times are microseconds since trace_start, on the
+    clock of the queue that ran the work; instants (GRAD_READY, MARK) have end_us == start_us.
+    id: parameter id (GRAD_READY) or bucket index in reduction order (REDUCE), else -1; step:
+    optimizer steps taken when the event was issued; label: the parameter's name or the mark's
+    label (at most 47 bytes), else ""."""
+    kind: TraceKind
+    id: int
+    step: int
+    start_us: float
+    end_us: float
+    label: str
+
+    @property
+    def duration_us(self):
+        return self.end_us - self.start_us
+
+    @classmethod
+    def _from(cls, ev):
+        try:
+            kind = TraceKind(ev.kind)
+        except ValueError:
+            kind = int(ev.kind)  # a kind newer than this binding
+        return cls(kind, int(ev.id), int(ev.step), float(ev.start_us), float(ev.end_us),
+                   ev.label.decode("utf-8", "replace"))
 
 
 def _stats_struct():
@@ -695,6 +727,69 @@ class Engine:
         """Collective: sets parameters (working and master) from a safetensors file by name;
         optimizer state and step are unchanged."""
         _call("sg_import", self.handle, os.fsencode(path))
+
+    # -- tracing --------------------------------------------------------------------------
+    def trace_start(self, max_events=0):
+        """Starts recording (after finalize) into room for max_events events (0: 16384); later
+        events are counted as dropped. Not collective. Already recording (also when SG_TRACE
+        started it at finalize): InvalidStateError."""
+        if isinstance(max_events, bool) or not isinstance(max_events, (int, np.integer)):
+            raise TypeError("trace_start: max_events must be an int, got %r" % (max_events,))
+        if max_events < 0:
+            raise InvalidArgumentError("trace_start: max_events must be >= 0 (got %d)"
+                                       % max_events, function="python")
+        _call("sg_trace_start", self.handle, int(max_events))
+
+    def trace_stop(self):
+        """Stops recording; the events stay readable until the next trace_start."""
+        _call("sg_trace_stop", self.handle)
+
+    def trace_mark(self, label):
+        """An instant on the caller's queue, e.g. "backward" where a backward pass begins
+        (trace_overlap uses these marks to tell micro-batches apart)."""
+        if not isinstance(label, str):
+            raise TypeError("trace_mark: label must be a str, got %r" % (label,))
+        _call("sg_trace_mark", self.handle, label.encode("utf-8"))
+
+    def trace_events(self):
+        """(list of TraceEvent in issue order, number dropped) of the current or last
+        recording. Waits for the engine's queued work, whose times are known only then."""
+        count = ctypes.c_size_t()
+        dropped = ctypes.c_uint64()
+        _call("sg_trace_events", self.handle, None, 0, ctypes.byref(count), ctypes.byref(dropped))
+        while True:  # while recording, events may be added between two calls
+            cap = count.value
+            buf = (SgTraceEvent * cap)()
+            _call("sg_trace_events", self.handle, buf if cap else None, cap, ctypes.byref(count),
+                  ctypes.byref(dropped))
+            if count.value <= cap:
+                return [TraceEvent._from(buf[i]) for i in range(count.value)], int(dropped.value)
+
+    def trace_write(self, path):
+        """Writes the recorded events as a Chrome trace (JSON; chrome://tracing, Perfetto) to
+        `path`, where %r becomes the rank."""
+        _call("sg_trace_write", self.handle, os.fsencode(path))
+
+    @contextlib.contextmanager
+    def trace(self, max_events=0):
+        """Records the events of the block:
+
+            with e.trace():
+                ...
+            events, dropped = e.trace_events()
+        """
+        self.trace_start(max_events)
+        body_ok = False
+        try:
+            yield self
+            body_ok = True
+        finally:
+            if self._h is not None:  # closed in the block: nothing left to stop
+                try:
+                    self.trace_stop()
+                except ShardgradError:
+                    if body_ok:  # else the block's own exception is the one to see
+                        raise
 
     def _need_host(self, what):
         if self._device != Device.CPU:

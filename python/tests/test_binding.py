@@ -15,7 +15,7 @@ import pytest
 
 import shardgrad as sg
 from shardgrad import _lib
-from shardgrad._structs import SgConfig, SgMemoryStats, SgStepInfo
+from shardgrad._structs import SgConfig, SgMemoryStats, SgStepInfo, SgTraceEvent
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -154,12 +154,14 @@ def _c_compiler():
     return None
 
 
-STRUCTS = {"sg_config": SgConfig, "sg_step_info": SgStepInfo, "sg_memory_stats": SgMemoryStats}
+STRUCTS = {"sg_config": SgConfig, "sg_step_info": SgStepInfo, "sg_memory_stats": SgMemoryStats,
+           "sg_trace_event": SgTraceEvent}
 ENUMS = {
     **{"SG_" + s.name: int(s) for s in sg.Status},
     **{("SG_DTYPE_AUTO" if d == sg.DType.AUTO else "SG_" + d.name): int(d) for d in sg.DType},
     **{"SG_DEVICE_" + d.name: int(d) for d in sg.Device},
     **{"SG_" + s.name: int(s) for s in sg.Strategy},
+    **{"SG_TRACE_" + k.name: int(k) for k in sg.TraceKind},
     "SG_PARAM_NO_DECAY": sg.PARAM_NO_DECAY,
 }
 
@@ -177,7 +179,7 @@ def test_struct_layout_matches_c_compiler(tmp_path):
                          % (cname, field, cname, field, cname, field))
     for name in ENUMS:
         lines.append('printf("enum %s %%ld\\n", (long)(%s));' % (name, name))
-    for t in ("sg_status", "sg_dtype", "sg_device", "sg_strategy"):
+    for t in ("sg_status", "sg_dtype", "sg_device", "sg_strategy", "sg_trace_kind"):
         lines.append('printf("enumsize %s %%zu\\n", sizeof(%s));' % (t, t))
     lines += ["return 0;", "}"]
     src = tmp_path / "layout.c"
