@@ -64,6 +64,30 @@ if(SG_WITH_CUDA)
       add_test(NAME ${t} COMMAND ${t})
       set_tests_properties(${t} PROPERTIES TIMEOUT 300 LABELS cuda)
     endforeach()
+
+    # The engine's main test (tests/test_engine.c, test_engine_w2 in engine.cmake) and the loss
+    # scaling test (test_fp16_scale.c, robust.cmake) with the engines under test on the mock
+    # CUDA device (SG_TEST_DEVICE=cuda) and their references on the CPU device: W ranks with the
+    # local communicator, and W = 1 with the mock NCCL (--nccl), bitwise against the CPU engine.
+    foreach(t test_engine test_fp16_scale)
+      add_executable(${t}_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
+      target_link_libraries(${t}_cudamock PRIVATE shardgrad_cudamock)
+      target_compile_options(${t}_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+        -ffp-contract=off)
+    endforeach()
+    # name|arguments; the full matrix at W = 2 and with NCCL, the quick one at W = 3 and 4
+    # (Release on 2 cores: about 11, 7, 10 and 10 s; test_fp16_scale about 2 s).
+    foreach(run "test_engine_cudamock_w2|test_engine_cudamock;--local;2"
+                "test_engine_cudamock_w3|test_engine_cudamock;--local;3;--quick"
+                "test_engine_cudamock_w4|test_engine_cudamock;--local;4;--quick"
+                "test_engine_cudamock_nccl|test_engine_cudamock;--nccl"
+                "test_fp16_scale_cudamock|test_fp16_scale_cudamock")
+      string(REPLACE "|" ";" run "${run}")
+      list(POP_FRONT run name)
+      add_test(NAME ${name} COMMAND ${run})
+      set_tests_properties(${name} PROPERTIES TIMEOUT 300 LABELS cuda
+        ENVIRONMENT "SG_TEST_DEVICE=cuda")
+    endforeach()
   else()
     message(STATUS "shardgrad: no C++ compiler, test_cuda_emu not built")
   endif()
@@ -81,4 +105,10 @@ if(SG_WITH_CUDA)
   target_link_libraries(test_cuda_engine PRIVATE shardgrad_internal)
   target_compile_options(test_cuda_engine PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   target_compile_definitions(test_cuda_engine PRIVATE ${_sg_cuda_defs} SG_TEST_REAL_GPU)
+  # The same two tests with their engines under test on the GPU (SG_TEST_DEVICE=cuda, --nccl).
+  foreach(t test_engine test_fp16_scale)
+    add_executable(${t}_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
+    target_link_libraries(${t}_cuda PRIVATE shardgrad_internal)
+    target_compile_options(${t}_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
+  endforeach()
 endif()

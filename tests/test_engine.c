@@ -8,7 +8,15 @@
  *
  * Usage: test_engine --local W   (ranks as threads; W in 2..4, or 0 for all of 2, 3, 4)
  *        test_engine --mpi       (one rank per process under mpirun)
- *        add --quick (or SG_TEST_QUICK=1) for a smaller matrix: no f16, no_sync only for f32. */
+ *        test_engine --nccl      (W = 1 with an NCCL communicator, on SG_DEVICE_CUDA: what one
+ *                                 GPU can check, since NCCL refuses two ranks on one GPU)
+ *        add --quick (or SG_TEST_QUICK=1) for a smaller matrix: no f16, no_sync only for f32;
+ *        add --device cuda (or SG_TEST_DEVICE=cuda) to run the ranks under test on
+ *        SG_DEVICE_CUDA (GPU 0); the reference stays on SG_DEVICE_CPU, so every check becomes
+ *        "CUDA engine at W ranks == CPU engine on the combined batch".
+ * Gradients are built in host memory and uploaded into the sg_grad_ptr slot through the
+ * engine's own device vtable (a memcpy on CPU; on CUDA an H2D copy on the compute queue that
+ * is complete when it returns), so this file needs no CUDA header. */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -16,6 +24,7 @@
 #include <string.h>
 
 #include "../kernels/sg_elem.h" /* dtype conversions for the test's own gradients */
+#include "engine/sg_engine_internal.h" /* e->dev: uploads into device gradient slots */
 #include "shardgrad.h"
 
 #define SG_TEST_PRINT_PASSES 0
@@ -75,17 +84,23 @@ typedef struct {
   sg_comm *comm;
   int world;  /* world of the run being fed; 1 for the reference */
   int feed_w; /* number of ranks whose gradients are combined (reference: W) */
+  int cuda;   /* SG_DEVICE_CUDA (GPU 0) instead of SG_DEVICE_CPU */
   int average;/* grad_average: on for W = 2, 4 (1/W exact); off for W = 3, so that the
                  reference's gradient (the plain sum) is exact too */
   result *res;
   char err[512];
 } run_arg;
 
-static sg_status setup(const tcase *tc, int average, sg_comm *comm, sg_engine **out, int *ids) {
+static int g_cuda; /* --device cuda: the runs under test (never the reference) on CUDA */
+
+static sg_status setup(const tcase *tc, int average, int cuda, sg_comm *comm, sg_engine **out,
+                       int *ids) {
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
   if (st) return st;
   cfg.strategy = tc->strategy;
+  cfg.device = cuda ? SG_DEVICE_CUDA : SG_DEVICE_CPU;
+  cfg.cuda_device = 0;
   cfg.param_dtype = tc->pdt;
   cfg.grad_dtype = tc->gdt;
   cfg.reduce_dtype = tc->gdt;
@@ -118,9 +133,10 @@ static sg_status setup(const tcase *tc, int average, sg_comm *comm, sg_engine **
 
 /* Writes this rank's gradient (or, for the reference, the average over feed_w ranks). */
 static sg_status write_grad(run_arg *a, sg_engine *e, int id, int p, int step, int k) {
-  void *g = NULL;
+  void *g = NULL, *h = NULL;
   sg_status st = sg_grad_ptr(e, id, &g);
   if (st) return st;
+  if (!(h = malloc(k_sizes[p] * 4))) return SG_ERR_OUT_OF_MEMORY;
   const int rank = sg_comm_rank(a->comm);
   for (size_t i = 0; i < k_sizes[p]; i++) {
     double v = 0;
@@ -128,9 +144,12 @@ static sg_status write_grad(run_arg *a, sg_engine *e, int id, int p, int step, i
       for (int r = 0; r < a->feed_w; r++) v += grad_val(a->tc, r, step, k, p, i);
     else
       v = grad_val(a->tc, rank, step, k, p, i);
-    store(g, a->tc->gdt, i, (float)(a->world == 1 && a->average ? v / a->feed_w : v));
+    store(h, a->tc->gdt, i, (float)(a->world == 1 && a->average ? v / a->feed_w : v));
   }
-  return sg_grad_ready(e, id);
+  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, g, h, k_sizes[p] * (a->tc->gdt == SG_F32 ? 4 : 2),
+                         SG_COPY_H2D);
+  free(h);
+  return st ? st : sg_grad_ready(e, id);
 }
 
 static void order_for(const tcase *tc, int step, int k, int rank, int *order) {
@@ -186,7 +205,7 @@ static void *run_thread(void *arg) {
   run_arg *a = arg;
   sg_engine *e = NULL;
   int ids[NP];
-  sg_status st = setup(a->tc, a->average, a->comm, &e, ids);
+  sg_status st = setup(a->tc, a->average, a->cuda, a->comm, &e, ids);
   if (!st) st = train(a, e, ids);
   if (!st) st = collect(a, e, ids);
   a->res->ok = st == SG_OK;
@@ -284,7 +303,7 @@ static int avg_for(int w) { return (w & (w - 1)) == 0; }
 static int run_reference(const tcase *tc, int feed_w, result *ref) {
   sg_comm *c = NULL;
   if (sg_comm_create_local(1, &c)) return 0;
-  run_arg a = {tc, c, 1, feed_w, avg_for(feed_w), ref, ""};
+  run_arg a = {tc, c, 1, feed_w, 0, avg_for(feed_w), ref, ""};
   run_thread(&a);
   CHECK(ref->ok, "reference run failed: %s", a.err);
   sg_comm_destroy(c);
@@ -303,7 +322,7 @@ static void run_local(const tcase *tc, int w) {
   pthread_t th[4];
   run_arg args[4];
   for (int r = 0; r < w; r++) {
-    args[r] = (run_arg){tc, comms[r], w, w, avg_for(w), &res[r], ""};
+    args[r] = (run_arg){tc, comms[r], w, w, g_cuda, avg_for(w), &res[r], ""};
     pthread_create(&th[r], NULL, run_thread, &args[r]);
   }
   for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
@@ -327,7 +346,7 @@ static void run_mpi(const tcase *tc, sg_comm *comm) {
   const int w = sg_comm_size(comm), rank = sg_comm_rank(comm);
   result ref = {0}, res = {0};
   if (!run_reference(tc, w, &ref)) return;
-  run_arg a = {tc, comm, w, w, avg_for(w), &res, ""};
+  run_arg a = {tc, comm, w, w, g_cuda, avg_for(w), &res, ""};
   run_thread(&a);
   CHECK(res.ok, "%s W=%d rank %d failed: %s", sname(tc->strategy), w, rank, a.err);
   if (res.ok) compare_result(tc, w, rank, &res, &ref);
@@ -335,6 +354,28 @@ static void run_mpi(const tcase *tc, sg_comm *comm) {
   free_result(&ref);
 }
 #endif
+
+/* W = 1 on SG_DEVICE_CUDA with an NCCL communicator against the CPU reference. */
+static void run_nccl(const tcase *tc) {
+  result ref, res;
+  memset(&ref, 0, sizeof ref);
+  memset(&res, 0, sizeof res);
+  if (!run_reference(tc, 1, &ref)) return;
+  unsigned char id[128];
+  sg_comm *c = NULL;
+  sg_status st = sg_nccl_unique_id(id);
+  if (!st) st = sg_comm_create_nccl(0, 1, id, 0, &c);
+  CHECK(st == SG_OK, "sg_comm_create_nccl(0, 1): %s", sg_last_error());
+  if (!st) {
+    run_arg a = {tc, c, 1, 1, 1, avg_for(1), &res, ""};
+    run_thread(&a);
+    CHECK(res.ok, "%s nccl W=1 failed: %s", sname(tc->strategy), a.err);
+    if (res.ok) compare_result(tc, 1, 0, &res, &ref);
+    sg_comm_destroy(c);
+  }
+  free_result(&res);
+  free_result(&ref);
+}
 
 /* ---------------------------------------------------------------------------------------- */
 
@@ -363,12 +404,27 @@ static int make_cases(tcase *out, int quick) {
 }
 
 int main(int argc, char **argv) {
-  int local_w = -1, use_mpi = 0, quick = 0;
+  int local_w = -1, use_mpi = 0, use_nccl = 0, quick = 0;
+  const char *device = getenv("SG_TEST_DEVICE");
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--local") && i + 1 < argc) local_w = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--mpi")) use_mpi = 1;
+    else if (!strcmp(argv[i], "--nccl")) use_nccl = 1;
     else if (!strcmp(argv[i], "--quick")) quick = 1;
+    else if (!strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
   }
+  if (device && *device && strcmp(device, "cpu") && strcmp(device, "cuda")) {
+    printf("unknown device '%s' (cpu or cuda)\n", device);
+    return 2;
+  }
+  g_cuda = device && !strcmp(device, "cuda");
+  if (use_nccl) g_cuda = 1; /* NCCL collectives need the CUDA device */
+  if ((g_cuda && !sg_has_backend("cuda")) || (use_nccl && !sg_has_backend("nccl"))) {
+    printf("built without %s\n", use_nccl && sg_has_backend("cuda") ? "NCCL" : "CUDA");
+    return 1;
+  }
+  printf("engine under test on %s%s, reference on cpu\n", g_cuda ? "cuda" : "cpu",
+         use_nccl ? " with NCCL (W = 1)" : "");
   if (local_w < 0 && !use_mpi) local_w = 0;
   /* sanitizer builds (scripts/test.sh) run the smaller matrix: 5-20x slower per element */
   if (getenv("SG_TEST_QUICK") && atoi(getenv("SG_TEST_QUICK")) > 0) quick = 1;
@@ -388,6 +444,8 @@ int main(int argc, char **argv) {
     printf("built without MPI\n");
     return 1;
 #endif
+  } else if (use_nccl) {
+    for (int c = 0; c < nc; c++) run_nccl(&cases[c]);
   } else {
     for (int c = 0; c < nc; c++)
       for (int w = 2; w <= 4; w++)

@@ -17,7 +17,13 @@
  * f32 with skip_nonfinite = 0 does NOT skip a NaN gradient: the step counts, grad_norm is NaN,
  * the element whose reduced gradient is NaN becomes NaN (param, m and v) on every rank, and
  * every other element is updated exactly as in a run where that gradient was finite (no
- * clipping: a non-finite norm would otherwise change every element's clip coefficient). */
+ * clipping: a non-finite norm would otherwise change every element's clip coefficient).
+ *
+ * SG_TEST_DEVICE=cuda (or --device cuda): the engines under test on SG_DEVICE_CUDA (GPU 0),
+ * the reference engines on SG_DEVICE_CPU, so "equal to the reference" also means "the CUDA
+ * engine equals the CPU engine bitwise". Gradients are cast in host memory and uploaded through
+ * the engine's device vtable (no CUDA header here). The sg_grad_add part runs on CPU only (its
+ * source is host memory there, device memory on CUDA). */
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -27,6 +33,7 @@
 #include <string.h>
 
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_cast: gradients into f16/bf16 slots */
+#include "engine/sg_engine_internal.h" /* e->dev: uploads into device gradient slots */
 #include "shardgrad.h"
 
 #define SG_TEST_DEFAULT_TAG "[main]"
@@ -87,9 +94,13 @@ typedef struct rank_ctx {
   sg_engine *et, *er;
 } rank_ctx;
 
+static int g_cuda; /* engines under test (not the reference) on SG_DEVICE_CUDA */
+
 static void make_config(const scenario *sc, int ref, sg_config *c) {
   sg_config_init(c, sizeof *c);
   c->strategy = SG_SHARD_GRAD_OP;
+  c->device = g_cuda && !ref ? SG_DEVICE_CUDA : SG_DEVICE_CPU;
+  c->cuda_device = 0;
   c->param_dtype = c->grad_dtype = c->reduce_dtype = sc->dtype;
   c->bucket_bytes = 256; /* several buckets, parameters straddling slices */
   c->lr = 0.01f;
@@ -174,12 +185,16 @@ static int micro_batch(rank_ctx *x, sg_engine *e, int iter, int mb, float scale,
         case INJ_OVERFLOW: *t = 16.0f * scale; break;
       }
     }
-    /* Written into the slot (CPU device: host memory in grad_dtype) rather than through
-     * sg_grad_add, which cannot accumulate into f16 slots yet (see grad_add_f16 below). */
+    /* Written into the slot (in grad_dtype, uploaded: device memory on CUDA) rather than
+     * through sg_grad_add, which cannot accumulate into f16 slots yet (see grad_add_f16). */
     void *slot = NULL;
+    unsigned char h[MAXN * 4];
     if (sg_grad_ptr(e, id, &slot) != SG_OK) return 0;
-    sg__cpu_cast(slot, x->sc->dtype, g, SG_F32, k_numel[id]);
-    if (sg_grad_ready(e, id) != SG_OK) return 0;
+    sg__cpu_cast(h, x->sc->dtype, g, SG_F32, k_numel[id]);
+    if (e->dev->ops->copy(e->dev, SG_Q_COMPUTE, slot, h,
+                          k_numel[id] * (x->sc->dtype == SG_F32 ? 4 : 2), SG_COPY_H2D) != SG_OK ||
+        sg_grad_ready(e, id) != SG_OK)
+      return 0;
   }
   return 1;
 }
@@ -371,8 +386,21 @@ static void run(const scenario *sc, int W, void *(*fn)(void *)) {
   }
 }
 
-int main(void) {
+int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
+  const char *device = getenv("SG_TEST_DEVICE");
+  for (int i = 1; i + 1 < argc; i++)
+    if (!strcmp(argv[i], "--device")) device = argv[i + 1];
+  g_cuda = device && !strcmp(device, "cuda");
+  if (device && *device && !g_cuda && strcmp(device, "cpu")) {
+    printf("unknown device '%s' (cpu or cuda)\n", device);
+    return 2;
+  }
+  if (g_cuda && !sg_has_backend("cuda")) {
+    printf("built without CUDA\n");
+    return 1;
+  }
+  printf("engines under test on %s, reference engines on cpu\n", g_cuda ? "cuda" : "cpu");
   /* scale: 65536; step 1 halves, 3 clean steps double; then four bad steps in a row reach
    * the floor 8192 and stay there; 3 clean steps double again; one more halving. */
   static const inj dyn[] = {
@@ -403,6 +431,6 @@ int main(void) {
     }
     run(&nan_sc, W, nan_rank_main);
   }
-  grad_add_f16();
+  if (!g_cuda) grad_add_f16(); /* host source: the CPU device's contract */
   return sg_test_summary("");
 }

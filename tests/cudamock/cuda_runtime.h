@@ -93,6 +93,9 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventQuery(cudaEvent_t e);
+/* Milliseconds between two completed timing events (the steady clock when each one's stream
+ * reached it); cudaErrorNotReady when either is not complete yet (nothing is forced). */
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
 
 /* ---- controls for tests ----------------------------------------------------------------- */
 

@@ -5,6 +5,7 @@
 // of its events, another stream's wait on one of its events, cudaFree, sg_cudamock_drain), and
 // a wait item advances the stream it waits on up to the event's position first. One global
 // lock serializes everything (rank threads of the local communicator share the mock).
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -43,6 +44,9 @@ struct CUevent_st {
   CUstream_st *s = nullptr;  // NULL: never recorded (queries succeed, waits are no-ops)
   uint64_t pos = 0;
   bool alive = true;
+  bool timing = true;  // not cudaEventDisableTiming: a record queues an item that stamps `at`
+  uint64_t gen = 0;    // records so far: only the latest one's stamp counts
+  double at_ms = 0;    // when the latest record ran (steady clock)
 };
 
 namespace {
@@ -348,8 +352,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!e) return fail(cudaErrorInvalidValue);
-  (void)flags;
   g_events.push_back(std::make_unique<CUevent_st>());
+  g_events.back()->timing = !(flags & cudaEventDisableTiming);
   *e = g_events.back().get();
   return cudaSuccess;
 }
@@ -364,8 +368,29 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!valid_event(e) || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  const uint64_t gen = ++e->gen;
+  if (e->timing)  // the stamp is taken when the stream gets there, like the GPU's
+    push_fn(s, [e, gen] {
+      if (e->gen == gen)
+        e->at_ms = std::chrono::duration<double, std::milli>(
+                       std::chrono::steady_clock::now().time_since_epoch())
+                       .count();
+    });
   e->s = s;
   e->pos = s->enq;
+  return cudaSuccess;
+}
+
+// As CUDA: never recorded or without timing -> cudaErrorInvalidResourceHandle; not complete ->
+// cudaErrorNotReady. Forces nothing (CUDA does not wait either): the caller must have waited.
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t from, cudaEvent_t to) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!ms) return fail(cudaErrorInvalidValue);
+  if (!valid_event(from) || !valid_event(to) || !from->s || !to->s || !from->timing ||
+      !to->timing)
+    return fail(cudaErrorInvalidResourceHandle);
+  if (from->s->done < from->pos || to->s->done < to->pos) return cudaErrorNotReady;
+  *ms = (float)(to->at_ms - from->at_ms);
   return cudaSuccess;
 }
 

@@ -93,7 +93,8 @@ if ! command -v cmake >/dev/null; then
 elif run_step configure 600 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
   -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON &&
   run_step build 1200 cmake --build "$B" -j "$JOBS" --target shardgrad shardgrad_static \
-    test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues test_cuda_engine; then
+    test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues test_cuda_engine \
+    test_engine_cuda test_fp16_scale_cuda; then
   BUILD_OK=1
 fi
 
@@ -131,19 +132,21 @@ if [[ $BUILD_OK -eq 1 ]]; then
 else
   skip "test_cuda_engine: the build failed"
 fi
-# ===== HOOK (lead): the engine's own tests with SG_DEVICE_CUDA ===========================
-# Run them here on the GPU once they can select the device, e.g.:
-#   run_step engine_cuda 600 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_w2" --local 2
-# (and add their targets to the build in step 1), or pass a command in ENGINE_CUDA_HOOK.
-# Until then this step is reported as skipped.
-# ========================================================================================
-ENGINE_CUDA_HOOK="${ENGINE_CUDA_HOOK:-}"
-if [[ -n "$ENGINE_CUDA_HOOK" && $BUILD_OK -eq 1 ]]; then
-  run_step engine_cuda_hook 900 bash -c "$ENGINE_CUDA_HOOK"
+# The engine's own tests with SG_DEVICE_CUDA: tests/test_engine.c and tests/test_fp16_scale.c
+# with their engines under test on the GPU and their references on the CPU device, bitwise
+# (test_engine: W ranks as threads with the local communicator, then W = 1 with NCCL). Full
+# matrix: 35 cases of 8 params up to 300000 elements, so launch- and host-bound; the mock CUDA
+# runs each of these steps in 7-17 s on 2 CPU cores (test_fp16_scale 2 s), a GPU host should
+# be no slower; the limits leave room for engine setup and NCCL init per case.
+if [[ $BUILD_OK -eq 1 ]]; then
+  for w in 2 3 4; do
+    run_step engine_cuda_w$w 120 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_cuda" --local $w
+  done
+  run_step engine_cuda_nccl 120 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_cuda" --nccl
+  run_step fp16_scale_cuda 60 env SG_TEST_DEVICE=cuda "$TESTS/test_fp16_scale_cuda"
 else
-  skip "the engine's own tests with SG_DEVICE_CUDA: hook not filled in yet (tests/gpu/run.sh, HOOK)"
+  skip "the engine's own tests with SG_DEVICE_CUDA: the build failed"
 fi
-
 
 # ---- 5. AdamW benchmark (ours, torch's) and the cuBLAS MLP example ---------------------------
 # copy_log NAME: the step's output, indented, into the results file (tables, not just a summary).
