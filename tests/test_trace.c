@@ -178,13 +178,14 @@ static void check_steps(const char *tag, const sg_trace_event *ev, size_t n) {
 }
 
 /* Reduction time that ran before the micro-batch's last gradient was ready: hidden behind the
- * backward pass. Printed only. */
+ * backward pass (micro-batches are bounded by marks and steps; the definition of the examples'
+ * --trace summary and of Python's trace_overlap). Printed only. */
 static void print_overlap(const char *tag, const sg_trace_event *ev, size_t n) {
   double total = 0, hidden = 0;
   for (size_t i = 0; i < n; i++) {
     if (ev[i].kind != SG_TRACE_REDUCE) continue;
     double end_bwd = -1;
-    for (size_t j = i; j-- > 0 && ev[j].kind != SG_TRACE_MARK;)
+    for (size_t j = i; j-- > 0 && ev[j].kind != SG_TRACE_MARK && ev[j].kind != SG_TRACE_STEP;)
       if (ev[j].kind == SG_TRACE_GRAD_READY && ev[j].start_us > end_bwd) end_bwd = ev[j].start_us;
     for (size_t j = i + 1; j < n && ev[j].kind != SG_TRACE_MARK && ev[j].kind != SG_TRACE_STEP; j++)
       if (ev[j].kind == SG_TRACE_GRAD_READY && ev[j].start_us > end_bwd) end_bwd = ev[j].start_us;

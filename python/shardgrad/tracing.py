@@ -6,11 +6,12 @@
             ...
     print(sg.trace_overlap(e.trace_events()[0]))
 
-The definition is the one tests/test_trace.c prints (print_overlap), for one rank's events in
+The definition is the one tests/test_trace.c prints (print_overlap) and the examples' --trace
+summary uses (examples/mlp/mlp_cli.h), for one rank's events in
 issue order (as Engine.trace_events returns them):
- - The micro-batch of a REDUCE event reaches back to the nearest MARK before it and forward to
-   the nearest MARK or STEP after it (neither included); with no MARK before it, back to the
-   first event. Its end of backward is the latest start_us of a GRAD_READY event in it
+ - The micro-batch of a REDUCE event reaches back to the nearest MARK or STEP before it and
+   forward to the nearest MARK or STEP after it (neither included); with none before it, back
+   to the first event. Its end of backward is the latest start_us of a GRAD_READY event in it
    (-1 when there is none).
  - The REDUCE's hidden time is the part of [start_us, end_us] before that end of backward:
    min(end_of_backward, end_us) - start_us when end_of_backward > start_us, else 0. It ran
@@ -24,11 +25,11 @@ __all__ = ["trace_overlap"]
 
 
 def _latest_ready_before(events):
-    """For each index i: latest GRAD_READY start_us at j < i since the last MARK before i."""
+    """For each index i: latest GRAD_READY start_us at j < i since the last MARK or STEP."""
     out, cur = [], -1.0
     for ev in events:
         out.append(cur)
-        if ev.kind == TraceKind.MARK:
+        if ev.kind in (TraceKind.MARK, TraceKind.STEP):
             cur = -1.0
         elif ev.kind == TraceKind.GRAD_READY and ev.start_us > cur:
             cur = ev.start_us

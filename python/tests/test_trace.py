@@ -343,6 +343,9 @@ def test_overlap_microbatch_boundaries():
     assert sg.trace_overlap(events)["hidden_us"] == 0.0
     events = [ev(GR, 100), ev(GR, 5), ev(RED, 6, 50)]
     assert sg.trace_overlap(events)["hidden_us"] == 44.0
+    # ... or after the last STEP
+    events = [ev(GR, 100), ev(STEP, 0, 1), ev(GR, 5), ev(RED, 6, 50)]
+    assert sg.trace_overlap(events)["hidden_us"] == 0.0
 
 
 def test_overlap_without_reductions():
@@ -363,7 +366,7 @@ def _overlap_as_in_c(events):
             continue
         end_bwd = -1.0
         j = i - 1
-        while j >= 0 and events[j].kind != MARK:
+        while j >= 0 and events[j].kind not in (MARK, STEP):
             if events[j].kind == GR and events[j].start_us > end_bwd:
                 end_bwd = events[j].start_us
             j -= 1
