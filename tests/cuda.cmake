@@ -69,7 +69,8 @@ if(SG_WITH_CUDA)
     # scaling test (test_fp16_scale.c, robust.cmake) with the engines under test on the mock
     # CUDA device (SG_TEST_DEVICE=cuda) and their references on the CPU device: W ranks with the
     # local communicator, and W = 1 with the mock NCCL (--nccl), bitwise against the CPU engine.
-    foreach(t test_engine test_fp16_scale)
+    # test_trace on the mock: marks are events timed when the mock stream runs them.
+    foreach(t test_engine test_fp16_scale test_trace)
       add_executable(${t}_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
       target_link_libraries(${t}_cudamock PRIVATE shardgrad_cudamock)
       target_compile_options(${t}_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
@@ -81,7 +82,8 @@ if(SG_WITH_CUDA)
                 "test_engine_cudamock_w3|test_engine_cudamock;--local;3;--quick"
                 "test_engine_cudamock_w4|test_engine_cudamock;--local;4;--quick"
                 "test_engine_cudamock_nccl|test_engine_cudamock;--nccl"
-                "test_fp16_scale_cudamock|test_fp16_scale_cudamock")
+                "test_fp16_scale_cudamock|test_fp16_scale_cudamock"
+                "test_trace_cudamock|test_trace_cudamock")
       string(REPLACE "|" ";" run "${run}")
       list(POP_FRONT run name)
       add_test(NAME ${name} COMMAND ${run})
@@ -105,8 +107,8 @@ if(SG_WITH_CUDA)
   target_link_libraries(test_cuda_engine PRIVATE shardgrad_internal)
   target_compile_options(test_cuda_engine PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   target_compile_definitions(test_cuda_engine PRIVATE ${_sg_cuda_defs} SG_TEST_REAL_GPU)
-  # The same two tests with their engines under test on the GPU (SG_TEST_DEVICE=cuda, --nccl).
-  foreach(t test_engine test_fp16_scale)
+  # The same tests with their engines under test on the GPU (SG_TEST_DEVICE=cuda, --nccl).
+  foreach(t test_engine test_fp16_scale test_trace)
     add_executable(${t}_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
     target_link_libraries(${t}_cuda PRIVATE shardgrad_internal)
     target_compile_options(${t}_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
