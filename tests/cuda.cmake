@@ -90,6 +90,12 @@ if(SG_WITH_CUDA)
       set_tests_properties(${name} PROPERTIES TIMEOUT 300 LABELS cuda
         ENVIRONMENT "SG_TEST_DEVICE=cuda")
     endforeach()
+    # The MPI communicator with buffers on the (mock) GPU: pinned host staging around the host
+    # algorithms, bitwise against the CPU reference.
+    foreach(np 2 3)
+      sg_add_mpi_test(test_engine_cudamock_mpi_np${np} EXE test_engine_cudamock NP ${np}
+        ARGS --mpi --quick --device cuda)
+    endforeach()
   else()
     message(STATUS "shardgrad: no C++ compiler, test_cuda_emu not built")
   endif()

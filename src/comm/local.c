@@ -372,7 +372,8 @@ static void local_destroy(sg_comm *c) {
 
 static const sg__comm_ops local_ops = {
     "local",          local_all_reduce, local_reduce_scatter,
-    local_all_gather, local_broadcast,  local_destroy,
+    local_all_gather, local_broadcast,  NULL,
+    local_destroy,
 };
 
 static sg_status group_create(int world, lgroup **out) {

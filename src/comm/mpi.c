@@ -31,7 +31,9 @@
  * cores. SG_MPI_ALLGATHER=ring|mpi selects the ring or MPI_Iallgather (bench/bench_comm.c).
  * Broadcast is MPI_Ibcast, polled.
  *
- * Wire data is bytes (MPI has no bf16). Buffers must be host memory (CPU device or none).
+ * Wire data is bytes (MPI has no bf16). Buffers on a GPU (the engine's CUDA device) go through
+ * pinned host memory of that device: the input is copied down, the host algorithm above runs on
+ * the copy, the result is copied back (MPI moves host memory, whatever it knows of CUDA).
  *
  * Threads: MPI_THREAD_SERIALIZED or better makes the communicator `threaded` (the engine calls
  * it from its comm worker, one call at a time); below that the engine runs collectives on the
@@ -94,6 +96,9 @@ typedef struct mcomm {
   MPI_Request *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */
   size_t cap_sends, cap_recvs, cap_slots;
+  unsigned char *stage; /* device buffers: pinned host copy (from c.dev), stage_cap bytes */
+  size_t stage_cap;
+  int stage_lost; /* a collective on it was left pending: never freed */
 } mcomm;
 
 /* Whether this library initialized MPI, and how many MPI communicators are alive: the last
@@ -677,8 +682,6 @@ static sg_status check_call(sg_comm *c, const char *fn, const void *buf, size_t 
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: count too large (%zu)", fn, count);
   if (!buf && count > 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: buf is NULL (count %zu)", fn, count);
-  if (c->dev && c->dev->kind != SG_DEVICE_CPU)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: device buffers are not supported yet (host only)", fn);
   return SG_OK;
 }
 
@@ -722,7 +725,7 @@ static ring make_ring(sg_comm *c, const char *fn, void *buf, size_t count, int d
   return R;
 }
 
-static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
+static sg_status host_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
                                     int64_t deadline_ms) {
   static const char fn[] = "sg_comm(mpi) reduce_scatter";
   SG_TRY(check_call(c, fn, buf, count, dtype, (size_t)(c ? c->world : 1)));
@@ -737,7 +740,7 @@ static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dty
   return ring_reduce_scatter(&R);
 }
 
-static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
+static sg_status host_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
                                 int64_t deadline_ms) {
   static const char fn[] = "sg_comm(mpi) all_reduce";
   SG_TRY(check_call(c, fn, buf, count, dtype, 1));
@@ -771,7 +774,7 @@ static sg_status wait_coll(sg_comm *c, const char *fn, const char *what, MPI_Req
   }
 }
 
-static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
+static sg_status host_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(mpi) all_gather";
   SG_TRY(check_call(c, fn, buf, bytes, -1, (size_t)(c ? c->world : 1)));
   mcomm *m = mc(c);
@@ -789,7 +792,7 @@ static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t dea
   return wait_coll(c, fn, "MPI_Iallgather", &rq, deadline_ms);
 }
 
-static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms) {
+static sg_status host_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(mpi) broadcast";
   SG_TRY(check_call(c, fn, buf, bytes, -1, 1));
   if (root < 0 || root >= c->world)
@@ -809,6 +812,132 @@ static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, in
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Device buffers: pinned host staging                                                       */
+
+static int on_device(const sg_comm *c) { return c && c->dev && c->dev->kind != SG_DEVICE_CPU; }
+
+/* What a staged call copies down before and back up after the host algorithm, in bytes from
+ * the start of the buffer, and the fp32 scratch it needs next to the copy. */
+typedef struct stage_plan {
+  int op;
+  size_t count; /* elements (reductions) or bytes per rank (all_gather, broadcast) */
+  int dtype, root;
+  int64_t deadline_ms;
+  size_t total, down_off, down_len, up_off, up_len, scratch;
+} stage_plan;
+
+static sg_status run_host(sg_comm *c, void *h, const stage_plan *p) {
+  switch (p->op) {
+    case OP_REDUCE_SCATTER: return host_reduce_scatter(c, h, p->count, p->dtype, p->deadline_ms);
+    case OP_ALL_REDUCE: return host_all_reduce(c, h, p->count, p->dtype, p->deadline_ms);
+    case OP_ALL_GATHER: return host_all_gather(c, h, p->count, p->deadline_ms);
+    default: return host_broadcast(c, h, p->count, p->root, p->deadline_ms);
+  }
+}
+
+/* Pinned memory from the bound device, grown to a multiple of 1 MiB. */
+static sg_status stage_reserve(sg_comm *c, size_t bytes) {
+  mcomm *m = mc(c);
+  if (m->stage_cap >= bytes) return SG_OK;
+  const size_t cap = (bytes + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1);
+  void *p = NULL;
+  SG_TRY(c->dev->ops->host_alloc(c->dev, cap, &p));
+  if (m->stage && !m->stage_lost) c->dev->ops->host_free(c->dev, m->stage);
+  m->stage = p;
+  m->stage_cap = cap;
+  m->stage_lost = 0;
+  return SG_OK;
+}
+
+/* Copies run on the comm queue inside the engine's comm job, where the device completes them
+ * before the call returns (as for the local communicator's). */
+static sg_status stage_copy(sg_comm *c, void *dst, const void *src, size_t bytes,
+                            sg__copy_kind kind) {
+  return bytes ? c->dev->ops->copy(c->dev, SG_Q_COMM, dst, src, bytes, kind) : SG_OK;
+}
+
+/* A rank that fails around the collective has left (or never joined) it: its peers time out,
+ * and this communicator is broken like after any failed collective. */
+static sg_status stage_failed(sg_comm *c, const char *fn, sg_status st) {
+  c->broken = 1;
+  return sg__err_prefix(st, fn);
+}
+
+static sg_status staged(sg_comm *c, const char *fn, void *buf, const stage_plan *p) {
+  mcomm *m = mc(c);
+  const size_t at = (p->total + 63) & ~(size_t)63; /* scratch after the copy, aligned */
+  sg_status st = stage_reserve(c, at + p->scratch);
+  if (st != SG_OK) return stage_failed(c, fn, st);
+  unsigned char *h = m->stage, *d = buf;
+  if ((st = stage_copy(c, h + p->down_off, d + p->down_off, p->down_len, SG_COPY_D2H)))
+    return stage_failed(c, fn, st);
+  void *dev_scratch = c->scratch;
+  const size_t dev_scratch_bytes = c->scratch_bytes;
+  c->scratch = h + at; /* the host algorithm keeps its fp32 partials on the host too */
+  c->scratch_bytes = p->scratch;
+  st = run_host(c, h, p);
+  c->scratch = dev_scratch;
+  c->scratch_bytes = dev_scratch_bytes;
+  if (st != SG_OK) {
+    m->stage_lost = c->broken; /* MPI may still write into it */
+    return st;
+  }
+  st = stage_copy(c, d + p->up_off, h + p->up_off, p->up_len, SG_COPY_H2D);
+  return st == SG_OK ? SG_OK : stage_failed(c, fn, st);
+}
+
+static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
+                                    int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) reduce_scatter";
+  if (!on_device(c)) return host_reduce_scatter(c, buf, count, dtype, deadline_ms);
+  SG_TRY(check_call(c, fn, buf, count, dtype, (size_t)c->world));
+  const size_t slice = count * elem_size(dtype), total = slice * (size_t)c->world;
+  const stage_plan p = {OP_REDUCE_SCATTER, count, dtype, 0, deadline_ms, total, 0, total,
+                        (size_t)c->rank * slice, slice, count * 4u};
+  return staged(c, fn, buf, &p);
+}
+
+static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
+                                int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) all_reduce";
+  if (!on_device(c)) return host_all_reduce(c, buf, count, dtype, deadline_ms);
+  SG_TRY(check_call(c, fn, buf, count, dtype, 1));
+  const size_t total = count * elem_size(dtype);
+  const stage_plan p = {OP_ALL_REDUCE, count, dtype, 0, deadline_ms, total, 0, total, 0, total,
+                        count * 4u};
+  return staged(c, fn, buf, &p);
+}
+
+static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) all_gather";
+  if (!on_device(c)) return host_all_gather(c, buf, bytes, deadline_ms);
+  SG_TRY(check_call(c, fn, buf, bytes, -1, (size_t)c->world));
+  const size_t total = bytes * (size_t)c->world;
+  const stage_plan p = {OP_ALL_GATHER, bytes, -1, 0, deadline_ms, total, (size_t)c->rank * bytes,
+                        bytes, 0, total, 0};
+  return staged(c, fn, buf, &p);
+}
+
+static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(mpi) broadcast";
+  if (!on_device(c)) return host_broadcast(c, buf, bytes, root, deadline_ms);
+  SG_TRY(check_call(c, fn, buf, bytes, -1, 1));
+  if (root < 0 || root >= c->world) return host_broadcast(c, buf, bytes, root, deadline_ms);
+  const int mine = c->rank == root;
+  const stage_plan p = {OP_BROADCAST, bytes, -1, root, deadline_ms, bytes, 0, mine ? bytes : 0, 0,
+                        mine ? 0 : bytes, 0};
+  return staged(c, fn, buf, &p);
+}
+
+/* The bound device is going away: its pinned memory goes back first. */
+static void mpi_release(sg_comm *c) {
+  mcomm *m = mc(c);
+  if (m->stage && !m->stage_lost && c->dev) c->dev->ops->host_free(c->dev, m->stage);
+  m->stage = NULL;
+  m->stage_cap = 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Lifetime                                                                                  */
 
 /* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet. */
@@ -825,6 +954,7 @@ static void release_mpi(void) {
 
 static void mpi_destroy(sg_comm *c) {
   mcomm *m = mc(c);
+  mpi_release(c);
   int fin = 1;
   MPI_Finalized(&fin);
   /* A broken communicator may still have requests in flight: freeing it could wait on peers
@@ -839,7 +969,8 @@ static void mpi_destroy(sg_comm *c) {
 }
 
 static const sg__comm_ops mpi_ops = {
-    "mpi", mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather, mpi_broadcast, mpi_destroy,
+    "mpi", mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather, mpi_broadcast, mpi_release,
+    mpi_destroy,
 };
 
 /* Initializes MPI when nobody has and reports the thread level. Counts one live communicator

@@ -535,6 +535,7 @@ static const sg__comm_ops sg__nccl_ops = {
     sg__nccl_reduce_scatter,
     sg__nccl_all_gather,
     sg__nccl_broadcast,
+    NULL, /* release: nothing allocated through the engine's device */
     sg__nccl_destroy,
 };
 

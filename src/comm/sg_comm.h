@@ -30,6 +30,9 @@ typedef struct sg__comm_ops {
   /* In place: buf holds world*bytes; each rank contributes buf[rank*bytes .. +bytes). */
   sg_status (*all_gather)(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms);
   sg_status (*broadcast)(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms);
+  /* The bound device is about to be destroyed: free what was allocated through it (NULL: the
+   * backend allocates nothing there). */
+  void (*release)(sg_comm *c);
   void (*destroy)(sg_comm *c);
 } sg__comm_ops;
 

@@ -181,6 +181,7 @@ void sg_engine_destroy(sg_engine *e) {
   if (e->dev && e->last_ticket) (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, INT64_MAX);
   sg__trace_free(e);
   free_finalized(e);
+  if (e->comm && e->comm->ops && e->comm->ops->release) e->comm->ops->release(e->comm);
   if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */
   if (e->comm) {
     e->comm->in_use = 0;

@@ -4,21 +4,24 @@
 #
 #   bash tests/gpu/run.sh            # results in $OUT/gpu_results.txt, else build-gpu/gpu_results.txt
 #
-# Steps (each with a time limit; a failing step does not stop the others):
-#   1. configure and build the CUDA library (cmake -DSG_WITH_CUDA=ON) in build-gpu/ (or
-#      $SG_GPU_BUILD), for the GPU's own architecture (SG_GPU_ARCHS overrides, e.g. "80;90");
-#   2. test_cuda_device and test_cuda_emu (also in ctest), test_cuda_kernels (every CUDA kernel
-#      against the CPU kernels: bitwise, sumsq within 1e-12) and test_cuda_queues (streams,
-#      tickets, deadlines, NCCL at world 1);
-#   3. compute-sanitizer memcheck on test_cuda_kernels --quick (skipped, and said so, when
-#      compute-sanitizer is not installed);
-#   4. the engine on the CUDA device: test_cuda_engine (W = 1..3 ranks as threads with the local
-#      communicator, W = 1 with NCCL, bitwise against the CPU device), then the HOOK below;
-#   5. benchmark and example (built separately, so that a failure there leaves steps 2-4 alone):
-#      sg_bench_adamw_cuda (fused AdamW vs device-to-device copy, 1M..256M params),
-#      bench/adamw_torch.py (torch.optim.AdamW(fused=True), when torch is importable) and
-#      examples/mlp_cuda --ranks 2 --check (two ranks as threads on the one GPU, cuBLAS GEMMs);
-#      their tables are copied into the results file.
+# The whole script keeps to a time budget (SG_GPU_BUDGET_S, default 330 s, so that it ends
+# within 6 minutes): every step's limit is cut to what is left, and steps that no longer fit are
+# reported as skipped. Steps run most important first:
+#   1. configure and build the CUDA library, the GPU test programs, the AdamW benchmark and the
+#      cuBLAS MLP example (cmake -DSG_WITH_CUDA=ON) in build-gpu/ (or $SG_GPU_BUILD), for the
+#      GPU's own architecture only (SG_GPU_ARCHS overrides, e.g. "80;90");
+#   2. test_cuda_device, test_cuda_kernels (every CUDA kernel against the CPU kernels: bitwise,
+#      sumsq within 1e-12), test_cuda_queues (streams, tickets, deadlines, NCCL at world 1);
+#   3. the engine on the GPU against the CPU device, bitwise: test_cuda_engine (W = 1..3 threads,
+#      W = 1 NCCL), test_engine_cuda (the engine's main matrix: W = 2 threads, W = 1 NCCL, then
+#      W = 3 and 4, two MPI processes on the GPU through pinned staging), test_fp16_scale_cuda,
+#      test_trace_cuda (trace events in causal order);
+#   4. sg_bench_adamw_cuda (fused AdamW vs device-to-device copy), the reduce/backward timeline
+#      (examples/mlp_cuda --nccl-solo --trace: reductions on the comm stream against the cuBLAS
+#      backward on the caller's stream; the trace files come back in $OUT), mlp_cuda --ranks 2
+#      --check in f32 and bf16, bench/adamw_torch.py (torch fused AdamW, when torch imports);
+#   5. compute-sanitizer memcheck on test_cuda_kernels --quick (skipped, and said so, when it is
+#      not installed or no time is left).
 # The results file has one line per step (PASS / FAIL / SKIP with the test's own summary line),
 # the logs are next to it in logs/. Exit status: 0 when nothing failed.
 set -uo pipefail
@@ -50,10 +53,19 @@ summary_of() {
   echo "$s"
 }
 
-# run_step NAME TIMEOUT_S COMMAND...: runs in $B, log in $LOGS/NAME.log.
+BUDGET="${SG_GPU_BUDGET_S:-330}"
+
+# run_step NAME LIMIT_S COMMAND...: runs in $B, log in $LOGS/NAME.log; the limit is cut to the
+# budget left (less 5 s for the summary); a step with under 10 s left is skipped (status 125).
 run_step() {
   local name="$1" limit="$2"
   shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  if [[ $left -lt 10 ]]; then
+    skip "$name: no time left in the ${BUDGET}s budget"
+    return 125
+  fi
+  [[ $limit -le $left ]] || limit=$left
   local log="$LOGS/$name.log" t0=$SECONDS rc
   (cd "$B" && timeout "$limit" "$@") >"$log" 2>&1
   rc=$?
@@ -69,8 +81,13 @@ run_step() {
   return $rc
 }
 
+# copy_log NAME [N]: the step's last N (40) output lines, indented, into the results file.
+copy_log() { [[ -f "$LOGS/$1.log" ]] && sed 's/^/      /' "$LOGS/$1.log" | tail -"${2:-40}" | tee -a "$RES"; }
+# have NAME...: every program was built
+have() { local f; for f in "$@"; do [[ -x "$f" ]] || return 1; done; }
+
 : >"$RES"
-line "shardgrad GPU checks, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+line "shardgrad GPU checks, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), budget ${BUDGET}s"
 if command -v nvidia-smi >/dev/null; then
   line "gpu: $(nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1 | head -4 | tr '\n' ';')"
 else
@@ -87,97 +104,89 @@ fi
 [[ -n "$ARCHS" ]] || ARCHS="80;90"
 line "architectures: $ARCHS"
 
-BUILD_OK=0
+T="$B/tests"
+TEST_TARGETS=(test_cuda_device test_cuda_kernels test_cuda_queues test_cuda_engine test_engine_cuda
+  test_fp16_scale_cuda test_trace_cuda)
+EXTRA_TARGETS=(sg_bench_adamw_cuda example_mlp_cuda)
 if ! command -v cmake >/dev/null; then
   fail "configure: cmake not found"
-elif run_step configure 600 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
-  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON &&
-  run_step build 1200 cmake --build "$B" -j "$JOBS" --target shardgrad shardgrad_static \
-    test_cuda_device test_cuda_emu test_cuda_kernels test_cuda_queues test_cuda_engine \
-    test_engine_cuda test_fp16_scale_cuda; then
-  BUILD_OK=1
+elif run_step configure 90 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
+  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON; then
+  run_step build 240 cmake --build "$B" -j "$JOBS" --target shardgrad "${TEST_TARGETS[@]}"
+  # separately: a failure there leaves the tests alone
+  run_step build_bench_example 120 cmake --build "$B" -j "$JOBS" --target "${EXTRA_TARGETS[@]}"
 fi
 
-# ---- 2. tests --------------------------------------------------------------------------------
-TESTS="$B/tests"
-if [[ $BUILD_OK -eq 1 ]]; then
-  run_step test_cuda_device 120 "$TESTS/test_cuda_device"
-  run_step test_cuda_emu 300 "$TESTS/test_cuda_emu"
-  run_step test_cuda_kernels 600 "$TESTS/test_cuda_kernels"
-  run_step test_cuda_queues 300 "$TESTS/test_cuda_queues"
+# ---- 2. kernels and queues ---------------------------------------------------------------------
+step_if() { # step_if PROGRAM NAME LIMIT COMMAND...: the step, or SKIP when PROGRAM was not built
+  local prog="$1"
+  shift
+  if have "$prog"; then run_step "$@"; else skip "$1: $(basename "$prog") was not built"; fi
+}
+step_if "$T/test_cuda_device" test_cuda_device 30 "$T/test_cuda_device"
+step_if "$T/test_cuda_kernels" test_cuda_kernels 90 "$T/test_cuda_kernels"
+step_if "$T/test_cuda_queues" test_cuda_queues 60 "$T/test_cuda_queues"
+
+# ---- 3. the engine on the GPU against the CPU device --------------------------------------------
+# test_engine's full matrix is 35 cases of 8 params up to 300000 elements: launch- and
+# host-bound; on the mock CUDA runtime each run takes 7-17 s on 2 CPU cores, and --nccl
+# initializes NCCL once per case. W = 3 and 4 come after the rest (lower value per second).
+step_if "$T/test_cuda_engine" test_cuda_engine 90 "$T/test_cuda_engine"
+step_if "$T/test_engine_cuda" engine_cuda_w2 90 env SG_TEST_DEVICE=cuda "$T/test_engine_cuda" --local 2
+step_if "$T/test_engine_cuda" engine_cuda_nccl 90 env SG_TEST_DEVICE=cuda "$T/test_engine_cuda" --nccl
+step_if "$T/test_fp16_scale_cuda" fp16_scale_cuda 45 env SG_TEST_DEVICE=cuda "$T/test_fp16_scale_cuda"
+step_if "$T/test_trace_cuda" trace_cuda 45 env SG_TEST_DEVICE=cuda "$T/test_trace_cuda"
+copy_log trace_cuda 8
+# The MPI communicator with GPU buffers (pinned host staging): two processes share the GPU.
+if command -v mpirun >/dev/null && grep -q 'SG_WITH_MPI:BOOL=ON' "$B/CMakeCache.txt" 2>/dev/null; then
+  step_if "$T/test_engine_cuda" engine_cuda_mpi_np2 60 mpirun -np 2 --oversubscribe \
+    --allow-run-as-root --bind-to none "$T/test_engine_cuda" --mpi --quick --device cuda
 else
-  skip "tests: the build failed (see $LOGS/configure.log, $LOGS/build.log)"
+  skip "engine_cuda_mpi_np2: no mpirun or no MPI in the build"
+fi
+for w in 3 4; do
+  step_if "$T/test_engine_cuda" engine_cuda_w$w 60 env SG_TEST_DEVICE=cuda "$T/test_engine_cuda" --local $w --quick
+done
+
+# ---- 4. benchmark, timeline, example ------------------------------------------------------------
+MLP="$B/examples/mlp_cuda"
+step_if "$B/bench/sg_bench_adamw_cuda" bench_adamw_cuda 60 "$B/bench/sg_bench_adamw_cuda" \
+  --sizes 1,4,16,64,256 --reps 20
+copy_log bench_adamw_cuda
+# The timeline: 8 layers x 4096 (101M params; each 64 MiB weight is a bucket of its own), one rank over an NCCL
+# communicator of world 1, so the reductions are ordered on the comm stream as with several
+# GPUs; the trace (Chrome JSON) comes back in $OUT.
+step_if "$MLP" timeline_nccl_solo 60 "$MLP" --nccl-solo --layers 8 --hidden 4096 --batch 2048 \
+  --steps 12 --log-every 100 --bucket-mb 32 --trace "$DEST/trace_nccl_solo.json"
+copy_log timeline_nccl_solo 4
+step_if "$MLP" timeline_ranks2 60 "$MLP" --ranks 2 --layers 8 --hidden 4096 --batch 2048 \
+  --steps 12 --log-every 100 --bucket-mb 32 --trace "$DEST/trace_ranks2-%r.json"
+copy_log timeline_ranks2 4
+step_if "$MLP" mlp_cuda_ranks2 45 "$MLP" --ranks 2 --steps 300 --log-every 100 --check
+copy_log mlp_cuda_ranks2 6
+step_if "$MLP" mlp_cuda_ranks2_bf16 45 "$MLP" --ranks 2 --steps 300 --dtype bf16 --log-every 100 --check
+copy_log mlp_cuda_ranks2_bf16 6
+if ! command -v python3 >/dev/null || ! timeout 60 python3 -c "import torch" >/dev/null 2>&1; then
+  skip "bench_adamw_torch: torch is not importable"
+else
+  run_step bench_adamw_torch 90 python3 "$ROOT/bench/adamw_torch.py" --sizes 1,4,16,64,256 --reps 20
+  copy_log bench_adamw_torch
 fi
 
-# ---- 3. compute-sanitizer ----------------------------------------------------------------------
+# ---- 5. compute-sanitizer ----------------------------------------------------------------------
 SAN="$(command -v compute-sanitizer || true)"
 for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
   /opt/nvidia/compute-sanitizer/compute-sanitizer; do
   [[ -z "$SAN" && -x "$c" ]] && SAN="$c"
 done
-if [[ $BUILD_OK -ne 1 ]]; then
-  skip "memcheck: the build failed"
-elif [[ -z "$SAN" ]]; then
+if [[ -z "$SAN" ]]; then
   skip "memcheck: compute-sanitizer not found"
 else
-  run_step memcheck_test_cuda_kernels 600 "$SAN" --tool memcheck --error-exitcode 99 \
-    "$TESTS/test_cuda_kernels" --quick
-  grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_kernels.log" | tail -1 | sed 's/^/      /' |
-    tee -a "$RES"
+  step_if "$T/test_cuda_kernels" memcheck_test_cuda_kernels 120 "$SAN" --tool memcheck \
+    --error-exitcode 99 "$T/test_cuda_kernels" --quick
+  grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_kernels.log" 2>/dev/null | tail -1 |
+    sed 's/^/      /' | tee -a "$RES"
 fi
 
-# ---- 4. engine tests on the CUDA device --------------------------------------------------------
-if [[ $BUILD_OK -eq 1 ]]; then
-  run_step test_cuda_engine 600 "$TESTS/test_cuda_engine"
-else
-  skip "test_cuda_engine: the build failed"
-fi
-# The engine's own tests with SG_DEVICE_CUDA: tests/test_engine.c and tests/test_fp16_scale.c
-# with their engines under test on the GPU and their references on the CPU device, bitwise
-# (test_engine: W ranks as threads with the local communicator, then W = 1 with NCCL). Full
-# matrix: 35 cases of 8 params up to 300000 elements, so launch- and host-bound; the mock CUDA
-# runs each of these steps in 7-17 s on 2 CPU cores (test_fp16_scale 2 s), a GPU host should
-# be no slower; the limits leave room for engine setup and NCCL init per case.
-if [[ $BUILD_OK -eq 1 ]]; then
-  for w in 2 3 4; do
-    run_step engine_cuda_w$w 120 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_cuda" --local $w
-  done
-  run_step engine_cuda_nccl 120 env SG_TEST_DEVICE=cuda "$TESTS/test_engine_cuda" --nccl
-  run_step fp16_scale_cuda 60 env SG_TEST_DEVICE=cuda "$TESTS/test_fp16_scale_cuda"
-else
-  skip "the engine's own tests with SG_DEVICE_CUDA: the build failed"
-fi
-
-# ---- 5. AdamW benchmark (ours, torch's) and the cuBLAS MLP example ---------------------------
-# copy_log NAME: the step's output, indented, into the results file (tables, not just a summary).
-copy_log() { sed 's/^/      /' "$LOGS/$1.log" | tail -40 | tee -a "$RES"; }
-EXTRA_OK=0
-if [[ $BUILD_OK -ne 1 ]]; then
-  skip "bench and example: the build failed"
-elif run_step build_bench_example 300 cmake --build "$B" -j "$JOBS" --target sg_bench_adamw_cuda \
-  example_mlp_cuda; then
-  EXTRA_OK=1
-fi
-if [[ $EXTRA_OK -eq 1 ]]; then
-  run_step bench_adamw_cuda 120 "$B/bench/sg_bench_adamw_cuda" --sizes 1,4,16,64,256 --reps 20
-  copy_log bench_adamw_cuda
-fi
-if ! command -v python3 >/dev/null || ! timeout 60 python3 -c "import torch" >/dev/null 2>&1; then
-  skip "bench_adamw_torch: torch is not importable"
-else
-  run_step bench_adamw_torch 180 python3 "$ROOT/bench/adamw_torch.py" --sizes 1,4,16,64,256 \
-    --reps 20
-  copy_log bench_adamw_torch
-fi
-if [[ $EXTRA_OK -eq 1 ]]; then
-  run_step mlp_cuda_ranks2 120 "$B/examples/mlp_cuda" --ranks 2 --steps 300 --log-every 50 --check
-  copy_log mlp_cuda_ranks2
-  run_step mlp_cuda_ranks2_bf16 120 "$B/examples/mlp_cuda" --ranks 2 --steps 300 --dtype bf16 \
-    --log-every 100 --check
-  copy_log mlp_cuda_ranks2_bf16
-else
-  skip "bench_adamw_cuda, mlp_cuda: not built"
-fi
-
-line "summary: $NPASS passed, $NFAIL failed, $NSKIP skipped; logs in $LOGS"
+line "summary: $NPASS passed, $NFAIL failed, $NSKIP skipped in ${SECONDS}s; logs in $LOGS"
 [[ $NFAIL -eq 0 ]]
