@@ -541,26 +541,6 @@ static const sg__comm_ops sg__nccl_ops = {
 
 /* ---- creation ------------------------------------------------------------------------------- */
 
-/* The GPU: cuda_device, or the calling thread's current one for -1. */
-static sg_status sg__nccl_pick_gpu(int cuda_device, int *ordinal, const char *fn) {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    (void)cudaGetLastError();
-    return sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__,
-                      "%s: no CUDA device found (cudaGetDeviceCount: %s)", fn,
-                      e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-  }
-  if (cuda_device >= count)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device %d out of range (%d devices)", fn,
-                   cuda_device, count);
-  if (cuda_device < 0 && (e = cudaGetDevice(&cuda_device)) != cudaSuccess)
-    return sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: cudaGetDevice failed: %s", fn,
-                      cudaGetErrorString(e));
-  *ordinal = cuda_device;
-  return SG_OK;
-}
-
 /* NCCL's non-blocking initialization, waited for with the init timeout. */
 static sg_status sg__nccl_init_comm(const sg__nccl_lib *nc, int rank, int world,
                                     const ncclUniqueId *id, ncclComm_t *out, const char *fn) {
@@ -665,7 +645,7 @@ sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_d
   if (!id128 && (!path || !*path))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL and SG_NCCL_ID_FILE is not set", fn);
   int ordinal = 0;
-  SG_TRY(sg__nccl_pick_gpu(cuda_device, &ordinal, fn));
+  SG_TRY(sg__device_cuda_pick(cuda_device, &ordinal, fn));
   const sg__nccl_lib *nc = NULL;
   SG_TRY(sg__nccl_lib_load(fn, &nc));
   ncclUniqueId id;

@@ -178,35 +178,35 @@ static sg_status sg__cuda_after(sg__cuda_dev *d, sg__queue q, const char *fn) {
 
 /* ---- memory ----------------------------------------------------------------------------- */
 
-static sg_status sg__cudev_alloc(sg__device *dev, size_t bytes, void **out) {
-  static const char fn[] = "sg__device_cuda.alloc";
+/* Device memory (cudaMalloc) or pinned host memory (cudaMallocHost); 0 bytes still gets a
+ * distinct non-NULL block, as on the CPU device. */
+static sg_status sg__cuda_alloc_any(sg__device *dev, size_t bytes, void **out, int pinned_host) {
+  const char *fn = pinned_host ? "sg__device_cuda.host_alloc" : "sg__device_cuda.alloc";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   *out = NULL;
   if (sg__device_should_fail_alloc())
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn, bytes);
   SG_TRY(sg__cuda_enter(d, fn));
-  /* 0 bytes still gets a distinct non-NULL block, as on the CPU device */
-  SG__CU(cudaMalloc(out, bytes ? bytes : 256), fn);
+  if (pinned_host)
+    SG__CU(cudaMallocHost(out, bytes ? bytes : 64), fn);
+  else
+    SG__CU(cudaMalloc(out, bytes ? bytes : 256), fn);
   return SG_OK;
+}
+
+static sg_status sg__cudev_alloc(sg__device *dev, size_t bytes, void **out) {
+  return sg__cuda_alloc_any(dev, bytes, out, 0);
+}
+
+static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out) {
+  return sg__cuda_alloc_any(dev, bytes, out, 1);
 }
 
 static void sg__cudev_free(sg__device *dev, void *p) {
   if (!dev || !p) return;
   (void)cudaSetDevice(sg__cuda(dev)->ordinal);
   (void)cudaFree(p);
-}
-
-static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out) {
-  static const char fn[] = "sg__device_cuda.host_alloc";
-  sg__cuda_dev *d = sg__cuda(dev);
-  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  *out = NULL;
-  if (sg__device_should_fail_alloc())
-    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: injected allocation failure (%zu bytes)", fn, bytes);
-  SG_TRY(sg__cuda_enter(d, fn));
-  SG__CU(cudaMallocHost(out, bytes ? bytes : 64), fn);
-  return SG_OK;
 }
 
 static void sg__cudev_host_free(sg__device *dev, void *p) {
@@ -639,9 +639,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_destroy,
 };
 
-/* Picks and checks the GPU: -1 is the calling thread's current device. */
-static sg_status sg__cuda_pick(int cuda_device, int *ordinal) {
-  static const char fn[] = "sg__device_cuda_create";
+sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -684,7 +682,7 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
   if (cuda_device < -1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn, cuda_device);
   int ordinal = 0;
-  SG_TRY(sg__cuda_pick(cuda_device, &ordinal));
+  SG_TRY(sg__device_cuda_pick(cuda_device, &ordinal, "sg__device_cuda_create"));
   sg__cuda_dev *d = (sg__cuda_dev *)calloc(1, sizeof *d);
   if (!d) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: device struct", fn);
   d->base.ops = &sg__cuda_ops;

@@ -28,6 +28,9 @@ int sg__device_cuda_ordinal(const sg__device *d);
 /* Installs (h != NULL) or removes (h == NULL) the hooks. One set at a time: a new set replaces
  * the old one without calling its detach. SG_ERR_INVALID_ARGUMENT when d is not CUDA. */
 sg_status sg__device_cuda_set_comm_hooks(sg__device *d, const sg__cuda_comm_hooks *h);
+/* Checks and picks the GPU for `fn`: cuda_device, or the calling thread's current one for -1
+ * (SG_ERR_CUDA "no CUDA device found", SG_ERR_INVALID_ARGUMENT out of range). */
+sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn);
 #endif
 
 #endif /* SG_DEVICE_CUDA_H */
