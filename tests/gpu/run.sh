@@ -20,8 +20,8 @@
 #      (examples/mlp_cuda --nccl-solo --trace: reductions on the comm stream against the cuBLAS
 #      backward on the caller's stream; the trace files come back in $OUT), mlp_cuda --ranks 2
 #      --check in f32 and bf16, bench/adamw_torch.py (torch fused AdamW, when torch imports);
-#   5. compute-sanitizer memcheck on test_cuda_kernels --quick (skipped, and said so, when it is
-#      not installed or no time is left).
+#   5. compute-sanitizer memcheck on test_cuda_kernels --quick and on test_cuda_engine (skipped,
+#      and said so, when it is not installed or no time is left).
 # The results file has one line per step (PASS / FAIL / SKIP with the test's own summary line),
 # the logs are next to it in logs/. Exit status: 0 when nothing failed.
 set -uo pipefail
@@ -185,6 +185,11 @@ else
   step_if "$T/test_cuda_kernels" memcheck_test_cuda_kernels 120 "$SAN" --tool memcheck \
     --error-exitcode 99 "$T/test_cuda_kernels" --quick
   grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_kernels.log" 2>/dev/null | tail -1 |
+    sed 's/^/      /' | tee -a "$RES"
+  # the engine's own launches (segments, staging, the comm stream), W = 1..3 threads and NCCL
+  step_if "$T/test_cuda_engine" memcheck_test_cuda_engine 120 "$SAN" --tool memcheck \
+    --error-exitcode 99 "$T/test_cuda_engine"
+  grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_engine.log" 2>/dev/null | tail -1 |
     sed 's/^/      /' | tee -a "$RES"
 fi
 
