@@ -228,7 +228,7 @@ static int run(const tcase *tc, int kind, rank_arg *args) {
   sg_comm *comms[MAXW] = {0};
   unsigned char id[128];
   pthread_t th[MAXW];
-  char what[200];
+  char what[800]; /* the case, the run and a rank's error text (512) */
   if (kind == RUN_CUDA_NCCL ? sg_nccl_unique_id(id) != SG_OK
                             : sg_comm_create_local(tc->world, comms) != SG_OK) {
     check(0, "communicator");

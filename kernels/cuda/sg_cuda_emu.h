@@ -124,6 +124,16 @@ void sg_emu_run(void (*k)(P...), unsigned grid, unsigned block, A... args) {
     }
 }
 
+// Fiber t of the block starts at sg_emu_fiber_main on its own stack. A function of its own: a
+// getcontext in the caller's loop would make the compiler fear for the loop counter.
+inline void sg_emu_fiber_prepare(sg_emu_fibers &f, unsigned t, size_t stack_bytes) {
+  getcontext(&f.ctx[t]);
+  f.ctx[t].uc_stack.ss_sp = f.stacks[t].data();
+  f.ctx[t].uc_stack.ss_size = stack_bytes;
+  f.ctx[t].uc_link = nullptr;
+  makecontext(&f.ctx[t], sg_emu_fiber_main, 0);
+}
+
 // The same for a kernel with __syncthreads, its threads as fibers. Not reentrant.
 template <typename... P, typename... A>
 void sg_emu_run_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) {
@@ -139,13 +149,7 @@ void sg_emu_run_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) 
   sg_emu_current_fibers = &f;
   for (unsigned b = 0; b < grid; b++) {
     blockIdx = dim3{b, 0, 0};
-    for (unsigned t = 0; t < block; t++) {
-      getcontext(&f.ctx[t]);
-      f.ctx[t].uc_stack.ss_sp = f.stacks[t].data();
-      f.ctx[t].uc_stack.ss_size = stack_bytes;
-      f.ctx[t].uc_link = nullptr;
-      makecontext(&f.ctx[t], sg_emu_fiber_main, 0);
-    }
+    for (unsigned t = 0; t < block; t++) sg_emu_fiber_prepare(f, t, stack_bytes);
     threadIdx = dim3{0, 0, 0};
     swapcontext(&f.main, &f.ctx[0]);  // back here when the block's last thread has finished
   }

@@ -54,7 +54,8 @@ sg_status sg__comm_usable(sg_comm *c, const char *fn) {
 #ifndef SG_HAVE_MPI
 sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
   (void)mpi_comm;
-  if (out) *out = NULL;
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_comm_create_mpi: out is NULL");
+  *out = NULL;
   return sg__err(SG_ERR_UNSUPPORTED, "sg_comm_create_mpi: built without MPI");
 }
 #endif

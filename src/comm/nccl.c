@@ -737,7 +737,8 @@ sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
 #else
 sg_status sg_comm_create_nccl_mpi(const void *mpi_comm, sg_comm **out) {
   (void)mpi_comm;
-  if (out) *out = NULL;
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_comm_create_nccl_mpi: out is NULL");
+  *out = NULL;
   return sg__err(SG_ERR_UNSUPPORTED, "sg_comm_create_nccl_mpi: built without MPI");
 }
 #endif /* SG_HAVE_MPI */
