@@ -20,6 +20,19 @@
 
 #include <ucontext.h>  // fibers for the threads of a block
 
+// ThreadSanitizer follows one stack per thread: every switch between fibers is announced to it,
+// or it loses track of the thread (and crashes) at the first lock taken on a fiber's stack.
+#if defined(__SANITIZE_THREAD__)
+#define SG_EMU_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SG_EMU_TSAN 1
+#endif
+#endif
+#ifdef SG_EMU_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 #include "sg_cuda_emu_hook.h"  // sg_emu_enqueue: a mock runtime's streams
 
 #define __global__
@@ -61,12 +74,39 @@ struct sg_emu_fibers {
   ucontext_t main;
   unsigned n = 0;
   const std::function<void()> *body = nullptr;
+  std::vector<void *> tsan;  // ThreadSanitizer's fiber per thread (SG_EMU_TSAN), main last
 };
 
 inline sg_emu_fibers *sg_emu_current_fibers;
 
+// Tells ThreadSanitizer that fiber `to` (n: the launching thread's own stack) runs next.
+inline void sg_emu_tsan_enter(sg_emu_fibers *f, unsigned to) {
+#ifdef SG_EMU_TSAN
+  __tsan_switch_to_fiber(f->tsan[to], 0);
+#else
+  (void)f;
+  (void)to;
+#endif
+}
+
+inline void sg_emu_tsan_fibers(sg_emu_fibers *f, int create) {
+#ifdef SG_EMU_TSAN
+  if (create) {
+    f->tsan.resize(f->n + 1);
+    for (unsigned t = 0; t < f->n; t++) f->tsan[t] = __tsan_create_fiber(0);
+    f->tsan[f->n] = __tsan_get_current_fiber();
+  } else {
+    for (unsigned t = 0; t < f->n; t++) __tsan_destroy_fiber(f->tsan[t]);
+  }
+#else
+  (void)f;
+  (void)create;
+#endif
+}
+
 inline void sg_emu_switch(unsigned from, unsigned to) {
   threadIdx = dim3{to, 0, 0};
+  sg_emu_tsan_enter(sg_emu_current_fibers, to);
   swapcontext(&sg_emu_current_fibers->ctx[from], &sg_emu_current_fibers->ctx[to]);
 }
 
@@ -89,8 +129,10 @@ inline void sg_emu_fiber_main() {
   (*f->body)();
   if (me + 1 < f->n) {
     threadIdx = dim3{me + 1, 0, 0};
+    sg_emu_tsan_enter(f, me + 1);
     setcontext(&f->ctx[me + 1]);
   }
+  sg_emu_tsan_enter(f, f->n);
   setcontext(&f->main);
 }
 
@@ -151,7 +193,10 @@ void sg_emu_run_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) 
     blockIdx = dim3{b, 0, 0};
     for (unsigned t = 0; t < block; t++) sg_emu_fiber_prepare(f, t, stack_bytes);
     threadIdx = dim3{0, 0, 0};
+    sg_emu_tsan_fibers(&f, 1);
+    sg_emu_tsan_enter(&f, 0);
     swapcontext(&f.main, &f.ctx[0]);  // back here when the block's last thread has finished
+    sg_emu_tsan_fibers(&f, 0);
   }
   sg_emu_current_fibers = nullptr;
 }
