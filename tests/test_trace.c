@@ -314,7 +314,12 @@ static void run_limits(void) {
   size_t n = 99;
   uint64_t dropped = 99;
   sg_trace_event ev[8];
-  CHECK(sg_trace_start(NULL, 0) == SG_ERR_INVALID_ARGUMENT, "sg_trace_start(NULL)");
+  CHECK(sg_trace_start(NULL, 0) == SG_ERR_INVALID_ARGUMENT &&
+            sg_trace_stop(NULL) == SG_ERR_INVALID_ARGUMENT &&
+            sg_trace_mark(NULL, "x") == SG_ERR_INVALID_ARGUMENT &&
+            sg_trace_events(NULL, ev, 8, &n, NULL) == SG_ERR_INVALID_ARGUMENT &&
+            sg_trace_write(NULL, "/tmp/x.json") == SG_ERR_INVALID_ARGUMENT,
+        "every sg_trace_* refuses a NULL engine");
   CHECK(sg_trace_events(e, ev, 8, &n, NULL) == SG_ERR_INVALID_STATE, "events before any start");
   CHECK(sg_trace_write(e, "/tmp/x.json") == SG_ERR_INVALID_STATE, "write before any start");
   CHECK(sg_trace_stop(e) == SG_ERR_INVALID_STATE, "stop while not recording");
