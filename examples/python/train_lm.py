@@ -9,6 +9,8 @@
     python3 examples/python/train_lm.py --ranks 2 --text some_book.txt
     # a Chrome trace per rank (chrome://tracing, https://ui.perfetto.dev) of steps 2.. :
     python3 examples/python/train_lm.py --ranks 2 --trace /tmp/lm-%r.json
+    # on the GPU (a CUDA build of the library): 2 ranks as threads sharing cuda:0
+    python3 examples/python/train_lm.py --device cuda --ranks 2
 
 The library is found through SHARDGRAD_LIBRARY (e.g. build/libshardgrad.so), next to the
 package, or the system path; the package itself through PYTHONPATH=python or `pip install
@@ -17,13 +19,22 @@ over ranks, AdamW state is sharded (SHARD_GRAD_OP unless --strategy says otherwi
 prints loss and throughput; every rank prints its memory at the end. Exits with status 1 if
 the loss did not fall. With --trace, rank 0 also prints how much of the gradient reduction time
 ran while the backward pass was still computing (shardgrad.trace_overlap).
+
+--device cuda: model, batches and the library's state on the GPU. Ranks as threads all share
+cuda:0, each with its own CUDA stream (as one process per GPU would have its own): forward,
+backward and step run inside `with torch.cuda.stream(s)`, and ShardedAdamW orders the library's
+work after that stream. Under mpirun each process takes GPU (local rank mod GPU count). With
+several ranks as threads ShardedAdamW hands the gradients over at step() instead of during the
+backward pass (see shardgrad/torch.py), so --trace shows no overlap there.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import random
 import sys
+import threading
 import time
 
 import torch
@@ -125,7 +136,7 @@ class CharLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, ids, n, seq):
-        x = torch.tensor([ids], dtype=torch.long)
+        x = torch.tensor([ids], dtype=torch.long, device=self.head.weight.device)
         for _ in range(n):
             logits = self(x[:, -seq:])[0, -1]
             x = torch.cat([x, logits.argmax().view(1, 1)], dim=1)
@@ -134,6 +145,10 @@ class CharLM(nn.Module):
 
 # ------------------------------------------------------------------------------------------
 # training
+
+# torch's default random generator is global: rank threads seed it and draw the initial weights
+# one at a time, so that every rank (rank 0 included) gets the seed's model.
+_MODEL_INIT = threading.Lock()
 
 
 def rss_mib():
@@ -156,7 +171,7 @@ def trace_path(path, world):
     return path
 
 
-def finish_trace(engine, path, rank, world):
+def finish_trace(engine, path, rank, world, note=""):
     """Stops the trace, writes it, and (rank 0) prints the overlap summary."""
     engine.trace_stop()
     events, dropped = engine.trace_events()
@@ -167,15 +182,43 @@ def finish_trace(engine, path, rank, world):
         print("trace: %s (%d events, %d dropped): reductions %.1f ms over %d steps, %.0f%% of "
               "the reduction time hidden behind the backward pass, %.1f ms exposed" % (
                   path.replace("%r", "0"), len(events), dropped, ov["reduce_us"] / 1e3,
-                  ov["steps"], 100 * ov["hidden_fraction"], ov["exposed_us"] / 1e3), flush=True)
+                  ov["steps"], 100 * ov["hidden_fraction"], ov["exposed_us"] / 1e3) + note,
+              flush=True)
+
+
+def rank_device(args, comm):
+    """torch.device of this rank: the CPU, cuda:0 for ranks as threads, or under mpirun
+    GPU (local rank mod GPU count)."""
+    if args.device != "cuda":
+        return torch.device("cpu")
+    index = 0
+    if comm.kind != "local":
+        local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
+                                        os.environ.get("MPI_LOCALRANKID", "0")))
+        index = local_rank % torch.cuda.device_count()
+    return torch.device("cuda", index)
 
 
 def train_rank(comm, args, data, out):
+    """One rank's training; on CUDA inside a stream of its own (see the module text)."""
+    device = rank_device(args, comm)
+    ctx = contextlib.nullcontext()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's current device
+        ctx = torch.cuda.stream(torch.cuda.Stream(device))
+    with ctx:
+        return train_rank_on(comm, args, data, out, device)
+
+
+def train_rank_on(comm, args, data, out, device):
     rank, world = comm.rank, comm.size
-    torch.manual_seed(args.seed)  # every rank builds the same model (rank 0's is broadcast)
-    model = CharLM(data.vocab, args.d, args.heads, args.layers, args.seq)
+    with _MODEL_INIT:
+        torch.manual_seed(args.seed)  # every rank builds the same model (rank 0's is broadcast)
+        model = CharLM(data.vocab, args.d, args.heads, args.layers, args.seq)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
+    if device.type == "cuda":
+        model = model.to(device)
     nparams = sum(p.numel() for p in model.parameters())
     opt = ShardedAdamW(model, comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                        strategy=args.strategy, max_grad_norm=args.clip,
@@ -186,16 +229,21 @@ def train_rank(comm, args, data, out):
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # each rank: own data
     tokens_per_step = world * args.micro * args.batch * args.seq
     if rank == 0:
-        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s), %s, %s params"
+        where = ""
+        if device.type == "cuda":
+            where = ", on %s (%s)" % (device, torch.cuda.get_device_name(device))
+        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s), %s, %s params%s"
               % (nparams, args.layers, args.d, data.vocab, world, comm.kind,
-                 opt.engine.config.strategy.name, args.dtype), flush=True)
+                 opt.engine.config.strategy.name, args.dtype, where), flush=True)
     losses = []
     t0 = time.perf_counter()
     t_last, tok_last = t0, 0
     for step in range(1, args.steps + 1):
         loss_sum = 0.0
         for m in range(args.micro):
-            x = data.batch(gen, args.batch, args.seq)
+            x = data.batch(gen, args.batch, args.seq)  # sampled on the CPU on every device
+            if device.type == "cuda":
+                x = x.to(device)
             if m < args.micro - 1:
                 with opt.no_sync():  # accumulate locally, reduce with the last micro-batch
                     loss = model.loss(x) / args.micro
@@ -224,7 +272,10 @@ def train_rank(comm, args, data, out):
             t_last, tok_last = now, tok
     elapsed = time.perf_counter() - t0
     if args.trace and args.steps > 1:
-        finish_trace(opt.engine, args.trace, rank, world)
+        note = ""
+        if device.type == "cuda" and comm.kind == "local" and world > 1:
+            note = " (ranks as threads on CUDA: gradients reach the library at step())"
+        finish_trace(opt.engine, args.trace, rank, world, note)
     mem = opt.memory()
     sample = None
     if rank == 0:
@@ -276,6 +327,9 @@ def main():
     ap.add_argument("--strategy", default="shard_grad_op",
                     choices=["shard_grad_op", "shard_opt", "no_shard"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model and the library's state live (cuda: a CUDA build of "
+                    "the library; ranks as threads share cuda:0)")
     ap.add_argument("--bucket-kib", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads per rank (default: cores / local ranks)")
@@ -285,6 +339,15 @@ def main():
                     "how much reduction time the backward pass hid")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is "
+                     "False; torch %s, built for CUDA %s)"
+                     % (torch.__version__, torch.version.cuda))
+        if not sg.has_backend("cuda"):
+            sys.exit("--device cuda: %s was built without CUDA (configure with "
+                     "-DSG_WITH_CUDA=ON, or point SHARDGRAD_LIBRARY at a CUDA build)"
+                     % sg.library_path())
 
     if args.text:
         with open(args.text, encoding="utf-8") as f:

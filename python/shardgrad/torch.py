@@ -38,6 +38,23 @@ its own thread (sg.run_threads). Collective (every rank, same order): the first 
 the constructor with param_order="registration"), step, state_dict, param_state,
 master_weights. close() (or garbage collection) copies the parameters back into torch-owned memory before
 the engine goes away.
+
+CUDA parameters (the engine runs on the parameters' GPU):
+ - Streams: the engine works on the stream that is current when it is set up (the first
+   backward, or the constructor with param_order="registration"), e.g. a rank's own stream
+   inside `with torch.cuda.stream(s):` around forward, backward and step(). On torch's default
+   stream (handle 0, which sg_set_stream would read as "an internal stream") it gets a
+   stream of its own instead. Either way the streams are ordered with events: the engine's
+   stream waits for the current one before it reads a gradient and at step(), and the current
+   stream waits for the engine's after step(), load(), import_() and before close() copies
+   the parameters back.
+ - Several ranks as threads of one process (Comm.local(n), n > 1): torch runs the backward of
+   every CUDA tensor, hooks and end-of-backward callbacks included, on one autograd thread per
+   GPU shared by all Python threads, so a collective started from there would wait for a peer
+   whose backward cannot run. The gradients therefore stay in .grad (accumulated by torch over
+   micro-batches) and step() hands them to the library on the rank's own thread, then reduces
+   them: no overlap of reductions with the backward pass, and no_sync() changes nothing. One
+   rank per process (Comm.mpi, NCCL) keeps the hook path.
 """
 
 import contextlib
@@ -159,6 +176,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._fixed = self._group_hparams()
         cfg = self._make_config(config, config_kwargs, named, lr, betas, eps, weight_decay)
         self._engine = Engine(comm, cfg)
+        # CUDA engine, several ranks as threads: no library call from torch's autograd thread
+        # (see the module text); the gradients wait in .grad for step().
+        cuda = self._engine.config.device == Device.CUDA
+        self._defer = cuda and comm.kind == "local" and comm.size > 1
+        self._stream = None     # CUDA: the torch stream the engine works on
+        self._hand_order = []   # indices into _named, in gradient arrival (= plan) order
         ref = weakref.ref(self)
         for i, (_, p) in enumerate(named):
             self._hooks.append(p.register_post_accumulate_grad_hook(
@@ -219,13 +242,20 @@ class ShardedAdamW(torch.optim.Optimizer):
                 broadcast = e.comm.size > 1
             if broadcast:
                 e.broadcast_params(0)
+            place = contextlib.nullcontext()
             if e.config.device == Device.CUDA:
                 dev = e.config.cuda_device
-                e.set_stream(torch.cuda.current_stream(dev if dev >= 0 else None))
-            with torch.no_grad():
+                cur = torch.cuda.current_stream(dev if dev >= 0 else None)
+                # handle 0 (torch's default stream) would mean "an internal stream"
+                self._stream = cur if cur.cuda_stream != 0 else torch.cuda.Stream(cur.device)
+                e.set_stream(self._stream)
+                self._torch_waits()  # for the values set and broadcast above
+                # the views are made on torch's current device: make it the engine's
+                place = torch.cuda.device(self._stream.device)
+            with place, torch.no_grad():
                 for i, (_, p) in enumerate(self._named):
                     p.data = e.param_tensor(self._pid[i])
-            if not self._sync:
+            if not self._sync and not self._defer:
                 e.set_sync(False)
         except BaseException:
             self._closed = True
@@ -233,14 +263,25 @@ class ShardedAdamW(torch.optim.Optimizer):
                 h.remove()
             e.close()
             raise
+        self._hand_order = list(registration[::-1])
         self._ready = True
 
+    def _learned_order(self):
+        """Registration order: reverse gradient arrival (parameters that got none first), or
+        named_parameters order when no gradient has arrived yet."""
+        if not self._arrival:
+            return list(range(len(self._named)))
+        seen = set(self._arrival)
+        order = self._arrival + [i for i in range(len(self._named)) if i not in seen]
+        return order[::-1]
+
     def _ensure_ready(self):
-        """Finalizes in registration order when no backward has decided the order yet."""
+        """Finalizes (in the order the gradients came, if any came) when not done yet."""
         if self._closed:
             raise InvalidStateError("ShardedAdamW is closed", function="python")
         if not self._ready:
-            self._setup(list(range(len(self._named))))
+            self._setup(self._learned_order())
+            self._arrival = []
 
     def add_param_group(self, param_group):
         if getattr(self, "_init_done", True):
@@ -256,6 +297,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         if g.is_sparse:
             raise UnsupportedError("ShardedAdamW: sparse gradients are not supported",
                                    function="python")
+        if self._defer:
+            # Kept in .grad for step(); the first gradients tell the order.
+            if not self._ready and i not in self._arrival:
+                self._arrival.append(i)
+            return
         if not self._callback_queued:
             # Completes the micro-batch once the whole backward pass has run.
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
@@ -271,7 +317,46 @@ class ShardedAdamW(torch.optim.Optimizer):
             g = g.float()
         if not g.is_contiguous():
             g = g.contiguous()
+        if self._engine_waits():
+            # g's memory must not be handed out again before the engine's stream has read it
+            g.record_stream(self._stream)
         self._engine.grad_add_ptr(self._pid[i], g.data_ptr(), _TO_SG[g.dtype])
+
+    def _engine_waits(self):
+        """CUDA: the engine's stream waits for the work issued so far to the current stream
+        (gradients, reads of the parameters). True when the two streams differ."""
+        if self._stream is None:
+            return False
+        cur = torch.cuda.current_stream(self._stream.device)
+        if cur == self._stream:
+            return False
+        self._stream.wait_stream(cur)
+        return True
+
+    def _torch_waits(self):
+        """CUDA: the current stream waits for the engine's work so far (parameters written)."""
+        if self._stream is None:
+            return
+        cur = torch.cuda.current_stream(self._stream.device)
+        if cur != self._stream:
+            cur.wait_stream(self._stream)
+
+    def _hand_over_deferred(self):
+        """Deferred mode (CUDA, ranks as threads): the gradients accumulated in .grad since the
+        last step go to the library now, on this rank's own thread, as one micro-batch."""
+        self._ensure_ready()
+        handed = False
+        for i in self._hand_order:
+            p = self._named[i][1]
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise UnsupportedError("ShardedAdamW: sparse gradients are not supported",
+                                           function="python")
+                self._hand_over(i, p.grad)
+                p.grad = None
+                handed = True
+        if handed:
+            self._engine.backward_end()
 
     def _backward_end(self):
         self._callback_queued = False
@@ -297,14 +382,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Micro-batches inside accumulate locally, without communication; the first backward
         after the block (with sync on) reduces everything. Enter and leave between
         micro-batches, on every rank alike."""
-        if self._ready:
+        use_engine = self._ready and not self._defer  # deferred: torch accumulates in .grad
+        if use_engine:
             self._engine.set_sync(False)
         self._sync = False
         try:
             yield
         finally:
             self._sync = True
-            if self._ready:
+            if use_engine:
                 self._engine.set_sync(True)
 
     def zero_grad(self, set_to_none=True):
@@ -331,11 +417,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._group_hparams() != self._fixed:
             raise UnsupportedError("ShardedAdamW: only 'lr' may change after construction "
                                    "(betas, eps and weight_decay are fixed)", function="python")
+        if self._defer:
+            self._hand_over_deferred()
         self._ensure_ready()
         lr = float(self.param_groups[0]["lr"])
         if lr != self._engine.lr:
             self._engine.set_lr(lr)
+        self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
+        self._torch_waits()
         return loss
 
     # -- state ----------------------------------------------------------------------------
@@ -425,7 +515,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         model's parameters change in place. The learning rate stays param_groups' (the
         scheduler's): it is applied again at the next step."""
         self._ensure_ready()
+        self._engine_waits()
         self._engine.load(directory)
+        self._torch_waits()
         self.last_step_info = None
 
     def export(self, path):
@@ -437,7 +529,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Collective: sets the parameters from a safetensors file by name (optimizer state
         unchanged)."""
         self._ensure_ready()
+        self._engine_waits()
         self._engine.import_(path)
+        self._torch_waits()
 
     # -- teardown -------------------------------------------------------------------------
     def close(self):
@@ -453,6 +547,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             if not self._ready:
                 self._engine.close()
                 return
+            self._torch_waits()  # the copies read what the engine's stream last wrote
             with torch.no_grad():
                 for _, p in self._named:
                     p.data = p.data.clone()
