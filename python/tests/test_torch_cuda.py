@@ -1,6 +1,7 @@
 """shardgrad on a CUDA GPU through torch: ShardedAdamW on CUDA parameters, the engine's zero-copy
 CUDA tensors, and tracing on the CUDA device. Skipped unless torch sees a GPU and the library
-was built with CUDA (sg.has_backend("cuda")); tests/gpu/run.sh runs it on a GPU machine.
+was built with CUDA (sg.has_backend("cuda")); tests/gpu/run.sh runs it on a GPU machine, with
+SG_TEST_REQUIRE_CUDA=1, which turns the skip into an error.
 
 Ranks as threads all share cuda:0 (local communicator), each thread with its own CUDA stream,
 as a real program would have one stream per rank. ShardedAdamW is checked against
@@ -41,6 +42,9 @@ def _why_skip():
 
 
 WHY = _why_skip()
+if WHY is not None and os.environ.get("SG_TEST_REQUIRE_CUDA") == "1":
+    # tests/gpu/run.sh: all tests skipped would read as a pass
+    raise RuntimeError("SG_TEST_REQUIRE_CUDA=1, but " + WHY)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
