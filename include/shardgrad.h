@@ -116,8 +116,9 @@ typedef struct sg_config {
   int cuda_device;        /* -1: current device */
   sg_dtype param_dtype;   /* SG_F32: dtype of the working parameters */
   sg_dtype grad_dtype;    /* SG_DTYPE_AUTO (= param_dtype): dtype of the gradients written */
-  sg_dtype reduce_dtype;  /* SG_DTYPE_AUTO (= grad_dtype): dtype on the wire; sums in fp32.
-                             Only = grad_dtype is supported (SG_ERR_UNSUPPORTED otherwise). */
+  sg_dtype reduce_dtype;  /* SG_DTYPE_AUTO (= grad_dtype): dtype on the wire; sums in fp32
+                             (NCCL: in this dtype). Another dtype than grad_dtype casts each
+                             bucket into a comm buffer of the largest bucket in this dtype. */
   sg_dtype accum_dtype;   /* SG_F32 (or SG_BF16): the sharded gradient accumulator */
   size_t bucket_bytes;    /* 32 MiB, in grad_dtype bytes; >= 64 elements */
   int staging_buckets;    /* 2 (SHARD_GRAD_OP): full-size gradient buckets in flight, >= 1 */

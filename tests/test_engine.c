@@ -4,7 +4,9 @@
  * micro-batches are exact in f32, bf16 and f16, so the parameters, master weights and moments
  * must be bitwise equal to the single-rank run fed with sum_r g_r / W (W = 2, 4, averaging on)
  * or sum_r g_r (W = 3, averaging off: 1/3 is inexact). Random gradients: the tolerance is
- * stated in compare_result.
+ * stated in compare_result. Cases with reduce_dtype != grad_dtype: see make_cases; run_wire
+ * checks that the wire rounds to reduce_dtype (bitwise, against a host model), that an f16 wire
+ * overflows into a skipped step, and run_wire_ckpt that a checkpoint loads across wire dtypes.
  *
  * Usage: test_engine --local W   (ranks as threads; W in 2..4, or 0 for all of 2, 3, 4)
  *        test_engine --mpi       (one rank per process under mpirun)
@@ -17,6 +19,7 @@
  * Gradients are built in host memory and uploaded into the sg_grad_ptr slot through the
  * engine's own device vtable (a memcpy on CPU; on CUDA an H2D copy on the compute queue that
  * is complete when it returns), so this file needs no CUDA header. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -36,7 +39,7 @@ static const size_t k_sizes[] = {1, 63, 64, 65, 1000, 4097, 100003, 300000};
 
 typedef struct {
   sg_strategy strategy;
-  sg_dtype pdt, gdt, adt;
+  sg_dtype pdt, gdt, rdt, adt; /* rdt: reduce_dtype (the wire), = gdt unless testing it */
   int mb;          /* micro-batches per step */
   int nosync;      /* sg_set_sync(0) for all but the last micro-batch */
   int random;      /* random gradients (tolerance) instead of exact ones */
@@ -103,7 +106,7 @@ static sg_status setup(const tcase *tc, int average, int cuda, sg_comm *comm, sg
   cfg.cuda_device = 0;
   cfg.param_dtype = tc->pdt;
   cfg.grad_dtype = tc->gdt;
-  cfg.reduce_dtype = tc->gdt;
+  cfg.reduce_dtype = tc->rdt;
   cfg.accum_dtype = tc->adt;
   cfg.bucket_bytes = BUCKET_BYTES;
   cfg.staging_buckets = tc->shuffle ? 1 : 2;
@@ -259,9 +262,9 @@ static void compare(const char *what, const tcase *tc, int w, int rank, float *c
     if (exact) {
       const int same = memcmp(got[p], ref[p], n * 4) == 0;
       const size_t bad = same ? 0 : first_diff(got[p], ref[p], n);
-      CHECK(same, "%s W=%d rank %d p%s g%s mb%d%s%s%s%s: %s of param %d (numel %zu) differs at "
-            "%zu: %.9g vs %.9g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt),
-            tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
+      CHECK(same, "%s W=%d rank %d p%s g%s r%s mb%d%s%s%s%s: %s of param %d (numel %zu) differs "
+            "at %zu: %.9g vs %.9g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt),
+            dname(tc->rdt), tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
             tc->adt == SG_BF16 ? " accum-bf16" : "", tc->sr ? " sr" : "", what, p, n, bad, got[p][bad], ref[p][bad]);
       continue;
     }
@@ -272,9 +275,9 @@ static void compare(const char *what, const tcase *tc, int w, int rank, float *c
     }
     const double d = rms_rel(got[p], ref[p], base, n);
     free(base);
-    CHECK(d <= tol, "%s W=%d rank %d p%s g%s mb%d: %s of param %d: rms difference %.3g of the "
-          "update > %.3g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt), tc->mb,
-          what, p, d, tol);
+    CHECK(d <= tol, "%s W=%d rank %d p%s g%s r%s mb%d: %s of param %d: rms difference %.3g of "
+          "the update > %.3g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt),
+          dname(tc->rdt), tc->mb, what, p, d, tol);
   }
 }
 
@@ -285,8 +288,8 @@ static void compare_result(const tcase *tc, int w, int rank, const result *got, 
    * rank's gradient is rounded to the grad dtype before the sum, the reference rounds the sum
    * once, and near-zero sums can flip the sign of an element's first AdamW update (an lr-sized
    * difference, large in the rms of a 64-element parameter): 1e-3 for f32 gradients, 0.1 for
-   * bf16/f16 gradients. */
-  const double tol = tc->gdt == SG_F32 ? 1e-3 : 0.1;
+   * bf16/f16 gradients or wire (reduce_dtype). */
+  const double tol = tc->gdt == SG_F32 && tc->rdt == SG_F32 ? 1e-3 : 0.1;
   compare("param", tc, w, rank, got->param, ref->param, 1, exact, tol);
   compare("master", tc, w, rank, got->master, ref->master, 1, exact, tol);
   compare("m", tc, w, rank, got->m, ref->m, 0, exact, tol);
@@ -378,7 +381,286 @@ static void run_nccl(const tcase *tc) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* the wire dtype                                                                            */
 
+/* That buckets really travel in reduce_dtype: every rank writes gradients that are multiples of
+ * 2^-16 of magnitude <= 1 (exact in f32; bf16 and f16 round most of them), two micro-batches,
+ * over several buckets (bucket_bytes 4096) that share the one reduce buffer. With
+ * grad_average 0, loss scale 1, no clipping and beta1 = 0, Adam's m after the step is the
+ * accumulator itself, which the host predicts bit for bit:
+ *     m = sum over micro-batches of R(sum over ranks of R(G(g)))    (R, G: round to rdt, gdt)
+ * Every sum here is exact in fp32 (<= 20 significant bits), so neither the order of the
+ * ranks nor the communicator's algorithm can change it; only the two roundings to reduce_dtype
+ * can, and the host also counts the elements where R differs from no rounding at all (the run
+ * with reduce_dtype = grad_dtype, checked against the same model): the check can fail. */
+static const size_t k_wire_sizes[] = {1000, 4097, 300};
+#define NW ((int)(sizeof k_wire_sizes / sizeof k_wire_sizes[0]))
+#define WIRE_MB 2
+#define WIRE_BIG 1.0e6f /* overflow run: beyond f16's 65504, finite in bf16 */
+
+typedef struct {
+  sg_strategy strategy;
+  sg_dtype gdt, rdt;
+  int big;            /* rank 0's first element of param 0 is WIRE_BIG in micro-batch 0 */
+  const char *save;   /* sg_save here after the step */
+  const char *load;   /* sg_load from here instead of training */
+  sg_comm *comm;
+  int world, cuda;
+  float *m[NW];       /* out: Adam's m after the step */
+  sg_step_info info;  /* out */
+  int ok;
+  char err[512];
+} wire_arg;
+
+static float wire_grad(int rank, int k, int p, size_t i) {
+  const uint64_t h = mix(0x5157ull ^ ((uint64_t)rank << 56) ^ ((uint64_t)k << 48) ^
+                         ((uint64_t)p << 40) ^ i);
+  return (float)((int)(h % 131073u) - 65536) / 65536.0f;
+}
+
+static float round_to(int dtype, float x) {
+  uint32_t b[1];
+  sg_elem_store(b, dtype, 0, x);
+  return sg_elem_load(b, dtype, 0);
+}
+
+/* The host model of m for element i of param p (big runs aside). */
+static float wire_model(const wire_arg *a, int p, size_t i) {
+  float acc = 0.0f;
+  for (int k = 0; k < WIRE_MB; k++) {
+    float sum = 0.0f;
+    for (int r = 0; r < a->world; r++)
+      sum += round_to(a->rdt, round_to(a->gdt, wire_grad(r, k, p, i)));
+    acc += round_to(a->rdt, sum);
+  }
+  return acc;
+}
+
+static sg_status wire_setup(wire_arg *a, sg_engine **e, int *ids) {
+  sg_config cfg;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (st) return st;
+  cfg.strategy = a->strategy;
+  cfg.device = a->cuda ? SG_DEVICE_CUDA : SG_DEVICE_CPU;
+  cfg.cuda_device = 0;
+  cfg.param_dtype = SG_F32;
+  cfg.grad_dtype = a->gdt;
+  cfg.reduce_dtype = a->rdt;
+  cfg.bucket_bytes = 4096;
+  cfg.grad_average = 0;
+  cfg.loss_scale = 1.0f;
+  cfg.beta1 = 0.0f; /* m = the gradient */
+  cfg.timeout_ms = 60000;
+  if ((st = sg_engine_create(a->comm, &cfg, e))) return st;
+  for (int p = 0; p < NW && !st; p++) {
+    char name[16];
+    snprintf(name, sizeof name, "w%d", p);
+    st = sg_add_param(*e, name, k_wire_sizes[p], 0, &ids[p]);
+  }
+  return st ? st : sg_finalize(*e);
+}
+
+static sg_status wire_write(wire_arg *a, sg_engine *e, int id, int p, int k) {
+  const size_t n = k_wire_sizes[p];
+  const int rank = sg_comm_rank(a->comm);
+  void *g = NULL, *h = malloc(n * 4);
+  if (!h) return SG_ERR_OUT_OF_MEMORY;
+  for (size_t i = 0; i < n; i++)
+    store(h, a->gdt, i, a->big && rank == 0 && k == 0 && p == 0 && i == 0 ? WIRE_BIG
+                                                                          : wire_grad(rank, k, p, i));
+  sg_status st = sg_grad_ptr(e, id, &g);
+  if (!st)
+    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, g, h, n * (a->gdt == SG_F32 ? 4 : 2),
+                           SG_COPY_H2D);
+  free(h);
+  return st ? st : sg_grad_ready(e, id);
+}
+
+static void *wire_thread(void *arg) {
+  wire_arg *a = arg;
+  sg_engine *e = NULL;
+  int ids[NW];
+  sg_status st = wire_setup(a, &e, ids);
+  if (a->load) {
+    if (!st) st = sg_load(e, a->load);
+  } else {
+    for (int k = 0; k < WIRE_MB && !st; k++)
+      for (int p = NW - 1; p >= 0 && !st; p--) st = wire_write(a, e, ids[p], p, k);
+    a->info.struct_size = sizeof a->info;
+    if (!st) st = sg_step(e, &a->info);
+    if (!st && a->save) st = sg_save(e, a->save);
+  }
+  for (int p = 0; p < NW && !st; p++) {
+    if (!(a->m[p] = malloc(k_wire_sizes[p] * 4))) st = SG_ERR_OUT_OF_MEMORY;
+    if (!st) st = sg_get_optim_state(e, ids[p], 0, a->m[p]);
+  }
+  a->ok = st == SG_OK;
+  if (st) snprintf(a->err, sizeof a->err, "%s: %s", sg_status_string(st), sg_last_error());
+  sg_engine_destroy(e);
+  return NULL;
+}
+
+/* m against the model; returns the elements where R changed the sum (vs no rounding). */
+static size_t wire_check(const wire_arg *a, int rank) {
+  size_t bad = 0, rounded = 0, first = 0;
+  int first_p = -1;
+  wire_arg exact = *a;
+  exact.rdt = SG_F32;
+  exact.gdt = a->gdt;
+  for (int p = 0; p < NW; p++)
+    for (size_t i = 0; i < k_wire_sizes[p]; i++) {
+      const float want = wire_model(a, p, i);
+      if (memcmp(&want, &a->m[p][i], 4) != 0 && bad++ == 0) {
+        first_p = p;
+        first = i;
+      }
+      rounded += wire_model(&exact, p, i) != want;
+    }
+  CHECK(bad == 0, "wire %s W=%d rank %d g%s r%s: %zu elements of m differ from the model of a "
+        "%s wire (first: param %d [%zu] = %.9g, want %.9g)", sname(a->strategy), a->world, rank,
+        dname(a->gdt), dname(a->rdt), bad, dname(a->rdt), first_p, first,
+        first_p >= 0 ? a->m[first_p][first] : 0.0, first_p >= 0 ? wire_model(a, first_p, first) : 0.0);
+  return rounded;
+}
+
+/* Runs args[0..nthreads-1] (one per rank thread; one: on this thread) to the end. */
+static void wire_go(wire_arg *args, int nthreads) {
+  pthread_t th[4];
+  if (nthreads == 1) {
+    wire_thread(&args[0]);
+    return;
+  }
+  for (int r = 0; r < nthreads; r++) pthread_create(&th[r], NULL, wire_thread, &args[r]);
+  for (int r = 0; r < nthreads; r++) pthread_join(th[r], NULL);
+}
+
+/* One run of the wire check on `world` ranks: comms[0..world-1] (threads) or one MPI comm. */
+static void wire_run(sg_strategy s, sg_dtype gdt, sg_dtype rdt, int big, sg_comm **comms,
+                     int nthreads, int world) {
+  wire_arg args[4];
+  for (int r = 0; r < nthreads; r++)
+    args[r] = (wire_arg){.strategy = s, .gdt = gdt, .rdt = rdt, .big = big, .comm = comms[r],
+                         .world = world, .cuda = g_cuda};
+  wire_go(args, nthreads);
+  for (int r = 0; r < nthreads; r++) {
+    const wire_arg *a = &args[r];
+    const int rank = sg_comm_rank(comms[r]);
+    if (!CHECK(a->ok, "wire %s W=%d rank %d g%s r%s%s failed: %s", sname(s), world, rank,
+               dname(gdt), dname(rdt), big ? " big" : "", a->err))
+      continue;
+    if (!big) {
+      const size_t rounded = wire_check(a, rank);
+      if (world > 1 || gdt != rdt) /* one rank, same dtype: nothing to round */
+        CHECK(rdt == SG_F32 ? rounded == 0 : rounded > 100, "wire %s W=%d g%s r%s: the %s wire "
+            "rounds %zu elements of the sums", sname(s), world, dname(gdt), dname(rdt),
+            dname(rdt), rounded);
+      continue;
+    }
+    /* WIRE_BIG overflows only an f16 wire: inf in the accumulator, the step skipped (no silent
+     * garbage); a bf16 or f32 wire carries it and the step is taken. */
+    const int want_skip = rdt == SG_F16;
+    CHECK(a->info.skipped == want_skip && a->info.step == (uint64_t)!want_skip,
+          "wire %s W=%d rank %d g%s r%s: gradient %g: skipped %d (want %d), step %llu",
+          sname(s), world, rank, dname(gdt), dname(rdt), (double)WIRE_BIG, a->info.skipped,
+          want_skip, (unsigned long long)a->info.step);
+    if (want_skip)
+      CHECK(a->m[0][0] == 0.0f && a->m[0][1] == 0.0f, "wire r%s: a skipped step leaves m zero",
+            dname(rdt));
+    else
+      CHECK(fabsf(a->m[0][0] - WIRE_BIG) <= WIRE_BIG / 128, "wire %s W=%d g%s r%s: m[0] = %.9g, "
+            "want %g within a bf16 ulp", sname(s), world, dname(gdt), dname(rdt), a->m[0][0],
+            (double)WIRE_BIG);
+  }
+  for (int r = 0; r < nthreads; r++)
+    for (int p = 0; p < NW; p++) free(args[r].m[p]);
+}
+
+/* Every (grad, reduce) pair that differs, each grad dtype with its own wire as the control,
+ * then the f32 gradient of WIRE_BIG on f16, bf16 and f32 wires. */
+static void run_wire(sg_comm **comms, int nthreads, int world) {
+  static const sg_dtype pairs[][2] = {{SG_F32, SG_BF16}, {SG_F32, SG_F16}, {SG_BF16, SG_F32},
+                                      {SG_F16, SG_F32},  {SG_F32, SG_F32}, {SG_BF16, SG_BF16},
+                                      {SG_F16, SG_F16}};
+  const sg_strategy ss[] = {SG_NO_SHARD, SG_SHARD_OPT, SG_SHARD_GRAD_OP};
+  for (int s = 0; s < 3; s++) {
+    for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++)
+      wire_run(ss[s], pairs[k][0], pairs[k][1], 0, comms, nthreads, world);
+    for (int rd = 0; rd < 3; rd++)
+      wire_run(ss[s], SG_F32, rd == 0 ? SG_F16 : rd == 1 ? SG_BF16 : SG_F32, 1, comms, nthreads,
+               world);
+  }
+}
+
+static void run_wire_local(int w) {
+  sg_comm *comms[4];
+  sg_status st = sg_comm_create_local(w, comms);
+  if (!CHECK(st == SG_OK, "sg_comm_create_local(%d): %s", w, sg_last_error())) return;
+  run_wire(comms, w, w);
+  for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+}
+
+/* reduce_dtype changes no saved state: a checkpoint of a SHARD_GRAD_OP run with a bf16 wire
+ * loads into a NO_SHARD engine with an f32 wire (W = 2, threads), and Adam's m comes back
+ * bit for bit. */
+static void run_wire_ckpt(void) {
+  char dir[256];
+  const char *tmp = getenv("TMPDIR");
+  snprintf(dir, sizeof dir, "%s/sg_engine_wire_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  if (!CHECK(mkdtemp(dir) != NULL, "mkdtemp(%s)", dir)) return;
+  sg_comm *comms[2];
+  wire_arg saved[2], loaded[2];
+  if (!CHECK(sg_comm_create_local(2, comms) == SG_OK, "sg_comm_create_local(2)")) return;
+  for (int r = 0; r < 2; r++)
+    saved[r] = (wire_arg){.strategy = SG_SHARD_GRAD_OP, .gdt = SG_F32, .rdt = SG_BF16,
+                          .comm = comms[r], .world = 2, .cuda = g_cuda, .save = dir};
+  wire_go(saved, 2);
+  for (int r = 0; r < 2; r++)
+    loaded[r] = (wire_arg){.strategy = SG_NO_SHARD, .gdt = SG_F32, .rdt = SG_F32,
+                           .comm = comms[r], .world = 2, .cuda = g_cuda, .load = dir};
+  if (saved[0].ok && saved[1].ok) wire_go(loaded, 2);
+  for (int r = 0; r < 2; r++) {
+    CHECK(saved[r].ok, "wire ckpt: rank %d: the run with a bf16 wire and sg_save: %s", r,
+          saved[r].err);
+    if (!saved[r].ok) break;
+    CHECK(loaded[r].ok, "wire ckpt: rank %d: sg_load into an f32-wire NO_SHARD engine: %s", r,
+          loaded[r].err);
+    for (int p = 0; p < NW && loaded[r].ok; p++)
+      CHECK(memcmp(saved[r].m[p], loaded[r].m[p], k_wire_sizes[p] * 4) == 0,
+            "wire ckpt: rank %d: m of param %d is the same after the load", r, p);
+    if (loaded[r].ok) wire_check(&saved[r], r); /* and it was the bf16 wire's */
+  }
+  for (int r = 0; r < 2; r++)
+    for (int p = 0; p < NW; p++) {
+      free(saved[r].m[p]);
+      free(loaded[r].m[p]);
+    }
+  for (int r = 0; r < 2; r++) sg_comm_destroy(comms[r]);
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  CHECK(system(cmd) == 0, "%s", cmd);
+}
+
+/* W = 1 with NCCL on the CUDA device: the cast and the NCCL call on the comm stream. */
+static void run_wire_nccl(void) {
+  unsigned char id[128];
+  sg_comm *c = NULL;
+  sg_status st = sg_nccl_unique_id(id);
+  if (!st) st = sg_comm_create_nccl(0, 1, id, 0, &c);
+  if (!CHECK(st == SG_OK, "sg_comm_create_nccl(0, 1): %s", sg_last_error())) return;
+  run_wire(&c, 1, 1);
+  sg_comm_destroy(c);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+/* Cases with reduce_dtype != grad_dtype stay exact: every gradient the test feeds, and every
+ * sum of them (over ranks, micro-batches, and the reference's averaged feed), is a multiple of
+ * 1/32 of magnitude <= 3, exact in f32, bf16 and f16. The reference (W = 1, same config, so
+ * also the same reduce_dtype) casts its slot to reduce_dtype and "reduces" over one rank; the W
+ * ranks cast their own slots and sum. Both casts and both sums are exact, so the W-rank result
+ * is still bitwise equal to the reference: this checks the plumbing (buffer, counts, offsets,
+ * dtypes of the collective and of the accumulate) for every strategy. That the wire really
+ * rounds to reduce_dtype is checked by run_wire. */
 static int make_cases(tcase *out, int quick) {
   int n = 0;
   const sg_strategy strategies[] = {SG_NO_SHARD, SG_SHARD_OPT, SG_SHARD_GRAD_OP};
@@ -388,18 +670,29 @@ static int make_cases(tcase *out, int quick) {
       for (int mb = 1; mb <= 3; mb += 2)
         for (int ns = 0; ns <= (mb > 1); ns++) {
           if (quick && (d == 2 || (ns && d != 0))) continue;
-          out[n++] = (tcase){strategies[s], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3, 0};
+          out[n++] = (tcase){strategies[s], dts[d], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3, 0};
         }
   /* clipping, bf16 accumulator, shuffled order with one staging bucket, random gradients,
    * stochastic rounding */
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3, 0};
-  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 0, 0, 0, 0.0f, 3, 1};
-  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_F32, SG_F32, 1, 0, 0, 1, 0.0f, 2, 1};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_F32, 2, 0, 0, 0, 0.0f, 3, 1};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_F32, SG_F32, SG_F32, 1, 0, 0, 1, 0.0f, 2, 1};
+  /* reduce_dtype != grad_dtype: fp32 reductions of bf16/f16 gradients, bf16 reductions of fp32
+   * gradients (the quick matrix keeps one of each direction) */
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, SG_F32, 2, 0, 0, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_F32, SG_F32, SG_BF16, SG_F32, 3, 1, 0, 0, 0.0f, 2, 0};
+  if (quick) return n;
+  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, SG_F32, 1, 0, 0, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_BF16, SG_F32, 3, 0, 0, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_F16, SG_F16, SG_F32, SG_F32, 2, 0, 0, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F16, SG_F16, SG_F32, SG_BF16, 3, 1, 0, 0, 0.0f, 2, 0};
+  /* random bf16 gradients summed in fp32: the tolerance of compare_result */
+  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_BF16, SG_F32, SG_F32, 2, 0, 1, 0, 0.0f, 2, 0};
   return n;
 }
 
@@ -439,6 +732,7 @@ int main(int argc, char **argv) {
     if (st) return 1;
     rank = sg_comm_rank(comm);
     for (int c = 0; c < nc; c++) run_mpi(&cases[c], comm);
+    run_wire(&comm, 1, sg_comm_size(comm));
     sg_comm_destroy(comm);
 #else
     printf("built without MPI\n");
@@ -446,10 +740,14 @@ int main(int argc, char **argv) {
 #endif
   } else if (use_nccl) {
     for (int c = 0; c < nc; c++) run_nccl(&cases[c]);
+    run_wire_nccl();
   } else {
     for (int c = 0; c < nc; c++)
       for (int w = 2; w <= 4; w++)
         if (local_w == 0 || local_w == w) run_local(&cases[c], w);
+    for (int w = 2; w <= 4; w++)
+      if (local_w == 0 || local_w == w) run_wire_local(w);
+    if (local_w == 0 || local_w == 2) run_wire_ckpt();
   }
   if (rank == 0 || sg_test_failures()) return sg_test_summary(use_mpi ? "mpi: " : "");
   return sg_test_failures() != 0;

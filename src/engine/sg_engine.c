@@ -129,12 +129,6 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   sg_status st;
   SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
   SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
-  if (e->cfg.reduce_dtype != e->cfg.grad_dtype) {
-    st = sg__err(SG_ERR_UNSUPPORTED, "%s: reduce_dtype (%s) different from grad_dtype (%s) is not "
-                 "supported yet", fn, sg__dtype_name(e->cfg.reduce_dtype),
-                 sg__dtype_name(e->cfg.grad_dtype));
-    goto fail;
-  }
   SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev), st, fail);
   e->comm = comm;
   e->rank = comm->rank;
@@ -147,9 +141,9 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   comm->in_use = 1;
   comm->dev = e->dev;
   *out = e;
-  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %d, param %s, grad %s",
-         e->world, (int)e->cfg.strategy, sg__dtype_name(e->cfg.param_dtype),
-         sg__dtype_name(e->cfg.grad_dtype));
+  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %d, param %s, grad %s, "
+         "reduce %s", e->world, (int)e->cfg.strategy, sg__dtype_name(e->cfg.param_dtype),
+         sg__dtype_name(e->cfg.grad_dtype), sg__dtype_name(e->cfg.reduce_dtype));
   return SG_OK;
 fail:
   free(e);
@@ -384,8 +378,8 @@ static sg_status setup_buffers(sg_engine *e) {
   e->v = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->v_off);
   char *comm = (char *)e->ar.base[SG_MEM_COMM] + l->comm_off;
   e->comm->scratch = comm;
-  e->comm->scratch_bytes = l->bytes[SG_MEM_COMM] - 256;
-  e->small = comm + e->comm->scratch_bytes;
+  e->comm->scratch_bytes = l->comm_scratch_bytes;
+  e->small = (char *)e->ar.base[SG_MEM_COMM] + l->small_off;
   return SG_OK;
 }
 

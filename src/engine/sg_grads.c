@@ -76,23 +76,41 @@ void sg__grads_reset_microbatch(sg_engine *e) {
 /* ---------------------------------------------------------------------------------------- */
 /* the reduction job (comm queue)                                                            */
 
+/* The bucket on the wire: the slot itself, or with a reduce_dtype other than grad_dtype, the
+ * slot cast into the comm arena's reduce buffer. One buffer serves every bucket because
+ * reduction jobs never overlap: the CPU device runs comm jobs one at a time on its worker, and
+ * CUDA issues them in submit order on its one comm stream, so a job's cast is ordered after the
+ * previous job's collective and accumulate have read the buffer. */
+static sg_status wire_of(sg_engine *e, const sg__reduce_job *j, size_t numel, char **wire) {
+  const int gdt = e->cfg.grad_dtype, rdt = e->cfg.reduce_dtype;
+  *wire = j->slot;
+  if (rdt == gdt) return SG_OK;
+  *wire = (char *)e->ar.base[SG_MEM_COMM] + e->lay.reduce_off;
+  return e->dev->ops->cast(e->dev, SG_Q_COMM, *wire, rdt, j->slot, gdt, numel);
+}
+
+/* Sums the bucket over ranks in reduce_dtype (all-reduce, or reduce-scatter of this rank's
+ * slice) and adds the result into the accumulator, from the wire buffer in reduce_dtype. */
 static sg_status reduce_bucket(const sg__reduce_job *jp) {
   const sg__reduce_job j = *jp;
   sg_engine *e = j.e;
   sg_comm *c = e->comm;
   sg__device *d = e->dev;
   const sg__bucket *b = &e->plan->buckets[j.bucket];
-  const int gdt = e->cfg.grad_dtype, adt = e->cfg.accum_dtype;
+  const int rdt = e->cfg.reduce_dtype, adt = e->cfg.accum_dtype;
+  const size_t rsize = sg__dtype_size(rdt);
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  char *wire = NULL;
+  SG_TRY(wire_of(e, &j, b->numel, &wire));
   if (e->cfg.strategy == SG_NO_SHARD) {
-    SG_TRY(c->ops->all_reduce(c, j.slot, b->numel, gdt, dl));
-    SG_TRY(d->ops->accumulate(d, SG_Q_COMM, e->accum + b->start * asize(e), adt, j.slot, gdt,
+    SG_TRY(c->ops->all_reduce(c, wire, b->numel, rdt, dl));
+    SG_TRY(d->ops->accumulate(d, SG_Q_COMM, e->accum + b->start * asize(e), adt, wire, rdt,
                               b->numel));
   } else {
     const size_t slice = sg__plan_slice_numel(e->plan, j.bucket);
-    SG_TRY(c->ops->reduce_scatter(c, j.slot, slice, gdt, dl));
+    SG_TRY(c->ops->reduce_scatter(c, wire, slice, rdt, dl));
     SG_TRY(d->ops->accumulate(d, SG_Q_COMM, e->accum + b->shard_offset * asize(e), adt,
-                              j.slot + (size_t)e->rank * slice * gsize(e), gdt, slice));
+                              wire + (size_t)e->rank * slice * rsize, rdt, slice));
   }
   /* The slot is handed out again for the next micro-batch and must read as zeros. */
   return d->ops->zero(d, SG_Q_COMM, j.slot, b->numel * gsize(e));

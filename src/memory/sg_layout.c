@@ -46,7 +46,15 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout
     size_t s = sharded ? sg__plan_slice_numel(p, b) : (p->buckets[b].numel + p->world - 1) / p->world;
     if (s > max_slice) max_slice = s;
   }
-  l->comm_off = carve(l, SG_MEM_COMM, sg__comm_scratch_bytes(max_slice) + SG__SMALL_BYTES);
+  /* the collective scratch with the small piece right after it, in one carve */
+  l->comm_scratch_bytes = sg__comm_scratch_bytes(max_slice);
+  l->comm_off = carve(l, SG_MEM_COMM, l->comm_scratch_bytes + SG__SMALL_BYTES);
+  l->small_off = l->comm_off + l->comm_scratch_bytes;
+  /* A reduce_dtype other than grad_dtype puts each bucket on the wire through one buffer in
+   * reduce_dtype (sg_grads.c, reduce_bucket): buckets are reduced one at a time. */
+  l->reduce_off = SIZE_MAX;
+  if (cfg->reduce_dtype != cfg->grad_dtype)
+    l->reduce_off = carve(l, SG_MEM_COMM, p->max_bucket_numel * sg__dtype_size(cfg->reduce_dtype));
   return SG_OK;
 }
 

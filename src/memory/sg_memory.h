@@ -33,7 +33,11 @@ typedef struct sg__layout {
   size_t master_off;            /* MASTER: fp32 master (absent for f32 params) */
   size_t m_off, v_off;          /* OPTIM */
   size_t opt_numel;             /* elements of master/m/v (full for NO_SHARD, shard otherwise) */
-  size_t comm_off;              /* COMM: collective scratch */
+  size_t comm_off;              /* COMM: collective scratch, comm_scratch_bytes long */
+  size_t comm_scratch_bytes;
+  size_t small_off;             /* COMM: the step's tiny all-reduce (norm, non-finite count) */
+  size_t reduce_off;            /* COMM: bucket in reduce_dtype, max bucket numel elements;
+                                   only when reduce_dtype != grad_dtype (SIZE_MAX otherwise) */
 } sg__layout;
 
 sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout *out);
