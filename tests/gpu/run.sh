@@ -6,7 +6,10 @@
 #
 # The whole script keeps to a time budget (SG_GPU_BUDGET_S, default 330 s, so that it ends
 # within 6 minutes): every step's limit is cut to what is left, and steps that no longer fit are
-# reported as skipped. Steps run most important first:
+# reported as skipped. SG_GPU_STEPS (a bash regex) runs only the steps whose names match, besides
+# configure and build, which are quick on a second call (the build directory is kept): e.g.
+# SG_GPU_STEPS='memcheck|torch' for what a first call had no time for. Steps run most important
+# first:
 #   1. configure and build the CUDA library, the GPU test programs, the AdamW benchmark and the
 #      cuBLAS MLP example (cmake -DSG_WITH_CUDA=ON) in build-gpu/ (or $SG_GPU_BUILD), for the
 #      GPU's own architecture only (SG_GPU_ARCHS overrides, e.g. "80;90");
@@ -19,7 +22,9 @@
 #   4. sg_bench_adamw_cuda (fused AdamW vs device-to-device copy), the reduce/backward timeline
 #      (examples/mlp_cuda --nccl-solo --trace: reductions on the comm stream against the cuBLAS
 #      backward on the caller's stream; the trace files come back in $OUT), mlp_cuda --ranks 2
-#      --check in f32 and bf16, bench/adamw_torch.py (torch fused AdamW, when torch imports);
+#      --check in f32 and bf16, bench/adamw_torch.py (torch fused AdamW, when torch imports),
+#      python/tests/test_torch_cuda.py (ShardedAdamW on the GPU vs torch.optim.AdamW) and
+#      examples/python/train_lm.py --device cuda (when torch and pytest import);
 #   5. compute-sanitizer memcheck on test_cuda_kernels --quick and on test_cuda_engine (skipped,
 #      and said so, when it is not installed or no time is left).
 # The results file has one line per step (PASS / FAIL / SKIP with the test's own summary line),
@@ -60,6 +65,10 @@ BUDGET="${SG_GPU_BUDGET_S:-330}"
 run_step() {
   local name="$1" limit="$2"
   shift 2
+  if [[ -n "${SG_GPU_STEPS:-}" && ! "$name" =~ ^(configure|build) && ! "$name" =~ $SG_GPU_STEPS ]]; then
+    skip "$name: not selected by SG_GPU_STEPS"
+    return 125
+  fi
   local left=$((BUDGET - SECONDS - 5))
   if [[ $left -lt 10 ]]; then
     skip "$name: no time left in the ${BUDGET}s budget"
@@ -167,10 +176,22 @@ copy_log mlp_cuda_ranks2 6
 step_if "$MLP" mlp_cuda_ranks2_bf16 45 "$MLP" --ranks 2 --steps 300 --dtype bf16 --log-every 100 --check
 copy_log mlp_cuda_ranks2_bf16 6
 if ! command -v python3 >/dev/null || ! timeout 60 python3 -c "import torch" >/dev/null 2>&1; then
-  skip "bench_adamw_torch: torch is not importable"
+  skip "bench_adamw_torch, torch_cuda, train_lm_cuda: torch is not importable"
 else
   run_step bench_adamw_torch 90 python3 "$ROOT/bench/adamw_torch.py" --sizes 1,4,16,64,256 --reps 20
   copy_log bench_adamw_torch
+  if ! timeout 60 python3 -c "import pytest" >/dev/null 2>&1; then
+    skip "torch_cuda: pytest is not importable"
+  else
+    # SG_TEST_REQUIRE_CUDA: no GPU or no CUDA build is an error there, not a skip
+    run_step torch_cuda 150 env SHARDGRAD_LIBRARY="$B/libshardgrad.so" SG_TEST_REQUIRE_CUDA=1 \
+      python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/python/tests/test_torch_cuda.py"
+    copy_log torch_cuda 12
+  fi
+  run_step train_lm_cuda 120 env SHARDGRAD_LIBRARY="$B/libshardgrad.so" \
+    python3 "$ROOT/examples/python/train_lm.py" --device cuda --ranks 2 --steps 60 \
+    --log-every 20 --trace "$DEST/trace_lm_cuda-%r.json"
+  copy_log train_lm_cuda 8
 fi
 
 # ---- 5. compute-sanitizer ----------------------------------------------------------------------
