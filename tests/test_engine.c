@@ -12,7 +12,8 @@
  *        test_engine --mpi       (one rank per process under mpirun)
  *        test_engine --nccl      (W = 1 with an NCCL communicator, on SG_DEVICE_CUDA: what one
  *                                 GPU can check, since NCCL refuses two ranks on one GPU)
- *        add --quick (or SG_TEST_QUICK=1) for a smaller matrix: no f16, no_sync only for f32;
+ *        add --quick (or SG_TEST_QUICK=1) for a smaller matrix: no f16, no_sync only for f32,
+ *        two reduce_dtype cases, a smaller wire check;
  *        add --device cuda (or SG_TEST_DEVICE=cuda) to run the ranks under test on
  *        SG_DEVICE_CUDA (GPU 0); the reference stays on SG_DEVICE_CPU, so every check becomes
  *        "CUDA engine at W ranks == CPU engine on the combined batch".
@@ -94,7 +95,8 @@ typedef struct {
   char err[512];
 } run_arg;
 
-static int g_cuda; /* --device cuda: the runs under test (never the reference) on CUDA */
+static int g_cuda;  /* --device cuda: the runs under test (never the reference) on CUDA */
+static int g_quick; /* --quick or SG_TEST_QUICK: the smaller matrix */
 
 static sg_status setup(const tcase *tc, int average, int cuda, sg_comm *comm, sg_engine **out,
                        int *ids) {
@@ -576,16 +578,17 @@ static void wire_run(sg_strategy s, sg_dtype gdt, sg_dtype rdt, int big, sg_comm
 }
 
 /* Every (grad, reduce) pair that differs, each grad dtype with its own wire as the control,
- * then the f32 gradient of WIRE_BIG on f16, bf16 and f32 wires. */
+ * then the f32 gradient of WIRE_BIG on f16, bf16 and f32 wires. The quick matrix: the first
+ * four pairs and the f16 overflow, without SHARD_OPT. */
 static void run_wire(sg_comm **comms, int nthreads, int world) {
   static const sg_dtype pairs[][2] = {{SG_F32, SG_BF16}, {SG_F32, SG_F16}, {SG_BF16, SG_F32},
-                                      {SG_F16, SG_F32},  {SG_F32, SG_F32}, {SG_BF16, SG_BF16},
+                                      {SG_BF16, SG_BF16}, {SG_F16, SG_F32}, {SG_F32, SG_F32},
                                       {SG_F16, SG_F16}};
-  const sg_strategy ss[] = {SG_NO_SHARD, SG_SHARD_OPT, SG_SHARD_GRAD_OP};
-  for (int s = 0; s < 3; s++) {
-    for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++)
+  const sg_strategy ss[] = {SG_NO_SHARD, SG_SHARD_GRAD_OP, SG_SHARD_OPT};
+  for (int s = 0; s < (g_quick ? 2 : 3); s++) {
+    for (size_t k = 0; k < (g_quick ? 4 : sizeof pairs / sizeof pairs[0]); k++)
       wire_run(ss[s], pairs[k][0], pairs[k][1], 0, comms, nthreads, world);
-    for (int rd = 0; rd < 3; rd++)
+    for (int rd = 0; rd < (g_quick ? 1 : 3); rd++)
       wire_run(ss[s], SG_F32, rd == 0 ? SG_F16 : rd == 1 ? SG_BF16 : SG_F32, 1, comms, nthreads,
                world);
   }
@@ -721,6 +724,7 @@ int main(int argc, char **argv) {
   if (local_w < 0 && !use_mpi) local_w = 0;
   /* sanitizer builds (scripts/test.sh) run the smaller matrix: 5-20x slower per element */
   if (getenv("SG_TEST_QUICK") && atoi(getenv("SG_TEST_QUICK")) > 0) quick = 1;
+  g_quick = quick;
   tcase cases[64] = {{0}};
   const int nc = make_cases(cases, quick);
   int rank = 0;
