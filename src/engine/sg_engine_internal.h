@@ -100,7 +100,8 @@ sg_status sg__step_build_segments(sg_engine *e);
 
 /* sg_trace.c. Records are created on the caller's thread only: a comm job gets its record
  * index when it is submitted and marks its start and end from the comm queue. */
-/* A new event (issued now, step = e->step); -1 when not recording or full. */
+/* A new event (issued now, step = e->step); -1 when not recording or full. label NULL: the
+ * engine's own name for the event (the parameter's name, "reduce-scatter b3", "step", ...). */
 int64_t sg__trace_new(sg_engine *e, int kind, int id, const char *label);
 /* Start (which 0) or end (which 1) of record `rec` when queue q gets here; rec < 0: nothing. */
 void sg__trace_at(sg_engine *e, int64_t rec, int which, sg__queue q);

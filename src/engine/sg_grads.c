@@ -1,6 +1,5 @@
 /* Micro-batches: gradient slots, readiness, bucket launches in plan order, the reduction jobs
  * that run on the comm queue, and local accumulation for sg_set_sync(e, 0). */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -240,10 +239,7 @@ static sg_status unfold_local(sg_engine *e, int b, char *slot) {
 static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   sg__reduce_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  char label[48];
-  snprintf(label, sizeof label, "%s b%d",
-           e->cfg.strategy == SG_NO_SHARD ? "all-reduce" : "reduce-scatter", b);
-  *j = (sg__reduce_job){e, b, slot, sg__trace_new(e, SG_TRACE_REDUCE, b, label)};
+  *j = (sg__reduce_job){e, b, slot, sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
   uint64_t t = 0;
   sg_status st = e->dev->ops->comm_submit(e->dev, reduce_job_fn, j, &t);
   if (st != SG_OK) {
@@ -276,7 +272,7 @@ static sg_status launch_ready(sg_engine *e) {
 }
 
 static sg_status mark_ready(sg_engine *e, int id) {
-  sg__trace_instant(e, SG_TRACE_GRAD_READY, id, e->names[id]);
+  sg__trace_instant(e, SG_TRACE_GRAD_READY, id, NULL);
   e->ready[id] = 1;
   e->touched = 1;
   e->pending[e->plan->params[id].bucket]--;

@@ -138,7 +138,7 @@ static sg_status gather_params(sg_engine *e) {
   sg__gather_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
   j->e = e;
-  j->trace = sg__trace_new(e, SG_TRACE_GATHER, -1, "all-gather");
+  j->trace = sg__trace_new(e, SG_TRACE_GATHER, -1, NULL);
   uint64_t t = 0;
   sg_status st = e->dev->ops->comm_submit(e->dev, gather_job_fn, j, &t);
   if (st != SG_OK && t == 0) free(j);
@@ -183,7 +183,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   SG_TRY(sg__grads_flush(e, fn));
   SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
                                                      sg__engine_host_deadline(e))));
-  const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, "step");
+  const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, NULL);
   sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
   double ss[2] = {0, 0};
   SG_TRY(global_sumsq(e, ss));

@@ -55,6 +55,21 @@ static sg_status drain(sg_engine *e) {
 /* ---------------------------------------------------------------------------------------- */
 /* recording (engine internals)                                                             */
 
+/* The label of an engine event, made only when it is recorded (the reduction launch and
+ * sg_grad_ready are hot paths). */
+static void engine_label(const sg_engine *e, int kind, int id, char *out, size_t cap) {
+  switch (kind) {
+    case SG_TRACE_GRAD_READY: snprintf(out, cap, "%s", e->names[id]); break;
+    case SG_TRACE_REDUCE:
+      snprintf(out, cap, "%s b%d", e->cfg.strategy == SG_NO_SHARD ? "all-reduce" : "reduce-scatter",
+               id);
+      break;
+    case SG_TRACE_STEP: snprintf(out, cap, "step"); break;
+    case SG_TRACE_GATHER: snprintf(out, cap, "all-gather"); break;
+    default: snprintf(out, cap, "?");
+  }
+}
+
 int64_t sg__trace_new(sg_engine *e, int kind, int id, const char *label) {
   sg__trace *t = e->trace;
   if (!t || !t->active) return -1;
@@ -67,7 +82,10 @@ int64_t sg__trace_new(sg_engine *e, int kind, int id, const char *label) {
   r->kind = kind;
   r->id = id;
   r->step = e->step;
-  snprintf(r->label, sizeof r->label, "%s", label ? label : "");
+  if (label)
+    snprintf(r->label, sizeof r->label, "%s", label);
+  else
+    engine_label(e, kind, id, r->label, sizeof r->label);
   return (int64_t)t->n++;
 }
 
