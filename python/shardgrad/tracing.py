@@ -6,8 +6,8 @@
             ...
     print(sg.trace_overlap(e.trace_events()[0]))
 
-The definition is the one tests/test_trace.c prints (print_overlap) and the examples' --trace
-summary uses (examples/mlp/mlp_cli.h), for one rank's events in
+The definition is the one of the examples' --trace summary (examples/mlp/mlp_cli.h,
+mlp_trace_sum), for one rank's events in
 issue order (as Engine.trace_events returns them):
  - The micro-batch of a REDUCE event reaches back to the nearest MARK or STEP before it and
    forward to the nearest MARK or STEP after it (neither included); with none before it, back

@@ -359,7 +359,7 @@ def test_overlap_without_reductions():
 
 
 def _overlap_as_in_c(events):
-    """print_overlap of tests/test_trace.c, loop for loop (quadratic)."""
+    """mlp_trace_sum of examples/mlp/mlp_cli.h, loop for loop (quadratic)."""
     total = hidden = 0.0
     for i, x in enumerate(events):
         if x.kind != RED:
