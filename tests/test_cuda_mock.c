@@ -7,6 +7,8 @@
  *    the device; a communicator error seen by the poll hook breaks it too; detach on destroy;
  *  - kernels through the device (adamw with its cached segment table, sumsq, reduce_sum, cast,
  *    accumulate) against the CPU kernels;
+ *  - per-bucket AdamW tables: alternating sub-arrays of one segment array on both queues, bitwise
+ *    against the CPU, and no upload or host wait once each table is cached (mock call counts);
  *  - allocation failures, and no device memory left behind by destroy. */
 #include <math.h>
 #include <stdio.h>
@@ -162,6 +164,15 @@ static sg_status nothing_fn(void *arg) {
   return SG_OK;
 }
 
+/* Each queue ordered after the other's work so far (adamw calls on different queues are not
+ * ordered by the device: that is the caller's job). No host wait once hooks are attached. */
+static void queue_barrier(sg__device *d) {
+  nothing_job nj = {0};
+  uint64_t t = 0;
+  d->ops->comm_submit(d, nothing_fn, &nj, &t);
+  d->ops->compute_wait_comm(d, t, sg__deadline(5000));
+}
+
 static sg_status failing_fn(void *arg) {
   (void)arg;
   return sg__err(SG_ERR_COMM, "mock job: collective failed");
@@ -297,9 +308,9 @@ static void kernels(sg__device *d) {
     a.param = p_h, a.master = mst_h, a.m = m_h, a.v = v_h, a.grad = g_h;
     sg__cpu_adamw(&a);
     a.param = p, a.master = mst, a.m = m, a.v = v, a.grad = g;
-    /* Nothing forces the streams in between: step 3 re-uploads the table while steps 1 and 2
-     * (and step 1's upload) are still queued, and its kernel follows step 2's on the other
-     * queue through the table's event. */
+    /* Step 2's table is step 1's, used on the other queue; step 3 uploads another one. The
+     * barriers order the data (same buffers on both queues). */
+    if (step > 1) queue_barrier(d);
     ok &= o->adamw(d, step == 2 ? SG_Q_COMM : SG_Q_COMPUTE, &a) == SG_OK;
   }
   static uint16_t p_got[S];
@@ -343,6 +354,165 @@ static void kernels(sg__device *d) {
   for (int i = 0; i < 5; i++) o->free(d, bufs[i]);
 }
 
+/* ---- per-bucket AdamW tables ------------------------------------------------------------------
+ * The engine calls adamw once per bucket with sub-arrays of one segment array. Each distinct
+ * table is uploaded once; later calls neither upload nor wait on the host, on either queue. */
+
+typedef struct adam_bufs {
+  void *p, *mst, *m, *v, *g;         /* device */
+  uint16_t *hp;                      /* host reference (CPU kernels) */
+  float *hmst, *hm, *hv, *hg;
+} adam_bufs;
+
+enum { TS = 3000 };
+
+static void adam_bufs_init(sg__device *d, adam_bufs *b) {
+  const sg__device_ops *o = d->ops;
+  b->hp = calloc(TS, 2);
+  b->hmst = calloc(TS, 4), b->hm = calloc(TS, 4), b->hv = calloc(TS, 4), b->hg = calloc(TS, 4);
+  for (int i = 0; i < TS; i++) {
+    b->hmst[i] = rnd();
+    b->hp[i] = (uint16_t)(i * 13);
+    b->hm[i] = rnd() * 0.01f;
+    b->hv[i] = fabsf(rnd()) * 1e-4f;
+    b->hg[i] = rnd() * 0.1f;
+  }
+  o->alloc(d, TS * 2, &b->p);
+  o->alloc(d, TS * 4, &b->mst);
+  o->alloc(d, TS * 4, &b->m);
+  o->alloc(d, TS * 4, &b->v);
+  o->alloc(d, TS * 4, &b->g);
+  o->copy(d, SG_Q_COMPUTE, b->p, b->hp, TS * 2, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, b->mst, b->hmst, TS * 4, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, b->m, b->hm, TS * 4, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, b->v, b->hv, TS * 4, SG_COPY_H2D);
+  o->copy(d, SG_Q_COMPUTE, b->g, b->hg, TS * 4, SG_COPY_H2D);
+}
+
+/* Device state == host reference, bitwise; frees both. */
+static int adam_bufs_done(sg__device *d, adam_bufs *b) {
+  const sg__device_ops *o = d->ops;
+  uint16_t *gp = calloc(TS, 2);
+  float *gf = calloc(TS, 4);
+  int ok = o->copy(d, SG_Q_COMPUTE, gp, b->p, TS * 2, SG_COPY_D2H) == SG_OK &&
+           memcmp(gp, b->hp, TS * 2) == 0;
+  void *dev[3] = {b->mst, b->m, b->v};
+  float *host[3] = {b->hmst, b->hm, b->hv};
+  for (int k = 0; k < 3; k++)
+    ok &= o->copy(d, SG_Q_COMPUTE, gf, dev[k], TS * 4, SG_COPY_D2H) == SG_OK &&
+          memcmp(gf, host[k], TS * 4) == 0;
+  void *all[5] = {b->p, b->mst, b->m, b->v, b->g};
+  for (int k = 0; k < 5; k++) o->free(d, all[k]);
+  free(b->hp), free(b->hmst), free(b->hm), free(b->hv), free(b->hg), free(gp), free(gf);
+  return ok;
+}
+
+static void adam_args(sg__adamw_args *a, uint64_t step) {
+  memset(a, 0, sizeof *a);
+  a->param_dtype = SG_BF16;
+  a->grad_dtype = SG_F32;
+  a->grad_scale = 0.25f;
+  a->decay_factor = 0.999f;
+  a->beta1 = 0.9f, a->one_minus_beta1 = 0.1f;
+  a->beta2 = 0.999f, a->one_minus_beta2 = 0.001f;
+  a->bc2_sqrt = 0.05f;
+  a->eps = 1e-8f;
+  a->stochastic_rounding = 1;
+  a->seed = 11;
+  a->step = step;
+  a->step_size = 0.002f * (float)step;
+}
+
+/* One AdamW over segs[0..n) on queue q, on the device (buffers of b) and on the CPU. */
+static int adam_call(sg__device *d, sg__queue q, adam_bufs *b, const sg__seg *segs, int n,
+                     uint64_t step) {
+  sg__adamw_args a;
+  adam_args(&a, step);
+  a.segs = segs, a.nsegs = n;
+  a.param = b->hp, a.master = b->hmst, a.m = b->hm, a.v = b->hv, a.grad = b->hg;
+  sg__cpu_adamw(&a);
+  a.param = b->p, a.master = b->mst, a.m = b->m, a.v = b->v, a.grad = b->g;
+  return d->ops->adamw(d, q, &a) == SG_OK;
+}
+
+static const char *const g_counted[] = {"cudaMemcpyAsync", "cudaMallocAsync", "cudaMallocHost",
+                                        "cudaEventQuery", "cudaStreamQuery", "cudaStreamWaitEvent"};
+enum { NCOUNTED = 6 };
+
+static void counts_now(long long c[NCOUNTED]) {
+  for (int k = 0; k < NCOUNTED; k++) c[k] = sg_cudamock_calls(g_counted[k]);
+}
+
+static void bucket_tables(void) {
+  sg__device *d = NULL;
+  hook_state h = {0, 0, 0, SG_OK};
+  sg__device_cuda_create(0, 0, &d);
+  attach(d, &h); /* stream-ordered: barriers between steps wait on streams, not on the host */
+  /* One segment array of three buckets (odd offsets: the scalar paths too), and a twin of
+   * bucket 0 that differs from it only in sr_index (other stochastic rounding bits). */
+  const sg__seg segs[7] = {{0, 1, 100, 1, 0},           {100, 101, 37, 0, 1ull << 40},
+                           {137, 140, 400, 1, 2ull << 40}, {537, 541, 603, 1, 3ull << 40},
+                           {1140, 1144, 5, 0, 4ull << 40}, {1145, 1149, 800, 1, 5ull << 40},
+                           {1945, 1952, 1000, 0, 6ull << 40}};
+  const int first[3] = {0, 3, 5}, count[3] = {3, 2, 2};
+  sg__seg twin[3];
+  memcpy(twin, segs, sizeof twin);
+  for (int k = 0; k < 3; k++) twin[k].sr_index += 777;
+  adam_bufs A, B;
+  adam_bufs_init(d, &A);
+  adam_bufs_init(d, &B);
+  check(sg_cudamock_calls("cudaMemcpyAsync") >= 0 && sg_cudamock_calls("nope") == -1,
+        "mock call counters");
+
+  /* A table uploaded on one queue and used at once on the other (other buffers, no barrier):
+   * the other queue must wait for the upload. */
+  int ok = adam_call(d, SG_Q_COMM, &A, segs + 3, 2, 1);
+  ok &= adam_call(d, SG_Q_COMPUTE, &B, segs + 3, 2, 1);
+  queue_barrier(d);
+
+  /* Steps 2..7: bucket k on queue (k + step) % 2, bucket 0 replaced by its twin on even steps.
+   * Steps 2 and 3 upload; from step 4 on, nothing is uploaded and nothing waits on the host. */
+  long long busy[NCOUNTED] = {0}, steady_waits = 0;
+  for (uint64_t step = 2; step <= 7; step++) {
+    for (int k = 0; k < 3; k++) {
+      const sg__seg *s = k == 0 && step % 2 == 0 ? twin : segs + first[k];
+      long long c0[NCOUNTED], c1[NCOUNTED];
+      counts_now(c0);
+      ok &= adam_call(d, (sg__queue)((k + step) % 2), &A, s, count[k], step);
+      counts_now(c1);
+      if (step >= 4)
+        for (int j = 0; j < NCOUNTED - 1; j++) busy[j] += c1[j] - c0[j];
+      if (step >= 6) steady_waits += c1[NCOUNTED - 1] - c0[NCOUNTED - 1];
+    }
+    queue_barrier(d);
+  }
+  check(ok, "per-bucket adamw calls succeed");
+  check(busy[0] == 0 && busy[1] == 0 && busy[2] == 0,
+        "steady state: no table upload, no device or pinned allocation");
+  check(busy[3] == 0 && busy[4] == 0, "steady state: no host wait (no event or stream query)");
+  check(steady_waits == 0, "steady state: no stream waits once each queue has seen a table");
+  check(adam_bufs_done(d, &B), "table used on the other queue right after its upload == CPU");
+  check(adam_bufs_done(d, &A),
+        "buckets alternating on both queues, sr_index-only twin (7 steps) == CPU bitwise");
+
+  /* More distinct tables than the cache keeps (4096): it is dropped after a host wait, and the
+   * results stay right. */
+  adam_bufs C;
+  adam_bufs_init(d, &C);
+  long long q0 = sg_cudamock_calls("cudaEventQuery");
+  ok = 1;
+  for (int k = 0; k < 4200 && ok; k++) {
+    sg__seg one = {(size_t)(k * 7) % TS, (size_t)(k * 7) % TS, 1 + (size_t)(k % 3), k % 2,
+                   (uint64_t)k};
+    if (one.shard_off + one.len > TS) one.shard_off = one.flat_off = 0;
+    ok &= adam_call(d, SG_Q_COMPUTE, &C, &one, 1, 1 + (uint64_t)(k % 5));
+  }
+  check(ok && sg_cudamock_calls("cudaEventQuery") > q0,
+        "4200 distinct tables: the cache is dropped (host wait) when full");
+  check(adam_bufs_done(d, &C), "4200 distinct tables == CPU bitwise");
+  d->ops->destroy(d);
+}
+
 int main(void) {
   sg__device *d = NULL;
   sg_cudamock_set_devices(0);
@@ -367,6 +537,10 @@ int main(void) {
   sg_cudamock_drain();
   check(sg_cudamock_live_allocations() == live0, "destroy leaves no device or pinned memory");
   timeouts();
+  const size_t live1 = sg_cudamock_live_allocations();
+  bucket_tables();
+  sg_cudamock_drain();
+  check(sg_cudamock_live_allocations() == live1, "per-bucket tables: destroy frees every table");
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
 }

@@ -38,6 +38,32 @@
 
 #define SG__CUDA_RING 1024 /* ticket events; power of two */
 #define SG__CUDA_FAIL_CAP 512
+/* Segment table cache bounds: past either one, every cached table is dropped (after a host wait
+ * for their last users) before the next upload. Far above what an engine needs: one table per
+ * bucket, a few dozen bytes per segment. */
+#define SG__CUDA_TAB_MAX 4096
+#define SG__CUDA_TAB_MAX_BYTES ((size_t)64 << 20)
+#define SG__CUDA_STAGE_CHUNK ((size_t)64 << 10)
+
+/* One cached AdamW segment table, keyed by the segments' content. */
+typedef struct sg__cuda_segtab {
+  uint64_t hash;
+  int nsegs;
+  sg__seg *segs;          /* host copy of the key */
+  void *dev;              /* device table (cudaMallocAsync on the upload stream) */
+  size_t bytes;
+  uint64_t work;          /* groups of 4 over all segments */
+  cudaEvent_t ready;      /* recorded after the upload */
+  cudaStream_t synced[2]; /* streams known to run after the upload: no wait needed there */
+} sg__cuda_segtab;
+
+/* Pinned staging for table uploads: chunks handed out front to back, never reused while the
+ * cache lives (an upload may still read its slice), all freed together. */
+typedef struct sg__cuda_stage {
+  struct sg__cuda_stage *next;
+  char *base;
+  size_t cap, used;
+} sg__cuda_stage;
 
 typedef struct sg__cuda_dev {
   sg__device base;
@@ -55,14 +81,14 @@ typedef struct sg__cuda_dev {
   sg__cuda_comm_hooks hooks;
   int have_hooks; /* a stream-ordered communicator (NCCL) is attached */
   int in_job;     /* inside comm_submit's call of the job */
-  /* AdamW segment table: device copy, pinned staging, last segments uploaded */
-  void *seg_dev;
-  void *seg_host;
-  size_t seg_cap;
-  cudaEvent_t seg_ev; /* after the last upload or kernel that used the table */
-  sg__seg *seg_last;
-  int seg_last_n;
-  uint64_t seg_work;
+  /* AdamW segment tables (see "segment tables" below) */
+  struct sg__cuda_segtab *tabs;
+  int ntabs, tabs_cap;
+  int tab_next;            /* where the next lookup looks first (the entry after the last hit) */
+  size_t tab_bytes;        /* device bytes of all cached tables */
+  struct sg__cuda_stage *stage; /* pinned staging chunks of the uploads, newest first */
+  cudaEvent_t use_ev[2];   /* per queue: after its last upload or AdamW kernel */
+  uint64_t tab_uploads;    /* tables uploaded so far (log line on eviction) */
   /* sumsq: device scratch (stream-ordered allocation) and a pinned result pair */
   void *red_dev;
   size_t red_cap;
@@ -349,54 +375,175 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
   return SG_OK;
 }
 
+/* ---- segment tables ------------------------------------------------------------------------
+ *
+ * The engine calls adamw once per bucket, each time with a sub-array of one stable segment
+ * array, so that the all-gather of a bucket overlaps the AdamW of the next one. Each distinct
+ * table is uploaded once (pinned staging, an asynchronous copy on the calling stream) and kept,
+ * so a steady state of per-bucket calls neither uploads nor waits on the host. A table used on
+ * another stream than the one it was uploaded on makes that stream wait for its upload once.
+ * use_ev[q] marks the last upload or kernel on queue q: eviction (past SG__CUDA_TAB_MAX tables
+ * or SG__CUDA_TAB_MAX_BYTES) waits for both on the host, destroy makes the comm stream wait for
+ * both before the stream-ordered frees. */
+
+/* Key hash over every field (sr_index included: it changes the stochastic rounding bits). */
+static uint64_t sg__cuda_mix(uint64_t h, uint64_t x) {
+  h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h * 0xff51afd7ed558ccdull;
+}
+
+static uint64_t sg__cuda_segs_hash(const sg__seg *segs, int n) {
+  uint64_t h = (uint64_t)n;
+  for (int i = 0; i < n; i++) {
+    h = sg__cuda_mix(h, segs[i].shard_off);
+    h = sg__cuda_mix(h, segs[i].flat_off);
+    h = sg__cuda_mix(h, segs[i].len);
+    h = sg__cuda_mix(h, (uint64_t)segs[i].decay);
+    h = sg__cuda_mix(h, segs[i].sr_index);
+  }
+  return h;
+}
+
 /* Field by field: sg__seg has padding that memcmp would read. */
 static int sg__cuda_segs_equal(const sg__seg *a, const sg__seg *b, int n) {
   for (int i = 0; i < n; i++)
     if (a[i].shard_off != b[i].shard_off || a[i].flat_off != b[i].flat_off ||
-        a[i].len != b[i].len || a[i].decay != b[i].decay)
+        a[i].len != b[i].len || a[i].decay != b[i].decay || a[i].sr_index != b[i].sr_index)
       return 0;
   return 1;
 }
 
-/* Room for a table of `bytes`: device memory in stream order on s, pinned staging. Called
- * only when no upload or kernel still uses the old ones. */
-static sg_status sg__cuda_seg_reserve(sg__cuda_dev *d, cudaStream_t s, size_t bytes,
-                                      const char *fn) {
-  if (bytes <= d->seg_cap) return SG_OK;
-  if (d->seg_dev) SG__CU(cudaFreeAsync(d->seg_dev, s), fn);
-  if (d->seg_host) SG__CU(cudaFreeHost(d->seg_host), fn);
-  d->seg_dev = d->seg_host = NULL;
-  d->seg_cap = 0;
-  SG__CU(cudaMallocAsync(&d->seg_dev, bytes, s), fn);
-  SG__CU(cudaMallocHost(&d->seg_host, bytes), fn);
-  d->seg_cap = bytes;
+static int sg__cuda_tab_matches(const sg__cuda_segtab *t, uint64_t h, const sg__seg *segs, int n) {
+  return t->hash == h && t->nsegs == n && sg__cuda_segs_equal(t->segs, segs, n);
+}
+
+/* The cached table of segs, or -1. Calls come bucket after bucket in a fixed order: the entry
+ * after the last hit is tried first, then all of them. */
+static int sg__cuda_tab_find(const sg__cuda_dev *d, uint64_t h, const sg__seg *segs, int n) {
+  if (d->tab_next < d->ntabs && sg__cuda_tab_matches(&d->tabs[d->tab_next], h, segs, n))
+    return d->tab_next;
+  for (int i = 0; i < d->ntabs; i++)
+    if (sg__cuda_tab_matches(&d->tabs[i], h, segs, n)) return i;
+  return -1;
+}
+
+/* Frees every table and staging chunk. Device tables go in stream order on s: the caller made s
+ * wait for their last users (or waited on the host). */
+static void sg__cuda_tabs_release(sg__cuda_dev *d, cudaStream_t s) {
+  for (int i = 0; i < d->ntabs; i++) {
+    sg__cuda_segtab *t = &d->tabs[i];
+    if (t->dev && s) (void)cudaFreeAsync(t->dev, s);
+    if (t->ready) (void)cudaEventDestroy(t->ready);
+    free(t->segs);
+  }
+  d->ntabs = 0;
+  d->tab_next = 0;
+  d->tab_bytes = 0;
+  /* cudaFreeHost waits for the device: a staging slice whose upload is still queued is safe. */
+  while (d->stage) {
+    sg__cuda_stage *c = d->stage;
+    d->stage = c->next;
+    if (c->base) (void)cudaFreeHost(c->base);
+    free(c);
+  }
+}
+
+/* Drops the whole cache when one more table of `bytes` would pass a bound. Rare: a host wait
+ * for every upload and kernel that may still read a table. */
+static sg_status sg__cuda_tabs_make_room(sg__cuda_dev *d, cudaStream_t s, size_t bytes,
+                                         const char *fn) {
+  if (d->ntabs < SG__CUDA_TAB_MAX && d->tab_bytes + bytes <= SG__CUDA_TAB_MAX_BYTES) return SG_OK;
+  SG_LOG(SG_LOG_INFO, d->base.rank,
+         "cuda device %d: dropping %d cached AdamW tables (%zu bytes, %llu uploads so far)",
+         d->ordinal, d->ntabs, d->tab_bytes, (unsigned long long)d->tab_uploads);
+  for (int q = 0; q < 2; q++) SG_TRY(sg__cuda_wait(d, d->use_ev[q], NULL, INT64_MAX, fn));
+  sg__cuda_tabs_release(d, s);
   return SG_OK;
 }
 
-/* Uploads the segment table when it differs from the last one (the plan is immutable, so this
- * happens once per engine in practice). Waits for the previous users of the staging and device
- * tables first: cheap, since it is rare. */
-static sg_status sg__cuda_seg_upload(sg__cuda_dev *d, cudaStream_t s, const sg__seg *segs,
-                                     int nsegs, const char *fn) {
-  if (d->seg_last && d->seg_last_n == nsegs && sg__cuda_segs_equal(d->seg_last, segs, nsegs))
-    return SG_OK;
-  SG_TRY(sg__cuda_wait(d, d->seg_ev, NULL, INT64_MAX, fn));
-  free(d->seg_last);
-  d->seg_last = NULL;
-  d->seg_last_n = 0;
-  size_t bytes = sg__cuda_adamw_table_bytes(nsegs);
-  SG_TRY(sg__cuda_seg_reserve(d, s, bytes, fn));
-  sg__seg *copy = (sg__seg *)malloc((size_t)nsegs * sizeof *copy);
-  if (!copy) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: segment cache (%d segments)", fn, nsegs);
-  sg__cuda_adamw_table_build(d->seg_host, segs, nsegs, &d->seg_work);
-  cudaError_t e = cudaMemcpyAsync(d->seg_dev, d->seg_host, bytes, cudaMemcpyHostToDevice, s);
-  if (e != cudaSuccess) {
-    free(copy);
-    return sg__cuda_err(e, fn, "cudaMemcpyAsync(segments)", __FILE__, __LINE__);
+/* A pinned slice of `bytes` (16-byte aligned) for an upload. */
+static sg_status sg__cuda_stage_take(sg__cuda_dev *d, size_t bytes, void **out, const char *fn) {
+  bytes = (bytes + 15u) & ~(size_t)15u;
+  sg__cuda_stage *c = d->stage;
+  if (!c || c->cap - c->used < bytes) {
+    c = (sg__cuda_stage *)calloc(1, sizeof *c);
+    if (!c) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: staging chunk", fn);
+    c->cap = bytes > SG__CUDA_STAGE_CHUNK ? bytes : SG__CUDA_STAGE_CHUNK;
+    cudaError_t e = cudaMallocHost((void **)&c->base, c->cap);
+    if (e != cudaSuccess) {
+      free(c);
+      return sg__cuda_err(e, fn, "cudaMallocHost(segment staging)", __FILE__, __LINE__);
+    }
+    c->next = d->stage;
+    d->stage = c;
   }
-  memcpy(copy, segs, (size_t)nsegs * sizeof *copy);
-  d->seg_last = copy;
-  d->seg_last_n = nsegs;
+  *out = c->base + c->used;
+  c->used += bytes;
+  return SG_OK;
+}
+
+/* Uploads entry t's table on s through a pinned slice. */
+static sg_status sg__cuda_tab_upload(sg__cuda_dev *d, cudaStream_t s, sg__cuda_segtab *t,
+                                     const char *fn) {
+  void *stage = NULL;
+  SG_TRY(sg__cuda_stage_take(d, t->bytes, &stage, fn));
+  SG__CU(cudaEventCreateWithFlags(&t->ready, cudaEventDisableTiming), fn);
+  SG__CU(cudaMallocAsync(&t->dev, t->bytes, s), fn);
+  sg__cuda_adamw_table_build(stage, t->segs, t->nsegs, &t->work);
+  SG__CU(cudaMemcpyAsync(t->dev, stage, t->bytes, cudaMemcpyHostToDevice, s), fn);
+  SG__CU(cudaEventRecord(t->ready, s), fn);
+  t->synced[0] = s;
+  return SG_OK;
+}
+
+/* A new cache entry for segs, uploaded on s; its index in *idx. A failed upload leaves no
+ * entry behind (a half-built one would be found again and skip the update). */
+static sg_status sg__cuda_tab_add(sg__cuda_dev *d, cudaStream_t s, uint64_t h, const sg__seg *segs,
+                                  int n, int *idx, const char *fn) {
+  const size_t bytes = sg__cuda_adamw_table_bytes(n);
+  SG_TRY(sg__cuda_tabs_make_room(d, s, bytes, fn));
+  if (d->ntabs == d->tabs_cap) {
+    int cap = d->tabs_cap ? 2 * d->tabs_cap : 16;
+    sg__cuda_segtab *grown = (sg__cuda_segtab *)realloc(d->tabs, (size_t)cap * sizeof *grown);
+    if (!grown) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: segment table cache (%d)", fn, cap);
+    d->tabs = grown;
+    d->tabs_cap = cap;
+  }
+  sg__cuda_segtab *t = &d->tabs[d->ntabs];
+  memset(t, 0, sizeof *t);
+  t->segs = (sg__seg *)malloc((size_t)n * sizeof *segs);
+  if (!t->segs) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: segment cache (%d segments)", fn, n);
+  memcpy(t->segs, segs, (size_t)n * sizeof *segs);
+  t->hash = h;
+  t->nsegs = n;
+  t->bytes = bytes;
+  sg_status st = sg__cuda_tab_upload(d, s, t, fn);
+  if (st != SG_OK) {
+    if (t->dev) (void)cudaFreeAsync(t->dev, s);
+    if (t->ready) (void)cudaEventDestroy(t->ready);
+    free(t->segs);
+    memset(t, 0, sizeof *t);
+    return st;
+  }
+  d->tab_bytes += bytes;
+  d->tab_uploads++;
+  *idx = d->ntabs++;
+  return SG_OK;
+}
+
+/* The device table for segs, usable on s (uploaded now, or s made to wait for its upload). */
+static sg_status sg__cuda_tab_get(sg__cuda_dev *d, cudaStream_t s, const sg__seg *segs, int n,
+                                  sg__cuda_segtab **out, const char *fn) {
+  const uint64_t h = sg__cuda_segs_hash(segs, n);
+  int i = sg__cuda_tab_find(d, h, segs, n);
+  if (i < 0) SG_TRY(sg__cuda_tab_add(d, s, h, segs, n, &i, fn));
+  sg__cuda_segtab *t = &d->tabs[i];
+  if (t->synced[0] != s && t->synced[1] != s) {
+    SG__CU(cudaStreamWaitEvent(s, t->ready, 0), fn);
+    t->synced[1] = s; /* one slot for the other queue (or the caller's latest stream) */
+  }
+  d->tab_next = i + 1 < d->ntabs ? i + 1 : 0;
+  *out = t;
   return SG_OK;
 }
 
@@ -425,12 +572,15 @@ static sg_status sg__cudev_adamw(sg__device *dev, sg__queue q, const sg__adamw_a
   if (a->nsegs == 0) return SG_OK;
   SG_TRY(sg__cuda_enter(d, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
-  /* The table may have been uploaded, or last read, on the other queue. */
-  SG__CU(cudaStreamWaitEvent(s, d->seg_ev, 0), fn);
-  SG_TRY(sg__cuda_seg_upload(d, s, a->segs, a->nsegs, fn));
-  if (d->seg_work > 0)
-    SG__CU_LAUNCH(sg__cuda_adamw(sg__cuda_launch_on(d, q), a, d->seg_dev, d->seg_work), fn);
-  SG__CU(cudaEventRecord(d->seg_ev, s), fn);
+  sg__cuda_segtab *t = NULL;
+  sg_status st = sg__cuda_tab_get(d, s, a->segs, a->nsegs, &t, fn);
+  if (st == SG_OK && t->work > 0) {
+    int rc = sg__cuda_adamw(sg__cuda_launch_on(d, q), a, t->dev, t->work);
+    if (rc != 0) st = sg__cuda_err((cudaError_t)rc, fn, "sg__cuda_adamw", __FILE__, __LINE__);
+  }
+  /* Even after a failure: an upload may have been queued, and eviction and destroy wait here. */
+  SG__CU(cudaEventRecord(d->use_ev[q], s), fn);
+  SG_TRY(st);
   return sg__cuda_after(d, q, fn);
 }
 
@@ -598,17 +748,18 @@ static void sg__cudev_destroy(sg__device *dev) {
   /* Stream-ordered frees on the comm stream after the table's last use. The caller's compute
    * stream is not touched: it may already be gone. The sumsq scratch has no pending use. */
   if (d->comm) {
-    if (d->seg_ev) (void)cudaStreamWaitEvent(d->comm, d->seg_ev, 0);
-    if (d->seg_dev) (void)cudaFreeAsync(d->seg_dev, d->comm);
+    for (int q = 0; q < 2; q++)
+      if (d->use_ev[q]) (void)cudaStreamWaitEvent(d->comm, d->use_ev[q], 0);
     if (d->red_dev) (void)cudaFreeAsync(d->red_dev, d->comm);
   }
-  if (d->seg_host) (void)cudaFreeHost(d->seg_host);
+  sg__cuda_tabs_release(d, d->comm);
+  free(d->tabs);
   if (d->red_host) (void)cudaFreeHost(d->red_host);
-  free(d->seg_last);
   for (int i = 0; i < SG__CUDA_RING; i++)
     if (d->ring[i]) (void)cudaEventDestroy(d->ring[i]);
   if (d->order_ev) (void)cudaEventDestroy(d->order_ev);
-  if (d->seg_ev) (void)cudaEventDestroy(d->seg_ev);
+  for (int q = 0; q < 2; q++)
+    if (d->use_ev[q]) (void)cudaEventDestroy(d->use_ev[q]);
   if (d->comm) (void)cudaStreamDestroy(d->comm);
   if (d->own_compute) (void)cudaStreamDestroy(d->own_compute);
   free(d);
@@ -665,7 +816,8 @@ static sg_status sg__cuda_init(sg__cuda_dev *d) {
   SG__CU(cudaStreamCreateWithFlags(&d->own_compute, cudaStreamNonBlocking), fn);
   d->compute = d->own_compute;
   SG__CU(cudaEventCreateWithFlags(&d->order_ev, cudaEventDisableTiming), fn);
-  SG__CU(cudaEventCreateWithFlags(&d->seg_ev, cudaEventDisableTiming), fn);
+  for (int q = 0; q < 2; q++)
+    SG__CU(cudaEventCreateWithFlags(&d->use_ev[q], cudaEventDisableTiming), fn);
   for (int i = 0; i < SG__CUDA_RING; i++)
     SG__CU(cudaEventCreateWithFlags(&d->ring[i], cudaEventDisableTiming), fn);
   SG__CU(cudaMallocHost((void **)&d->red_host, 2 * sizeof(double)), fn);

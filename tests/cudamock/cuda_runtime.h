@@ -110,6 +110,11 @@ size_t sg_cudamock_pending(cudaStream_t s);
 void sg_cudamock_drain(void);
 /* Allocations made with cudaMalloc / cudaMallocAsync / cudaMallocHost and not freed. */
 size_t sg_cudamock_live_allocations(void);
+/* Calls so far (all threads) of the runtime function `name`, one of: cudaMemcpyAsync,
+ * cudaMallocAsync, cudaMallocHost, cudaEventQuery, cudaStreamQuery (cudaStreamSynchronize
+ * included), cudaStreamWaitEvent, cudaEventRecord, cudaFree (cudaFreeHost included). -1 for
+ * another name. Tests count uploads and host waits with it. */
+long long sg_cudamock_calls(const char *name);
 
 #ifdef __cplusplus
 }

@@ -61,6 +61,15 @@ std::vector<std::unique_ptr<CUevent_st>> g_events;
 std::map<void *, size_t> g_allocs;
 std::map<void *, bool> g_is_host;  // cudaMallocHost
 
+// Call counters (sg_cudamock_calls).
+const char *const kCounted[] = {"cudaMemcpyAsync", "cudaMallocAsync",     "cudaMallocHost",
+                                "cudaEventQuery",  "cudaStreamQuery",     "cudaStreamWaitEvent",
+                                "cudaEventRecord", "cudaFree"};
+enum { kMemcpyAsync, kMallocAsync, kMallocHost, kEventQuery, kStreamQuery, kStreamWaitEvent,
+       kEventRecord, kFree, kNumCounted };
+long long g_calls[kNumCounted];
+void counted(int which) { g_calls[which]++; }  // under g_mu
+
 const size_t kTooLarge = (size_t)1 << 40;  // "more than the GPU has"
 
 cudaError_t fail(cudaError_t e) {
@@ -238,12 +247,14 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 
 cudaError_t cudaFree(void *p) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kFree);
   drain_all();  // cudaFree synchronizes the device
   return free_tracked(p);
 }
 
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kMallocHost);
   cudaError_t e = cudaMalloc(p, bytes);
   if (e == cudaSuccess) g_is_host[*p] = true;
   return e;
@@ -269,6 +280,7 @@ cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
 
 cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kMallocAsync);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   return cudaMalloc(p, bytes);
 }
@@ -284,6 +296,7 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
                             cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kMemcpyAsync);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if ((!dst || !src) && bytes) return fail(cudaErrorInvalidValue);
   (void)kind;
@@ -331,6 +344,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 
 cudaError_t cudaStreamQuery(cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kStreamQuery);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   return advance(s, s->enq) ? cudaSuccess : cudaErrorNotReady;
 }
@@ -339,6 +353,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaStreamQuery(s); }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kStreamWaitEvent);
   if (!valid_stream(s) || !valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
   (void)flags;
   if (!e->s) return cudaSuccess;  // never recorded: nothing to wait for
@@ -367,6 +382,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kEventRecord);
   if (!valid_event(e) || !valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   const uint64_t gen = ++e->gen;
   if (e->timing)  // the stamp is taken when the stream gets there, like the GPU's
@@ -396,6 +412,7 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t from, cudaEvent_t to) {
 
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kEventQuery);
   if (!valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
   if (!e->s) return cudaSuccess;
   return advance(e->s, e->pos) ? cudaSuccess : cudaErrorNotReady;
@@ -424,6 +441,13 @@ void sg_cudamock_drain(void) {
 size_t sg_cudamock_live_allocations(void) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   return g_allocs.size();
+}
+
+long long sg_cudamock_calls(const char *name) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  for (int i = 0; name && i < kNumCounted; i++)
+    if (strcmp(name, kCounted[i]) == 0) return g_calls[i];
+  return -1;
 }
 
 }  // extern "C"
