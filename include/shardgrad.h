@@ -137,6 +137,11 @@ typedef struct sg_config {
   int stochastic_rounding;/* 0: bf16 working params rounded to nearest even; 1: stochastic */
   uint64_t seed;          /* 0: seed for stochastic rounding */
   int timeout_ms;         /* 600000: deadline of every blocking wait; <= 0: wait forever */
+  /* --- appended in 0.2 --- */
+  int overlap_param_gather; /* 0: sg_step returns with every working parameter gathered.
+                               1: sg_step returns once the all-gathers are queued, last bucket
+                               (the first registered parameters) first, so they overlap the next
+                               forward pass; call sg_param_wait before reading a parameter. */
 } sg_config;
 
 /* Fills the defaults above. struct_size must be at least the first published size and at most
@@ -167,6 +172,18 @@ SG_API sg_status sg_finalize(sg_engine *e);
 /* Working parameter `id`, full replica, param_dtype, on the engine's device. Valid until the
  * engine is destroyed; updated in place by sg_step. */
 SG_API sg_status sg_param_ptr(sg_engine *e, int id, void **ptr);
+
+/* With overlap_param_gather = 1: orders the caller's work after the all-gather, started by the
+ * last sg_step, of the bucket holding parameter `id` (CUDA: the caller's stream waits, the host
+ * does not; CPU: the host waits). Call it before the forward pass first reads the parameter,
+ * e.g. in a forward pre-hook; id -1 waits for every bucket. Buckets are gathered in the order a
+ * forward pass in registration order needs them, so waiting for the parameters in that order
+ * stalls only where the communication is behind. Returns at once when nothing is pending (and
+ * always when overlap_param_gather = 0). Reading a parameter before waiting reads a mix of old
+ * and new values. Calls that touch parameters themselves (sg_step, sg_set_param, sg_get_param,
+ * sg_save, ...) wait for every pending gather first. A failed gather is reported here, or by
+ * the next call that waits (SG_ERR_COMM / SG_ERR_TIMEOUT; the engine is then broken). */
+SG_API sg_status sg_param_wait(sg_engine *e, int id);
 
 /* Sets parameter `id` (working copy and this rank's master fragments) from host memory in
  * src_dtype. Call with the same values on every rank, or use sg_broadcast_params. */
@@ -346,8 +363,12 @@ typedef enum {
   SG_TRACE_REDUCE = 1,     /* span: one bucket's reduce-scatter (all-reduce under NO_SHARD)
                               and its accumulation; id = bucket index in reduction order */
   SG_TRACE_STEP = 2,       /* span: the step's gradient norm and AdamW on this rank's shard */
-  SG_TRACE_GATHER = 3,     /* span: the step's all-gather of the working parameters */
-  SG_TRACE_MARK = 4        /* instant: sg_trace_mark; label = its label */
+  SG_TRACE_GATHER = 3,     /* span: the all-gather of one bucket's working parameters after the
+                              step; id = bucket index */
+  SG_TRACE_MARK = 4,       /* instant: sg_trace_mark; label = its label */
+  SG_TRACE_WAIT = 5        /* span: the caller's queue waited for all-gathers (sg_param_wait,
+                              or the end of sg_step without overlap_param_gather); id = the
+                              last bucket waited for. Its length is gather time not hidden. */
 } sg_trace_kind;
 
 typedef struct sg_trace_event {

@@ -48,11 +48,14 @@ typedef struct {
   float clip;
   int steps;
   int sr;          /* stochastic rounding of bf16 params (the bits must not depend on W) */
+  int overlap;     /* overlap_param_gather: the next forward pass reads each parameter right
+                      after sg_param_wait, while later buckets are still being gathered */
 } tcase;
 
 typedef struct {
   float *param[NP], *master[NP], *m[NP], *v[NP];
   float norm[8];
+  uint64_t fwd_hash[8]; /* overlap: the parameters the forward pass of each step read */
   int ok;
 } result;
 
@@ -115,6 +118,7 @@ static sg_status setup(const tcase *tc, int average, int cuda, sg_comm *comm, sg
   cfg.max_grad_norm = tc->clip;
   cfg.grad_average = average;
   cfg.stochastic_rounding = tc->sr;
+  cfg.overlap_param_gather = tc->overlap;
   cfg.seed = 1234;
   cfg.lr = 0.01f;
   cfg.timeout_ms = 60000;
@@ -170,10 +174,30 @@ static void order_for(const tcase *tc, int step, int k, int rank, int *order) {
   }
 }
 
+/* A forward pass in registration order: each parameter is read (copied to the host on the
+ * caller's queue) right after sg_param_wait. Hashes the bytes read. */
+static sg_status forward_read(run_arg *a, sg_engine *e, const int *ids, uint64_t *hash) {
+  const size_t psz = a->tc->pdt == SG_F32 ? 4 : 2;
+  unsigned char *h = malloc(k_sizes[NP - 1] * 4);
+  sg_status st = h ? SG_OK : SG_ERR_OUT_OF_MEMORY;
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (int p = 0; p < NP && !st; p++) {
+    void *dev = NULL;
+    st = sg_param_wait(e, ids[p]);
+    if (!st) st = sg_param_ptr(e, ids[p], &dev);
+    if (!st) st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, h, dev, k_sizes[p] * psz, SG_COPY_D2H);
+    for (size_t i = 0; !st && i < k_sizes[p] * psz; i++) x = mix(x ^ h[i]);
+  }
+  free(h);
+  *hash = x;
+  return st;
+}
+
 static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
   const tcase *tc = a->tc;
   sg_status st = SG_OK;
   for (int step = 0; step < tc->steps && !st; step++) {
+    if (tc->overlap && step > 0) st = forward_read(a, e, ids, &a->res->fwd_hash[step]);
     for (int k = 0; k < tc->mb && !st; k++) {
       if (tc->nosync && (st = sg_set_sync(e, k == tc->mb - 1))) break;
       int order[NP];
@@ -296,6 +320,10 @@ static void compare_result(const tcase *tc, int w, int rank, const result *got, 
   compare("master", tc, w, rank, got->master, ref->master, 1, exact, tol);
   compare("m", tc, w, rank, got->m, ref->m, 0, exact, tol);
   compare("v", tc, w, rank, got->v, ref->v, 0, exact, tol);
+  for (int s = 1; tc->overlap && exact && s < tc->steps; s++)
+    CHECK(got->fwd_hash[s] == ref->fwd_hash[s], "%s W=%d rank %d: the forward pass of step %d "
+          "read other parameters than the reference (sg_param_wait)", sname(tc->strategy), w,
+          rank, s);
   for (int s = 0; s < tc->steps; s++) {
     const double d = fabs((double)got->norm[s] - (double)ref->norm[s]) / ((double)ref->norm[s] + 1e-12);
     CHECK(exact ? got->norm[s] == ref->norm[s] : d < 1e-5, "%s W=%d grad_norm step %d: %.9g vs %.9g",
@@ -673,29 +701,34 @@ static int make_cases(tcase *out, int quick) {
       for (int mb = 1; mb <= 3; mb += 2)
         for (int ns = 0; ns <= (mb > 1); ns++) {
           if (quick && (d == 2 || (ns && d != 0))) continue;
-          out[n++] = (tcase){strategies[s], dts[d], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3, 0};
+          out[n++] = (tcase){strategies[s], dts[d], dts[d], dts[d], SG_F32, mb, ns, 0, 0, 0.0f, 3, 0, 0};
         }
   /* clipping, bf16 accumulator, shuffled order with one staging bucket, random gradients,
    * stochastic rounding */
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3, 0};
-  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_F32, 2, 0, 0, 0, 0.0f, 3, 1};
-  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_F32, SG_F32, SG_F32, 1, 0, 0, 1, 0.0f, 2, 1};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 2, 0, 0, 0, 0.05f, 3, 0, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_BF16, 1, 0, 0, 0, 0.0f, 3, 0, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_F32, SG_F32, SG_F32, 3, 0, 0, 1, 0.0f, 2, 0, 0};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0.0f, 2, 0, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 2, 0, 1, 0, 1.0f, 3, 0, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_BF16, SG_F32, 1, 0, 1, 0, 0.0f, 3, 0, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_F32, 2, 0, 0, 0, 0.0f, 3, 1, 0};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_F32, SG_F32, SG_F32, 1, 0, 0, 1, 0.0f, 2, 1, 0};
   /* reduce_dtype != grad_dtype: fp32 reductions of bf16/f16 gradients, bf16 reductions of fp32
    * gradients (the quick matrix keeps one of each direction) */
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, SG_F32, 2, 0, 0, 0, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_NO_SHARD, SG_F32, SG_F32, SG_BF16, SG_F32, 3, 1, 0, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, SG_F32, 2, 0, 0, 0, 0.0f, 2, 0, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_F32, SG_F32, SG_BF16, SG_F32, 3, 1, 0, 0, 0.0f, 2, 0, 0};
+  /* overlap_param_gather: the forward pass reads what it waited for */
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, SG_F32, 2, 0, 0, 0, 0.05f, 3, 1, 1};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, SG_F32, 1, 0, 0, 0, 0.0f, 3, 0, 1};
   if (quick) return n;
-  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, SG_F32, 1, 0, 0, 0, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_BF16, SG_F32, 3, 0, 0, 0, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_NO_SHARD, SG_F16, SG_F16, SG_F32, SG_F32, 2, 0, 0, 0, 0.0f, 2, 0};
-  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F16, SG_F16, SG_F32, SG_BF16, 3, 1, 0, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, SG_F32, 3, 1, 1, 0, 0.0f, 3, 0, 1};
+  out[n++] = (tcase){SG_NO_SHARD, SG_F16, SG_F16, SG_F16, SG_F32, 1, 0, 0, 0, 0.0f, 2, 0, 1};
+  out[n++] = (tcase){SG_NO_SHARD, SG_BF16, SG_BF16, SG_F32, SG_F32, 1, 0, 0, 0, 0.0f, 2, 0, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_BF16, SG_F32, 3, 0, 0, 0, 0.0f, 2, 0, 0};
+  out[n++] = (tcase){SG_NO_SHARD, SG_F16, SG_F16, SG_F32, SG_F32, 2, 0, 0, 0, 0.0f, 2, 0, 0};
+  out[n++] = (tcase){SG_SHARD_GRAD_OP, SG_F16, SG_F16, SG_F32, SG_BF16, 3, 1, 0, 0, 0.0f, 2, 0, 0};
   /* random bf16 gradients summed in fp32: the tolerance of compare_result */
-  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_BF16, SG_F32, SG_F32, 2, 0, 1, 0, 0.0f, 2, 0};
+  out[n++] = (tcase){SG_SHARD_OPT, SG_BF16, SG_BF16, SG_F32, SG_F32, 2, 0, 1, 0, 0.0f, 2, 0, 0};
   return n;
 }
 

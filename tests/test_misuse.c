@@ -145,6 +145,7 @@ MUT(m_clip_nan, c->max_grad_norm = NAN)
 MUT(m_avg_2, c->grad_average = 2)
 MUT(m_skip_2, c->skip_nonfinite = 2)
 MUT(m_sr_neg, c->stochastic_rounding = -1)
+MUT(m_overlap_2, c->overlap_param_gather = 2)
 MUT(m_scale_neg, c->loss_scale = -1.0f)
 MUT(m_init_scale_0, c->init_loss_scale = 0.0f)
 MUT(m_min_scale_0, c->min_loss_scale = 0.0f)
@@ -227,6 +228,7 @@ static void part_global(void) {
       {m_avg_2, SG_ERR_INVALID_ARGUMENT, "grad_average", "grad_average 2"},
       {m_skip_2, SG_ERR_INVALID_ARGUMENT, "skip_nonfinite", "skip_nonfinite 2"},
       {m_sr_neg, SG_ERR_INVALID_ARGUMENT, "stochastic_rounding", "stochastic_rounding -1"},
+      {m_overlap_2, SG_ERR_INVALID_ARGUMENT, "overlap_param_gather", "overlap_param_gather 2"},
       {m_scale_neg, SG_ERR_INVALID_ARGUMENT, "loss_scale", "loss_scale -1"},
       {m_init_scale_0, SG_ERR_INVALID_ARGUMENT, "init_loss_scale", "init_loss_scale 0"},
       {m_min_scale_0, SG_ERR_INVALID_ARGUMENT, "min_loss_scale", "min_loss_scale 0"},
@@ -376,6 +378,8 @@ static void misuse_before_finalize(rank_ctx *x) {
   info.struct_size = sizeof info;
   const sg_status S = SG_ERR_INVALID_STATE;
   EXPECT(S, "sg_param_ptr", sg_param_ptr(e, 0, &p));
+  EXPECT(S, "sg_param_wait", sg_param_wait(e, 0));
+  EXPECT(S, "sg_param_wait", sg_param_wait(e, -1));
   EXPECT(S, "sg_set_param", sg_set_param(e, 0, buf, SG_F32));
   EXPECT(S, "sg_get_param", sg_get_param(e, 0, buf, SG_F32));
   EXPECT(S, "sg_get_master", sg_get_master(e, 0, buf));
@@ -447,6 +451,7 @@ static void misuse_bad_ids(rank_ctx *x) {
   for (size_t k = 0; k < sizeof k_bad_ids / sizeof k_bad_ids[0]; k++) {
     const int id = k_bad_ids[k];
     EXPECT(A, "sg_param_ptr", sg_param_ptr(e, id, &p));
+    if (id != -1) EXPECT(A, "sg_param_wait", sg_param_wait(e, id)); /* -1: every bucket */
     EXPECT(A, "sg_set_param", sg_set_param(e, id, buf, SG_F32));
     EXPECT(A, "sg_get_param", sg_get_param(e, id, buf, SG_F32));
     EXPECT(A, "sg_get_master", sg_get_master(e, id, buf));
@@ -478,6 +483,8 @@ static void misuse_null(rank_ctx *x) {
   EXPECT(A, "sg_finalize", sg_finalize(NULL));
   EXPECT(A, "sg_add_param", sg_add_param(NULL, "y", 1, 0, &id));
   EXPECT(A, "sg_param_ptr", sg_param_ptr(NULL, 0, &p));
+  EXPECT(A, "sg_param_wait", sg_param_wait(NULL, 0));
+  EXPECT(A, "sg_param_wait", sg_param_wait(NULL, -1));
   EXPECT(A, "sg_set_param", sg_set_param(NULL, 0, buf, SG_F32));
   EXPECT(A, "sg_get_param", sg_get_param(NULL, 0, buf, SG_F32));
   EXPECT(A, "sg_broadcast_params", sg_broadcast_params(NULL, 0));

@@ -1,11 +1,15 @@
 /* Tracing (sg_trace_*): what the events say must follow from how the engine orders its work,
  * whatever the timing:
  *  - counts: one GRAD_READY per parameter and micro-batch, one REDUCE per bucket and synced
- *    micro-batch with bucket ids 0..nb-1 in order, one STEP per step, one GATHER per step when
- *    the parameters are sharded over W > 1 ranks, every sg_trace_mark;
+ *    micro-batch with bucket ids 0..nb-1 in order, one STEP per step, one GATHER per bucket and
+ *    step (ids nb-1..0) when the parameters are sharded over W > 1 ranks, one WAIT per step at
+ *    its end, or with overlap_param_gather one per bucket where the next forward pass calls
+ *    sg_param_wait, every sg_trace_mark;
  *  - causality: a bucket's REDUCE starts after the GRAD_READY that completed it (the reduction is
  *    launched by it), a STEP starts after every REDUCE of its step ended, a GATHER starts after
- *    its STEP ended; spans end after they start; the step field counts the steps before;
+ *    its STEP started and after the GATHER before it ended, the last one after the STEP ended, a
+ *    WAIT ends after the GATHER it waited for, and a mark made after sg_param_wait comes after
+ *    every GATHER before it; spans end after they start; the step field counts the steps before;
  *  - bounded: past max_events events are dropped and counted; cap < count copies cap;
  *  - the Chrome trace file holds every event and is well formed; SG_TRACE writes one per rank;
  *  - misuse returns the documented statuses.
@@ -36,7 +40,7 @@ static char g_dir[256];
 typedef struct {
   sg_comm *comm;
   sg_strategy strategy;
-  int mb, steps, nosync_first;
+  int mb, steps, nosync_first, overlap;
   double spin_us; /* simulated backward work before each gradient */
   sg_trace_event *ev;
   size_t nev;
@@ -56,7 +60,7 @@ static void spin(double us) {
   while (now_us() - t0 < us) x += 1.0;
 }
 
-static sg_status make_engine(sg_comm *comm, sg_strategy strategy, sg_engine **out) {
+static sg_status make_engine(sg_comm *comm, sg_strategy strategy, int overlap, sg_engine **out) {
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
   if (st) return st;
@@ -65,6 +69,7 @@ static sg_status make_engine(sg_comm *comm, sg_strategy strategy, sg_engine **ou
   cfg.cuda_device = 0;
   cfg.bucket_bytes = 256u * 1024u;
   cfg.timeout_ms = 60000;
+  cfg.overlap_param_gather = overlap;
   if ((st = sg_engine_create(comm, &cfg, out))) return st;
   for (int p = 0; p < NPARAM && !st; p++) {
     char name[32];
@@ -75,10 +80,22 @@ static sg_status make_engine(sg_comm *comm, sg_strategy strategy, sg_engine **ou
   return st ? st : sg_finalize(*out);
 }
 
+/* The next forward pass with overlap_param_gather: waits for each parameter in registration
+ * order, then a "forward" mark. */
+static sg_status forward_waits(sg_engine *e, const rank_arg *a) {
+  sg_status st = SG_OK;
+  for (int p = 0; p < NPARAM && !st; p++) {
+    st = sg_param_wait(e, p);
+    if (!st) spin(a->spin_us);
+  }
+  return st ? st : sg_trace_mark(e, "forward");
+}
+
 /* One step: micro-batches of gradients in backward order, each opened by a "backward" mark. */
 static sg_status train(sg_engine *e, const rank_arg *a) {
   sg_status st = SG_OK;
   for (int s = 0; s < a->steps && !st; s++) {
+    if (a->overlap && s > 0 && (st = forward_waits(e, a))) break;
     for (int k = 0; k < a->mb && !st; k++) {
       if (a->nosync_first && (st = sg_set_sync(e, k == a->mb - 1))) break;
       if ((st = sg_trace_mark(e, "backward"))) break;
@@ -97,7 +114,7 @@ static void *rank_main(void *p) {
   sg_engine *e = NULL;
   size_t n = 0;
   uint64_t dropped = 0;
-  sg_status st = make_engine(a->comm, a->strategy, &e);
+  sg_status st = make_engine(a->comm, a->strategy, a->overlap, &e);
   if (!st) st = sg_trace_start(e, MAXEV);
   if (!st) st = train(e, a);
   if (!st) st = sg_trace_stop(e);
@@ -139,9 +156,25 @@ static int check_bucket_order(const sg_trace_event *ev, size_t n) {
   return nb < 0 ? next : nb;
 }
 
+/* GATHER ids of each step run nb-1..0; returns the number of steps with gathers (-1: wrong). */
+static int check_gather_order(const sg_trace_event *ev, size_t n, int nb) {
+  int next = -1, steps = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (ev[i].kind != SG_TRACE_GATHER) continue;
+    if (next < 0) {
+      next = nb - 1;
+      steps++;
+    }
+    if (ev[i].id != next--) return -1;
+  }
+  return next < 0 ? steps : -1;
+}
+
 static void check_causality(const char *tag, const sg_trace_event *ev, size_t n) {
-  double last_ready = -1, last_reduce_end = -1, last_step_end = -1;
-  int bad_ready = 0, bad_step = 0, bad_gather = 0, bad_span = 0, bad_origin = 0;
+  double last_ready = -1, last_reduce_end = -1, step_start = -1, step_end = -1, gather_end = -1;
+  double gather_end_of[64];
+  for (int b = 0; b < 64; b++) gather_end_of[b] = -1;
+  int bad_ready = 0, bad_step = 0, bad_gather = 0, bad_span = 0, bad_origin = 0, bad_wait = 0;
   for (size_t i = 0; i < n; i++) {
     const sg_trace_event *x = &ev[i];
     bad_span += x->end_us < x->start_us;
@@ -154,9 +187,21 @@ static void check_causality(const char *tag, const sg_trace_event *ev, size_t n)
         break;
       case SG_TRACE_STEP:
         bad_step += x->start_us < last_reduce_end;
-        last_step_end = x->end_us;
+        step_start = x->start_us;
+        step_end = x->end_us;
         break;
-      case SG_TRACE_GATHER: bad_gather += x->start_us < last_step_end; break;
+      case SG_TRACE_GATHER:
+        bad_gather += x->start_us < step_start || x->start_us < gather_end ||
+                      (x->id == 0 && x->start_us < step_end) || x->id < 0 || x->id >= 64;
+        gather_end = x->end_us;
+        if (x->id >= 0 && x->id < 64) gather_end_of[x->id] = x->end_us;
+        break;
+      case SG_TRACE_WAIT:
+        bad_wait += x->id < 0 || x->id >= 64 || x->end_us < gather_end_of[x->id];
+        break;
+      case SG_TRACE_MARK:
+        bad_wait += !strcmp(x->label, "forward") && x->start_us < gather_end;
+        break;
     }
   }
   CHECK(bad_span == 0, "%s: %d spans end before they start", tag, bad_span);
@@ -164,7 +209,10 @@ static void check_causality(const char *tag, const sg_trace_event *ev, size_t n)
   CHECK(bad_ready == 0, "%s: %d reductions start before the gradient that launched them", tag,
         bad_ready);
   CHECK(bad_step == 0, "%s: %d steps start before their reductions ended", tag, bad_step);
-  CHECK(bad_gather == 0, "%s: %d all-gathers start before their AdamW ended", tag, bad_gather);
+  CHECK(bad_gather == 0, "%s: %d all-gathers start before their step, or before the one before "
+        "them ended", tag, bad_gather);
+  CHECK(bad_wait == 0, "%s: %d waits (or marks after sg_param_wait) end before their all-gather",
+        tag, bad_wait);
 }
 
 static void check_steps(const char *tag, const sg_trace_event *ev, size_t n) {
@@ -206,7 +254,8 @@ static void check_json(const char *tag, const char *path, const sg_trace_event *
     return;
   }
   int spans = 0;
-  for (size_t i = 0; i < n; i++) spans += ev[i].kind == SG_TRACE_REDUCE || ev[i].kind == SG_TRACE_STEP || ev[i].kind == SG_TRACE_GATHER;
+  for (size_t i = 0; i < n; i++)
+    spans += ev[i].kind != SG_TRACE_GRAD_READY && ev[i].kind != SG_TRACE_MARK;
   CHECK(count_str(s, "\"ph\":\"X\"") == spans, "%s: %d span entries in %s, expected %d", tag,
         count_str(s, "\"ph\":\"X\""), path, spans);
   CHECK(count_str(s, "\"ph\":\"i\"") == (int)n - spans, "%s: %d instants in %s, expected %d",
@@ -218,18 +267,19 @@ static void check_json(const char *tag, const char *path, const sg_trace_event *
 
 /* ---------------------------------------------------------------------------------------- */
 
-static void run_case(int w, sg_strategy strategy, int mb, int nosync_first, double spin_us) {
+static void run_case(int w, sg_strategy strategy, int mb, int nosync_first, int overlap,
+                     double spin_us) {
   char tag[96];
-  snprintf(tag, sizeof tag, "W=%d %s mb=%d%s", w,
+  snprintf(tag, sizeof tag, "W=%d %s mb=%d%s%s", w,
            strategy == SG_NO_SHARD ? "NO_SHARD" : strategy == SG_SHARD_OPT ? "SHARD_OPT" : "SHARD_GRAD_OP",
-           mb, nosync_first ? " no_sync" : "");
+           mb, nosync_first ? " no_sync" : "", overlap ? " overlap" : "");
   const int steps = 3;
   sg_comm *comms[4];
   if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "%s: comm", tag)) return;
   rank_arg a[4];
   pthread_t th[4];
   for (int r = 0; r < w; r++) {
-    a[r] = (rank_arg){comms[r], strategy, mb, steps, nosync_first, spin_us, NULL, 0, "", 0};
+    a[r] = (rank_arg){comms[r], strategy, mb, steps, nosync_first, overlap, spin_us, NULL, 0, "", 0};
     a[r].ev = calloc(MAXEV, sizeof *a[r].ev);
     pthread_create(&th[r], NULL, rank_main, &a[r]);
   }
@@ -247,11 +297,17 @@ static void run_case(int w, sg_strategy strategy, int mb, int nosync_first, doub
             "expected %d", rt, count_kind(ev, n, SG_TRACE_REDUCE), nb * synced * steps);
       CHECK(count_kind(ev, n, SG_TRACE_GRAD_READY) == NPARAM * mb * steps, "%s: %d GRAD_READY",
             rt, count_kind(ev, n, SG_TRACE_GRAD_READY));
-      CHECK(count_kind(ev, n, SG_TRACE_MARK) == mb * steps, "%s: marks", rt);
+      CHECK(count_kind(ev, n, SG_TRACE_MARK) == mb * steps + (overlap ? steps - 1 : 0),
+            "%s: marks", rt);
       CHECK(count_kind(ev, n, SG_TRACE_STEP) == steps, "%s: steps", rt);
-      const int gathers = (strategy != SG_NO_SHARD && w > 1) ? steps : 0;
-      CHECK(count_kind(ev, n, SG_TRACE_GATHER) == gathers, "%s: %d all-gathers, expected %d", rt,
-            count_kind(ev, n, SG_TRACE_GATHER), gathers);
+      const int gsteps = (strategy != SG_NO_SHARD && w > 1) ? steps : 0;
+      CHECK(count_kind(ev, n, SG_TRACE_GATHER) == nb * gsteps, "%s: %d all-gathers, expected %d",
+            rt, count_kind(ev, n, SG_TRACE_GATHER), nb * gsteps);
+      CHECK(check_gather_order(ev, n, nb) == gsteps, "%s: all-gathers in bucket order nb-1..0 "
+            "per step", rt);
+      const int waits = !gsteps ? 0 : overlap ? nb * (steps - 1) : steps;
+      CHECK(count_kind(ev, n, SG_TRACE_WAIT) == waits, "%s: %d waits for all-gathers, expected %d",
+            rt, count_kind(ev, n, SG_TRACE_WAIT), waits);
       int labels = 1;
       for (size_t i = 0; i < n; i++)
         if (ev[i].kind == SG_TRACE_GRAD_READY) {
@@ -259,7 +315,7 @@ static void run_case(int w, sg_strategy strategy, int mb, int nosync_first, doub
           snprintf(want, sizeof want, "layer%d.weight", ev[i].id);
           labels &= strcmp(ev[i].label, want) == 0;
         } else if (ev[i].kind == SG_TRACE_MARK) {
-          labels &= strcmp(ev[i].label, "backward") == 0;
+          labels &= !strcmp(ev[i].label, "backward") || (overlap && !strcmp(ev[i].label, "forward"));
         }
       CHECK(labels, "%s: labels name the parameter / the mark", rt);
       check_causality(rt, ev, n);
@@ -345,7 +401,7 @@ static void run_env(void) {
   rank_arg a[2];
   pthread_t th[2];
   for (int r = 0; r < 2; r++) {
-    a[r] = (rank_arg){comms[r], SG_SHARD_GRAD_OP, 1, 2, 0, 0, NULL, 0, "", 0};
+    a[r] = (rank_arg){comms[r], SG_SHARD_GRAD_OP, 1, 2, 0, 0, 0, NULL, 0, "", 0};
     pthread_create(&th[r], NULL, rank_main, &a[r]);
   }
   /* rank_main starts its own trace: with SG_TRACE set one is already running */
@@ -374,11 +430,15 @@ int main(int argc, char **argv) {
   if (!mkdtemp(g_dir)) g_dir[0] = '\0';
   CHECK(g_dir[0] != '\0', "temporary directory");
   const double spin = g_device == SG_DEVICE_CPU ? 100.0 : 0.0;
-  run_case(1, SG_SHARD_GRAD_OP, 1, 0, spin);
-  run_case(2, SG_SHARD_GRAD_OP, 2, 0, spin);
-  run_case(2, SG_NO_SHARD, 1, 0, spin);
-  run_case(3, SG_SHARD_OPT, 3, 1, spin);
-  run_case(4, SG_SHARD_GRAD_OP, 1, 0, spin);
+  run_case(1, SG_SHARD_GRAD_OP, 1, 0, 0, spin);
+  run_case(2, SG_SHARD_GRAD_OP, 2, 0, 0, spin);
+  run_case(2, SG_NO_SHARD, 1, 0, 0, spin);
+  run_case(3, SG_SHARD_OPT, 3, 1, 0, spin);
+  run_case(4, SG_SHARD_GRAD_OP, 1, 0, 0, spin);
+  run_case(2, SG_SHARD_GRAD_OP, 2, 0, 1, spin);
+  run_case(3, SG_SHARD_OPT, 1, 0, 1, spin);
+  run_case(2, SG_NO_SHARD, 1, 0, 1, spin);
+  run_case(1, SG_SHARD_GRAD_OP, 1, 0, 1, spin);
   run_limits();
   if (g_dir[0]) {
     run_env();

@@ -6,7 +6,9 @@
 #include "sg_core.h" /* sg__config_copy, sg__config_check, sg__err */
 
 /* The first published layout. Fields are only appended, so a caller compiled against an older
- * header passes a smaller struct_size; the bytes it does not cover take the defaults. */
+ * header passes a smaller struct_size; the bytes it does not cover take the defaults.
+ * overlap_param_gather (0.2) took the tail padding after timeout_ms, so 0.1 callers pass this
+ * same size, and the padding that sg_config_init zeroed reads as its default 0. */
 #define SG__CONFIG_V1_SIZE sizeof(sg_config)
 
 static int sg__config_size_ok(size_t n) {
@@ -40,6 +42,7 @@ static void sg__config_defaults(sg_config *c) {
   c->stochastic_rounding = 0;
   c->seed = 0;
   c->timeout_ms = 600000;
+  c->overlap_param_gather = 0;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
@@ -150,6 +153,7 @@ static sg_status sg__config_check_optim(const sg_config *c, const char *fn) {
   SG_TRY(sg__check_bool(fn, "grad_average", c->grad_average));
   SG_TRY(sg__check_bool(fn, "skip_nonfinite", c->skip_nonfinite));
   SG_TRY(sg__check_bool(fn, "stochastic_rounding", c->stochastic_rounding));
+  SG_TRY(sg__check_bool(fn, "overlap_param_gather", c->overlap_param_gather));
   return SG_OK;
 }
 

@@ -160,7 +160,11 @@ static void free_registration(sg_engine *e) {
 static void free_finalized(sg_engine *e) {
   sg__grads_free(e);
   free(e->segs);
+  free(e->bucket_seg);
+  free(e->gather_ticket);
   e->segs = NULL;
+  e->bucket_seg = NULL;
+  e->gather_ticket = NULL;
   e->nsegs = 0;
   sg__arenas_free(&e->ar);
   sg__plan_free(e->plan);
@@ -473,6 +477,7 @@ sg_status sg_set_param(sg_engine *e, int id, const void *src, sg_dtype src_dtype
   SG_TRY(sg__engine_check_id(e, id, fn));
   if (!src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_src is NULL", fn);
   SG_TRY(check_dtype_arg(src_dtype, fn, "src_dtype"));
+  SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
   const size_t n = e->numels[id];
   void *work = malloc(n * psize(e));
   float *f32 = e->master ? malloc(n * 4) : NULL;
@@ -500,6 +505,7 @@ sg_status sg_get_param(sg_engine *e, int id, void *dst, sg_dtype dst_dtype) {
   SG_TRY(sg__engine_check_id(e, id, fn));
   if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
   SG_TRY(check_dtype_arg(dst_dtype, fn, "dst_dtype"));
+  SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
   const size_t n = e->numels[id];
   void *work = malloc(n * psize(e));
   if (!work) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
@@ -657,7 +663,11 @@ sg_status sg_set_stream(sg_engine *e, void *stream) {
   if (e->state == SG_ES_BROKEN) return sg__engine_check(e, fn, 1);
   if (e->touched)
     return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress", fn);
-  return sg__err_prefix(e->dev->ops->set_stream(e->dev, stream), fn);
+  SG_TRY(sg__err_prefix(e->dev->ops->set_stream(e->dev, stream), fn));
+  /* The new stream is ordered after pending gathers too. */
+  if (!e->gather_pending) return SG_OK;
+  e->gather_waited = 0;
+  return sg__err_prefix(sg__step_settle(e), fn);
 }
 
 sg_status sg_get_loss_scale(sg_engine *e, float *scale) {

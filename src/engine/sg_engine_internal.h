@@ -37,8 +37,14 @@ struct sg_engine {
   float *m, *v;
   char *small;    /* 256 bytes of device memory for the step's tiny all-reduce */
   float *nosync;  /* full fp32 buffer for sg_set_sync(0), allocated on first use */
-  sg__seg *segs;  /* this rank's AdamW segments */
+  sg__seg *segs;  /* this rank's AdamW segments, bucket by bucket */
   int nsegs;
+  int *bucket_seg; /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
+  /* all-gathers of the last step (sg_step.c) */
+  uint64_t *gather_ticket; /* [nbuckets]: the comm job gathering bucket b */
+  uint64_t gather_last;    /* ticket of the last gather of the step */
+  uint64_t gather_waited;  /* the caller's queue is ordered after this ticket */
+  int gather_pending;      /* gathers the caller's queue has not waited for yet */
   /* micro-batch state */
   uint8_t *ready;          /* [nparams] */
   int *pending;            /* [nbuckets]: params of the bucket not yet ready */
@@ -96,7 +102,11 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn);
 sg_status sg__grads_idle(sg_engine *e, const char *fn);
 
 /* sg_step.c */
+/* Builds segs and bucket_seg (and the gather tickets) at sg_finalize. */
 sg_status sg__step_build_segments(sg_engine *e);
+/* Orders the caller's queue after every pending all-gather: before any engine work that reads
+ * or writes the working parameters. */
+sg_status sg__step_settle(sg_engine *e);
 
 /* sg_trace.c. Records are created on the caller's thread only: a comm job gets its record
  * index when it is submitted and marks its start and end from the comm queue. */

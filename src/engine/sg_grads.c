@@ -402,6 +402,7 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn) {
   if (e->touched)
     return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call sg_backward_end "
                    "or sg_step first", fn);
+  SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
   sg_status st = e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__deadline(e->cfg.timeout_ms));
   return sg__engine_broken(e, st);
 }

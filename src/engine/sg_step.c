@@ -9,8 +9,10 @@
 /* ---------------------------------------------------------------------------------------- */
 /* segments: the owned, non-padding runs of the shard                                        */
 
-static sg_status push_seg(sg_engine *e, int *cap, sg__seg s) {
-  if (e->nsegs > 0) {
+/* Adjacent runs merge into one segment, but never across buckets: the step updates and gathers
+ * bucket by bucket. */
+static sg_status push_seg(sg_engine *e, int *cap, int first_of_bucket, sg__seg s) {
+  if (e->nsegs > first_of_bucket) {
     sg__seg *last = &e->segs[e->nsegs - 1];
     /* With stochastic rounding each parameter keeps its own counter base. */
     if (last->decay == s.decay && last->shard_off + last->len == s.shard_off &&
@@ -31,26 +33,42 @@ static sg_status push_seg(sg_engine *e, int *cap, sg__seg s) {
   return SG_OK;
 }
 
-sg_status sg__step_build_segments(sg_engine *e) {
+static sg_status bucket_segments(sg_engine *e, int b, int *cap) {
   const sg__plan *p = e->plan;
   const int sharded = e->cfg.strategy != SG_NO_SHARD;
+  const sg__bucket *bk = &p->buckets[b];
+  const size_t s0 = sharded ? sg__plan_slice_start(p, b, e->rank) : bk->start;
+  const size_t s1 = s0 + (sharded ? sg__plan_slice_numel(p, b) : bk->numel);
+  const size_t base = sharded ? bk->shard_offset : bk->start;
+  const int first = e->nsegs;
+  for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
+    const int id = p->order[k];
+    const size_t a = p->params[id].offset, z = a + p->params[id].numel;
+    const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
+    if (x0 >= x1) continue;
+    sg__seg s = {base + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
+                 ((uint64_t)id << 40) + (x0 - a)};
+    SG_TRY(push_seg(e, cap, first, s));
+  }
+  return SG_OK;
+}
+
+sg_status sg__step_build_segments(sg_engine *e) {
+  const int nb = e->plan->nbuckets;
   int cap = 0;
   e->nsegs = 0;
-  for (int b = 0; b < p->nbuckets; b++) {
-    const sg__bucket *bk = &p->buckets[b];
-    const size_t s0 = sharded ? sg__plan_slice_start(p, b, e->rank) : bk->start;
-    const size_t s1 = s0 + (sharded ? sg__plan_slice_numel(p, b) : bk->numel);
-    const size_t base = sharded ? bk->shard_offset : bk->start;
-    for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
-      const int id = p->order[k];
-      const size_t a = p->params[id].offset, z = a + p->params[id].numel;
-      const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
-      if (x0 >= x1) continue;
-      sg__seg s = {base + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
-                   ((uint64_t)id << 40) + (x0 - a)};
-      SG_TRY(push_seg(e, &cap, s));
-    }
+  free(e->bucket_seg);
+  free(e->gather_ticket);
+  e->bucket_seg = calloc((size_t)nb + 1, sizeof *e->bucket_seg);
+  e->gather_ticket = calloc((size_t)nb, sizeof *e->gather_ticket);
+  if (!e->bucket_seg || !e->gather_ticket)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  e->gather_pending = 0;
+  for (int b = 0; b < nb; b++) {
+    e->bucket_seg[b] = e->nsegs;
+    SG_TRY(bucket_segments(e, b, &cap));
   }
+  e->bucket_seg[nb] = e->nsegs;
   return SG_OK;
 }
 
@@ -110,44 +128,107 @@ static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
   return a;
 }
 
-typedef struct { sg_engine *e; int64_t trace; } sg__gather_job;
+/* ---------------------------------------------------------------------------------------- */
+/* all-gather                                                                                */
 
-/* In-place all-gather of every bucket's working parameters. */
-static sg_status gather_all(sg_engine *e) {
-  const sg__plan *p = e->plan;
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (int b = 0; b < p->nbuckets; b++) {
-    const int64_t dl = sg__deadline(e->cfg.timeout_ms);
-    SG_TRY(e->comm->ops->all_gather(e->comm, e->params + p->buckets[b].start * P,
-                                    sg__plan_slice_numel(p, b) * P, dl));
-  }
-  return SG_OK;
+static int gathers(const sg_engine *e) {
+  return e->cfg.strategy != SG_NO_SHARD && e->world > 1;
 }
 
+typedef struct { sg_engine *e; int b; int64_t trace; } sg__gather_job;
+
+/* In-place all-gather of one bucket's working parameters. */
 static sg_status gather_job_fn(void *arg) {
   const sg__gather_job j = *(sg__gather_job *)arg;
   free(arg);
+  const sg__plan *p = j.e->plan;
+  const size_t P = sg__dtype_size(j.e->cfg.param_dtype);
   sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
-  sg_status st = gather_all(j.e);
+  sg_status st = j.e->comm->ops->all_gather(j.e->comm, j.e->params + p->buckets[j.b].start * P,
+                                            sg__plan_slice_numel(p, j.b) * P,
+                                            sg__deadline(j.e->cfg.timeout_ms));
   if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
   return st;
 }
 
-static sg_status gather_params(sg_engine *e) {
-  if (e->cfg.strategy == SG_NO_SHARD || e->world == 1) return SG_OK;
+/* Queued after everything issued to the compute queue so far: the bucket's AdamW. */
+static sg_status submit_gather(sg_engine *e, int b) {
   sg__gather_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
-  j->e = e;
-  j->trace = sg__trace_new(e, SG_TRACE_GATHER, -1, NULL);
+  *j = (sg__gather_job){e, b, sg__trace_new(e, SG_TRACE_GATHER, b, NULL)};
   uint64_t t = 0;
   sg_status st = e->dev->ops->comm_submit(e->dev, gather_job_fn, j, &t);
-  if (st != SG_OK && t == 0) free(j);
-  if (st == SG_OK) {
-    e->last_ticket = t;
-    /* The caller's next kernels read the parameters: they wait for the gather. */
-    st = e->dev->ops->compute_wait_comm(e->dev, t, sg__engine_host_deadline(e));
+  if (st != SG_OK) {
+    if (t == 0) free(j);
+    return st;
   }
-  return sg__engine_broken(e, st);
+  e->last_ticket = e->gather_last = e->gather_ticket[b] = t;
+  e->gather_pending = 1;
+  return SG_OK;
+}
+
+/* The caller's queue waits for the gather job `ticket` (and every job before it). */
+static sg_status wait_gathers(sg_engine *e, uint64_t ticket, int b) {
+  if (!e->gather_pending || ticket <= e->gather_waited) return SG_OK;
+  const int64_t trace = sg__trace_new(e, SG_TRACE_WAIT, b, NULL);
+  sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
+  sg_status st = e->dev->ops->compute_wait_comm(e->dev, ticket, sg__engine_host_deadline(e));
+  if (st != SG_OK) return sg__engine_broken(e, st);
+  sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
+  e->gather_waited = ticket;
+  if (ticket >= e->gather_last) e->gather_pending = 0;
+  return SG_OK;
+}
+
+sg_status sg__step_settle(sg_engine *e) {
+  return wait_gathers(e, e->gather_last, 0); /* bucket 0 is gathered last */
+}
+
+sg_status sg_param_wait(sg_engine *e, int id) {
+  static const char *fn = "sg_param_wait";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (id == -1) return sg__err_prefix(sg__step_settle(e), fn);
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  const int b = e->plan->params[id].bucket;
+  return sg__err_prefix(wait_gathers(e, e->gather_ticket[b], b), fn);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* update                                                                                    */
+
+/* AdamW on segments [s0, s1) of the shard. */
+static sg_status adamw_range(sg_engine *e, const sg__adamw_args *all, int s0, int s1) {
+  sg__adamw_args a = *all;
+  a.segs = e->segs + s0;
+  a.nsegs = s1 - s0;
+  return e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
+}
+
+/* Bucket by bucket, last bucket first (the first layers of the next forward pass): each
+ * bucket's gather runs on the comm queue while the next bucket's AdamW runs. */
+static sg_status update_and_gather(sg_engine *e, const sg__adamw_args *a, int64_t trace) {
+  if (!gathers(e)) {
+    SG_TRY(adamw_range(e, a, 0, e->nsegs));
+    sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
+    return SG_OK;
+  }
+  for (int b = e->plan->nbuckets - 1; b >= 0; b--) {
+    sg_status st = adamw_range(e, a, e->bucket_seg[b], e->bucket_seg[b + 1]);
+    const int untouched = st != SG_OK && b == e->plan->nbuckets - 1;
+    if (st == SG_OK) {
+      if (b == 0) sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
+      st = submit_gather(e, b);
+    }
+    if (st != SG_OK && !untouched) {
+      /* Some buckets are updated (and gathered), others not: the replicas now differ. */
+      e->state = SG_ES_BROKEN;
+      SG_LOG(SG_LOG_WARN, e->rank, "engine broken in sg_step at bucket %d: %s", b,
+             sg_last_error());
+    }
+    SG_TRY(st);
+  }
+  /* Without overlap the caller's next kernels (which read the parameters) wait here. */
+  return e->cfg.overlap_param_gather ? SG_OK : sg__step_settle(e);
 }
 
 static void fill_info(const sg_engine *e, sg_step_info *info, const sg_step_info *v) {
@@ -167,19 +248,17 @@ static sg_status check_info(const sg_step_info *info) {
 static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
   e->step++;
   sg__adamw_args a = adamw_args(e, grad_scale);
-  sg_status st = e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
-  if (st != SG_OK) {
-    e->step--;
-    return st;
-  }
-  sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
-  return gather_params(e);
+  sg_status st = update_and_gather(e, &a, trace);
+  /* A failed first AdamW leaves everything as it was; later failures break the engine. */
+  if (st != SG_OK && e->state != SG_ES_BROKEN) e->step--;
+  return st;
 }
 
 sg_status sg_step(sg_engine *e, sg_step_info *info) {
   static const char *fn = "sg_step";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(check_info(info));
+  SG_TRY(sg__step_settle(e));
   SG_TRY(sg__grads_flush(e, fn));
   SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
                                                      sg__engine_host_deadline(e))));

@@ -65,7 +65,8 @@ static void engine_label(const sg_engine *e, int kind, int id, char *out, size_t
                id);
       break;
     case SG_TRACE_STEP: snprintf(out, cap, "step"); break;
-    case SG_TRACE_GATHER: snprintf(out, cap, "all-gather"); break;
+    case SG_TRACE_GATHER: snprintf(out, cap, "all-gather b%d", id); break;
+    case SG_TRACE_WAIT: snprintf(out, cap, "wait for all-gather b%d", id); break;
     default: snprintf(out, cap, "?");
   }
 }
@@ -245,6 +246,7 @@ static const char *kind_name(int kind) {
     case SG_TRACE_STEP: return "step";
     case SG_TRACE_GATHER: return "gather";
     case SG_TRACE_MARK: return "mark";
+    case SG_TRACE_WAIT: return "wait";
   }
   return "?";
 }
