@@ -20,3 +20,12 @@ add_test(NAME test_mlp_trace COMMAND test_mlp --ranks 2 --steps 6 --hidden 32 --
   --batch 16 --bucket-mb 0.004 --log-every 10 --trace ${CMAKE_CURRENT_BINARY_DIR}/mlp_trace-%r.json)
 set_tests_properties(test_mlp_trace PROPERTIES TIMEOUT 300 LABELS local
   PASS_REGULAR_EXPRESSION "trace: 5 steps, [0-9]+ reductions: .* 0 events dropped")
+# --overlap-gather: every layer of the next forward pass waits for its own bucket's all-gather;
+# the loss must still halve (bf16 params: the f32 copies are made after each layer's wait), and
+# the trace summary reports the gathers and how long the forward pass waited for them.
+add_test(NAME test_mlp_overlap COMMAND test_mlp --ranks 3 --steps 40 --hidden 32 --layers 3
+  --batch 16 --micro-batches 2 --dtype bf16 --bucket-mb 0.004 --lr 0.01 --log-every 10 --check
+  --overlap-gather --trace ${CMAKE_CURRENT_BINARY_DIR}/mlp_overlap-%r.json)
+set_tests_properties(test_mlp_overlap PROPERTIES TIMEOUT 300 LABELS local
+  PASS_REGULAR_EXPRESSION "trace: all-gather [0-9.]+ ms/step, [0-9]+% of it hidden behind AdamW and the forward pass"
+  FAIL_REGULAR_EXPRESSION "failed")

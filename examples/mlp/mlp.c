@@ -148,7 +148,10 @@ static void usage(void) {
           "           [--dtype f32|bf16|f16] [--steps N] [--micro-batches N] [--no-sync]\n"
           "           [--batch N] [--hidden N] [--layers N] [--bucket-mb X] [--lr X]\n"
           "           [--clip X] [--seed N] [--log-every N] [--check]\n"
-          "           [--save DIR [--save-every N]] [--resume DIR] [--trace FILE]\n");
+          "           [--save DIR [--save-every N]] [--resume DIR] [--trace FILE]\n"
+          "           [--overlap-gather]\n"
+          "  --overlap-gather: sg_step returns before the parameters are gathered; each layer of\n"
+          "                    the next forward pass waits for its own (sg_param_wait)\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {

@@ -143,7 +143,13 @@ void mlp_make_batch(mlp_model *m, uint64_t first_sample) {
 }
 
 float mlp_forward(mlp_model *m, float *const *params) {
+  return mlp_forward_hooked(m, params, NULL, NULL);
+}
+
+float mlp_forward_hooked(mlp_model *m, float *const *params, mlp_layer_hook before_layer,
+                         void *ctx) {
   for (int l = 0; l < m->layers; l++) {
+    if (before_layer && before_layer(ctx, l)) return NAN;
     const int nin = m->dims[l], nout = m->dims[l + 1];
     float *out = m->act[l + 1];
     linear(m->act[l], params[2 * l], params[2 * l + 1], out, m->batch, nin, nout);
@@ -323,18 +329,25 @@ static int engine_sink(void *ctx, int p, const float *grad, size_t n) {
   return (me->status = sg_grad_ready(me->e, me->ids[p])) == SG_OK ? 0 : -1;
 }
 
+/* Before layer l reads W_l and b_l: wait for their all-gather (a no-op unless the engine runs
+ * with overlap_param_gather), then make the f32 copies of low-precision parameters. */
+static int engine_layer(void *ctx, int l) {
+  mlp_engine *me = ctx;
+  for (int p = 2 * l; p < 2 * l + 2; p++) {
+    if ((me->status = sg_param_wait(me->e, me->ids[p])) != SG_OK) return -1;
+    if (me->param_dtype == SG_F32) continue;
+    void *ptr = NULL;
+    if ((me->status = sg_param_ptr(me->e, me->ids[p], &ptr)) != SG_OK) return -1;
+    mlp_to_f32(ptr, me->param_dtype, me->conv[p], me->m->numel[p]);
+  }
+  return 0;
+}
+
 sg_status mlp_engine_micro_batch(mlp_engine *me, float scale, float *loss) {
   mlp_model *m = me->m;
-  if (me->param_dtype != SG_F32) { /* low-precision working params: f32 copies for the math */
-    for (int p = 0; p < m->nparams; p++) {
-      void *ptr = NULL;
-      const sg_status st = sg_param_ptr(me->e, me->ids[p], &ptr);
-      if (st != SG_OK) return st;
-      mlp_to_f32(ptr, me->param_dtype, me->conv[p], m->numel[p]);
-    }
-  }
-  *loss = mlp_forward(m, me->view);
   me->status = SG_OK;
+  *loss = mlp_forward_hooked(m, me->view, engine_layer, me);
+  if (me->status != SG_OK) return me->status;
   mlp_backward(m, me->view, scale, engine_sink, me);
   return me->status;
 }

@@ -50,6 +50,11 @@ void mlp_make_batch(mlp_model *m, uint64_t first_sample);
 /* Forward over the current batch with f32 parameters params[p]; returns the MSE loss
  * (mean over batch and outputs). */
 float mlp_forward(mlp_model *m, float *const *params);
+/* The same, calling before_layer(ctx, l) before layer l reads its parameters (non-zero: stop,
+ * returning NAN): where the engine glue waits for the layer's all-gather. */
+typedef int (*mlp_layer_hook)(void *ctx, int layer);
+float mlp_forward_hooked(mlp_model *m, float *const *params, mlp_layer_hook before_layer,
+                         void *ctx);
 
 /* Receives the gradient of parameter p (n floats, valid only during the call); non-zero stops
  * the backward pass and is returned by mlp_backward. */
