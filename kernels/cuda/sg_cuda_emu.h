@@ -50,10 +50,12 @@ enum cudaMemcpyKind { cudaMemcpyDeviceToDevice = 3 };
 struct dim3 {
   unsigned x, y, z;
 };
-struct float4 {
+// Aligned as CUDA's own (__align__(16), __align__(8)): a vector access needs that alignment on
+// the GPU, so the emulation checks it (sg_emu_check_vector) instead of letting x86 forgive it.
+struct alignas(16) float4 {
   float x, y, z, w;
 };
-struct uint2 {
+struct alignas(8) uint2 {
   unsigned x, y;
 };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
@@ -138,6 +140,29 @@ inline void sg_emu_fiber_main() {
 
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 
+// A vector load or store at p: misaligned ones fault on the GPU ("misaligned address"), so here
+// they stop the program with the kernel's position.
+template <typename V>
+inline void sg_emu_check_vector(const void *p) {
+  if ((uintptr_t)p % alignof(V) == 0) return;
+  fprintf(stderr, "sg_cuda_emu: misaligned %zu-byte vector access at %p (block %u, thread %u)\n",
+          sizeof(V), p, blockIdx.x, threadIdx.x);
+  std::terminate();
+}
+
+// What a real launch would refuse (cudaErrorInvalidConfiguration, or a kernel that does not
+// compile): an empty grid or block, gridDim.x past 2^31-1, more than 1024 threads per block, or
+// more than 32764 bytes of parameters (sm_70+ with CUDA 12.1+; 4 KiB before).
+template <typename... P>
+inline void sg_emu_check_launch(unsigned grid, unsigned block) {
+  const size_t param_bytes = (sizeof(P) + ... + 0);
+  if (grid >= 1 && grid <= 0x7fffffffu && block >= 1 && block <= 1024 && param_bytes <= 32764)
+    return;
+  fprintf(stderr, "sg_cuda_emu: invalid launch (grid %u, block %u, %zu parameter bytes)\n", grid,
+          block, param_bytes);
+  std::terminate();
+}
+
 // Work on a stream: queued when a mock runtime is attached and a stream is given, else now.
 inline void sg_emu_submit(cudaStream_t s, std::function<void()> work) {
   if (sg_emu_enqueue && s)
@@ -204,11 +229,13 @@ void sg_emu_run_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) 
 // k<<<grid, block, 0, s>>>(args...): the arguments are copied, as a real launch does.
 template <typename... P, typename... A>
 void sg_emu_launch(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block, A... args) {
+  sg_emu_check_launch<P...>(grid, block);
   sg_emu_submit(s, [=] { sg_emu_run(k, grid, block, args...); });
 }
 
 template <typename... P, typename... A>
 void sg_emu_launch_sync(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block, A... args) {
+  sg_emu_check_launch<P...>(grid, block);
   sg_emu_submit(s, [=] { sg_emu_run_sync(k, grid, block, args...); });
 }
 

@@ -56,20 +56,38 @@ __device__ __forceinline__ bool aligned(const void *p, unsigned bytes) {
   return ((uintptr_t)p & (uintptr_t)(bytes - 1u)) == 0;
 }
 
+// Every vector access goes through these two, so that the host emulation can check its
+// alignment (a misaligned one faults on the GPU but not on x86).
+template <typename V>
+__device__ __forceinline__ V vload(const void *p) {
+#ifdef SG_CUDA_EMULATE
+  sg_emu_check_vector<V>(p);
+#endif
+  return *(const V *)p;
+}
+
+template <typename V>
+__device__ __forceinline__ void vstore(void *p, V v) {
+#ifdef SG_CUDA_EMULATE
+  sg_emu_check_vector<V>(p);
+#endif
+  *(V *)p = v;
+}
+
 // Elements i..i+cnt-1 (cnt <= 4) of a DT array as fp32.
 template <int DT>
 __device__ __forceinline__ void load4(const void *base, size_t i, int cnt, float (&o)[4]) {
   if (DT == 0) {
     const float *p = (const float *)base + i;
     if (cnt == 4 && aligned(p, 16)) {
-      float4 q = *(const float4 *)p;
+      const float4 q = vload<float4>(p);
       o[0] = q.x, o[1] = q.y, o[2] = q.z, o[3] = q.w;
       return;
     }
   } else {
     const uint16_t *p = (const uint16_t *)base + i;
     if (cnt == 4 && aligned(p, 8)) {
-      uint2 q = *(const uint2 *)p;
+      const uint2 q = vload<uint2>(p);
       const uint16_t h[4] = {(uint16_t)(q.x & 0xffffu), (uint16_t)(q.x >> 16),
                              (uint16_t)(q.y & 0xffffu), (uint16_t)(q.y >> 16)};
       for (int j = 0; j < 4; j++)
@@ -87,7 +105,7 @@ __device__ __forceinline__ void store4_u16(void *base, size_t i, int cnt, const 
     uint2 q;
     q.x = (uint32_t)h[0] | ((uint32_t)h[1] << 16);
     q.y = (uint32_t)h[2] | ((uint32_t)h[3] << 16);
-    *(uint2 *)p = q;
+    vstore<uint2>(p, q);
     return;
   }
   for (int j = 0; j < cnt; j++) p[j] = h[j];
@@ -99,7 +117,7 @@ __device__ __forceinline__ void store4(void *base, size_t i, int cnt, const floa
   if (DT == 0) {
     float *p = (float *)base + i;
     if (cnt == 4 && aligned(p, 16)) {
-      *(float4 *)p = make_float4(x[0], x[1], x[2], x[3]);
+      vstore<float4>(p, make_float4(x[0], x[1], x[2], x[3]));
       return;
     }
     for (int j = 0; j < cnt; j++) p[j] = x[j];

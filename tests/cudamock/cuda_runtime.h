@@ -7,7 +7,9 @@
  * waits on one of its events, cudaFree). Work is therefore as late as CUDA allows, so a missing
  * event between two streams, or a host read without a wait, gives wrong data in a test instead
  * of passing by luck. Kernels are the emulated kernels of kernels/cuda (sg_cuda_emu.h), queued
- * on the stream they are launched on. */
+ * on the stream they are launched on. Stricter than CUDA where a real GPU would give garbage
+ * rather than an error: fresh allocations hold 0xff bytes (NaN), cudaMemcpyAsync's kind must
+ * match where its buffers are, cudaMemsetAsync takes device memory only. */
 #ifndef SG_CUDAMOCK_RUNTIME_H
 #define SG_CUDAMOCK_RUNTIME_H
 

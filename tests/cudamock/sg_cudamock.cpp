@@ -126,11 +126,37 @@ void drain_all() {
 }
 
 // Exactly `bytes` (aligned like cudaMalloc), so that a sanitizer sees overruns of "device" memory.
+// Filled with 0xff bytes (NaN in every float format): fresh GPU memory holds garbage, and reading
+// it before writing it must not pass a test by finding zeros.
 void *alloc_aligned(size_t bytes) {
   void *p = nullptr;
   if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0) return nullptr;
+  memset(p, 0xff, bytes ? bytes : 1);
   g_allocs[p] = bytes;
   return p;
+}
+
+// Whether [p, p+bytes) lies in one cudaMalloc / cudaMallocAsync block (not pinned host memory).
+bool is_device(const void *p, size_t bytes) {
+  auto it = g_allocs.upper_bound((void *)p);
+  if (it == g_allocs.begin()) return false;
+  --it;
+  const char *base = (const char *)it->first;
+  return !g_is_host.count(it->first) && (const char *)p >= base &&
+         (const char *)p + bytes <= base + it->second;
+}
+
+// The copy kind must say where the buffers are (a wrong one is a bug that UVA may hide or not).
+bool kind_matches(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
+  const bool dd = is_device(dst, bytes), sd = is_device(src, bytes);
+  switch (kind) {
+    case cudaMemcpyHostToHost: return !dd && !sd;
+    case cudaMemcpyHostToDevice: return dd && !sd;
+    case cudaMemcpyDeviceToHost: return !dd && sd;
+    case cudaMemcpyDeviceToDevice: return dd && sd;
+    case cudaMemcpyDefault: return true;
+  }
+  return false;
 }
 
 cudaError_t free_tracked(void *p) {
@@ -299,7 +325,11 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
   counted(kMemcpyAsync);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if ((!dst || !src) && bytes) return fail(cudaErrorInvalidValue);
-  (void)kind;
+  if (bytes && !kind_matches(dst, src, bytes, kind)) {
+    fprintf(stderr, "cudamock: cudaMemcpyAsync kind %d does not match dst %p, src %p (%zu bytes)\n",
+            (int)kind, dst, src, bytes);
+    return fail(cudaErrorInvalidValue);
+  }
   push_fn(s, [=] { memmove(dst, src, bytes); });
   return cudaSuccess;
 }
@@ -308,6 +338,7 @@ cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s) 
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if (!dst && bytes) return fail(cudaErrorInvalidValue);
+  if (bytes && !is_device(dst, bytes)) return fail(cudaErrorInvalidValue);  // device memory only
   push_fn(s, [=] { memset(dst, value, bytes); });
   return cudaSuccess;
 }

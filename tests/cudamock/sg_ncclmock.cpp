@@ -4,6 +4,7 @@
 // of those items is forced and every rank's stream has reached its own item. Everything runs
 // under the CUDA mock's global lock.
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -164,12 +165,51 @@ void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count
   c->joined++;
 }
 
+thread_local char t_last[256] = "mock NCCL";
+
+bool on_device(const void *p, size_t bytes) {
+  cudaPointerAttributes a, b;
+  return cudaPointerGetAttributes(&a, p) == cudaSuccess && a.type == cudaMemoryTypeDevice &&
+         cudaPointerGetAttributes(&b, (const char *)p + bytes - 1) == cudaSuccess &&
+         b.type == cudaMemoryTypeDevice;
+}
+
+// What real NCCL requires but does not check: both buffers in device memory, and either apart
+// or exactly in place (all-reduce, broadcast: recv == send; reduce-scatter: recv == send +
+// rank * recvcount; all-gather: send == recv + rank * sendcount). Anything else gives wrong
+// data on a GPU, so the mock refuses it.
+bool buffers_ok(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count,
+                ncclDataType_t dt, int root) {
+  const size_t es = esize(dt), w = (size_t)comm->g->world, me = (size_t)comm->rank;
+  const size_t sb = count * es * (kind == kReduceScatter ? w : 1);
+  const size_t rb = count * es * (kind == kAllGather ? w : 1);
+  const char *sp = (const char *)send, *rp = (const char *)recv;
+  const bool uses_send = kind != kBroadcast || comm->rank == root;
+  if (count == 0) return true;
+  if (!on_device(recv, rb) || (uses_send && !on_device(send, sb))) {
+    snprintf(t_last, sizeof t_last, "mock NCCL: buffer not in device memory (send %p, recv %p)",
+             send, recv);
+    return false;
+  }
+  if (!uses_send) return true;
+  const char *in_place = kind == kReduceScatter ? sp + me * count * es : sp;
+  const char *in_place_send = kind == kAllGather ? rp + me * count * es : rp;
+  if (kind == kAllGather ? sp == in_place_send : rp == in_place) return true;
+  if (sp + sb <= rp || rp + rb <= sp) return true;
+  snprintf(t_last, sizeof t_last,
+           "mock NCCL: send %p (%zu bytes) and recv %p (%zu bytes) overlap without being in "
+           "place (rank %d)",
+           send, sb, recv, rb, comm->rank);
+  return false;
+}
+
 ncclResult_t call(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count,
                   ncclDataType_t dt, int root, cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   ncclResult_t r = usable(comm);
   if (r != ncclSuccess) return r;
   if (!sg_cudamock_valid_stream(s) || (count && (!send || !recv))) return ncclInvalidArgument;
+  if (!buffers_ok(comm, kind, send, recv, count, dt, root)) return ncclInvalidArgument;
   if (t_depth == 0) {
     join(comm, kind, send, recv, count, dt, root, s);
     return ncclSuccess;
@@ -215,7 +255,7 @@ const char *ncclGetErrorString(ncclResult_t r) {
 
 const char *ncclGetLastError(ncclComm_t comm) {
   (void)comm;
-  return "mock NCCL";
+  return t_last;
 }
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
