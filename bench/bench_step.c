@@ -26,9 +26,11 @@
 #include <mpi.h>
 #endif
 
-enum { V_PLAIN = 0, V_NO_SHARD, V_SHARD_OPT, V_SHARD_GRAD_OP, V_COUNT };
-static const char *const variant_names[V_COUNT] = {"plain DP (all-reduce + AdamW)", "SG_NO_SHARD",
-                                                   "SG_SHARD_OPT", "SG_SHARD_GRAD_OP"};
+enum { V_PLAIN = 0, V_NO_SHARD, V_SHARD_OPT, V_SHARD_GRAD_OP, V_OVERLAP, V_COUNT };
+static const char *const variant_names[V_COUNT] = {
+    "plain DP (all-reduce + AdamW)", "SG_NO_SHARD", "SG_SHARD_OPT", "SG_SHARD_GRAD_OP",
+    "SG_SHARD_GRAD_OP + overlap"};
+/* V_OVERLAP: overlap_param_gather, each layer of the forward pass waits for its own gather */
 
 typedef struct options {
   int ranks, mpi, steps, warmup, batch, hidden, layers;
@@ -255,7 +257,9 @@ static sg_status engine_steps(rank_ctx *c, mlp_engine *me, double *times, float 
   return SG_OK;
 }
 
-static int run_engine(rank_ctx *c, mlp_model *m, sg_strategy strategy, double *times, float *loss) {
+static int run_engine(rank_ctx *c, mlp_model *m, int variant, double *times, float *loss) {
+  const sg_strategy strategy =
+      variant == V_OVERLAP ? SG_SHARD_GRAD_OP : (sg_strategy)(variant - V_NO_SHARD);
   sg_engine *e = NULL;
   mlp_engine me;
   memset(&me, 0, sizeof me);
@@ -267,6 +271,7 @@ static int run_engine(rank_ctx *c, mlp_model *m, sg_strategy strategy, double *t
   cfg.bucket_bytes = (size_t)(c->o->bucket_mb * 1024.0 * 1024.0);
   cfg.lr = c->o->lr;
   cfg.timeout_ms = 120000;
+  cfg.overlap_param_gather = variant == V_OVERLAP;
   if (st == SG_OK) st = sg_engine_create(c->comm, &cfg, &e);
   if (st == SG_OK) st = mlp_engine_register(&me, m, e, &cfg);
   if (st == SG_OK) st = sg_finalize(e);
@@ -274,10 +279,10 @@ static int run_engine(rank_ctx *c, mlp_model *m, sg_strategy strategy, double *t
   if (st == SG_OK) st = engine_steps(c, &me, times, loss);
   if (st == SG_OK) st = sg_memory(e, &mem);
   if (st != SG_OK)
-    fprintf(stderr, "sg_bench_step: rank %d: %s: %s: %s\n", c->rank, variant_names[strategy + 1],
+    fprintf(stderr, "sg_bench_step: rank %d: %s: %s: %s\n", c->rank, variant_names[variant],
             sg_status_string(st), sg_last_error());
   else if (c->rank == 0) {
-    result *r = &c->res[strategy + 1];
+    result *r = &c->res[variant];
     r->bytes = mem.total_bytes;
     r->comm_bytes = mem.comm_bytes;
     r->mem = mem;
@@ -305,7 +310,7 @@ static void *rank_main(void *arg) {
     float loss = 0.0f;
     barrier(c);
     const int rc = v == V_PLAIN ? run_plain(c, &m, times, &loss)
-                                : run_engine(c, &m, (sg_strategy)(v - 1), times, &loss);
+                                : run_engine(c, &m, v, times, &loss);
     if (rc != 0) { /* go on, so that every rank meets the same barriers */
       c->rc = 1;
       continue;
