@@ -103,10 +103,12 @@ static inline void mlp_cli_print_memory(const sg_memory_stats *mem, const sg_mem
 static inline int mlp_cli_report(const char *prog, const mlp_cli *c, float first, float last,
                                  int steps, double rate, int world, const sg_memory_stats *mem,
                                  const sg_memory_stats *ddp, int skipped) {
+  const int lower = last <= first;
   printf(
-      "loss %.4g -> %.4g (%.1fx lower) in %d steps, %.1f steps/s, %s, W=%d, %.3f MiB/rank "
+      "loss %.4g -> %.4g (%.1fx %s) in %d steps, %.1f steps/s, %s, W=%d, %.3f MiB/rank "
       "vs %.3f MiB NO_SHARD%s\n",
-      (double)first, (double)last, (double)(first / last), steps, rate,
+      (double)first, (double)last, lower ? (double)(first / last) : (double)(last / first),
+      lower ? "lower" : "higher", steps, rate,
       mlp_cli_strategy_name(c->strategy), world, mlp_cli_mib(mem->total_bytes),
       mlp_cli_mib(ddp->total_bytes), skipped ? " (some steps skipped)" : "");
   if (c->check && !(last < 0.5f * first)) {
