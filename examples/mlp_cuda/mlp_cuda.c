@@ -173,9 +173,13 @@ static sg_status setup_params(gpu_model *g, sg_engine *e) {
 /* Forward of the current batch (already on the GPU): act[l+1] = act(act[l] W^T + b). Row-major
  * act[l] (batch x nin) is column-major nin x batch, W (nout x nin) is column-major nin x nout,
  * so act[l+1]^T = W^T act[l]^T is gemm(T, N, nout, batch, nin). */
-static int forward(gpu_model *g, int rank) {
+static int forward(gpu_model *g, sg_engine *e, int rank) {
   const mlp_model *m = g->m;
   for (int l = 0; l < m->layers; l++) {
+    /* --overlap-gather: the stream waits for this layer's all-gather only (else a no-op) */
+    sg_status st = sg_param_wait(e, g->ids[2 * l]);
+    if (st == SG_OK) st = sg_param_wait(e, g->ids[2 * l + 1]);
+    if (st != SG_OK) return failed(rank, "sg_param_wait", st);
     const int nin = m->dims[l], nout = m->dims[l + 1], hidden = l + 1 < m->layers;
     cublasStatus_t bs = gemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, nout, m->batch, nin, g->params[2 * l],
                              nin, lo(g, g->act[l], g->act_lo[l]), nin, g->bf16, g->act[l + 1],
@@ -244,7 +248,7 @@ static int micro_batch(gpu_model *g, sg_engine *e, const options *o, int step, i
   if (!ce) ce = cudaMemcpyAsync(g->target, m->target, ny * 4, cudaMemcpyHostToDevice, g->stream);
   if (!ce && g->bf16) ce = (cudaError_t)mlpc_to_bf16(g->stream, g->act_lo[0], g->act[0], nx);
   if (ce) return cuda_failed(rank, "batch upload", ce);
-  if (forward(g, rank)) return 1;
+  if (forward(g, e, rank)) return 1;
   const float k = 2.0f * scale / (float)ny; /* d(mean of squares) */
   int ke = mlpc_mse(g->stream, g->act[m->layers], g->target, g->delta, g->delta_lo, (int)ny, k,
                     g->loss + mb);
@@ -372,10 +376,12 @@ static void usage(void) {
           "                [--dtype f32|bf16] [--steps N] [--micro-batches N] [--batch N]\n"
           "                [--hidden N] [--layers N] [--bucket-mb X] [--lr X] [--clip X]\n"
           "                [--seed N] [--log-every N] [--check] [--trace FILE]\n"
+          "                [--overlap-gather]\n"
           "  --ranks N: N ranks as threads on GPU G (local communicator); --nccl: one rank per\n"
           "  process under mpirun, one GPU each (NCCL); --nccl-solo: one rank, an NCCL\n"
           "  communicator of world 1 on GPU G, no MPI (stream-ordered reductions on one GPU)\n"
-          "  --trace FILE: Chrome trace of the steps after the first (%%r: rank) and a summary\n");
+          "  --trace FILE: Chrome trace of the steps after the first (%%r: rank) and a summary\n"
+          "  --overlap-gather: each layer's GEMM waits (on the stream) for its own all-gather\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {

@@ -175,6 +175,10 @@ step_if "$MLP" mlp_cuda_ranks2 45 "$MLP" --ranks 2 --steps 300 --log-every 100 -
 copy_log mlp_cuda_ranks2 6
 step_if "$MLP" mlp_cuda_ranks2_bf16 45 "$MLP" --ranks 2 --steps 300 --dtype bf16 --log-every 100 --check
 copy_log mlp_cuda_ranks2_bf16 6
+# overlap_param_gather on the GPU: each layer's GEMM waits on the stream for its own gather.
+step_if "$MLP" mlp_cuda_overlap 45 "$MLP" --ranks 2 --steps 300 --dtype bf16 --log-every 100 \
+  --check --overlap-gather --trace "$DEST/trace_overlap-%r.json"
+copy_log mlp_cuda_overlap 6
 if ! command -v python3 >/dev/null || ! timeout 60 python3 -c "import torch" >/dev/null 2>&1; then
   skip "bench_adamw_torch, torch_cuda, train_lm_cuda: torch is not importable"
 else
