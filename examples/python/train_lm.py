@@ -9,6 +9,8 @@
     python3 examples/python/train_lm.py --ranks 2 --text some_book.txt
     # a Chrome trace per rank (chrome://tracing, https://ui.perfetto.dev) of steps 2.. :
     python3 examples/python/train_lm.py --ranks 2 --trace /tmp/lm-%r.json
+    # the parameter all-gathers of each step overlapping the next forward pass:
+    python3 examples/python/train_lm.py --ranks 2 --overlap-gather --trace /tmp/lm-%r.json
     # on the GPU (a CUDA build of the library): 2 ranks as threads sharing cuda:0
     python3 examples/python/train_lm.py --device cuda --ranks 2
 
@@ -18,7 +20,13 @@ package, or the system path; the package itself through PYTHONPATH=python or `pi
 over ranks, AdamW state is sharded (SHARD_GRAD_OP unless --strategy says otherwise). Rank 0
 prints loss and throughput; every rank prints its memory at the end. Exits with status 1 if
 the loss did not fall. With --trace, rank 0 also prints how much of the gradient reduction time
-ran while the backward pass was still computing (shardgrad.trace_overlap).
+ran while the backward pass was still computing, and how much of the parameter all-gather time
+the training loop did not wait for (shardgrad.trace_overlap).
+
+--overlap-gather: overlap_param_gather=1. opt.step() returns once the all-gathers of the
+updated parameters are queued, bucket by bucket, and ShardedAdamW's forward pre-hooks make each
+module wait only for its own parameters, so the gathers run behind the next forward pass
+(without it they only overlap the AdamW of the other buckets, and step() waits for the last).
 
 --device cuda: model, batches and the library's state on the GPU. Ranks as threads all share
 cuda:0, each with its own CUDA stream (as one process per GPU would have its own): forward,
@@ -171,8 +179,10 @@ def trace_path(path, world):
     return path
 
 
-def finish_trace(engine, path, rank, world, note=""):
-    """Stops the trace, writes it, and (rank 0) prints the overlap summary."""
+def finish_trace(engine, path, rank, world, note="", overlap_gather=False):
+    """Stops the trace, writes it, and (rank 0) prints the overlap summary: the reductions
+    against the backward pass, then the all-gathers (per step: their time, the share the
+    training loop did not wait for, and the time it did wait)."""
     engine.trace_stop()
     events, dropped = engine.trace_events()
     path = trace_path(path, world)
@@ -184,6 +194,11 @@ def finish_trace(engine, path, rank, world, note=""):
                   path.replace("%r", "0"), len(events), dropped, ov["reduce_us"] / 1e3,
                   ov["steps"], 100 * ov["hidden_fraction"], ov["exposed_us"] / 1e3) + note,
               flush=True)
+        k = 1e-3 / max(ov["steps"], 1)  # us in all -> ms per step
+        print("trace: all-gather %.3f ms/step, %.0f%% of it hidden behind AdamW%s (%.3f ms/step "
+              "exposed)" % (ov["gather_us"] * k, 100 * ov["gather_hidden_fraction"],
+                            " and the forward pass" if overlap_gather else "",
+                            ov["gather_exposed_us"] * k), flush=True)
 
 
 def rank_device(args, comm):
@@ -222,7 +237,8 @@ def train_rank_on(comm, args, data, out, device):
     nparams = sum(p.numel() for p in model.parameters())
     opt = ShardedAdamW(model, comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                        strategy=args.strategy, max_grad_norm=args.clip,
-                       bucket_bytes=args.bucket_kib << 10)
+                       bucket_bytes=args.bucket_kib << 10,
+                       overlap_param_gather=args.overlap_gather)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
@@ -232,9 +248,11 @@ def train_rank_on(comm, args, data, out, device):
         where = ""
         if device.type == "cuda":
             where = ", on %s (%s)" % (device, torch.cuda.get_device_name(device))
-        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s), %s, %s params%s"
-              % (nparams, args.layers, args.d, data.vocab, world, comm.kind,
-                 opt.engine.config.strategy.name, args.dtype, where), flush=True)
+        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s), %s, %s params"
+              "%s%s" % (nparams, args.layers, args.d, data.vocab, world, comm.kind,
+                 opt.engine.config.strategy.name, args.dtype, where,
+                 ", all-gathers overlapping the forward pass" if args.overlap_gather else ""),
+              flush=True)
     losses = []
     t0 = time.perf_counter()
     t_last, tok_last = t0, 0
@@ -275,7 +293,7 @@ def train_rank_on(comm, args, data, out, device):
         note = ""
         if device.type == "cuda" and comm.kind == "local" and world > 1:
             note = " (ranks as threads on CUDA: gradients reach the library at step())"
-        finish_trace(opt.engine, args.trace, rank, world, note)
+        finish_trace(opt.engine, args.trace, rank, world, note, args.overlap_gather)
     mem = opt.memory()
     sample = None
     if rank == 0:
@@ -336,7 +354,11 @@ def main():
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--trace", metavar="PATH",
                     help="write a Chrome trace of steps 2.. to PATH (%%r: the rank) and print "
-                    "how much reduction time the backward pass hid")
+                    "how much reduction time the backward pass hid and how much all-gather "
+                    "time the loop did not wait for")
+    ap.add_argument("--overlap-gather", action="store_true",
+                    help="overlap_param_gather: step() returns with the parameter all-gathers "
+                    "still running; each module waits for its own in a forward pre-hook")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.device == "cuda":

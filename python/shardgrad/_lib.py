@@ -87,6 +87,8 @@ PROTOTYPES = {
     "sg_trace_events": (_status, [_vp, ctypes.POINTER(SgTraceEvent), _c_size,
                                   ctypes.POINTER(_c_size), ctypes.POINTER(ctypes.c_uint64)]),
     "sg_trace_write": (_status, [_vp, _c_char_p]),
+    # 0.2: overlapped parameter all-gather (sg_config.overlap_param_gather)
+    "sg_param_wait": (_status, [_vp, _c_int]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
@@ -94,6 +96,7 @@ OPTIONAL = frozenset({
     "sg_comm_create_nccl_mpi", "sg_nccl_unique_id", "sg_comm_create_nccl", "sg_set_stream",
     "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step", "sg_get_lr",
     "sg_trace_start", "sg_trace_stop", "sg_trace_mark", "sg_trace_events", "sg_trace_write",
+    "sg_param_wait",
 })
 
 

@@ -48,8 +48,11 @@ class TraceKind(enum.IntEnum):
     GRAD_READY = 0  # instant on the caller's queue: a gradient became ready (id = parameter)
     REDUCE = 1      # span on the comm queue: one bucket's reduction (id = bucket index)
     STEP = 2        # span on the caller's queue: gradient norm and AdamW on the shard
-    GATHER = 3      # span on the comm queue: the step's all-gather of the parameters
+    GATHER = 3      # span on the comm queue: one bucket's all-gather after the step (id = bucket)
     MARK = 4        # instant on the caller's queue: Engine.trace_mark(label)
+    WAIT = 5        # span on the caller's queue: it waited for all-gathers (Engine.param_wait,
+                    # or the end of step() without overlap_param_gather); id = the last bucket
+                    # waited for. Its length is all-gather time that was not hidden.
 
 
 PARAM_NO_DECAY = 1
@@ -82,6 +85,8 @@ class SgConfig(ctypes.Structure):
         ("stochastic_rounding", ctypes.c_int),
         ("seed", ctypes.c_uint64),
         ("timeout_ms", ctypes.c_int),
+        # appended in 0.2, in what was the tail padding after timeout_ms: sizeof is unchanged
+        ("overlap_param_gather", ctypes.c_int),
     ]
 
 

@@ -5,7 +5,7 @@ import math
 
 from . import _lib
 from ._structs import DType, Device, SgConfig, SgMemoryStats, Strategy
-from .errors import ShardgradError, check
+from .errors import ShardgradError, UnsupportedError, check
 
 __all__ = ["Config", "to_dtype", "to_strategy", "to_device"]
 
@@ -78,7 +78,11 @@ _INT_TYPES = {ctypes.c_int: (-2**31, 2**31 - 1), ctypes.c_size_t: (0, 2**64 - 1)
               ctypes.c_uint64: (0, 2**64 - 1)}
 FIELDS = tuple(name for name, _ in SgConfig._fields_ if name != "struct_size")
 _FIELD_TYPES = dict(SgConfig._fields_)
-_BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding")
+_BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overlap_param_gather")
+# Fields appended after 0.1, with the C function that tells whether the loaded library knows
+# them. An older library passes the same struct_size (the field sits in what was padding) but
+# would ignore the value, so a non-default value is refused there instead.
+_NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
 
 
 class Config:
@@ -92,6 +96,10 @@ class Config:
     InvalidArgumentError with the library's message.
 
         cfg = Config(strategy="shard_grad_op", param_dtype="bf16", lr=3e-4, max_grad_norm=1.0)
+
+    overlap_param_gather=1 (or True) lets step() return with the per-bucket all-gathers still
+    running; call Engine.param_wait(pid) before reading a parameter (ShardedAdamW does it in
+    forward pre-hooks). 0/False, the default: step() returns with every parameter gathered.
     """
 
     __slots__ = ("_c",)
@@ -122,7 +130,12 @@ class Config:
     def __setattr__(self, name, value):
         if name not in FIELDS:
             raise TypeError("Config: unknown field %r; fields are: %s" % (name, ", ".join(FIELDS)))
-        setattr(self._c, name, self._convert(name, value))
+        v = self._convert(name, value)
+        fn = _NEWER_FIELDS.get(name)
+        if v and fn is not None and not _lib.has(fn):
+            raise UnsupportedError("Config.%s: the loaded library (%s) predates this field"
+                                   % (name, _lib.library_path()), function="python")
+        setattr(self._c, name, v)
 
     @staticmethod
     def _convert(name, value):

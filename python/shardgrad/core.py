@@ -280,7 +280,8 @@ class MemoryStats:
 class TraceEvent:
     """One recorded event (sg_trace_event). Times are microseconds since trace_start, on the
     clock of the queue that ran the work; instants (GRAD_READY, MARK) have end_us == start_us.
-    id: parameter id (GRAD_READY) or bucket index in reduction order (REDUCE), else -1; step:
+    id: parameter id (GRAD_READY), bucket index in reduction order (REDUCE), bucket index
+    (GATHER: one event per bucket and step; WAIT: the last bucket waited for), else -1; step:
     optimizer steps taken when the event was issued; label: the parameter's name or the mark's
     label (at most 47 bytes), else ""."""
     kind: TraceKind
@@ -423,7 +424,9 @@ class Engine:
             ...  e.grad_add(w, g) ... e.step()
 
     Views returned by param()/grad() and their torch variants point into library memory: they
-    keep the Engine object alive, but must not be used after close().
+    keep the Engine object alive, but must not be used after close(). With
+    overlap_param_gather=1, step() returns while the parameters are still being all-gathered:
+    call param_wait(pid) (or param_wait() for all) before reading a view after a step.
     """
 
     def __init__(self, comm, config=None, **kwargs):
@@ -449,6 +452,7 @@ class Engine:
         self._gdtype = config.effective_grad_dtype
         self._device = config.device
         self._lr = float(config.lr)
+        self._overlap = int(config.overlap_param_gather)
         _live_engines.add(self)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -543,6 +547,39 @@ class Engine:
         _call("sg_param_ptr", self.handle, self._check_id(pid), ctypes.byref(p))
         return p.value
 
+    def param_wait(self, pid=-1):
+        """With overlap_param_gather on: orders the caller's work after the all-gather (started
+        by the last step()) of the bucket holding parameter `pid` (an id or a name; -1 or None:
+        every bucket). On a CPU engine the calling thread waits; on CUDA the engine's stream
+        does (see set_stream), not the host. Call it before anything reads the parameter after
+        a step, e.g. in a forward pre-hook (shardgrad.torch.ShardedAdamW does that); reading
+        earlier sees a mix of old and new values. Buckets are gathered in the order a forward
+        pass in registration order needs them, so waiting in that order stalls only where the
+        communication is behind. Returns at once when nothing is pending, and always without
+        overlap_param_gather. Library calls that touch parameters (step, set_param, get_param,
+        save, ...) wait by themselves; NumPy/torch views do not. A failed all-gather is
+        reported here (CommError, ShardgradTimeoutError; the engine is then broken). An id
+        outside 0..num_params-1 other than -1 raises InvalidArgumentError with the library's
+        text; an unknown name raises it too."""
+        if pid is None:
+            pid = -1
+        if isinstance(pid, str):
+            pid = self._check_id(pid)
+        elif isinstance(pid, bool) or not isinstance(pid, (int, np.integer)):
+            raise TypeError("param_wait: pid must be an int or a name, got %r" % (pid,))
+        h = self.handle
+        if not _lib.has("sg_param_wait"):
+            # an older library cannot overlap (Config refuses the field): nothing is pending
+            if pid != -1:
+                self._check_id(pid)
+            return
+        _call("sg_param_wait", h, int(pid))
+
+    @property
+    def overlap_param_gather(self):
+        """True when step() returns before the parameters are gathered (see param_wait)."""
+        return bool(self._overlap)
+
     def _host_view(self, ptr, pid, dtype):
         """Zero-copy NumPy view of numel(pid) elements of dtype at ptr, owned by this engine."""
         n = self._numels[pid]
@@ -554,13 +591,15 @@ class Engine:
         return _torch_view(ptr, self._numels[pid], dtype, self._shapes[pid], self._device, self)
 
     def param(self, pid):
-        """Zero-copy NumPy view of working parameter `pid` (bf16 as uint16). CPU only."""
+        """Zero-copy NumPy view of working parameter `pid` (bf16 as uint16). CPU only. After a
+        step with overlap_param_gather, param_wait(pid) before reading it."""
         pid = self._check_id(pid)
         self._need_host("param")
         return self._host_view(self.param_ptr(pid), pid, self._pdtype)
 
     def param_tensor(self, pid):
-        """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines)."""
+        """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines).
+        After a step with overlap_param_gather, param_wait(pid) before reading it."""
         pid = self._check_id(pid)
         return self._tensor_view(self.param_ptr(pid), pid, self._pdtype)
 
@@ -651,7 +690,9 @@ class Engine:
 
     # -- step -----------------------------------------------------------------------------
     def step(self):
-        """Collective: reductions, global norm, clipping, AdamW on the shard, all-gather."""
+        """Collective: reductions, global norm, clipping, AdamW on the shard, all-gather
+        (bucket by bucket, last bucket first). With overlap_param_gather it returns once the
+        all-gathers are queued: param_wait before reading parameters through views."""
         info = SgStepInfo(struct_size=ctypes.sizeof(SgStepInfo))
         _call("sg_step", self.handle, ctypes.byref(info))
         return StepInfo(int(info.step), float(info.grad_norm), float(info.clip_coef),

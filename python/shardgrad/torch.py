@@ -33,6 +33,17 @@ What it does
  - Parameters with requires_grad=False are left alone; parameters with ndim <= 1 (biases,
    norms) get no weight decay unless no_decay says otherwise.
 
+Overlapped all-gather (overlap_param_gather=True): step() returns as soon as the per-bucket
+all-gathers of the updated parameters are queued (the bucket of the first registered
+parameters first), and they overlap the next forward pass. A forward pre-hook on every module
+that directly owns parameters (recurse=False; tied parameters count for every module holding
+them) waits for exactly those parameters' buckets before the module runs, so each layer waits
+only for its own bucket, in whatever order the forward pass uses them. Parameters read
+outside their own module's forward (e.g. a parent module using child.weight in its own
+forward, or code inspecting p after step()) are not covered: call opt.wait_params() first.
+Needs an nn.Module as `model`. close() removes the hooks; library calls (state_dict, save,
+master_weights...) wait by themselves.
+
 Threads: with sg.Comm.local(n), build one model replica and one ShardedAdamW per rank, each in
 its own thread (sg.run_threads). Collective (every rank, same order): the first backward (or
 the constructor with param_order="registration"), step, state_dict, param_state,
@@ -116,6 +127,12 @@ def _grad_hook(opt_ref, pid, param):
         opt._take_grad(pid, param)
 
 
+def _wait_hook(opt_ref, indices, module, args):
+    opt = opt_ref()
+    if opt is not None:
+        opt._wait_for(indices)
+
+
 class ShardedAdamW(torch.optim.Optimizer):
     """AdamW over shardgrad: sharded gradients, master weights and moments (ZeRO-2 by default).
 
@@ -131,7 +148,10 @@ class ShardedAdamW(torch.optim.Optimizer):
     param_order: "backward" (finalize after the first backward, parameters laid out in
     gradient arrival order) or "registration" (finalize now, named_parameters order).
     config / **config_kwargs: any other shardgrad.Config field (strategy, max_grad_norm,
-    bucket_bytes, param_dtype, timeout_ms, ...). param_dtype defaults to the parameters' dtype.
+    bucket_bytes, param_dtype, timeout_ms, overlap_param_gather, ...). param_dtype defaults to
+    the parameters' dtype. overlap_param_gather=True: the all-gathers after step() overlap the
+    next forward pass, each module's forward pre-hook waiting for its own parameters (see the
+    module text; call wait_params() before reading parameters outside a forward pass).
     """
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
@@ -175,6 +195,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._init_done = True
         self._fixed = self._group_hparams()
         cfg = self._make_config(config, config_kwargs, named, lr, betas, eps, weight_decay)
+        if cfg.overlap_param_gather and not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError("ShardedAdamW: overlap_param_gather needs an nn.Module "
+                                       "(forward pre-hooks on its modules wait for the "
+                                       "parameters)", function="python")
         self._engine = Engine(comm, cfg)
         # CUDA engine, several ranks as threads: no library call from torch's autograd thread
         # (see the module text); the gradients wait in .grad for step().
@@ -186,6 +210,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         for i, (_, p) in enumerate(named):
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 functools.partial(_grad_hook, ref, i)))
+        self._wait_hooks = []   # forward pre-hooks (overlap_param_gather)
+        self._unwaited = set()  # indices into _named whose all-gather may still be pending
+        if self._engine.overlap_param_gather:
+            self._add_wait_hooks(model, ref)
         if param_order == "registration":
             self._setup(list(range(len(named))))
 
@@ -209,6 +237,39 @@ class ShardedAdamW(torch.optim.Optimizer):
         if config is not None:
             return config.copy(**kw).validate()
         return Config(**kw)
+
+    def _add_wait_hooks(self, model, ref):
+        """overlap_param_gather: a forward pre-hook on every module that directly owns some of
+        the parameters (a tied parameter counts for each module holding it) waits for the
+        all-gather of those parameters only, so that each layer's forward overlaps the
+        gathers of the layers after it."""
+        index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        for m in model.modules():
+            own = sorted({index[id(p)] for p in m.parameters(recurse=False) if id(p) in index})
+            if own:
+                self._wait_hooks.append(m.register_forward_pre_hook(
+                    functools.partial(_wait_hook, ref, tuple(own))))
+
+    def _wait_for(self, indices):
+        """Forward pre-hook: the parameters `indices` (into _named) are gathered before the
+        module reads them (CUDA: torch's current stream waits, the host does not)."""
+        todo = [i for i in indices if i in self._unwaited]
+        if not todo or self._closed:
+            return  # nothing pending since the last step (or no step yet)
+        e = self._engine
+        for i in todo:
+            e.param_wait(self._pid[i])
+            self._unwaited.discard(i)
+        self._torch_waits()
+
+    def wait_params(self):
+        """overlap_param_gather: waits for every pending all-gather, for code that reads the
+        parameters outside a forward pass of their modules (the hooks cover those). A no-op
+        otherwise. close(), save(), state_dict() and the like wait by themselves."""
+        if self._ready and not self._closed:
+            self._engine.param_wait(-1)
+            self._unwaited.clear()
+            self._torch_waits()
 
     def _decays(self, name, p):
         nd = self._no_decay
@@ -259,8 +320,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                 e.set_sync(False)
         except BaseException:
             self._closed = True
-            for h in self._hooks:
+            for h in self._hooks + self._wait_hooks:
                 h.remove()
+            self._hooks = []
+            self._wait_hooks = []
             e.close()
             raise
         self._hand_order = list(registration[::-1])
@@ -425,6 +488,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._engine.set_lr(lr)
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
+        if self._wait_hooks:  # overlap_param_gather: the gathers run on; the hooks wait
+            self._unwaited = set(range(len(self._named)))
         self._torch_waits()
         return loss
 
@@ -540,13 +605,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
+        for h in self._hooks + getattr(self, "_wait_hooks", []):
             h.remove()
         self._hooks = []
+        self._wait_hooks = []
         if self._engine is not None and not self._engine.closed:
             if not self._ready:
                 self._engine.close()
                 return
+            self._engine.param_wait(-1)  # overlap_param_gather: the copies need every bucket
             self._torch_waits()  # the copies read what the engine's stream last wrote
             with torch.no_grad():
                 for _, p in self._named:

@@ -109,6 +109,8 @@ def test_c_argument_checks_reachable_with_null_handles():
                  "sg_get_step"):
         if _lib.has(name):
             calls[name] = (None, None)
+    if _lib.has("sg_param_wait"):
+        calls["sg_param_wait"] = (None, -1)
     for name, args in calls.items():
         rc = getattr(L, name)(*args)
         assert rc == sg.Status.ERR_INVALID_ARGUMENT, (name, rc)
@@ -224,7 +226,7 @@ def test_config_init_defaults_and_struct_size():
                 eps=np.float32(1e-8), weight_decay=np.float32(0.01), max_grad_norm=0.0,
                 grad_average=1, loss_scale=0.0, init_loss_scale=65536.0, scale_window=2000,
                 min_loss_scale=1.0, skip_nonfinite=1, stochastic_rounding=0, seed=0,
-                timeout_ms=600000)
+                timeout_ms=600000, overlap_param_gather=0)
     got = cfg.as_dict()
     assert set(got) == set(want)
     for k, v in want.items():
@@ -560,6 +562,118 @@ def test_threads_match_single_rank(strategy):
             assert mem.shard_numel * w == mem.numel
         print("%s W=%d: shard %d of %d elements, optim %d bytes per rank"
               % (strategy, w, mem.shard_numel, mem.numel, mem.optim_bytes))
+
+
+def _overlap_rank_body(comm, overlap, steps):
+    """Random gradients (seeded by rank and step) into several buckets. After each step: with
+    overlap, param_wait for every id in registration order, then read the NumPy views; also
+    get_param, which waits by itself."""
+    cfg = dict(lr=0.05, bucket_bytes=1024, overlap_param_gather=overlap, **FAST)
+    shapes = [(16, 20), 64, (10, 30), 200, 7]
+    with sg.Engine(comm, **cfg) as e:
+        assert e.overlap_param_gather == bool(overlap)
+        for i, shp in enumerate(shapes):
+            e.add_param("p%d" % i, shp, no_decay=(i == 4))
+        e.finalize()
+        e.param_wait()  # nothing pending yet: returns at once
+        rng = np.random.default_rng(0)
+        for i in range(len(shapes)):
+            e.set_param(i, rng.standard_normal(e.param_shape(i)).astype(np.float32))
+        views, copies = [], []
+        for s in range(steps):
+            rng = np.random.default_rng(100 * s + comm.rank + 1)
+            for i in reversed(range(len(shapes))):
+                e.grad_add(i, rng.standard_normal(e.param_shape(i)).astype(np.float32))
+            e.backward_end()
+            e.step()
+            got = []
+            for i in range(len(shapes)):
+                if overlap:
+                    e.param_wait(i if i % 2 else e.param_name(i))  # ids and names
+                got.append(e.param(i).copy())
+            views.append(got)
+            copies.append([e.get_param(i) for i in range(len(shapes))])
+        return views, copies, e.memory()
+
+
+def test_param_wait_overlap_matches_no_overlap():
+    """overlap_param_gather=1 at W=2: reading each parameter after param_wait gives bitwise
+    the parameters of the same run without overlap, at every step and on every rank."""
+    steps = 4
+    off = sg.run_threads(2, _overlap_rank_body, 0, steps)
+    on = sg.run_threads(2, _overlap_rank_body, 1, steps)
+    numel = on[0][2].numel
+    for rank in range(2):
+        for s in range(steps):
+            for a, b, c, d in zip(off[rank][0][s], on[rank][0][s], off[rank][1][s],
+                                  on[rank][1][s]):
+                np.testing.assert_array_equal(a, b)
+                np.testing.assert_array_equal(a, c)
+                np.testing.assert_array_equal(a, d)
+        for a, b in zip(on[0][0][-1], on[1][0][-1]):
+            np.testing.assert_array_equal(a, b)  # replicas agree
+    assert any(not np.array_equal(a, b) for a, b in zip(on[0][0][0], on[0][0][-1]))  # trained
+    print("overlap_param_gather: %d steps at W=2, %d elements: views after param_wait equal "
+          "the run without overlap bitwise" % (steps, numel))
+
+
+def test_overlap_refused_by_a_library_without_it(monkeypatch):
+    """A 0.1 library has the same sizeof(sg_config) (the field took the tail padding) but would
+    ignore overlap_param_gather: the binding refuses a non-default value there, and param_wait
+    is a no-op (nothing can be pending)."""
+    real_has = _lib.has
+    monkeypatch.setattr(_lib, "has", lambda name: name != "sg_param_wait" and real_has(name))
+    with pytest.raises(sg.UnsupportedError, match="overlap_param_gather"):
+        sg.Config(overlap_param_gather=1)
+    assert sg.Config(overlap_param_gather=0).overlap_param_gather == 0
+    comm = sg.Comm.local(1)[0]
+    with sg.Engine(comm, **FAST) as e:
+        e.add_param("w", 4)
+        e.finalize()
+        e.param_wait(0)
+        e.param_wait(-1)
+        with pytest.raises(sg.InvalidArgumentError, match="99"):
+            e.param_wait(99)  # checked by the binding instead
+    comm.close()
+
+
+def test_param_wait_errors_and_config():
+    with pytest.raises(sg.InvalidArgumentError, match="overlap_param_gather"):
+        sg.Config(overlap_param_gather=2)
+    with pytest.raises(sg.InvalidArgumentError, match="overlap_param_gather"):
+        sg.Config(overlap_param_gather=-1)
+    assert sg.Config(overlap_param_gather=True).overlap_param_gather == 1
+    with pytest.raises(TypeError):
+        sg.Config(overlap_param_gather="yes")
+    comm = sg.Comm.local(1)[0]
+    with sg.Engine(comm, overlap_param_gather=1, **FAST) as e:
+        e.add_param("w", 100)
+        e.add_param("b", 3)
+        with pytest.raises(sg.InvalidStateError, match="sg_param_wait"):
+            e.param_wait(0)  # before finalize
+        e.finalize()
+        for bad in (2, -2, 1 << 20):
+            with pytest.raises(sg.InvalidArgumentError) as info:
+                e.param_wait(bad)
+            # the library's own text, naming the function and the value
+            assert info.value.function == "sg_param_wait"
+            assert info.value.message == sg.last_error()
+            assert info.value.message.startswith("sg_param_wait") and str(bad) in str(info.value)
+        with pytest.raises(sg.InvalidArgumentError, match="nope"):
+            e.param_wait("nope")
+        with pytest.raises(TypeError):
+            e.param_wait(1.5)
+        with pytest.raises(TypeError):
+            e.param_wait(True)
+        e.param_wait(np.int64(1))
+        e.param_wait(None)
+        e.grad_add(0, np.ones(100, np.float32))
+        e.step()  # W = 1: nothing to gather, nothing pending
+        e.param_wait(-1)
+        e.param_wait("b")
+    with pytest.raises(sg.InvalidStateError, match="closed"):
+        e.param_wait()
+    comm.close()
 
 
 def test_broadcast_params_from_root():

@@ -2,8 +2,11 @@
 
 What the events say must follow from how the engine orders its work, whatever the timing (as
 in tests/test_trace.c): one GRAD_READY per parameter and micro-batch, one REDUCE per bucket and
-micro-batch in bucket order, one STEP per step, one GATHER per step at W > 1, every mark;
-reductions start after the gradient that launched them, steps after their reductions ended.
+micro-batch in bucket order, one STEP per step, one GATHER per bucket and step at W > 1 (ids
+nb-1..0), one WAIT per step at its end or, with overlap_param_gather, one per bucket where the
+next forward pass calls param_wait, every mark; reductions start after the gradient that
+launched them, steps after their reductions ended, gathers after their step started and after
+the gather before them, waits end after the gather they waited for.
 The Chrome trace file holds exactly the events trace_events returns; SG_TRACE writes one file
 per rank at close; misuse raises; a full buffer counts what it dropped. trace_overlap is checked
 on hand-built event lists whose answers follow from its definition (no timing assertions).
@@ -27,10 +30,10 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 NPARAM = 8
 NUMEL = 4096  # 16 KiB of fp32 per parameter: several per bucket, several buckets
 FAST = dict(timeout_ms=30000, bucket_bytes=32 << 10, strategy="shard_grad_op")
-SPANS = (sg.TraceKind.REDUCE, sg.TraceKind.STEP, sg.TraceKind.GATHER)
+SPANS = (sg.TraceKind.REDUCE, sg.TraceKind.STEP, sg.TraceKind.GATHER, sg.TraceKind.WAIT)
 KIND_NAMES = {sg.TraceKind.GRAD_READY: "grad_ready", sg.TraceKind.REDUCE: "reduce",
               sg.TraceKind.STEP: "step", sg.TraceKind.GATHER: "gather",
-              sg.TraceKind.MARK: "mark"}
+              sg.TraceKind.MARK: "mark", sg.TraceKind.WAIT: "wait"}
 
 pytestmark = pytest.mark.skipif(not _lib.has("sg_trace_start"),
                                 reason="the library predates the tracing API")
@@ -44,9 +47,15 @@ def make_engine(comm, nparam=NPARAM, numel=NUMEL, **kw):
     return e
 
 
-def train(e, steps, mb):
-    """Micro-batches of gradients in backward order, each opened by a "backward" mark."""
-    for _ in range(steps):
+def train(e, steps, mb, wait=False):
+    """Micro-batches of gradients in backward order, each opened by a "backward" mark. wait:
+    every step but the first is preceded by a "forward pass" that waits for the parameters in
+    registration order (param_wait), then a "forward" mark."""
+    for s in range(steps):
+        if wait and s > 0:
+            for p in range(e.num_params):
+                e.param_wait(p)
+            e.trace_mark("forward")
         for _ in range(mb):
             e.trace_mark("backward")
             for p in reversed(range(e.num_params)):
@@ -65,14 +74,23 @@ def buckets_per_microbatch(events):
         if ev.kind in (sg.TraceKind.MARK, sg.TraceKind.STEP):
             if cur is not None:
                 out.append(cur)
-            cur = [] if ev.kind == sg.TraceKind.MARK else None
+            cur = [] if ev.kind == sg.TraceKind.MARK and ev.label != "forward" else None
         elif ev.kind == sg.TraceKind.REDUCE:
             cur.append(ev.id)
     return out
 
 
+def gather_steps(events, nb):
+    """Checks that the GATHER ids of each step run nb-1..0; returns the number of such steps."""
+    ids = [ev.id for ev in events if ev.kind == sg.TraceKind.GATHER]
+    assert len(ids) % nb == 0, ids
+    assert ids == list(range(nb - 1, -1, -1)) * (len(ids) // nb), ids
+    return len(ids) // nb
+
+
 def check_causality(events):
-    last_ready = last_reduce_end = last_step_end = -1.0
+    last_ready = last_reduce_end = step_start = last_step_end = gather_end = -1.0
+    gather_end_of = {}
     step = 0
     for ev in events:
         assert ev.start_us >= 0 and ev.end_us >= ev.start_us, ev
@@ -87,10 +105,20 @@ def check_causality(events):
             last_reduce_end = max(last_reduce_end, ev.end_us)
         elif ev.kind == sg.TraceKind.STEP:
             assert ev.start_us >= last_reduce_end, ev  # after every reduction of the step
-            last_step_end = ev.end_us
+            step_start, last_step_end = ev.start_us, ev.end_us
             step += 1
         elif ev.kind == sg.TraceKind.GATHER:
-            assert ev.start_us >= last_step_end, ev
+            # after its bucket's AdamW (within the step) and the gather before it; bucket 0,
+            # the last, after the whole step
+            assert ev.start_us >= step_start and ev.start_us >= gather_end, ev
+            if ev.id == 0:
+                assert ev.start_us >= last_step_end, ev
+            gather_end = ev.end_us
+            gather_end_of[ev.id] = ev.end_us
+        elif ev.kind == sg.TraceKind.WAIT:
+            assert ev.id in gather_end_of and ev.end_us >= gather_end_of[ev.id], ev
+        elif ev.kind == sg.TraceKind.MARK and ev.label == "forward":
+            assert ev.start_us >= gather_end, ev  # after param_wait of every parameter
 
 
 def check_json(path, events, rank):
@@ -118,20 +146,21 @@ def check_json(path, events, rank):
 # real runs
 
 
-def _rank_body(comm, steps, mb, tmp):
-    with make_engine(comm) as e:
+def _rank_body(comm, steps, mb, tmp, overlap):
+    with make_engine(comm, overlap_param_gather=overlap) as e:
         e.trace_start(4096)
-        train(e, steps, mb)
+        train(e, steps, mb, wait=overlap)
         e.trace_stop()
         events, dropped = e.trace_events()
         e.trace_write(os.path.join(tmp, "run-%r.json"))
         return events, dropped
 
 
-@pytest.mark.parametrize("world,mb", [(1, 1), (2, 2)])
-def test_counts_causality_and_file(world, mb, tmp_path):
+@pytest.mark.parametrize("world,mb,overlap", [(1, 1, False), (2, 2, False), (2, 1, True),
+                                              (1, 1, True)])
+def test_counts_causality_and_file(world, mb, overlap, tmp_path):
     steps = 3
-    results = sg.run_threads(world, _rank_body, steps, mb, str(tmp_path))
+    results = sg.run_threads(world, _rank_body, steps, mb, str(tmp_path), overlap)
     for rank, (events, dropped) in enumerate(results):
         assert dropped == 0
         assert all(isinstance(ev, sg.TraceEvent) for ev in events)
@@ -144,14 +173,26 @@ def test_counts_causality_and_file(world, mb, tmp_path):
         assert per_mb == [list(range(nb))] * (mb * steps)
         assert count(events, sg.TraceKind.REDUCE) == nb * mb * steps
         assert count(events, sg.TraceKind.GRAD_READY) == NPARAM * mb * steps
-        assert count(events, sg.TraceKind.MARK) == mb * steps
+        assert count(events, sg.TraceKind.MARK) == mb * steps + (steps - 1 if overlap else 0)
         assert count(events, sg.TraceKind.STEP) == steps
-        assert count(events, sg.TraceKind.GATHER) == (steps if world > 1 else 0)
+        gsteps = steps if world > 1 else 0
+        assert count(events, sg.TraceKind.GATHER) == nb * gsteps
+        assert gather_steps(events, nb) == gsteps
+        # without overlap one WAIT at the end of each step (for bucket 0, gathered last); with
+        # it, one per bucket where the "forward pass" waits, in gather order
+        waits = [ev.id for ev in events if ev.kind == sg.TraceKind.WAIT]
+        if not gsteps:
+            assert waits == []
+        elif overlap:
+            assert waits == list(range(nb - 1, -1, -1)) * (steps - 1)
+        else:
+            assert waits == [0] * steps
         for ev in events:
             if ev.kind == sg.TraceKind.GRAD_READY:
                 assert ev.label == "layer%d.weight" % ev.id
             elif ev.kind == sg.TraceKind.MARK:
-                assert ev.label == "backward" and ev.id == -1
+                assert ev.label in (("backward", "forward") if overlap else ("backward",))
+                assert ev.id == -1
         check_causality(events)
         ov = sg.trace_overlap(events)
         assert ov["steps"] == steps
@@ -159,9 +200,20 @@ def test_counts_causality_and_file(world, mb, tmp_path):
                                                     if ev.kind == sg.TraceKind.REDUCE))
         assert 0.0 <= ov["hidden_us"] <= ov["reduce_us"]
         assert ov["exposed_us"] == pytest.approx(ov["reduce_us"] - ov["hidden_us"])
+        gather = sum(ev.duration_us for ev in events if ev.kind == sg.TraceKind.GATHER)
+        waited = sum(ev.duration_us for ev in events if ev.kind == sg.TraceKind.WAIT)
+        assert ov["gather_us"] == pytest.approx(gather)
+        assert ov["gather_exposed_us"] == pytest.approx(waited)
+        assert ov["gather_hidden_us"] == pytest.approx(max(0.0, gather - waited))
+        assert 0.0 <= ov["gather_hidden_fraction"] <= 1.0
+        if not gsteps:
+            assert ov["gather_us"] == 0.0 and ov["gather_hidden_fraction"] == 0.0
         if rank == 0:
-            print("W=%d mb=%d: %d events, %d buckets, reductions %.1f us, %.0f%% hidden"
-                  % (world, mb, len(events), nb, ov["reduce_us"], 100 * ov["hidden_fraction"]))
+            print("W=%d mb=%d overlap=%d: %d events, %d buckets, reductions %.1f us, %.0f%% "
+                  "hidden; all-gathers %.1f us, %.0f%% hidden"
+                  % (world, mb, overlap, len(events), nb, ov["reduce_us"],
+                     100 * ov["hidden_fraction"], ov["gather_us"],
+                     100 * ov["gather_hidden_fraction"]))
 
 
 def test_sg_trace_env_writes_a_file_per_rank_at_close(tmp_path, monkeypatch):
@@ -306,6 +358,9 @@ def ev(kind, start, end=None, id=-1, step=0, label=""):
 
 GR, RED, STEP, MARK = (sg.TraceKind.GRAD_READY, sg.TraceKind.REDUCE, sg.TraceKind.STEP,
                        sg.TraceKind.MARK)
+GATH, WAIT = sg.TraceKind.GATHER, sg.TraceKind.WAIT
+NO_GATHER = {"gather_us": 0.0, "gather_exposed_us": 0.0, "gather_hidden_us": 0.0,
+             "gather_hidden_fraction": 0.0}
 
 
 def test_overlap_two_steps_known_answer():
@@ -325,7 +380,7 @@ def test_overlap_two_steps_known_answer():
     ]
     ov = sg.trace_overlap(events)
     assert ov == {"reduce_us": 61.0, "hidden_us": 33.0, "hidden_fraction": 33.0 / 61.0,
-                  "exposed_us": 28.0, "steps": 2}
+                  "exposed_us": 28.0, "steps": 2, **NO_GATHER}
 
 
 def test_overlap_microbatch_boundaries():
@@ -350,12 +405,52 @@ def test_overlap_microbatch_boundaries():
 
 def test_overlap_without_reductions():
     assert sg.trace_overlap([]) == {"reduce_us": 0.0, "hidden_us": 0.0, "hidden_fraction": 0.0,
-                                    "exposed_us": 0.0, "steps": 0}
+                                    "exposed_us": 0.0, "steps": 0, **NO_GATHER}
     ov = sg.trace_overlap([ev(MARK, 0), ev(GR, 1), ev(STEP, 2, 3)])
     assert ov["reduce_us"] == 0.0 and ov["hidden_fraction"] == 0.0 and ov["steps"] == 1
     # a REDUCE with no GRAD_READY in its micro-batch hides nothing
     ov = sg.trace_overlap([ev(MARK, 0), ev(RED, 1, 4), ev(STEP, 5, 6)])
     assert ov["reduce_us"] == 3.0 and ov["hidden_us"] == 0.0 and ov["exposed_us"] == 3.0
+
+
+def test_gather_summary_known_answers():
+    # two steps of two buckets (ids 1, 0); without overlap the step's end waits for the last
+    # gather, with overlap the next forward pass waits bucket by bucket
+    events = [
+        ev(STEP, 0, 20),
+        ev(GATH, 10, 18, id=1),   # 8
+        ev(GATH, 20, 32, id=0),   # 12
+        ev(WAIT, 20, 32, id=0),   # 12 exposed: the end of step() waited for bucket 0
+        ev(MARK, 40, label="backward"),
+        ev(RED, 41, 45, id=0),
+        ev(STEP, 50, 70),
+        ev(GATH, 60, 70, id=1),   # 10
+        ev(GATH, 70, 90, id=0),   # 20
+        ev(WAIT, 71, 71, id=1),   # 0: already gathered
+        ev(WAIT, 75, 90, id=0),   # 15
+    ]
+    ov = sg.trace_overlap(events)
+    assert ov["gather_us"] == 50.0 and ov["gather_exposed_us"] == 27.0
+    assert ov["gather_hidden_us"] == 23.0 and ov["gather_hidden_fraction"] == 23.0 / 50.0
+    assert ov["reduce_us"] == 4.0 and ov["steps"] == 2  # the old keys are unaffected
+    # waits longer than the gathers (e.g. a wait that also covered queued work): clamped at 0
+    ov = sg.trace_overlap([ev(GATH, 0, 10, id=0), ev(WAIT, 0, 15, id=0)])
+    assert ov["gather_hidden_us"] == 0.0 and ov["gather_hidden_fraction"] == 0.0
+    assert ov["gather_exposed_us"] == 15.0
+    # fully hidden, and waits without gathers (W = 1 has none)
+    ov = sg.trace_overlap([ev(GATH, 0, 10, id=3), ev(WAIT, 12, 12, id=3)])
+    assert ov["gather_hidden_us"] == 10.0 and ov["gather_hidden_fraction"] == 1.0
+    ov = sg.trace_overlap([ev(WAIT, 0, 5, id=0)])
+    assert ov["gather_us"] == 0.0 and ov["gather_hidden_fraction"] == 0.0
+    assert ov["gather_exposed_us"] == 5.0 and ov["gather_hidden_us"] == 0.0
+
+
+def _gather_as_in_c(events):
+    """The all-gather part of mlp_trace_sum and mlp_cli_trace_finish."""
+    gather = sum(x.end_us - x.start_us for x in events if x.kind == GATH)
+    wait = sum(x.end_us - x.start_us for x in events if x.kind == WAIT)
+    hid = gather - wait if gather > wait else 0.0
+    return gather, wait, hid, (hid / gather if gather > 0 else 0.0)
 
 
 def _overlap_as_in_c(events):
@@ -383,7 +478,7 @@ def _overlap_as_in_c(events):
 
 def test_overlap_matches_the_c_test_definition_on_random_lists():
     rnd = random.Random(7)
-    kinds = [GR, GR, GR, RED, RED, STEP, MARK, sg.TraceKind.GATHER]
+    kinds = [GR, GR, GR, RED, RED, STEP, MARK, GATH, GATH, WAIT]
     for _ in range(300):
         events = []
         for _ in range(rnd.randrange(0, 40)):
@@ -393,23 +488,33 @@ def test_overlap_matches_the_c_test_definition_on_random_lists():
         ov = sg.trace_overlap(events)
         assert ov["reduce_us"] == pytest.approx(total) and ov["hidden_us"] == pytest.approx(hidden)
         assert ov["steps"] == count(events, STEP)
+        gather, wait, hid, frac = _gather_as_in_c(events)
+        assert ov["gather_us"] == pytest.approx(gather)
+        assert ov["gather_exposed_us"] == pytest.approx(wait)
+        assert ov["gather_hidden_us"] == pytest.approx(hid)
+        assert ov["gather_hidden_fraction"] == pytest.approx(frac)
 
 
 # ------------------------------------------------------------------------------------------
 # the example
 
 
-def test_train_lm_example_trace(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_train_lm_example_trace(tmp_path, overlap):
     pytest.importorskip("torch")
     out = str(tmp_path / "lm-%r.json")
     cmd = [sys.executable, os.path.join(REPO, "examples", "python", "train_lm.py"), "--ranks",
            "2", "--steps", "40", "--d", "64", "--layers", "2", "--batch", "4", "--seq", "32",
            "--micro", "2", "--log-every", "10", "--threads", "1", "--bucket-kib", "64",
-           "--trace", out]
+           "--trace", out] + (["--overlap-gather"] if overlap else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "of the reduction time hidden behind the backward pass" in r.stdout
+    line = [x for x in r.stdout.splitlines() if x.startswith("trace: all-gather ")]
+    assert len(line) == 1, r.stdout
+    assert "ms/step exposed" in line[0]
+    assert ("hidden behind AdamW and the forward pass" in line[0]) == overlap
     for rank in (0, 1):
         with open(str(tmp_path / ("lm-%d.json" % rank))) as f:
             doc = json.load(f)
@@ -419,4 +524,10 @@ def test_train_lm_example_trace(tmp_path):
         # traced from after the first step: 39 steps of 2 micro-batches (marks), the first
         # under no_sync (no reductions)
         assert kinds.count("step") == 39 and kinds.count("mark") == 78
-        assert kinds.count("reduce") == 39 * nb and kinds.count("gather") == 39
+        assert kinds.count("reduce") == 39 * nb and kinds.count("gather") == 39 * nb
+        if overlap:
+            # the forward pass of steps 2..40 waits for the buckets of the step before it (each
+            # bucket at most once; one wait may cover several)
+            assert 39 <= kinds.count("wait") <= 39 * nb
+        else:
+            assert kinds.count("wait") == 39  # the end of each step
