@@ -34,7 +34,7 @@ extern "C" {
 #endif
 
 #define SG_VERSION_MAJOR 0
-#define SG_VERSION_MINOR 1
+#define SG_VERSION_MINOR 2
 #define SG_VERSION_PATCH 0
 
 /* ---------------------------------------------------------------------------------------- */

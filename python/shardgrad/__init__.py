@@ -19,7 +19,7 @@ from .errors import (CommError, CorruptError, CudaError, InternalError, InvalidA
                      ShardgradIOError, ShardgradTimeoutError, UnsupportedError)
 from .tracing import trace_overlap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "LibraryNotFoundError", "library_path", "PARAM_NO_DECAY", "DType", "Device", "Status",
