@@ -113,6 +113,23 @@ fi
 [[ -n "$ARCHS" ]] || ARCHS="80;90"
 line "architectures: $ARCHS"
 
+# NCCL: the GPU image may carry it only in Python's nvidia-nccl wheel (header and library under
+# site-packages/nvidia/nccl); use that when the system has none, so that the NCCL steps run.
+NCCL_ARGS=()
+NVCC_INC="$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")/../include"
+if [[ ! -f /usr/include/nccl.h && ! -f /usr/local/cuda/include/nccl.h && ! -f "$NVCC_INC/nccl.h" ]]; then
+  PYNCCL="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)"
+  if [[ -n "$PYNCCL" && -f "$PYNCCL/include/nccl.h" ]]; then
+    NCCL_ARGS=("-DSG_NCCL_INCLUDE_DIR=$PYNCCL/include")
+    if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so.2 ' && [[ -f "$PYNCCL/lib/libnccl.so.2" ]]; then
+      export SG_NCCL_LIBRARY="$PYNCCL/lib/libnccl.so.2"
+    fi
+    line "nccl: header from $PYNCCL/include, library ${SG_NCCL_LIBRARY:-from the system}"
+  else
+    line "nccl: no nccl.h found (the NCCL steps will fail or skip)"
+  fi
+fi
+
 T="$B/tests"
 TEST_TARGETS=(test_cuda_device test_cuda_kernels test_cuda_queues test_cuda_engine test_engine_cuda
   test_fp16_scale_cuda test_trace_cuda)
@@ -120,7 +137,7 @@ EXTRA_TARGETS=(sg_bench_adamw_cuda example_mlp_cuda)
 if ! command -v cmake >/dev/null; then
   fail "configure: cmake not found"
 elif run_step configure 90 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
-  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON; then
+  -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON "${NCCL_ARGS[@]}"; then
   run_step build 240 cmake --build "$B" -j "$JOBS" --target shardgrad "${TEST_TARGETS[@]}"
   # separately: a failure there leaves the tests alone
   run_step build_bench_example 120 cmake --build "$B" -j "$JOBS" --target "${EXTRA_TARGETS[@]}"
