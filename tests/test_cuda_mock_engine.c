@@ -6,7 +6,9 @@
  * with the same gradients; parameters, master weights and AdamW moments must agree bit for bit
  * (the CUDA kernels and the CPU kernels run the same element math, and the mock NCCL sums like
  * the local communicator), the reported gradient norm within 1e-6 (its sum of squares is
- * partitioned differently).
+ * partitioned differently). With overlap_param_gather the forward pass of every step reads each
+ * parameter on the caller's stream right after sg_param_wait: the bytes read must be those of
+ * the CPU run.
  *
  * Gradients reach the CUDA engine the way a training program's kernels would: in stream order
  * on the caller's stream (sg_set_stream): a host function fills a pinned buffer, a copy moves
@@ -21,6 +23,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,11 +59,14 @@ typedef struct tcase {
   sg_strategy strategy;
   sg_dtype pdt, gdt, adt;
   int world, mb, nosync;
+  int overlap; /* overlap_param_gather: the next forward pass reads each parameter on the
+                  caller's stream right after sg_param_wait */
 } tcase;
 
 typedef struct result {
   float *param[NP], *master[NP], *m[NP], *v[NP];
   float norm[STEPS];
+  uint64_t fwd_hash[STEPS]; /* overlap: the bytes each step's forward pass read */
 } result;
 
 typedef struct rank_arg {
@@ -130,6 +136,7 @@ static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
   cfg.lr = 0.01f;
   cfg.loss_scale = 1.0f;
   cfg.timeout_ms = 60000;
+  cfg.overlap_param_gather = tc->overlap;
   if ((st = sg_engine_create(a->comm, &cfg, e))) return st;
   for (int p = 0; p < NP && !st; p++) {
     char name[32];
@@ -167,6 +174,44 @@ static sg_status micro_batch(rank_arg *a, sg_engine *e, const int *ids, void *co
   return st;
 }
 
+/* The forward pass with overlap_param_gather: each parameter is copied to the host on the
+ * caller's stream right after sg_param_wait. On the mock a gather the stream was not ordered
+ * after has not run yet when the copy does: the hash then differs from the CPU run's. */
+static sg_status forward_read(rank_arg *a, sg_engine *e, const int *ids, cudaStream_t s,
+                              uint64_t *hash) {
+  const size_t psz = a->tc->pdt == SG_F32 ? 4 : 2;
+  unsigned char *h = (unsigned char *)malloc(k_sizes[NP - 1] * 4);
+  sg_status st = h ? SG_OK : SG_ERR_OUT_OF_MEMORY;
+  uint64_t x = 1469598103934665603ull;
+  for (int p = 0; p < NP && !st; p++) {
+    void *dev = NULL;
+    st = sg_param_wait(e, ids[p]);
+    if (!st) st = sg_param_ptr(e, ids[p], &dev);
+    if (st) break;
+    if (s) {
+      /* polled: the mock's streams move only when queried (a gather needs every rank's) */
+      cudaError_t ce = cudaMemcpyAsync(h, dev, k_sizes[p] * psz, cudaMemcpyDeviceToHost, s);
+      for (long spin = 0; ce == cudaSuccess; spin++) {
+        if ((ce = cudaStreamQuery(s)) != cudaErrorNotReady) break;
+        if (spin == 100000000) break; /* a stream that never finishes: fail, do not hang */
+        ce = cudaSuccess;
+        sched_yield();
+      }
+      if (ce != cudaSuccess) {
+        st = SG_ERR_CUDA;
+        h = NULL; /* the copy may still come: leaked rather than freed under it */
+        break;
+      }
+    } else {
+      memcpy(h, dev, k_sizes[p] * psz);
+    }
+    for (size_t i = 0; i < k_sizes[p] * psz; i++) x = (x ^ h[i]) * 1099511628211ull;
+  }
+  free(h);
+  *hash = x;
+  return st;
+}
+
 static sg_status collect(sg_engine *e, const int *ids, result *r) {
   sg_status st = SG_OK;
   for (int p = 0; p < NP && !st; p++) {
@@ -200,6 +245,7 @@ static void *rank_main(void *arg) {
     if (a->cuda && cudaMallocHost(&stage[p], bytes) != cudaSuccess) st = SG_ERR_OUT_OF_MEMORY;
   }
   for (int step = 0; step < STEPS && !st; step++) {
+    if (a->tc->overlap && step > 0) st = forward_read(a, e, ids, s, &a->res.fwd_hash[step]);
     for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, src, stage, s, step, k);
     sg_step_info info;
     memset(&info, 0, sizeof info);
@@ -293,6 +339,12 @@ static void compare(const tcase *tc, const char *run, const rank_arg *cpu, const
       norms &= fabsf(cpu[r].res.norm[s] - gpu[r].res.norm[s]) <= 1e-6f * fabsf(cpu[r].res.norm[s]);
     snprintf(what, sizeof what, "%s rank %d: %s gradient norms agree (1e-6)", tc->name, r, run);
     check(norms, what);
+    if (!tc->overlap) continue;
+    int fwd = 1;
+    for (int s = 1; s < STEPS; s++) fwd &= cpu[r].res.fwd_hash[s] == gpu[r].res.fwd_hash[s];
+    snprintf(what, sizeof what, "%s rank %d: %s forward passes read what the cpu run read "
+             "(sg_param_wait)", tc->name, r, run);
+    check(fwd, what);
   }
 }
 
@@ -308,12 +360,14 @@ static void free_results(rank_arg *args, int w) {
 
 int main(void) {
   static const tcase cases[] = {
-      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0},
-      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0},
-      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0},
-      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1},
-      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0},
-      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0},
+      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0, 0},
+      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 0},
+      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0, 0},
+      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1, 0},
+      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0, 0},
+      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0},
+      {"zero2 bf16 overlap W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 1},
+      {"zero1 f32 overlap W3", SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     static rank_arg ref[MAXW], got[MAXW];
