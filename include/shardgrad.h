@@ -242,6 +242,20 @@ SG_API sg_status sg_get_loss_scale(sg_engine *e, float *scale);
  * after it. NULL: an internal stream. CPU engines accept only NULL (SG_ERR_UNSUPPORTED). */
 SG_API sg_status sg_set_stream(sg_engine *e, void *cuda_stream);
 
+/* Parameter groups (like torch.optim param groups): each parameter belongs to one group
+ * 0..SG_MAX_GROUPS-1 (default 0), and each group has its own lr and weight_decay. */
+#define SG_MAX_GROUPS 16
+/* Puts parameter `id` in `group`, before sg_finalize. Part of what the ranks must agree on: a
+ * parameter in different groups on different ranks fails sg_finalize with SG_ERR_MISMATCH. */
+SG_API sg_status sg_set_param_group(sg_engine *e, int id, int group);
+/* Sets a group's lr and weight_decay (finite, >= 0), any time after create, between steps. A
+ * group never set takes the config's lr and weight_decay. Group 0 is the config's: sg_set_lr
+ * sets its lr, and sg_set_group(e, 0, ...) its lr and weight decay. Not checked across ranks
+ * (like sg_set_lr). SG_PARAM_NO_DECAY parameters never decay, whatever their group. */
+SG_API sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay);
+/* The lr and weight_decay group `group` uses in the next step. */
+SG_API sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay);
+
 typedef struct sg_memory_stats {
   size_t struct_size;
   size_t params_bytes; /* working parameters (full replica) */

@@ -7,8 +7,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Parameter groups (per-group lr and weight decay); equals SG_MAX_GROUPS of shardgrad.h. */
+#define SG__MAX_GROUPS 16
+
 /* A contiguous run of a rank's shard that belongs to one parameter (or to several adjacent
- * parameters with the same decay flag). Padding is in no segment and is never touched. */
+ * parameters with the same decay flag and group). Padding is in no segment and is never
+ * touched. */
 typedef struct sg__seg {
   size_t shard_off; /* index into master / m / v / grad */
   size_t flat_off;  /* index into the full working-parameter buffer (and stochastic rounding) */
@@ -17,6 +21,8 @@ typedef struct sg__seg {
   uint64_t sr_index;/* stochastic rounding counter of the first element: (param id << 40) +
                        offset inside the parameter, so the random bits do not depend on W or on
                        the padding of the layout (flat_off does) */
+  int group;        /* parameter group 0..SG__MAX_GROUPS-1: picks decay_factor and step_size
+                       (appended last, so that initializers of the fields above stay valid) */
 } sg__seg;
 
 /* One fused AdamW update over a rank's shard (DESIGN.md section 5). All math in fp32.
@@ -49,6 +55,13 @@ typedef struct sg__adamw_args {
   int stochastic_rounding;  /* bf16 params only */
   uint64_t seed;            /* stochastic rounding: hash of (seed, step, sr_index + i) */
   uint64_t step;
+  /* Parameter groups 1..ngroups-1 (ngroups 0 or 1: every segment is in group 0). Group 0 uses
+   * decay_factor and step_size above; group g >= 1 uses group_decay_factor[g] and
+   * group_step_size[g] (index 0 is not read). Same rules: (float)(1 - (double)lr_g * wd_g)
+   * and (float)(lr_g / bc1). A segment whose group is >= max(ngroups, 1) is invalid. */
+  int ngroups;
+  float group_decay_factor[SG__MAX_GROUPS];
+  float group_step_size[SG__MAX_GROUPS];
 } sg__adamw_args;
 
 /* The per-step scalars of sg__adamw_args from the (float) hyperparameters, computed in double
@@ -66,6 +79,39 @@ static inline void sg__adamw_scalars(sg__adamw_args *a, float lr, float beta1, f
   a->bc2_sqrt = (float)sqrt(bc2);
   a->eps = eps;
   a->step = t;
+}
+
+/* The lr and weight decay dependent scalars of group g (0: decay_factor and step_size), by
+ * the rule of sg__adamw_scalars; a->step must already be set. */
+static inline void sg__adamw_group_scalars(sg__adamw_args *a, int g, float lr, float beta1,
+                                           float wd) {
+  const double bc1 = 1.0 - pow((double)beta1, (double)a->step);
+  const float df = (float)(1.0 - (double)lr * (double)wd);
+  const float ss = (float)((double)lr / bc1);
+  if (g == 0) {
+    a->decay_factor = df;
+    a->step_size = ss;
+  } else if (g > 0 && g < SG__MAX_GROUPS) {
+    a->group_decay_factor[g] = df;
+    a->group_step_size[g] = ss;
+  }
+}
+
+/* 1 when ngroups is 0..SG__MAX_GROUPS and (ngroups > 1) every segment's group is below it. */
+static inline int sg__adamw_groups_ok(const sg__adamw_args *a) {
+  if (a->ngroups < 0 || a->ngroups > SG__MAX_GROUPS) return 0;
+  if (a->ngroups <= 1) return 1;
+  for (int s = 0; s < a->nsegs; s++)
+    if (a->segs[s].group < 0 || a->segs[s].group >= a->ngroups) return 0;
+  return 1;
+}
+
+/* Group g's decay factor and step size (what the kernels read). */
+static inline float sg__adamw_group_decay(const sg__adamw_args *a, int g) {
+  return g == 0 ? a->decay_factor : a->group_decay_factor[g];
+}
+static inline float sg__adamw_group_step(const sg__adamw_args *a, int g) {
+  return g == 0 ? a->step_size : a->group_step_size[g];
 }
 
 #endif /* SG_KERNEL_ARGS_H */

@@ -184,7 +184,7 @@ static errs run_f32(const ref_case *c, int replay) {
   float *p = malloc(4 * n), *m = calloc(n, 4), *v = calloc(n, 4), *before = malloc(4 * n);
   memcpy(p, c->p0, 4 * n);
   errs e = {0, 0, 0, 0, 0};
-  sg__seg seg = {0, 0, n, 1, 0};
+  sg__seg seg = {0, 0, n, 1, 0, 0};
   for (uint32_t t = 1; t <= c->steps; t++) {
     if (replay && t > 1) {
       memcpy(p, c->p + (t - 2) * n, 4 * n);
@@ -311,7 +311,7 @@ static void check_layouts(const ref_case *c) {
   {
     float *p = malloc(4 * n), *m = calloc(n, 4), *v = calloc(n, 4);
     memcpy(p, c->p0, 4 * n);
-    sg__seg s1 = {0, 0, n, 1, 0};
+    sg__seg s1 = {0, 0, n, 1, 0, 0};
     for (uint32_t t = 1; t <= c->steps; t++) {
       sg__adamw_args a = step_args(c, t, c->wd);
       a.param = p, a.m = m, a.v = v, a.grad = c->grad + (t - 1) * n, a.segs = &s1, a.nsegs = 1;

@@ -206,6 +206,7 @@ static int make_segments(sg__seg *segs, size_t *shard_n, size_t *flat_n) {
       segs[n].len = lens[(i * 5 + (size_t)rep) % (sizeof lens / sizeof lens[0])];
       segs[n].decay = (int)((i + (size_t)rep) % 3 != 0);
       segs[n].sr_index = ((uint64_t)n << 40) + (uint64_t)(rep * 17);
+      segs[n].group = (n * 3) % 5;  // read only when the call has ngroups > 1
       so += segs[n].len + (size_t)(rnd() % 3);
       fo += segs[n].len + (size_t)(rnd() % 5);
     }
@@ -220,7 +221,7 @@ struct adamw_state {
 };
 
 static void adamw_args(sg__adamw_args *a, adamw_state *s, int pdt, int gdt, bool master, bool sr,
-                       const sg__seg *segs, int nsegs, uint64_t step) {
+                       const sg__seg *segs, int nsegs, uint64_t step, int ngroups) {
   memset(a, 0, sizeof *a);
   const double lr = 1e-3, wd = 0.01, b1 = 0.9, b2 = 0.999;
   a->param = s->param.data();
@@ -244,6 +245,13 @@ static void adamw_args(sg__adamw_args *a, adamw_state *s, int pdt, int gdt, bool
   a->stochastic_rounding = sr;
   a->seed = 99;
   a->step = step;
+  // parameter groups 1..ngroups-1: their own lr and weight decay
+  a->ngroups = ngroups;
+  for (int g = 1; g < ngroups; g++) {
+    const double lr_g = lr * (g + 1), wd_g = 0.05 * g;
+    a->group_decay_factor[g] = (float)(1.0 - lr_g * wd_g);
+    a->group_step_size[g] = (float)(lr_g / (1.0 - std::pow(b1, (double)step)));
+  }
 }
 
 static void test_adamw() {
@@ -253,7 +261,8 @@ static void test_adamw() {
   } cases[] = {{0, 0, false, false}, {0, 1, false, false}, {0, 2, false, false},
                {0, 0, true, false},  {1, 0, true, false},  {1, 0, true, true},
                {1, 1, true, true},   {2, 0, true, false},  {2, 2, true, false}};
-  char what[128];
+  char what[160];
+  for (int ngroups : {0, 5})
   for (const auto &c : cases) {
     sg__seg segs[32];
     size_t sn, fn;
@@ -271,18 +280,18 @@ static void test_adamw() {
     for (float &x : s0.v) x = std::fabs(rnd_unit()) * 1e-4f;
     adamw_state ref = s0;
     sg__adamw_args a;
-    adamw_args(&a, &ref, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5);
+    adamw_args(&a, &ref, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5, ngroups);
     sg__cpu_adamw(&a);
     for (int g : k_grids) {
       adamw_state s = s0;
       std::vector<char> table(sg__cuda_adamw_table_bytes(nsegs));
       uint64_t work = 0;
       sg__cuda_adamw_table_build(table.data(), segs, nsegs, &work);
-      adamw_args(&a, &s, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5);
+      adamw_args(&a, &s, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5, ngroups);
       sg__cuda_launch L = {nullptr, g};
       int rc = sg__cuda_adamw(L, &a, table.data(), work);
-      snprintf(what, sizeof what, "adamw param %d grad %d master %d sr %d grid %d", c.pdt, c.gdt,
-               (int)c.master, (int)c.sr, g);
+      snprintf(what, sizeof what, "adamw param %d grad %d master %d sr %d grid %d groups %d",
+               c.pdt, c.gdt, (int)c.master, (int)c.sr, g, ngroups);
       const bool ok = rc == 0 && same(ref.param.data(), s.param.data(), c.pdt, fn) &&
                       same(ref.master.data(), s.master.data(), 0, sn) &&
                       same(ref.m.data(), s.m.data(), 0, sn) &&

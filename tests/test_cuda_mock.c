@@ -263,7 +263,7 @@ static void kernels(sg__device *d) {
   enum { S = 5000 };
   /* adamw: bf16 params with master and stochastic rounding, segments with gaps */
   sg__seg segs[3] = {
-      {0, 10, 1000, 1, 0}, {1003, 1020, 1, 0, 1ull << 40}, {1010, 1990, 3001, 1, 2ull << 40}};
+      {0, 10, 1000, 1, 0, 0}, {1003, 1020, 1, 0, 1ull << 40, 0}, {1010, 1990, 3001, 1, 2ull << 40, 0}};
   static uint16_t p_h[S];
   static float mst_h[S], m_h[S], v_h[S], g_h[S];
   for (int i = 0; i < S; i++) {
@@ -407,6 +407,9 @@ static int adam_bufs_done(sg__device *d, adam_bufs *b) {
   return ok;
 }
 
+/* Parameter groups of the next adam_call (0: none; the segments' groups are then not read). */
+static int g_adam_groups;
+
 static void adam_args(sg__adamw_args *a, uint64_t step) {
   memset(a, 0, sizeof *a);
   a->param_dtype = SG_BF16;
@@ -421,6 +424,11 @@ static void adam_args(sg__adamw_args *a, uint64_t step) {
   a->seed = 11;
   a->step = step;
   a->step_size = 0.002f * (float)step;
+  a->ngroups = g_adam_groups;
+  for (int g = 1; g < g_adam_groups; g++) {
+    a->group_decay_factor[g] = 1.0f - 0.003f * (float)g;
+    a->group_step_size[g] = 0.001f * (float)(g + 2) * (float)step;
+  }
 }
 
 /* One AdamW over segs[0..n) on queue q, on the device (buffers of b) and on the CPU. */
@@ -450,10 +458,10 @@ static void bucket_tables(void) {
   attach(d, &h); /* stream-ordered: barriers between steps wait on streams, not on the host */
   /* One segment array of three buckets (odd offsets: the scalar paths too), and a twin of
    * bucket 0 that differs from it only in sr_index (other stochastic rounding bits). */
-  const sg__seg segs[7] = {{0, 1, 100, 1, 0},           {100, 101, 37, 0, 1ull << 40},
-                           {137, 140, 400, 1, 2ull << 40}, {537, 541, 603, 1, 3ull << 40},
-                           {1140, 1144, 5, 0, 4ull << 40}, {1145, 1149, 800, 1, 5ull << 40},
-                           {1945, 1952, 1000, 0, 6ull << 40}};
+  const sg__seg segs[7] = {{0, 1, 100, 1, 0, 0},           {100, 101, 37, 0, 1ull << 40, 0},
+                           {137, 140, 400, 1, 2ull << 40, 0}, {537, 541, 603, 1, 3ull << 40, 0},
+                           {1140, 1144, 5, 0, 4ull << 40, 0}, {1145, 1149, 800, 1, 5ull << 40, 0},
+                           {1945, 1952, 1000, 0, 6ull << 40, 0}};
   const int first[3] = {0, 3, 5}, count[3] = {3, 2, 2};
   sg__seg twin[3];
   memcpy(twin, segs, sizeof twin);
@@ -503,13 +511,49 @@ static void bucket_tables(void) {
   ok = 1;
   for (int k = 0; k < 4200 && ok; k++) {
     sg__seg one = {(size_t)(k * 7) % TS, (size_t)(k * 7) % TS, 1 + (size_t)(k % 3), k % 2,
-                   (uint64_t)k};
+                   (uint64_t)k, 0};
     if (one.shard_off + one.len > TS) one.shard_off = one.flat_off = 0;
     ok &= adam_call(d, SG_Q_COMPUTE, &C, &one, 1, 1 + (uint64_t)(k % 5));
   }
   check(ok && sg_cudamock_calls("cudaEventQuery") > q0,
         "4200 distinct tables: the cache is dropped (host wait) when full");
   check(adam_bufs_done(d, &C), "4200 distinct tables == CPU bitwise");
+  d->ops->destroy(d);
+}
+
+/* Parameter groups: segments of several groups, with and without decay, and a twin table
+ * that differs only in the groups (the cache key must include them), alternating on both
+ * queues, == the CPU bitwise. */
+static void group_tables(void) {
+  sg__device *d = NULL;
+  hook_state h = {0, 0, 0, SG_OK};
+  sg__device_cuda_create(0, 0, &d);
+  attach(d, &h);
+  const sg__seg segs[4] = {{0, 1, 100, 1, 0, 0},
+                           {100, 101, 37, 0, 1ull << 40, 1},
+                           {137, 140, 400, 1, 2ull << 40, 2},
+                           {537, 541, 603, 1, 3ull << 40, 3}};
+  sg__seg twin[4];
+  memcpy(twin, segs, sizeof twin);
+  for (int k = 0; k < 4; k++) twin[k].group = (k + 2) % 4;
+  adam_bufs A;
+  adam_bufs_init(d, &A);
+  g_adam_groups = 4;
+  int ok = 1;
+  for (uint64_t step = 1; step <= 6; step++) {
+    ok &= adam_call(d, (sg__queue)(step % 2), &A, step % 2 ? segs : twin, 2, step);
+    ok &= adam_call(d, (sg__queue)((step + 1) % 2), &A, (step % 2 ? segs : twin) + 2, 2, step);
+    queue_barrier(d);
+  }
+  check(ok, "adamw calls with 4 parameter groups succeed");
+  check(adam_bufs_done(d, &A), "4 parameter groups, group-only twin tables, both queues == CPU");
+  /* a segment in a group the call does not have is refused */
+  sg__seg bad = {0, 0, 10, 1, 0, 4};
+  adam_bufs_init(d, &A);
+  check(!adam_call(d, SG_Q_COMPUTE, &A, &bad, 1, 1), "segment group >= ngroups: refused");
+  g_adam_groups = 0;
+  queue_barrier(d);
+  adam_bufs_done(d, &A);
   d->ops->destroy(d);
 }
 
@@ -541,6 +585,9 @@ int main(void) {
   bucket_tables();
   sg_cudamock_drain();
   check(sg_cudamock_live_allocations() == live1, "per-bucket tables: destroy frees every table");
+  group_tables();
+  sg_cudamock_drain();
+  check(sg_cudamock_live_allocations() == live1, "group tables: destroy frees every table");
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
 }

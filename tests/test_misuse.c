@@ -424,12 +424,22 @@ static void misuse_registration(rank_ctx *x) {
           strlen(param_name(i)) > 20 ? "..." : "", i);
     EXPECT(A, "sg_add_param", sg_add_param(e, param_name(i), 5, 0, &id));
   }
+  /* parameter groups: ids and groups out of range; group 0 is the default */
+  EXPECT(A, "sg_set_param_group", sg_set_param_group(NULL, 0, 0));
+  EXPECT(A, "sg_set_param_group", sg_set_param_group(e, -1, 0));
+  EXPECT(A, "sg_set_param_group", sg_set_param_group(e, NP, 0));
+  EXPECT(A, "sg_set_param_group", sg_set_param_group(e, 0, -1));
+  EXPECT(A, "sg_set_param_group", sg_set_param_group(e, 0, SG_MAX_GROUPS));
+  EXPECT(A, "sg_set_param_group", sg_set_param_group(e, 0, INT_MAX));
+  EXPECT_OK(sg_set_param_group(e, 0, 0));
 }
 
 static void misuse_after_finalize(rank_ctx *x) {
   int id = -1;
   EXPECT(SG_ERR_INVALID_STATE, "sg_finalize", sg_finalize(x->et));
   EXPECT(SG_ERR_INVALID_STATE, "sg_add_param", sg_add_param(x->et, "late", 8, 0, &id));
+  EXPECT(SG_ERR_INVALID_STATE, "sg_set_param_group", sg_set_param_group(x->et, 0, 1));
+  EXPECT(SG_ERR_INVALID_STATE, "sg_set_param_group", sg_set_param_group(x->et, 0, 0));
   sg_config c;
   base_config(&c, x->rc);
   sg_engine *other = (sg_engine *)&c;
@@ -497,6 +507,10 @@ static void misuse_null(rank_ctx *x) {
   EXPECT(A, "sg_set_sync", sg_set_sync(NULL, 1));
   EXPECT(A, "sg_step", sg_step(NULL, NULL));
   EXPECT(A, "sg_set_lr", sg_set_lr(NULL, 0.1f));
+  EXPECT(A, "sg_set_group", sg_set_group(NULL, 0, 0.1f, 0.0f));
+  EXPECT(A, "sg_get_group", sg_get_group(NULL, 0, &f, &f));
+  EXPECT(A, "sg_get_group", sg_get_group(e, 0, NULL, &f));
+  EXPECT(A, "sg_get_group", sg_get_group(e, 0, &f, NULL));
   EXPECT(A, "sg_get_loss_scale", sg_get_loss_scale(NULL, &f));
   EXPECT(A, "sg_memory", sg_memory(NULL, &ms));
 }
@@ -520,6 +534,21 @@ static void misuse_values(rank_ctx *x) {
   EXPECT(A, "sg_set_lr", sg_set_lr(e, -1.0f));
   EXPECT(A, "sg_set_lr", sg_set_lr(e, NAN));
   EXPECT(A, "sg_set_lr", sg_set_lr(e, INFINITY));
+  /* parameter groups: bad group, lr or weight decay change nothing */
+  float glr = 0, gwd = 0, glr2 = 0, gwd2 = 0;
+  EXPECT_OK(sg_get_group(e, 0, &glr, &gwd));
+  EXPECT(A, "sg_set_group", sg_set_group(e, -1, 0.1f, 0.0f));
+  EXPECT(A, "sg_set_group", sg_set_group(e, SG_MAX_GROUPS, 0.1f, 0.0f));
+  EXPECT(A, "sg_set_group", sg_set_group(e, 0, -1.0f, 0.0f));
+  EXPECT(A, "sg_set_group", sg_set_group(e, 0, NAN, 0.0f));
+  EXPECT(A, "sg_set_group", sg_set_group(e, 0, INFINITY, 0.0f));
+  EXPECT(A, "sg_set_group", sg_set_group(e, 0, 0.1f, -1.0f));
+  EXPECT(A, "sg_set_group", sg_set_group(e, 0, 0.1f, NAN));
+  EXPECT(A, "sg_set_group", sg_set_group(e, 1, 0.1f, INFINITY));
+  EXPECT(A, "sg_get_group", sg_get_group(e, -1, &glr2, &gwd2));
+  EXPECT(A, "sg_get_group", sg_get_group(e, SG_MAX_GROUPS, &glr2, &gwd2));
+  CHECK(sg_get_group(e, 0, &glr2, &gwd2) == SG_OK && glr2 == glr && gwd2 == gwd,
+        "failed sg_set_group calls leave group 0 as it was (lr %g, weight_decay %g)", glr2, gwd2);
   sg_step_info info;
   info.struct_size = 0;
   EXPECT(A, "sg_step", sg_step(e, &info));

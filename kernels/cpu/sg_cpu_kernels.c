@@ -332,31 +332,39 @@ static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_of
   }
 }
 
-/* The elements [lo, hi) of the concatenated segments. */
-static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, adamw_ctx c,
-                        adamw_ctx c_nodecay) {
+/* The elements [lo, hi) of the concatenated segments. cs[2*g] is group g's context with decay,
+ * cs[2*g+1] without (decay factor 1). */
+static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, const adamw_ctx *cs) {
   size_t pos = 0;
   for (int s = 0; s < a->nsegs && pos < hi; s++) {
     const sg__seg *sg = &a->segs[s];
     size_t b = lo > pos ? lo - pos : 0;
     size_t e = hi - pos < sg->len ? hi - pos : sg->len;
+    const int g = a->ngroups > 1 ? sg->group : 0;
     if (b < e)
       adamw_span(a, sg->shard_off + b, sg->flat_off + b, sg->sr_index + b, e - b,
-                 sg->decay ? c : c_nodecay);
+                 cs[2 * g + (sg->decay ? 0 : 1)]);
     pos += sg->len;
   }
 }
 
 void sg__cpu_adamw(const sg__adamw_args *a) {
   if (!a || !a->segs || a->nsegs <= 0 || !a->param || !a->m || !a->v || !a->grad) return;
-  adamw_ctx c;
-  c.k = sg_elem_adamw_consts(a->decay_factor, a->one_minus_beta1, a->beta2, a->one_minus_beta2,
-                             a->step_size, a->bc2_sqrt, a->eps);
-  c.grad_scale = a->grad_scale;
-  c.seed = a->seed;
-  c.step = a->step;
-  adamw_ctx c_nodecay = c;
-  c_nodecay.k.decay_factor = 1.0f; /* p * 1.0f == p for every p: torch skips the mul_ */
+  if (!sg__adamw_groups_ok(a)) return;
+  const int ng = a->ngroups > 1 ? a->ngroups : 1;
+  adamw_ctx cs[2 * SG__MAX_GROUPS];
+  for (int g = 0; g < ng; g++) {
+    adamw_ctx c;
+    c.k = sg_elem_adamw_consts(sg__adamw_group_decay(a, g), a->one_minus_beta1, a->beta2,
+                               a->one_minus_beta2, sg__adamw_group_step(a, g), a->bc2_sqrt,
+                               a->eps);
+    c.grad_scale = a->grad_scale;
+    c.seed = a->seed;
+    c.step = a->step;
+    cs[2 * g] = c;
+    c.k.decay_factor = 1.0f; /* p * 1.0f == p for every p: torch skips the mul_ */
+    cs[2 * g + 1] = c;
+  }
   size_t total = 0;
   for (int s = 0; s < a->nsegs; s++) total += a->segs[s].len;
 #ifdef SG_CPU_OMP
@@ -368,10 +376,10 @@ void sg__cpu_adamw(const sg__adamw_args *a) {
       const size_t nt = (size_t)omp_get_num_threads(), t = (size_t)omp_get_thread_num();
       size_t lo = (total / nt * t) & ~(size_t)63;
       size_t hi = t + 1 == nt ? total : (total / nt * (t + 1)) & ~(size_t)63;
-      adamw_range(a, lo, hi, c, c_nodecay);
+      adamw_range(a, lo, hi, cs);
     }
     return;
   }
 #endif
-  adamw_range(a, 0, total, c, c_nodecay);
+  adamw_range(a, 0, total, cs);
 }

@@ -13,6 +13,7 @@
 // partials in one block, again in a fixed order: the result depends on n alone.
 
 #include <stdint.h>  // uint16_t, uint64_t, uintptr_t
+#include <string.h>  // memset
 
 #ifdef SG_CUDA_EMULATE
 #include "sg_cuda_emu.h"  // host emulation for tests without a GPU (tests/test_cuda_emu.cpp)
@@ -284,7 +285,8 @@ struct seg_entry {
   uint64_t flat_off;
   uint64_t len;
   uint64_t sr_index;
-  uint64_t decay;
+  uint32_t decay;
+  uint32_t group;  // parameter group (read only when the call has more than one group)
 };
 
 // Everything the kernel reads besides the table, by value.
@@ -294,8 +296,10 @@ struct adamw_params {
   float *m;
   float *v;
   const void *grad;
-  sg_elem_adamw_k k_decay;
-  sg_elem_adamw_k k_nodecay;  // decay_factor 1.0f: p * 1.0f == p, as torch skips the mul_
+  // k[g][0]: group g with decay; k[g][1]: without (decay_factor 1.0f: p * 1.0f == p, as torch
+  // skips the mul_). Only groups below ngroups are filled.
+  sg_elem_adamw_k k[SG__MAX_GROUPS][2];
+  int ngroups;  // 1: every segment uses k[0] whatever its group
   float grad_scale;
   int sr;  // stochastic rounding (bf16 params only)
   uint64_t seed;
@@ -332,7 +336,7 @@ __global__ void adamw_kernel(const seg_entry *tab, int nsegs, uint64_t work, ada
       load4<PDT>(a.param, fo, cnt, p);
     load4<0>(a.m, so, cnt, m);
     load4<0>(a.v, so, cnt, v);
-    const sg_elem_adamw_k k = s.decay ? a.k_decay : a.k_nodecay;
+    const sg_elem_adamw_k k = a.k[a.ngroups > 1 ? s.group : 0u][s.decay ? 0 : 1];
     for (int j = 0; j < cnt; j++) p[j] = sg_elem_adamw(p[j], gr[j] * a.grad_scale, &m[j], &v[j], k);
     store4<0>(a.m, so, cnt, m);
     store4<0>(a.v, so, cnt, v);
@@ -504,6 +508,7 @@ extern "C" void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs
     t[k].len = segs[k].len;
     t[k].sr_index = segs[k].sr_index;
     t[k].decay = segs[k].decay != 0;
+    t[k].group = (uint32_t)segs[k].group;
     g += groups_of(segs[k].len);
   }
   if (work) *work = g;
@@ -512,7 +517,7 @@ extern "C" void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs
 extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const void *dev_table,
                               uint64_t work) {
   if (!a || !dev_table || a->nsegs < 1 || a->param_dtype < 0 || a->param_dtype > 2 ||
-      a->grad_dtype < 0 || a->grad_dtype > 2)
+      a->grad_dtype < 0 || a->grad_dtype > 2 || !sg__adamw_groups_ok(a))
     return (int)cudaErrorInvalidValue;
   if (work == 0) return 0;
   adamw_params p;
@@ -521,10 +526,15 @@ extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const 
   p.m = a->m;
   p.v = a->v;
   p.grad = a->grad;
-  p.k_decay = sg_elem_adamw_consts(a->decay_factor, a->one_minus_beta1, a->beta2,
-                                   a->one_minus_beta2, a->step_size, a->bc2_sqrt, a->eps);
-  p.k_nodecay = p.k_decay;
-  p.k_nodecay.decay_factor = 1.0f;
+  p.ngroups = a->ngroups > 1 ? a->ngroups : 1;
+  memset(p.k, 0, sizeof p.k);
+  for (int g = 0; g < p.ngroups; g++) {
+    p.k[g][0] = sg_elem_adamw_consts(sg__adamw_group_decay(a, g), a->one_minus_beta1, a->beta2,
+                                     a->one_minus_beta2, sg__adamw_group_step(a, g), a->bc2_sqrt,
+                                     a->eps);
+    p.k[g][1] = p.k[g][0];
+    p.k[g][1].decay_factor = 1.0f;
+  }
   p.grad_scale = a->grad_scale;
   p.sr = a->stochastic_rounding && a->param_dtype == 1;
   p.seed = a->seed;

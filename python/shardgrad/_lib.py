@@ -89,6 +89,10 @@ PROTOTYPES = {
     "sg_trace_write": (_status, [_vp, _c_char_p]),
     # 0.2: overlapped parameter all-gather (sg_config.overlap_param_gather)
     "sg_param_wait": (_status, [_vp, _c_int]),
+    # parameter groups (per-group lr and weight decay)
+    "sg_set_param_group": (_status, [_vp, _c_int, _c_int]),
+    "sg_set_group": (_status, [_vp, _c_int, _c_float, _c_float]),
+    "sg_get_group": (_status, [_vp, _c_int, ctypes.POINTER(_c_float), ctypes.POINTER(_c_float)]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
@@ -96,7 +100,7 @@ OPTIONAL = frozenset({
     "sg_comm_create_nccl_mpi", "sg_nccl_unique_id", "sg_comm_create_nccl", "sg_set_stream",
     "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step", "sg_get_lr",
     "sg_trace_start", "sg_trace_stop", "sg_trace_mark", "sg_trace_events", "sg_trace_write",
-    "sg_param_wait",
+    "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group",
 })
 
 

@@ -7,7 +7,8 @@ program compiled against the header. C enums are int-sized (all values fit in an
 import ctypes
 import enum
 
-__all__ = ["Status", "DType", "Device", "Strategy", "TraceKind", "PARAM_NO_DECAY", "SgConfig",
+__all__ = ["Status", "DType", "Device", "Strategy", "TraceKind", "PARAM_NO_DECAY",
+           "MAX_GROUPS", "SgConfig",
            "SgStepInfo", "SgMemoryStats", "SgTraceEvent"]
 
 
@@ -56,6 +57,7 @@ class TraceKind(enum.IntEnum):
 
 
 PARAM_NO_DECAY = 1
+MAX_GROUPS = 16  # SG_MAX_GROUPS: parameter groups 0..15
 
 
 class SgConfig(ctypes.Structure):

@@ -715,6 +715,25 @@ class Engine:
     def lr(self, value):
         self.set_lr(value)
 
+    # -- parameter groups -------------------------------------------------------------------
+    def set_param_group(self, pid, group):
+        """Puts parameter `pid` (an id or a name) in group 0..MAX_GROUPS-1 (default 0), before
+        finalize(). Every rank must use the same groups (finalize raises MismatchError)."""
+        _call("sg_set_param_group", self.handle, self._check_id(pid), int(group))
+
+    def set_group(self, group, lr, weight_decay):
+        """Sets a group's lr and weight decay (used from the next step). A group never set
+        has the config's; group 0's lr is the one set_lr sets. Not checked across ranks."""
+        _call("sg_set_group", self.handle, int(group), float(lr), float(weight_decay))
+        if int(group) == 0:
+            self._lr = float(lr)
+
+    def get_group(self, group):
+        """(lr, weight_decay) of group `group`, as float32 values."""
+        lr, wd = ctypes.c_float(), ctypes.c_float()
+        _call("sg_get_group", self.handle, int(group), ctypes.byref(lr), ctypes.byref(wd))
+        return float(lr.value), float(wd.value)
+
     @property
     def step_count(self):
         """Optimizer steps taken so far (skipped steps do not count; restored by load())."""

@@ -29,7 +29,16 @@ What it does
    communication.
  - The reduced gradient is the average over ranks (grad_average=1) of each rank's summed
    gradient: exactly what DDP with .grad accumulation gives.
- - param_groups[0]['lr'] is read at every step(), so torch LR schedulers drive it.
+ - Every param group's 'lr' and 'weight_decay' are read at every step(), so torch LR
+   schedulers drive them.
+ - Parameter groups (per-group lr and weight_decay, up to shardgrad.MAX_GROUPS): pass
+   torch-style groups, ShardedAdamW([{"params": [...], "lr": 1e-2}, {"params": [...],
+   "weight_decay": 0.0}], comm, lr=1e-3) (a group's "params" may hold (name, parameter)
+   pairs), or a model plus param_groups=[...] of some of its parameters (the others form one
+   more group, last, with the constructor's values); keys a group lacks take the
+   constructor's. betas and eps are the same for every group. With explicit groups every
+   parameter decays by its group's weight_decay, as in torch (no_decay still applies when
+   given).
  - Parameters with requires_grad=False are left alone; parameters with ndim <= 1 (biases,
    norms) get no weight decay unless no_decay says otherwise.
 
@@ -76,7 +85,7 @@ import numpy as np
 import torch
 
 from . import _lib
-from ._structs import DType, Device
+from ._structs import MAX_GROUPS, DType, Device
 from .config import Config
 from .core import Comm, Engine
 from .errors import InvalidArgumentError, InvalidStateError, MismatchError, UnsupportedError
@@ -107,13 +116,71 @@ def _named_params(model):
     out = []
     for i, item in enumerate(model):
         if isinstance(item, dict):
-            raise TypeError("ShardedAdamW: parameter groups are not supported (one lr for all); "
-                            "use no_decay= for weight-decay exclusions")
+            raise TypeError("ShardedAdamW: parameter groups must all be dicts, or none")
         if isinstance(item, tuple):
             out.append((str(item[0]), item[1]))
         else:
             out.append(("param%d" % i, item))
     return out
+
+
+_GROUP_KEYS = ("lr", "weight_decay", "betas", "eps")
+
+
+def _group_opts(group):
+    if not isinstance(group, dict) or "params" not in group:
+        raise TypeError("ShardedAdamW: a parameter group is a dict with 'params', got %r"
+                        % (group,))
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _group_params(group):
+    ps = group["params"]
+    if isinstance(ps, torch.Tensor):
+        return [ps]
+    return list(ps)
+
+
+def _grouped_params(model, param_groups):
+    """([(name, param)], [group index of each], [options of each group]) for torch-style
+    groups given as `model` (a list of dicts) or as param_groups= over a model; None, None
+    when there are no groups."""
+    items = None
+    if not isinstance(model, (torch.nn.Module, torch.Tensor)):
+        items = list(model)
+        if items and all(isinstance(g, dict) for g in items):
+            if param_groups is not None:
+                raise TypeError("ShardedAdamW: parameter groups given twice (as the first "
+                                "argument and as param_groups=)")
+            named, group_of, i = [], [], 0
+            for g, grp in enumerate(items):
+                for item in _group_params(grp):
+                    named.append((str(item[0]), item[1]) if isinstance(item, tuple)
+                                 else ("param%d" % i, item))
+                    group_of.append(g)
+                    i += 1
+            return named, group_of, [_group_opts(grp) for grp in items]
+    if param_groups is None:
+        return None, None, None
+    named = _named_params(model if items is None else items)
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    group_of = [None] * len(named)
+    opts = []
+    for g, grp in enumerate(param_groups):
+        opts.append(_group_opts(grp))
+        for item in _group_params(grp):
+            p = item[1] if isinstance(item, tuple) else item
+            if id(p) not in index:
+                raise InvalidArgumentError("ShardedAdamW: param_groups[%d] holds a parameter "
+                                           "that is not in the model" % g, function="python")
+            if group_of[index[id(p)]] is not None:
+                raise InvalidArgumentError("ShardedAdamW: a parameter is in two param_groups",
+                                           function="python")
+            group_of[index[id(p)]] = g
+    if any(g is None for g in group_of):  # the rest: one more group, constructor's values
+        group_of = [len(opts) if g is None else g for g in group_of]
+        opts.append({})
+    return named, group_of, opts
 
 
 def _f32_short(x):
@@ -156,13 +223,23 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
                  no_decay=None, broadcast=None, param_order="backward", config=None,
-                 **config_kwargs):
+                 param_groups=None, **config_kwargs):
         if not isinstance(comm, Comm):
             raise TypeError("ShardedAdamW: comm must be a shardgrad.Comm, got %r" % (comm,))
         if param_order not in ("backward", "registration"):
             raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
                              "(got %r)" % (param_order,))
-        named = [(n, p) for n, p in _named_params(model) if p.requires_grad and p.numel() > 0]
+        all_named, group_of, opts = _grouped_params(model, param_groups)
+        self._explicit_groups = all_named is not None
+        if all_named is None:
+            all_named, group_of, opts = _named_params(model), None, [{}]
+            group_of = [0] * len(all_named)
+        if len(opts) > MAX_GROUPS:
+            raise InvalidArgumentError("ShardedAdamW: %d parameter groups (at most %d)"
+                                       % (len(opts), MAX_GROUPS), function="python")
+        keep = [i for i, (_, p) in enumerate(all_named) if p.requires_grad and p.numel() > 0]
+        named = [all_named[i] for i in keep]
+        self._group_of = [group_of[i] for i in keep]  # engine group of each entry of _named
         if not named:
             raise InvalidArgumentError("ShardedAdamW: no trainable parameters", function="python")
         if len({id(p) for _, p in named}) != len(named):
@@ -190,10 +267,20 @@ class ShardedAdamW(torch.optim.Optimizer):
         weight_decay = (_f32_short(src.weight_decay) if weight_decay is None
                         else float(weight_decay))
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        for g, o in enumerate(opts):
+            for k in ("betas", "eps"):
+                if k in o and (tuple(float(b) for b in o[k]) if k == "betas" else float(o[k])) \
+                        != defaults[k]:
+                    raise UnsupportedError("ShardedAdamW: param group %d sets its own %s; betas "
+                                           "and eps are the same for every group (pass them to "
+                                           "the constructor)" % (g, k), function="python")
+        groups = [dict(o, params=[p for (_, p), gi in zip(named, self._group_of) if gi == g])
+                  for g, o in enumerate(opts)]
         self._init_done = False
-        super().__init__([p for _, p in named], defaults)
+        super().__init__(groups, defaults)
         self._init_done = True
         self._fixed = self._group_hparams()
+        self._sent = [None] * len(self.param_groups)  # (lr, wd) last given to the engine
         cfg = self._make_config(config, config_kwargs, named, lr, betas, eps, weight_decay)
         if cfg.overlap_param_gather and not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError("ShardedAdamW: overlap_param_gather needs an nn.Module "
@@ -277,7 +364,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             return not nd(name, p)
         if nd is not None:
             return name not in nd
-        return p.ndim > 1
+        return self._explicit_groups or p.ndim > 1
 
     def _setup(self, registration):
         """Collective: registers the parameters in the given order (indices into _named),
@@ -289,6 +376,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                 name, p = self._named[i]
                 self._pid[i] = e.add_param(name, tuple(p.shape),
                                            no_decay=not self._decays(name, p))
+                if self._group_of[i]:
+                    e.set_param_group(self._pid[i], self._group_of[i])
             try:
                 e.finalize()
             except MismatchError as ex:
@@ -464,8 +553,23 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # -- step -----------------------------------------------------------------------------
     def _group_hparams(self):
-        g = self.param_groups[0]
-        return (tuple(g["betas"]), g["eps"], g["weight_decay"])
+        groups = self.param_groups
+        if not _lib.has("sg_set_group"):  # weight decay fixed too
+            return [(tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in groups]
+        return [(tuple(g["betas"]), g["eps"]) for g in groups]
+
+    def _apply_hparams(self):
+        """Gives the engine each group's lr and weight decay where they changed."""
+        e = self._engine
+        for g, grp in enumerate(self.param_groups):
+            v = (float(grp["lr"]), float(grp["weight_decay"]))
+            if v == self._sent[g]:
+                continue
+            if _lib.has("sg_set_group"):
+                e.set_group(g, v[0], v[1])
+            elif v[0] != e.lr:
+                e.set_lr(v[0])
+            self._sent[g] = v
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -475,17 +579,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if len(self.param_groups) != 1:
-            raise UnsupportedError("ShardedAdamW: one parameter group only", function="python")
+        if len(self.param_groups) != len(self._sent):
+            raise UnsupportedError("ShardedAdamW: parameter groups are fixed at construction",
+                                   function="python")
         if self._group_hparams() != self._fixed:
-            raise UnsupportedError("ShardedAdamW: only 'lr' may change after construction "
-                                   "(betas, eps and weight_decay are fixed)", function="python")
+            raise UnsupportedError("ShardedAdamW: only 'lr' and 'weight_decay' may change after "
+                                   "construction (betas and eps are fixed)", function="python")
         if self._defer:
             self._hand_over_deferred()
         self._ensure_ready()
-        lr = float(self.param_groups[0]["lr"])
-        if lr != self._engine.lr:
-            self._engine.set_lr(lr)
+        self._apply_hparams()
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
         if self._wait_hooks:  # overlap_param_gather: the gathers run on; the hooks wait
@@ -557,9 +660,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Collective: torch.optim-style dict; 'state' holds full (gathered) fp32 tensors."""
         state = {i: self.param_state(p) for i, (_, p) in enumerate(self._named)}
         groups = []
-        for g in self.param_groups:
+        for gi, g in enumerate(self.param_groups):
             d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = list(range(len(self._named)))
+            d["params"] = [i for i, x in enumerate(self._group_of) if x == gi]
             groups.append(d)
         return {"state": state, "param_groups": groups,
                 "names": [n for n, _ in self._named]}
@@ -583,6 +686,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._engine_waits()
         self._engine.load(directory)
         self._torch_waits()
+        self._sent = [None] * len(self.param_groups)  # lr and weight decay apply again
         self.last_step_info = None
 
     def export(self, path):

@@ -111,6 +111,10 @@ def test_c_argument_checks_reachable_with_null_handles():
             calls[name] = (None, None)
     if _lib.has("sg_param_wait"):
         calls["sg_param_wait"] = (None, -1)
+    if _lib.has("sg_set_group"):
+        calls["sg_set_param_group"] = (None, 0, 0)
+        calls["sg_set_group"] = (None, 0, 1e-3, 0.0)
+        calls["sg_get_group"] = (None, 0, ctypes.byref(f), ctypes.byref(f))
     for name, args in calls.items():
         rc = getattr(L, name)(*args)
         assert rc == sg.Status.ERR_INVALID_ARGUMENT, (name, rc)

@@ -274,6 +274,9 @@ static sg_status check_adamw(const sg__adamw_args *a) {
   if (a->param_dtype != SG_F32 && !a->master)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: %s params need an fp32 master",
                    sg__dtype_name((sg_dtype)a->param_dtype));
+  if (!sg__adamw_groups_ok(a))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: bad parameter groups (ngroups %d)",
+                   a->ngroups);
   return SG_OK;
 }
 

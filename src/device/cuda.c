@@ -386,7 +386,8 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
  * or SG__CUDA_TAB_MAX_BYTES) waits for both on the host, destroy makes the comm stream wait for
  * both before the stream-ordered frees. */
 
-/* Key hash over every field (sr_index included: it changes the stochastic rounding bits). */
+/* Key hash over every field (sr_index included: it changes the stochastic rounding bits; group
+ * too: it picks the lr and weight decay). */
 static uint64_t sg__cuda_mix(uint64_t h, uint64_t x) {
   h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   return h * 0xff51afd7ed558ccdull;
@@ -400,6 +401,7 @@ static uint64_t sg__cuda_segs_hash(const sg__seg *segs, int n) {
     h = sg__cuda_mix(h, segs[i].len);
     h = sg__cuda_mix(h, (uint64_t)segs[i].decay);
     h = sg__cuda_mix(h, segs[i].sr_index);
+    h = sg__cuda_mix(h, (uint64_t)(uint32_t)segs[i].group);
   }
   return h;
 }
@@ -408,7 +410,8 @@ static uint64_t sg__cuda_segs_hash(const sg__seg *segs, int n) {
 static int sg__cuda_segs_equal(const sg__seg *a, const sg__seg *b, int n) {
   for (int i = 0; i < n; i++)
     if (a[i].shard_off != b[i].shard_off || a[i].flat_off != b[i].flat_off ||
-        a[i].len != b[i].len || a[i].decay != b[i].decay || a[i].sr_index != b[i].sr_index)
+        a[i].len != b[i].len || a[i].decay != b[i].decay || a[i].sr_index != b[i].sr_index ||
+        a[i].group != b[i].group)
       return 0;
   return 1;
 }
@@ -560,6 +563,9 @@ static sg_status sg__cuda_adamw_check(const sg__adamw_args *a, const char *fn) {
   if (a->param_dtype != SG_F32 && a->nsegs > 0 && !a->master)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s params need a master copy", fn,
                    sg__dtype_name((sg_dtype)a->param_dtype));
+  if (!sg__adamw_groups_ok(a))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad parameter groups (ngroups %d)", fn,
+                   a->ngroups);
   return SG_OK;
 }
 

@@ -135,6 +135,11 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   e->world = comm->world;
   e->sync = 1;
   e->lr = e->cfg.lr;
+  for (int g = 0; g < SG_MAX_GROUPS; g++) {
+    e->group_lr[g] = e->cfg.lr; /* a group never set takes the config's values */
+    e->group_wd[g] = e->cfg.weight_decay;
+  }
+  e->ngroups = 1;
   e->dynamic_scale = sg__config_dynamic_scale(&e->cfg);
   e->loss_scale = e->dynamic_scale ? e->cfg.init_loss_scale
                                    : (e->cfg.loss_scale > 0 ? e->cfg.loss_scale : 1.0f);
@@ -155,6 +160,7 @@ static void free_registration(sg_engine *e) {
   free(e->names);
   free(e->numels);
   free(e->flags);
+  free(e->group);
 }
 
 static void free_finalized(sg_engine *e) {
@@ -212,6 +218,9 @@ static sg_status grow(sg_engine *e) {
   uint32_t *f = realloc(e->flags, (size_t)cap * sizeof *f);
   if (!f) return SG_ERR_OUT_OF_MEMORY;
   e->flags = f;
+  int *g = realloc(e->group, (size_t)cap * sizeof *g);
+  if (!g) return SG_ERR_OUT_OF_MEMORY;
+  e->group = g;
   e->cap = cap;
   return SG_OK;
 }
@@ -246,6 +255,7 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
   e->names[e->nparams] = copy;
   e->numels[e->nparams] = numel;
   e->flags[e->nparams] = flags;
+  e->group[e->nparams] = 0;
   *id = e->nparams++;
   return SG_OK;
 }
@@ -315,8 +325,9 @@ static sg_status param_mismatch(sg_engine *e, const uint64_t *all, const sg__pla
       int other = r == e->rank ? 0 : r;
       if ((int)i < e->nparams)
         st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks registered different parameters: "
-                     "parameter #%d is '%s' (numel %zu, flags %u) on rank %d and differs on rank "
-                     "%d", (int)i, e->names[i], e->numels[i], (unsigned)e->flags[i], e->rank, other);
+                     "parameter #%d is '%s' (numel %zu, flags %u, group %d) on rank %d and differs "
+                     "on rank %d", (int)i, e->names[i], e->numels[i], (unsigned)e->flags[i],
+                     e->group[i], e->rank, other);
       else
         st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks registered different parameters: "
                      "rank %d has %d parameters, rank %d has more (first extra is #%d)", e->rank,
@@ -387,8 +398,22 @@ static sg_status setup_buffers(sg_engine *e) {
   return SG_OK;
 }
 
+/* Mixes each parameter's group into its hash and the plan's, so that ranks must agree on the
+ * groups. Group 0 mixes nothing: plans without groups hash as before. */
+static void hash_groups(sg_engine *e, sg__plan *p) {
+  e->ngroups = 1;
+  for (int i = 0; i < e->nparams; i++) {
+    if (e->group[i] == 0) continue;
+    const uint64_t w[2] = {(uint64_t)i, (uint64_t)e->group[i]};
+    p->param_hash[i] = sg__hash_bytes(p->param_hash[i], &w[1], sizeof w[1]);
+    p->hash = sg__hash_bytes(p->hash, w, sizeof w);
+    if (e->group[i] + 1 > e->ngroups) e->ngroups = e->group[i] + 1;
+  }
+}
+
 static sg_status finalize_local(sg_engine *e) {
   sg_status st = build_plan(e, &e->plan);
+  if (st == SG_OK) hash_groups(e, e->plan);
   if (st == SG_OK) st = setup_buffers(e);
   if (st == SG_OK) st = sg__step_build_segments(e);
   if (st == SG_OK) st = sg__grads_init(e);
@@ -654,6 +679,53 @@ sg_status sg_get_lr(sg_engine *e, float *lr) {
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
   *lr = e->lr;
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* parameter groups                                                                          */
+
+static sg_status check_group(int group, const char *fn) {
+  if (group < 0 || group >= SG_MAX_GROUPS)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: group must be 0..%d (got %d)", fn,
+                   SG_MAX_GROUPS - 1, group);
+  return SG_OK;
+}
+
+sg_status sg_set_param_group(sg_engine *e, int id, int group) {
+  static const char *fn = "sg_set_param_group";
+  SG_TRY(sg__engine_check(e, fn, 0));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  SG_TRY(check_group(group, fn));
+  e->group[id] = group;
+  return SG_OK;
+}
+
+sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay) {
+  static const char *fn = "sg_set_group";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(check_group(group, fn));
+  if (!(lr >= 0.0f) || isinf(lr))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr must be finite and >= 0 (got %g, group %d)",
+                   fn, lr, group);
+  if (!(weight_decay >= 0.0f) || isinf(weight_decay))
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: weight_decay must be finite and >= 0 (got %g, group %d)", fn,
+                   weight_decay, group);
+  if (group == 0) e->lr = lr; /* group 0's lr is the one sg_set_lr sets */
+  e->group_lr[group] = lr;
+  e->group_wd[group] = weight_decay;
+  return SG_OK;
+}
+
+sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay) {
+  static const char *fn = "sg_get_group";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(check_group(group, fn));
+  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
+  if (!weight_decay) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: weight_decay is NULL", fn);
+  *lr = group == 0 ? e->lr : e->group_lr[group];
+  *weight_decay = e->group_wd[group];
   return SG_OK;
 }
 

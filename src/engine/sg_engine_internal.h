@@ -25,6 +25,7 @@ struct sg_engine {
   char **names;
   size_t *numels;
   uint32_t *flags;
+  int *group;     /* [cap]: parameter group of each parameter */
   /* after finalize */
   sg__plan *plan;
   sg__layout lay;
@@ -61,7 +62,10 @@ struct sg_engine {
   uint64_t last_ticket;
   /* optimizer state */
   uint64_t step;
-  float lr;
+  float lr;               /* group 0's lr */
+  float group_lr[SG_MAX_GROUPS]; /* lr of groups >= 1 ([0] is not read: group 0 uses lr) */
+  float group_wd[SG_MAX_GROUPS];
+  int ngroups;            /* highest group of any parameter + 1 (after finalize) */
   float loss_scale;
   int clean_steps;
   int dynamic_scale;

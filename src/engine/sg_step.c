@@ -15,7 +15,8 @@ static sg_status push_seg(sg_engine *e, int *cap, int first_of_bucket, sg__seg s
   if (e->nsegs > first_of_bucket) {
     sg__seg *last = &e->segs[e->nsegs - 1];
     /* With stochastic rounding each parameter keeps its own counter base. */
-    if (last->decay == s.decay && last->shard_off + last->len == s.shard_off &&
+    if (last->decay == s.decay && last->group == s.group &&
+        last->shard_off + last->len == s.shard_off &&
         last->flat_off + last->len == s.flat_off &&
         (!e->cfg.stochastic_rounding || last->sr_index + last->len == s.sr_index)) {
       last->len += s.len;
@@ -47,7 +48,7 @@ static sg_status bucket_segments(sg_engine *e, int b, int *cap) {
     const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
     if (x0 >= x1) continue;
     sg__seg s = {base + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
-                 ((uint64_t)id << 40) + (x0 - a)};
+                 ((uint64_t)id << 40) + (x0 - a), e->group[id]};
     SG_TRY(push_seg(e, cap, first, s));
   }
   return SG_OK;
@@ -122,7 +123,13 @@ static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
   a.segs = e->segs;
   a.nsegs = e->nsegs;
   a.grad_scale = grad_scale;
-  sg__adamw_scalars(&a, e->lr, c->beta1, c->beta2, c->eps, c->weight_decay, e->step);
+  sg__adamw_scalars(&a, e->lr, c->beta1, c->beta2, c->eps, e->group_wd[0], e->step);
+  /* Groups 1..ngroups-1 by the same rule; one group leaves ngroups at 0 (as before groups). */
+  if (e->ngroups > 1) {
+    a.ngroups = e->ngroups;
+    for (int g = 1; g < e->ngroups; g++)
+      sg__adamw_group_scalars(&a, g, e->group_lr[g], c->beta1, e->group_wd[g]);
+  }
   a.stochastic_rounding = c->stochastic_rounding && c->param_dtype == SG_BF16;
   a.seed = c->seed;
   return a;
