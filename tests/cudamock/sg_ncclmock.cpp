@@ -38,6 +38,7 @@ struct Coll {
   bool done = false;
   bool aborted = false;
   bool mismatch = false;
+  std::vector<std::vector<char>> out;  // per rank: its recv buffer's result, until delivered
 };
 
 struct Group {
@@ -97,44 +98,53 @@ void reduce(const std::vector<const char *> &src, ncclDataType_t dt, size_t n, c
   }
 }
 
-// Moves the data of a collective whose every rank has reached it. Results go through a copy
-// first: buffers are in place and overlap.
-void execute(Coll &c) {
+// The result of a collective whose every rank has reached it: what each rank's recv buffer
+// receives, computed from the send buffers as they are now (every rank's stream is at its item,
+// so they are final). Each rank's recv is written only when its own stream passes its item, as
+// on a GPU: a rank that reads its recv buffer without waiting for its own stream sees old data.
+void compute(Coll &c) {
   const int w = (int)c.parts.size();
   const size_t es = esize(c.dt), bytes = c.count * es;
+  c.out.assign(w, std::vector<char>());
   if (c.kind == kAllReduce) {
     std::vector<const char *> src;
     for (const Part &p : c.parts) src.push_back((const char *)p.send);
     std::vector<char> out(bytes);
     reduce(src, c.dt, c.count, out.data());
-    for (const Part &p : c.parts) memcpy(p.recv, out.data(), bytes);
+    for (int r = 0; r < w; r++) c.out[r] = out;
   } else if (c.kind == kReduceScatter) {
-    std::vector<std::vector<char>> out(w, std::vector<char>(bytes));
     for (int r = 0; r < w; r++) {
       std::vector<const char *> src;
       for (const Part &p : c.parts) src.push_back((const char *)p.send + (size_t)r * bytes);
-      reduce(src, c.dt, c.count, out[r].data());
+      c.out[r].resize(bytes);
+      reduce(src, c.dt, c.count, c.out[r].data());
     }
-    for (int r = 0; r < w; r++) memcpy(c.parts[r].recv, out[r].data(), bytes);
   } else if (c.kind == kAllGather) {
     std::vector<char> all(bytes * w);
     for (int r = 0; r < w; r++) memcpy(all.data() + (size_t)r * bytes, c.parts[r].send, bytes);
-    for (const Part &p : c.parts) memcpy(p.recv, all.data(), all.size());
+    for (int r = 0; r < w; r++) c.out[r] = all;
   } else {
     std::vector<char> v((const char *)c.parts[c.root].send,
                         (const char *)c.parts[c.root].send + bytes);
-    for (const Part &p : c.parts) memcpy(p.recv, v.data(), bytes);
+    for (int r = 0; r < w; r++) c.out[r] = v;
   }
 }
 
-// The gate of rank `rank`'s item: true once the collective has run (or was aborted).
-bool gate(const std::shared_ptr<Coll> &c) {
-  if (c->done || c->aborted) return true;
-  if (c->joined < (int)c->parts.size()) return false;
-  for (const Part &p : c->parts)
-    if (!sg_cudamock_at(p.s, p.pos)) return false;
-  if (!c->mismatch) execute(*c);
-  c->done = true;
+// The gate of rank `rank`'s item: true once the collective has been computed (or was aborted);
+// then this rank's result lands in its recv buffer.
+bool gate(const std::shared_ptr<Coll> &c, int rank) {
+  if (c->aborted) return true;
+  if (!c->done) {
+    if (c->joined < (int)c->parts.size()) return false;
+    for (const Part &p : c->parts)
+      if (!sg_cudamock_at(p.s, p.pos)) return false;
+    if (!c->mismatch) compute(*c);
+    c->done = true;
+  }
+  if (!c->mismatch && (size_t)rank < c->out.size() && !c->out[rank].empty()) {
+    memcpy(c->parts[rank].recv, c->out[rank].data(), c->out[rank].size());
+    std::vector<char>().swap(c->out[rank]);
+  }
   return true;
 }
 
@@ -161,7 +171,8 @@ void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count
   std::shared_ptr<Coll> held = c;
   Part &p = c->parts[comm->rank];
   p.joined = true, p.s = s, p.send = send, p.recv = recv;
-  p.pos = sg_cudamock_push_gate(s, [held] { return gate(held); });
+  const int rank = comm->rank;
+  p.pos = sg_cudamock_push_gate(s, [held, rank] { return gate(held, rank); });
   c->joined++;
 }
 
