@@ -253,7 +253,9 @@ SG_API sg_status sg_set_param_group(sg_engine *e, int id, int group);
  * sets its lr, and sg_set_group(e, 0, ...) its lr and weight decay. Not checked across ranks
  * (like sg_set_lr). SG_PARAM_NO_DECAY parameters never decay, whatever their group. */
 SG_API sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay);
-/* The lr and weight_decay group `group` uses in the next step. */
+/* The lr and weight_decay group `group` uses in the next step. sg_save records every group's
+ * values and sg_load restores them (a checkpoint written before groups existed gives every
+ * group its lr and leaves the weight decays as they are). */
 SG_API sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay);
 
 typedef struct sg_memory_stats {

@@ -9,9 +9,12 @@
  * steps (sg_set_group, and sg_set_lr for group 0). Then: a group never set has the config's
  * values; different groups for one parameter on two ranks fail sg_finalize with
  * SG_ERR_MISMATCH on both, naming the parameter.
+ * Checkpoints: sg_save records every group's lr and weight decay and sg_load restores them; a
+ * manifest of version 1 (before groups) gives every group the saved lr.
  * SG_TEST_DEVICE=cuda: the engines under test run on SG_DEVICE_CUDA (the mock CUDA runtime in
  * test_groups_cudamock); gradients are uploaded into the sg_grad_ptr slots through the engine's
  * device vtable. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -19,6 +22,7 @@
 #include <string.h>
 
 #include "../kernels/sg_elem.h"
+#include "ckpt/sg_ckpt.h"              /* manifest encode/parse: a version 1 manifest */
 #include "engine/sg_engine_internal.h" /* e->dev: uploads into device gradient slots */
 #include "shardgrad.h"
 
@@ -298,6 +302,114 @@ static void check_mismatch(void) {
   for (int r = 0; r < 2; r++) sg_comm_destroy(comms[r]);
 }
 
+/* ---- checkpoints --------------------------------------------------------------------------- */
+
+static char g_dir[256];
+enum { CK_SAVE, CK_LOAD_V2, CK_LOAD_V1 };
+
+static float ck_lr(int g) { return 1e-3f * (float)(g + 1); }
+static float ck_wd(int g) { return 0.01f * (float)g; }
+
+typedef struct {
+  sg_comm *comm;
+  int rank, phase;
+} ck_arg;
+
+static void *ck_rank(void *arg) {
+  ck_arg *a = arg;
+  tcase tc = {2, SG_SHARD_GRAD_OP, SG_F32};
+  sg_config c = make_config(&tc);
+  sg_engine *e = NULL;
+  if (!CHECK(sg_engine_create(a->comm, &c, &e) == SG_OK, "ckpt: engine created")) return NULL;
+  int ok = 1, id;
+  for (int p = 0; p < NP; p++) {
+    char name[32];
+    snprintf(name, sizeof name, "p%d", p);
+    ok &= sg_add_param(e, name, k_numel[p], k_flags[p], &id) == SG_OK;
+    ok &= sg_set_param_group(e, p, k_group[p]) == SG_OK;
+  }
+  ok &= sg_finalize(e) == SG_OK;
+  /* save: the values to record; load: others, which the load must replace */
+  for (int g = 0; g < SG_MAX_GROUPS; g++)
+    ok &= sg_set_group(e, g, a->phase == CK_SAVE ? ck_lr(g) : 0.5f, a->phase == CK_SAVE ? ck_wd(g) : 0.25f) == SG_OK;
+  if (a->phase == CK_SAVE) {
+    CHECK(ok && sg_save(e, g_dir) == SG_OK, "ckpt: sg_save with %d groups set", SG_MAX_GROUPS);
+  } else {
+    ok &= sg_load(e, g_dir) == SG_OK;
+    float lr = 0, wd = 0;
+    int same = 1;
+    for (int g = 0; g < SG_MAX_GROUPS; g++) {
+      same &= sg_get_group(e, g, &lr, &wd) == SG_OK;
+      if (a->phase == CK_LOAD_V2)
+        same &= lr == ck_lr(g) && wd == ck_wd(g);
+      else
+        same &= lr == ck_lr(0) && wd == 0.25f; /* version 1: the saved lr, decays unchanged */
+    }
+    CHECK(ok && same, "ckpt: sg_load of a version %d manifest restores the groups (%s)",
+          a->phase == CK_LOAD_V2 ? 2 : 1,
+          a->phase == CK_LOAD_V2 ? "every group's lr and weight decay" : "every group gets the saved lr");
+  }
+  sg_engine_destroy(e);
+  return NULL;
+}
+
+static void ck_phase(int phase) {
+  sg_comm *comms[2] = {0};
+  if (!CHECK(sg_comm_create_local(2, comms) == SG_OK, "local comm W=2")) return;
+  pthread_t th[2];
+  ck_arg a[2];
+  for (int r = 0; r < 2; r++) {
+    a[r] = (ck_arg){comms[r], r, phase};
+    pthread_create(&th[r], NULL, ck_rank, &a[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 2; r++) sg_comm_destroy(comms[r]);
+}
+
+/* Rewrites dir/manifest as version 1 (no group table), checksum and all. */
+static int manifest_to_v1(void) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/manifest", g_dir);
+  uint8_t *buf = NULL, *out = NULL;
+  size_t len = 0, olen = 0;
+  sg__ck_manifest m;
+  memset(&m, 0, sizeof m);
+  int ok = sg__ck_read_file(path, 1u << 24, &buf, &len) == SG_OK &&
+           sg__ck_manifest_parse(buf, len, path, &m) == SG_OK && m.version == 2 && m.ngroups == SG_MAX_GROUPS;
+  if (ok) {
+    m.version = 1;
+    ok = sg__ck_manifest_encode(&m, &out, &olen) == SG_OK && olen == len - 4 - 8 * SG_MAX_GROUPS;
+  }
+  if (ok) {
+    FILE *f = fopen(path, "wb");
+    ok = f && fwrite(out, 1, olen, f) == olen;
+    if (f) ok &= fclose(f) == 0;
+  }
+  sg__ck_manifest m1;
+  memset(&m1, 0, sizeof m1);
+  if (ok) ok = sg__ck_manifest_parse(out, olen, path, &m1) == SG_OK && m1.version == 1 && m1.ngroups == 0;
+  if (ok) sg__ck_manifest_free(&m1);
+  sg__ck_manifest_free(&m);
+  free(buf);
+  free(out);
+  return ok;
+}
+
+static void check_checkpoints(void) {
+  sg_test_tag[0] = '\0';
+  const char *tmp = getenv("TMPDIR");
+  snprintf(g_dir, sizeof g_dir, "%s/sg_groups_XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  if (!CHECK(mkdtemp(g_dir) != NULL, "temporary directory")) return;
+  ck_phase(CK_SAVE);
+  ck_phase(CK_LOAD_V2);
+  CHECK(manifest_to_v1(), "manifest rewritten as version 1 (%zu bytes shorter, no group table)",
+        (size_t)(8 * SG_MAX_GROUPS + 4));
+  ck_phase(CK_LOAD_V1);
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+  if (system(cmd) != 0) printf("note: could not remove %s\n", g_dir);
+}
+
 int main(void) {
   const char *dev = getenv("SG_TEST_DEVICE");
   if (dev && strcmp(dev, "cuda") == 0) g_device = SG_DEVICE_CUDA;
@@ -315,5 +427,6 @@ int main(void) {
       }
   check_defaults();
   check_mismatch();
+  check_checkpoints();
   return sg_test_summary("");
 }

@@ -30,7 +30,10 @@
  *            u64 numel, u32 header_crc}
  *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
  *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
- *   u32 CRC-32C of all bytes before it */
+ *   (manifest version 2 only) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
+ *   u32 CRC-32C of all bytes before it
+ * The manifest's version is SG_CK_MANIFEST_VERSION (version 1, without the groups, still
+ * loads: every group then takes the saved lr); rank files stay at SG_CK_VERSION. */
 #ifndef SG_CKPT_H
 #define SG_CKPT_H
 
@@ -39,7 +42,9 @@
 
 #include "../core/sg_core.h" /* sg_status, sg__err */
 
-#define SG_CK_VERSION 1u
+#define SG_CK_VERSION 1u          /* rank files */
+#define SG_CK_MANIFEST_VERSION 2u /* 2: parameter groups' lr and weight decay appended */
+#define SG_CK_MAX_GROUPS 16u      /* = SG_MAX_GROUPS */
 #define SG_CK_MANIFEST_NAME "manifest"
 #define SG_CK_MANIFEST_TMP "manifest.tmp"
 #define SG_CK_MAX_WORLD 4096u
@@ -99,6 +104,9 @@ typedef struct sg__ck_manifest {
   uint32_t clean_steps, dynamic_scale;
   float lr;
   uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (see sg__ck_cfg_words) */
+  uint32_t version;         /* parsed: 1 or 2; encode writes 2 (1 only when set to 1) */
+  uint32_t ngroups;         /* version 2: groups recorded (group_lr[0] is group 0's lr) */
+  float group_lr[SG_CK_MAX_GROUPS], group_wd[SG_CK_MAX_GROUPS];
   uint32_t nparams;
   sg__ck_param *params; /* registration order of the saving engine */
   sg__ck_file *files;   /* [world] */

@@ -137,8 +137,9 @@ void sg__ck_cfg_words(const sg_config *c, uint64_t w[SG_CK_NCFG]) {
 /* manifest: encode                                                                          */
 
 static void encode_body(const sg__ck_manifest *m, wbuf *b) {
+  const uint32_t version = m->version == 1 ? 1u : SG_CK_MANIFEST_VERSION;
   wb_bytes(b, k_manifest_magic, 8);
-  wb_u32(b, SG_CK_VERSION);
+  wb_u32(b, version);
   wb_u32(b, 0);
   wb_u64(b, 0); /* total bytes, patched at the end */
   wb_u64(b, m->generation);
@@ -174,6 +175,13 @@ static void encode_body(const sg__ck_manifest *m, wbuf *b) {
       wb_u64(b, p->frags[k].len);
       wb_u64(b, p->frags[k].elem_off);
     }
+  }
+  if (version < 2) return;
+  const uint32_t ng = m->ngroups < SG_CK_MAX_GROUPS ? m->ngroups : SG_CK_MAX_GROUPS;
+  wb_u32(b, ng);
+  for (uint32_t g = 0; g < ng; g++) {
+    wb_u32(b, bits_of(m->group_lr[g]));
+    wb_u32(b, bits_of(m->group_wd[g]));
   }
 }
 
@@ -242,9 +250,10 @@ static sg_status parse_head(rbuf *r, const char *what, sg__ck_manifest *m) {
   (void)rb_u32(r);
   const uint64_t total = rb_u64(r);
   if (r->bad) return CORRUPT("%s: truncated header", what);
-  if (version != SG_CK_VERSION)
-    return CORRUPT("%s: format version %u, this library reads version %u", what, version,
-                   SG_CK_VERSION);
+  if (version < 1 || version > SG_CK_MANIFEST_VERSION)
+    return CORRUPT("%s: format version %u, this library reads versions 1..%u", what, version,
+                   SG_CK_MANIFEST_VERSION);
+  m->version = version;
   if (total != r->len)
     return CORRUPT("%s: %zu bytes, the header says %" PRIu64 " (truncated or extended)", what,
                    r->len, total);
@@ -327,6 +336,25 @@ static sg_status parse_frags(rbuf *r, const char *what, const sg__ck_manifest *m
   return SG_OK;
 }
 
+/* Version 2: the parameter groups' lr and weight decay (finite, >= 0). */
+static sg_status parse_groups(rbuf *r, const char *what, sg__ck_manifest *m) {
+  m->ngroups = 0;
+  if (m->version < 2) return SG_OK;
+  const uint32_t ng = rb_u32(r);
+  if (r->bad) return CORRUPT("%s: truncated group table", what);
+  if (ng > SG_CK_MAX_GROUPS) return CORRUPT("%s: %u parameter groups", what, ng);
+  for (uint32_t g = 0; g < ng; g++) {
+    const float lr = f_of(rb_u32(r)), wd = f_of(rb_u32(r));
+    if (r->bad) return CORRUPT("%s: truncated group table", what);
+    if (!(lr >= 0) || isinf(lr) || !(wd >= 0) || isinf(wd))
+      return CORRUPT("%s: group %u: lr %g, weight decay %g", what, g, lr, wd);
+    m->group_lr[g] = lr;
+    m->group_wd[g] = wd;
+  }
+  m->ngroups = ng;
+  return SG_OK;
+}
+
 static sg_status parse_params(rbuf *r, const char *what, sg__ck_manifest *m) {
   m->params = calloc(m->nparams, sizeof *m->params);
   if (!m->params) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", what);
@@ -344,6 +372,7 @@ static sg_status parse_params(rbuf *r, const char *what, sg__ck_manifest *m) {
                      p->numel, p->flags, p->dtype);
     SG_TRY(parse_frags(r, what, m, p));
   }
+  SG_TRY(parse_groups(r, what, m));
   if (rb_left(r) != 0) return CORRUPT("%s: %zu stray bytes after the tables", what, rb_left(r));
   return SG_OK;
 }

@@ -400,6 +400,12 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
   SG_TRY(sg__ck_gather_params(e));
   e->step = c->m.step;
   e->lr = c->m.lr;
+  /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
+  for (int g = 1; g < SG_MAX_GROUPS; g++) e->group_lr[g] = c->m.lr;
+  for (uint32_t g = 0; g < c->m.ngroups && g < SG_MAX_GROUPS; g++) {
+    if (g > 0) e->group_lr[g] = c->m.group_lr[g];
+    e->group_wd[g] = c->m.group_wd[g];
+  }
   if (e->dynamic_scale && c->m.dynamic_scale) {
     e->loss_scale = c->m.loss_scale;
     e->clean_steps = (int)c->m.clean_steps;

@@ -275,6 +275,11 @@ static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
                        .lr = e->lr,
                        .nparams = (uint32_t)e->nparams};
   sg__ck_cfg_words(&e->cfg, m.cfg);
+  m.ngroups = SG_MAX_GROUPS;
+  for (int g = 0; g < SG_MAX_GROUPS; g++) {
+    m.group_lr[g] = g == 0 ? e->lr : e->group_lr[g];
+    m.group_wd[g] = e->group_wd[g];
+  }
   uint8_t *buf = NULL;
   size_t len = 0;
   sg_status st;
