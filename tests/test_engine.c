@@ -174,22 +174,34 @@ static void order_for(const tcase *tc, int step, int k, int rank, int *order) {
   }
 }
 
-/* A forward pass in registration order: each parameter is read (copied to the host on the
- * caller's queue) right after sg_param_wait. Hashes the bytes read. */
-static sg_status forward_read(run_arg *a, sg_engine *e, const int *ids, uint64_t *hash) {
+/* A forward pass: each parameter is read (copied to the host on the caller's queue) right after
+ * sg_param_wait, in registration order on even steps and in a shuffled order on odd ones (a
+ * model whose forward order differs from its registration order: Megatron-LM #950). Hashes the
+ * bytes read, in registration order. */
+static sg_status forward_read(run_arg *a, sg_engine *e, const int *ids, int step, uint64_t *hash) {
   const size_t psz = a->tc->pdt == SG_F32 ? 4 : 2;
   unsigned char *h = malloc(k_sizes[NP - 1] * 4);
   sg_status st = h ? SG_OK : SG_ERR_OUT_OF_MEMORY;
-  uint64_t x = 0x9e3779b97f4a7c15ull;
-  for (int p = 0; p < NP && !st; p++) {
+  uint64_t x[NP] = {0}, all = 0x9e3779b97f4a7c15ull;
+  int order[NP];
+  for (int p = 0; p < NP; p++) order[p] = p;
+  for (int p = NP - 1; step % 2 && p > 0; p--) { /* a fixed shuffle, the same on every rank */
+    const int q = (int)(mix((uint64_t)step * 31 + (uint64_t)p) % (uint64_t)(p + 1)), t = order[p];
+    order[p] = order[q];
+    order[q] = t;
+  }
+  for (int j = 0; j < NP && !st; j++) {
+    const int p = order[j];
     void *dev = NULL;
     st = sg_param_wait(e, ids[p]);
     if (!st) st = sg_param_ptr(e, ids[p], &dev);
     if (!st) st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, h, dev, k_sizes[p] * psz, SG_COPY_D2H);
-    for (size_t i = 0; !st && i < k_sizes[p] * psz; i++) x = mix(x ^ h[i]);
+    x[p] = 0x9e3779b97f4a7c15ull;
+    for (size_t i = 0; !st && i < k_sizes[p] * psz; i++) x[p] = mix(x[p] ^ h[i]);
   }
   free(h);
-  *hash = x;
+  for (int p = 0; p < NP; p++) all = mix(all ^ x[p]);
+  *hash = all;
   return st;
 }
 
@@ -197,7 +209,7 @@ static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
   const tcase *tc = a->tc;
   sg_status st = SG_OK;
   for (int step = 0; step < tc->steps && !st; step++) {
-    if (tc->overlap && step > 0) st = forward_read(a, e, ids, &a->res->fwd_hash[step]);
+    if (tc->overlap && step > 0) st = forward_read(a, e, ids, step, &a->res->fwd_hash[step]);
     for (int k = 0; k < tc->mb && !st; k++) {
       if (tc->nosync && (st = sg_set_sync(e, k == tc->mb - 1))) break;
       int order[NP];
