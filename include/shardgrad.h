@@ -232,7 +232,9 @@ typedef struct sg_step_info {
 } sg_step_info;
 
 /* Collective. Waits for the reductions, computes the global norm, clips, updates the loss scale,
- * applies AdamW to this rank's shard and all-gathers the working parameters. info may be NULL. */
+ * applies AdamW to this rank's shard and all-gathers the working parameters, bucket by bucket
+ * (each bucket's all-gather overlaps the next bucket's AdamW). With overlap_param_gather it
+ * returns once the all-gathers are queued: see sg_param_wait. info may be NULL. */
 SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
 SG_API sg_status sg_set_lr(sg_engine *e, float lr);
 /* The learning rate in effect (config, sg_set_lr, or restored by sg_load). */

@@ -114,7 +114,7 @@ if(SG_WITH_CUDA)
   target_compile_options(test_cuda_engine PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   target_compile_definitions(test_cuda_engine PRIVATE ${_sg_cuda_defs} SG_TEST_REAL_GPU)
   # The same tests with their engines under test on the GPU (SG_TEST_DEVICE=cuda, --nccl).
-  foreach(t test_engine test_fp16_scale test_trace)
+  foreach(t test_engine test_fp16_scale test_trace test_groups)
     add_executable(${t}_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
     target_link_libraries(${t}_cuda PRIVATE shardgrad_internal)
     target_compile_options(${t}_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)

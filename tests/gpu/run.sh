@@ -18,7 +18,7 @@
 #   3. the engine on the GPU against the CPU device, bitwise: test_cuda_engine (W = 1..3 threads,
 #      W = 1 NCCL), test_engine_cuda (the engine's main matrix: W = 2 threads, W = 1 NCCL, then
 #      W = 3 and 4, two MPI processes on the GPU through pinned staging), test_fp16_scale_cuda,
-#      test_trace_cuda (trace events in causal order);
+#      test_trace_cuda (trace events in causal order), test_groups_cuda (parameter groups);
 #   4. sg_bench_adamw_cuda (fused AdamW vs device-to-device copy), the reduce/backward timeline
 #      (examples/mlp_cuda --nccl-solo --trace: reductions on the comm stream against the cuBLAS
 #      backward on the caller's stream; the trace files come back in $OUT), mlp_cuda --ranks 2
@@ -132,7 +132,7 @@ fi
 
 T="$B/tests"
 TEST_TARGETS=(test_cuda_device test_cuda_kernels test_cuda_queues test_cuda_engine test_engine_cuda
-  test_fp16_scale_cuda test_trace_cuda)
+  test_fp16_scale_cuda test_trace_cuda test_groups_cuda)
 EXTRA_TARGETS=(sg_bench_adamw_cuda example_mlp_cuda)
 if ! command -v cmake >/dev/null; then
   fail "configure: cmake not found"
@@ -163,6 +163,8 @@ step_if "$T/test_engine_cuda" engine_cuda_nccl 90 env SG_TEST_DEVICE=cuda "$T/te
 step_if "$T/test_fp16_scale_cuda" fp16_scale_cuda 45 env SG_TEST_DEVICE=cuda "$T/test_fp16_scale_cuda"
 step_if "$T/test_trace_cuda" trace_cuda 45 env SG_TEST_DEVICE=cuda "$T/test_trace_cuda"
 copy_log trace_cuda 8
+step_if "$T/test_groups_cuda" groups_cuda 45 env SG_TEST_DEVICE=cuda "$T/test_groups_cuda"
+copy_log groups_cuda 8
 # The MPI communicator with GPU buffers (pinned host staging): two processes share the GPU.
 if command -v mpirun >/dev/null && grep -q 'SG_WITH_MPI:BOOL=ON' "$B/CMakeCache.txt" 2>/dev/null; then
   step_if "$T/test_engine_cuda" engine_cuda_mpi_np2 60 mpirun -np 2 --oversubscribe \
