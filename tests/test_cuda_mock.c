@@ -9,11 +9,18 @@
  *    accumulate) against the CPU kernels;
  *  - per-bucket AdamW tables: alternating sub-arrays of one segment array on both queues, bitwise
  *    against the CPU, and no upload or host wait once each table is cached (mock call counts);
+ *  - host-driven jobs on the device's worker thread: a blocked job does not block submit or
+ *    compute work, short waits time out without breaking the device, a failing job's status and
+ *    text reach every later wait, destroy drains queued jobs;
  *  - allocation failures, and no device memory left behind by destroy. */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime.h> /* the mock's: controls (stall, pending) and streams */
 
@@ -143,11 +150,13 @@ static void host_driven(sg__device *d, int attached) {
   probe_job j = {d, b, a, 99};
   uint64_t t;
   d->ops->comm_submit(d, probe_job_fn, &j, &t);
-  if (attached)
+  if (attached) {
     check(j.pending_after > 0, "stream-ordered jobs: comm work stays queued");
-  else
+    d->ops->comm_wait(d, t, sg__deadline(1000));
+  } else { /* the job may run on the worker: look once it is done */
+    d->ops->comm_wait(d, t, sg__deadline(5000));
     check(j.pending_after == 0, "host-driven jobs: comm work done when the call returns");
-  d->ops->comm_wait(d, t, sg__deadline(1000));
+  }
   d->ops->free(d, a);
   d->ops->free(d, b);
 }
@@ -225,6 +234,129 @@ static void timeouts(void) {
   check(d->ops->comm_wait(d, t + 1, sg__deadline(1000)) == SG_ERR_COMM,
         "failing job: the device stays broken");
   d->ops->destroy(d);
+}
+
+/* ---- host-driven jobs on the worker thread ----------------------------------------------- */
+
+/* A job that blocks until the test releases it (or 20 s pass: then it fails, so that a broken
+ * device gives failed checks instead of a hang). */
+typedef struct gate_job {
+  atomic_int released, started, finished;
+  sg__device *d;
+  float *dst, *src; /* a comm-queue copy once released */
+} gate_job;
+
+static sg_status gate_fn(void *arg) {
+  gate_job *g = (gate_job *)arg;
+  atomic_store(&g->started, 1);
+  const int64_t give_up = sg__now_ms() + 20000;
+  while (!atomic_load(&g->released)) {
+    if (sg__now_ms() > give_up) return sg__err(SG_ERR_COMM, "gate job: never released");
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+  }
+  sg_status st = SG_OK;
+  if (g->d) st = g->d->ops->copy(g->d, SG_Q_COMM, g->dst, g->src, N * 4, SG_COPY_D2D);
+  atomic_store(&g->finished, 1);
+  return st;
+}
+
+typedef struct count_job {
+  atomic_int *count;
+} count_job;
+
+static sg_status count_fn(void *arg) {
+  atomic_fetch_add(((count_job *)arg)->count, 1);
+  return SG_OK;
+}
+
+static void *release_later(void *arg) {
+  struct timespec ts = {0, 50000000};
+  nanosleep(&ts, NULL);
+  atomic_store(&((gate_job *)arg)->released, 1);
+  return NULL;
+}
+
+static void async_jobs(void) {
+  sg__device *d = NULL;
+  check(sg__device_cuda_create(0, 0, &d) == SG_OK, "async: create");
+  const sg__device_ops *o = d->ops;
+  nothing_job nj = {0};
+  uint64_t t0 = 0, t = 0, t2 = 0;
+  check(o->comm_submit(d, nothing_fn, &nj, &t0) == SG_OK && nj.ran == 1,
+        "async: the first job runs inline (a communicator may attach hooks in it)");
+  float h[N], back[N];
+  for (int i = 0; i < N; i++) h[i] = (float)(i % 31);
+  float *a = NULL, *b = NULL, *c = NULL;
+  o->alloc(d, N * 4, (void **)&a);
+  o->alloc(d, N * 4, (void **)&b);
+  o->alloc(d, N * 4, (void **)&c);
+  o->copy(d, SG_Q_COMPUTE, a, h, N * 4, SG_COPY_H2D);
+  o->accumulate(d, SG_Q_COMPUTE, a, 0, a, 0, N); /* a = 2h, before the job */
+  gate_job g;
+  atomic_init(&g.released, 0);
+  atomic_init(&g.started, 0);
+  atomic_init(&g.finished, 0);
+  g.d = d;
+  g.dst = b;
+  g.src = a;
+  check(o->comm_submit(d, gate_fn, &g, &t) == SG_OK && !atomic_load(&g.finished),
+        "async: submit of a blocked job returns at once");
+  /* compute work while the job is blocked on the worker */
+  o->copy(d, SG_Q_COMPUTE, c, h, N * 4, SG_COPY_H2D);
+  o->accumulate(d, SG_Q_COMPUTE, c, 0, c, 0, N);
+  o->copy(d, SG_Q_COMPUTE, back, c, N * 4, SG_COPY_D2H);
+  int ok = 1;
+  for (int i = 0; i < N && ok; i++) ok = back[i] == 2.0f * h[i];
+  check(ok && !atomic_load(&g.finished), "async: compute work runs while the job is blocked");
+  check(o->comm_wait(d, t, sg__now_ms() + 30) == SG_ERR_TIMEOUT && says("deadline"),
+        "async: comm_wait while blocked: SG_ERR_TIMEOUT");
+  check(o->compute_wait_comm(d, t, sg__now_ms() + 30) == SG_ERR_TIMEOUT,
+        "async: compute_wait_comm while blocked: SG_ERR_TIMEOUT");
+  check(o->comm_wait(d, t0, sg__now_ms() + 30) == SG_OK, "async: an earlier ticket is done");
+  atomic_store(&g.released, 1);
+  check(o->comm_wait(d, t, sg__deadline(10000)) == SG_OK && atomic_load(&g.finished),
+        "async: comm_wait after release: SG_OK (a timeout does not break the device)");
+  o->accumulate(d, SG_Q_COMPUTE, b, 0, b, 0, N); /* after the job's copy: b = 4h */
+  o->copy(d, SG_Q_COMPUTE, back, b, N * 4, SG_COPY_D2H);
+  ok = 1;
+  for (int i = 0; i < N && ok; i++) ok = back[i] == 4.0f * h[i];
+  check(ok, "async: the job saw the compute work before submit, compute sees the job's copy");
+
+  /* a failing job on the worker: its status and text reach every later wait */
+  check(o->comm_submit(d, failing_fn, NULL, &t2) == SG_OK, "async: failing job queued");
+  check(o->comm_wait(d, t2, sg__deadline(10000)) == SG_ERR_COMM && says("collective failed"),
+        "async: comm_wait returns the job's failure with its text");
+  check(o->compute_wait_comm(d, t, sg__deadline(1000)) == SG_ERR_COMM && says("collective failed"),
+        "async: every later wait returns it (an earlier ticket too)");
+  check(o->comm_submit(d, nothing_fn, &nj, &t) == SG_ERR_COMM && nj.ran == 1,
+        "async: later submits fail without running the job");
+  check(o->sync(d, sg__deadline(1000)) == SG_ERR_COMM, "async: sync returns it");
+  o->free(d, a);
+  o->free(d, b);
+  o->free(d, c);
+  o->destroy(d);
+
+  /* destroy with jobs queued behind a blocked one runs them all */
+  check(sg__device_cuda_create(0, 0, &d) == SG_OK, "async: create again");
+  o = d->ops;
+  atomic_int count;
+  atomic_init(&count, 0);
+  count_job cj = {&count};
+  o->comm_submit(d, count_fn, &cj, &t);
+  gate_job g2;
+  atomic_init(&g2.released, 0);
+  atomic_init(&g2.started, 0);
+  atomic_init(&g2.finished, 0);
+  g2.d = NULL;
+  ok = o->comm_submit(d, gate_fn, &g2, &t) == SG_OK;
+  for (int i = 0; i < 3; i++) ok = ok && o->comm_submit(d, count_fn, &cj, &t) == SG_OK;
+  check(ok && atomic_load(&count) == 1, "async: three jobs queued behind a blocked one");
+  pthread_t rel;
+  pthread_create(&rel, NULL, release_later, &g2);
+  o->destroy(d);
+  pthread_join(rel, NULL);
+  check(atomic_load(&g2.finished) && atomic_load(&count) == 4, "async: destroy drains the queue");
 }
 
 static void allocations(sg__device *d) {
@@ -581,6 +713,7 @@ int main(void) {
   sg_cudamock_drain();
   check(sg_cudamock_live_allocations() == live0, "destroy leaves no device or pinned memory");
   timeouts();
+  async_jobs();
   const size_t live1 = sg_cudamock_live_allocations();
   bucket_tables();
   sg_cudamock_drain();

@@ -12,11 +12,25 @@
  * one, since the comm stream runs in order (waiting on the later ticket only waits longer).
  *
  * Host-driven jobs. A communicator that works on the host (local: rank threads reading each
- * other's buffers between barriers) needs the CPU device's semantics: the job's input complete
- * when it starts, and every SG_Q_COMM copy or kernel it issues complete when that call returns.
- * Until a communicator installs hooks (NCCL, whose collectives are stream-ordered), jobs run
- * that way: comm_submit waits on the host for the compute stream first, and SG_Q_COMM work
- * issued inside a job is waited for before the call returns.
+ * other's buffers between barriers; MPI through pinned staging) needs the CPU device's
+ * semantics: the job's input complete when it starts, and every SG_Q_COMM copy or kernel it
+ * issues complete when that call returns. Until a communicator installs hooks (NCCL, whose
+ * collectives are stream-ordered), jobs run that way on a worker thread of the device (started
+ * by the first such job, joined by destroy after it drained the queue): comm_submit records the
+ * ticket's ring event on the compute stream and queues the job; the worker waits on the host
+ * for that event (and for the comm stream to be idle), runs the job, waits for the comm stream
+ * again (its marks), and publishes the ticket as done under the mutex. comm_wait and
+ * compute_wait_comm of such a ticket are host waits on a condition variable. The very first job
+ * of a device still runs inline in comm_submit (as above, the host waiting first), because a
+ * stream-ordered communicator installs its hooks during its first collective; so does every
+ * job once hooks are installed (pending worker jobs are drained first), or when the
+ * communicator cannot be called from another thread (sg__device_cuda_set_threaded_comm).
+ *
+ * Threads. The caller's thread issues compute work while the worker runs a job: the ticket
+ * counters, the failure and the hooks are under `mu`; "inside a job" is a thread-local; the
+ * sumsq scratch is per queue; the AdamW segment-table cache is under `tab_mu`. The worker never
+ * reads d->compute (the caller may switch it). SG_Q_COMM work issued outside a job first waits
+ * for every queued job, as on the CPU device.
  *
  * Waits. Every host wait polls (cudaEventQuery / cudaStreamQuery) with a deadline, so that a
  * collective that never completes gives SG_ERR_TIMEOUT instead of a hang; the NCCL communicator
@@ -24,7 +38,9 @@
  * cudaDeviceSynchronize anywhere. */
 #define _POSIX_C_SOURCE 200809L /* nanosleep under -std=c11 */
 
-#include <stdint.h> /* uint64_t, INT64_MAX */
+#include <errno.h>   /* ETIMEDOUT */
+#include <pthread.h> /* the host-driven comm worker */
+#include <stdint.h>  /* uint64_t, INT64_MAX */
 #include <stdlib.h> /* calloc, free */
 #include <string.h> /* memcpy, memset */
 #include <stdio.h>  /* snprintf */
@@ -57,6 +73,14 @@ typedef struct sg__cuda_segtab {
   cudaStream_t synced[2]; /* streams known to run after the upload: no wait needed there */
 } sg__cuda_segtab;
 
+/* A host-driven job queued for the worker; its input is complete at the ticket's ring event. */
+typedef struct sg__cuda_job {
+  sg__job_fn fn;
+  void *arg;
+  uint64_t ticket;
+  struct sg__cuda_job *next;
+} sg__cuda_job;
+
 /* Pinned staging for table uploads: chunks handed out front to back, never reused while the
  * cache lives (an upload may still read its slice), all freed together. */
 typedef struct sg__cuda_stage {
@@ -74,13 +98,26 @@ typedef struct sg__cuda_dev {
   cudaStream_t comm;
   cudaEvent_t order_ev; /* compute -> comm ordering at submit, stream switches */
   cudaEvent_t ring[SG__CUDA_RING];
+  /* Under mu: tickets, failure, hooks, the worker's queue. */
+  pthread_mutex_t mu;
+  pthread_cond_t job_cv;  /* worker: a job arrived or stop was asked */
+  pthread_cond_t done_cv; /* host waits: the worker finished a job */
+  int sync_ready;         /* mu and the condition variables exist */
+  uint64_t ring_tk[SG__CUDA_RING];     /* the ticket that last used each slot */
+  unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is a worker job (host waits) */
   uint64_t last_ticket; /* tickets issued so far are 1..last_ticket */
   uint64_t done_ticket; /* every ticket <= this one is known to be complete */
   sg_status fail_st;    /* first failure of a comm job or a wait; SG_OK while healthy */
   char fail_msg[SG__CUDA_FAIL_CAP];
   sg__cuda_comm_hooks hooks;
   int have_hooks; /* a stream-ordered communicator (NCCL) is attached */
-  int in_job;     /* inside comm_submit's call of the job */
+  int threaded;   /* host-driven jobs may run on the worker (the communicator allows it) */
+  pthread_t worker;
+  int worker_started, stopping;
+  sg__cuda_job *head, *tail;
+  uint64_t host_queued; /* the last ticket queued to the worker */
+  uint64_t host_done;   /* the last ticket the worker finished */
+  pthread_mutex_t tab_mu; /* the segment-table cache and use_ev: adamw on either thread */
   /* AdamW segment tables (see "segment tables" below) */
   struct sg__cuda_segtab *tabs;
   int ntabs, tabs_cap;
@@ -89,10 +126,10 @@ typedef struct sg__cuda_dev {
   struct sg__cuda_stage *stage; /* pinned staging chunks of the uploads, newest first */
   cudaEvent_t use_ev[2];   /* per queue: after its last upload or AdamW kernel */
   uint64_t tab_uploads;    /* tables uploaded so far (log line on eviction) */
-  /* sumsq: device scratch (stream-ordered allocation) and a pinned result pair */
-  void *red_dev;
-  size_t red_cap;
-  double *red_host;
+  /* sumsq: device scratch (stream-ordered allocation) and a pinned result pair, per queue */
+  void *red_dev[2];
+  size_t red_cap[2];
+  double *red_host; /* 4 doubles: queue q's pair at 2q */
 } sg__cuda_dev;
 
 /* ---- errors ---------------------------------------------------------------------------- */
@@ -122,17 +159,42 @@ static sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, c
 
 static sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
 
-/* Keeps the first failure; the engine is broken from then on and every wait returns it. */
+/* The calling thread is running a comm job of this device (inline or on the worker). */
+static _Thread_local const sg__cuda_dev *sg__cuda_job_dev;
+
+/* Keeps the first failure; the engine is broken from then on and every wait returns it. The
+ * text is the calling thread's last error (the thread that saw the failure). mu not held. */
 static sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
+  pthread_mutex_lock(&d->mu);
   if (d->fail_st == SG_OK) {
     d->fail_st = st;
     snprintf(d->fail_msg, sizeof d->fail_msg, "%s", sg_last_error());
   }
+  pthread_mutex_unlock(&d->mu);
   return st;
 }
 
-static sg_status sg__cuda_failed(const sg__cuda_dev *d) {
+/* The recorded failure with its text in the calling thread's error; mu held. */
+static sg_status sg__cuda_failed_locked(const sg__cuda_dev *d) {
+  if (d->fail_st == SG_OK) return SG_OK;
   return sg__err(d->fail_st, "%s", d->fail_msg);
+}
+
+/* The same, mu not held: SG_OK while healthy. */
+static sg_status sg__cuda_failed(sg__cuda_dev *d) {
+  pthread_mutex_lock(&d->mu);
+  sg_status st = sg__cuda_failed_locked(d);
+  pthread_mutex_unlock(&d->mu);
+  return st;
+}
+
+/* A copy of the hooks; 0 when none are installed. */
+static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__cuda_comm_hooks *h) {
+  pthread_mutex_lock(&d->mu);
+  const int have = d->have_hooks;
+  if (h) *h = d->hooks;
+  pthread_mutex_unlock(&d->mu);
+  return have;
 }
 
 /* Binds the calling thread to our GPU: the engine may run on another thread than the one that
@@ -180,12 +242,14 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
     if (e != cudaErrorNotReady)
       return sg__cuda_record_failure(
           d, sg__cuda_err(e, fn, ev ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__));
-    if (d->have_hooks && d->hooks.poll) {
-      sg_status st = d->hooks.poll(d->hooks.arg);
+    sg__cuda_comm_hooks h;
+    const int hooked = sg__cuda_hooks_get(d, &h);
+    if (hooked && h.poll) {
+      sg_status st = h.poll(h.arg);
       if (st != SG_OK) return sg__cuda_record_failure(d, sg__err_prefix(st, fn));
     }
     if (deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms) {
-      if (d->have_hooks && d->hooks.abort) d->hooks.abort(d->hooks.arg);
+      if (hooked && h.abort) h.abort(h.arg);
       return sg__cuda_record_failure(
           d, sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
                         "%s: deadline passed while waiting for the GPU (rank %d, device %d)", fn,
@@ -198,8 +262,56 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
 /* Host-driven jobs (see the top of the file): their comm-queue work completes before the call
  * that issued it returns. */
 static sg_status sg__cuda_after(sg__cuda_dev *d, sg__queue q, const char *fn) {
-  if (q != SG_Q_COMM || !d->in_job || d->have_hooks) return SG_OK;
+  if (q != SG_Q_COMM || sg__cuda_job_dev != d || sg__cuda_hooks_get(d, NULL)) return SG_OK;
   return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
+}
+
+/* Absolute CLOCK_MONOTONIC time (the clock of sg__now_ms) of a deadline. */
+static struct timespec sg__cuda_deadline_ts(int64_t deadline_ms) {
+  if (deadline_ms < 0) deadline_ms = 0;
+  struct timespec ts = {(time_t)(deadline_ms / 1000), (long)(deadline_ms % 1000) * 1000000L};
+  return ts;
+}
+
+/* Host wait until the worker finished ticket t, the device failed (its failure) or the deadline
+ * passed (SG_ERR_TIMEOUT, not recorded: the job may still finish). mu held. */
+static sg_status sg__cuda_host_wait_locked(sg__cuda_dev *d, uint64_t t, int64_t deadline_ms,
+                                           const char *fn) {
+  const struct timespec ts = sg__cuda_deadline_ts(deadline_ms);
+  for (;;) {
+    if (d->fail_st != SG_OK) return sg__cuda_failed_locked(d);
+    if (d->host_done >= t) return SG_OK;
+    if (deadline_ms == INT64_MAX) {
+      pthread_cond_wait(&d->done_cv, &d->mu);
+    } else if (pthread_cond_timedwait(&d->done_cv, &d->mu, &ts) == ETIMEDOUT &&
+               d->host_done < t && d->fail_st == SG_OK) {
+      return sg__err(SG_ERR_TIMEOUT,
+                     "%s: comm job %llu not finished by the deadline (%llu done, %llu queued; a "
+                     "collective may be stuck on another rank)",
+                     fn, (unsigned long long)t, (unsigned long long)d->host_done,
+                     (unsigned long long)d->host_queued);
+    }
+  }
+}
+
+static sg_status sg__cuda_host_wait(sg__cuda_dev *d, uint64_t t, int64_t deadline_ms,
+                                    const char *fn) {
+  pthread_mutex_lock(&d->mu);
+  sg_status st = sg__cuda_host_wait_locked(d, t, deadline_ms, fn);
+  pthread_mutex_unlock(&d->mu);
+  return st;
+}
+
+/* Before SG_Q_COMM work issued outside a job: every queued worker job finishes first (the
+ * order a stream would give). */
+static sg_status sg__cuda_enter_queue(sg__cuda_dev *d, sg__queue q, const char *fn) {
+  if (q != SG_Q_COMM || sg__cuda_job_dev == d) return SG_OK;
+  pthread_mutex_lock(&d->mu);
+  sg_status st = d->host_done < d->host_queued
+                     ? sg__cuda_host_wait_locked(d, d->host_queued, INT64_MAX, fn)
+                     : SG_OK;
+  pthread_mutex_unlock(&d->mu);
+  return st;
 }
 
 /* ---- memory ----------------------------------------------------------------------------- */
@@ -249,6 +361,7 @@ static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const v
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   if (bytes == 0) return SG_OK;
   if (!dst || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   enum cudaMemcpyKind k;
@@ -271,6 +384,7 @@ static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t 
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   if (bytes == 0) return SG_OK;
   if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   SG_TRY(sg__cuda_enter(d, fn));
@@ -288,6 +402,7 @@ static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, i
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   /* any acc dtype: f32/bf16 accumulators, and f16 gradient slots (sg_grad_add) */
   if (!sg__cuda_dtype_ok(acc_dtype) || !sg__cuda_dtype_ok(src_dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (acc %d, src %d)", fn, acc_dtype,
@@ -306,6 +421,7 @@ static sg_status sg__cudev_cast(sg__device *dev, sg__queue q, void *dst, int dst
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   if (!sg__cuda_dtype_ok(dst_dtype) || !sg__cuda_dtype_ok(src_dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (dst %d, src %d)", fn, dst_dtype,
                    src_dtype);
@@ -322,6 +438,7 @@ static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   if (!sg__cuda_dtype_ok(dtype) && dtype != 3)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
   if (nsrc < 1 || nsrc > SG__CUDA_MAX_SRCS)
@@ -336,18 +453,20 @@ static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
   return sg__cuda_after(d, q, fn);
 }
 
-/* Grows the stream-ordered sumsq scratch; the old one is freed in stream order after its last
- * use (sumsq waits for its kernel anyway). */
-static sg_status sg__cuda_red_reserve(sg__cuda_dev *d, cudaStream_t s, size_t bytes,
+/* Grows queue q's stream-ordered sumsq scratch; the old one is freed in stream order after its
+ * last use (sumsq waits for its kernel anyway). One per queue: a job on the worker and the
+ * caller's thread may both be in sumsq. */
+static sg_status sg__cuda_red_reserve(sg__cuda_dev *d, sg__queue q, size_t bytes,
                                       const char *fn) {
-  if (bytes <= d->red_cap) return SG_OK;
-  if (d->red_dev) {
-    SG__CU(cudaFreeAsync(d->red_dev, s), fn);
-    d->red_dev = NULL;
-    d->red_cap = 0;
+  cudaStream_t s = sg__cuda_stream(d, q);
+  if (bytes <= d->red_cap[q]) return SG_OK;
+  if (d->red_dev[q]) {
+    SG__CU(cudaFreeAsync(d->red_dev[q], s), fn);
+    d->red_dev[q] = NULL;
+    d->red_cap[q] = 0;
   }
-  SG__CU(cudaMallocAsync(&d->red_dev, bytes, s), fn);
-  d->red_cap = bytes;
+  SG__CU(cudaMallocAsync(&d->red_dev[q], bytes, s), fn);
+  d->red_cap[q] = bytes;
   return SG_OK;
 }
 
@@ -357,6 +476,7 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !sumsq || !nonfinite) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   if (!sg__cuda_dtype_ok(dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
   *sumsq = 0.0;
@@ -365,13 +485,14 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
   if (!x) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   SG_TRY(sg__cuda_enter(d, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
-  SG_TRY(sg__cuda_red_reserve(d, s, sg__cuda_sumsq_scratch_bytes(n), fn));
-  double *result = (double *)d->red_dev; /* the first two doubles of the scratch */
-  SG__CU_LAUNCH(sg__cuda_sumsq(sg__cuda_launch_on(d, q), x, dtype, n, d->red_dev, result), fn);
-  SG__CU(cudaMemcpyAsync(d->red_host, result, 2 * sizeof(double), cudaMemcpyDeviceToHost, s), fn);
+  SG_TRY(sg__cuda_red_reserve(d, q, sg__cuda_sumsq_scratch_bytes(n), fn));
+  double *result = (double *)d->red_dev[q]; /* the first two doubles of the scratch */
+  double *host = d->red_host + 2 * (int)q;
+  SG__CU_LAUNCH(sg__cuda_sumsq(sg__cuda_launch_on(d, q), x, dtype, n, d->red_dev[q], result), fn);
+  SG__CU(cudaMemcpyAsync(host, result, 2 * sizeof(double), cudaMemcpyDeviceToHost, s), fn);
   SG_TRY(sg__cuda_wait(d, NULL, s, INT64_MAX, fn));
-  *sumsq = d->red_host[0];
-  *nonfinite = d->red_host[1];
+  *sumsq = host[0];
+  *nonfinite = host[1];
   return SG_OK;
 }
 
@@ -574,18 +695,22 @@ static sg_status sg__cudev_adamw(sg__device *dev, sg__queue q, const sg__adamw_a
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   SG_TRY(sg__cuda_adamw_check(a, fn));
   if (a->nsegs == 0) return SG_OK;
   SG_TRY(sg__cuda_enter(d, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
   sg__cuda_segtab *t = NULL;
+  pthread_mutex_lock(&d->tab_mu); /* the cache is shared by both queues' threads */
   sg_status st = sg__cuda_tab_get(d, s, a->segs, a->nsegs, &t, fn);
   if (st == SG_OK && t->work > 0) {
     int rc = sg__cuda_adamw(sg__cuda_launch_on(d, q), a, t->dev, t->work);
     if (rc != 0) st = sg__cuda_err((cudaError_t)rc, fn, "sg__cuda_adamw", __FILE__, __LINE__);
   }
   /* Even after a failure: an upload may have been queued, and eviction and destroy wait here. */
-  SG__CU(cudaEventRecord(d->use_ev[q], s), fn);
+  cudaError_t e = cudaEventRecord(d->use_ev[q], s);
+  pthread_mutex_unlock(&d->tab_mu);
+  if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventRecord(use_ev)", __FILE__, __LINE__);
   SG_TRY(st);
   return sg__cuda_after(d, q, fn);
 }
@@ -596,55 +721,176 @@ static cudaEvent_t sg__cuda_ticket_event(sg__cuda_dev *d, uint64_t ticket) {
   return d->ring[ticket & (SG__CUDA_RING - 1)];
 }
 
+/* Issues the next ticket (mu held). */
+static uint64_t sg__cuda_issue_locked(sg__cuda_dev *d, int host) {
+  const uint64_t t = d->last_ticket + 1;
+  d->ring_tk[t & (SG__CUDA_RING - 1)] = t;
+  d->ring_host[t & (SG__CUDA_RING - 1)] = (unsigned char)host;
+  d->last_ticket = t;
+  return t;
+}
+
+/* Runs the job on this thread: stream-ordered (hooks installed), or host-driven with the host
+ * waiting for the compute stream first. */
+static sg_status sg__cuda_submit_inline(sg__cuda_dev *d, sg__job_fn job, void *arg,
+                                        uint64_t *ticket, const char *fn) {
+  /* The job's input was produced by compute work issued before this call. */
+  SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
+  SG__CU(cudaStreamWaitEvent(d->comm, d->order_ev, 0), fn);
+  if (!sg__cuda_hooks_get(d, NULL)) SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
+  sg__cuda_job_dev = d;
+  sg_status st = job(arg);
+  sg__cuda_job_dev = NULL;
+  /* The job may have been the first one of a stream-ordered communicator (it attached itself
+   * during the call): its work is then still in flight, which the ticket covers. */
+  if (st != SG_OK) sg__cuda_record_failure(d, st);
+  pthread_mutex_lock(&d->mu);
+  const uint64_t t = d->last_ticket + 1;
+  cudaError_t e = cudaEventRecord(sg__cuda_ticket_event(d, t), d->comm);
+  if (e == cudaSuccess) *ticket = sg__cuda_issue_locked(d, 0);
+  pthread_mutex_unlock(&d->mu);
+  if (e != cudaSuccess)
+    return sg__cuda_record_failure(
+        d, sg__cuda_err(e, fn, "cudaEventRecord(ticket)", __FILE__, __LINE__));
+  return st == SG_OK ? SG_OK : sg__cuda_failed(d);
+}
+
+/* One worker job: its input (the compute stream at submit, earlier comm-stream work), the job
+ * with its SG_Q_COMM work waited for call by call, then the comm stream idle (its marks). */
+static sg_status sg__cuda_run_host_job(sg__cuda_dev *d, const sg__cuda_job *j) {
+  static const char fn[] = "sg__device_cuda.comm_worker";
+  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, j->ticket), NULL, INT64_MAX, fn));
+  SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
+  sg__cuda_job_dev = d;
+  sg_status st = j->fn(j->arg);
+  sg__cuda_job_dev = NULL;
+  SG_TRY(st);
+  return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
+}
+
+/* Jobs run in FIFO order; after a failure the rest are skipped (their tickets still complete,
+ * and every wait returns the failure). The failure's text is read on this thread, where it was
+ * set. */
+static void *sg__cuda_worker_main(void *p) {
+  sg__cuda_dev *d = (sg__cuda_dev *)p;
+  int bound = 0;
+  pthread_mutex_lock(&d->mu);
+  for (;;) {
+    while (!d->head && !d->stopping) pthread_cond_wait(&d->job_cv, &d->mu);
+    sg__cuda_job *j = d->head;
+    if (!j) break; /* stopping and drained */
+    d->head = j->next;
+    if (!d->head) d->tail = NULL;
+    const int skip = d->fail_st != SG_OK;
+    pthread_mutex_unlock(&d->mu);
+    sg_status st = SG_OK;
+    if (!skip && !bound) bound = (st = sg__cuda_enter(d, "sg__device_cuda.comm_worker")) == SG_OK;
+    if (!skip && st == SG_OK) st = sg__cuda_run_host_job(d, j);
+    if (st != SG_OK) sg__cuda_record_failure(d, st);
+    pthread_mutex_lock(&d->mu);
+    d->host_done = j->ticket;
+    pthread_cond_broadcast(&d->done_cv);
+    free(j);
+  }
+  pthread_mutex_unlock(&d->mu);
+  return NULL;
+}
+
+/* Queues a host-driven job for the worker (started on first use). */
+static sg_status sg__cuda_submit_host(sg__cuda_dev *d, sg__job_fn job, void *arg, uint64_t *ticket,
+                                      const char *fn) {
+  sg__cuda_job *j = (sg__cuda_job *)calloc(1, sizeof *j);
+  if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: no memory for a job", fn);
+  j->fn = job;
+  j->arg = arg;
+  sg_status st = SG_OK;
+  pthread_mutex_lock(&d->mu);
+  if (!d->worker_started) {
+    int rc = pthread_create(&d->worker, NULL, sg__cuda_worker_main, d);
+    if (rc != 0)
+      st = sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
+                      "%s: cannot start the comm worker thread (%d)", fn, rc);
+    d->worker_started = rc == 0;
+  }
+  /* The ticket's ring event marks the job's input on the compute stream. */
+  const uint64_t t = d->last_ticket + 1;
+  cudaError_t e = st == SG_OK ? cudaEventRecord(sg__cuda_ticket_event(d, t), d->compute)
+                              : cudaSuccess;
+  if (st == SG_OK && e == cudaSuccess) {
+    j->ticket = sg__cuda_issue_locked(d, 1);
+    if (d->tail)
+      d->tail->next = j;
+    else
+      d->head = j;
+    d->tail = j;
+    d->host_queued = j->ticket;
+    *ticket = j->ticket;
+    pthread_cond_signal(&d->job_cv);
+    j = NULL;
+  }
+  pthread_mutex_unlock(&d->mu);
+  free(j);
+  SG_TRY(st);
+  if (e != cudaSuccess)
+    return sg__cuda_record_failure(d, sg__cuda_err(e, fn, "cudaEventRecord(job)", __FILE__, __LINE__));
+  return SG_OK;
+}
+
 static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void *arg,
                                        uint64_t *ticket) {
   static const char fn[] = "sg__device_cuda.comm_submit";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !job || !ticket) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  if (d->fail_st != SG_OK) return sg__cuda_failed(d);
+  SG_TRY(sg__cuda_failed(d));
   SG_TRY(sg__cuda_enter(d, fn));
-  /* The job's input was produced by compute work issued before this call. */
-  SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
-  SG__CU(cudaStreamWaitEvent(d->comm, d->order_ev, 0), fn);
-  if (!d->have_hooks) SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
-  d->in_job = 1;
-  sg_status st = job(arg);
-  d->in_job = 0;
-  /* The job may have been the first one of a stream-ordered communicator (it attached itself
-   * during the call): its work is then still in flight, which the ticket covers. */
-  if (st != SG_OK) sg__cuda_record_failure(d, st);
-  uint64_t t = d->last_ticket + 1;
-  cudaError_t e = cudaEventRecord(sg__cuda_ticket_event(d, t), d->comm);
-  if (e != cudaSuccess)
-    return sg__cuda_record_failure(
-        d, sg__cuda_err(e, fn, "cudaEventRecord(ticket)", __FILE__, __LINE__));
-  d->last_ticket = t;
-  *ticket = t;
-  return st == SG_OK ? SG_OK : sg__cuda_failed(d);
+  pthread_mutex_lock(&d->mu);
+  const int inline_job = d->have_hooks || d->last_ticket == 0 || !d->threaded;
+  const uint64_t queued = d->host_done < d->host_queued ? d->host_queued : 0;
+  pthread_mutex_unlock(&d->mu);
+  if (!inline_job) return sg__cuda_submit_host(d, job, arg, ticket, fn);
+  /* Hooks installed while worker jobs are queued: those go first. */
+  if (queued) SG_TRY(sg__cuda_host_wait(d, queued, INT64_MAX, fn));
+  return sg__cuda_submit_inline(d, job, arg, ticket, fn);
 }
 
-/* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for. */
+/* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for; else
+ * *wait_for is the ticket to wait for (the one now in the ticket's ring slot: a later one waits
+ * longer, since jobs complete in ticket order) and *host says whether it is a worker job. */
 static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const char *fn,
-                                       int *done) {
+                                       int *done, uint64_t *wait_for, int *host) {
   *done = 1;
-  if (d->fail_st != SG_OK) return sg__cuda_failed(d);
-  if (ticket > d->last_ticket)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ticket %llu was never issued (last %llu)", fn,
-                   (unsigned long long)ticket, (unsigned long long)d->last_ticket);
-  *done = ticket <= d->done_ticket;
-  return SG_OK;
+  pthread_mutex_lock(&d->mu);
+  sg_status st = sg__cuda_failed_locked(d);
+  if (st == SG_OK && ticket > d->last_ticket)
+    st = sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ticket %llu was never issued (last %llu)", fn,
+                 (unsigned long long)ticket, (unsigned long long)d->last_ticket);
+  if (st == SG_OK) {
+    const size_t slot = ticket & (SG__CUDA_RING - 1);
+    *done = ticket <= d->done_ticket;
+    *wait_for = d->ring_tk[slot];
+    *host = d->ring_host[slot];
+    if (*host && d->host_done >= *wait_for) *done = 1;
+    if (!*done && *host && d->worker_started && pthread_equal(pthread_self(), d->worker))
+      st = sg__err(SG_ERR_INVALID_STATE, "%s: called from inside a comm job (deadlock)", fn);
+  }
+  pthread_mutex_unlock(&d->mu);
+  return st;
 }
 
 static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
   static const char fn[] = "sg__device_cuda.comm_wait";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  int done;
-  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done));
+  int done, host = 0;
+  uint64_t w = 0;
+  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host));
   if (done) return SG_OK;
+  if (host) return sg__cuda_host_wait(d, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
-  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, ticket), NULL, deadline_ms, fn));
-  d->done_ticket = ticket;
+  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, w), NULL, deadline_ms, fn));
+  pthread_mutex_lock(&d->mu);
+  if (d->done_ticket < ticket) d->done_ticket = ticket;
+  pthread_mutex_unlock(&d->mu);
   return SG_OK;
 }
 
@@ -653,12 +899,15 @@ static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
   static const char fn[] = "sg__device_cuda.compute_wait_comm";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  int done;
-  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done));
+  int done, host = 0;
+  uint64_t w = 0;
+  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host));
   if (done) return SG_OK;
+  /* A worker job's CUDA work is complete when the job is: a host wait is enough. */
+  if (host) return sg__cuda_host_wait(d, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
   /* A stream wait, not a host wait: the deadline applies to whoever waits on the host later. */
-  SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, ticket), 0), fn);
+  SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
   return SG_OK;
 }
 
@@ -668,7 +917,7 @@ static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_enter(d, fn));
   SG_TRY(sg__cuda_wait(d, NULL, d->compute, deadline_ms, fn));
-  return d->fail_st != SG_OK ? sg__cuda_failed(d) : SG_OK;
+  return sg__cuda_failed(d);
 }
 
 /* NULL goes back to our own stream. Work already issued to the old stream stays ahead of
@@ -721,6 +970,7 @@ static sg_status sg__cudev_mark(sg__device *dev, void *marks, size_t i, sg__queu
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !marks) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
+  SG_TRY(sg__cuda_enter_queue(d, q, fn));
   SG_TRY(sg__cuda_enter(d, fn));
   SG__CU(cudaEventRecord(((cudaEvent_t *)marks)[i], sg__cuda_stream(d, q)), fn);
   return SG_OK;
@@ -746,9 +996,21 @@ static sg_status sg__cudev_mark_elapsed(sg__device *dev, void *marks, size_t fro
 
 /* ---- lifetime --------------------------------------------------------------------------- */
 
+/* Queued worker jobs run (or are skipped after a failure) before the worker exits; a job stuck
+ * in a collective is bounded by that communicator's own deadline, so the join ends. */
+static void sg__cuda_stop_worker(sg__cuda_dev *d) {
+  pthread_mutex_lock(&d->mu);
+  const int started = d->worker_started;
+  d->stopping = 1;
+  pthread_cond_broadcast(&d->job_cv);
+  pthread_mutex_unlock(&d->mu);
+  if (started) pthread_join(d->worker, NULL);
+}
+
 static void sg__cudev_destroy(sg__device *dev) {
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return;
+  if (d->sync_ready) sg__cuda_stop_worker(d);
   if (d->have_hooks && d->hooks.detach) d->hooks.detach(d->hooks.arg);
   (void)cudaSetDevice(d->ordinal);
   /* Stream-ordered frees on the comm stream after the table's last use. The caller's compute
@@ -756,7 +1018,8 @@ static void sg__cudev_destroy(sg__device *dev) {
   if (d->comm) {
     for (int q = 0; q < 2; q++)
       if (d->use_ev[q]) (void)cudaStreamWaitEvent(d->comm, d->use_ev[q], 0);
-    if (d->red_dev) (void)cudaFreeAsync(d->red_dev, d->comm);
+    for (int q = 0; q < 2; q++)
+      if (d->red_dev[q]) (void)cudaFreeAsync(d->red_dev[q], d->comm);
   }
   sg__cuda_tabs_release(d, d->comm);
   free(d->tabs);
@@ -768,6 +1031,12 @@ static void sg__cudev_destroy(sg__device *dev) {
     if (d->use_ev[q]) (void)cudaEventDestroy(d->use_ev[q]);
   if (d->comm) (void)cudaStreamDestroy(d->comm);
   if (d->own_compute) (void)cudaStreamDestroy(d->own_compute);
+  if (d->sync_ready) {
+    pthread_cond_destroy(&d->done_cv);
+    pthread_cond_destroy(&d->job_cv);
+    pthread_mutex_destroy(&d->tab_mu);
+    pthread_mutex_destroy(&d->mu);
+  }
   free(d);
 }
 
@@ -813,7 +1082,28 @@ sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {
   return SG_OK;
 }
 
-/* Streams, events, the sumsq result pair; d->ordinal is set and current. */
+/* The mutexes and condition variables; done_cv waits against CLOCK_MONOTONIC, the clock of
+ * sg__now_ms() deadlines. 0 or an errno value. */
+static int sg__cuda_sync_init(sg__cuda_dev *d) {
+  pthread_condattr_t attr;
+  int rc = pthread_condattr_init(&attr);
+  if (rc != 0) return rc;
+  int step = 0;
+  if ((rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)) == 0 &&
+      (rc = pthread_mutex_init(&d->mu, NULL)) == 0 && ++step &&
+      (rc = pthread_mutex_init(&d->tab_mu, NULL)) == 0 && ++step &&
+      (rc = pthread_cond_init(&d->job_cv, NULL)) == 0 && ++step &&
+      (rc = pthread_cond_init(&d->done_cv, &attr)) == 0)
+    ++step;
+  pthread_condattr_destroy(&attr);
+  if (rc == 0) return 0;
+  if (step >= 3) pthread_cond_destroy(&d->job_cv);
+  if (step >= 2) pthread_mutex_destroy(&d->tab_mu);
+  if (step >= 1) pthread_mutex_destroy(&d->mu);
+  return rc;
+}
+
+/* Streams, events, the sumsq result pairs; d->ordinal is set and current. */
 static sg_status sg__cuda_init(sg__cuda_dev *d) {
   static const char fn[] = "sg__device_cuda_create";
   int least = 0, greatest = 0, sms = 0;
@@ -826,7 +1116,7 @@ static sg_status sg__cuda_init(sg__cuda_dev *d) {
     SG__CU(cudaEventCreateWithFlags(&d->use_ev[q], cudaEventDisableTiming), fn);
   for (int i = 0; i < SG__CUDA_RING; i++)
     SG__CU(cudaEventCreateWithFlags(&d->ring[i], cudaEventDisableTiming), fn);
-  SG__CU(cudaMallocHost((void **)&d->red_host, 2 * sizeof(double)), fn);
+  SG__CU(cudaMallocHost((void **)&d->red_host, 4 * sizeof(double)), fn);
   SG__CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d->ordinal), fn);
   d->max_blocks = sms > 0 ? 8 * sms : 256;
   return SG_OK;
@@ -847,6 +1137,13 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
   d->base.kind = SG_DEVICE_CUDA;
   d->base.rank = rank;
   d->ordinal = ordinal;
+  d->threaded = 1;
+  int rc = sg__cuda_sync_init(d);
+  if (rc != 0) {
+    free(d);
+    return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__, "%s: pthread init failed (%d)", fn, rc);
+  }
+  d->sync_ready = 1;
   sg_status st = SG_OK;
   SG_TRY_GOTO(sg__cuda_enter(d, fn), st, fail);
   SG_TRY_GOTO(sg__cuda_init(d), st, fail);
@@ -879,6 +1176,7 @@ sg_status sg__device_cuda_set_comm_hooks(sg__device *d, const sg__cuda_comm_hook
   sg__cuda_dev *c = sg__cuda_or_null(d);
   if (!c)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda_set_comm_hooks: not a CUDA device");
+  pthread_mutex_lock(&c->mu);
   if (h) {
     c->hooks = *h;
     c->have_hooks = 1;
@@ -886,5 +1184,16 @@ sg_status sg__device_cuda_set_comm_hooks(sg__device *d, const sg__cuda_comm_hook
     memset(&c->hooks, 0, sizeof c->hooks);
     c->have_hooks = 0;
   }
+  pthread_mutex_unlock(&c->mu);
+  return SG_OK;
+}
+
+sg_status sg__device_cuda_set_threaded_comm(sg__device *d, int threaded) {
+  sg__cuda_dev *c = sg__cuda_or_null(d);
+  if (!c)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda_set_threaded_comm: not a CUDA device");
+  pthread_mutex_lock(&c->mu);
+  c->threaded = threaded != 0;
+  pthread_mutex_unlock(&c->mu);
   return SG_OK;
 }

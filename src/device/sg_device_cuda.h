@@ -28,6 +28,10 @@ int sg__device_cuda_ordinal(const sg__device *d);
 /* Installs (h != NULL) or removes (h == NULL) the hooks. One set at a time: a new set replaces
  * the old one without calling its detach. SG_ERR_INVALID_ARGUMENT when d is not CUDA. */
 sg_status sg__device_cuda_set_comm_hooks(sg__device *d, const sg__cuda_comm_hooks *h);
+/* threaded = 0: host-driven comm jobs run inline in comm_submit (no overlap), for communicators
+ * that must not be called from another thread (sg_comm.threaded = 0: MPI below
+ * MPI_THREAD_SERIALIZED). Default 1: they run on the device's comm worker thread. */
+sg_status sg__device_cuda_set_threaded_comm(sg__device *d, int threaded);
 /* Checks and picks the GPU for `fn`: cuda_device, or the calling thread's current one for -1
  * (SG_ERR_CUDA "no CUDA device found", SG_ERR_INVALID_ARGUMENT out of range). */
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn);
