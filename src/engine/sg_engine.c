@@ -7,6 +7,9 @@
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* host-side dtype conversion */
 #include "sg_engine_internal.h"
+#ifdef SG_HAVE_CUDA
+#include "../device/sg_device_cuda.h" /* sg__device_cuda_set_threaded_comm */
+#endif
 
 #define SG__MAX_NAME 255
 
@@ -107,7 +110,14 @@ done:
 static sg_status make_device(const sg_config *c, sg_comm *comm, sg__device **out) {
   if (c->device == SG_DEVICE_CPU) return sg__device_cpu_create(comm->rank, comm->threaded, out);
 #ifdef SG_HAVE_CUDA
-  return sg__device_cuda_create(comm->rank, c->cuda_device, out);
+  SG_TRY(sg__device_cuda_create(comm->rank, c->cuda_device, out));
+  /* host-driven collectives on the device's worker thread only where the comm allows it */
+  sg_status st = sg__device_cuda_set_threaded_comm(*out, comm->threaded);
+  if (st != SG_OK) {
+    (*out)->ops->destroy(*out);
+    *out = NULL;
+  }
+  return st;
 #else
   return sg__err(SG_ERR_UNSUPPORTED, "sg_engine_create: SG_DEVICE_CUDA requested but shardgrad "
                                      "was built without CUDA");
