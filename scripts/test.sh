@@ -4,8 +4,10 @@
 #      numpy, pytest)
 #   2. Release build in build/ (CUDA compiled when nvcc exists), all ctest labels:
 #      unit, local, mpi, install
-#   3. ASan+UBSan build in build-asan/ (no MPI, no CUDA, -O1): labels unit and local
-#   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local
+#   3. ASan+UBSan build in build-asan/ (no MPI, -O1; CUDA when nvcc exists): labels unit, local
+#      and cuda (the mock CUDA runtime)
+#   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local; and in
+#      build-tsan-cuda/ the mock CUDA tests of the CUDA device's worker thread
 #   5. pytest over python/tests when it exists
 # Every stage runs even when an earlier one failed (except those that need its build); the
 # summary at the end lists them all, and the exit status is non-zero when any failed.
@@ -114,6 +116,15 @@ configure_tsan() {
     -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON
 }
 
+# The CUDA device's worker thread (host-driven collectives) under TSan: the mock CUDA runtime
+# tests only (the whole mock suite is too slow under TSan), in a build of their own.
+configure_tsan_cuda() {
+  cmake -S "$ROOT" -B "$B-tsan-cuda" -DCMAKE_C_COMPILER="$TSAN_CC" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+    -DSG_SANITIZE=thread -DSG_WITH_MPI=OFF -DSG_WITH_CUDA=ON -DSG_BUILD_EXAMPLES=OFF \
+    -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON
+}
+
 # no_aslr COMMAND...: runs an executable with address randomization off when setarch allows it
 no_aslr() {
   if setarch "$(uname -m)" -R true 2>/dev/null; then setarch "$(uname -m)" -R "$@"; else "$@"; fi
@@ -170,6 +181,17 @@ if stage "configure $N-tsan/ (TSan, $TSAN_CC)" configure_tsan && stage "build $N
     stage "ctest $N-tsan/ (local)" run_ctest_no_aslr "$B-tsan" -L local
 else
   skip "ctest $N-tsan/" "build failed"
+fi
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  skip "$N-tsan-cuda/" "no nvcc: no mock CUDA tests"
+elif stage "configure $N-tsan-cuda/ (TSan, mock CUDA)" configure_tsan_cuda &&
+  stage "build $N-tsan-cuda/" cmake --build "$B-tsan-cuda" -j "$JOBS" \
+    --target test_cuda_mock test_cuda_mock_engine; then
+  TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
+    stage "ctest $N-tsan-cuda/ (CUDA worker thread)" run_ctest_no_aslr "$B-tsan-cuda" \
+    -R '^test_cuda_mock(_engine)?$'
+else
+  skip "ctest $N-tsan-cuda/" "build failed"
 fi
 
 # libFuzzer over the checkpoint readers (manifest, rank-file header, safetensors header, sg_load),
