@@ -675,11 +675,20 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
 /* ---------------------------------------------------------------------------------------- */
 /* learning rate, loss scale, stream                                                         */
 
+/* lr and weight_decay at run time: finite and >= 0 (NaN fails the comparison). group < 0: the
+ * value is not a group's. */
+static sg_status check_rate(const char *fn, const char *what, float v, int group) {
+  if (v >= 0.0f && !isinf(v)) return SG_OK;
+  if (group < 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and >= 0 (got %g)", fn, what, v);
+  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and >= 0 (got %g, group %d)", fn,
+                 what, v, group);
+}
+
 sg_status sg_set_lr(sg_engine *e, float lr) {
   static const char *fn = "sg_set_lr";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!(lr >= 0.0f) || isinf(lr))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr must be finite and >= 0 (got %g)", fn, lr);
+  SG_TRY(check_rate(fn, "lr", lr, -1));
   e->lr = lr;
   return SG_OK;
 }
@@ -715,15 +724,12 @@ sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay) {
   static const char *fn = "sg_set_group";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   SG_TRY(check_group(group, fn));
-  if (!(lr >= 0.0f) || isinf(lr))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr must be finite and >= 0 (got %g, group %d)",
-                   fn, lr, group);
-  if (!(weight_decay >= 0.0f) || isinf(weight_decay))
-    return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "%s: weight_decay must be finite and >= 0 (got %g, group %d)", fn,
-                   weight_decay, group);
-  if (group == 0) e->lr = lr; /* group 0's lr is the one sg_set_lr sets */
-  e->group_lr[group] = lr;
+  SG_TRY(check_rate(fn, "lr", lr, group));
+  SG_TRY(check_rate(fn, "weight_decay", weight_decay, group));
+  if (group == 0)
+    e->lr = lr; /* group 0's lr is the one sg_set_lr sets; group_lr[0] is not used */
+  else
+    e->group_lr[group] = lr;
   e->group_wd[group] = weight_decay;
   return SG_OK;
 }
