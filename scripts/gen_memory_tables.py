@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Generates README.md's memory tables (and docs/memory.png) from sg_estimate_memory.
+
+    python3 scripts/gen_memory_tables.py            # rewrites the tables between the markers
+    python3 scripts/gen_memory_tables.py --check    # exit 1 (and a diff) when README.md differs
+    python3 scripts/gen_memory_tables.py --png docs/memory.png   # the picture (needs matplotlib)
+
+Every number comes from the library itself (through the Python binding), so the README says
+what sg_memory reports. The library is found as the binding finds it (SHARDGRAD_LIBRARY, the
+package, a build/ of this checkout) or through --library PATH.
+
+Bytes per parameter are the slope of the per-rank total between two model sizes: what grows
+with the model, leaving out what does not (the S x B staging buckets of SHARD_GRAD_OP and the
+communication scratch). The largest-model table counts everything sg_estimate_memory counts,
+staging buckets and scratch included, but no activations, no framework workspace.
+"""
+
+import argparse
+import difflib
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+PARAM = 1 << 22  # elements per parameter of the model the estimates use (4M: 8 per default bucket)
+WORLDS = (1, 2, 4, 8)
+# GPU memory as nvidia-smi reports it: 24, 40 and 80 GB cards have that many GiB; the 141 GB
+# of an H200 are 140 GiB.
+GPU_GIB = (24, 40, 80, 140)
+GPU_NAME = {140: "141 GB (140 GiB)"}
+STRATEGIES = (("no_shard", "`SG_NO_SHARD`"), ("shard_opt", "`SG_SHARD_OPT`"),
+              ("shard_grad_op", "`SG_SHARD_GRAD_OP`"))
+BEGIN = "<!-- gen_memory_tables.py: %s begin (generated; edit the script, not the table) -->"
+END = "<!-- gen_memory_tables.py: %s end -->"
+
+
+def estimate(sg, nparams, world, **cfg):
+    return sg.estimate_memory([PARAM] * nparams, world, **cfg).total_bytes
+
+
+def bytes_per_param(sg, world, **cfg):
+    small, big = 16, 48
+    return (estimate(sg, big, world, **cfg) - estimate(sg, small, world, **cfg)) / ((big - small) * PARAM)
+
+
+def largest_model(sg, gib, world, **cfg):
+    """Most parameters (in steps of PARAM) whose per-rank states fit in `gib` GiB."""
+    cap = gib << 30
+    lo, hi = 0, 1
+    while estimate(sg, hi, world, **cfg) <= cap:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if estimate(sg, mid, world, **cfg) <= cap:
+            lo = mid
+        else:
+            hi = mid
+    return lo * PARAM
+
+
+def fmt(x):
+    return ("%.3f" % x).rstrip("0").rstrip(".")
+
+
+def rows_per_param(sg):
+    """(strategy label, params, accumulator, [bytes at each W])."""
+    out = []
+    for pdt, accums in (("bf16", ("f32", "bf16")), ("f32", ("f32",))):
+        for acc in accums:
+            for s, label in STRATEGIES:
+                vals = [bytes_per_param(sg, w, strategy=s, param_dtype=pdt, accum_dtype=acc)
+                        for w in WORLDS]
+                out.append((label, pdt, acc, vals))
+    return out
+
+
+def table_per_param(sg):
+    lines = ["| strategy | params | accumulator | " + " | ".join("W=%d" % w for w in WORLDS) + " |",
+             "|---|---|---|" + "---|" * len(WORLDS)]
+    for label, pdt, acc, vals in rows_per_param(sg):
+        lines.append("| %s | %s | %s | %s |" % (label, pdt, acc, " | ".join(fmt(v) for v in vals)))
+    return lines
+
+
+def fit_rows():
+    rows = [("no_shard", "`SG_NO_SHARD`", 1)]
+    for s, label in STRATEGIES[1:]:
+        for w in (2, 8):
+            rows.append((s, label, w))
+    return rows
+
+
+def table_fit(sg):
+    lines = ["| strategy (bf16 params, fp32 accumulator) | ranks | " +
+             " | ".join(GPU_NAME.get(g, "%d GiB" % g) for g in GPU_GIB) + " |",
+             "|---|---|" + "---|" * len(GPU_GIB)]
+    for s, label, w in fit_rows():
+        cells = ["%.1fB" % (largest_model(sg, g, w, strategy=s, param_dtype="bf16") / 1e9)
+                 for g in GPU_GIB]
+        lines.append("| %s | %s | %s |" % (label, "any" if s == "no_shard" else "W=%d" % w,
+                                           " | ".join(cells)))
+    return lines
+
+
+def replace_block(text, name, lines):
+    begin, end = BEGIN % name, END % name
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < i:
+        raise SystemExit("gen_memory_tables: README.md lacks the markers of table '%s':\n%s\n...\n%s"
+                         % (name, begin, end))
+    return text[:i + len(begin)] + "\n" + "\n".join(lines) + "\n" + text[j:]
+
+
+def draw(sg, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("gen_memory_tables: --png needs matplotlib (pip install matplotlib)")
+    worlds = [1, 2, 4, 8, 16, 32, 64]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s, label in STRATEGIES:
+        ys = [bytes_per_param(sg, w, strategy=s, param_dtype="bf16") for w in worlds]
+        a.plot(worlds, ys, marker="o", label=label.strip("`"))
+    a.set_xscale("log", base=2)
+    a.set_xticks(worlds)
+    a.set_xticklabels([str(w) for w in worlds])
+    a.set_xlabel("ranks W")
+    a.set_ylabel("bytes per parameter, per rank")
+    a.set_title("bf16 params, fp32 master, AdamW, fp32 accumulator")
+    a.set_ylim(bottom=0)
+    a.grid(True, alpha=0.3)
+    a.legend()
+    rows = fit_rows()
+    width = 0.8 / len(rows)
+    for k, (s, label, w) in enumerate(rows):
+        ys = [largest_model(sg, g, w, strategy=s, param_dtype="bf16") / 1e9 for g in GPU_GIB]
+        xs = [i + (k - (len(rows) - 1) / 2) * width for i in range(len(GPU_GIB))]
+        name = label.strip("`") + ("" if s == "no_shard" else " W=%d" % w)
+        b.bar(xs, ys, width, label=name)
+    b.set_xticks(range(len(GPU_GIB)))
+    b.set_xticklabels([GPU_NAME.get(g, "%d GiB" % g) for g in GPU_GIB])
+    b.set_ylabel("largest model (billions of parameters)")
+    b.set_title("model states only (no activations)")
+    b.grid(True, axis="y", alpha=0.3)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print("wrote %s" % path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--check", action="store_true",
+                    help="do not write: exit 1 with a diff when the README's tables differ")
+    ap.add_argument("--png", metavar="FILE", help="also draw the picture to FILE")
+    ap.add_argument("--library", metavar="PATH", help="libshardgrad.so to use")
+    args = ap.parse_args()
+    if args.library:
+        os.environ["SHARDGRAD_LIBRARY"] = args.library
+    import shardgrad as sg
+
+    with open(args.readme, encoding="utf-8") as f:
+        old = f.read()
+    new = replace_block(old, "bytes-per-param", table_per_param(sg))
+    new = replace_block(new, "largest-model", table_fit(sg))
+    if args.check:
+        if new != old:
+            sys.stdout.writelines(difflib.unified_diff(
+                old.splitlines(True), new.splitlines(True), "README.md", "generated"))
+            print("gen_memory_tables: README.md's memory tables differ from sg_estimate_memory "
+                  "(%s); run python3 scripts/gen_memory_tables.py" % sg.library_path())
+            return 1
+        print("gen_memory_tables: README.md's memory tables match sg_estimate_memory")
+    elif new != old:
+        with open(args.readme, "w", encoding="utf-8") as f:
+            f.write(new)
+        print("updated %s" % args.readme)
+    if args.png:
+        draw(sg, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
