@@ -2,8 +2,11 @@
 
 The library is found, in this order, through:
   1. the SHARDGRAD_LIBRARY environment variable (a file, or a directory holding libshardgrad.so),
-  2. a copy next to this package (shardgrad/libshardgrad.so, shardgrad/lib/libshardgrad.so),
-  3. the system search path (LD_LIBRARY_PATH, ldconfig; ctypes.util.find_library).
+  2. a copy next to this package (shardgrad/libshardgrad.so, shardgrad/lib/libshardgrad.so:
+     where `pip install ./python` puts the one it builds),
+  3. in a source checkout (this package imported from <checkout>/python), the CMake build
+     directory <checkout>/build,
+  4. the system search path (LD_LIBRARY_PATH, ldconfig; ctypes.util.find_library).
 When none works the error lists every path tried and why it failed.
 
 ctypes.CDLL releases the GIL for the duration of each foreign call, so ranks driven by Python
@@ -111,7 +114,8 @@ class LibraryNotFoundError(ImportError):
         self.tried = list(tried)
         lines = ["cannot load libshardgrad; tried:"]
         lines += ["  %s: %s" % (p, why) for p, why in self.tried]
-        lines.append("build it (cmake --build build --target shardgrad) and set "
+        lines.append("install the package with its library (pip install ./python), or build it "
+                     "(cmake -S . -B build && cmake --build build) and set "
                      "SHARDGRAD_LIBRARY=/path/to/libshardgrad.so")
         super().__init__("\n".join(lines))
 
@@ -122,6 +126,18 @@ def _lib_filenames():
     if sys.platform.startswith("win"):
         return ["shardgrad.dll", "libshardgrad.dll"]
     return ["libshardgrad.so", "libshardgrad.so.0"]
+
+
+def _checkout_root(here):
+    """The source checkout this package lies in (<root>/python/shardgrad), or None."""
+    root = os.path.dirname(os.path.dirname(here))
+    try:
+        with open(os.path.join(root, "CMakeLists.txt"), encoding="utf-8") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    return root if "project(shardgrad" in head and os.path.basename(os.path.dirname(here)) == \
+        "python" else None
 
 
 def _candidates():
@@ -136,6 +152,10 @@ def _candidates():
     here = os.path.dirname(os.path.abspath(__file__))
     for d in (here, os.path.join(here, "lib")):
         out += [(os.path.join(d, n), "next to the package") for n in _lib_filenames()]
+    checkout = _checkout_root(here)
+    if checkout:
+        out += [(os.path.join(checkout, "build", n), "source checkout's build/")
+                for n in _lib_filenames()]
     found = ctypes.util.find_library("shardgrad")
     if found:
         out.append((found, "ctypes.util.find_library"))

@@ -839,8 +839,16 @@ def _run_python(code, env):
                           timeout=60)
 
 
-def test_discovery_error_lists_paths_tried():
-    env = dict(os.environ, SHARDGRAD_LIBRARY="/nonexistent/libshardgrad.so")
+def _copy_package(dest):
+    shutil.copytree(os.path.join(REPO, "python", "shardgrad"), dest,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so*"))
+
+
+def test_discovery_error_lists_paths_tried(tmp_path):
+    # a copy of the package outside any checkout, without a library next to it
+    _copy_package(tmp_path / "site" / "shardgrad")
+    env = dict(os.environ, SHARDGRAD_LIBRARY="/nonexistent/libshardgrad.so",
+               PYTHONPATH=str(tmp_path / "site"))
     env.pop("LD_LIBRARY_PATH", None)
     code = ("import shardgrad as sg\n"
             "try:\n    sg.version()\nexcept sg.LibraryNotFoundError as ex:\n"
@@ -850,13 +858,35 @@ def test_discovery_error_lists_paths_tried():
     assert "TRIED" in r.stdout
     assert "/nonexistent/libshardgrad.so (SHARDGRAD_LIBRARY)" in r.stdout
     assert "next to the package" in r.stdout and "system search path" in r.stdout
+    assert "pip install ./python" in r.stdout
+
+
+def test_discovery_source_checkout_build_dir(tmp_path):
+    # <checkout>/python/shardgrad imported through PYTHONPATH finds <checkout>/build's library
+    # with no environment variable
+    co = tmp_path / "checkout"
+    _copy_package(co / "python" / "shardgrad")
+    shutil.copy(os.path.join(REPO, "CMakeLists.txt"), co / "CMakeLists.txt")
+    (co / "build").mkdir()
+    shutil.copy(_lib.library_path(), co / "build" / "libshardgrad.so")
+    env = dict(os.environ, PYTHONPATH=str(co / "python"))
+    env.pop("SHARDGRAD_LIBRARY", None)
+    env.pop("LD_LIBRARY_PATH", None)
+    r = _run_python("import shardgrad as sg; print(sg.library_path()); print(sg.version())", env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == str(co / "build" / "libshardgrad.so")
+    # not a shardgrad checkout: no build/ lookup
+    (co / "CMakeLists.txt").write_text("project(other C)\n")
+    r = _run_python("import shardgrad as sg\ntry:\n    print(sg.library_path())\n"
+                    "except sg.LibraryNotFoundError as ex:\n    print('NOTFOUND')\n", env)
+    assert r.returncode == 0, r.stderr
+    assert "NOTFOUND" in r.stdout or str(co / "build") not in r.stdout
 
 
 def test_discovery_next_to_package_and_directory(tmp_path):
     src = _lib.library_path()
     pkg = tmp_path / "site" / "shardgrad"
-    shutil.copytree(os.path.join(REPO, "python", "shardgrad"), pkg,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so*"))
+    _copy_package(pkg)
     shutil.copy(src, pkg / "libshardgrad.so")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
     env.pop("SHARDGRAD_LIBRARY", None)
