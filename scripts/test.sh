@@ -3,7 +3,8 @@
 #   1. installs what is missing (apt: cmake, Open MPI, clang's sanitizer runtimes, pip; pip:
 #      numpy, pytest)
 #   2. Release build in build/ (CUDA compiled when nvcc exists), all ctest labels:
-#      unit, local, mpi, install
+#      unit, local, mpi, install; then label cluster (MPI at np 4 across a simulated 2-node
+#      cluster, scripts/cluster.sh; skipped where network namespaces are not permitted)
 #   3. ASan+UBSan build in build-asan/ (no MPI, -O1; CUDA when nvcc exists): labels unit, local
 #      and cuda (the mock CUDA runtime)
 #   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local; and in
@@ -162,7 +163,13 @@ else
 fi
 
 if stage "configure $N/ (Release)" configure_release && stage "build $N/" build "$B"; then
-  stage "ctest $N/ (unit, local, mpi, install)" run_ctest "$B"
+  stage "ctest $N/ (unit, local, mpi, install)" run_ctest "$B" -LE cluster
+  # MPI across a simulated 2-node cluster (network namespaces, 1 Gbit/s links; ~10 s)
+  if why=$("$ROOT/scripts/cluster.sh" check 2>&1); then
+    stage "ctest $N/ (cluster: np 4 as 2 nodes x 2 ranks)" run_ctest "$B" -L cluster
+  else
+    skip "ctest $N/ (cluster)" "${why#cluster.sh: }"
+  fi
 else
   skip "ctest $N/" "build failed"
 fi

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# ctest test_cluster: brings up a simulated cluster of 2 nodes (scripts/cluster.sh, 1 Gbit/s
+# links), runs at np 4 as 2 nodes x 2 ranks the layout check (host names, shared-memory split,
+# private /dev/shm; plus a link measurement that is printed, not checked) and the MPI communicator
+# test, and takes the cluster down again, also when a step fails or the test is killed.
+# Exit 77 (ctest SKIP_RETURN_CODE) where network namespaces are not permitted.
+#   usage: test_cluster.sh CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM
+set -uo pipefail
+[ $# -eq 3 ] || { echo "usage: $0 CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM" >&2; exit 64; }
+cluster=$1 topo=$2 comm=$3
+# a name and subnet of its own, so that a cluster a user has up is left alone
+cl() { "$cluster" --name sgtest --subnet 10.78.0 "$@"; }
+
+cl check || exit 77
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+cleanup() { cl down; }
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+cl down >/dev/null 2>&1 # what a killed earlier run of this test left behind
+cl up --nodes 2 --rate 1gbit || exit 1
+cl status
+rc=0
+t0=$SECONDS
+cl run --ranks-per-node 2 "$topo" --ranks-per-node 2 --bandwidth 16 || rc=1
+echo "layout check: $((SECONDS - t0))s"
+t0=$SECONDS
+cl run --ranks-per-node 2 "$comm" --mpi || rc=1
+echo "test_comm --mpi at np 4 (2 nodes x 2 ranks): $((SECONDS - t0))s"
+cl counters
+exit $rc
