@@ -162,6 +162,33 @@ else
   stage dependencies install_deps
 fi
 
+# CUDA builds only: cuobjdump (test_sass_wide_stores reads the update kernels' SASS) and the
+# cuDNN headers and library (examples/cnn_cudnn is compiled whenever cuDNN is found), from PyPI
+# when the toolkit lacks them.
+have_nvcc() { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }
+pip_user() { python3 -m pip install -q "$@" || python3 -m pip install -q --break-system-packages "$@"; }
+install_cuda_extras() {
+  local -a pip=()
+  local f cudnn=0
+  command -v cuobjdump >/dev/null || [ -x /usr/local/cuda/bin/cuobjdump ] ||
+    python3 -c 'import nvidia, glob, sys; sys.exit(not any(glob.glob(p + "/*/bin/cuobjdump") for p in nvidia.__path__))' 2>/dev/null ||
+    pip+=(nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)
+  for f in /usr/local/cuda/include/cudnn.h /usr/include/cudnn.h /usr/include/*/cudnn.h; do
+    [ -f "$f" ] && cudnn=1
+  done
+  [ "$cudnn" = 1 ] ||
+    python3 -c 'import nvidia.cudnn, os, sys; sys.exit(not os.path.exists(nvidia.cudnn.__path__[0] + "/include/cudnn.h"))' 2>/dev/null ||
+    pip+=(nvidia-cudnn-cu13)
+  if [ "${#pip[@]}" -gt 0 ]; then
+    echo "pip installing: ${pip[*]}"
+    pip_user "${pip[@]}" || return 1
+  fi
+  echo "cuobjdump and cuDNN present"
+}
+if [ "${SG_TEST_SKIP_DEPS:-0}" != 1 ] && have_nvcc; then
+  stage "CUDA extras (cuobjdump, cuDNN)" install_cuda_extras
+fi
+
 if stage "configure $N/ (Release)" configure_release && stage "build $N/" build "$B"; then
   stage "ctest $N/ (unit, local, mpi, install)" run_ctest "$B" -LE cluster
   # MPI across a simulated 2-node cluster (network namespaces, 1 Gbit/s links; ~10 s)

@@ -12,6 +12,13 @@ if(SG_WITH_CUDA)
     LABELS cuda TIMEOUT 120)
   target_compile_definitions(test_cuda_device PRIVATE ${_sg_cuda_defs})
 
+  # The optimizer update kernels' machine code stores fp32 state 128 bits at a time
+  # (sass_wide_stores.sh, cuobjdump); skipped (exit 77) where no cuobjdump is found.
+  add_test(NAME test_sass_wide_stores COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/sass_wide_stores.sh
+    $<TARGET_FILE:shardgrad_static> ${CUDAToolkit_BIN_DIR})
+  set_tests_properties(test_sass_wide_stores PROPERTIES TIMEOUT 120 LABELS cuda
+    SKIP_RETURN_CODE 77)
+
   # The CUDA kernels on the host (kernels/cuda/sg_cuda_emu.h) against the CPU kernels: their
   # indexing, vector paths, segment lookup and reduction order, checked without a GPU.
   include(CheckLanguage)
@@ -90,6 +97,15 @@ if(SG_WITH_CUDA)
       set_tests_properties(${name} PROPERTIES TIMEOUT 300 LABELS cuda
         ENVIRONMENT "SG_TEST_DEVICE=cuda")
     endforeach()
+    # The GPU kernel test (tests/gpu/test_cuda_kernels.c, --quick) on the mock: its lazy streams
+    # turn a missing wait between streams into wrong data (a comm-queue update read before it
+    # ran, a segment table uploaded on the legacy stream).
+    add_executable(test_cuda_kernels_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/gpu/test_cuda_kernels.c)
+    target_link_libraries(test_cuda_kernels_cudamock PRIVATE shardgrad_cudamock)
+    target_compile_options(test_cuda_kernels_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+      -ffp-contract=off)
+    add_test(NAME test_cuda_kernels_cudamock COMMAND test_cuda_kernels_cudamock --quick)
+    set_tests_properties(test_cuda_kernels_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
     # The MPI communicator with buffers on the (mock) GPU: pinned host staging around the host
     # algorithms, bitwise against the CPU reference.
     foreach(np 2 3)

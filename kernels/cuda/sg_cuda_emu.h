@@ -59,6 +59,11 @@ struct alignas(8) uint2 {
   unsigned x, y;
 };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+// The cache-global store intrinsic (one wide STG on the GPU): a plain store here.
+template <typename V>
+inline void __stcg(V *p, V v) {
+  *p = v;
+}
 
 inline thread_local dim3 threadIdx;
 inline thread_local dim3 blockIdx;

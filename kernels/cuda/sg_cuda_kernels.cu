@@ -67,12 +67,15 @@ __device__ __forceinline__ V vload(const void *p) {
   return *(const V *)p;
 }
 
+// __stcg, not `*(V *)p = v`: nvcc splits the plain vector store into 32-bit STG.E (the scalar
+// tail path of the same group shares it), while __stcg stays one STG.E.128 / STG.E.64
+// (tests/sass_check.cmake checks the AdamW kernels' SASS for it).
 template <typename V>
 __device__ __forceinline__ void vstore(void *p, V v) {
 #ifdef SG_CUDA_EMULATE
   sg_emu_check_vector<V>(p);
 #endif
-  *(V *)p = v;
+  __stcg((V *)p, v);
 }
 
 // Elements i..i+cnt-1 (cnt <= 4) of a DT array as fp32.

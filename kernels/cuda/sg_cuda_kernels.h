@@ -37,7 +37,11 @@ int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const void *src, 
 /* dst[i] = round(sum over k of srcs[k][i]) with sums in k order, fp32 (f64 for dtype 3).
  * srcs is a host array of device pointers, passed by value to the kernel (at most
  * SG__CUDA_MAX_SRCS). dst may be one of the srcs. */
+#ifndef SG__CUDA_MAX_SRCS
+/* 4000 pointers (32000 bytes) fit the 32 KB kernel parameter limit of CUDA 12.1+ on sm_70+; the
+ * build passes 500 (4 KB) for older toolkits (CMakeLists.txt). */
 #define SG__CUDA_MAX_SRCS 4000
+#endif
 int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc, int dtype,
                         size_t n);
 

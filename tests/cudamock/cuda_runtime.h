@@ -80,6 +80,9 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
                             cudaStream_t s);
 cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s);
+/* On the legacy stream, which no stream of the mock waits for: a pageable H2D copy returns
+ * before it lands (as in CUDA); other kinds complete before return. */
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind);
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *user_data);
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags);

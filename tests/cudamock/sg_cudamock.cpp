@@ -146,6 +146,14 @@ bool is_device(const void *p, size_t bytes) {
          (const char *)p + bytes <= base + it->second;
 }
 
+// Whether p lies in a cudaMallocHost block.
+bool is_pinned(const void *p) {
+  auto it = g_allocs.upper_bound((void *)p);
+  if (it == g_allocs.begin()) return false;
+  --it;
+  return g_is_host.count(it->first) && (const char *)p < (const char *)it->first + it->second;
+}
+
 // The copy kind must say where the buffers are (a wrong one is a bug that UVA may hide or not).
 bool kind_matches(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
   const bool dd = is_device(dst, bytes), sd = is_device(src, bytes);
@@ -331,6 +339,36 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
     return fail(cudaErrorInvalidValue);
   }
   push_fn(s, [=] { memmove(dst, src, bytes); });
+  return cudaSuccess;
+}
+
+// The legacy default stream, for cudaMemcpy. Every stream here is non-blocking (the library
+// and the tests create only such), so none of them waits for it.
+CUstream_st *legacy_stream() {
+  static CUstream_st *legacy = nullptr;
+  if (!legacy) {
+    g_streams.push_back(std::make_unique<CUstream_st>());
+    legacy = g_streams.back().get();
+  }
+  return legacy;
+}
+
+// As CUDA specifies it: a host-to-device copy from pageable memory returns once the source is
+// staged, its DMA still to come on the legacy stream (a kernel on a non-blocking stream may run
+// before it lands); other copies finish the legacy stream's work, then copy, before returning.
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if ((!dst || !src) && bytes) return fail(cudaErrorInvalidValue);
+  if (bytes && !kind_matches(dst, src, bytes, kind)) return fail(cudaErrorInvalidValue);
+  CUstream_st *legacy = legacy_stream();
+  const bool pageable_src = !is_device(src, bytes) && !is_pinned(src);
+  if (bytes && kind == cudaMemcpyHostToDevice && pageable_src) {
+    auto staged = std::make_shared<std::vector<char>>((const char *)src, (const char *)src + bytes);
+    push_fn(legacy, [=] { memcpy(dst, staged->data(), bytes); });
+    return cudaSuccess;
+  }
+  advance(legacy, legacy->enq);
+  if (bytes) memmove(dst, src, bytes);
   return cudaSuccess;
 }
 

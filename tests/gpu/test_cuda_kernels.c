@@ -14,10 +14,11 @@
 
 #include <cuda_runtime.h> /* the test's own stream for direct launcher calls */
 
-#include "cpu/sg_cpu_kernels.h"   /* sg__cpu_* references */
-#include "cuda/sg_cuda_kernels.h" /* launchers, for launch-shape checks */
-#include "device/sg_device.h"     /* sg__device_cuda_create */
-#include "sg_elem.h"              /* conversions, for NaN tests */
+#include "cpu/sg_cpu_kernels.h"     /* sg__cpu_* references */
+#include "cuda/sg_cuda_kernels.h"   /* launchers, for launch-shape checks */
+#include "device/sg_device.h"      /* sg__device_cuda_create */
+#include "device/sg_device_cuda.h" /* sg__device_cuda_comm_stream */
+#include "sg_elem.h"               /* conversions, for NaN tests */
 
 static int g_pass, g_fail, g_quick;
 static sg__device *g_dev;
@@ -451,14 +452,19 @@ static void adamw_shape_check(const adamw_bufs *h0, const adamw_bufs *d, const a
   void *htab = malloc(sg__cuda_adamw_table_bytes(nsegs)), *dtab = NULL;
   uint64_t work = 0;
   sg__cuda_adamw_table_build(htab, segs, nsegs, &work);
-  cudaMalloc(&dtab, sg__cuda_adamw_table_bytes(nsegs));
-  cudaMemcpy(dtab, htab, sg__cuda_adamw_table_bytes(nsegs), cudaMemcpyHostToDevice);
+  /* The table goes up on the kernel's own stream: a plain cudaMemcpy from pageable memory runs
+   * on the legacy stream and may return before its DMA lands, and g_stream (non-blocking) does
+   * not wait for the legacy stream. htab stays alive until the stream is synchronized. */
+  int rc = (int)cudaMalloc(&dtab, sg__cuda_adamw_table_bytes(nsegs));
+  if (rc == 0)
+    rc = (int)cudaMemcpyAsync(dtab, htab, sg__cuda_adamw_table_bytes(nsegs),
+                              cudaMemcpyHostToDevice, g_stream);
   sg__cuda_launch L = {(void *)g_stream, 2};
-  int rc = sg__cuda_adamw(L, &a, dtab, work);
-  cudaStreamSynchronize(g_stream);
+  if (rc == 0) rc = sg__cuda_adamw(L, &a, dtab, work);
+  const int sync_rc = (int)cudaStreamSynchronize(g_stream);
   char w[160];
   snprintf(w, sizeof w, "%s, grid limit 2", what);
-  check(rc == 0, w, "launch");
+  check(rc == 0 && sync_rc == 0, w, "launch");
   /* d holds the device-op result: compare the two device results through the host */
   adamw_bufs hd;
   hd.param = malloc(fn * esize(c->pdt));
@@ -536,6 +542,11 @@ static void test_adamw(void) {
   adamw_set(&a, &d, &c, segs + 1, n - 3);
   check(g_dev->ops->adamw(g_dev, SG_Q_COMM, &a) == SG_OK, "adamw on comm queue, fewer segments",
         "launch");
+  /* Outside a comm job, SG_Q_COMM work is only enqueued on the comm stream, and sync waits for
+   * the compute stream alone: the D2H copies below (compute stream) must not start before the
+   * comm stream has finished the update. */
+  check(cudaStreamSynchronize((cudaStream_t)sg__device_cuda_comm_stream(g_dev)) == cudaSuccess,
+        "comm stream synchronized", NULL);
   check(g_dev->ops->sync(g_dev, sg__deadline(60000)) == SG_OK, "sync", NULL);
   adamw_compare(&h, &d, &c, sn, fn, "adamw on comm queue, fewer segments");
   adamw_free(&h, 0);
