@@ -9,7 +9,13 @@
 #      and cuda (the mock CUDA runtime)
 #   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local; and in
 #      build-tsan-cuda/ the mock CUDA tests of the CUDA device's worker thread
-#   5. pytest over python/tests when it exists
+#   5. pytest over python/tests when it exists, with the python of the torch venv
+#      ($SG_TORCH_VENV, default $HOME/.cache/shardgrad/venv: torch, numpy, pytest, safetensors,
+#      transformers, matplotlib), created on the first run (~4 min, 5.7 GB here) and reused by
+#      later ones, so that the torch tests run; SG_TEST_NO_TORCH=1 uses python3 instead (the
+#      torch tests then skip themselves)
+#   6. pip check (scripts/pip_check.sh): fresh venvs, pip install ./python and pip wheel, the
+#      README's Python quick start with no environment variable (~2 min)
 # Every stage runs even when an earlier one failed (except those that need its build); the
 # summary at the end lists them all, and the exit status is non-zero when any failed.
 # Environment: JOBS (default 2), SG_TEST_SKIP_DEPS=1 to skip step 1, SG_TEST_BUILD=name to build
@@ -20,6 +26,9 @@ ROOT=$PWD
 JOBS=${JOBS:-2}
 N=${SG_TEST_BUILD:-build}
 B=$ROOT/$N
+TORCH_VENV=${SG_TORCH_VENV:-$HOME/.cache/shardgrad/venv}
+TORCH_PKGS=(torch numpy pytest safetensors transformers matplotlib)
+PYTEST_PY=python3
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export CTEST_OUTPUT_ON_FAILURE=1
@@ -75,6 +84,22 @@ install_deps() {
       python3 -m pip install -q --break-system-packages "${pip[@]}" || return 1
   fi
   echo "dependencies present"
+}
+
+# The torch venv: reused when it imports everything, else created or completed (pip prints
+# nothing; the stage's time in the summary is the install time).
+torch_venv() {
+  local t0=$SECONDS
+  if "$TORCH_VENV/bin/python" -c "import torch, numpy, pytest, safetensors, transformers, matplotlib" \
+    2>/dev/null; then
+    echo "reusing $TORCH_VENV (torch $("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
+  else
+    echo "installing ${TORCH_PKGS[*]} into $TORCH_VENV (several GB, a few minutes)"
+    { [ -x "$TORCH_VENV/bin/python" ] || python3 -m venv "$TORCH_VENV"; } || return 1
+    "$TORCH_VENV/bin/python" -m pip install -q "${TORCH_PKGS[@]}" || return 1
+    echo "installed in $((SECONDS - t0))s"
+  fi
+  PYTEST_PY=$TORCH_VENV/bin/python
 }
 
 configure_release() {
@@ -148,7 +173,7 @@ run_ctest_no_aslr() { # the same, with ASLR off (TSan)
 run_pytest() {
   local rc=0
   PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" SHARDGRAD_LIBRARY="$B/libshardgrad.so" \
-    python3 -m pytest -q "$ROOT/python/tests" || rc=$?
+    "$PYTEST_PY" -m pytest -q -rs "$ROOT/python/tests" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "pytest: no tests collected (fine)"
     rc=0
@@ -187,6 +212,12 @@ install_cuda_extras() {
 }
 if [ "${SG_TEST_SKIP_DEPS:-0}" != 1 ] && have_nvcc; then
   stage "CUDA extras (cuobjdump, cuDNN)" install_cuda_extras
+fi
+
+if [ "${SG_TEST_NO_TORCH:-0}" = 1 ]; then
+  skip "torch venv" "SG_TEST_NO_TORCH=1: the torch tests skip themselves"
+else
+  stage "torch venv ($TORCH_VENV)" torch_venv
 fi
 
 if stage "configure $N/ (Release)" configure_release && stage "build $N/" build "$B"; then
@@ -233,10 +264,15 @@ fi
 stage "fuzz checkpoint readers (${SG_FUZZ_SECONDS:-60}s)" "$ROOT/scripts/fuzz_ckpt.sh" "${SG_FUZZ_SECONDS:-60}"
 
 if [ -d "$ROOT/python/tests" ]; then
-  stage "pytest python/tests" run_pytest
+  stage "pytest python/tests ($PYTEST_PY)" run_pytest
 else
   skip pytest "no python/tests"
 fi
+
+# pip install ./python and pip wheel in fresh venvs, the README's Python quick start in each
+# (torch from the torch venv; scikit-build-core from PyPI or pip's cache)
+SG_TORCH_PYTHON=$TORCH_VENV/bin/python stage "pip install ./python, pip wheel (scripts/pip_check.sh)" \
+  "$ROOT/scripts/pip_check.sh" "$B-pip-check"
 
 echo
 echo "==== summary ($((SECONDS - T_START))s) ===="

@@ -2,7 +2,11 @@
 # Install check (tests/install.cmake): install_check.sh BUILD_DIR WORK_DIR C_COMPILER VERSION
 # Installs BUILD_DIR into WORK_DIR/prefix, then builds and runs a consumer program four ways:
 # CMake find_package with shardgrad::shardgrad and shardgrad::shardgrad_static, and pkg-config
-# with the shared and the static library. Ends with "N passed, M failed".
+# with the shared and the static library. Then README.md's C quick start exactly as the README
+# says: installed into "$HOME/.local" (HOME pointed into WORK_DIR), its export lines for
+# PKG_CONFIG_PATH and CMAKE_PREFIX_PATH, the program compiled with the command in its first
+# comment (pkg-config) and with the README's CMakeLists.txt (find_package), each run without
+# LD_LIBRARY_PATH. Ends with "N passed, M failed".
 set -u
 build=$1 work=$2 cc=$3 version=$4
 prefix=$work/prefix
@@ -109,6 +113,41 @@ static_libs=$(pkg-config --static --libs shardgrad | sed "s|-lshardgrad|$libdir/
 check "pkg-config consumer builds (static, Libs.private)" bash -c "'$cc' \
   '$work/consumer/consumer.c' \$(pkg-config --cflags shardgrad) $static_libs -o '$work/consumer_pc_static'"
 check "pkg-config consumer runs (static)" "$work/consumer_pc_static"
+
+# ---- README.md's C quick start, as a user would follow it ----------------------------------
+readme=$(dirname "$0")/../README.md
+section() { # the C quick start section of the README
+  awk '/^## C quick start/{f=1;next} f&&/^## /{exit} f' "$readme"
+}
+block() { # block LANG: the first fenced block of that language in the section
+  section | awk -v lang="$1" '$0=="```"lang{p=1;next} p&&/^```/{exit} p'
+}
+qs=$work/readme
+mkdir -p "$qs/app" "$qs/home"
+block c >"$qs/app/quickstart.c"
+block cmake >"$qs/app/CMakeLists.txt"
+install_line=$(block sh | grep '^cmake --install ')
+exports=$(section | grep '^export ')
+cc_line=$(sed -n 's|^/\* \(cc .*\) \*/$|\1|p' "$qs/app/quickstart.c" | head -1)
+check "README has the install line, the exports, the cc line and a CMakeLists.txt" \
+  test -n "$install_line" -a -n "$exports" -a -n "$cc_line" -a -s "$qs/app/CMakeLists.txt"
+# The README's commands, run by bash in a clean environment with HOME inside the work dir; the
+# install line's build directory is this build.
+readme_env() { # readme_env DIR COMMANDS: runs COMMANDS in DIR after the README's exports
+  env -u LD_LIBRARY_PATH -u PKG_CONFIG_PATH -u CMAKE_PREFIX_PATH HOME="$qs/home" \
+    PATH="$(dirname "$cc"):$PATH" bash -c "cd '$1' && $exports
+$2"
+}
+check "README: $install_line" readme_env "$qs" "${install_line/ build / $build }"
+check "README quick start builds with its cc line (pkg-config)" readme_env "$qs/app" "$cc_line"
+check "README quick start (pkg-config) runs without LD_LIBRARY_PATH and fits w + b" \
+  readme_env "$qs/app" "./quickstart | tee /dev/stderr | grep -q 'w\[500\] + b = 0.50[0-9] (target 0.5)'"
+check "README quick start links the installed library (ldd)" readme_env "$qs/app" \
+  "ldd ./quickstart | grep -q '$qs/home/.local/.*libshardgrad.so'"
+check "README quick start builds with the README's CMakeLists.txt (find_package)" \
+  readme_env "$qs/app" "cmake -S . -B build -DCMAKE_C_COMPILER='$cc' && cmake --build build"
+check "README quick start (find_package) runs without LD_LIBRARY_PATH and fits w + b" \
+  readme_env "$qs/app" "build/quickstart | grep -q 'w\[500\] + b = 0.50[0-9] (target 0.5)'"
 
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
