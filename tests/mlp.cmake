@@ -29,3 +29,34 @@ add_test(NAME test_mlp_overlap COMMAND test_mlp --ranks 3 --steps 40 --hidden 32
 set_tests_properties(test_mlp_overlap PROPERTIES TIMEOUT 300 LABELS local
   PASS_REGULAR_EXPRESSION "trace: all-gather [0-9.]+ ms/step, [0-9]+% of it hidden behind AdamW and the forward pass"
   FAIL_REGULAR_EXPRESSION "failed")
+# Command-line errors: one line on stderr, nothing on stdout, exit 64 (tests/cli_error_check.sh).
+foreach(case
+    "steps_no_value|--steps needs a value \\(an integer in 1\\.\\.100000000\\)|--steps"
+    "steps_bad|bad value for --steps: 'x' \\(expected an integer|--steps;x"
+    "steps_zero|bad value for --steps: '0'|--steps;0"
+    "dtype_fp32|bad value for --dtype: 'fp32' \\(expected f32, bf16 or f16\\)|--dtype;fp32"
+    "unknown|unknown argument '--bogus'. mlp --help lists the flags|--bogus"
+    "ranks_mpi|--ranks and --mpi conflict|--ranks;3;--mpi"
+    "save_every|--save-every needs --save DIR|--save-every;5"
+    "launched_ranks|started by mpirun \\(Open MPI\\), and --ranks 2 asks for threads|--ranks;2")
+  string(REPLACE "|" ";" parts "${case}")
+  list(GET parts 0 name)
+  list(GET parts 1 pattern)
+  list(SUBLIST parts 2 -1 args)
+  add_test(NAME test_mlp_cli_${name}
+    COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli_error_check.sh "${pattern}" $<TARGET_FILE:test_mlp> ${args})
+  set_tests_properties(test_mlp_cli_${name} PROPERTIES TIMEOUT 60 LABELS unit)
+endforeach()
+# as mpirun would start it (its environment variable), without a real launch
+set_tests_properties(test_mlp_cli_launched_ranks PROPERTIES ENVIRONMENT "OMPI_COMM_WORLD_SIZE=2")
+# --help: every flag with its default, on stdout, exit 0
+add_test(NAME test_mlp_help COMMAND test_mlp --help)
+set_tests_properties(test_mlp_help PROPERTIES TIMEOUT 60 LABELS unit
+  PASS_REGULAR_EXPRESSION "--steps N +optimizer steps \\(default 200\\).*--resume DIR")
+# mpirun -np 2 without --mpi: one training of 2 ranks over MPI, not two of 2 threads each
+sg_add_mpi_test(test_mlp_mpi_auto EXE test_mlp NP 2
+  ARGS --steps 40 --hidden 32 --layers 3 --batch 16 --bucket-mb 0.004 --lr 0.01 --log-every 10
+       --check)
+if(SG_WITH_MPI)
+  set_tests_properties(test_mlp_mpi_auto PROPERTIES PASS_REGULAR_EXPRESSION "W=2 \\(MPI\\)")
+endif()

@@ -41,9 +41,9 @@ static void print_memory(const options *o, const mlp_model *m, const sg_memory_s
                          const sg_memory_stats *ddp, int world) {
   printf(
       "mlp: %s, W=%d (%s), %s params, %d layers x %d hidden, %zu params, batch %d x %d "
-      "micro-batch(es) per rank%s\n",
+      "micro-batch(es) per rank, lr %g%s\n",
       mlp_cli_strategy_name(o->c.strategy), world, o->mpi ? "MPI" : "threads", mlp_cli_dtype_name(o->c.dtype),
-      m->layers, o->c.hidden, m->total_numel, o->c.batch, o->c.micro, o->no_sync ? " (no_sync)" : "");
+      m->layers, o->c.hidden, m->total_numel, o->c.batch, o->c.micro, (double)o->c.lr, o->no_sync ? " (no_sync)" : "");
   mlp_cli_print_memory(mem, ddp);
 }
 
@@ -94,6 +94,7 @@ static void *train(void *arg) {
   float first = 0.0f, last = 0.0f;
   int skipped = 0;
   const double t_start = mlp_cli_now_s();
+  const int tty = mlp_cli_want_bar(rank);
   for (int step = start; step < o->c.steps; step++) {
     const double t0 = mlp_cli_now_s();
     float scale = 1.0f, loss_sum = 0.0f;
@@ -113,18 +114,25 @@ static void *train(void *arg) {
     last = loss_sum / (float)o->c.micro;
     if (step == start) first = last;
     skipped += info.skipped;
+    const double elapsed = mlp_cli_now_s() - t_start;
     if (rank == 0 && (step % o->c.log_every == 0 || step == o->c.steps - 1)) {
-      printf("step %5d  loss %.6f  grad_norm %.5f  %.1f steps/s", step, (double)last,
-             (double)info.grad_norm, 1.0 / dt);
+      char eta[32];
+      mlp_cli_bar_clear(tty);
+      printf("step %5d  loss %.6f  grad_norm %.5f  %.1f steps/s  eta %s", step, (double)last,
+             (double)info.grad_norm, 1.0 / dt,
+             mlp_cli_eta(elapsed, step + 1 - start, o->c.steps - start, eta, sizeof eta));
       if (o->c.dtype == SG_F16) printf("  loss_scale %g", (double)info.loss_scale);
       printf("%s\n", info.skipped ? "  (skipped: non-finite gradients)" : "");
     }
+    if (step < o->c.steps - 1) mlp_cli_bar(tty, step + 1 - start, o->c.steps - start, elapsed);
     const int save_now = o->save_every > 0 && (step + 1) % o->save_every == 0;
     if (o->save_dir && (save_now || step == o->c.steps - 1)) {
       CHECK(sg_save(e, o->save_dir));
+      mlp_cli_bar_clear(tty);
       if (rank == 0) printf("saved step %llu to %s\n", (unsigned long long)info.step, o->save_dir);
     }
   }
+  mlp_cli_bar_clear(tty);
   const double rate = (double)(o->c.steps - start) / (mlp_cli_now_s() - t_start);
   CHECK(mlp_cli_trace_finish(&o->c, e, rank));
   if (rank == 0 && start >= o->c.steps) {
@@ -142,16 +150,18 @@ done:
 
 /* ---- command line -------------------------------------------------------------------------- */
 
+static const mlp_cli_prog *prog_info(void);
+
 static void usage(void) {
-  fprintf(stderr,
-          "usage: mlp [--ranks N | --mpi] [--strategy no_shard|shard_opt|shard_grad_op]\n"
-          "           [--dtype f32|bf16|f16] [--steps N] [--micro-batches N] [--no-sync]\n"
-          "           [--batch N] [--hidden N] [--layers N] [--bucket-mb X] [--lr X]\n"
-          "           [--clip X] [--seed N] [--log-every N] [--check]\n"
-          "           [--save DIR [--save-every N]] [--resume DIR] [--trace FILE]\n"
-          "           [--overlap-gather]\n"
-          "  --overlap-gather: sg_step returns before the parameters are gathered; each layer of\n"
-          "                    the next forward pass waits for its own (sg_param_wait)\n");
+  printf("usage: mlp [options]: trains an MLP on data from a random teacher network with\n"
+         "shardgrad, on --ranks N threads or one rank per process under mpirun\n"
+         "  --mpi               one rank per process (mpirun -np N mlp); used without the flag\n"
+         "                      when mpirun or srun started mlp\n");
+  mlp_cli_help_common(stdout, prog_info());
+  printf("  --no-sync           with --micro-batches: no communication until the last one\n"
+         "  --save DIR          checkpoint at the end (and every --save-every N steps)\n"
+         "  --save-every N      with --save: also every N steps\n"
+         "  --resume DIR        continue from a checkpoint (any rank count, strategy, buckets)\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {
@@ -178,15 +188,52 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
   return 1;
 }
 
-static int parse_args(int argc, char **argv, options *o) {
+static const mlp_cli_prog *prog_info(void) {
+  static const char *const values[] = {"--save", "a directory", "--resume",
+                                       "a checkpoint directory", "--save-every",
+                                       "an integer >= 1", NULL};
   static const mlp_cli_prog prog = {.name = "mlp",
                                     .max_ranks = 4096,
                                     .n_dtypes = 3,
                                     .usage = usage,
                                     .switch_flag = switch_flag,
-                                    .value_flag = value_flag};
+                                    .value_flag = value_flag,
+                                    .value_flags = values};
+  return &prog;
+}
+
+/* The flags, then how the ranks start: --mpi, or without it MPI when a launcher started this
+ * process (two trainings of --ranks threads each is never what mpirun -np 2 meant). */
+static int parse_args(int argc, char **argv, options *o) {
   memset(o, 0, sizeof *o);
-  return mlp_cli_parse(&prog, argc, argv, &o->c, o);
+  if (mlp_cli_parse(prog_info(), argc, argv, &o->c, o) != 0) return -1;
+  int nprocs = 0;
+  const char *launcher = mlp_cli_launcher(&nprocs);
+  if (o->mpi && o->c.ranks_given) {
+    fprintf(stderr, "mlp: --ranks and --mpi conflict: with --mpi the ranks are the processes "
+                    "(mpirun -np N mlp --mpi); --ranks N runs N threads without MPI\n");
+    return -1;
+  }
+  if (launcher && !o->mpi && o->c.ranks_given) {
+    fprintf(stderr, "mlp: started by %s, and --ranks %d asks for threads: each of the %d "
+                    "processes would train alone; drop --ranks (one rank per process)\n",
+            launcher, o->c.ranks, nprocs);
+    return -1;
+  }
+  if (launcher && !o->mpi) {
+    if (!sg_has_backend("mpi")) {
+      fprintf(stderr, "mlp: started by %s (%d processes), but this libshardgrad has no MPI: "
+                      "rebuild with -DSG_WITH_MPI=ON, or run mlp --ranks N without mpirun\n",
+              launcher, nprocs);
+      return -1;
+    }
+    o->mpi = 1; /* as if --mpi was given */
+  }
+  if (o->save_every && !o->save_dir) {
+    fprintf(stderr, "mlp: --save-every needs --save DIR\n");
+    return -1;
+  }
+  return 0;
 }
 
 static int run_mpi(const options *o) {
@@ -200,10 +247,7 @@ static int run_mpi(const options *o) {
 
 int main(int argc, char **argv) {
   options o;
-  if (parse_args(argc, argv, &o) != 0) {
-    usage();
-    return 64;
-  }
+  if (parse_args(argc, argv, &o) != 0) return 64;
   setvbuf(stdout, NULL, _IOLBF, 0);
   return o.mpi ? run_mpi(&o) : mlp_cli_run_threads("mlp", &o, o.c.ranks, 0, train);
 }

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h> /* isatty */
 
 #include "mlp_model.h" /* MLP_MAX_LAYERS */
 #include "shardgrad.h"
@@ -29,6 +30,7 @@ typedef struct mlp_cli {
   float lr, clip;
   uint64_t seed;
   const char *trace; /* --trace PATH: Chrome trace of the steps after the first (%r: rank) */
+  int ranks_given, lr_given; /* --ranks, --lr on the command line */
 } mlp_cli;
 
 /* What differs between the programs' command lines. */
@@ -41,6 +43,9 @@ typedef struct mlp_cli_prog {
   int (*switch_flag)(void *opts, const char *flag);
   /* 1 when `flag` is one of the program's value flags, else 0; *bad = 1 for a bad value */
   int (*value_flag)(void *opts, const char *flag, const char *v, int *bad);
+  /* the program's value flags with what they expect ("--save", "DIR"), NULL-terminated pairs;
+   * for the messages about a missing or bad value */
+  const char *const *value_flags;
 } mlp_cli_prog;
 
 /* One rank's run: train(mlp_rank_run *) reads o (the program's options) and sets rc. */
@@ -53,6 +58,10 @@ typedef struct mlp_rank_run {
 
 static inline const char *mlp_cli_strategy_name(sg_strategy s) {
   return s == SG_NO_SHARD ? "NO_SHARD" : s == SG_SHARD_OPT ? "SHARD_OPT" : "SHARD_GRAD_OP";
+}
+
+static inline const char *mlp_cli_strategy_flag(sg_strategy s) {
+  return s == SG_NO_SHARD ? "no_shard" : s == SG_SHARD_OPT ? "shard_opt" : "shard_grad_op";
 }
 
 static inline const char *mlp_cli_dtype_name(sg_dtype d) {
@@ -276,25 +285,99 @@ static inline int mlp_cli_common_value(const mlp_cli_prog *p, mlp_cli *c, const 
   return 0;
 }
 
+/* The defaults of the common options. --lr left out follows --hidden (mlp_cli_default_lr). */
+static inline mlp_cli mlp_cli_defaults(void) {
+  return (mlp_cli){.strategy = SG_SHARD_GRAD_OP,
+                   .dtype = SG_F32,
+                   .ranks = 2,
+                   .steps = 200,
+                   .micro = 1,
+                   .batch = 32,
+                   .hidden = 128,
+                   .layers = 3,
+                   .bucket_mb = 0.25,
+                   .lr = 3e-3f,
+                   .clip = 1.0f,
+                   .seed = 1,
+                   .log_every = 1};
+}
+
+/* 3e-3 up to --hidden 128, then 3e-3 x 128 / hidden: Adam's step moves every weight by about
+ * lr, so the change of a layer's output grows with its width; at 16 x 1024 the fixed 3e-3 made
+ * the loss rise (0.81 -> 2.0 in 12 steps), 3.75e-4 makes it fall. */
+static inline float mlp_cli_default_lr(int hidden) {
+  return hidden <= 128 ? 3e-3f : 3e-3f * 128.0f / (float)hidden;
+}
+
+#define MLP_CLI_STR_(x) #x
+#define MLP_CLI_STR(x) MLP_CLI_STR_(x)
+
+/* What each common value flag expects, for the messages (--ranks and --dtype: see below). */
+static const char *const mlp_cli_common_values[] = {
+    "--strategy", "no_shard, shard_opt or shard_grad_op", "--dtype", "f32, bf16 or f16",
+    "--ranks", "a number of ranks >= 1", "--steps", "an integer in 1..100000000",
+    "--micro-batches", "an integer in 1..1000000", "--batch", "an integer in 1..1048576",
+    "--hidden", "an integer in 1..65536", "--layers", "an integer in 1.." MLP_CLI_STR(MLP_MAX_LAYERS),
+    "--log-every", "an integer >= 1", "--bucket-mb", "a size in MiB > 0",
+    "--lr", "a number >= 0", "--clip", "a number >= 0 (0: no clipping)",
+    "--seed", "an integer >= 0", "--trace", "a file name (%r: the rank)", NULL};
+
+/* What value flag `flag` expects (in buf when it depends on the program), or NULL when it is
+ * not one. */
+static inline const char *mlp_cli_expects(const mlp_cli_prog *p, const char *flag, char *buf,
+                                          size_t n) {
+  if (!strcmp(flag, "--ranks")) {
+    snprintf(buf, n, "an integer in 1..%d", p->max_ranks);
+    return buf;
+  }
+  if (!strcmp(flag, "--dtype")) return p->n_dtypes == 3 ? "f32, bf16 or f16" : "f32 or bf16";
+  for (const char *const *f = mlp_cli_common_values; *f; f += 2)
+    if (!strcmp(*f, flag)) return f[1];
+  for (const char *const *f = p->value_flags; f && *f; f += 2)
+    if (!strcmp(*f, flag)) return f[1];
+  return NULL;
+}
+
+/* The common flags for --help, with their defaults (from mlp_cli_defaults). */
+static inline void mlp_cli_help_common(FILE *out, const mlp_cli_prog *p) {
+  const mlp_cli d = mlp_cli_defaults();
+  fprintf(out,
+          "  --strategy S        no_shard (plain data parallel), shard_opt (ZeRO-1) or\n"
+          "                      shard_grad_op (ZeRO-2) (default %s)\n"
+          "  --ranks N           ranks as threads of this process, 1..%d (default %d)\n"
+          "  --dtype D           working parameters and gradients: %s (default %s)\n"
+          "  --steps N           optimizer steps (default %d)\n"
+          "  --micro-batches N   micro-batches per step, gradients summed (default %d)\n"
+          "  --batch N           samples per rank per micro-batch (default %d)\n"
+          "  --hidden N          width of every layer (default %d)\n"
+          "  --layers N          linear layers, 1..%d (default %d)\n"
+          "  --bucket-mb X       gradient bucket size in MiB (default %g)\n"
+          "  --lr X              AdamW learning rate (default %g up to --hidden 128, then\n"
+          "                      %g x 128 / hidden: wider layers need a smaller one)\n"
+          "  --clip X            clip the global gradient norm to X, 0: off (default %g)\n"
+          "  --seed N            seed of the model and the data (default %llu)\n"
+          "  --log-every N       print every N steps (default %d; first and last always)\n"
+          "  --check             exit 2 unless the final loss is below half the first\n"
+          "  --trace FILE        Chrome trace of the steps after the first, per rank (%%r: the\n"
+          "                      rank), and a summary of the overlap\n"
+          "  --overlap-gather    sg_step returns before the parameters are gathered; each layer\n"
+          "                      of the next forward pass waits for its own (sg_param_wait)\n"
+          "  --help              this text\n",
+          mlp_cli_strategy_flag(d.strategy), p->max_ranks, d.ranks, p->n_dtypes == 3 ? "f32, bf16 or f16" : "f32 or bf16",
+          mlp_cli_dtype_name(d.dtype), d.steps, d.micro, d.batch, d.hidden, MLP_MAX_LAYERS,
+          d.layers, d.bucket_mb, (double)d.lr, (double)d.lr, (double)d.clip,
+          (unsigned long long)d.seed, d.log_every);
+}
+
 /* Sets the defaults, then reads argv into c (common flags) and opts (the program's, through p).
- * --help prints the usage and exits 0; 0 on success, -1 after a message on a bad argument. */
+ * --help prints the usage to stdout and exits 0; 0 on success, -1 after a one-line message on
+ * stderr for a bad argument. */
 static inline int mlp_cli_parse(const mlp_cli_prog *p, int argc, char **argv, mlp_cli *c,
                                 void *opts) {
-  *c = (mlp_cli){.strategy = SG_SHARD_GRAD_OP,
-                 .dtype = SG_F32,
-                 .ranks = 2,
-                 .steps = 200,
-                 .micro = 1,
-                 .batch = 32,
-                 .hidden = 128,
-                 .layers = 3,
-                 .bucket_mb = 0.25,
-                 .lr = 3e-3f,
-                 .clip = 1.0f,
-                 .seed = 1,
-                 .log_every = 1};
+  *c = mlp_cli_defaults();
   for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
+    char buf[64];
+    const char *a = argv[i], *expects = mlp_cli_expects(p, a, buf, sizeof buf);
     if (p->switch_flag(opts, a))
       continue;
     else if (!strcmp(a, "--check"))
@@ -304,21 +387,90 @@ static inline int mlp_cli_parse(const mlp_cli_prog *p, int argc, char **argv, ml
     else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       p->usage();
       exit(0);
-    } else if (!strncmp(a, "--", 2) && i + 1 < argc) {
+    } else if (expects && i + 1 >= argc) {
+      fprintf(stderr, "%s: %s needs a value (%s); %s --help lists the flags\n", p->name, a,
+              expects, p->name);
+      return -1;
+    } else if (expects) {
       const char *v = argv[++i];
       int bad = 0;
-      if (mlp_cli_common_value(p, c, a, v, &bad) && !p->value_flag(opts, a, v, &bad))
-        bad = 1; /* no such flag: reported as a bad value, as before */
+      if (mlp_cli_common_value(p, c, a, v, &bad) && !p->value_flag(opts, a, v, &bad)) bad = 1;
       if (bad) {
-        fprintf(stderr, "%s: bad value for %s: '%s'\n", p->name, a, v);
+        fprintf(stderr, "%s: bad value for %s: '%s' (expected %s)\n", p->name, a, v, expects);
         return -1;
       }
+      c->ranks_given |= !strcmp(a, "--ranks");
+      c->lr_given |= !strcmp(a, "--lr");
     } else {
-      fprintf(stderr, "%s: unknown argument '%s'\n", p->name, a);
+      fprintf(stderr, "%s: unknown argument '%s'; %s --help lists the flags\n", p->name, a,
+              p->name);
       return -1;
     }
   }
+  if (!c->lr_given) c->lr = mlp_cli_default_lr(c->hidden);
   return 0;
+}
+
+/* ---- launched by mpirun / srun ------------------------------------------------------------- */
+
+/* When this process was started by an MPI launcher, the launcher's name and the number of
+ * processes it started (0: unknown); NULL when not. From the launchers' environment variables. */
+static inline const char *mlp_cli_launcher(int *nprocs) {
+  static const char *const vars[][3] = {
+      {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "mpirun (Open MPI)"},
+      {"PMI_SIZE", "PMI_SIZE", "an MPI launcher (PMI_SIZE; MPICH, Intel MPI)"},
+      {"PMIX_RANK", "PMIX_SIZE", "a PMIx launcher (PMIX_RANK)"},
+      {"SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "srun (SLURM_STEP_ID)"},
+  };
+  for (size_t k = 0; k < sizeof vars / sizeof vars[0]; k++) {
+    if (!getenv(vars[k][0])) continue;
+    const char *n = getenv(vars[k][1]);
+    *nprocs = n ? atoi(n) : 0;
+    return vars[k][2];
+  }
+  *nprocs = 0;
+  return NULL;
+}
+
+/* ---- progress --------------------------------------------------------------------------------- */
+
+/* "1h02m", "3m05s", "12s": the time left at the average step time so far. */
+static inline const char *mlp_cli_eta(double elapsed_s, int done, int total, char *buf,
+                                      size_t n) {
+  const double left = done > 0 ? elapsed_s / done * (total - done) : 0.0;
+  const long s = (long)(left + 0.5);
+  if (s >= 3600)
+    snprintf(buf, n, "%ldh%02ldm", s / 3600, s / 60 % 60);
+  else if (s >= 60)
+    snprintf(buf, n, "%ldm%02lds", s / 60, s % 60);
+  else
+    snprintf(buf, n, "%lds", s);
+  return buf;
+}
+
+/* 1 when rank 0 should draw a progress bar: stdout is a terminal, and not one an MPI launcher
+ * made (Open MPI hands its processes a pseudo-terminal). */
+static inline int mlp_cli_want_bar(int rank) {
+  int n = 0;
+  return rank == 0 && isatty(STDOUT_FILENO) && !mlp_cli_launcher(&n);
+}
+
+/* A progress bar on one terminal line, redrawn in place at most 10 times a second (the caller
+ * clears it before printing a line of its own, with mlp_cli_bar_clear). */
+static inline void mlp_cli_bar(int tty, int done, int total, double elapsed_s) {
+  static double drawn_at = -1.0;
+  if (!tty || total <= 0 || (elapsed_s - drawn_at < 0.1 && drawn_at >= 0.0)) return;
+  drawn_at = elapsed_s;
+  char eta[32], bar[41];
+  const int w = 40, fill = (int)((long long)w * done / total);
+  for (int i = 0; i < w; i++) bar[i] = i < fill ? '#' : '.';
+  bar[w] = 0;
+  printf("\r[%s] %d/%d  eta %s", bar, done, total, mlp_cli_eta(elapsed_s, done, total, eta, sizeof eta));
+  fflush(stdout);
+}
+
+static inline void mlp_cli_bar_clear(int tty) {
+  if (tty) printf("\r\033[K");
 }
 
 /* ---- ranks as threads ---------------------------------------------------------------------- */

@@ -369,19 +369,17 @@ done:
 
 /* ---- command line -------------------------------------------------------------------------- */
 
+static const mlp_cli_prog *prog_info(void);
+
 static void usage(void) {
-  fprintf(stderr,
-          "usage: mlp_cuda [--ranks N [--gpu G] | --nccl | --nccl-solo [--gpu G]]\n"
-          "                [--strategy no_shard|shard_opt|shard_grad_op]\n"
-          "                [--dtype f32|bf16] [--steps N] [--micro-batches N] [--batch N]\n"
-          "                [--hidden N] [--layers N] [--bucket-mb X] [--lr X] [--clip X]\n"
-          "                [--seed N] [--log-every N] [--check] [--trace FILE]\n"
-          "                [--overlap-gather]\n"
-          "  --ranks N: N ranks as threads on GPU G (local communicator); --nccl: one rank per\n"
-          "  process under mpirun, one GPU each (NCCL); --nccl-solo: one rank, an NCCL\n"
-          "  communicator of world 1 on GPU G, no MPI (stream-ordered reductions on one GPU)\n"
-          "  --trace FILE: Chrome trace of the steps after the first (%%r: rank) and a summary\n"
-          "  --overlap-gather: each layer's GEMM waits (on the stream) for its own all-gather\n");
+  printf("usage: mlp_cuda [options]: the MLP example with cuBLAS GEMMs on GPUs\n"
+         "  --ranks N: N ranks as threads on GPU G (local communicator); --nccl: one rank per\n"
+         "  process under mpirun, one GPU each (NCCL); --nccl-solo: one rank, an NCCL\n"
+         "  communicator of world 1 on GPU G, no MPI (stream-ordered reductions on one GPU)\n"
+         "  --nccl              one rank per process under mpirun, one GPU each\n"
+         "  --nccl-solo         one rank on GPU G over an NCCL communicator of world 1\n"
+         "  --gpu G             the GPU of --ranks and --nccl-solo (default 0)\n");
+  mlp_cli_help_common(stdout, prog_info());
 }
 
 static int switch_flag(void *opts, const char *flag) {
@@ -403,15 +401,36 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
 }
 
 /* f16 needs loss scaling, which this example does not do: --dtype takes f32 and bf16 only. */
-static int parse_args(int argc, char **argv, options *o) {
+static const mlp_cli_prog *prog_info(void) {
+  static const char *const values[] = {"--gpu", "a GPU index in 0..1023", NULL};
   static const mlp_cli_prog prog = {.name = "mlp_cuda",
                                     .max_ranks = 64,
                                     .n_dtypes = 2,
                                     .usage = usage,
                                     .switch_flag = switch_flag,
-                                    .value_flag = value_flag};
+                                    .value_flag = value_flag,
+                                    .value_flags = values};
+  return &prog;
+}
+
+/* Under mpirun or srun only --nccl makes the processes one training. */
+static int parse_args(int argc, char **argv, options *o) {
   memset(o, 0, sizeof *o);
-  return mlp_cli_parse(&prog, argc, argv, &o->c, o);
+  if (mlp_cli_parse(prog_info(), argc, argv, &o->c, o) != 0) return -1;
+  int nprocs = 0;
+  const char *launcher = mlp_cli_launcher(&nprocs);
+  if (o->nccl && o->c.ranks_given) {
+    fprintf(stderr, "mlp_cuda: --ranks and --nccl conflict: with --nccl the ranks are the "
+                    "processes (mpirun -np N mlp_cuda --nccl)\n");
+    return -1;
+  }
+  if (launcher && !o->nccl && nprocs != 1) {
+    fprintf(stderr, "mlp_cuda: started by %s (%d processes) without --nccl: each process "
+                    "would train alone; add --nccl (one rank per process and GPU)\n",
+            launcher, nprocs);
+    return -1;
+  }
+  return 0;
 }
 
 #ifdef MLP_CUDA_HAVE_MPI
@@ -474,10 +493,7 @@ static int run_nccl_solo(const options *o) {
 
 int main(int argc, char **argv) {
   options o;
-  if (parse_args(argc, argv, &o) != 0) {
-    usage();
-    return 64;
-  }
+  if (parse_args(argc, argv, &o) != 0) return 64;
   setvbuf(stdout, NULL, _IOLBF, 0);
   /* Ranks as threads on one GPU: NCCL refuses two ranks on one device, the local communicator
    * does not. */
