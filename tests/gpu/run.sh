@@ -31,8 +31,8 @@
 #     test_engine_cuda (W = 2 threads, W = 1 NCCL, W = 3 and 4 quick, two MPI processes through
 #     pinned staging), test_fp16_scale_cuda, test_trace_cuda, test_groups_cuda; the timeline of
 #     two ranks as threads; mlp_cuda --ranks 2 --check in f32 and bf16 and with
-#     --overlap-gather; cnn_cudnn --check (cuDNN convolutions against a CPU reference) and
-#     training as 2 ranks; bench/adamw_torch.py, python/tests/test_torch_cuda.py and
+#     --overlap-gather; cnn_cudnn --check (cuDNN convolutions against a CPU reference, 2 ranks)
+#     and a traced --nccl-solo run; bench/adamw_torch.py, python/tests/test_torch_cuda.py and
 #     examples/python/train_lm.py --device cuda (when torch and pytest import); compute-sanitizer
 #     memcheck on test_cuda_kernels --quick and test_cuda_engine.
 # Exit status: 0 when nothing failed. Without a GPU every GPU step fails fast with its reason.
@@ -314,10 +314,11 @@ step_if "$MLP" mlp_cuda_overlap 45 8 "$MLP" --ranks 2 --steps 300 --dtype bf16 -
   --check --overlap-gather --trace "$TRACES/trace_overlap-%r.json"
 copy_log mlp_cuda_overlap 6
 # cuDNN: a few steps against the same network on the CPU, then training as 2 ranks on one GPU.
-step_if "$CNN" cnn_cudnn_check 60 10 "$CNN" --ranks 2 --steps 5 --check
-copy_log cnn_cudnn_check 8
-step_if "$CNN" cnn_cudnn_train 60 15 "$CNN" --ranks 2 --steps 300 --log-every 100
-copy_log cnn_cudnn_train 4
+step_if "$CNN" cnn_cudnn_check 60 10 "$CNN" --ranks 2 --steps 200 --log-every 50 --check
+copy_log cnn_cudnn_check 10
+step_if "$CNN" cnn_cudnn_nccl_solo 60 10 "$CNN" --nccl-solo --steps 100 --log-every 50 \
+  --trace "$TRACES/trace_cnn_nccl_solo.json"
+copy_log cnn_cudnn_nccl_solo 4
 
 # ---- full: torch ----------------------------------------------------------------------------------
 if ! command -v python3 >/dev/null || ! probe torch 60 python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())"; then
