@@ -624,18 +624,32 @@ static void *train(void *arg) {
 /* ---- command line --------------------------------------------------------------------------- */
 
 static void usage(void) {
-  fprintf(stderr,
-          "usage: cnn_cudnn [--ranks N [--gpu G] | --nccl | --nccl-solo [--gpu G]]\n"
-          "                 [--strategy no_shard|shard_opt|shard_grad_op] [--steps N]\n"
-          "                 [--micro-batches N] [--batch N] [--channels C] [--bucket-mb X]\n"
-          "                 [--lr X] [--clip X] [--seed N] [--log-every N] [--check]\n"
-          "                 [--trace FILE] [--overlap-gather]\n"
-          "  --channels C: conv1 has C output channels, conv2 2C (default 8)\n"
-          "  --ranks N: N ranks as threads on GPU G (local communicator); --nccl: one rank per\n"
-          "  process under mpirun, one GPU each (NCCL); --nccl-solo: one rank, an NCCL\n"
-          "  communicator of world 1 on GPU G, no MPI\n"
-          "  --check: the first %d steps against the CPU reference, and the loss must halve\n",
-          CHECK_STEPS);
+  const mlp_cli d = mlp_cli_defaults();
+  printf(
+      "usage: cnn_cudnn [options]: a small CNN with cuDNN convolutions and a cuBLAS head\n"
+      "  --ranks N           ranks as threads on GPU G (local communicator), 1..64 (default %d)\n"
+      "  --nccl              one rank per process under mpirun, one GPU each (NCCL)\n"
+      "  --nccl-solo         one rank on GPU G over an NCCL communicator of world 1\n"
+      "  --gpu G             the GPU of --ranks and --nccl-solo (default 0)\n"
+      "  --channels C        conv1 has C output channels, conv2 2C, 1..256 (default 8)\n"
+      "  --strategy S        no_shard, shard_opt (ZeRO-1) or shard_grad_op (ZeRO-2) (default %s)\n"
+      "  --steps N           optimizer steps (default %d)\n"
+      "  --micro-batches N   micro-batches per step, gradients summed (default %d)\n"
+      "  --batch N           images per rank per micro-batch (default %d)\n"
+      "  --bucket-mb X       gradient bucket size in MiB (default %g)\n"
+      "  --lr X              AdamW learning rate (default %g)\n"
+      "  --clip X            clip the global gradient norm to X, 0: off (default %g)\n"
+      "  --seed N            seed of the initial values and the images (default %llu)\n"
+      "  --log-every N       print every N steps (default %d; first and last always)\n"
+      "  --check             the first %d steps against the CPU reference (loss and every\n"
+      "                      gradient), and exit 2 unless the final loss is below half the first\n"
+      "  --trace FILE        Chrome trace of the steps after the first, per rank (%%r: the rank)\n"
+      "  --overlap-gather    each parameter's first use waits for its own all-gather\n"
+      "  --help              this text\n"
+      "f32 only (--dtype f32).\n",
+      d.ranks, mlp_cli_strategy_flag(d.strategy), d.steps, d.micro, d.batch, d.bucket_mb,
+      (double)mlp_cli_default_lr(d.hidden), (double)d.clip, (unsigned long long)d.seed, d.log_every,
+      CHECK_STEPS);
 }
 
 static int switch_flag(void *opts, const char *flag) {
@@ -660,14 +674,22 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
   return 1;
 }
 
-/* f32 only (cuDNN's convolutions here are f32; bf16 would need its own descriptors). */
-static int parse_args(int argc, char **argv, options *o) {
+/* f32 only (the cuDNN descriptors here are f32); --hidden and --layers are the MLP's. */
+static const mlp_cli_prog *prog_info(void) {
+  static const char *const values[] = {"--gpu", "a GPU index in 0..1023", "--channels",
+                                       "an integer in 1..256", NULL};
   static const mlp_cli_prog prog = {.name = "cnn_cudnn",
                                     .max_ranks = 64,
                                     .n_dtypes = 1,
                                     .usage = usage,
                                     .switch_flag = switch_flag,
-                                    .value_flag = value_flag};
+                                    .value_flag = value_flag,
+                                    .value_flags = values};
+  return &prog;
+}
+
+/* Under mpirun or srun only --nccl makes the processes one training. */
+static int parse_args(int argc, char **argv, options *o) {
   for (int i = 1; i < argc; i++)
     if (!strcmp(argv[i], "--hidden") || !strcmp(argv[i], "--layers")) {
       fprintf(stderr, "cnn_cudnn: %s is an MLP flag; this network's width is --channels\n",
@@ -676,7 +698,23 @@ static int parse_args(int argc, char **argv, options *o) {
     }
   memset(o, 0, sizeof *o);
   o->channels = 8;
-  return mlp_cli_parse(&prog, argc, argv, &o->c, o);
+  if (mlp_cli_parse(prog_info(), argc, argv, &o->c, o) != 0) return -1;
+  int nprocs = 0;
+  const char *launcher = mlp_cli_launcher(&nprocs);
+  if (o->nccl && o->c.ranks_given) {
+    fprintf(stderr,
+            "cnn_cudnn: --ranks and --nccl conflict: with --nccl the ranks are the "
+            "processes (mpirun -np N cnn_cudnn --nccl)\n");
+    return -1;
+  }
+  if (launcher && !o->nccl && nprocs != 1) {
+    fprintf(stderr,
+            "cnn_cudnn: started by %s (%d processes) without --nccl: each process "
+            "would train alone; add --nccl (one rank per process and GPU)\n",
+            launcher, nprocs);
+    return -1;
+  }
+  return 0;
 }
 
 #ifdef CNN_CUDNN_HAVE_MPI
@@ -736,10 +774,7 @@ static int run_nccl_solo(const options *o) {
 
 int main(int argc, char **argv) {
   options o;
-  if (parse_args(argc, argv, &o) != 0) {
-    usage();
-    return 64;
-  }
+  if (parse_args(argc, argv, &o) != 0) return 64;
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (o.nccl_solo) return run_nccl_solo(&o);
   return o.nccl ? run_nccl(&o) : mlp_cli_run_threads("cnn_cudnn", &o, o.c.ranks, o.gpu, train);

@@ -64,6 +64,11 @@ static inline const char *mlp_cli_strategy_flag(sg_strategy s) {
   return s == SG_NO_SHARD ? "no_shard" : s == SG_SHARD_OPT ? "shard_opt" : "shard_grad_op";
 }
 
+/* What --dtype accepts: the first n_dtypes of f32, bf16, f16. */
+static inline const char *mlp_cli_dtypes(const mlp_cli_prog *p) {
+  return p->n_dtypes >= 3 ? "f32, bf16 or f16" : p->n_dtypes == 2 ? "f32 or bf16" : "f32";
+}
+
 static inline const char *mlp_cli_dtype_name(sg_dtype d) {
   return d == SG_F32 ? "f32" : d == SG_BF16 ? "bf16" : "f16";
 }
@@ -330,7 +335,7 @@ static inline const char *mlp_cli_expects(const mlp_cli_prog *p, const char *fla
     snprintf(buf, n, "an integer in 1..%d", p->max_ranks);
     return buf;
   }
-  if (!strcmp(flag, "--dtype")) return p->n_dtypes == 3 ? "f32, bf16 or f16" : "f32 or bf16";
+  if (!strcmp(flag, "--dtype")) return mlp_cli_dtypes(p);
   for (const char *const *f = mlp_cli_common_values; *f; f += 2)
     if (!strcmp(*f, flag)) return f[1];
   for (const char *const *f = p->value_flags; f && *f; f += 2)
@@ -363,7 +368,7 @@ static inline void mlp_cli_help_common(FILE *out, const mlp_cli_prog *p) {
           "  --overlap-gather    sg_step returns before the parameters are gathered; each layer\n"
           "                      of the next forward pass waits for its own (sg_param_wait)\n"
           "  --help              this text\n",
-          mlp_cli_strategy_flag(d.strategy), p->max_ranks, d.ranks, p->n_dtypes == 3 ? "f32, bf16 or f16" : "f32 or bf16",
+          mlp_cli_strategy_flag(d.strategy), p->max_ranks, d.ranks, mlp_cli_dtypes(p),
           mlp_cli_dtype_name(d.dtype), d.steps, d.micro, d.batch, d.hidden, MLP_MAX_LAYERS,
           d.layers, d.bucket_mb, (double)d.lr, (double)d.lr, (double)d.clip,
           (unsigned long long)d.seed, d.log_every);
