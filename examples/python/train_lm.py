@@ -13,10 +13,13 @@
     python3 examples/python/train_lm.py --ranks 2 --overlap-gather --trace /tmp/lm-%r.json
     # on the GPU (a CUDA build of the library): 2 ranks as threads sharing cuda:0
     python3 examples/python/train_lm.py --device cuda --ranks 2
+    # the loss curve and the memory per rank beside NO_SHARD's, as a PNG (matplotlib):
+    python3 examples/python/train_lm.py --ranks 2 --plot /tmp/lm.png
 
-The library is found through SHARDGRAD_LIBRARY (e.g. build/libshardgrad.so), next to the
-package, or the system path; the package itself through PYTHONPATH=python or `pip install
-./python`. Each rank trains on its own random windows of the corpus; gradients are averaged
+The package and its library come from `pip install ./python`, or from this checkout (the
+library from build/, or SHARDGRAD_LIBRARY). `--help` lists every flag with its default; a bad
+flag is one line on stderr and exit status 2, before torch is even imported. Log lines end with
+the time left (eta); on a terminal rank 0 also draws a progress bar. Each rank trains on its own random windows of the corpus; gradients are averaged
 over ranks, AdamW state is sharded (SHARD_GRAD_OP unless --strategy says otherwise). Rank 0
 prints loss and throughput; every rank prints its memory at the end. Exits with status 1 if
 the loss did not fall. With --trace, rank 0 also prints how much of the gradient reduction time
@@ -45,9 +48,134 @@ import sys
 import threading
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+def under_mpirun():
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+                                         "SLURM_STEP_ID"))
+
+
+PROG = "train_lm.py"
+MAX_SEQ = 4096  # attention is O(seq^2) per head: 4096 is ~2 GiB of scores per layer at batch 8
+
+
+def fail(msg):
+    """A command-line error: one line on stderr, exit status 2 (as argparse's)."""
+    sys.stderr.write("%s: %s\n" % (PROG, msg))
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (without the usage block)."""
+
+    def error(self, message):
+        fail("%s (%s --help lists the flags)" % (message, PROG))
+
+
+def check_args(args):
+    """Every flag's range, and the combinations that cannot work; fail() on the first."""
+    def at_least(name, lo):
+        v = getattr(args, name.lstrip("-").replace("-", "_"))
+        if v is not None and v < lo:
+            fail("%s must be >= %s (got %s)" % (name, lo, v))
+
+    for name in ("--steps", "--batch", "--micro", "--seq", "--d", "--heads", "--layers",
+                 "--bucket-kib", "--log-every", "--ranks", "--threads"):
+        at_least(name, 1)
+    at_least("--seed", 0)
+    at_least("--clip", 0.0)
+    if not args.lr > 0 or not math.isfinite(args.lr):
+        fail("--lr must be a finite number > 0 (got %s)" % args.lr)
+    if args.d % args.heads:
+        fail("--heads %d does not divide --d %d (each head takes d / heads features)"
+             % (args.heads, args.d))
+    if args.seq > MAX_SEQ:
+        fail("--seq %d is above %d: attention memory grows with seq^2 (%d x %d scores per head)"
+             % (args.seq, MAX_SEQ, args.seq, args.seq))
+    if args.ranks is not None and args.ranks > 64:
+        fail("--ranks %d: at most 64 ranks as threads" % args.ranks)
+    if args.ranks is not None and under_mpirun():
+        fail("--ranks %d asks for threads, but mpirun started this process: each process "
+             "would train alone; drop --ranks (one rank per process)" % args.ranks)
+    for name in ("trace", "plot"):
+        path = getattr(args, name)
+        if path is not None:
+            d = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(d):
+                fail("--%s %s: no directory %s" % (name, path, d))
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail("--plot needs matplotlib (pip install matplotlib)")
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as ex:
+        fail("cannot read --text %s: %s" % (path, ex.strerror or ex))
+    except UnicodeDecodeError as ex:
+        fail("--text %s is not UTF-8 text (byte %d)" % (path, ex.start))
+
+
+def parse_args(argv=None):
+    """The command line, checked: fail() on the first bad flag."""
+    ap = OneLineParser(prog=PROG, description=__doc__.split("\n")[1],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="ranks as threads of this process (default: MPI under mpirun, else 1)")
+    ap.add_argument("--text", help="train on this UTF-8 text file instead of a generated corpus")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    ap.add_argument("--micro", type=int, default=1, help="micro-batches per step (no_sync)")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (at most %d)"
+                    % MAX_SEQ)
+    ap.add_argument("--d", type=int, default=128, help="model width")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    ap.add_argument("--strategy", default="shard_grad_op",
+                    choices=["shard_grad_op", "shard_opt", "no_shard"])
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
+                    help="model parameters, as examples/mlp spells them (f16: with the "
+                    "library's dynamic loss scaling)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model and the library's state live (cuda: a CUDA build of "
+                    "the library; ranks as threads share cuda:0)")
+    ap.add_argument("--bucket-kib", type=int, default=1024, help="gradient bucket size (KiB)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads per rank (default: cores / local ranks)")
+    ap.add_argument("--log-every", type=int, default=20, help="print every N steps")
+    ap.add_argument("--trace", metavar="PATH",
+                    help="write a Chrome trace of steps 2.. to PATH (%%r: the rank) and print "
+                    "how much reduction time the backward pass hid and how much all-gather "
+                    "time the loop did not wait for")
+    ap.add_argument("--overlap-gather", action="store_true",
+                    help="overlap_param_gather: step() returns with the parameter all-gathers "
+                    "still running; each module waits for its own in a forward pre-hook")
+    ap.add_argument("--plot", metavar="FILE",
+                    help="draw the loss curve and the memory per rank beside NO_SHARD's to a "
+                    "PNG (needs matplotlib)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    args = ap.parse_args(argv)
+    check_args(args)
+    if args.text:
+        args.corpus = read_text(args.text)
+        if len(args.corpus) < args.seq + 2:
+            fail("--seq %d needs a text of at least %d characters (%s has %d)"
+                 % (args.seq, args.seq + 2, args.text, len(args.corpus)))
+    return args
+
+
+# The command line is checked before torch is imported (seconds): a bad flag fails at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))  # run from a checkout
@@ -232,6 +360,8 @@ def train_rank_on(comm, args, data, out, device):
         model = CharLM(data.vocab, args.d, args.heads, args.layers, args.seq)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
+    elif args.dtype == "f16":
+        model = model.to(torch.float16)  # the library keeps fp32 masters and scales the loss
     if device.type == "cuda":
         model = model.to(device)
     nparams = sum(p.numel() for p in model.parameters())
@@ -256,6 +386,7 @@ def train_rank_on(comm, args, data, out, device):
     losses = []
     t0 = time.perf_counter()
     t_last, tok_last = t0, 0
+    bar = Progress(args.steps) if rank == 0 else None
     for step in range(1, args.steps + 1):
         loss_sum = 0.0
         for m in range(args.micro):
@@ -267,12 +398,12 @@ def train_rank_on(comm, args, data, out, device):
                     loss = model.loss(x) / args.micro
                     if args.trace and step > 1:
                         opt.engine.trace_mark("backward")
-                    loss.backward()
+                    opt.scale_loss(loss).backward()  # the loss scale is 1 but for f16
             else:
                 loss = model.loss(x) / args.micro
                 if args.trace and step > 1:
                     opt.engine.trace_mark("backward")  # where the backward pass begins
-                loss.backward()
+                opt.scale_loss(loss).backward()
             loss_sum += loss.item()
         opt.step()
         sched.step()
@@ -285,9 +416,14 @@ def train_rank_on(comm, args, data, out, device):
             tok = step * tokens_per_step
             rate = (tok - tok_last) / max(now - t_last, 1e-9)
             info = opt.last_step_info
-            print("step %4d  loss %.4f  lr %.2e  grad-norm %.3f  %8.0f tokens/s" % (
-                step, loss_sum, opt.lr, info.grad_norm, rate), flush=True)
+            bar.clear()
+            print("step %4d  loss %.4f  lr %.2e  grad-norm %.3f  %8.0f tokens/s  eta %s" % (
+                step, loss_sum, opt.lr, info.grad_norm, rate, bar.eta(step)), flush=True)
             t_last, tok_last = now, tok
+        if bar is not None and step < args.steps:
+            bar.draw(step)
+    if bar is not None:
+        bar.clear()
     elapsed = time.perf_counter() - t0
     if args.trace and args.steps > 1:
         note = ""
@@ -295,14 +431,75 @@ def train_rank_on(comm, args, data, out, device):
             note = " (ranks as threads on CUDA: gradients reach the library at step())"
         finish_trace(opt.engine, args.trace, rank, world, note, args.overlap_gather)
     mem = opt.memory()
+    mem_ddp = sg.estimate_memory([p.numel() for p in model.parameters()], world,
+                                 config=opt.engine.config.copy(strategy="no_shard"))
     sample = None
     if rank == 0:
         prompt = data.data[:16].tolist()
         sample = data.decode(model.generate(prompt, 80, args.seq))
-    out[rank] = dict(losses=losses, mem=mem, elapsed=elapsed, tokens=args.steps * tokens_per_step,
+    out[rank] = dict(losses=losses, mem=mem, mem_ddp=mem_ddp, elapsed=elapsed, tokens=args.steps * tokens_per_step,
                      sample=sample, nparams=nparams)
     opt.close()
     return out[rank]
+
+
+class Progress:
+    """The time left (eta) at the mean step time so far, and a progress bar redrawn in place at
+    most 10 times a second when stdout is a terminal (not under mpirun, whose processes write
+    to a pseudo-terminal of the launcher's)."""
+
+    def __init__(self, steps):
+        self.steps, self.t0, self.drawn = steps, time.perf_counter(), 0.0
+        self.tty = sys.stdout.isatty() and not under_mpirun()
+
+    def eta(self, done):
+        left = (time.perf_counter() - self.t0) / max(done, 1) * (self.steps - done)
+        s = int(left + 0.5)
+        if s >= 3600:
+            return "%dh%02dm" % (s // 3600, s // 60 % 60)
+        return "%dm%02ds" % (s // 60, s % 60) if s >= 60 else "%ds" % s
+
+    def draw(self, done):
+        now = time.perf_counter()
+        if not self.tty or now - self.drawn < 0.1:
+            return
+        self.drawn = now
+        fill = 40 * done // self.steps
+        sys.stdout.write("\r[%s%s] %d/%d  eta %s" % ("#" * fill, "." * (40 - fill), done,
+                                                     self.steps, self.eta(done)))
+        sys.stdout.flush()
+
+    def clear(self):
+        if self.tty:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+
+
+def plot(path, results, kind, strategy):
+    """The loss of every rank against the step, and each rank's memory beside NO_SHARD's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for r, res in enumerate(results):
+        a.plot(range(1, len(res["losses"]) + 1), res["losses"], label="rank %d" % r, lw=1)
+    a.set_xlabel("step")
+    a.set_ylabel("loss (each rank's own batches)")
+    a.set_title("training loss, %d ranks (%s)" % (len(results), kind))
+    a.grid(True, alpha=0.3)
+    if len(results) <= 8:
+        a.legend()
+    mib = float(1 << 20)
+    this = [res["mem"].total_bytes / mib for res in results]
+    ddp = results[0]["mem_ddp"].total_bytes / mib
+    b.bar(["rank %d" % r for r in range(len(this))] + ["NO_SHARD"], this + [ddp],
+          color=["tab:blue"] * len(this) + ["tab:gray"])
+    b.set_ylabel("MiB per rank (library state)")
+    b.set_title("%s vs NO_SHARD" % strategy)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print("plot: %s" % path)
 
 
 def loss_trend(results):
@@ -324,61 +521,20 @@ def print_memory(rank, res):
              mem.peak_bytes / mib, mem.shard_numel, mem.numel, rss_mib()), flush=True)
 
 
-def under_mpirun():
-    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--ranks", type=int, default=None,
-                    help="ranks as threads of this process (default: MPI under mpirun, else 1)")
-    ap.add_argument("--text", help="train on this UTF-8 text file instead of a generated corpus")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
-    ap.add_argument("--micro", type=int, default=1, help="micro-batches per step (no_sync)")
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--strategy", default="shard_grad_op",
-                    choices=["shard_grad_op", "shard_opt", "no_shard"])
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where the model and the library's state live (cuda: a CUDA build of "
-                    "the library; ranks as threads share cuda:0)")
-    ap.add_argument("--bucket-kib", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch intra-op threads per rank (default: cores / local ranks)")
-    ap.add_argument("--log-every", type=int, default=20)
-    ap.add_argument("--trace", metavar="PATH",
-                    help="write a Chrome trace of steps 2.. to PATH (%%r: the rank) and print "
-                    "how much reduction time the backward pass hid and how much all-gather "
-                    "time the loop did not wait for")
-    ap.add_argument("--overlap-gather", action="store_true",
-                    help="overlap_param_gather: step() returns with the parameter all-gathers "
-                    "still running; each module waits for its own in a forward pre-hook")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+def main(args):
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            sys.exit("--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is "
+            fail("--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is "
                      "False; torch %s, built for CUDA %s)"
                      % (torch.__version__, torch.version.cuda))
         if not sg.has_backend("cuda"):
-            sys.exit("--device cuda: %s was built without CUDA (configure with "
+            fail("--device cuda: %s was built without CUDA (configure with "
                      "-DSG_WITH_CUDA=ON, or point SHARDGRAD_LIBRARY at a CUDA build)"
                      % sg.library_path())
 
-    if args.text:
-        with open(args.text, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = generate_corpus()
-    data = CharData(text)
-    if len(data.data) < args.seq + 2:
-        sys.exit("the text is shorter than one sequence")
+    data = CharData(args.corpus if args.text else generate_corpus())
 
     use_mpi = args.ranks is None and under_mpirun()
     local = 1 if use_mpi else (args.ranks or 1)
@@ -407,6 +563,8 @@ def main():
     print("%d ranks (%s): %d steps in %.1f s, %.0f tokens/s overall" % (
         world, kind, len(r0["losses"]), r0["elapsed"], r0["tokens"] / r0["elapsed"]))
     print("sample: %r" % r0["sample"])
+    if args.plot:
+        plot(args.plot, results, kind, args.strategy)
     fell = last < first - 0.1
     print("loss %s from %.4f (mean of the first %d steps) to %.4f (mean of the last %d)"
           % ("fell" if fell else "did NOT fall", first, n, last, n), flush=True)
@@ -414,4 +572,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

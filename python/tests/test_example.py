@@ -21,3 +21,55 @@ def test_train_lm_example_threads():
     assert "loss fell" in r.stdout
     assert "tokens/s" in r.stdout
     assert "rank 0 memory" in r.stdout and "rank 1 memory" in r.stdout
+
+
+TRAIN_LM = os.path.join(REPO, "examples", "python", "train_lm.py")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be >= 1 (got 0)"),
+    (["--steps"], "argument --steps: expected one argument"),
+    (["--heads", "3"], "--heads 3 does not divide --d 128"),
+    (["--text", "/nope.txt"], "cannot read --text /nope.txt: No such file or directory"),
+    (["--ranks", "0"], "--ranks must be >= 1 (got 0)"),
+    (["--seq", "100000"], "--seq 100000 is above 4096"),
+    (["--dtype", "fp32"], "invalid choice: 'fp32'"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--plot", "/nonexistent-dir/loss.png"], "--plot /nonexistent-dir/loss.png: no directory"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_train_lm_flag_errors(args, message):
+    """Each bad flag: one line on stderr naming it, nothing on stdout, a non-zero exit, at once
+    (--seq 100000 used to start a run that printed nothing for minutes)."""
+    r = subprocess.run([sys.executable, TRAIN_LM] + args, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("train_lm.py: ") and message in lines[0], lines[0]
+
+
+def test_train_lm_text_too_short(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("tiny text\n")
+    r = subprocess.run([sys.executable, TRAIN_LM, "--text", str(short)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout == ""
+    assert r.stderr.strip().endswith("(%s has 10)" % short) and len(r.stderr.splitlines()) == 1
+
+
+def test_train_lm_f16_eta_and_plot(tmp_path):
+    """--dtype f16 trains (dynamic loss scaling), log lines carry an eta, --plot writes a PNG."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "loss.png"
+    cmd = [sys.executable, TRAIN_LM, "--ranks", "2", "--steps", "30", "--d", "64", "--layers",
+           "2", "--batch", "4", "--seq", "32", "--log-every", "10", "--threads", "1",
+           "--dtype", "f16", "--plot", str(png)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "f16 params" in r.stdout and "loss fell" in r.stdout
+    assert all(" eta " in line for line in r.stdout.splitlines() if line.startswith("step "))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
