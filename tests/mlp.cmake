@@ -60,3 +60,16 @@ sg_add_mpi_test(test_mlp_mpi_auto EXE test_mlp NP 2
 if(SG_WITH_MPI)
   set_tests_properties(test_mlp_mpi_auto PROPERTIES PASS_REGULAR_EXPRESSION "W=2 \\(MPI\\)")
 endif()
+# --plot: a PNG the example writes itself (no library); tests/png_check.py checks its chunks,
+# CRCs, zlib stream and that the loss curve was drawn (>= 520 pixels: 2 px thick over 520).
+find_package(Python3 COMPONENTS Interpreter QUIET)
+if(Python3_FOUND)
+  add_test(NAME test_mlp_plot COMMAND bash -c "rm -f mlp_plot.png && \"$0\" --ranks 2 --steps 30 --hidden 32 --layers 2 --batch 16 --log-every 10 --plot mlp_plot.png && \"$1\" '${CMAKE_CURRENT_SOURCE_DIR}/png_check.py' mlp_plot.png 520"
+    $<TARGET_FILE:test_mlp> ${Python3_EXECUTABLE})
+  set_tests_properties(test_mlp_plot PROPERTIES TIMEOUT 120 LABELS local
+    WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+endif()
+add_test(NAME test_mlp_cli_plot_dir COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli_error_check.sh
+  "^mlp: --plot /nonexistent-dir/p.png: its directory does not exist" $<TARGET_FILE:test_mlp> --steps 3
+  --log-every 10 --plot /nonexistent-dir/p.png)
+set_tests_properties(test_mlp_cli_plot_dir PROPERTIES TIMEOUT 60 LABELS unit)

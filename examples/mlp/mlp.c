@@ -12,15 +12,18 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "mlp_cli.h"
 #include "mlp_model.h"
+#include "mlp_plot.h"
 #include "shardgrad.h"
 
 typedef struct options {
   mlp_cli c; /* the flags shared with mlp_cuda */
   int mpi, no_sync;
   const char *save_dir, *resume_dir; /* --save (with --save-every N, and at the end), --resume */
+  const char *plot;                  /* --plot FILE: rank 0's loss curve and memory, a PNG */
   int save_every;
 } options;
 
@@ -60,6 +63,7 @@ static void *train(void *arg) {
   const options *o = r->o;
   const int rank = sg_comm_rank(r->comm), world = sg_comm_size(r->comm);
   sg_engine *e = NULL;
+  float *curve = NULL; /* rank 0's loss per step, for --plot */
   mlp_model m;
   mlp_engine me;
   memset(&me, 0, sizeof me);
@@ -93,6 +97,12 @@ static void *train(void *arg) {
   }
   float first = 0.0f, last = 0.0f;
   int skipped = 0;
+  if (rank == 0 && o->plot && start < o->c.steps &&
+      !(curve = malloc((size_t)(o->c.steps - start) * sizeof *curve))) {
+    fprintf(stderr, "mlp: out of memory for the --plot curve\n");
+    r->rc = 1;
+    goto done;
+  }
   const double t_start = mlp_cli_now_s();
   const int tty = mlp_cli_want_bar(rank);
   for (int step = start; step < o->c.steps; step++) {
@@ -113,6 +123,7 @@ static void *train(void *arg) {
     const double dt = mlp_cli_now_s() - t0;
     last = loss_sum / (float)o->c.micro;
     if (step == start) first = last;
+    if (curve) curve[step - start] = last;
     skipped += info.skipped;
     const double elapsed = mlp_cli_now_s() - t_start;
     if (rank == 0 && (step % o->c.log_every == 0 || step == o->c.steps - 1)) {
@@ -140,8 +151,17 @@ static void *train(void *arg) {
   } else if (rank == 0) {
     r->rc = mlp_cli_report("mlp", &o->c, first, last, o->c.steps - start, rate, world, &mem, &ddp,
                            skipped);
+    if (curve && mlp_plot_write(o->plot, curve, o->c.steps - start, start,
+                                (double)mem.total_bytes, (double)ddp.total_bytes,
+                                mlp_cli_strategy_name(o->c.strategy), world) != 0) {
+      fprintf(stderr, "mlp: --plot %s: %s\n", o->plot, strerror(errno));
+      r->rc = 1;
+    } else if (curve) {
+      printf("plot: loss curve and memory per rank written to %s\n", o->plot);
+    }
   }
 done:
+  free(curve);
   mlp_engine_free(&me);
   sg_engine_destroy(e);
   mlp_free(&m);
@@ -161,7 +181,9 @@ static void usage(void) {
   printf("  --no-sync           with --micro-batches: no communication until the last one\n"
          "  --save DIR          checkpoint at the end (and every --save-every N steps)\n"
          "  --save-every N      with --save: also every N steps\n"
-         "  --resume DIR        continue from a checkpoint (any rank count, strategy, buckets)\n");
+         "  --resume DIR        continue from a checkpoint (any rank count, strategy, buckets)\n"
+         "  --plot FILE         draw rank 0's loss curve and the memory per rank beside\n"
+         "                      NO_SHARD's into the PNG FILE\n");
 }
 
 static int switch_flag(void *opts, const char *flag) {
@@ -181,6 +203,8 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
     o->save_dir = v;
   else if (!strcmp(flag, "--resume"))
     o->resume_dir = v;
+  else if (!strcmp(flag, "--plot"))
+    o->plot = v;
   else if (!strcmp(flag, "--save-every"))
     *bad = mlp_cli_parse_int(v, 1, 1 << 30, &o->save_every) != 0;
   else
@@ -191,7 +215,7 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
 static const mlp_cli_prog *prog_info(void) {
   static const char *const values[] = {"--save", "a directory", "--resume",
                                        "a checkpoint directory", "--save-every",
-                                       "an integer >= 1", NULL};
+                                       "an integer >= 1", "--plot", "a .png file name", NULL};
   static const mlp_cli_prog prog = {.name = "mlp",
                                     .max_ranks = 4096,
                                     .n_dtypes = 3,
@@ -200,6 +224,19 @@ static const mlp_cli_prog *prog_info(void) {
                                     .value_flag = value_flag,
                                     .value_flags = values};
   return &prog;
+}
+
+/* 1 when the directory part of `path` (".": none) is a directory. */
+static int dir_exists(const char *path) {
+  char dir[4096];
+  const char *slash = strrchr(path, '/');
+  size_t n = slash ? (size_t)(slash - path) : 1;
+  if (n >= sizeof dir) return 0;
+  memcpy(dir, slash ? path : ".", n);
+  dir[n] = 0;
+  if (slash && n == 0) strcpy(dir, "/");
+  struct stat st;
+  return stat(dir, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
 /* The flags, then how the ranks start: --mpi, or without it MPI when a launcher started this
@@ -228,6 +265,10 @@ static int parse_args(int argc, char **argv, options *o) {
       return -1;
     }
     o->mpi = 1; /* as if --mpi was given */
+  }
+  if (o->plot && !dir_exists(o->plot)) {
+    fprintf(stderr, "mlp: --plot %s: its directory does not exist\n", o->plot);
+    return -1;
   }
   if (o->save_every && !o->save_dir) {
     fprintf(stderr, "mlp: --save-every needs --save DIR\n");
