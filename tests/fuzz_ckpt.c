@@ -146,6 +146,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t cnt = 0;
     if (sg__st_parse_header((const char *)b, n, "fuzz", &ent, &cnt) == SG_OK) {
       if (cnt) (void)sg__st_find(ent, cnt, ent[cnt / 2].name);
+      (void)sg__st_check_layout(ent, cnt, n, "fuzz"); /* as if the header's bytes were the data */
       sg__st_entries_free(ent, cnt);
     }
   } else if (g_eng) {

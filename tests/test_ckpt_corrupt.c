@@ -1,6 +1,6 @@
 /* Damaged checkpoints are refused, never crash, and never change the engine (issue 5).
  *
- * A W=2 bf16 checkpoint with 128-byte checksum chunks (so that small files have many chunks) is
+ * A W=3 bf16 checkpoint with 128-byte checksum chunks (so that small files have many chunks) is
  * loaded at W=1 after: a flip of every byte of every file (a random non-zero XOR, every byte
  * when the file is small, else a sample that covers every header byte), a truncation at every
  * length, an extension, a missing file: SG_ERR_CORRUPT or SG_ERR_IO every time, the engine's
@@ -19,6 +19,8 @@
 #include "ckpt/sg_ckpt.h"              /* chunk size hook, header/manifest parsers, CRC */
 #include "engine/sg_engine_internal.h" /* the loading engine's raw memory (CPU device) */
 #include "test_ckpt_util.h"
+
+#define SAVE_WORLD 3 /* ranks of the damaged checkpoint: every byte of each of its files */
 
 static char g_root[256], g_dir[300];
 static const model_cfg k_m = {6,   {1, 63, 64, 65, 300, 700}, SG_SHARD_GRAD_OP, SG_BF16, 1024, 0,
@@ -127,7 +129,7 @@ static void save_rank(int rank, int world, sg_comm *comm, void *arg) {
   sg_status st = make_engine(comm, &k_m, &e, ids);
   if (!st) st = train(e, &k_m, ids, 0, 2);
   if (!st) st = sg_save(e, g_dir);
-  if (rank == 0) CHECK(st == SG_OK, "W=2 save: %s", sg_last_error());
+  if (rank == 0) CHECK(st == SG_OK, "W=%d save: %s", world, sg_last_error());
   sg_engine_destroy(e);
 }
 
@@ -318,7 +320,7 @@ int main(void) {
   if (!mkdtemp(g_root)) return 1;
   snprintf(g_dir, sizeof g_dir, "%s/ck", g_root);
   sg__ckpt_set_chunk_bytes(128);
-  run_ranks(2, save_rank, NULL);
+  run_ranks(SAVE_WORLD, save_rank, NULL);
   loader L;
   if (!loader_init(&L)) {
     CHECK(0, "loading engine: %s", sg_last_error());
@@ -329,11 +331,11 @@ int main(void) {
         "(step %llu): %s",
         (unsigned long long)L.e->step, sg_last_error());
   raw_take(&L);
-  char files[3][400];
+  char files[1 + SAVE_WORLD][400];
   snprintf(files[0], sizeof files[0], "%s/manifest", g_dir);
-  snprintf(files[1], sizeof files[1], "%s/g1.r0.shard", g_dir);
-  snprintf(files[2], sizeof files[2], "%s/g1.r1.shard", g_dir);
-  for (int f = 0; f < 3; f++) {
+  for (int r = 0; r < SAVE_WORLD; r++)
+    snprintf(files[1 + r], sizeof files[1 + r], "%s/g1.r%d.shard", g_dir, r);
+  for (int f = 0; f < 1 + SAVE_WORLD; f++) {
     sweep_flips(&L, files[f], f == 0 ? 1u << 30 : 1200, full);
     sweep_truncations(&L, files[f], full);
   }
@@ -342,8 +344,7 @@ int main(void) {
         "same state: %s",
         sg_last_error());
   sweep_manifest_structure(&L, files[0]);
-  sweep_header_structure(files[1]);
-  sweep_header_structure(files[2]);
+  for (int r = 0; r < SAVE_WORLD; r++) sweep_header_structure(files[1 + r]);
   char st_path[400];
   snprintf(st_path, sizeof st_path, "%s/x.safetensors", g_root);
   sweep_import(&L, st_path);

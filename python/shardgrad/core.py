@@ -504,7 +504,10 @@ class Engine:
         if any(s < 0 for s in shape):
             raise InvalidArgumentError("add_param: negative dimension in %r" % (shape,),
                                        function="python")
-        _call("sg_add_param", self.handle, name.encode("utf-8"), numel, flags, ctypes.byref(pid))
+        # surrogatepass: a str that is not valid UTF-8 (lone surrogates) reaches the library,
+        # which refuses it with its own message instead of a UnicodeEncodeError.
+        _call("sg_add_param", self.handle, name.encode("utf-8", "surrogatepass"), numel, flags,
+              ctypes.byref(pid))
         self._names.append(name)
         self._shapes.append(shape)
         self._numels.append(numel)

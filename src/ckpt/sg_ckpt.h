@@ -169,7 +169,12 @@ char *sg__ck_path(const char *dir, const char *name);
 sg_status sg__ck_write_at(int fd, const void *buf, size_t n, uint64_t off, const char *path);
 /* Reads exactly n bytes at off; a short file is SG_ERR_CORRUPT ("truncated"). */
 sg_status sg__ck_read_at(int fd, void *buf, size_t n, uint64_t off, const char *path);
+/* Opens a regular file for reading (anything else is refused without blocking: a FIFO's
+ * open would wait for a writer). */
 sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes);
+/* Creates or truncates a regular file for writing (O_CREAT | O_TRUNC, 0644); a FIFO or device
+ * under that name is refused without blocking. */
+sg_status sg__ck_open_write(const char *path, int *fd);
 sg_status sg__ck_fsync_close(int fd, const char *path);
 sg_status sg__ck_fsync_dir(const char *dir);
 sg_status sg__ck_rename(const char *from, const char *to);
@@ -180,6 +185,19 @@ sg_status sg__ck_write_atomic(const char *dir, const char *name, const char *tmp
                               const uint8_t *buf, size_t len);
 /* mkdir if missing; SG_ERR_IO if it is not a directory or cannot be made. */
 sg_status sg__ck_make_dir(const char *dir);
+
+/* The save lock (sg_ckpt_lock.c): rank 0 holds "save.lock" in the directory for the whole
+ * sg_save. A second saver fails with SG_ERR_IO naming the holder; a lock left by a process that
+ * is provably gone (same host) is removed, one from another host never is. */
+#define SG_CK_LOCK_NAME "save.lock"
+typedef struct sg__ck_lock {
+  char *path;
+  char text[1024]; /* what we wrote: release removes the file only if it still says this */
+  int held;
+} sg__ck_lock;
+sg_status sg__ck_lock_acquire(const char *dir, sg__ck_lock *l);
+/* Removes our lock (if held) and frees l; safe on a zeroed or released l. */
+void sg__ck_lock_release(sg__ck_lock *l);
 
 /* Rank file names: "g<gen>.r<rank>.shard" and the temporary "g<gen>.r<rank>.tmp". */
 void sg__ck_shard_name(char *buf, size_t n, uint64_t gen, int rank, int tmp);

@@ -75,8 +75,10 @@ sg_status sg__ck_read_at(int fd, void *buf, size_t n, uint64_t off, const char *
   return SG_OK;
 }
 
+/* O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer before the regular-file
+ * check below has refused it; for regular files the flag changes nothing, and it is cleared. */
 sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes) {
-  *fd = open(path, O_RDONLY);
+  *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (*fd < 0) return IO_FAIL("cannot open", path);
   struct stat s;
   if (fstat(*fd, &s) != 0) {
@@ -90,7 +92,30 @@ sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes) {
     *fd = -1;
     return sg__err(SG_ERR_IO, "'%s' is not a regular file", path);
   }
+  const int fl = fcntl(*fd, F_GETFL);
+  if (fl != -1) (void)fcntl(*fd, F_SETFL, fl & ~O_NONBLOCK);
   *bytes = (uint64_t)s.st_size;
+  return SG_OK;
+}
+
+/* As for reading: a FIFO planted under a temporary name fails at once (ENXIO without a reader)
+ * or at the regular-file check, instead of blocking or feeding the file to another process. */
+sg_status sg__ck_open_write(const char *path, int *fd) {
+  *fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (*fd < 0) return IO_FAIL("cannot create", path);
+  struct stat s;
+  sg_status st = SG_OK;
+  if (fstat(*fd, &s) != 0)
+    st = IO_FAIL("cannot stat", path);
+  else if (!S_ISREG(s.st_mode))
+    st = sg__err(SG_ERR_IO, "cannot create '%s': it exists and is not a regular file", path);
+  if (st != SG_OK) {
+    close(*fd);
+    *fd = -1;
+    return st;
+  }
+  const int fl = fcntl(*fd, F_GETFL);
+  if (fl != -1) (void)fcntl(*fd, F_SETFL, fl & ~O_NONBLOCK);
   return SG_OK;
 }
 
@@ -161,11 +186,8 @@ sg_status sg__ck_write_atomic(const char *dir, const char *name, const char *tmp
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
     goto done;
   }
-  const int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) {
-    st = IO_FAIL("cannot create", tmp);
-    goto done;
-  }
+  int fd = -1;
+  SG_TRY_GOTO(sg__ck_open_write(tmp, &fd), st, done);
   st = sg__ck_write_at(fd, buf, len, 0, tmp);
   if (st != SG_OK) {
     close(fd);

@@ -43,10 +43,12 @@ static uint64_t manifest_generation(const char *dir) {
   return gen;
 }
 
-/* Creates dir if needed and picks a generation above every one present, so that no file the
- * current manifest (or an interrupted save) wrote is ever overwritten. */
-static sg_status prepare_dir(const char *dir, uint64_t *gen) {
+/* Creates dir if needed, takes the save lock (sg_ckpt_lock.c) and picks a generation above
+ * every one present, so that no file the current manifest (or an interrupted save) wrote is
+ * ever overwritten. */
+static sg_status prepare_dir(const char *dir, uint64_t *gen, sg__ck_lock *lock) {
   SG_TRY(sg__ck_make_dir(dir));
+  SG_TRY(sg__ck_lock_acquire(dir, lock));
   DIR *d = opendir(dir);
   char eb[128];
   if (!d)
@@ -176,12 +178,7 @@ static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, fi
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", w.cap);
     goto done;
   }
-  w.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (w.fd < 0) {
-    char eb[128];
-    st = sg__err(SG_ERR_IO, "cannot create '%s': %s", tmp, sg__ck_errstr(errno, eb, sizeof eb));
-    goto done;
-  }
+  SG_TRY_GOTO(sg__ck_open_write(tmp, &w.fd), st, done);
   st = write_file_body(e, &w, info);
   if (st == SG_OK)
     st = sg__ck_fsync_close(w.fd, tmp);
@@ -314,10 +311,33 @@ static void remove_old(const sg_engine *e, const char *dir, uint64_t gen) {
   sg__err_clear();
 }
 
+/* rank 0, after writing the manifest failed (ENOSPC, ...): the files of generation gen are
+ * named by no manifest, so they go, or the disk stays full and the next save fails too. Unless
+ * the new manifest did land (a failure after its rename): then they are the checkpoint. */
+static void drop_generation(const sg_engine *e, const char *dir, uint64_t gen) {
+  char why[1024]; /* the failure's text, which the manifest check below would clear */
+  snprintf(why, sizeof why, "%s", sg_last_error());
+  DIR *d = manifest_generation(dir) == gen ? NULL : opendir(dir);
+  sg__err(SG_OK, "%s", why);
+  if (!d) return;
+  uint64_t g = 0;
+  for (struct dirent *de; (de = readdir(d)) != NULL;) {
+    if (!sg__ck_parse_name(de->d_name, &g) || (g != gen && g != 0)) continue;
+    char *path = sg__ck_path(dir, de->d_name);
+    if (path && unlink(path) == 0)
+      SG_LOG(SG_LOG_INFO, e->rank, "sg_save: removed '%s' of the failed save", path);
+    free(path);
+  }
+  closedir(d);
+  (void)sg__ck_fsync_dir(dir);
+  sg__err(SG_OK, "%s", why);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 
-/* Round 1: the engine is idle everywhere, rank 0 has the directory and the generation. */
-static sg_status round_prepare(sg_engine *e, const char *dir, uint64_t *gen) {
+/* Round 1: the engine is idle everywhere, rank 0 has the lock, the directory and the
+ * generation. */
+static sg_status round_prepare(sg_engine *e, const char *dir, uint64_t *gen, sg__ck_lock *lock) {
   static const char *fn = "sg_save";
   /* A rank with a micro-batch in progress may have reductions queued: it must not join a
    * collective, so it fails alone, as sg_get_master does. */
@@ -325,7 +345,7 @@ static sg_status round_prepare(sg_engine *e, const char *dir, uint64_t *gen) {
   if (local != SG_OK) return local;
   uint64_t v[4] = {0, 0, 0, 0};
   if (e->rank == 0) {
-    local = prepare_dir(dir, &v[0]);
+    local = prepare_dir(dir, &v[0], lock);
     if (local != SG_OK) sg__err_prefix(local, fn);
   }
   sg__ck_vote *all = NULL;
@@ -335,12 +355,10 @@ static sg_status round_prepare(sg_engine *e, const char *dir, uint64_t *gen) {
   return st;
 }
 
-sg_status sg_save(sg_engine *e, const char *dir) {
+static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
   static const char *fn = "sg_save";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  if (!dir || !dir[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: dir is NULL or empty", fn);
   uint64_t gen = 0;
-  SG_TRY(round_prepare(e, dir, &gen));
+  SG_TRY(round_prepare(e, dir, &gen, lock));
   /* Round 2: every rank's file is durable; rank 0 learns their sizes and header checksums. */
   file_info info = {0, 0, 0};
   sg_status local = write_rank_file(e, dir, gen, &info);
@@ -359,6 +377,7 @@ sg_status sg_save(sg_engine *e, const char *dir) {
   }
   /* Round 3: the manifest, the commit point. */
   local = e->rank == 0 ? write_manifest(e, dir, gen, all) : SG_OK;
+  if (local != SG_OK) drop_generation(e, dir, gen);
   free(all);
   st = sg__ck_agree(e, fn, local, NULL, &all);
   free(all);
@@ -367,4 +386,15 @@ sg_status sg_save(sg_engine *e, const char *dir) {
   SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")", e->step,
          dir, gen);
   return SG_OK;
+}
+
+sg_status sg_save(sg_engine *e, const char *dir) {
+  static const char *fn = "sg_save";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (!dir || !dir[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: dir is NULL or empty", fn);
+  sg__ck_lock lock;
+  memset(&lock, 0, sizeof lock);
+  const sg_status st = save_rounds(e, dir, &lock);
+  sg__ck_lock_release(&lock); /* rank 0's, after every round, whatever the outcome */
+  return st;
 }

@@ -189,12 +189,8 @@ static sg_status export_open(sg_engine *e, const char *path, exporter *x) {
   uint8_t *hdr = NULL;
   size_t len = 0;
   SG_TRY(export_header(e, &hdr, &len));
-  x->fd = open(x->tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  sg_status st = SG_OK;
-  if (x->fd < 0) {
-    char eb[128];
-    st = sg__err(SG_ERR_IO, "cannot create '%s': %s", x->tmp, sg__ck_errstr(errno, eb, sizeof eb));
-  } else {
+  sg_status st = sg__ck_open_write(x->tmp, &x->fd);
+  if (st == SG_OK) {
     st = sg__ck_write_at(x->fd, hdr, len, 0, x->tmp);
     x->pos = len;
   }
@@ -285,8 +281,14 @@ static sg_status import_header(importer *im) {
   SG_TRY(sg__ck_read_at(im->fd, n8, 8, 0, im->path));
   uint64_t n = 0;
   for (int i = 7; i >= 0; i--) n = (n << 8) | n8[i];
-  if (n > SG_ST_MAX_HEADER || n > bytes - 8)
-    return sg__err(SG_ERR_CORRUPT, "'%s': header length %" PRIu64 " in a file of %" PRIu64 " bytes",
+  if (n > SG_ST_MAX_HEADER)
+    return sg__err(SG_ERR_CORRUPT,
+                   "'%s': header length %" PRIu64 " is above the format's limit of %" PRIu64
+                   " bytes",
+                   im->path, n, SG_ST_MAX_HEADER);
+  if (n > bytes - 8)
+    return sg__err(SG_ERR_CORRUPT,
+                   "'%s': header length %" PRIu64 " exceeds the file (%" PRIu64 " bytes)",
                    im->path, n, bytes);
   char *hdr = malloc((size_t)n + 1);
   if (!hdr) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -295,6 +297,7 @@ static sg_status import_header(importer *im) {
   free(hdr);
   im->data_off = 8 + n;
   im->data_bytes = bytes - 8 - n;
+  if (st == SG_OK) st = sg__st_check_layout(im->ent, im->nent, im->data_bytes, im->path);
   return st;
 }
 

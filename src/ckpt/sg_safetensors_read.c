@@ -1,16 +1,46 @@
 /* The safetensors header parser: JSON objects, arrays, strings (escapes and \u surrogate pairs
- * decoded to UTF-8), non-negative integers; other values are skipped, nesting is bounded. */
+ * decoded to UTF-8), non-negative integers; other values are skipped, nesting is bounded.
+ *
+ * What it accepts follows the reference reader (the `safetensors` Rust crate, which the Python
+ * package wraps): the header is UTF-8; "__metadata__", if present, is null or an object of
+ * string values, once; every tensor has a known dtype, a shape of non-negative integers and
+ * data_offsets [begin, end] with begin <= end and end - begin the bytes its shape needs; and
+ * (sg__st_check_layout) the tensors' data, sorted by offset, tile the data area exactly: no
+ * overlap, no gap, nothing after the last tensor. Two differences, both refusals the reference
+ * does not make: a tensor name given twice (the reference keeps the last) and a name holding
+ * U+0000. Failures that are not plain syntax say what is wrong, not "malformed JSON". */
+#include <inttypes.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/sg_utf8.h" /* sg__utf8_invalid_at */
 #include "sg_safetensors.h"
 
 #define SG_ST_MAX_DEPTH 64
 
 typedef struct {
   const char *p, *end, *start;
+  char why[256]; /* set when the input is well-formed JSON that breaks a format rule */
 } jp;
+
+/* Records the rule broken (the first one wins) and returns 0, so that parsers can
+ * `return refuse(j, ...)`. */
+static int refuse(jp *j, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static int refuse(jp *j, const char *fmt, ...) {
+  if (j->why[0]) return 0;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(j->why, sizeof j->why, fmt, ap);
+  va_end(ap);
+  if (!j->why[0]) snprintf(j->why, sizeof j->why, "invalid header");
+  return 0;
+}
 
 static int peek(jp *j) {
   while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
@@ -212,14 +242,34 @@ static int jskip(jp *j, int depth) {
 /* ---------------------------------------------------------------------------------------- */
 /* tensors                                                                                   */
 
-static int dtype_of(const char *s) {
-  if (strcmp(s, "F32") == 0) return SG_F32;
-  if (strcmp(s, "BF16") == 0) return SG_BF16;
-  if (strcmp(s, "F16") == 0) return SG_F16;
-  return -1;
+/* The reference's dtypes and their element sizes in bits (F4 and F6 pack several elements
+ * into a byte); the engine reads F32, BF16 and F16. */
+static const struct {
+  const char *name;
+  uint32_t bits;
+  int sg; /* sg_dtype, or -1 */
+} dtypes[] = {{"BOOL", 8, -1},         {"F4", 4, -1},          {"F6_E2M3", 6, -1},
+              {"F6_E3M2", 6, -1},      {"U8", 8, -1},          {"I8", 8, -1},
+              {"F8_E5M2", 8, -1},      {"F8_E4M3", 8, -1},     {"F8_E8M0", 8, -1},
+              {"F8_E4M3FNUZ", 8, -1},  {"F8_E5M2FNUZ", 8, -1}, {"I16", 16, -1},
+              {"U16", 16, -1},         {"F16", 16, SG_F16},    {"BF16", 16, SG_BF16},
+              {"I32", 32, -1},         {"U32", 32, -1},        {"F32", 32, SG_F32},
+              {"C64", 64, -1},         {"F64", 64, -1},        {"I64", 64, -1},
+              {"U64", 64, -1}};
+
+/* The dtype named s into t; 0 (and the reason) for a name the format does not define. */
+static int set_dtype(jp *j, sg__st_entry *t, const char *s) {
+  snprintf(t->dtype_name, sizeof t->dtype_name, "%s", s);
+  for (size_t k = 0; k < sizeof dtypes / sizeof dtypes[0]; k++)
+    if (strcmp(s, dtypes[k].name) == 0) {
+      t->dtype = dtypes[k].sg;
+      t->elem_bits = dtypes[k].bits;
+      return 1;
+    }
+  return refuse(j, "tensor '%s' has dtype '%.40s', which safetensors does not define", t->name, s);
 }
 
-static int parse_shape(jp *j, uint64_t *numel) {
+static int parse_shape(jp *j, const sg__st_entry *t, uint64_t *numel) {
   uint64_t n = 1, d = 0;
   if (!eat(j, '[')) return 0;
   if (eat(j, ']')) {
@@ -228,7 +278,8 @@ static int parse_shape(jp *j, uint64_t *numel) {
   }
   for (;;) {
     if (!juint(j, &d)) return 0;
-    if (d != 0 && n > UINT64_MAX / d) return 0;
+    if (d != 0 && n > UINT64_MAX / d)
+      return refuse(j, "tensor '%s': the product of its shape overflows 64 bits", t->name);
     n *= d;
     if (eat(j, ']')) break;
     if (!eat(j, ',')) return 0;
@@ -238,8 +289,29 @@ static int parse_shape(jp *j, uint64_t *numel) {
 }
 
 static int parse_offsets(jp *j, sg__st_entry *t) {
-  return eat(j, '[') && juint(j, &t->begin) && eat(j, ',') && juint(j, &t->end) && eat(j, ']') &&
-         t->begin <= t->end;
+  if (!(eat(j, '[') && juint(j, &t->begin) && eat(j, ',') && juint(j, &t->end) && eat(j, ']')))
+    return 0;
+  if (t->begin > t->end)
+    return refuse(j,
+                  "tensor '%s' has data_offsets [%" PRIu64 ", %" PRIu64
+                  "]: its data would end before it begins",
+                  t->name, t->begin, t->end);
+  return 1;
+}
+
+/* Shape, dtype and offsets agree: end - begin is exactly the bytes of numel elements. */
+static int check_size(jp *j, const sg__st_entry *t) {
+  if (t->numel > UINT64_MAX / t->elem_bits)
+    return refuse(j, "tensor '%s': %" PRIu64 " elements of %s overflow 64 bits", t->name, t->numel,
+                  t->dtype_name);
+  const uint64_t bits = t->numel * t->elem_bits;
+  if (bits % 8 != 0 || bits / 8 != t->end - t->begin)
+    return refuse(j,
+                  "tensor '%s': %" PRIu64 " elements of %s need %" PRIu64 "%s bytes, its "
+                  "data_offsets [%" PRIu64 ", %" PRIu64 "] hold %" PRIu64,
+                  t->name, t->numel, t->dtype_name, bits / 8, bits % 8 ? " and a fraction of" : "",
+                  t->begin, t->end, t->end - t->begin);
+  return 1;
 }
 
 /* {"dtype": ..., "shape": [...], "data_offsets": [b, e], ...} */
@@ -256,15 +328,11 @@ static int parse_tensor(jp *j, sg__st_entry *t, int *oom) {
     int ok = 1;
     if (strcmp(key, "dtype") == 0) {
       char *dt = NULL;
-      ok = jstring(j, &dt, oom);
-      if (ok) {
-        snprintf(t->dtype_name, sizeof t->dtype_name, "%s", dt);
-        t->dtype = dtype_of(dt);
-        have |= 1;
-      }
+      ok = jstring(j, &dt, oom) && set_dtype(j, t, dt);
+      have |= 1;
       free(dt);
     } else if (strcmp(key, "shape") == 0) {
-      ok = parse_shape(j, &t->numel);
+      ok = parse_shape(j, t, &t->numel);
       have |= 2;
     } else if (strcmp(key, "data_offsets") == 0) {
       ok = parse_offsets(j, t);
@@ -277,7 +345,10 @@ static int parse_tensor(jp *j, sg__st_entry *t, int *oom) {
     if (eat(j, '}')) break;
     if (!eat(j, ',')) return 0;
   }
-  return have == 7;
+  if (have != 7)
+    return refuse(j, "tensor '%s' lacks %s", t->name,
+                  !(have & 1) ? "\"dtype\"" : !(have & 2) ? "\"shape\"" : "\"data_offsets\"");
+  return check_size(j, t);
 }
 
 static int entry_cmp(const void *a, const void *b) {
@@ -295,23 +366,55 @@ const sg__st_entry *sg__st_find(const sg__st_entry *ent, size_t n, const char *n
   return n ? bsearch(&key, ent, n, sizeof *ent, entry_cmp) : NULL;
 }
 
+/* "__metadata__": null, or an object whose values are all strings (the reference reads it as
+ * a map from string to string). */
+static int parse_metadata(jp *j, int *oom) {
+  if (peek(j) == 'n') return skip_word(j, "null");
+  if (!eat(j, '{')) {
+    if (!jskip(j, 1)) return 0;
+    return refuse(j, "\"__metadata__\" must be an object of strings (or null)");
+  }
+  if (eat(j, '}')) return 1;
+  for (;;) {
+    char *key = NULL;
+    if (!jstring(j, &key, oom) || !eat(j, ':')) {
+      free(key);
+      return 0;
+    }
+    int ok = 1;
+    if (peek(j) == '"')
+      ok = jstring(j, NULL, oom);
+    else if ((ok = jskip(j, 2)))
+      ok = refuse(j, "\"__metadata__\" must map keys to strings (the value of '%.64s' is not a "
+                  "string)", key);
+    free(key);
+    if (!ok) return 0;
+    if (eat(j, '}')) return 1;
+    if (!eat(j, ',')) return 0;
+  }
+}
+
 /* One "name": value member of the top-level object; *t filled for tensors (skip = metadata). */
-static int parse_member(jp *j, sg__st_entry *t, int *skip, int *oom) {
+static int parse_member(jp *j, sg__st_entry *t, int *skip, int *seen_meta, int *oom) {
   memset(t, 0, sizeof *t);
   if (!jstring(j, &t->name, oom) || !eat(j, ':')) return 0;
   *skip = strcmp(t->name, "__metadata__") == 0;
-  if (*skip) return jskip(j, 1);
+  if (*skip) {
+    if ((*seen_meta)++) return refuse(j, "\"__metadata__\" appears twice");
+    return parse_metadata(j, oom);
+  }
   return parse_tensor(j, t, oom);
 }
 
 static sg_status parse_members(jp *j, const char *what, sg__st_entry *ent, size_t cap,
                                size_t *count) {
   size_t n = 0;
+  int seen_meta = 0;
   if (eat(j, '}')) goto end;
   for (;;) {
     int skip = 0, oom = 0;
     if (n == cap) return sg__err(SG_ERR_CORRUPT, "%s: too many tensors for the header", what);
-    const int ok = parse_member(j, &ent[n], &skip, &oom);
+    const int ok = parse_member(j, &ent[n], &skip, &seen_meta, &oom);
     if (oom) {
       free(ent[n].name);
       *count = n;
@@ -320,6 +423,7 @@ static sg_status parse_members(jp *j, const char *what, sg__st_entry *ent, size_
     if (!ok || skip) free(ent[n].name);
     if (!ok) {
       *count = n;
+      if (j->why[0]) return sg__err(SG_ERR_CORRUPT, "%s: %s", what, j->why);
       return sg__err(SG_ERR_CORRUPT, "%s: malformed header JSON near byte %zu", what,
                      (size_t)(j->p - j->start));
     }
@@ -340,7 +444,11 @@ sg_status sg__st_parse_header(const char *json, size_t len, const char *what, sg
                               size_t *count) {
   *out = NULL;
   *count = 0;
-  jp j = {json, json + len, json};
+  const size_t bad = sg__utf8_invalid_at(json, len);
+  if (bad < len)
+    return sg__err(SG_ERR_CORRUPT, "%s: the header is not valid UTF-8 (byte 0x%02x at offset %zu)",
+                   what, (unsigned)(unsigned char)json[bad], bad);
+  jp j = {json, json + len, json, ""};
   if (!eat(&j, '{')) return sg__err(SG_ERR_CORRUPT, "%s: the header is not a JSON object", what);
   const size_t cap = len / 8 + 1; /* every tensor takes far more than 8 bytes */
   sg__st_entry *ent = calloc(cap, sizeof *ent);
@@ -360,4 +468,57 @@ sg_status sg__st_parse_header(const char *json, size_t len, const char *what, sg
   *out = ent;
   *count = n;
   return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the data area                                                                             */
+
+static int offset_cmp(const void *a, const void *b) {
+  const sg__st_entry *x = *(const sg__st_entry *const *)a, *y = *(const sg__st_entry *const *)b;
+  if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+  if (x->end != y->end) return x->end < y->end ? -1 : 1;
+  return strcmp(x->name, y->name);
+}
+
+/* Sorted by (begin, end), as the reference does: each tensor must start where the previous one
+ * ended. */
+static sg_status check_tiling(const sg__st_entry *const *by, size_t n, uint64_t data_bytes,
+                              const char *what) {
+  uint64_t at = 0;
+  for (size_t i = 0; i < n; i++) {
+    const sg__st_entry *t = by[i];
+    if (t->begin < at)
+      return sg__err(SG_ERR_CORRUPT,
+                     "%s: the data of tensors '%s' and '%s' overlap (data_offsets [%" PRIu64
+                     ", %" PRIu64 "] begin before byte %" PRIu64 ", where '%s' ends)",
+                     what, by[i - 1]->name, t->name, t->begin, t->end, at, by[i - 1]->name);
+    if (t->begin > at)
+      return sg__err(SG_ERR_CORRUPT,
+                     "%s: bytes %" PRIu64 "..%" PRIu64 " of the data belong to no tensor (tensor "
+                     "'%s' begins at %" PRIu64 ")",
+                     what, at, t->begin, t->name, t->begin);
+    at = t->end;
+  }
+  if (at > data_bytes)
+    return sg__err(SG_ERR_CORRUPT,
+                   "%s: tensor '%s' ends at byte %" PRIu64 " of the data, past the end of the file "
+                   "(%" PRIu64 " data bytes)",
+                   what, by[n - 1]->name, at, data_bytes);
+  if (at < data_bytes)
+    return sg__err(SG_ERR_CORRUPT,
+                   "%s: %" PRIu64 " bytes after the last tensor's data (the tensors end at byte "
+                   "%" PRIu64 " of %" PRIu64 " data bytes)",
+                   what, data_bytes - at, at, data_bytes);
+  return SG_OK;
+}
+
+sg_status sg__st_check_layout(const sg__st_entry *ent, size_t n, uint64_t data_bytes,
+                              const char *what) {
+  const sg__st_entry **by = malloc((n ? n : 1) * sizeof *by);
+  if (!by) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", what);
+  for (size_t i = 0; i < n; i++) by[i] = &ent[i];
+  if (n > 1) qsort(by, n, sizeof *by, offset_cmp);
+  const sg_status st = check_tiling(by, n, data_bytes, what);
+  free(by);
+  return st;
 }

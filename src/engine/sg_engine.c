@@ -11,7 +11,6 @@
 #include "../device/sg_device_cuda.h" /* sg__device_cuda_set_threaded_comm */
 #endif
 
-#define SG__MAX_NAME 255
 
 /* ---------------------------------------------------------------------------------------- */
 /* checks                                                                                    */
@@ -168,6 +167,7 @@ fail:
 static void free_registration(sg_engine *e) {
   for (int i = 0; i < e->nparams; i++) free(e->names[i]);
   free(e->names);
+  sg__names_free(&e->name_index);
   free(e->numels);
   free(e->flags);
   free(e->group);
@@ -211,11 +211,6 @@ void sg_engine_destroy(sg_engine *e) {
 /* ---------------------------------------------------------------------------------------- */
 /* registration                                                                              */
 
-static int find_name(const sg_engine *e, const char *name) {
-  for (int i = e->nparams - 1; i >= 0; i--)
-    if (strcmp(e->names[i], name) == 0) return i;
-  return -1;
-}
 
 static sg_status grow(sg_engine *e) {
   int cap = e->cap ? e->cap * 2 : 64;
@@ -240,10 +235,8 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
   SG_TRY(sg__engine_check(e, fn, 0));
   if (!id) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id is NULL", fn);
   if (!name) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
-  size_t len = strlen(name);
-  if (len == 0 || len > SG__MAX_NAME)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: name must be 1..%d bytes (got %zu)", fn,
-                   SG__MAX_NAME, len);
+  SG_TRY(sg__name_check(name, fn));
+  const size_t len = strlen(name);
   if (numel == 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: numel must be >= 1 (param '%s')", fn, name);
   if (numel > ((size_t)1 << 48))
@@ -254,15 +247,20 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
                    (unsigned)flags, name);
   if (e->nparams >= (1 << 30))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: too many parameters", fn);
-  if (find_name(e, name) >= 0)
+  const int dup = sg__names_find(&e->name_index, e->names, name);
+  if (dup >= 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: parameter '%s' is already registered (id %d)",
-                   fn, name, find_name(e, name));
+                   fn, name, dup);
   if (e->nparams == e->cap && grow(e) != SG_OK)
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   char *copy = malloc(len + 1);
   if (!copy) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   memcpy(copy, name, len + 1);
   e->names[e->nparams] = copy;
+  if (sg__names_add(&e->name_index, e->names, e->nparams) != SG_OK) {
+    free(copy);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  }
   e->numels[e->nparams] = numel;
   e->flags[e->nparams] = flags;
   e->group[e->nparams] = 0;
@@ -669,7 +667,7 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
     memcpy(out, &s, out->struct_size);
   }
   sg__plan_free(p);
-  return st;
+  return st == SG_OK ? st : sg__err_prefix(st, fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -11,6 +11,7 @@
 #include "../device/sg_device.h" /* device vtable */
 #include "../memory/sg_memory.h" /* layout, arenas */
 #include "../plan/sg_plan.h"     /* plan */
+#include "sg_names.h"            /* sg__names */
 
 typedef enum { SG_ES_BUILDING = 0, SG_ES_READY = 1, SG_ES_BROKEN = 2 } sg__engine_state;
 
@@ -23,6 +24,7 @@ struct sg_engine {
   /* registration (before finalize) */
   int nparams, cap;
   char **names;
+  sg__names name_index; /* sg_names.c: names -> id */
   size_t *numels;
   uint32_t *flags;
   int *group;     /* [cap]: parameter group of each parameter */

@@ -10,13 +10,37 @@
  * comm arena: the ring all-reduce uses the scratch for its own receives. */
 #define SG__SMALL_BYTES 256
 
+/* The most one arena may hold (2^61 bytes): the five arenas and their sum then fit a size_t.
+ * Byte counts above it saturate to SIZE_MAX instead of wrapping, and the layout is refused. */
+#define SG__ARENA_MAX (SIZE_MAX / 8)
+
 static size_t align_up(size_t x) { return (x + SG_MEM_ALIGN - 1) / SG_MEM_ALIGN * SG_MEM_ALIGN; }
 
-/* Appends a piece of `bytes` to arena `kind`, returns its offset. */
+/* a * b, or SIZE_MAX when above SG__ARENA_MAX. */
+static size_t mul_sat(size_t a, size_t b) {
+  return (b != 0 && a > SG__ARENA_MAX / b) ? SIZE_MAX : a * b;
+}
+
+/* Appends a piece of `bytes` to arena `kind`, returns its offset. An arena that would pass
+ * SG__ARENA_MAX is marked SIZE_MAX (sg__layout_compute refuses it). */
 static size_t carve(sg__layout *l, sg__mem_kind kind, size_t bytes) {
   size_t off = l->bytes[kind];
+  if (off > SG__ARENA_MAX || bytes > SG__ARENA_MAX - off) {
+    l->bytes[kind] = SIZE_MAX;
+    return off;
+  }
   l->bytes[kind] = align_up(off + bytes);
   return off;
+}
+
+static sg_status check_fits(const sg__layout *l) {
+  static const char *names[SG_MEM_KINDS] = {"params", "grads", "master", "optim", "comm"};
+  for (int k = 0; k < SG_MEM_KINDS; k++)
+    if (l->bytes[k] > SG__ARENA_MAX)
+      return sg__err(SG_ERR_INVALID_ARGUMENT,
+                     "the model is too large: its %s memory exceeds %zu bytes per rank", names[k],
+                     (size_t)SG__ARENA_MAX);
+  return SG_OK;
 }
 
 sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout *l) {
@@ -25,22 +49,22 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout
   const size_t A = sg__dtype_size(cfg->accum_dtype);
   const int sharded = cfg->strategy != SG_NO_SHARD;
   l->opt_numel = sharded ? p->shard_numel : p->total_numel;
-  l->params_off = carve(l, SG_MEM_PARAMS, p->total_numel * P);
+  l->params_off = carve(l, SG_MEM_PARAMS, mul_sat(p->total_numel, P));
   if (cfg->strategy == SG_SHARD_GRAD_OP) {
     l->nstaging = cfg->staging_buckets < p->nbuckets ? cfg->staging_buckets : p->nbuckets;
     l->staging_numel = p->max_bucket_numel;
-    l->slots_bytes = align_up(l->staging_numel * G) * (size_t)l->nstaging;
+    l->slots_bytes = mul_sat(align_up(mul_sat(l->staging_numel, G)), (size_t)l->nstaging);
   } else {
     l->nstaging = 0;
-    l->slots_bytes = p->total_numel * G;
+    l->slots_bytes = mul_sat(p->total_numel, G);
   }
   l->slots_off = carve(l, SG_MEM_GRADS, l->slots_bytes);
   l->accum_numel = l->opt_numel;
-  l->accum_off = carve(l, SG_MEM_GRADS, l->accum_numel * A);
+  l->accum_off = carve(l, SG_MEM_GRADS, mul_sat(l->accum_numel, A));
   l->master_off = SIZE_MAX;
-  if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, l->opt_numel * 4);
-  l->m_off = carve(l, SG_MEM_OPTIM, l->opt_numel * 4);
-  l->v_off = carve(l, SG_MEM_OPTIM, l->opt_numel * 4);
+  if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, mul_sat(l->opt_numel, 4));
+  l->m_off = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
+  l->v_off = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
   size_t max_slice = 0;
   for (int b = 0; b < p->nbuckets; b++) {
     size_t s = sharded ? sg__plan_slice_numel(p, b) : (p->buckets[b].numel + p->world - 1) / p->world;
@@ -54,8 +78,9 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout
    * reduce_dtype (sg_grads.c, reduce_bucket): buckets are reduced one at a time. */
   l->reduce_off = SIZE_MAX;
   if (cfg->reduce_dtype != cfg->grad_dtype)
-    l->reduce_off = carve(l, SG_MEM_COMM, p->max_bucket_numel * sg__dtype_size(cfg->reduce_dtype));
-  return SG_OK;
+    l->reduce_off =
+        carve(l, SG_MEM_COMM, mul_sat(p->max_bucket_numel, sg__dtype_size(cfg->reduce_dtype)));
+  return check_fits(l);
 }
 
 static const char *kind_name(int k) {

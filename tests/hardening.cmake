@@ -1,0 +1,17 @@
+# Issue 14: what an adversarial run broke. Checkpoints under concurrent savers, FIFOs, full
+# disks and missing files (test_ckpt_hardening: forks and re-executes itself; mounts a small
+# tmpfs where permitted, else skips that part), names and sizes at registration
+# (test_params_hardening: 10^6 parameters, which the old quadratic duplicate check could not
+# register within the timeout), and the safetensors reader against the reference's rules
+# (test_safetensors_rules).
+sg_add_test(test_ckpt_hardening SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_ckpt_hardening.c
+            LABELS local TIMEOUT 300)
+sg_add_test(test_params_hardening SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_params_hardening.c
+            LABELS local TIMEOUT 240)
+sg_add_test(test_safetensors_rules SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_safetensors_rules.c
+            LABELS local TIMEOUT 60)
+# kill -9 of one MPI rank mid-step: the launcher runs mpirun --enable-recovery itself.
+if(SG_WITH_MPI AND MPIEXEC_EXECUTABLE)
+  sg_add_test(test_mpi_rank_kill SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_mpi_rank_kill.c
+              ARGS ${MPIEXEC_EXECUTABLE} LABELS mpi TIMEOUT 150)
+endif()
