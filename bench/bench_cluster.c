@@ -1,0 +1,278 @@
+/* sg_bench_cluster: time per optimizer step and bytes on the node links for training the example
+ * MLP with gradient accumulation across nodes, one rank per process under MPI. Driven by
+ * bench/cluster.sh on the simulated cluster (scripts/cluster.sh), which runs it once per
+ * configuration and prints the table; it runs under any mpirun too.
+ *
+ *   --mode flat      the engine over all W ranks (sg_engine_create on MPI_COMM_WORLD)
+ *   --mode hybrid    sharded inside a node, replicated across nodes: needs
+ *                    sg_engine_create_hybrid, which this library does not have yet (refused)
+ *   --sync every     every micro-batch's gradients are reduce-scattered (the engine's default)
+ *   --sync last      sg_set_sync(0) before all but the last micro-batch (no_sync: local fp32
+ *                    accumulation, one reduction per optimizer step)
+ *
+ * Per optimizer step: M micro-batches (forward, backward, gradient hand-off) and sg_step. Steps
+ * start together (barrier); the time of a step is the slowest rank's; reported is the median over
+ * the timed steps. Link bytes: the first rank of every node reads its node's interface counters
+ * (/sys/class/net/IFACE/statistics, eth0 inside a cluster.sh node) before the first and after
+ * the last timed step; "sent" is the sum over nodes of bytes each node put on its link (TCP/IP
+ * headers included), "max node" the most one node sent, both divided by the timed steps. Prints one RESULT line (key=value) on rank 0. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <errno.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mlp_model.h"
+#include "shardgrad.h"
+
+typedef struct options {
+  const char *mode, *iface;
+  int sync_last, micro, steps, warmup, batch, hidden, layers;
+  sg_dtype dtype;
+  double bucket_mb;
+} options;
+
+static int rank, world;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* ---- link counters ---------------------------------------------------------------------- */
+
+/* Bytes sent and received so far on this node's interface; -1 when unreadable. */
+static long long read_counter(const char *iface, const char *which) {
+  char path[256];
+  snprintf(path, sizeof path, "/sys/class/net/%s/statistics/%s", iface, which);
+  FILE *f = fopen(path, "r");
+  long long v = -1;
+  if (!f) return -1;
+  if (fscanf(f, "%lld", &v) != 1) v = -1;
+  fclose(f);
+  return v;
+}
+
+/* This node's bytes since `start` (its first rank reads; others report 0): the sum and the
+ * largest over nodes. A node that cannot read its counters makes both -1. */
+typedef struct link_bytes {
+  long long tx, rx;
+} link_bytes;
+
+static link_bytes read_link(MPI_Comm node, const char *iface) {
+  int nrank = 0;
+  MPI_Comm_rank(node, &nrank);
+  link_bytes b = {0, 0};
+  if (nrank == 0) b = (link_bytes){read_counter(iface, "tx_bytes"), read_counter(iface, "rx_bytes")};
+  return b;
+}
+
+static void link_totals(const link_bytes *start, const link_bytes *end, double *sent_sum,
+                        double *sent_max) {
+  const int bad = start->tx < 0 || end->tx < 0;
+  long long mine[2] = {bad ? -1 : end->tx - start->tx, bad ? 1 : 0}, sum[2], max[2];
+  MPI_Allreduce(mine, sum, 2, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Allreduce(mine, max, 2, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  *sent_sum = sum[1] ? -1.0 : (double)sum[0];
+  *sent_max = sum[1] ? -1.0 : (double)max[0];
+}
+
+/* ---- the engine per mode ------------------------------------------------------------------ */
+
+static void fill_config(const options *o, sg_config *cfg) {
+  cfg->strategy = SG_SHARD_GRAD_OP;
+  cfg->param_dtype = cfg->grad_dtype = cfg->reduce_dtype = o->dtype;
+  cfg->bucket_bytes = (size_t)(o->bucket_mb * 1024.0 * 1024.0);
+  cfg->lr = 1e-4f; /* 1e-3 makes the 30M-parameter MLP's loss rise in the first steps */
+  cfg->timeout_ms = 600000;
+}
+
+/* The one place that differs between modes: which communicators the engine spans. */
+static sg_status create_engine(const options *o, sg_comm *world_comm, const sg_config *cfg,
+                               sg_engine **e) {
+  if (!strcmp(o->mode, "flat")) return sg_engine_create(world_comm, cfg, e);
+  return SG_ERR_UNSUPPORTED; /* parse_args refuses hybrid before MPI starts */
+}
+
+/* ---- the timed loop ----------------------------------------------------------------------- */
+
+static sg_status one_step(const options *o, mlp_engine *me, int step, float *loss) {
+  float scale = 1.0f, sum = 0.0f;
+  sg_status st = sg_get_loss_scale(me->e, &scale);
+  for (int mb = 0; mb < o->micro && st == SG_OK; mb++) {
+    if (o->sync_last && o->micro > 1) st = sg_set_sync(me->e, mb == o->micro - 1);
+    const uint64_t slot = ((uint64_t)step * (uint64_t)o->micro + (uint64_t)mb) * (uint64_t)world;
+    mlp_make_batch(me->m, (slot + (uint64_t)rank) * (uint64_t)o->batch);
+    float l = 0.0f;
+    if (st == SG_OK) st = mlp_engine_micro_batch(me, scale / (float)o->micro, &l);
+    if (st == SG_OK) st = sg_backward_end(me->e);
+    sum += l;
+  }
+  if (st == SG_OK) st = sg_step(me->e, NULL);
+  *loss = sum / (float)o->micro;
+  return st;
+}
+
+typedef struct result {
+  double step_ms, sent_per_step, sent_max_node; /* bytes per timed step */
+  float first_loss, last_loss;
+  size_t params;
+  int nodes;
+} result;
+
+static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) {
+  mlp_model m;
+  mlp_engine me;
+  memset(&me, 0, sizeof me);
+  sg_engine *e = NULL;
+  double *times = calloc((size_t)o->steps, sizeof *times);
+  if (!times || mlp_init(&m, o->layers, o->hidden, o->batch, 1) != 0) {
+    free(times);
+    return SG_ERR_OUT_OF_MEMORY;
+  }
+  r->params = m.total_numel;
+  sg_config cfg;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (st == SG_OK) fill_config(o, &cfg);
+  if (st == SG_OK) st = create_engine(o, comm, &cfg, &e);
+  if (st == SG_OK) st = mlp_engine_register(&me, &m, e, &cfg);
+  if (st == SG_OK) st = sg_finalize(e);
+  if (st == SG_OK) st = mlp_engine_init_params(&me);
+  link_bytes start = {0, 0};
+  for (int s = 0; s < o->warmup + o->steps && st == SG_OK; s++) {
+    if (s == o->warmup) start = read_link(node, o->iface);
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = now_s();
+    float loss = 0.0f;
+    st = one_step(o, &me, s, &loss);
+    double dt = now_s() - t0, slowest = 0.0;
+    MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (s >= o->warmup) times[s - o->warmup] = slowest;
+    if (s == 0) r->first_loss = loss;
+    r->last_loss = loss;
+  }
+  if (st == SG_OK) {
+    const link_bytes end = read_link(node, o->iface);
+    double sum = 0.0, max = 0.0;
+    link_totals(&start, &end, &sum, &max);
+    r->sent_per_step = sum < 0 ? -1.0 : sum / o->steps;
+    r->sent_max_node = max < 0 ? -1.0 : max / o->steps;
+    qsort(times, (size_t)o->steps, sizeof *times, cmp_double);
+    r->step_ms = 1e3 * (o->steps % 2 ? times[o->steps / 2]
+                                     : 0.5 * (times[o->steps / 2 - 1] + times[o->steps / 2]));
+  } else {
+    fprintf(stderr, "sg_bench_cluster: rank %d: %s: %s\n", rank, sg_status_string(st),
+            sg_last_error());
+  }
+  mlp_engine_free(&me);
+  sg_engine_destroy(e);
+  mlp_free(&m);
+  free(times);
+  return st;
+}
+
+/* ---- main --------------------------------------------------------------------------------- */
+
+static int parse_int(const char *s, int lo, int *out) {
+  char *end = NULL;
+  errno = 0;
+  const long v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > (1L << 30)) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+static int usage(void) {
+  fprintf(stderr,
+          "usage: sg_bench_cluster [--mode flat|hybrid] [--sync every|last] [--micro N] "
+          "[--steps N] [--warmup N] [--batch N] [--hidden N] [--layers N] [--dtype f32|bf16] "
+          "[--bucket-mb X] [--iface NAME]   (under mpirun)\n");
+  return -1;
+}
+
+static int parse_args(int argc, char **argv, options *o) {
+  *o = (options){.mode = "flat", .iface = "eth0", .micro = 1, .steps = 3, .warmup = 1,
+                 .batch = 2, .hidden = 2048, .layers = 9, .dtype = SG_F32, .bucket_mb = 32.0};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
+    int bad = 0;
+    if (!strcmp(a, "--mode")) {
+      o->mode = v;
+      bad = strcmp(v, "flat") && strcmp(v, "hybrid");
+    } else if (!strcmp(a, "--sync")) {
+      o->sync_last = !strcmp(v, "last");
+      bad = !o->sync_last && strcmp(v, "every");
+    } else if (!strcmp(a, "--iface"))
+      o->iface = v;
+    else if (!strcmp(a, "--micro"))
+      bad = parse_int(v, 1, &o->micro);
+    else if (!strcmp(a, "--steps"))
+      bad = parse_int(v, 1, &o->steps);
+    else if (!strcmp(a, "--warmup"))
+      bad = parse_int(v, 0, &o->warmup);
+    else if (!strcmp(a, "--batch"))
+      bad = parse_int(v, 1, &o->batch);
+    else if (!strcmp(a, "--hidden"))
+      bad = parse_int(v, 1, &o->hidden);
+    else if (!strcmp(a, "--layers"))
+      bad = parse_int(v, 1, &o->layers) || o->layers > MLP_MAX_LAYERS;
+    else if (!strcmp(a, "--bucket-mb"))
+      bad = (o->bucket_mb = atof(v)) <= 0.0;
+    else if (!strcmp(a, "--dtype")) {
+      o->dtype = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
+      bad = strcmp(v, "bf16") && strcmp(v, "f32");
+    } else
+      bad = 1;
+    if (bad) return usage();
+    i++;
+  }
+  if (!strcmp(o->mode, "hybrid")) {
+    fprintf(stderr, "sg_bench_cluster: --mode hybrid needs sg_engine_create_hybrid (sharded "
+                    "inside a node, replicated across nodes), which this library does not have "
+                    "yet; only --mode flat runs\n");
+    return -2;
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  options o;
+  const int prc = parse_args(argc, argv, &o);
+  if (prc != 0) return prc == -2 ? 2 : 64;
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  int nrank = 0, leaders = 0;
+  MPI_Comm_rank(node, &nrank);
+  const int leader = nrank == 0;
+  MPI_Allreduce(&leader, &leaders, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  sg_comm *comm = NULL;
+  result r = {.nodes = leaders};
+  sg_status st = sg_comm_create_mpi(NULL, &comm);
+  if (st != SG_OK)
+    fprintf(stderr, "sg_bench_cluster: sg_comm_create_mpi: %s\n", sg_last_error());
+  else
+    st = run(&o, comm, node, &r);
+  if (st == SG_OK && rank == 0)
+    printf("RESULT impl=shardgrad mode=%s sync=%s micro=%d W=%d nodes=%d params=%zu dtype=%s "
+           "batch=%d steps=%d step_ms=%.1f link_sent_per_step=%.0f link_sent_max_node=%.0f "
+           "loss_first=%.6f loss_last=%.6f\n",
+           o.mode, o.sync_last ? "last" : "every", o.micro, world, r.nodes, r.params,
+           o.dtype == SG_BF16 ? "bf16" : "f32", o.batch, o.steps, r.step_ms, r.sent_per_step,
+           r.sent_max_node, (double)r.first_loss, (double)r.last_loss);
+  sg_comm_destroy(comm);
+  MPI_Comm_free(&node);
+  MPI_Finalize();
+  return st == SG_OK ? 0 : 1;
+}

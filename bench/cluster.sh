@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# bench/cluster.sh: training across 2 nodes x 2 ranks joined by a slow link, on the simulated
+# cluster of scripts/cluster.sh, with gradient accumulation. For each link rate and number of
+# micro-batches per optimizer step it runs, in the same run:
+#   shardgrad flat ZeRO-2 over W=4 (sg_bench_cluster --mode flat), syncing every micro-batch
+#     (the default) and with sg_set_sync(0) on all but the last (no_sync)
+#   shardgrad hybrid (sharded in a node, replicated across nodes): a column that says "not yet"
+#     until sg_engine_create_hybrid exists (sg_bench_cluster --mode hybrid refuses it)
+#   PyTorch FSDP2 hybrid ZeRO-2 (bench/cluster_fsdp.py: fully_shard on a 2-D mesh,
+#     reshard_after_forward=False, gloo), as a user runs it: nothing disabled, no_sync
+#     (set_requires_gradient_sync), and the cross-node all-reduce once per step
+#     (set_requires_all_reduce) -- when torch is importable
+# and prints one table: median time per optimizer step (slowest rank) and the bytes all nodes
+# put on their links per step (from the node interfaces' counters; TCP/IP headers included).
+#
+#   bench/cluster.sh [--build DIR] [--rates "1gbit 10gbit"] [--micro "1 8"] [--steps N]
+#                    [--warmup N] [--batch N] [--hidden N] [--layers N] [--python PY] [--no-torch]
+#
+# Defaults: the MLP of sg_bench_cluster at 9 layers x 2048 (29.5M parameters, f32), batch 2 per
+# micro-batch per rank, 1 warm-up + 2 timed steps. Needs root (network namespaces); exits 77
+# with the reason where they are not permitted. The cluster (name sgbench, 10.79.0.0/24) is taken
+# down at the end, also after a failure.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=$ROOT/build RATES="1gbit 10gbit" MICROS="1 8" STEPS=2 WARMUP=1 BATCH=2 HIDDEN=2048
+LAYERS=9 PY="" TORCH=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
+    --rates) RATES=$2; shift 2 ;;
+    --micro) MICROS=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --warmup) WARMUP=$2; shift 2 ;;
+    --batch) BATCH=$2; shift 2 ;;
+    --hidden) HIDDEN=$2; shift 2 ;;
+    --layers) LAYERS=$2; shift 2 ;;
+    --python) PY=$2; shift 2 ;;
+    --no-torch) TORCH=0; shift ;;
+    *) sed -n '2,20p' "$0" >&2; exit 64 ;;
+  esac
+done
+BENCH=$BUILD/bench/sg_bench_cluster
+[ -x "$BENCH" ] || { echo "bench/cluster.sh: $BENCH not built (an MPI build: cmake --build $BUILD)" >&2; exit 1; }
+CL=("$ROOT/scripts/cluster.sh" --name sgbench --subnet 10.79.0)
+"${CL[@]}" check || exit 77
+if [ "$TORCH" = 1 ]; then
+  for p in "$PY" /root/.cache/shardgrad/venv/bin/python python3; do
+    [ -n "$p" ] && "$p" -c "import torch.distributed.fsdp" 2>/dev/null && { PY=$p; break; }
+    PY=""
+  done
+  [ -n "$PY" ] || { echo "bench/cluster.sh: no python with torch: the PyTorch rows are left out" >&2; TORCH=0; }
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export TORCH_CPP_LOG_LEVEL=ERROR
+trap '"${CL[@]}" down >/dev/null 2>&1' EXIT
+trap 'exit 1' INT TERM
+"${CL[@]}" down >/dev/null 2>&1
+RESULTS=()
+
+# one RATE MICRO LABEL COMMAND...: runs COMMAND across 2 nodes x 2 ranks, keeps its RESULT line
+one() {
+  local rate=$1 micro=$2 label=$3 out line
+  shift 3
+  echo "== $rate, $micro micro-batch(es): $label" >&2
+  out=$("${CL[@]}" run --ranks-per-node 2 -x TORCH_CPP_LOG_LEVEL "$@" 2>&1)
+  line=$(grep '^RESULT ' <<<"$out" | tail -1)
+  if [ -z "$line" ]; then
+    echo "$out" | tail -20 >&2
+    line="RESULT failed=1"
+  fi
+  echo "   $line" >&2
+  RESULTS+=("rate=$rate micro=$micro label=$label|$line")
+}
+
+model=(--steps "$STEPS" --warmup "$WARMUP" --batch "$BATCH" --hidden "$HIDDEN" --layers "$LAYERS")
+for rate in $RATES; do
+  "${CL[@]}" down >/dev/null 2>&1
+  "${CL[@]}" up --nodes 2 --rate "$rate" 2>/dev/null || exit 1
+  for micro in $MICROS; do
+    one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}"
+    [ "$micro" -gt 1 ] &&
+      one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}"
+    RESULTS+=("rate=$rate micro=$micro label=shardgrad hybrid (f32 / bf16 wire)|RESULT pending=1")
+    if [ "$TORCH" = 1 ]; then
+      fsdp=("$PY" "$ROOT/bench/cluster_fsdp.py" --ranks-per-node 2 --master sgbench-n0 --micro "$micro" "${model[@]}")
+      one "$rate" "$micro" "torch FSDP2 HSDP ZeRO-2, sync every" "${fsdp[@]}" --sync every
+      if [ "$micro" -gt 1 ]; then
+        one "$rate" "$micro" "torch FSDP2 HSDP, no_sync" "${fsdp[@]}" --sync last
+        one "$rate" "$micro" "torch FSDP2 HSDP, all-reduce last" "${fsdp[@]}" --sync allreduce-last
+      fi
+    fi
+  done
+done
+
+field() { grep -o "\b$1=[^ |]*" <<<"$2" | head -1 | cut -d= -f2; }
+params=$(for r in "${RESULTS[@]}"; do field params "$r"; done | grep . | head -1)
+echo
+echo "bench/cluster.sh: 2 nodes x 2 ranks (W=4), MLP $LAYERS layers x $HIDDEN (${params:-?} params, f32), batch $BATCH per micro-batch per rank, $WARMUP warm-up + $STEPS timed steps; $(getconf _NPROCESSORS_ONLN) cores"
+# bits per second of a tc rate (1gbit, 100mbit, 10g)
+bps() { awk -v r="${1,,}" 'BEGIN{n=r+0; u=r; sub(/^[0-9.]+/,"",u); f=1;
+  if (u ~ /^k/) f=1e3; else if (u ~ /^m/) f=1e6; else if (u ~ /^g/) f=1e9; printf "%.0f", n*f}'; }
+printf '%-9s %5s  %-38s %10s %9s %13s %13s\n' "link" "micro" "variant" "step ms" "vs flat" "link MB/step" "link s/step"
+base=""
+for r in "${RESULTS[@]}"; do
+  rate=$(field rate "$r") micro=$(field micro "$r") label=${r#*label=}
+  label=${label%%|*}
+  ms=$(field step_ms "$r") sent=$(field link_sent_per_step "$r") maxn=$(field link_sent_max_node "$r")
+  case $label in "shardgrad flat ZeRO-2, sync every") base=$ms ;; esac
+  if grep -q 'pending=1' <<<"$r"; then
+    printf '%-9s %5s  %-38s %10s\n' "$rate" "$micro" "$label" "not yet (needs sg_engine_create_hybrid)"
+  elif [ -z "$ms" ]; then
+    printf '%-9s %5s  %-38s %10s\n' "$rate" "$micro" "$label" "FAILED"
+  else
+    printf '%-9s %5s  %-38s %10.1f %8.2fx %13.1f %13.2f\n' "$rate" "$micro" "$label" "$ms" \
+      "$(awk -v a="$ms" -v b="${base:-$ms}" 'BEGIN{print a/b}')" \
+      "$(awk -v s="$sent" 'BEGIN{print (s < 0 ? -1 : s/1e6)}')" \
+      "$(awk -v s="$maxn" -v b="$(bps "$rate")" 'BEGIN{print (s < 0 ? -1 : 8*s/b)}')"
+  fi
+done
+echo "step ms: median time per optimizer step, slowest rank; vs flat: / shardgrad flat ZeRO-2 (sync every) at the same link and micro-batches."
+echo "link MB/step: bytes all nodes sent on their links per step (interface counters; TCP/IP headers included). link s/step: the busiest node's bytes at the link rate, the least time the link needs per step."
+echo "Shaping: tc tbf at the rate on both ends of each node's link."
