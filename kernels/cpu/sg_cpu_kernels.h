@@ -16,6 +16,15 @@ void sg__cpu_cast(void *dst, int dst_dtype, const void *src, int src_dtype, size
 /* one pass: sum of squares in double and count of non-finite values. Deterministic: fixed
  * block partition independent of the thread count, partials combined in block order. */
 void sg__cpu_sumsq(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite);
+/* The same two results in the order of the CUDA sumsq kernel (kernels/cuda: fixed chunks of
+ * SG__CUDA_SUMSQ_CHUNK, 256 strided lanes and a pairwise tree per chunk, 1024 strided lanes
+ * and a tree over the chunks): bit for bit what the CUDA device returns for the same data, so
+ * that a host-side step (optimizer offload) decides and clips exactly as the device would. Also
+ * independent of the thread count. */
+void sg__cpu_sumsq_gpu(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite);
+/* Threads of the parallel loops: OpenMP's count (OMP_NUM_THREADS, omp_set_num_threads) capped
+ * by the CPUs in the calling thread's affinity mask; 1 without OpenMP. */
+int sg__cpu_threads(void);
 /* dst[i] = round(sum_k srcs[k][i]) with fp32 sums in k order (f64 dtype 3: double sums);
  * dst may alias any src */
 void sg__cpu_reduce_sum(void *dst, const void *const *srcs, int nsrc, int dtype, size_t n);

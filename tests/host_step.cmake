@@ -1,0 +1,11 @@
+# The host side of optimizer offload (src/offload) and the CPU kernels it runs, on the CPU device;
+# test_host_step_cudamock runs the same program on the mock CUDA device too (tests/cuda.cmake).
+sg_add_test(test_host_step SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_host_step.c TIMEOUT 300)
+if(SG_WITH_CUDA AND TARGET shardgrad_cudamock) # cuda.cmake (included before this file) made it
+  add_executable(test_host_step_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_host_step.c)
+  target_link_libraries(test_host_step_cudamock PRIVATE shardgrad_cudamock)
+  target_compile_options(test_host_step_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+    -ffp-contract=off)
+  add_test(NAME test_host_step_cudamock COMMAND test_host_step_cudamock)
+  set_tests_properties(test_host_step_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
+endif()
