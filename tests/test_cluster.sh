@@ -21,10 +21,13 @@ cl up --nodes 2 --rate 1gbit || exit 1
 cl status
 rc=0
 t0=$SECONDS
-cl run --ranks-per-node 2 "$topo" --ranks-per-node 2 --bandwidth 16 || rc=1
+# each job under its own deadline, well inside ctest's TIMEOUT, so that a hung job still ends
+# here and the trap takes the cluster down (ctest's kill at its timeout would skip the trap)
+run() { timeout -k 5 90 "$cluster" --name sgtest --subnet 10.78.0 run "$@"; }
+run --ranks-per-node 2 "$topo" --ranks-per-node 2 --bandwidth 16 || rc=1
 echo "layout check: $((SECONDS - t0))s"
 t0=$SECONDS
-cl run --ranks-per-node 2 "$comm" --mpi || rc=1
+run --ranks-per-node 2 "$comm" --mpi || rc=1
 echo "test_comm --mpi at np 4 (2 nodes x 2 ranks): $((SECONDS - t0))s"
 cl counters
 exit $rc
