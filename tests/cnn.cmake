@@ -3,5 +3,5 @@
 # C, so it runs in every build, with or without CUDA.
 set(SG_CNN_DIR ${PROJECT_SOURCE_DIR}/examples/cnn_cudnn)
 sg_add_test(test_cnn_model SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_cnn_model.c
-  ${SG_CNN_DIR}/cnn_model.c LABELS unit TIMEOUT 120)
+  ${SG_CNN_DIR}/cnn_model.c LABELS unit TIMEOUT 300)
 target_include_directories(test_cnn_model PRIVATE ${SG_CNN_DIR})

@@ -106,6 +106,31 @@ if(SG_WITH_CUDA)
       -ffp-contract=off)
     add_test(NAME test_cuda_kernels_cudamock COMMAND test_cuda_kernels_cudamock --quick)
     set_tests_properties(test_cuda_kernels_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
+    # examples/cnn_cudnn end to end on the mock runtime, with a mock cuDNN and cuBLAS
+    # (cudamock/cudnn.h, cublas_v2.h, sg_cudnnmock.cpp: cuDNN's and BLAS's semantics on the
+    # host, queued on the streams, refusing shapes that do not fit, host pointers, short
+    # workspaces and TF32 algorithms) and its kernel emulated: descriptors, GEMM layouts,
+    # gradient slots and stream order; --check holds the first steps to the CPU reference and
+    # the loss must halve. Ranks as threads (local communicator) and one rank over mock NCCL.
+    add_executable(test_cnn_cudnn_cudamock ${PROJECT_SOURCE_DIR}/examples/cnn_cudnn/cnn_cudnn.c
+      ${PROJECT_SOURCE_DIR}/examples/cnn_cudnn/cnn_model.c
+      ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudnnmock.cpp
+      ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cnnk_emu.cpp)
+    target_include_directories(test_cnn_cudnn_cudamock PRIVATE
+      ${PROJECT_SOURCE_DIR}/examples/cnn_cudnn ${PROJECT_SOURCE_DIR}/examples/mlp)
+    target_link_libraries(test_cnn_cudnn_cudamock PRIVATE shardgrad_cudamock)
+    target_compile_options(test_cnn_cudnn_cudamock PRIVATE -Wall -Wextra -ffp-contract=off)
+    set_target_properties(test_cnn_cudnn_cudamock PROPERTIES CXX_STANDARD 17
+      CXX_STANDARD_REQUIRED ON)
+    foreach(run "test_cnn_cudnn_cudamock|--ranks;2"
+                "test_cnn_cudnn_cudamock_nccl|--nccl-solo")
+      string(REPLACE "|" ";" run "${run}")
+      list(POP_FRONT run name)
+      add_test(NAME ${name} COMMAND test_cnn_cudnn_cudamock ${run} --steps 150 --batch 16
+        --channels 4 --log-every 50 --check)
+      set_tests_properties(${name} PROPERTIES TIMEOUT 300 LABELS cuda
+        PASS_REGULAR_EXPRESSION "check: the first 3 steps match the CPU reference")
+    endforeach()
     # The MPI communicator with buffers on the (mock) GPU: pinned host staging around the host
     # algorithms, bitwise against the CPU reference.
     foreach(np 2 3)

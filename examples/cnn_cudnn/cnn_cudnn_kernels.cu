@@ -1,5 +1,16 @@
-/* Kernels of examples/cnn_cudnn; see cnn_cudnn_kernels.h. */
+/* Kernels of examples/cnn_cudnn; see cnn_cudnn_kernels.h. With CNNK_EMULATE the kernel runs on
+ * the host through kernels/cuda/sg_cuda_emu.h (test_cnn_cudnn_cudamock, tests/cuda.cmake). */
+#include <math.h> /* exp, log, fmaxf */
+
+#ifdef CNNK_EMULATE
+#include "cuda/sg_cuda_emu.h"
+#define CNNK_LAUNCH_1(k, threads, stream, ...) \
+  sg_emu_launch_sync((cudaStream_t)(stream), (k), 1u, (threads), __VA_ARGS__)
+#else
 #include <cuda_runtime.h>
+#define CNNK_LAUNCH_1(k, threads, stream, ...) \
+  (k)<<<1, (threads), 0, (cudaStream_t)(stream)>>>(__VA_ARGS__)
+#endif
 
 #include "cnn_cudnn_kernels.h"
 
@@ -39,7 +50,6 @@ __global__ void softmax_xent(const float *logits, const int *labels, int n, int 
 extern "C" int cnnk_softmax_xent(void *stream, const float *logits, const int *labels, int n,
                                  int classes, float k, float *dlogits, float *loss_dst) {
   if (n < 1 || classes < 1) return (int)cudaErrorInvalidValue;
-  softmax_xent<<<1, kThreads, 0, (cudaStream_t)stream>>>(logits, labels, n, classes, k, dlogits,
-                                                         loss_dst);
+  CNNK_LAUNCH_1(softmax_xent, kThreads, stream, logits, labels, n, classes, k, dlogits, loss_dst);
   return (int)cudaGetLastError();
 }

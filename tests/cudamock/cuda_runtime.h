@@ -67,6 +67,12 @@ cudaError_t cudaGetDevice(int *device);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device);
 cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest);
+struct cudaDeviceProp {
+  char name[256];
+  int multiProcessorCount;
+};
+/* name "cudamock GPU N" */
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device);
 
 cudaError_t cudaMalloc(void **p, size_t bytes);
 cudaError_t cudaFree(void *p);

@@ -264,6 +264,15 @@ cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int dev
   return cudaSuccess;
 }
 
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!prop || device < 0 || device >= g_devices) return fail(cudaErrorInvalidDevice);
+  memset(prop, 0, sizeof *prop);
+  snprintf(prop->name, sizeof prop->name, "cudamock GPU %d", device);
+  prop->multiProcessorCount = 4;
+  return cudaSuccess;
+}
+
 cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
   if (least) *least = 0;
   if (greatest) *greatest = -5;
