@@ -2,13 +2,15 @@
 # A simulated cluster on one machine: N "nodes" joined by a slow network, for running MPI jobs
 # (and torch.distributed) as if across servers.
 #
-#   scripts/cluster.sh up [--nodes N] [--rate R] [--delay D]   create (or re-shape) the cluster
+#   scripts/cluster.sh up [--nodes N] [--rate R] [--delay D] [--owner PID]
+#                                                  create (or re-shape) the cluster
 #   scripts/cluster.sh run [--ranks-per-node K] [-x VAR]... [--mca K V]... PROGRAM ARGS...
 #                                                  mpirun -np N*K across the nodes (K per node)
 #   scripts/cluster.sh exec NODE COMMAND...        one command inside node NODE (0..N-1)
 #   scripts/cluster.sh counters                    bytes each node sent/received on its link
 #   scripts/cluster.sh status                      what is up
 #   scripts/cluster.sh down                        remove everything (also what a failed up left)
+#   scripts/cluster.sh prune                       take down every cluster whose --owner is gone
 #   scripts/cluster.sh check                       exit 0 when this machine allows it, else 77
 #
 # Each node is a network namespace <name>-n<i> with one interface eth0 (10.77.<k>.<i+1>/24, the
@@ -163,8 +165,10 @@ read_state() {
 
 cmd_up() {
   local nodes=2 rate=1gbit delay=0.1ms delay_given=0
+  OWNER=${OWNER:-}
   while [ $# -gt 0 ]; do
     case $1 in
+      --owner) OWNER=${2:?--owner needs a process id}; shift 2 ;;
       --nodes) nodes=${2:?--nodes needs a value}; shift 2 ;;
       --rate) rate=${2:?--rate needs a value}; shift 2 ;;
       --delay) delay=${2:?--delay needs a value}; delay_given=1; shift 2 ;;
@@ -197,7 +201,7 @@ cmd_up() {
   fi
   leftovers && die "up: namespaces of '$NAME' exist without its state ($(leftovers_list | tr '\n' ' ')); run 'cluster.sh down' first"
 
-  mkdir -p "$sd"
+  mkdir -p "$sd" 2>/dev/null || mkdir -p "$sd" # a second try: another cluster's down may rmdir the root in between
   trap 'note "up failed; removing what it created"; teardown; exit 1' ERR
   build_cluster "$nodes"
   reshape "$nodes" "$bps" "$dus"
@@ -249,8 +253,8 @@ reshape() {
 }
 
 write_state() {
-  printf 'NODES=%s\nBPS=%s\nDELAY_US=%s\nSUBNET=%s\n' "$1" "$2" "$3" "$SUBNET" \
-    >"$(state_dir)/config"
+  printf 'NODES=%s\nBPS=%s\nDELAY_US=%s\nSUBNET=%s\nOWNER=%s\n' "$1" "$2" "$3" "$SUBNET" \
+    "${OWNER:-}" >"$(state_dir)/config"
 }
 
 leftovers_list() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAME-(n[0-9]+|sw)$" || true; }
@@ -283,6 +287,25 @@ cmd_down() {
   teardown
   if leftovers; then die "down: namespaces remain: $(leftovers_list | tr '\n' ' ')"; fi
   note "cluster '$NAME' down"
+}
+
+# Clusters made with --owner PID (tests) whose process has ended: a killed test leaves its
+# cluster behind, and the next run cleans it up without touching anyone else's.
+cmd_prune() {
+  local d n
+  for d in "$STATE_ROOT"/*/; do
+    [ -f "$d/config" ] || continue
+    n=$(basename "$d")
+    (
+      NAME=$n
+      OWNER=""
+      read_state
+      if [ -n "$OWNER" ] && ! kill -0 "$OWNER" 2>/dev/null; then
+        note "pruning cluster '$NAME' (its owner, process $OWNER, is gone)"
+        teardown
+      fi
+    )
+  done
 }
 
 # ---- entering a node --------------------------------------------------------------------------
@@ -419,6 +442,7 @@ shift
 case $cmd in
   up) cmd_up "$@" ;;
   down) cmd_down "$@" ;;
+  prune) cmd_prune ;;
   run) cmd_run "$@" ;;
   exec) cmd_exec "$@" ;;
   counters) cmd_counters ;;

@@ -8,22 +8,24 @@
 set -uo pipefail
 [ $# -eq 3 ] || { echo "usage: $0 CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM" >&2; exit 64; }
 cluster=$1 topo=$2 comm=$3
-# a name and subnet of its own, so that a cluster a user has up is left alone
-cl() { "$cluster" --name sgtest --subnet 10.78.0 "$@"; }
+# a name of its own (this process), so that test runs in other build trees at the same time and
+# a cluster a user has up are left alone; clusters of earlier runs that were killed are pruned
+name=t$$
+cl() { "$cluster" --name "$name" "$@"; }
 
 cl check || exit 77
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 cleanup() { cl down; }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
-cl down >/dev/null 2>&1 # what a killed earlier run of this test left behind
-cl up --nodes 2 --rate 1gbit || exit 1
+"$cluster" prune
+cl up --nodes 2 --rate 1gbit --owner $$ || exit 1
 cl status
 rc=0
 t0=$SECONDS
 # each job under its own deadline, well inside ctest's TIMEOUT, so that a hung job still ends
 # here and the trap takes the cluster down (ctest's kill at its timeout would skip the trap)
-run() { timeout -k 5 90 "$cluster" --name sgtest --subnet 10.78.0 run "$@"; }
+run() { timeout -k 5 90 "$cluster" --name "$name" run "$@"; }
 run --ranks-per-node 2 "$topo" --ranks-per-node 2 --bandwidth 16 || rc=1
 echo "layout check: $((SECONDS - t0))s"
 t0=$SECONDS
