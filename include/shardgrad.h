@@ -221,6 +221,15 @@ SG_API sg_status sg_backward_end(sg_engine *e);
  * micro-batch of the step. Must be called between micro-batches, with the same value on every
  * rank. */
 SG_API sg_status sg_set_sync(sg_engine *e, int enabled);
+/* Collective: drops every gradient accumulated since the last sg_step (or sg_load), so that a
+ * training loop can recover from an exception in the middle of a backward pass. Completes the
+ * micro-batch in progress, if any, as sg_backward_end does (what was written so far and zeros
+ * for the rest: the reductions must match those of the other ranks), waits for every
+ * reduction, then zeroes the accumulated gradients, including those kept locally with
+ * sg_set_sync(e, 0). The next sg_step applies only gradients that come after this call.
+ * Every rank calls it at the same point of the same micro-batch, as it would sg_backward_end.
+ * Parameters, optimizer state and the step count are unchanged. */
+SG_API sg_status sg_grad_zero(sg_engine *e);
 
 typedef struct sg_step_info {
   size_t struct_size;

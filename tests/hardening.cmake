@@ -15,3 +15,7 @@ if(SG_WITH_MPI AND MPIEXEC_EXECUTABLE)
   sg_add_test(test_mpi_rank_kill SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_mpi_rank_kill.c
               ARGS ${MPIEXEC_EXECUTABLE} LABELS mpi TIMEOUT 150)
 endif()
+# sg_grad_zero: every strategy, f32/bf16, W=1..3 threads, and one rank per process.
+sg_add_test(test_grad_zero SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_grad_zero.c LABELS local
+            TIMEOUT 300)
+sg_add_mpi_test(test_grad_zero_mpi_np2 EXE test_grad_zero NP 2 ARGS --mpi TIMEOUT 300)

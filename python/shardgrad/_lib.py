@@ -65,6 +65,7 @@ PROTOTYPES = {
     "sg_grad_add": (_status, [_vp, _c_int, _vp, _dtype]),
     "sg_backward_end": (_status, [_vp]),
     "sg_set_sync": (_status, [_vp, _c_int]),
+    "sg_grad_zero": (_status, [_vp]),
     "sg_step": (_status, [_vp, ctypes.POINTER(SgStepInfo)]),
     "sg_set_lr": (_status, [_vp, _c_float]),
     "sg_get_lr": (_status, [_vp, ctypes.POINTER(_c_float)]),

@@ -691,6 +691,14 @@ class Engine:
     def set_sync(self, enabled):
         _call("sg_set_sync", self.handle, 1 if enabled else 0)
 
+    def grad_zero(self):
+        """Collective: drops every gradient accumulated since the last step (sg_grad_zero).
+        Completes the micro-batch in progress (written gradients, zeros for the rest), waits
+        for its reductions and zeroes the accumulators, so that the next step() applies only
+        what comes after. For recovering from an exception raised during backward: every rank
+        calls it at the same point."""
+        _call("sg_grad_zero", self.handle)
+
     # -- step -----------------------------------------------------------------------------
     def step(self):
         """Collective: reductions, global norm, clipping, AdamW on the shard, all-gather

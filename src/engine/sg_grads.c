@@ -406,3 +406,21 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn) {
   sg_status st = e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__deadline(e->cfg.timeout_ms));
   return sg__engine_broken(e, st);
 }
+
+/* The reductions of the micro-batch in progress still run (the other ranks take part in them),
+ * then their sums are thrown away with everything accumulated before. The reduction jobs zero
+ * the slots they read, and fold_local zeroes its slot, so once the comm queue is drained every
+ * gradient buffer but the accumulators is zero already. */
+sg_status sg_grad_zero(sg_engine *e) {
+  static const char *fn = "sg_grad_zero";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(complete_microbatch(e, fn));
+  SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
+                                                     sg__engine_host_deadline(e))));
+  sg__device *d = e->dev;
+  sg_status st = d->ops->zero(d, SG_Q_COMPUTE, e->accum, e->lay.accum_numel * asize(e));
+  if (st == SG_OK && e->nosync) st = d->ops->zero(d, SG_Q_COMPUTE, e->nosync, e->plan->total_numel * 4);
+  if (st != SG_OK) return sg__engine_broken(e, sg__err_prefix(st, fn));
+  memset(e->nosync_dirty, 0, (size_t)e->plan->nbuckets);
+  return SG_OK;
+}
