@@ -162,13 +162,16 @@ run_step() {
   limited "$limit" "$log" "$@"
   rc=$?
   CURRENT=""
-  local took=$((SECONDS - t0))
-  if [[ $rc -eq 0 ]]; then
-    pass "$name (${took}s, est ${est}s): $(summary_of "$log")"
+  local took=$((SECONDS - t0)) sum
+  sum="$(summary_of "$log")"
+  if [[ $rc -eq 0 && "$sum" =~ (^|: )SKIP ]]; then # the program found nothing to do here
+    skip "$name (${took}s): $sum"
+  elif [[ $rc -eq 0 ]]; then
+    pass "$name (${took}s, est ${est}s): $sum"
   elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
-    fail "$name: timed out after ${limit}s (est ${est}s): $(summary_of "$log")"
+    fail "$name: timed out after ${limit}s (est ${est}s): $sum"
   else
-    fail "$name (exit $rc, ${took}s, est ${est}s): $(summary_of "$log")"
+    fail "$name (exit $rc, ${took}s, est ${est}s): $sum"
     grep -E '^FAIL' "$log" | head -8 | sed 's/^/      /' | tee -a "$RES"
   fi
   archive
