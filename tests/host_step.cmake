@@ -9,3 +9,13 @@ if(SG_WITH_CUDA AND TARGET shardgrad_cudamock) # cuda.cmake (included before thi
   add_test(NAME test_host_step_cudamock COMMAND test_host_step_cudamock)
   set_tests_properties(test_host_step_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
 endif()
+# The offloaded optimizer state (src/offload/sg_offload.c) against the device path, bitwise.
+sg_add_test(test_offload SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_offload.c TIMEOUT 300)
+if(SG_WITH_CUDA AND TARGET shardgrad_cudamock)
+  add_executable(test_offload_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_offload.c)
+  target_link_libraries(test_offload_cudamock PRIVATE shardgrad_cudamock)
+  target_compile_options(test_offload_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+    -ffp-contract=off)
+  add_test(NAME test_offload_cudamock COMMAND test_offload_cudamock)
+  set_tests_properties(test_offload_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
+endif()

@@ -1,0 +1,214 @@
+/* The offloaded optimizer state of one shard (sg_offload.h). */
+#include "sg_offload.h"
+
+#include <stdlib.h> /* calloc, free */
+#include <string.h> /* memset */
+
+#include "../../kernels/cpu/sg_cpu_kernels.h" /* sumsq, accumulate, cast */
+
+static size_t esz(int dtype) { return sg__dtype_size((sg_dtype)dtype); }
+
+static sg_status pinned(sg__offload *o, size_t bytes, void **out) {
+  SG_TRY(o->dev->ops->host_alloc(o->dev, bytes, out));
+  memset(*out, 0, bytes);
+  o->host_bytes += bytes;
+  return SG_OK;
+}
+
+static sg_status check_init(sg__device *d, size_t numel, int param_dtype, int accum_dtype,
+                            int nbuckets, const size_t *off, const size_t *len) {
+  static const char fn[] = "sg__offload_init";
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  if (!sg__dtype_valid(param_dtype) || (accum_dtype != SG_F32 && accum_dtype != SG_BF16))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (param %d, accum %d)", fn, param_dtype,
+                   accum_dtype);
+  if (numel == 0 || numel > SIZE_MAX / 8 || nbuckets < 1 || !off || !len)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad shard (numel %zu, %d buckets)", fn, numel,
+                   nbuckets);
+  for (int k = 0; k < nbuckets; k++)
+    if (off[k] > numel || len[k] > numel - off[k])
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bucket %d's slice [%zu, +%zu) is outside the "
+                     "shard of %zu", fn, k, off[k], len[k], numel);
+  return SG_OK;
+}
+
+sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int param_dtype,
+                           int accum_dtype, int nbuckets, const size_t *off, const size_t *len,
+                           size_t chunk) {
+  if (!o) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: NULL state");
+  memset(o, 0, sizeof *o);
+  SG_TRY(check_init(d, numel, param_dtype, accum_dtype, nbuckets, off, len));
+  o->dev = d;
+  o->numel = numel;
+  o->param_dtype = param_dtype;
+  o->accum_dtype = accum_dtype;
+  o->nbuckets = nbuckets;
+  o->b = calloc((size_t)nbuckets, sizeof *o->b);
+  if (!o->b) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
+  for (int k = 0; k < nbuckets; k++) o->b[k].off = off[k], o->b[k].len = len[k];
+  void *p = NULL;
+  sg_status st = pinned(o, numel * esz(accum_dtype), &o->accum);
+  if (st == SG_OK) st = pinned(o, numel * 4, &p), o->m = p;
+  if (st == SG_OK) st = pinned(o, numel * 4, &p), o->v = p;
+  if (st == SG_OK && param_dtype != SG_F32) st = pinned(o, numel * 4, &p), o->master = p;
+  if (st == SG_OK) st = sg__host_pipe_init(&o->pipe, d, chunk, esz(param_dtype), 0);
+  if (st == SG_OK) o->host_bytes += o->pipe.host_bytes;
+  if (st != SG_OK) sg__offload_free(o, INT64_MAX);
+  return st;
+}
+
+void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
+  if (!o || !o->dev) return;
+  sg__device *d = o->dev;
+  uint64_t last = 0;
+  for (int k = 0; o->b && k < o->nbuckets; k++)
+    if (o->b[k].land_ticket > last) last = o->b[k].land_ticket;
+  /* a landing copy still running after the deadline keeps its buffer (a leak, not a use after
+   * free); so does the state the pipe's copies read */
+  const int landed = last == 0 || d->ops->comm_wait(d, last, deadline_ms) == SG_OK;
+  for (int k = 0; o->b && k < o->nbuckets && landed; k++)
+    if (o->b[k].land) d->ops->host_free(d, o->b[k].land);
+  sg__host_pipe_free(&o->pipe, deadline_ms);
+  if (landed) {
+    if (o->accum) d->ops->host_free(d, o->accum);
+    if (o->master) d->ops->host_free(d, o->master);
+    if (o->m) d->ops->host_free(d, o->m);
+    if (o->v) d->ops->host_free(d, o->v);
+  }
+  free(o->b);
+  memset(o, 0, sizeof *o);
+}
+
+/* ---- arrival ------------------------------------------------------------------------------- */
+
+static sg_status check_bucket(const sg__offload *o, int k, const char *fn) {
+  if (!o || !o->dev) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: no offloaded state", fn);
+  if (k < 0 || k >= o->nbuckets)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bucket %d of %d", fn, k, o->nbuckets);
+  return SG_OK;
+}
+
+static sg_status ensure_landing(sg__offload *o, sg__offload_bucket *b, int src_dtype) {
+  const size_t bytes = b->len * esz(src_dtype);
+  if (b->land && b->land_bytes >= bytes) return SG_OK;
+  if (b->land) {
+    o->dev->ops->host_free(o->dev, b->land);
+    o->host_bytes -= b->land_bytes;
+    b->land = NULL, b->land_bytes = 0;
+  }
+  SG_TRY(pinned(o, bytes ? bytes : 1, &b->land));
+  b->land_bytes = bytes ? bytes : 1;
+  return SG_OK;
+}
+
+sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms,
+                                  sg__arrive_mode *mode) {
+  static const char fn[] = "sg__offload_arrive_plan";
+  SG_TRY(check_bucket(o, k, fn));
+  if (!sg__dtype_valid(src_dtype) || !mode)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype %d or NULL mode", fn, src_dtype);
+  SG_TRY(sg__offload_fold(o, k, deadline_ms)); /* the landing buffer is free again */
+  sg__offload_bucket *b = &o->b[k];
+  if (!b->filled && src_dtype == o->accum_dtype) {
+    *mode = SG__ARRIVE_DIRECT;
+  } else {
+    SG_TRY(ensure_landing(o, b, src_dtype));
+    b->land_dtype = src_dtype;
+    b->land_first = !b->filled;
+    *mode = SG__ARRIVE_LAND;
+  }
+  b->filled = 1;
+  return SG_OK;
+}
+
+sg_status sg__offload_arrive_job(sg__offload *o, int k, sg__arrive_mode mode, const void *dev_slice,
+                                 int src_dtype) {
+  static const char fn[] = "sg__offload_arrive_job";
+  SG_TRY(check_bucket(o, k, fn));
+  const sg__offload_bucket *b = &o->b[k];
+  if (b->len == 0) return SG_OK;
+  void *dst = mode == SG__ARRIVE_DIRECT ? (char *)o->accum + b->off * esz(o->accum_dtype) : b->land;
+  if (!dst || (mode == SG__ARRIVE_LAND && src_dtype != b->land_dtype) ||
+      (mode == SG__ARRIVE_DIRECT && src_dtype != o->accum_dtype))
+    return sg__err(SG_ERR_INVALID_STATE, "%s: bucket %d's arrival was not planned for dtype %d",
+                   fn, k, src_dtype);
+  return o->dev->ops->copy(o->dev, SG_Q_COMM, dst, dev_slice, b->len * esz(src_dtype), SG_COPY_D2H);
+}
+
+void sg__offload_arrive_submitted(sg__offload *o, int k, sg__arrive_mode mode, uint64_t ticket) {
+  if (!o || k < 0 || k >= o->nbuckets) return;
+  if (mode == SG__ARRIVE_LAND) o->b[k].land_ticket = ticket;
+}
+
+sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms) {
+  SG_TRY(check_bucket(o, k, "sg__offload_fold"));
+  sg__offload_bucket *b = &o->b[k];
+  if (!b->land_ticket) return SG_OK;
+  SG_TRY(o->dev->ops->comm_wait(o->dev, b->land_ticket, deadline_ms));
+  void *acc = (char *)o->accum + b->off * esz(o->accum_dtype);
+  /* 0 + x as the device path's zeroed accumulator gives; a cast where the slice is the first */
+  if (b->land_first)
+    sg__cpu_cast(acc, o->accum_dtype, b->land, b->land_dtype, b->len);
+  else
+    sg__cpu_accumulate(acc, o->accum_dtype, b->land, b->land_dtype, b->len);
+  b->land_ticket = 0;
+  return SG_OK;
+}
+
+sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms) {
+  for (int k = 0; o && k < o->nbuckets; k++) SG_TRY(sg__offload_fold(o, k, deadline_ms));
+  return SG_OK;
+}
+
+/* ---- step ---------------------------------------------------------------------------------- */
+
+sg_status sg__offload_norm(sg__offload *o, double out[2]) {
+  if (!o || !o->dev || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_norm: NULL");
+  for (int k = 0; k < o->nbuckets; k++) {
+    sg__offload_bucket *b = &o->b[k];
+    if (b->land_ticket)
+      return sg__err(SG_ERR_INVALID_STATE, "sg__offload_norm: bucket %d not folded", k);
+    if (!b->filled) { /* empty since the last step: zeros, as the device path's zeroed slice */
+      memset((char *)o->accum + b->off * esz(o->accum_dtype), 0, b->len * esz(o->accum_dtype));
+      b->filled = 1;
+    }
+  }
+  if (o->dev->kind == SG_DEVICE_CUDA)
+    sg__cpu_sumsq_gpu(o->accum, o->accum_dtype, o->numel, &out[0], &out[1]);
+  else
+    sg__cpu_sumsq(o->accum, o->accum_dtype, o->numel, &out[0], &out[1]);
+  return SG_OK;
+}
+
+sg_status sg__offload_update(sg__offload *o, const sg__adamw_args *a, void *dev_params,
+                             int64_t deadline_ms, uint64_t *last) {
+  if (!o || !o->dev || !a) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: NULL");
+  if (a->param_dtype != o->param_dtype || a->grad_dtype != o->accum_dtype)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: dtypes (param %d, grad %d) are "
+                   "not the state's (%d, %d)", a->param_dtype, a->grad_dtype, o->param_dtype,
+                   o->accum_dtype);
+  for (int s = 0; s < a->nsegs; s++)
+    if (a->segs[s].shard_off > o->numel || a->segs[s].len > o->numel - a->segs[s].shard_off)
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: segment %d is outside the "
+                     "shard", s);
+  sg__adamw_args h = *a;
+  h.master = o->master, h.m = o->m, h.v = o->v, h.grad = o->accum;
+  return sg__host_pipe_update(&o->pipe, &h, dev_params, deadline_ms, last);
+}
+
+void sg__offload_end_step(sg__offload *o) {
+  for (int k = 0; o && k < o->nbuckets; k++) o->b[k].filled = 0;
+}
+
+/* ---- access and memory --------------------------------------------------------------------- */
+
+float *sg__offload_state(sg__offload *o, int which) {
+  if (!o) return NULL;
+  return which == 0 ? o->master : which == 1 ? o->m : which == 2 ? o->v : NULL;
+}
+
+size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk) {
+  const size_t c = chunk ? chunk : SG__HOST_PIPE_CHUNK;
+  return numel * (esz(accum_dtype) + 8 + (param_dtype == SG_F32 ? 0 : 4)) +
+         SG__HOST_PIPE_NBUF * c * esz(param_dtype);
+}
