@@ -14,9 +14,10 @@
  * the copies are memcpy on its comm thread, so they load this machine's memory (and cores) as
  * a GPU's DMA engine would load its host's memory, and more: they also compete for the cores.
  *
- * Bytes counted per parameter (host memory traffic on this machine):
- *   arrive 8 (read 4, write 4); norm 4; AdamW 30 (grad 4, master r/w 8, m r/w 8, v r/w 8,
- *   bf16 write 2); copy-out 4 (read 2, write 2)        step = 38, whole = 46
+ * Bytes counted per parameter (host memory traffic):
+ *   arrive 8 (read 4, write 4; --device cuda: the DMA's write, 4); norm 4; AdamW 30 (grad 4,
+ *   master r/w 8, m r/w 8, v r/w 8, bf16 write 2); copy-out 4 (read 2, write 2; cuda: 2)
+ *   step = 38, whole = 46 (cuda: 36 and 40)
  *   triad a[i] = b[i] + s*c[i] on doubles: 24 (as STREAM counts it)
  *   torch AdamW on f32 params: 28 (no norm, no copies, no master: torch's best case)
  *   kernel: sg__cpu_adamw alone on f32 params, the same work as torch's rows: 28
@@ -26,9 +27,11 @@
  * Before timing, one untimed step is checked against sg_elem_adamw on a sample of elements, and
  * the norm against sg__cpu_sumsq_gpu run once more on one thread.
  *
- *   sg_bench_host_step [--size 16] [--reps 9] [--warmup 2] [--chunk 4] [--python PATH]
+ *   sg_bench_host_step [--size 16] [--reps 9] [--warmup 2] [--chunk 2] [--python PATH]
+ *                      [--device cpu|cuda]
  *   (size and chunk in Mi parameters; --python: an interpreter with torch, default python3;
- *   "--python none" skips torch) */
+ *   "--python none" skips torch; --device cuda: the shard's device buffers on GPU 0, pinned host
+ *   memory from cudaMallocHost and real DMA copies, in a CUDA build) */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, fdopen, getloadavg needs _DEFAULT_SOURCE */
 #define _DEFAULT_SOURCE
 #include <math.h>
@@ -57,7 +60,7 @@
 
 typedef struct options {
   size_t n, chunk;
-  int reps, warmup;
+  int reps, warmup, cuda;
   const char *python;
 } options;
 
@@ -124,6 +127,7 @@ typedef struct shard {
   size_t n;
   uint16_t *dparam;   /* device: bf16 working params */
   float *dgrad;       /* device: reduced fp32 gradient */
+  float *hgrad;       /* its host copy, for the check */
   float *master, *m, *v, *acc; /* pinned host */
   sg__seg *segs;
   int nsegs;
@@ -136,9 +140,17 @@ static void *host(shard *s, size_t bytes) {
   return p;
 }
 
-static void shard_init(shard *s, size_t n, size_t chunk) {
+static void shard_init(shard *s, size_t n, size_t chunk, int cuda) {
   memset(s, 0, sizeof *s);
-  if (sg__device_cpu_create(0, 1, &s->dev) != SG_OK) die("device");
+#ifdef SG_HAVE_CUDA
+  if (cuda && sg__device_cuda_create(0, 0, &s->dev) != SG_OK) die("CUDA device");
+#else
+  if (cuda) {
+    fprintf(stderr, "sg_bench_host_step: built without CUDA\n");
+    exit(2);
+  }
+#endif
+  if (!cuda && sg__device_cpu_create(0, 1, &s->dev) != SG_OK) die("device");
   s->n = n;
   void *p = NULL;
   if (s->dev->ops->alloc(s->dev, 2 * n, &p) != SG_OK) die("alloc");
@@ -147,8 +159,15 @@ static void shard_init(shard *s, size_t n, size_t chunk) {
   s->dgrad = p;
   s->master = host(s, 4 * n), s->m = host(s, 4 * n), s->v = host(s, 4 * n), s->acc = host(s, 4 * n);
   fill(s->master, n, -0.5f, 1.0f), fill(s->m, n, -0.01f, 0.02f), fill(s->v, n, 1e-6f, 1e-4f);
-  fill(s->dgrad, n, -1.0f, 2.0f), fill(s->acc, n, 0.0f, 0.0f);
-  sg__cpu_cast(s->dparam, 1, s->master, 0, n);
+  s->hgrad = malloc(4 * n);
+  uint16_t *hp = malloc(2 * n);
+  if (!s->hgrad || !hp) exit(1);
+  fill(s->hgrad, n, -1.0f, 2.0f), fill(s->acc, n, 0.0f, 0.0f);
+  sg__cpu_cast(hp, 1, s->master, 0, n);
+  if (s->dev->ops->copy(s->dev, SG_Q_COMPUTE, s->dgrad, s->hgrad, 4 * n, SG_COPY_H2D) != SG_OK ||
+      s->dev->ops->copy(s->dev, SG_Q_COMPUTE, s->dparam, hp, 2 * n, SG_COPY_H2D) != SG_OK)
+    die("upload");
+  free(hp);
   s->nsegs = (int)((n + SEG_MAX - 1) / SEG_MAX);
   s->segs = calloc((size_t)s->nsegs, sizeof *s->segs);
   for (int k = 0; k < s->nsegs; k++) {
@@ -164,7 +183,7 @@ static void shard_free(shard *s) {
   s->dev->ops->host_free(s->dev, s->master), s->dev->ops->host_free(s->dev, s->m);
   s->dev->ops->host_free(s->dev, s->v), s->dev->ops->host_free(s->dev, s->acc);
   s->dev->ops->destroy(s->dev);
-  free(s->segs);
+  free(s->segs), free(s->hgrad);
 }
 
 static sg__adamw_args args_of(const shard *s, uint64_t t, float grad_scale) {
@@ -215,11 +234,14 @@ static int check_step(shard *s) {
   for (size_t j = 0; j < ns && j * stride < s->n; j++)
     p0[j] = s->master[j * stride], m0[j] = s->m[j * stride], v0[j] = s->v[j * stride];
   double ss1 = 0, nf1 = 0;
-  sg__cpu_sumsq_gpu(s->dgrad, 0, s->n, &ss1, &nf1);
+  sg__cpu_sumsq_gpu(s->hgrad, 0, s->n, &ss1, &nf1);
   const double norm = step_once(s, 1, NULL);
   int ok = norm == sqrt(ss1) && nf1 == 0;
   const float scale = (float)fmin(1.0, 1.0 / (norm + 1e-6));
   sg__adamw_args a = args_of(s, 1, scale);
+  uint16_t *hp = malloc(2 * s->n);
+  if (!hp || s->dev->ops->copy(s->dev, SG_Q_COMPUTE, hp, s->dparam, 2 * s->n, SG_COPY_D2H) != SG_OK)
+    die("download");
   for (size_t j = 0; j < ns && j * stride < s->n; j++) {
     size_t i = j * stride;
     const sg__seg *sg = &s->segs[i / SEG_MAX];
@@ -227,10 +249,10 @@ static int check_step(shard *s) {
                                              a.beta2, a.one_minus_beta2, a.step_size, a.bc2_sqrt,
                                              a.eps);
     float m = m0[j], v = v0[j];
-    float p = sg_elem_adamw(p0[j], s->dgrad[i] * scale, &m, &v, k);
-    ok &= s->master[i] == p && s->m[i] == m && s->v[i] == v && s->dparam[i] == sg_elem_f32_to_bf16(p);
+    float p = sg_elem_adamw(p0[j], s->hgrad[i] * scale, &m, &v, k);
+    ok &= s->master[i] == p && s->m[i] == m && s->v[i] == v && hp[i] == sg_elem_f32_to_bf16(p);
   }
-  free(p0), free(m0), free(v0);
+  free(p0), free(m0), free(v0), free(hp);
   return ok;
 }
 
@@ -287,13 +309,14 @@ static void torch_stop(torch_child *c) {
 /* ---- main ------------------------------------------------------------------------------------ */
 
 static int parse(int argc, char **argv, options *o) {
-  *o = (options){(size_t)16 << 20, (size_t)4 << 20, 9, 2, "python3"};
+  *o = (options){(size_t)16 << 20, (size_t)2 << 20, 9, 2, 0, "python3"};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--size")) o->n = (size_t)(atof(argv[i + 1]) * (1 << 20));
     else if (!strcmp(argv[i], "--chunk")) o->chunk = (size_t)(atof(argv[i + 1]) * (1 << 20));
     else if (!strcmp(argv[i], "--reps")) o->reps = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--warmup")) o->warmup = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--python")) o->python = argv[i + 1];
+    else if (!strcmp(argv[i], "--device")) o->cuda = !strcmp(argv[i + 1], "cuda");
     else return 0;
   }
   if (argc % 2 == 0) return 0;
@@ -304,7 +327,7 @@ static int parse(int argc, char **argv, options *o) {
 int main(int argc, char **argv) {
   options o;
   if (!parse(argc, argv, &o)) {
-    fprintf(stderr, "usage: %s [--size 16] [--reps 9] [--warmup 2] [--chunk 4] [--python PATH]\n"
+    fprintf(stderr, "usage: %s [--size 16] [--reps 9] [--warmup 2] [--chunk 2] [--python PATH] [--device cpu|cuda]\n"
                     "  (size and chunk in Mi parameters)\n", argv[0]);
     return 2;
   }
@@ -314,12 +337,12 @@ int main(int argc, char **argv) {
   if (getloadavg(load, 3) < 0) load[0] = -1;
   const char *wp = getenv("OMP_WAIT_POLICY");
   printf("OMP_WAIT_POLICY=%s\n", wp ? wp : "(unset: libgomp spins at barriers)");
-  printf("sg_bench_host_step: offloaded host step, %.2fM params (bf16 working, fp32 state), chunks"
-         " of %.2fM, %d thread(s), median of %d after %d warm-up, load average %.1f on %ld CPUs\n",
-         o.n / 1048576.0, o.chunk / 1048576.0, threads, o.reps, o.warmup, load[0],
+  printf("sg_bench_host_step: offloaded host step on the %s device, %.2fM params (bf16 working, "
+         "fp32 state), chunks of %.2fM, %d thread(s), median of %d after %d warm-up, load average %.1f on %ld CPUs\n",
+         o.cuda ? "CUDA" : "CPU", o.n / 1048576.0, o.chunk / 1048576.0, threads, o.reps, o.warmup, load[0],
          sysconf(_SC_NPROCESSORS_ONLN));
   shard s;
-  shard_init(&s, o.n, o.chunk);
+  shard_init(&s, o.n, o.chunk, o.cuda);
   triad_bufs tb;
   triad_init(&tb, o.n);
   const int ok = check_step(&s);
@@ -330,6 +353,10 @@ int main(int argc, char **argv) {
   double r_triad[MAXREPS], r_fused[MAXREPS], r_foreach[MAXREPS], r_step_triad[MAXREPS];
   double tk[MAXREPS], r_kernel[MAXREPS];
   uint64_t t = 2;
+  /* host bytes per parameter: a GPU's DMA writes the arrival (4) and reads the copy-out (2); the
+   * CPU device's memcpy also reads (4) and writes (2) the "device" side, in host memory */
+  const double b_arrive = o.cuda ? 4 : 8, b_out = o.cuda ? 2 : 4;
+  const double b_step = 4 + 30 + b_out, b_whole = b_arrive + b_step;
   for (int r = -o.warmup; r < o.reps; r++) {
     times tm;
     const double tri = triad_once(&tb);
@@ -341,20 +368,24 @@ int main(int argc, char **argv) {
     tk[r] = ker, r_kernel[r] = fu / ker;
     ta[r] = tm.arrive, tn[r] = tm.norm, tu[r] = tm.update, tt[r] = tri, tf[r] = fu, te[r] = fe;
     const double whole = tm.arrive + tm.norm + tm.update, step = tm.norm + tm.update;
-    r_triad[r] = (46.0 / whole) / (24.0 / tri);
-    r_step_triad[r] = (38.0 / step) / (24.0 / tri);
+    r_triad[r] = (b_whole / whole) / (24.0 / tri);
+    r_step_triad[r] = (b_step / step) / (24.0 / tri);
     r_fused[r] = fu / whole, r_foreach[r] = fe / whole;
   }
   const double n = (double)o.n, ma = median(ta, o.reps), mn = median(tn, o.reps);
   const double mu = median(tu, o.reps), mt = median(tt, o.reps);
   printf("\n%-28s %9s %9s\n", "phase", "ms", "GB/s");
   printf("%-28s %9.2f %9.2f\n", "triad (24 B/param)", mt * 1e3, 24 * n / mt / 1e9);
-  printf("%-28s %9.2f %9.2f\n", "arrive (D2H, 8 B)", ma * 1e3, 8 * n / ma / 1e9);
+  char lab[64];
+  snprintf(lab, sizeof lab, "arrive (D2H, %.0f B)", b_arrive);
+  printf("%-28s %9.2f %9.2f\n", lab, ma * 1e3, b_arrive * n / ma / 1e9);
   printf("%-28s %9.2f %9.2f\n", "norm (4 B)", mn * 1e3, 4 * n / mn / 1e9);
-  printf("%-28s %9.2f %9.2f\n", "update + copy-out (34 B)", mu * 1e3, 34 * n / mu / 1e9);
-  printf("%-28s %9.2f %9.2f\n", "step = norm + update (38 B)", (mn + mu) * 1e3, 38 * n / (mn + mu) / 1e9);
-  printf("%-28s %9.2f %9.2f\n", "whole = arrive + step (46 B)", (ma + mn + mu) * 1e3,
-         46 * n / (ma + mn + mu) / 1e9);
+  snprintf(lab, sizeof lab, "update + copy-out (%.0f B)", 30 + b_out);
+  printf("%-28s %9.2f %9.2f\n", lab, mu * 1e3, (30 + b_out) * n / mu / 1e9);
+  snprintf(lab, sizeof lab, "step = norm + update (%.0f B)", b_step);
+  printf("%-28s %9.2f %9.2f\n", lab, (mn + mu) * 1e3, b_step * n / (mn + mu) / 1e9);
+  snprintf(lab, sizeof lab, "whole = arrive + step (%.0f B)", b_whole);
+  printf("%-28s %9.2f %9.2f\n", lab, (ma + mn + mu) * 1e3, b_whole * n / (ma + mn + mu) / 1e9);
   const double mk = median(tk, o.reps);
   printf("%-28s %9.2f %9.2f\n", "AdamW kernel, f32 (28 B)", mk * 1e3, 28 * n / mk / 1e9);
   if (have_torch) {

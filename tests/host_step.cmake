@@ -19,3 +19,13 @@ if(SG_WITH_CUDA AND TARGET shardgrad_cudamock)
   add_test(NAME test_offload_cudamock COMMAND test_offload_cudamock)
   set_tests_properties(test_offload_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
 endif()
+# On a GPU (tests/gpu/run.sh): the same two programs with the real CUDA device, so that the host
+# path is checked bit for bit against the GPU's own kernels.
+if(SG_WITH_CUDA)
+  foreach(t test_host_step test_offload)
+    add_executable(${t}_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
+    target_link_libraries(${t}_cuda PRIVATE shardgrad_internal)
+    target_compile_options(${t}_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
+    target_compile_definitions(${t}_cuda PRIVATE SG_HAVE_CUDA)
+  endforeach()
+endif()

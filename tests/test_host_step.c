@@ -155,6 +155,7 @@ static void test_threads(void) {
   }
   omp_set_num_threads(2);
 #else
+  (void)have_mask;
   CHECK(t0 == 1, "without OpenMP: 1 thread");
 #endif
 }

@@ -34,7 +34,9 @@
 #     --overlap-gather; cnn_cudnn --check (cuDNN convolutions against a CPU reference, 2 ranks)
 #     and a traced --nccl-solo run; bench/adamw_torch.py, python/tests/test_torch_cuda.py and
 #     examples/python/train_lm.py --device cuda (when torch and pytest import); compute-sanitizer
-#     memcheck on test_cuda_kernels --quick and test_cuda_engine.
+#     memcheck on test_cuda_kernels --quick and test_cuda_engine; the host side of optimizer
+#     offload (test_host_step_cuda, test_offload_cuda: host norm and AdamW pipeline against the
+#     GPU's kernels, bitwise; sg_bench_host_step --device cuda: the host step with DMA copies).
 # Exit status: 0 when nothing failed. Without a GPU every GPU step fails fast with its reason.
 set -uo pipefail
 
@@ -253,7 +255,7 @@ CNN="$B/examples/cnn_cudnn"
 QUICK_TARGETS=(shardgrad test_cuda_device test_cuda_kernels test_cuda_queues test_cuda_engine
   sg_bench_adamw_cuda example_mlp_cuda)
 FULL_TARGETS=(test_engine_cuda test_fp16_scale_cuda test_trace_cuda test_groups_cuda
-  example_cnn_cudnn)
+  example_cnn_cudnn test_host_step_cuda test_offload_cuda sg_bench_host_step)
 if ! command -v cmake >/dev/null; then
   fail "configure: cmake not found"
 elif run_step configure 90 15 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
@@ -303,6 +305,15 @@ fi
 for w in 3 4; do
   step_if "$T/test_engine_cuda" engine_cuda_w$w 60 15 env SG_TEST_DEVICE=cuda "$T/test_engine_cuda" --local $w --quick
 done
+
+# ---- full: optimizer offload, host side -------------------------------------------------------------
+# The host AdamW pipeline and the host norm against the GPU's own kernels, bit for bit (the mock
+# CUDA runtime checks the same in CI); then the host step's timing with real DMA copies.
+step_if "$T/test_host_step_cuda" host_step_cuda 60 8 "$T/test_host_step_cuda"
+step_if "$T/test_offload_cuda" offload_cuda 45 3 "$T/test_offload_cuda"
+step_if "$B/bench/sg_bench_host_step" bench_host_step_cuda 60 15 "$B/bench/sg_bench_host_step" \
+  --device cuda --size 64 --reps 5 --python python3
+copy_log bench_host_step_cuda 22
 
 # ---- full: examples -------------------------------------------------------------------------------
 step_if "$MLP" timeline_ranks2 60 20 "$MLP" --ranks 2 --layers 8 --hidden 4096 --batch 2048 \
