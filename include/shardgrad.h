@@ -142,10 +142,18 @@ typedef struct sg_config {
                                1: sg_step returns once the all-gathers are queued, last bucket
                                (the first registered parameters) first, so they overlap the next
                                forward pass; call sg_param_wait before reading a parameter. */
+  uint64_t reserved_0_2;    /* 0 (must stay 0). Ends the 0.2 block on an 8-byte boundary: 0.2's
+                               overlap_param_gather took 0.1's tail padding, so 0.2's sizeof
+                               would equal 0.1's without it. */
+  /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
+   * (no tail padding, so every published layout has its own sizeof), and records its size in
+   * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */
 } sg_config;
 
-/* Fills the defaults above. struct_size must be at least the first published size and at most
- * sizeof(sg_config) of this library (SG_ERR_INVALID_ARGUMENT otherwise). */
+/* Fills the defaults above. struct_size must be the sizeof of a published layout (0.1: the
+ * struct up to timeout_ms, 0.2 and later: this header's) and no larger than this library's
+ * (SG_ERR_INVALID_ARGUMENT otherwise). A 0.1-sized config gets the defaults of every later field,
+ * whatever its padding holds. */
 SG_API sg_status sg_config_init(sg_config *cfg, size_t struct_size);
 
 /* ---------------------------------------------------------------------------------------- */

@@ -7,8 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Parameter groups (per-group lr and weight decay); equals SG_MAX_GROUPS of shardgrad.h. */
-#define SG__MAX_GROUPS 16
+#include "../include/shardgrad.h" /* SG_MAX_GROUPS */
 
 /* A contiguous run of a rank's shard that belongs to one parameter (or to several adjacent
  * parameters with the same decay flag and group). Padding is in no segment and is never
@@ -21,7 +20,7 @@ typedef struct sg__seg {
   uint64_t sr_index;/* stochastic rounding counter of the first element: (param id << 40) +
                        offset inside the parameter, so the random bits do not depend on W or on
                        the padding of the layout (flat_off does) */
-  int group;        /* parameter group 0..SG__MAX_GROUPS-1: picks decay_factor and step_size
+  int group;        /* parameter group 0..SG_MAX_GROUPS-1: picks decay_factor and step_size
                        (appended last, so that initializers of the fields above stay valid) */
 } sg__seg;
 
@@ -60,8 +59,8 @@ typedef struct sg__adamw_args {
    * group_step_size[g] (index 0 is not read). Same rules: (float)(1 - (double)lr_g * wd_g)
    * and (float)(lr_g / bc1). A segment whose group is >= max(ngroups, 1) is invalid. */
   int ngroups;
-  float group_decay_factor[SG__MAX_GROUPS];
-  float group_step_size[SG__MAX_GROUPS];
+  float group_decay_factor[SG_MAX_GROUPS];
+  float group_step_size[SG_MAX_GROUPS];
 } sg__adamw_args;
 
 /* The per-step scalars of sg__adamw_args from the (float) hyperparameters, computed in double
@@ -91,15 +90,15 @@ static inline void sg__adamw_group_scalars(sg__adamw_args *a, int g, float lr, f
   if (g == 0) {
     a->decay_factor = df;
     a->step_size = ss;
-  } else if (g > 0 && g < SG__MAX_GROUPS) {
+  } else if (g > 0 && g < SG_MAX_GROUPS) {
     a->group_decay_factor[g] = df;
     a->group_step_size[g] = ss;
   }
 }
 
-/* 1 when ngroups is 0..SG__MAX_GROUPS and (ngroups > 1) every segment's group is below it. */
+/* 1 when ngroups is 0..SG_MAX_GROUPS and (ngroups > 1) every segment's group is below it. */
 static inline int sg__adamw_groups_ok(const sg__adamw_args *a) {
-  if (a->ngroups < 0 || a->ngroups > SG__MAX_GROUPS) return 0;
+  if (a->ngroups < 0 || a->ngroups > SG_MAX_GROUPS) return 0;
   if (a->ngroups <= 1) return 1;
   for (int s = 0; s < a->nsegs; s++)
     if (a->segs[s].group < 0 || a->segs[s].group >= a->ngroups) return 0;

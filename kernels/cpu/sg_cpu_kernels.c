@@ -502,7 +502,7 @@ void sg__cpu_adamw(const sg__adamw_args *a) {
   if (!a || !a->segs || a->nsegs <= 0 || !a->param || !a->m || !a->v || !a->grad) return;
   if (!sg__adamw_groups_ok(a)) return;
   const int ng = a->ngroups > 1 ? a->ngroups : 1;
-  adamw_ctx cs[2 * SG__MAX_GROUPS];
+  adamw_ctx cs[2 * SG_MAX_GROUPS];
   for (int g = 0; g < ng; g++) {
     adamw_ctx c;
     c.k = sg_elem_adamw_consts(sg__adamw_group_decay(a, g), a->one_minus_beta1, a->beta2,

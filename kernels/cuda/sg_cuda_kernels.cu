@@ -301,7 +301,7 @@ struct adamw_params {
   const void *grad;
   // k[g][0]: group g with decay; k[g][1]: without (decay_factor 1.0f: p * 1.0f == p, as torch
   // skips the mul_). Only groups below ngroups are filled.
-  sg_elem_adamw_k k[SG__MAX_GROUPS][2];
+  sg_elem_adamw_k k[SG_MAX_GROUPS][2];
   int ngroups;  // 1: every segment uses k[0] whatever its group
   float grad_scale;
   int sr;  // stochastic rounding (bf16 params only)

@@ -87,8 +87,11 @@ class SgConfig(ctypes.Structure):
         ("stochastic_rounding", ctypes.c_int),
         ("seed", ctypes.c_uint64),
         ("timeout_ms", ctypes.c_int),
-        # appended in 0.2, in what was the tail padding after timeout_ms: sizeof is unchanged
+        # appended in 0.2, in what was the tail padding after timeout_ms
         ("overlap_param_gather", ctypes.c_int),
+        # 0; ends the 0.2 block on 8 bytes so that 0.2's sizeof differs from 0.1's. Each later
+        # block ends on 8 bytes too (include/shardgrad.h, "Appending").
+        ("reserved_0_2", ctypes.c_uint64),
     ]
 
 

@@ -76,13 +76,17 @@ _ENUM_FIELDS = {
 }
 _INT_TYPES = {ctypes.c_int: (-2**31, 2**31 - 1), ctypes.c_size_t: (0, 2**64 - 1),
               ctypes.c_uint64: (0, 2**64 - 1)}
-FIELDS = tuple(name for name, _ in SgConfig._fields_ if name != "struct_size")
+FIELDS = tuple(name for name, _ in SgConfig._fields_
+               if name != "struct_size" and not name.startswith("reserved"))
 _FIELD_TYPES = dict(SgConfig._fields_)
 _BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overlap_param_gather")
 # Fields appended after 0.1, with the C function that tells whether the loaded library knows
-# them. An older library passes the same struct_size (the field sits in what was padding) but
-# would ignore the value, so a non-default value is refused there instead.
+# them. An older library takes an older struct_size (_SIZES) and would ignore the value, so a
+# non-default value is refused there instead.
 _NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
+# Published sizes of sg_config, newest first (include/shardgrad.h, "Appending"): 0.2's, then
+# 0.1's (0.1 ended at timeout_ms plus tail padding, where 0.2's overlap_param_gather went).
+_SIZES = (ctypes.sizeof(SgConfig), SgConfig.reserved_0_2.offset)
 
 
 class Config:
@@ -107,7 +111,12 @@ class Config:
     def __init__(self, validate=True, **kwargs):
         lib = _lib.load()
         c = SgConfig()
-        check(lib, lib.sg_config_init(ctypes.byref(c), ctypes.sizeof(c)), "sg_config_init")
+        # the newest layout the loaded library knows (an older one rejects larger sizes)
+        for size in _SIZES[:-1]:
+            if lib.sg_config_init(ctypes.byref(c), size) == 0:
+                break
+        else:
+            check(lib, lib.sg_config_init(ctypes.byref(c), _SIZES[-1]), "sg_config_init")
         object.__setattr__(self, "_c", c)
         unknown = sorted(set(kwargs) - set(FIELDS))
         if unknown:

@@ -44,7 +44,6 @@
 
 #define SG_CK_VERSION 1u          /* rank files */
 #define SG_CK_MANIFEST_VERSION 2u /* 2: parameter groups' lr and weight decay appended */
-#define SG_CK_MAX_GROUPS 16u      /* = SG_MAX_GROUPS */
 #define SG_CK_MANIFEST_NAME "manifest"
 #define SG_CK_MANIFEST_TMP "manifest.tmp"
 #define SG_CK_MAX_WORLD 4096u
@@ -54,7 +53,7 @@
 #define SG_CK_CHUNK_MAX (1u << 30)
 #define SG_CK_FIXED_HEADER 64u  /* bytes of the shard header before the section table */
 #define SG_CK_SECTION_BYTES 32u /* one section descriptor */
-#define SG_CK_NCFG 21           /* config words recorded in the manifest */
+#define SG_CK_NCFG SG__CONFIG_CK_WORDS /* config words recorded in the manifest (21) */
 
 /* Sections of a rank file, in file order. */
 enum { SG_CK_WORK = 0, SG_CK_MASTER = 1, SG_CK_M = 2, SG_CK_V = 3, SG_CK_KINDS = 4 };
@@ -103,10 +102,10 @@ typedef struct sg__ck_manifest {
   float loss_scale;
   uint32_t clean_steps, dynamic_scale;
   float lr;
-  uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (see sg__ck_cfg_words) */
+  uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (sg__config_words) */
   uint32_t version;         /* parsed: 1 or 2; encode writes 2 (1 only when set to 1) */
   uint32_t ngroups;         /* version 2: groups recorded (group_lr[0] is group 0's lr) */
-  float group_lr[SG_CK_MAX_GROUPS], group_wd[SG_CK_MAX_GROUPS];
+  float group_lr[SG_MAX_GROUPS], group_wd[SG_MAX_GROUPS];
   uint32_t nparams;
   sg__ck_param *params; /* registration order of the saving engine */
   sg__ck_file *files;   /* [world] */
@@ -121,8 +120,6 @@ sg_status sg__ck_manifest_parse(const uint8_t *buf, size_t len, const char *what
 void sg__ck_manifest_free(sg__ck_manifest *m);
 /* The generation of a manifest's bytes without verifying anything (0 when unreadable). */
 uint64_t sg__ck_manifest_peek_generation(const uint8_t *buf, size_t len);
-/* Config words recorded in the manifest (informational: a load may change the config). */
-void sg__ck_cfg_words(const sg_config *c, uint64_t w[SG_CK_NCFG]);
 
 /* ---------------------------------------------------------------------------------------- */
 /* rank file header                                                                          */

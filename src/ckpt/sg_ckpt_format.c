@@ -106,34 +106,6 @@ static uint32_t bits_of(float f) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* config words                                                                              */
-
-void sg__ck_cfg_words(const sg_config *c, uint64_t w[SG_CK_NCFG]) {
-  const uint64_t v[SG_CK_NCFG] = {(uint64_t)c->strategy,
-                                  (uint64_t)c->device,
-                                  (uint64_t)c->param_dtype,
-                                  (uint64_t)c->grad_dtype,
-                                  (uint64_t)c->reduce_dtype,
-                                  (uint64_t)c->accum_dtype,
-                                  (uint64_t)c->bucket_bytes,
-                                  bits_of(c->lr),
-                                  bits_of(c->beta1),
-                                  bits_of(c->beta2),
-                                  bits_of(c->eps),
-                                  bits_of(c->weight_decay),
-                                  bits_of(c->max_grad_norm),
-                                  (uint64_t)c->grad_average,
-                                  bits_of(c->loss_scale),
-                                  bits_of(c->init_loss_scale),
-                                  (uint64_t)(int64_t)c->scale_window,
-                                  bits_of(c->min_loss_scale),
-                                  (uint64_t)c->skip_nonfinite,
-                                  (uint64_t)c->stochastic_rounding,
-                                  c->seed};
-  memcpy(w, v, sizeof v);
-}
-
-/* ---------------------------------------------------------------------------------------- */
 /* manifest: encode                                                                          */
 
 static void encode_body(const sg__ck_manifest *m, wbuf *b) {
@@ -177,7 +149,7 @@ static void encode_body(const sg__ck_manifest *m, wbuf *b) {
     }
   }
   if (version < 2) return;
-  const uint32_t ng = m->ngroups < SG_CK_MAX_GROUPS ? m->ngroups : SG_CK_MAX_GROUPS;
+  const uint32_t ng = m->ngroups < (uint32_t)SG_MAX_GROUPS ? m->ngroups : (uint32_t)SG_MAX_GROUPS;
   wb_u32(b, ng);
   for (uint32_t g = 0; g < ng; g++) {
     wb_u32(b, bits_of(m->group_lr[g]));
@@ -342,7 +314,7 @@ static sg_status parse_groups(rbuf *r, const char *what, sg__ck_manifest *m) {
   if (m->version < 2) return SG_OK;
   const uint32_t ng = rb_u32(r);
   if (r->bad) return CORRUPT("%s: truncated group table", what);
-  if (ng > SG_CK_MAX_GROUPS) return CORRUPT("%s: %u parameter groups", what, ng);
+  if (ng > (uint32_t)SG_MAX_GROUPS) return CORRUPT("%s: %u parameter groups", what, ng);
   for (uint32_t g = 0; g < ng; g++) {
     const float lr = f_of(rb_u32(r)), wd = f_of(rb_u32(r));
     if (r->bad) return CORRUPT("%s: truncated group table", what);

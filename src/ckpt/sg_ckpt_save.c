@@ -271,7 +271,7 @@ static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
                        .dynamic_scale = (uint32_t)e->dynamic_scale,
                        .lr = e->lr,
                        .nparams = (uint32_t)e->nparams};
-  sg__ck_cfg_words(&e->cfg, m.cfg);
+  sg__config_words(&e->cfg, m.cfg, SG_CK_NCFG); /* informational: a load may change it */
   m.ngroups = SG_MAX_GROUPS;
   for (int g = 0; g < SG_MAX_GROUPS; g++) {
     m.group_lr[g] = g == 0 ? e->lr : e->group_lr[g];

@@ -5,15 +5,35 @@
 
 #include "sg_core.h" /* sg__config_copy, sg__config_check, sg__err */
 
-/* The first published layout. Fields are only appended, so a caller compiled against an older
- * header passes a smaller struct_size; the bytes it does not cover take the defaults.
- * overlap_param_gather (0.2) took the tail padding after timeout_ms, so 0.1 callers pass this
- * same size, and the padding that sg_config_init zeroed reads as its default 0. */
-#define SG__CONFIG_V1_SIZE sizeof(sg_config)
+/* Every published layout of sg_config: its sizeof (what a caller built against that header
+ * passes as struct_size) and the end of its last field. The library reads a caller's fields up
+ * to `end` and takes the defaults for the rest: the bytes between `end` and `size` are that
+ * layout's tail padding and may hold anything (0.2's overlap_param_gather sits in 0.1's).
+ * Appending fields: end the new block on an 8-byte boundary (the static assert below), add its
+ * row here, and the same fields to python/shardgrad/_structs.py. */
+#define SG__ROUND_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+#define SG__END_OF(field) (offsetof(sg_config, field) + sizeof(((sg_config *)0)->field))
+typedef struct {
+  const char *version;
+  size_t size, end;
+} sg__config_layout;
+static const sg__config_layout layouts[] = {
+    {"0.1", SG__ROUND_UP(SG__END_OF(timeout_ms), _Alignof(sg_config)), SG__END_OF(timeout_ms)},
+    {"0.2", SG__END_OF(reserved_0_2), SG__END_OF(reserved_0_2)},
+};
+#define SG__NLAYOUTS ((int)(sizeof layouts / sizeof layouts[0]))
+#define SG__CONFIG_V1_SIZE (layouts[0].size)
+_Static_assert(sizeof(sg_config) == SG__END_OF(reserved_0_2),
+               "the newest sg_config block must end without tail padding (see layouts)");
 
-static int sg__config_size_ok(size_t n) {
-  return n >= SG__CONFIG_V1_SIZE && n <= sizeof(sg_config);
+/* The layout a caller's struct_size names; NULL for a size no release published. */
+static const sg__config_layout *sg__config_layout_of(size_t n) {
+  for (int k = 0; k < SG__NLAYOUTS; k++)
+    if (layouts[k].size == n && n <= sizeof(sg_config)) return &layouts[k];
+  return NULL;
 }
+
+static int sg__config_size_ok(size_t n) { return sg__config_layout_of(n) != NULL; }
 
 static void sg__config_defaults(sg_config *c) {
   memset(c, 0, sizeof *c); /* padding too: configs are hashed and compared bytewise */
@@ -43,13 +63,15 @@ static void sg__config_defaults(sg_config *c) {
   c->seed = 0;
   c->timeout_ms = 600000;
   c->overlap_param_gather = 0;
+  c->reserved_0_2 = 0;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
   if (!cfg) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_config_init: cfg is NULL");
   if (!sg__config_size_ok(struct_size))
     return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "sg_config_init: struct_size must be in [%zu, %zu] (got %zu)",
+                   "sg_config_init: struct_size must be the size of a published sg_config "
+                   "(%zu for 0.1, %zu for this header) (got %zu)",
                    (size_t)SG__CONFIG_V1_SIZE, sizeof(sg_config), struct_size);
   sg_config d;
   sg__config_defaults(&d);
@@ -64,12 +86,13 @@ sg_status sg__config_copy(const sg_config *in, sg_config *out, const char *fn) {
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: output config is NULL", fn);
   if (!sg__config_size_ok(in->struct_size))
     return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->struct_size must be in [%zu, %zu] (got %zu); "
+                   "%s: cfg->struct_size must be the size of a published sg_config "
+                   "(%zu for 0.1, %zu for this header) (got %zu); "
                    "fill it with sg_config_init(&cfg, sizeof cfg)",
                    fn, (size_t)SG__CONFIG_V1_SIZE, sizeof(sg_config), in->struct_size);
   sg_config c;
   sg__config_defaults(&c);
-  memcpy(&c, in, in->struct_size);
+  memcpy(&c, in, sg__config_layout_of(in->struct_size)->end); /* its fields, not its padding */
   c.struct_size = sizeof c;
   /* AUTO resolves here, so that every later check, hash and comparison sees real dtypes. */
   if (c.grad_dtype == SG_DTYPE_AUTO) c.grad_dtype = c.param_dtype;
@@ -154,6 +177,9 @@ static sg_status sg__config_check_optim(const sg_config *c, const char *fn) {
   SG_TRY(sg__check_bool(fn, "skip_nonfinite", c->skip_nonfinite));
   SG_TRY(sg__check_bool(fn, "stochastic_rounding", c->stochastic_rounding));
   SG_TRY(sg__check_bool(fn, "overlap_param_gather", c->overlap_param_gather));
+  if (c->reserved_0_2 != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->reserved_0_2 must be 0 (got %llu)", fn,
+                   (unsigned long long)c->reserved_0_2);
   return SG_OK;
 }
 
@@ -173,7 +199,9 @@ sg_status sg__config_check(const sg_config *c, const char *fn) {
   if (!fn) fn = "sg__config_check";
   if (!c) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
   if (!sg__config_size_ok(c->struct_size))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->struct_size must be in [%zu, %zu] (got %zu)",
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->struct_size must be the size of a published sg_config (%zu for 0.1, "
+                   "%zu for this header) (got %zu)",
                    fn, (size_t)SG__CONFIG_V1_SIZE, sizeof(sg_config), c->struct_size);
   SG_TRY(sg__config_check_enums(c, fn));
   SG_TRY(sg__config_check_sizes(c, fn));
@@ -185,4 +213,58 @@ sg_status sg__config_check(const sg_config *c, const char *fn) {
 int sg__config_dynamic_scale(const sg_config *c) {
   if (!c) return 0;
   return c->loss_scale == 0.0f && (c->param_dtype == SG_F16 || c->grad_dtype == SG_F16);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* config words                                                                              */
+
+typedef enum { SG__W_INT, SG__W_FLOAT, SG__W_SIZE, SG__W_U64 } sg__word_kind;
+typedef struct {
+  const char *name;
+  sg__word_kind kind;
+  size_t off;
+} sg__config_word;
+
+#define SG__W(field, kind) {#field, kind, offsetof(sg_config, field)}
+/* Order is part of the checkpoint format (the first SG__CONFIG_CK_WORDS are recorded): only
+ * append. */
+static const sg__config_word words[] = {
+    SG__W(strategy, SG__W_INT),         SG__W(device, SG__W_INT),
+    SG__W(param_dtype, SG__W_INT),      SG__W(grad_dtype, SG__W_INT),
+    SG__W(reduce_dtype, SG__W_INT),     SG__W(accum_dtype, SG__W_INT),
+    SG__W(bucket_bytes, SG__W_SIZE),    SG__W(lr, SG__W_FLOAT),
+    SG__W(beta1, SG__W_FLOAT),          SG__W(beta2, SG__W_FLOAT),
+    SG__W(eps, SG__W_FLOAT),            SG__W(weight_decay, SG__W_FLOAT),
+    SG__W(max_grad_norm, SG__W_FLOAT),  SG__W(grad_average, SG__W_INT),
+    SG__W(loss_scale, SG__W_FLOAT),     SG__W(init_loss_scale, SG__W_FLOAT),
+    SG__W(scale_window, SG__W_INT),     SG__W(min_loss_scale, SG__W_FLOAT),
+    SG__W(skip_nonfinite, SG__W_INT),   SG__W(stochastic_rounding, SG__W_INT),
+    SG__W(seed, SG__W_U64),
+};
+_Static_assert(sizeof words / sizeof words[0] == SG__CONFIG_NWORDS, "SG__CONFIG_NWORDS");
+_Static_assert(SG__CONFIG_CK_WORDS <= SG__CONFIG_NWORDS, "SG__CONFIG_CK_WORDS");
+_Static_assert(sizeof(sg_strategy) == sizeof(int) && sizeof(sg_dtype) == sizeof(int) &&
+                   sizeof(sg_device) == sizeof(int),
+               "enum config fields are read as int");
+
+static uint64_t word_of(const sg_config *c, const sg__config_word *w) {
+  const char *p = (const char *)c + w->off;
+  int i;
+  uint32_t f;
+  size_t z;
+  uint64_t u;
+  switch (w->kind) {
+  case SG__W_INT: memcpy(&i, p, sizeof i); return (uint64_t)(int64_t)i;
+  case SG__W_FLOAT: memcpy(&f, p, sizeof f); return f; /* the bits */
+  case SG__W_SIZE: memcpy(&z, p, sizeof z); return (uint64_t)z;
+  default: memcpy(&u, p, sizeof u); return u;
+  }
+}
+
+void sg__config_words(const sg_config *c, uint64_t *w, int n) {
+  for (int k = 0; k < n && k < SG__CONFIG_NWORDS; k++) w[k] = word_of(c, &words[k]);
+}
+
+const char *sg__config_word_name(int k) {
+  return k >= 0 && k < SG__CONFIG_NWORDS ? words[k].name : "?";
 }

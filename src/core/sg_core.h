@@ -79,5 +79,14 @@ sg_status sg__config_copy(const sg_config *in, sg_config *out, const char *fn);
 sg_status sg__config_check(const sg_config *c, const char *fn);
 /* The effective static/initial loss scale for the config (dynamic scaling for f16). */
 int sg__config_dynamic_scale(const sg_config *c);
+/* The config as 64-bit words (ints sign-extended, floats as their bits): the one list of what
+ * every rank must agree on at sg_finalize (and what the plan hash covers). A checkpoint's
+ * manifest records the first SG__CONFIG_CK_WORDS of them (its format fixes that count), so new
+ * words are appended after those. Writes the first n words. */
+#define SG__CONFIG_NWORDS 21
+#define SG__CONFIG_CK_WORDS 21
+void sg__config_words(const sg_config *c, uint64_t *w, int n);
+/* The field name of word k, for messages. */
+const char *sg__config_word_name(int k);
 
 #endif /* SG_CORE_H */

@@ -271,37 +271,15 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
 /* ---------------------------------------------------------------------------------------- */
 /* finalize                                                                                  */
 
-/* What every rank must agree on, exchanged as 64-bit words. Field names for messages. */
+/* What every rank must agree on, exchanged as 64-bit words: status, parameter count, plan
+ * hash, then the config words (sg__config_words). */
 enum { SG__AG_STATUS, SG__AG_NPARAMS, SG__AG_HASH, SG__AG_CFG0 };
-static const char *const cfg_field_names[] = {
-    "strategy", "device", "param_dtype", "grad_dtype", "reduce_dtype", "accum_dtype",
-    "bucket_bytes", "lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm",
-    "grad_average", "loss_scale", "init_loss_scale", "scale_window", "min_loss_scale",
-    "skip_nonfinite", "stochastic_rounding", "seed"};
-#define SG__NCFG ((int)(sizeof cfg_field_names / sizeof cfg_field_names[0]))
+#define SG__NCFG SG__CONFIG_NWORDS
 #define SG__AG_WORDS (SG__AG_CFG0 + SG__NCFG)
-
-static uint64_t fbits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-
-static void cfg_words(const sg_config *c, uint64_t *w) {
-  const uint64_t v[SG__NCFG] = {
-      (uint64_t)c->strategy, (uint64_t)c->device, (uint64_t)c->param_dtype,
-      (uint64_t)c->grad_dtype, (uint64_t)c->reduce_dtype, (uint64_t)c->accum_dtype,
-      (uint64_t)c->bucket_bytes, fbits(c->lr), fbits(c->beta1), fbits(c->beta2), fbits(c->eps),
-      fbits(c->weight_decay), fbits(c->max_grad_norm), (uint64_t)c->grad_average,
-      fbits(c->loss_scale), fbits(c->init_loss_scale), (uint64_t)c->scale_window,
-      fbits(c->min_loss_scale), (uint64_t)c->skip_nonfinite, (uint64_t)c->stochastic_rounding,
-      c->seed};
-  memcpy(w, v, sizeof v);
-}
 
 static uint64_t cfg_hash(const sg_config *c) {
   uint64_t w[SG__NCFG];
-  cfg_words(c, w);
+  sg__config_words(c, w, SG__NCFG);
   return sg__hash_bytes(SG__HASH_INIT, w, sizeof w);
 }
 
@@ -361,7 +339,7 @@ static sg_status check_agreement(sg_engine *e, const uint64_t *all, const sg__pl
     for (int k = 0; k < SG__NCFG; k++)
       if (all[r * SG__AG_WORDS + SG__AG_CFG0 + k] != all[SG__AG_CFG0 + k])
         return sg__err(SG_ERR_MISMATCH, "sg_finalize: config field %s differs between rank 0 "
-                       "and rank %d", cfg_field_names[k], r);
+                       "and rank %d", sg__config_word_name(k), r);
   for (int r = 0; r < e->world; r++)
     if (all[r * SG__AG_WORDS + SG__AG_HASH] != all[e->rank * SG__AG_WORDS + SG__AG_HASH] ||
         all[r * SG__AG_WORDS + SG__AG_NPARAMS] != (uint64_t)e->nparams)
@@ -377,7 +355,7 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
   mine[SG__AG_STATUS] = (uint64_t)local;
   mine[SG__AG_NPARAMS] = (uint64_t)e->nparams;
   mine[SG__AG_HASH] = p ? p->hash : 0;
-  cfg_words(&e->cfg, mine + SG__AG_CFG0);
+  sg__config_words(&e->cfg, mine + SG__AG_CFG0, SG__NCFG);
   sg_status st = sg__engine_allgather_host(e, all, SG__AG_WORDS * sizeof *all);
   if (st != SG_OK) {
     free(all);

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The dependency rules of DESIGN.md section 1, checked over the #include lines of the library
+# (include/, src/, kernels/). Run by ctest (test_deps); by hand: scripts/check_deps.sh [root].
+#
+# 1. Folders: a quoted include may only reach the folders its own folder depends on (the table
+#    below). Each include is resolved relative to the including file, as the compiler does;
+#    "shardgrad.h" (the include path) is include/shardgrad.h.
+# 2. System headers of the backends: CUDA and NCCL headers only in the files that own them,
+#    mpi.h only in the MPI communicator.
+# 3. The public header includes nothing but <stddef.h> and <stdint.h>.
+# Prints one line per violation and exits 1 if there is any.
+# --selftest: the rules must catch a planted violation of each kind in a copy of the tree.
+set -u
+here=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = --selftest ]; then
+  tmp=$(mktemp -d) || exit 2
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$here" && find include src kernels -type f | tar cf - -T -) | tar xf - -C "$tmp"
+  echo '#include "../engine/sg_engine_internal.h"' >> "$tmp/src/plan/sg_plan.c"
+  echo '#include <mpi.h>' >> "$tmp/src/engine/sg_step.c"
+  echo '#include <stdio.h>' >> "$tmp/include/shardgrad.h"
+  out=$("$0" "$tmp")
+  rc=$?
+  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\)')
+  echo "$out"
+  if [ $rc = 1 ] && [ "$n" = 3 ]; then echo "check_deps selftest: the 3 planted violations found"; exit 0; fi
+  echo "check_deps selftest: expected exit 1 and 3 violations, got exit $rc and $n"
+  exit 1
+fi
+root=${1:-$here}
+cd "$root" || exit 2
+
+# folder -> folders it may include from (itself always allowed)
+declare -A ALLOW=(
+  [include]=""
+  [src/core]="include"
+  [src/plan]="include src/core"
+  [kernels]="include"
+  [kernels/cpu]="include kernels kernels/cuda" # sumsq's chunk size, shared with the GPU partition
+  [kernels/cuda]="include kernels"
+  [src/device]="include src/core kernels kernels/cpu kernels/cuda"
+  [src/comm]="include src/core src/device kernels kernels/cpu"
+  [src/offload]="include src/core src/device kernels kernels/cpu"
+  [src/memory]="include src/core src/plan src/device src/comm kernels"
+  [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload kernels kernels/cpu"
+  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/engine kernels kernels/cpu"
+  [src/engine/optim]="include src/core src/device src/engine kernels kernels/cpu"
+  [src/ckpt]="include src/core src/plan src/memory src/device src/comm src/engine kernels kernels/cpu"
+)
+# single files allowed a header of a folder their folder may not reach: "file header" (why)
+EXCEPTIONS=(
+  # the CUDA device's comm hooks (issue 10 part 4 replaces them with a device op)
+  "src/comm/nccl.c src/device/sg_device_cuda.h"
+  "src/engine/sg_engine.c src/device/sg_device_cuda.h"
+)
+# system headers -> the only files (regex over the path) that may include them
+declare -A SYSTEM=(
+  [cuda_runtime.h]='^(src/device/cuda\.c|src/comm/nccl\.c|kernels/cuda/.*)$'
+  [cuda.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
+  [cuda_bf16.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
+  [cuda_fp16.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
+  [nccl.h]='^(src/comm/nccl\.c|src/comm/sg_nccl_dl\.h)$'
+  [mpi.h]='^(src/comm/mpi\.c|src/comm/nccl\.c)$' # nccl.c: the MPI bootstrap of the id
+)
+# folder-internal headers that other folders must not reach even where the folder is allowed
+declare -A PRIVATE=(
+  [src/device/sg_device_cuda.h]='^(src/device/.*)$'
+)
+
+fail=0
+violation() { echo "check_deps: $1"; fail=1; }
+
+# normalise a/b/../c -> a/c
+norm() {
+  local IFS=/ out=() p
+  for p in $1; do
+    case $p in
+      ''|.) ;;
+      ..) [ ${#out[@]} -gt 0 ] && unset 'out[${#out[@]}-1]' ;;
+      *) out+=("$p") ;;
+    esac
+  done
+  echo "${out[*]}"
+}
+
+folder_of() { # the table's key for a file: the longest listed prefix
+  local d
+  d=$(dirname "$1")
+  while [ "$d" != "." ] && [ -z "${ALLOW[$d]+x}" ]; do d=$(dirname "$d"); done
+  echo "$d"
+}
+
+is_exception() {
+  local x
+  for x in "${EXCEPTIONS[@]}"; do [ "$x" = "$1 $2" ] && return 0; done
+  return 1
+}
+
+files=$(find include src kernels -type f \( -name '*.c' -o -name '*.h' -o -name '*.cu' \
+          -o -name '*.cpp' -o -name '*.cuh' \) | sort)
+for f in $files; do
+  from=$(folder_of "$f")
+  if [ -z "${ALLOW[$from]+x}" ]; then
+    violation "$f: its folder is not in the dependency table (scripts/check_deps.sh)"
+    continue
+  fi
+  while IFS= read -r line; do
+    if [[ $line =~ ^[[:space:]]*#[[:space:]]*include[[:space:]]*\"([^\"]+)\" ]]; then
+      inc=${BASH_REMATCH[1]}
+      if [ "$inc" = "shardgrad.h" ]; then target=include/shardgrad.h
+      else target=$(norm "$(dirname "$f")/$inc"); fi
+      if [ ! -f "$target" ]; then
+        violation "$f: includes \"$inc\", which is not a file of the tree ($target)"
+        continue
+      fi
+      to=$(folder_of "$target")
+      if [ -n "${PRIVATE[$target]+x}" ] && ! [[ $f =~ ${PRIVATE[$target]} ]] &&
+         ! is_exception "$f" "$target"; then
+        violation "$f: includes $target, private to its folder"
+        continue
+      fi
+      [ "$to" = "$from" ] && continue
+      ok=0
+      for a in ${ALLOW[$from]}; do [ "$a" = "$to" ] && ok=1; done
+      [ $ok = 1 ] || is_exception "$f" "$target" ||
+        violation "$f: includes $target, but $from may not depend on $to (DESIGN.md section 1)"
+    elif [[ $line =~ ^[[:space:]]*#[[:space:]]*include[[:space:]]*\<([^\>]+)\> ]]; then
+      inc=${BASH_REMATCH[1]}
+      if [ "$f" = include/shardgrad.h ] && [ "$inc" != stddef.h ] && [ "$inc" != stdint.h ]; then
+        violation "$f: the public header includes <$inc> (only <stddef.h> and <stdint.h>)"
+      fi
+      if [ -n "${SYSTEM[$inc]+x}" ] && ! [[ $f =~ ${SYSTEM[$inc]} ]]; then
+        violation "$f: includes <$inc>, allowed only in ${SYSTEM[$inc]}"
+      fi
+    fi
+  done < "$f"
+done
+[ $fail = 0 ] && echo "check_deps: $(echo "$files" | wc -l) files follow the dependency rules"
+exit $fail

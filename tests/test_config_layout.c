@@ -1,0 +1,156 @@
+/* sg_config's published layouts (include/shardgrad.h, src/core/sg_config.c): a caller built
+ * against 0.1's header and one built against 0.2's both work, and struct_size tells them
+ * apart. 0.1's struct ended with 4 bytes of tail padding after timeout_ms, where 0.2 put
+ * overlap_param_gather: a 0.1-sized config gets overlap_param_gather = 0 whatever those bytes
+ * hold. The 0.1 struct is spelled out here as its header had it, so that the size the library
+ * expects is checked against the real old layout, not against itself. */
+#include <stdio.h>
+#include <string.h>
+
+#include "engine/sg_engine_internal.h" /* e->cfg: the config the engine runs with */
+#include "shardgrad.h"
+
+#define SG_TEST_PRINT_PASSES 1
+#include "sg_test_check.h"
+
+/* include/shardgrad.h of 0.1.0, field for field */
+typedef struct sg_config_v0_1 {
+  size_t struct_size;
+  sg_strategy strategy;
+  sg_device device;
+  int cuda_device;
+  sg_dtype param_dtype, grad_dtype, reduce_dtype, accum_dtype;
+  size_t bucket_bytes;
+  int staging_buckets;
+  float lr, beta1, beta2, eps, weight_decay, max_grad_norm;
+  int grad_average;
+  float loss_scale, init_loss_scale;
+  int scale_window;
+  float min_loss_scale;
+  int skip_nonfinite, stochastic_rounding;
+  uint64_t seed;
+  int timeout_ms;
+} sg_config_v0_1;
+
+/* The caller's bytes: a config of `size` bytes inside a buffer filled with `fill`. */
+typedef union {
+  sg_config cfg;
+  unsigned char bytes[sizeof(sg_config) + 64];
+} cfg_buf;
+
+/* One engine on one rank with two parameters, two steps: the config works end to end. Returns
+ * the overlap_param_gather the engine runs with (-1 on failure). */
+static int run_engine(const sg_config *cfg, const char *what) {
+  sg_comm *c = NULL;
+  sg_engine *e = NULL;
+  int overlap = -1;
+  if (!CHECK(sg_comm_create_local(1, &c) == SG_OK, "%s: comm", what)) return -1;
+  int ok = CHECK(sg_engine_create(c, cfg, &e) == SG_OK, "%s: sg_engine_create", what);
+  int id[2] = {0, 0};
+  ok = ok && sg_add_param(e, "w", 100, 0, &id[0]) == SG_OK &&
+       sg_add_param(e, "b", 10, SG_PARAM_NO_DECAY, &id[1]) == SG_OK;
+  ok = ok && CHECK(sg_finalize(e) == SG_OK, "%s: sg_finalize", what);
+  for (int s = 0; ok && s < 2; s++) {
+    for (int p = 0; ok && p < 2; p++) {
+      float g[100];
+      for (int i = 0; i < 100; i++) g[i] = 0.25f * (float)((i + p + s) % 5) - 0.5f;
+      ok = sg_grad_add(e, id[p], g, SG_F32) == SG_OK;
+    }
+    sg_step_info info = {sizeof info, 0, 0, 0, 0, 0};
+    ok = ok && sg_step(e, &info) == SG_OK && info.step == (uint64_t)s + 1;
+  }
+  if (CHECK(ok, "%s: two steps", what)) {
+    float w[100];
+    ok = sg_get_param(e, id[0], w, SG_F32) == SG_OK;
+    int moved = 0;
+    for (int i = 0; i < 100; i++) moved += w[i] != 0.0f;
+    CHECK(ok && moved > 0, "%s: the parameters moved (%d of 100)", what, moved);
+    overlap = e->cfg.overlap_param_gather;
+  }
+  sg_engine_destroy(e);
+  sg_comm_destroy(c);
+  return overlap;
+}
+
+static void test_sizes(void) {
+  printf("published sizes ...\n");
+  CHECK(sizeof(sg_config) > sizeof(sg_config_v0_1),
+        "0.2's sizeof %zu differs from 0.1's %zu", sizeof(sg_config), sizeof(sg_config_v0_1));
+  CHECK(offsetof(sg_config, overlap_param_gather) >= offsetof(sg_config_v0_1, timeout_ms) + 4 &&
+            offsetof(sg_config, overlap_param_gather) < sizeof(sg_config_v0_1),
+        "overlap_param_gather sits in 0.1's tail padding (offset %zu, 0.1 size %zu)",
+        offsetof(sg_config, overlap_param_gather), sizeof(sg_config_v0_1));
+  const size_t ok_sizes[] = {sizeof(sg_config_v0_1), sizeof(sg_config)};
+  for (int k = 0; k < 2; k++) {
+    cfg_buf b;
+    memset(&b, 0xa5, sizeof b);
+    CHECK(sg_config_init(&b.cfg, ok_sizes[k]) == SG_OK && b.cfg.struct_size == ok_sizes[k] &&
+              b.bytes[ok_sizes[k]] == 0xa5,
+          "sg_config_init(%zu) works and writes only %zu bytes", ok_sizes[k], ok_sizes[k]);
+  }
+  /* Sizes between the published ones name no layout. */
+  const size_t bad[] = {sizeof(sg_config_v0_1) - 4, sizeof(sg_config_v0_1) + 4,
+                        sizeof(sg_config) - 4, sizeof(sg_config) + 8};
+  for (int k = 0; k < 4; k++) {
+    cfg_buf b;
+    memset(&b, 0xa5, sizeof b);
+    CHECK(sg_config_init(&b.cfg, bad[k]) == SG_ERR_INVALID_ARGUMENT && b.bytes[0] == 0xa5 &&
+              strstr(sg_last_error(), "struct_size"),
+          "sg_config_init(%zu) is rejected: '%s'", bad[k], sg_last_error());
+  }
+}
+
+static void test_v0_1_caller(void) {
+  printf("a 0.1 caller ...\n");
+  static const unsigned char fills[] = {0x00, 0x01, 0xff};
+  for (int f = 0; f < 3; f++) {
+    /* What a 0.1 program does: its own struct, the library's init, its own changes. Then the
+     * padding holds whatever its stack held. */
+    cfg_buf b;
+    memset(&b, 0xa5, sizeof b);
+    if (!CHECK(sg_config_init(&b.cfg, sizeof(sg_config_v0_1)) == SG_OK, "init 0.1")) return;
+    sg_config_v0_1 *old = (sg_config_v0_1 *)(void *)b.bytes;
+    old->lr = 0.01f;
+    old->timeout_ms = 30000;
+    memset(b.bytes + offsetof(sg_config_v0_1, timeout_ms) + 4, fills[f],
+           sizeof(sg_config_v0_1) - offsetof(sg_config_v0_1, timeout_ms) - 4);
+    sg_config copy;
+    CHECK(sg__config_copy(&b.cfg, &copy, "t") == SG_OK && copy.overlap_param_gather == 0 &&
+              copy.reserved_0_2 == 0 && copy.lr == 0.01f && copy.timeout_ms == 30000 &&
+              copy.struct_size == sizeof copy,
+          "padding 0x%02x: copied with overlap_param_gather 0 (got %d)", fills[f],
+          copy.overlap_param_gather);
+    char what[64];
+    snprintf(what, sizeof what, "0.1-sized, padding 0x%02x", fills[f]);
+    CHECK(run_engine(&b.cfg, what) == 0, "%s: engine runs with overlap_param_gather 0", what);
+  }
+}
+
+static void test_v0_2_caller(void) {
+  printf("a 0.2 caller ...\n");
+  for (int ov = 0; ov <= 1; ov++) {
+    sg_config c;
+    if (!CHECK(sg_config_init(&c, sizeof c) == SG_OK, "init 0.2")) return;
+    c.overlap_param_gather = ov;
+    char what[64];
+    snprintf(what, sizeof what, "0.2-sized, overlap_param_gather %d", ov);
+    CHECK(run_engine(&c, what) == ov, "%s: the engine keeps it", what);
+  }
+  sg_config c;
+  sg_config_init(&c, sizeof c);
+  c.reserved_0_2 = 1;
+  sg_comm *comm = NULL;
+  sg_engine *e = NULL;
+  sg_comm_create_local(1, &comm);
+  CHECK(sg_engine_create(comm, &c, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
+            strstr(sg_last_error(), "reserved_0_2"),
+        "reserved_0_2 != 0 is rejected: '%s'", sg_last_error());
+  sg_comm_destroy(comm);
+}
+
+int main(void) {
+  test_sizes();
+  test_v0_1_caller();
+  test_v0_2_caller();
+  return sg_test_summary("");
+}
