@@ -111,7 +111,8 @@ if(SG_WITH_CUDA)
     # host, queued on the streams, refusing shapes that do not fit, host pointers, short
     # workspaces and TF32 algorithms) and its kernel emulated: descriptors, GEMM layouts,
     # gradient slots and stream order; --check holds the first steps to the CPU reference and
-    # the loss must halve. Ranks as threads (local communicator) and one rank over mock NCCL.
+    # the loss must halve (here 5.1x and 3.2x lower in 80 steps; the mocks are deterministic).
+    # Ranks as threads (local communicator) and one rank over mock NCCL.
     add_executable(test_cnn_cudnn_cudamock ${PROJECT_SOURCE_DIR}/examples/cnn_cudnn/cnn_cudnn.c
       ${PROJECT_SOURCE_DIR}/examples/cnn_cudnn/cnn_model.c
       ${CMAKE_CURRENT_SOURCE_DIR}/cudamock/sg_cudnnmock.cpp
@@ -126,7 +127,7 @@ if(SG_WITH_CUDA)
                 "test_cnn_cudnn_cudamock_nccl|--nccl-solo")
       string(REPLACE "|" ";" run "${run}")
       list(POP_FRONT run name)
-      add_test(NAME ${name} COMMAND test_cnn_cudnn_cudamock ${run} --steps 150 --batch 16
+      add_test(NAME ${name} COMMAND test_cnn_cudnn_cudamock ${run} --steps 80 --batch 16
         --channels 4 --log-every 50 --check)
       set_tests_properties(${name} PROPERTIES TIMEOUT 300 LABELS cuda
         PASS_REGULAR_EXPRESSION "check: the first 3 steps match the CPU reference")
