@@ -1,6 +1,6 @@
 # The host side of optimizer offload (src/offload) and the CPU kernels it runs, on the CPU device;
 # test_host_step_cudamock runs the same program on the mock CUDA device too (tests/cuda.cmake).
-sg_add_test(test_host_step SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_host_step.c TIMEOUT 300)
+sg_add_test(test_host_step SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_host_step.c LABELS unit TIMEOUT 300)
 if(SG_WITH_CUDA AND TARGET shardgrad_cudamock) # cuda.cmake (included before this file) made it
   add_executable(test_host_step_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_host_step.c)
   target_link_libraries(test_host_step_cudamock PRIVATE shardgrad_cudamock)
@@ -10,7 +10,7 @@ if(SG_WITH_CUDA AND TARGET shardgrad_cudamock) # cuda.cmake (included before thi
   set_tests_properties(test_host_step_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
 endif()
 # The offloaded optimizer state (src/offload/sg_offload.c) against the device path, bitwise.
-sg_add_test(test_offload SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_offload.c TIMEOUT 300)
+sg_add_test(test_offload SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_offload.c LABELS unit TIMEOUT 300)
 if(SG_WITH_CUDA AND TARGET shardgrad_cudamock)
   add_executable(test_offload_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_offload.c)
   target_link_libraries(test_offload_cudamock PRIVATE shardgrad_cudamock)
