@@ -4,8 +4,9 @@
 #      puts it in the package), then README.md's Python quick start, copied out of the README,
 #      run from an empty directory with no SHARDGRAD_LIBRARY and no PYTHONPATH: threads, and
 #      `mpirun -np 2 ... --mpi` when the library has MPI; the printed loss must fall;
-#   2. `pip wheel ./python`: a py3-none-<platform> wheel holding shardgrad/lib/libshardgrad.so,
-#      installed into a second fresh venv, where the quick start runs again.
+#   2. `pip wheel .` at the root (pyproject.toml there: the same package): a py3-none-<platform>
+#      wheel holding shardgrad/lib/libshardgrad.so, installed into a second fresh venv, where the
+#      quick start runs again.
 # The quick start needs torch: the venvs see the torch of SG_TORCH_PYTHON (default
 # $HOME/.cache/shardgrad/venv/bin/python, which scripts/test.sh creates) through a .pth file
 # appended after their own site-packages, so shardgrad itself still comes from the venv. Without
@@ -108,6 +109,11 @@ quickstart() { # quickstart VENV LABEL
   fi
 }
 
+# The root's pyproject.toml and python/pyproject.toml describe the same package.
+project_table() { sed -n '/^\[project\]/,/^\[tool\./p' "$1" | grep -v '^\[tool\.'; }
+check "pyproject.toml and python/pyproject.toml: the same [project] tables" \
+  diff <(project_table "$ROOT/pyproject.toml") <(project_table "$ROOT/python/pyproject.toml")
+
 # 1. pip install ./python
 if check "fresh venv A" new_venv "$work/venv-a" &&
   check "pip install ./python ${pip_args[*]}" "$work/venv-a/bin/pip" install -q "$ROOT/python" \
@@ -117,9 +123,9 @@ if check "fresh venv A" new_venv "$work/venv-a" &&
   quickstart "$work/venv-a" "venv A"
 fi
 
-# 2. pip wheel ./python, installed into another fresh venv
-if check "pip wheel ./python ${pip_args[*]}" "$work/venv-a/bin/pip" wheel -q --no-deps \
-  -w "$work/dist" "$ROOT/python" "${pip_args[@]}"; then
+# 2. pip wheel . (the root's pyproject.toml), installed into another fresh venv
+if check "pip wheel . (the checkout's root) ${pip_args[*]}" "$work/venv-a/bin/pip" wheel -q \
+  --no-deps -w "$work/dist" "$ROOT" "${pip_args[@]}"; then
   whl=$(ls "$work"/dist/shardgrad-*.whl 2>/dev/null | head -1)
   check "the wheel is a platform wheel for any Python 3 ($(basename "${whl:-none}"))" \
     bash -c "[[ '$whl' == *-py3-none-linux_*.whl ]]"
