@@ -10,7 +10,9 @@
  *  - Outputs go through pointers in the last arguments. Structs crossing the API start with
  *    `struct_size`. Handles are opaque; every *_destroy accepts NULL.
  *  - "Collective" calls must be made by every rank of the communicator, in the same order.
- *  - One engine is driven by one thread at a time; separate engines are independent.
+ *  - One engine is driven by one thread at a time; separate engines are independent. A call on
+ *    an engine from a second thread while another thread is inside a call on it fails with
+ *    SG_ERR_INVALID_STATE and does nothing (sg_engine_destroy then leaves the engine alone).
  *  - A failed call changes nothing, unless its message says which state it left.
  *  - The library never calls exit() or abort(), and nothing in it prints except through the
  *    logger (SG_LOG=warn|info|debug, SG_LOG_FILE=path, %r in the path becomes the rank).

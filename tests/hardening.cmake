@@ -19,3 +19,13 @@ endif()
 sg_add_test(test_grad_zero SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_grad_zero.c LABELS local
             TIMEOUT 300)
 sg_add_mpi_test(test_grad_zero_mpi_np2 EXE test_grad_zero NP 2 ARGS --mpi TIMEOUT 300)
+sg_add_test(test_engine_guard SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_engine_guard.c
+            LABELS local TIMEOUT 120)
+# Every public engine function enters the guard first (a new one without it fails here).
+find_package(Python3 COMPONENTS Interpreter QUIET)
+if(Python3_FOUND)
+  add_test(NAME test_engine_guard_coverage
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/check_guard.py
+                   ${PROJECT_SOURCE_DIR})
+  set_tests_properties(test_engine_guard_coverage PROPERTIES TIMEOUT 60 LABELS unit)
+endif()

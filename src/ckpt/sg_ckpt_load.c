@@ -414,6 +414,7 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
 }
 
 sg_status sg_load(sg_engine *e, const char *dir) {
+  SG_ENGINE_GUARD(e, "sg_load");
   static const char *fn = "sg_load";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!dir || !dir[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: dir is NULL or empty", fn);
@@ -447,6 +448,7 @@ sg_status sg_load(sg_engine *e, const char *dir) {
 }
 
 sg_status sg_get_step(sg_engine *e, uint64_t *step) {
+  SG_ENGINE_GUARD(e, "sg_get_step");
   static const char *fn = "sg_get_step";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   if (!step) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: step is NULL", fn);

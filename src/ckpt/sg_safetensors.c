@@ -227,6 +227,7 @@ static void export_free(sg_engine *e, exporter *x) {
 }
 
 sg_status sg_export(sg_engine *e, const char *path) {
+  SG_ENGINE_GUARD(e, "sg_export");
   static const char *fn = "sg_export";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!path || !path[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", fn);
@@ -350,6 +351,7 @@ static sg_status import_values(sg_engine *e, importer *im) {
 }
 
 sg_status sg_import(sg_engine *e, const char *path) {
+  SG_ENGINE_GUARD(e, "sg_import");
   static const char *fn = "sg_import";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!path || !path[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", fn);

@@ -189,6 +189,12 @@ static void free_finalized(sg_engine *e) {
 
 void sg_engine_destroy(sg_engine *e) {
   if (!e) return;
+  /* Another thread inside a call: freeing the engine under it would crash it; leak instead. */
+  sg__guard_scope gs;
+  if (sg__guard_enter(&e->guard, "sg_engine_destroy", &gs) != SG_OK) {
+    SG_LOG(SG_LOG_WARN, e->rank, "%s; the engine is not destroyed", sg_last_error());
+    return;
+  }
   /* Pending reductions finish before memory goes away (every collective has its own deadline
    * and jobs after a failure are skipped, so this ends), and the memory goes back through the
    * device before the device itself is destroyed. */
@@ -231,6 +237,7 @@ static sg_status grow(sg_engine *e) {
 }
 
 sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t flags, int *id) {
+  SG_ENGINE_GUARD(e, "sg_add_param");
   static const char *fn = "sg_add_param";
   SG_TRY(sg__engine_check(e, fn, 0));
   if (!id) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id is NULL", fn);
@@ -407,6 +414,7 @@ static sg_status finalize_local(sg_engine *e) {
 }
 
 sg_status sg_finalize(sg_engine *e) {
+  SG_ENGINE_GUARD(e, "sg_finalize");
   static const char *fn = "sg_finalize";
   SG_TRY(sg__engine_check(e, fn, 0));
   sg_status local = finalize_local(e);
@@ -446,6 +454,7 @@ static char *param_at(const sg_engine *e, int id) {
 }
 
 sg_status sg_param_ptr(sg_engine *e, int id, void **ptr) {
+  SG_ENGINE_GUARD(e, "sg_param_ptr");
   static const char *fn = "sg_param_ptr";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -483,6 +492,7 @@ static sg_status check_dtype_arg(int dt, const char *fn, const char *what) {
 }
 
 sg_status sg_set_param(sg_engine *e, int id, const void *src, sg_dtype src_dtype) {
+  SG_ENGINE_GUARD(e, "sg_set_param");
   static const char *fn = "sg_set_param";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -511,6 +521,7 @@ done:
 }
 
 sg_status sg_get_param(sg_engine *e, int id, void *dst, sg_dtype dst_dtype) {
+  SG_ENGINE_GUARD(e, "sg_get_param");
   static const char *fn = "sg_get_param";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -539,6 +550,7 @@ static sg_status master_from_working(sg_engine *e) {
 }
 
 sg_status sg_broadcast_params(sg_engine *e, int root) {
+  SG_ENGINE_GUARD(e, "sg_broadcast_params");
   static const char *fn = "sg_broadcast_params";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (root < 0 || root >= e->world)
@@ -573,6 +585,7 @@ done:
 }
 
 sg_status sg_get_master(sg_engine *e, int id, float *dst) {
+  SG_ENGINE_GUARD(e, "sg_get_master");
   static const char *fn = "sg_get_master";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -583,6 +596,7 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
 }
 
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
+  SG_ENGINE_GUARD(e, "sg_get_optim_state");
   static const char *fn = "sg_get_optim_state";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -605,6 +619,7 @@ static sg_status check_stats(sg_memory_stats *out, const char *fn) {
 }
 
 sg_status sg_memory(sg_engine *e, sg_memory_stats *out) {
+  SG_ENGINE_GUARD(e, "sg_memory");
   static const char *fn = "sg_memory";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   SG_TRY(check_stats(out, fn));
@@ -662,6 +677,7 @@ static sg_status check_rate(const char *fn, const char *what, float v, int group
 }
 
 sg_status sg_set_lr(sg_engine *e, float lr) {
+  SG_ENGINE_GUARD(e, "sg_set_lr");
   static const char *fn = "sg_set_lr";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   SG_TRY(check_rate(fn, "lr", lr, -1));
@@ -670,6 +686,7 @@ sg_status sg_set_lr(sg_engine *e, float lr) {
 }
 
 sg_status sg_get_lr(sg_engine *e, float *lr) {
+  SG_ENGINE_GUARD(e, "sg_get_lr");
   static const char *fn = "sg_get_lr";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
@@ -688,6 +705,7 @@ static sg_status check_group(int group, const char *fn) {
 }
 
 sg_status sg_set_param_group(sg_engine *e, int id, int group) {
+  SG_ENGINE_GUARD(e, "sg_set_param_group");
   static const char *fn = "sg_set_param_group";
   SG_TRY(sg__engine_check(e, fn, 0));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -697,6 +715,7 @@ sg_status sg_set_param_group(sg_engine *e, int id, int group) {
 }
 
 sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay) {
+  SG_ENGINE_GUARD(e, "sg_set_group");
   static const char *fn = "sg_set_group";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   SG_TRY(check_group(group, fn));
@@ -711,6 +730,7 @@ sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay) {
 }
 
 sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay) {
+  SG_ENGINE_GUARD(e, "sg_get_group");
   static const char *fn = "sg_get_group";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   SG_TRY(check_group(group, fn));
@@ -722,6 +742,7 @@ sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay) 
 }
 
 sg_status sg_set_stream(sg_engine *e, void *stream) {
+  SG_ENGINE_GUARD(e, "sg_set_stream");
   static const char *fn = "sg_set_stream";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   if (e->state == SG_ES_BROKEN) return sg__engine_check(e, fn, 1);
@@ -735,6 +756,7 @@ sg_status sg_set_stream(sg_engine *e, void *stream) {
 }
 
 sg_status sg_get_loss_scale(sg_engine *e, float *scale) {
+  SG_ENGINE_GUARD(e, "sg_get_loss_scale");
   static const char *fn = "sg_get_loss_scale";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   if (!scale) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: scale is NULL", fn);

@@ -11,6 +11,7 @@
 #include "../device/sg_device.h" /* device vtable */
 #include "../memory/sg_memory.h" /* layout, arenas */
 #include "../plan/sg_plan.h"     /* plan */
+#include "sg_guard.h"            /* sg__guard, SG_ENGINE_GUARD */
 #include "sg_names.h"            /* sg__names */
 
 typedef enum { SG_ES_BUILDING = 0, SG_ES_READY = 1, SG_ES_BROKEN = 2 } sg__engine_state;
@@ -21,6 +22,7 @@ struct sg_engine {
   int rank, world;
   sg__device *dev;
   sg__engine_state state;
+  sg__guard guard; /* sg_guard.c: one thread at a time in the public functions */
   /* registration (before finalize) */
   int nparams, cap;
   char **names;

@@ -290,6 +290,7 @@ static sg_status check_not_ready(sg_engine *e, int id, const char *fn) {
 }
 
 sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr) {
+  SG_ENGINE_GUARD(e, "sg_grad_ptr");
   static const char *fn = "sg_grad_ptr";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -303,6 +304,7 @@ sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr) {
 }
 
 sg_status sg_grad_ready(sg_engine *e, int id) {
+  SG_ENGINE_GUARD(e, "sg_grad_ready");
   static const char *fn = "sg_grad_ready";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -313,6 +315,7 @@ sg_status sg_grad_ready(sg_engine *e, int id) {
 }
 
 sg_status sg_grad_add(sg_engine *e, int id, const void *src, sg_dtype src_dtype) {
+  SG_ENGINE_GUARD(e, "sg_grad_add");
   static const char *fn = "sg_grad_add";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(sg__engine_check_id(e, id, fn));
@@ -350,6 +353,7 @@ static sg_status complete_microbatch(sg_engine *e, const char *fn) {
 }
 
 sg_status sg_backward_end(sg_engine *e) {
+  SG_ENGINE_GUARD(e, "sg_backward_end");
   static const char *fn = "sg_backward_end";
   SG_TRY(sg__engine_check(e, fn, 1));
   return complete_microbatch(e, fn);
@@ -371,6 +375,7 @@ static sg_status alloc_nosync(sg_engine *e) {
 }
 
 sg_status sg_set_sync(sg_engine *e, int enabled) {
+  SG_ENGINE_GUARD(e, "sg_set_sync");
   static const char *fn = "sg_set_sync";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (enabled != 0 && enabled != 1)
@@ -412,6 +417,7 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn) {
  * the slots they read, and fold_local zeroes its slot, so once the comm queue is drained every
  * gradient buffer but the accumulators is zero already. */
 sg_status sg_grad_zero(sg_engine *e) {
+  SG_ENGINE_GUARD(e, "sg_grad_zero");
   static const char *fn = "sg_grad_zero";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(complete_microbatch(e, fn));

@@ -192,6 +192,7 @@ sg_status sg__step_settle(sg_engine *e) {
 }
 
 sg_status sg_param_wait(sg_engine *e, int id) {
+  SG_ENGINE_GUARD(e, "sg_param_wait");
   static const char *fn = "sg_param_wait";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (id == -1) return sg__err_prefix(sg__step_settle(e), fn);
@@ -262,6 +263,7 @@ static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
 }
 
 sg_status sg_step(sg_engine *e, sg_step_info *info) {
+  SG_ENGINE_GUARD(e, "sg_step");
   static const char *fn = "sg_step";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(check_info(info));

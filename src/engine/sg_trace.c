@@ -126,6 +126,7 @@ static sg_status start(sg_engine *e, size_t cap, const char *fn) {
 }
 
 sg_status sg_trace_start(sg_engine *e, size_t max_events) {
+  SG_ENGINE_GUARD(e, "sg_trace_start");
   static const char *fn = "sg_trace_start";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (max_events > SG__TRACE_MAX)
@@ -137,6 +138,7 @@ sg_status sg_trace_start(sg_engine *e, size_t max_events) {
 }
 
 sg_status sg_trace_stop(sg_engine *e) {
+  SG_ENGINE_GUARD(e, "sg_trace_stop");
   static const char *fn = "sg_trace_stop";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!e->trace || !e->trace->active)
@@ -146,6 +148,7 @@ sg_status sg_trace_stop(sg_engine *e) {
 }
 
 sg_status sg_trace_mark(sg_engine *e, const char *label) {
+  SG_ENGINE_GUARD(e, "sg_trace_mark");
   static const char *fn = "sg_trace_mark";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!label) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: label is NULL", fn);
@@ -208,6 +211,7 @@ static sg_status check_trace(sg_engine *e, const char *fn) {
 
 sg_status sg_trace_events(sg_engine *e, sg_trace_event *out, size_t cap, size_t *count,
                           uint64_t *dropped) {
+  SG_ENGINE_GUARD(e, "sg_trace_events");
   static const char *fn = "sg_trace_events";
   SG_TRY(check_trace(e, fn));
   if (!count) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: count is NULL", fn);
@@ -300,6 +304,7 @@ static sg_status write_json(sg_engine *e, const char *path, const char *fn) {
 }
 
 sg_status sg_trace_write(sg_engine *e, const char *path) {
+  SG_ENGINE_GUARD(e, "sg_trace_write");
   static const char *fn = "sg_trace_write";
   SG_TRY(check_trace(e, fn));
   if (!path || !path[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", fn);
