@@ -29,7 +29,14 @@
 /* OpenMP threads only for large calls (a parallel region costs a few microseconds). TSan does
  * not see libgomp's internal synchronisation, so sanitizer builds run the loops on one thread
  * rather than report races that are not there. */
-#if defined(_OPENMP) && !defined(__SANITIZE_THREAD__)
+#if defined(__SANITIZE_THREAD__)
+#define SG_CPU_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) /* clang spells it this way */
+#define SG_CPU_TSAN 1
+#endif
+#endif
+#if defined(_OPENMP) && !defined(SG_CPU_TSAN)
 #include <omp.h>
 #define SG_CPU_OMP 1
 #endif
