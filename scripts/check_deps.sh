@@ -19,12 +19,13 @@ if [ "${1:-}" = --selftest ]; then
   echo '#include "../engine/sg_engine_internal.h"' >> "$tmp/src/plan/sg_plan.c"
   echo '#include <mpi.h>' >> "$tmp/src/engine/sg_step.c"
   echo '#include <stdio.h>' >> "$tmp/include/shardgrad.h"
+  echo 'static int planted(const sg_engine *e) { return e->cfg.strategy == SG_NO_SHARD; }' >> "$tmp/src/engine/sg_grads.c"
   out=$("$0" "$tmp")
   rc=$?
-  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\)')
+  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\)')
   echo "$out"
-  if [ $rc = 1 ] && [ "$n" = 3 ]; then echo "check_deps selftest: the 3 planted violations found"; exit 0; fi
-  echo "check_deps selftest: expected exit 1 and 3 violations, got exit $rc and $n"
+  if [ $rc = 1 ] && [ "$n" = 4 ]; then echo "check_deps selftest: the 4 planted violations found"; exit 0; fi
+  echo "check_deps selftest: expected exit 1 and 4 violations, got exit $rc and $n"
   exit 1
 fi
 root=${1:-$here}
@@ -134,6 +135,15 @@ for f in $files; do
       fi
     fi
   done < "$f"
+done
+# 4. Seams (DESIGN.md section 1): no code outside the strategy files compares or switches on the
+#    strategy (the engine calls through e->strat); sg_config.c only validates the value.
+strategy_files='^(src/engine/strategy/.*|src/core/sg_config\.c)$'
+for f in $files; do
+  [[ $f =~ $strategy_files ]] && continue
+  grep -nE 'strategy[[:space:]]*(==|!=|<=|>=|<|>)|[!=]=[[:space:]]*SG_(NO_SHARD|SHARD_OPT|SHARD_GRAD_OP)\b|case[[:space:]]+SG_(NO_SHARD|SHARD_OPT|SHARD_GRAD_OP)\b|switch[[:space:]]*\([^)]*strategy' "$f" |
+    while IFS= read -r hit; do echo "check_deps: $f:$hit: branches on the strategy outside src/engine/strategy/"; done |
+    grep . && fail=1
 done
 [ $fail = 0 ] && echo "check_deps: $(echo "$files" | wc -l) files follow the dependency rules"
 exit $fail

@@ -76,11 +76,11 @@ static void raw_ptrs(const sg_engine *e, void *p[4], size_t b[4]) {
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   p[0] = e->params;
   b[0] = e->plan->total_numel * P;
-  p[1] = e->master;
-  b[1] = e->master ? e->lay.opt_numel * 4 : 0;
-  p[2] = e->m;
+  p[1] = e->opt.master;
+  b[1] = e->opt.master ? e->lay.opt_numel * 4 : 0;
+  p[2] = e->opt.state[0];
   b[2] = e->lay.opt_numel * 4;
-  p[3] = e->v;
+  p[3] = e->opt.state[1];
   b[3] = e->lay.opt_numel * 4;
 }
 
@@ -92,9 +92,9 @@ static void raw_take(loader *L) {
     L->copy[k] = malloc(L->bytes[k] + 1);
     if (L->bytes[k]) memcpy(L->copy[k], p[k], L->bytes[k]);
   }
-  L->step = L->e->step;
-  L->scale = L->e->loss_scale;
-  L->lr = L->e->lr;
+  L->step = L->e->opt.step;
+  L->scale = L->e->sc.loss_scale;
+  L->lr = L->e->opt.lr[0];
 }
 
 static int raw_same(const loader *L) {
@@ -103,7 +103,7 @@ static int raw_same(const loader *L) {
   raw_ptrs(L->e, p, b);
   for (int k = 0; k < 4; k++)
     if (b[k] != L->bytes[k] || (b[k] && memcmp(p[k], L->copy[k], b[k]) != 0)) return 0;
-  return L->e->step == L->step && L->e->loss_scale == L->scale && L->e->lr == L->lr;
+  return L->e->opt.step == L->step && L->e->sc.loss_scale == L->scale && L->e->opt.lr[0] == L->lr;
 }
 
 static int loader_init(loader *L) {
@@ -326,10 +326,10 @@ int main(void) {
     CHECK(0, "loading engine: %s", sg_last_error());
     return finish();
   }
-  CHECK(sg_load(L.e, g_dir) == SG_OK && L.e->step == 2,
+  CHECK(sg_load(L.e, g_dir) == SG_OK && L.e->opt.step == 2,
         "the intact checkpoint loads at W=1 "
         "(step %llu): %s",
-        (unsigned long long)L.e->step, sg_last_error());
+        (unsigned long long)L.e->opt.step, sg_last_error());
   raw_take(&L);
   char files[1 + SAVE_WORLD][400];
   snprintf(files[0], sizeof files[0], "%s/manifest", g_dir);

@@ -48,14 +48,14 @@ static void child_rank(int rank, int world, sg_comm *comm, void *arg) {
     _exit(3);
   }
   for (;;) {
-    const int s = (int)e->step;
+    const int s = (int)e->opt.step;
     st = train(e, &k_m, ids, s, s + 1);
     if (!st) st = sg_save(e, a->dir);
     if (st) {
       fprintf(stderr, "child rank %d: %s: %s\n", rank, sg_status_string(st), sg_last_error());
       _exit(4);
     }
-    const uint64_t done = e->step;
+    const uint64_t done = e->opt.step;
     if (rank == 0 && write(a->fd, &done, sizeof done) != (ssize_t)sizeof done) _exit(5);
   }
 }
@@ -225,14 +225,14 @@ int main(int argc, char **argv) {
     const int world = 1 + (k % 2);
     const int64_t last = run_child(self, dir, world, &interval, &s);
     const sg_status st = sg_load(ld.e, dir);
-    const int64_t got = (int64_t)ld.e->step, base = last >= 0 ? last : prev;
+    const int64_t got = (int64_t)ld.e->opt.step, base = last >= 0 ? last : prev;
     int ok = st == SG_OK && (got == base || got == base + 1) && got >= prev;
     if (!ok)
       printf("round %d: load %s (%s), step %lld, last reported %lld, previous %lld\n", k,
              sg_status_string(st), sg_last_error(), (long long)got, (long long)last,
              (long long)prev);
     s.after_commit += got == base + 1;
-    if (ok && train(ref.e, &k_m, ref.ids, (int)ref.e->step, (int)got) == SG_OK) {
+    if (ok && train(ref.e, &k_m, ref.ids, (int)ref.e->opt.step, (int)got) == SG_OK) {
       snap a, b;
       take_snap(ld.e, &k_m, ld.ids, &a);
       take_snap(ref.e, &k_m, ref.ids, &b);

@@ -40,7 +40,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../core/sg_core.h" /* sg_status, sg__err */
+#include "../core/sg_core.h"          /* sg_status, sg__err */
+#include "../engine/sg_strategy.h"    /* sg__strategy_known */
 
 #define SG_CK_VERSION 1u          /* rank files */
 #define SG_CK_MANIFEST_VERSION 2u /* 2: parameter groups' lr and weight decay appended */

@@ -38,7 +38,7 @@ uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes)
   uint32_t n = 0;
   kinds[n] = SG_CK_WORK;
   elem_bytes[n++] = (uint32_t)sg__dtype_size(e->cfg.param_dtype);
-  if (e->master) {
+  if (e->opt.master) {
     kinds[n] = SG_CK_MASTER;
     elem_bytes[n++] = 4;
   }
@@ -55,27 +55,12 @@ char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, s
     case SG_CK_WORK:
       return e->params + flat * sg__dtype_size(e->cfg.param_dtype);
     case SG_CK_MASTER:
-      return (char *)(e->master + opt_off);
+      return (char *)(e->opt.master + opt_off);
     case SG_CK_M:
-      return (char *)(e->m + opt_off);
+      return (char *)(e->opt.state[0] + opt_off);
     default:
-      return (char *)(e->v + opt_off);
+      return (char *)(e->opt.state[1] + opt_off);
   }
 }
 
-static sg_status gather_job(void *arg) {
-  sg_engine *e = arg;
-  const sg__plan *p = e->plan;
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (int b = 0; b < p->nbuckets; b++) {
-    const int64_t dl = sg__deadline(e->cfg.timeout_ms);
-    SG_TRY(e->comm->ops->all_gather(e->comm, e->params + p->buckets[b].start * P,
-                                    sg__plan_slice_numel(p, b) * P, dl));
-  }
-  return SG_OK;
-}
-
-sg_status sg__ck_gather_params(sg_engine *e) {
-  if (e->cfg.strategy == SG_NO_SHARD || e->world == 1) return SG_OK;
-  return sg__engine_run_comm(e, gather_job, e);
-}
+sg_status sg__ck_gather_params(sg_engine *e) { return sg__gathers_all(e); }

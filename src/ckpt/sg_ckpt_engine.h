@@ -26,7 +26,7 @@ sg_status sg__ck_agree(sg_engine *e, const char *fn, sg_status local, const uint
 /* Sections a checkpoint of this engine holds, in file order, and their element sizes. */
 uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes);
 
-/* Rank r's fragments of parameter id in the engine's plan (also under SG_NO_SHARD, where every
+/* Rank r's fragments of parameter id in the engine's plan (also where the state is replicated: every
  * rank holds everything but each writes only the part the plan assigns it). */
 static inline size_t sg__ck_frag_begin(const sg_engine *e, int id, int r) {
   return e->plan->frag_index[(size_t)id * (size_t)e->plan->world + (size_t)r];

@@ -252,7 +252,7 @@ static sg_status parse_head(rbuf *r, const char *what, sg__ck_manifest *m) {
   m->nparams = rb_u32(r);
   if (r->bad) return CORRUPT("%s: truncated", what);
   if (m->world < 1 || m->world > SG_CK_MAX_WORLD) return CORRUPT("%s: world %u", what, m->world);
-  if (m->strategy > SG_SHARD_GRAD_OP) return CORRUPT("%s: strategy %u", what, m->strategy);
+  if (!sg__strategy_known(m->strategy)) return CORRUPT("%s: strategy %u", what, m->strategy);
   if (!sg__dtype_valid((int)m->param_dtype) ||
       m->has_master != (m->param_dtype != SG_F32 ? 1u : 0u))
     return CORRUPT("%s: param dtype %u / master flag %u", what, m->param_dtype, m->has_master);

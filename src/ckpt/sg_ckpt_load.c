@@ -67,7 +67,7 @@ static sg_status map_params(sg_engine *e, load_ctx *c, const char *mpath) {
   while (cap < 2 * (size_t)m->nparams) cap *= 2;
   int64_t *slot = malloc(cap * sizeof *slot);
   uint8_t *used = calloc(m->nparams, 1);
-  c->map = malloc((size_t)e->nparams * sizeof *c->map);
+  c->map = malloc((size_t)e->reg.nparams * sizeof *c->map);
   sg_status st = SG_OK;
   if (!slot || !used || !c->map) {
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -79,25 +79,25 @@ static sg_status map_params(sg_engine *e, load_ctx *c, const char *mpath) {
     while (slot[h] >= 0) h = (h + 1) & (cap - 1);
     slot[h] = i;
   }
-  for (int id = 0; id < e->nparams && st == SG_OK; id++) {
+  for (int id = 0; id < e->reg.nparams && st == SG_OK; id++) {
     int64_t found = -1;
-    for (size_t h = name_hash(e->names[id], cap - 1); slot[h] >= 0 && found < 0;
+    for (size_t h = name_hash(e->reg.names[id], cap - 1); slot[h] >= 0 && found < 0;
          h = (h + 1) & (cap - 1))
-      if (strcmp(m->params[slot[h]].name, e->names[id]) == 0) found = slot[h];
+      if (strcmp(m->params[slot[h]].name, e->reg.names[id]) == 0) found = slot[h];
     if (found < 0) {
-      st = sg__err(SG_ERR_MISMATCH, "parameter '%s' is not in the checkpoint '%s'", e->names[id],
+      st = sg__err(SG_ERR_MISMATCH, "parameter '%s' is not in the checkpoint '%s'", e->reg.names[id],
                    mpath);
       break;
     }
     const sg__ck_param *p = &m->params[found];
-    if (p->numel != e->numels[id]) {
+    if (p->numel != e->reg.numels[id]) {
       st = sg__err(SG_ERR_MISMATCH, "parameter '%s' has %zu elements, %" PRIu64 " in '%s'",
-                   e->names[id], e->numels[id], p->numel, mpath);
+                   e->reg.names[id], e->reg.numels[id], p->numel, mpath);
       break;
     }
-    if (p->flags != e->flags[id])
-      SG_LOG(SG_LOG_WARN, e->rank, "sg_load: parameter '%s' has flags %u, %u in '%s'", e->names[id],
-             (unsigned)e->flags[id], (unsigned)p->flags, mpath);
+    if (p->flags != e->reg.flags[id])
+      SG_LOG(SG_LOG_WARN, e->rank, "sg_load: parameter '%s' has flags %u, %u in '%s'", e->reg.names[id],
+             (unsigned)e->reg.flags[id], (unsigned)p->flags, mpath);
     c->map[id] = (int)found;
     used[found] = 1;
   }
@@ -161,7 +161,7 @@ static int req_cmp(const void *x, const void *y) {
 }
 
 static sg_status plan_reads(sg_engine *e, load_ctx *c) {
-  for (int id = 0; id < e->nparams; id++) {
+  for (int id = 0; id < e->reg.nparams; id++) {
     piece_arg a = {c, id};
     SG_TRY(sg__engine_for_pieces(e, id, add_piece, &a));
   }
@@ -367,49 +367,31 @@ static sg_status h2d(sg_engine *e, void *dst, const void *src, size_t bytes) {
 }
 
 static void *state_base(sg_engine *e, uint32_t kind) {
-  return kind == SG_CK_MASTER ? (void *)e->master : kind == SG_CK_M ? (void *)e->m : (void *)e->v;
+  return kind == SG_CK_MASTER ? (void *)e->opt.master : kind == SG_CK_M ? (void *)e->opt.state[0] : (void *)e->opt.state[1];
 }
 
-/* master/m/v whole (staging is zero where the engine keeps padding); working params: this
- * rank's slice of every bucket (the gather fills the rest), or everything under NO_SHARD. */
+/* State arrays whole (staging is zero where the engine keeps padding); working params: the
+ * part of every bucket this rank owns (the gathers fill the rest). */
 static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   for (uint32_t s = 1; s < c->nkinds; s++)
     SG_TRY(h2d(e, state_base(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
-  if (e->cfg.strategy == SG_NO_SHARD) return h2d(e, e->params, c->stage[0], c->opt_numel * P);
-  const sg__plan *p = e->plan;
-  for (int b = 0; b < p->nbuckets; b++)
-    SG_TRY(h2d(e, e->params + sg__plan_slice_start(p, b, e->rank) * P,
-               c->stage[0] + p->buckets[b].shard_offset * P, sg__plan_slice_numel(p, b) * P));
-  return SG_OK;
-}
-
-/* Gradients accumulated before the load belong to the old state: cleared. */
-static sg_status clear_grads(sg_engine *e) {
-  sg__device *d = e->dev;
-  SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, e->accum,
-                      e->lay.accum_numel * sg__dtype_size(e->cfg.accum_dtype)));
-  if (e->nosync) SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, e->nosync, e->plan->total_numel * 4));
-  memset(e->nosync_dirty, 0, (size_t)e->plan->nbuckets);
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    sg__owned o;
+    e->strat->owned(e->plan, e->rank, b, &o);
+    SG_TRY(h2d(e, e->params + o.flat0 * P, c->stage[0] + o.state0 * P, o.n * P));
+  }
   return SG_OK;
 }
 
 static sg_status apply(sg_engine *e, const load_ctx *c) {
   SG_TRY(apply_arrays(e, c));
-  SG_TRY(clear_grads(e));
+  /* Gradients accumulated before the load belong to the old state. */
+  SG_TRY(sg__grads_clear(e));
   SG_TRY(sg__ck_gather_params(e));
-  e->step = c->m.step;
-  e->lr = c->m.lr;
   /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
-  for (int g = 1; g < SG_MAX_GROUPS; g++) e->group_lr[g] = c->m.lr;
-  for (uint32_t g = 0; g < c->m.ngroups && g < SG_MAX_GROUPS; g++) {
-    if (g > 0) e->group_lr[g] = c->m.group_lr[g];
-    e->group_wd[g] = c->m.group_wd[g];
-  }
-  if (e->dynamic_scale && c->m.dynamic_scale) {
-    e->loss_scale = c->m.loss_scale;
-    e->clean_steps = (int)c->m.clean_steps;
-  }
+  sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
+  sg__scale_restore(e, (int)c->m.dynamic_scale, c->m.loss_scale, c->m.clean_steps);
   return SG_OK;
 }
 
@@ -445,13 +427,4 @@ sg_status sg_load(sg_engine *e, const char *dir) {
            dir, c.m.world);
   ctx_free(&c);
   return st;
-}
-
-sg_status sg_get_step(sg_engine *e, uint64_t *step) {
-  SG_ENGINE_GUARD(e, "sg_get_step");
-  static const char *fn = "sg_get_step";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!step) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: step is NULL", fn);
-  *step = e->step;
-  return SG_OK;
 }

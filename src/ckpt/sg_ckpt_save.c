@@ -107,15 +107,15 @@ static sg_status append(sg_engine *e, writer *w, const char *src, size_t bytes) 
 static sg_status write_section(sg_engine *e, writer *w, int s) {
   const int kind = (int)w->h->sec[s].kind;
   const size_t esize = w->h->sec[s].elem_bytes;
-  const int no_shard = e->cfg.strategy == SG_NO_SHARD;
   w->sec = &w->h->sec[s];
   w->sec_done = 0;
   w->fill = 0;
   w->crc_next = w->sec->crc_index;
-  for (int id = 0; id < e->nparams; id++)
+  for (int id = 0; id < e->reg.nparams; id++)
     for (size_t k = sg__ck_frag_begin(e, id, e->rank); k < sg__ck_frag_end(e, id, e->rank); k++) {
       const sg__fragment *f = &e->plan->frags[k];
-      const size_t opt = no_shard ? e->plan->params[id].offset + f->param_offset : f->shard_offset;
+      const size_t opt = sg__strategy_state_index(e->strat, e->plan, e->rank, f->bucket,
+                                                  e->plan->params[id].offset + f->param_offset);
       SG_TRY(append(e, w, sg__ck_state_ptr(e, kind, id, f->param_offset, opt), f->length * esize));
     }
   if (w->fill > 0) SG_TRY(flush(w));
@@ -127,7 +127,7 @@ static sg_status write_section(sg_engine *e, writer *w, int s) {
 
 static size_t owned_numel(const sg_engine *e) {
   size_t n = 0;
-  for (int id = 0; id < e->nparams; id++)
+  for (int id = 0; id < e->reg.nparams; id++)
     for (size_t k = sg__ck_frag_begin(e, id, e->rank); k < sg__ck_frag_end(e, id, e->rank); k++)
       n += e->plan->frags[k].length;
   return n;
@@ -203,17 +203,17 @@ done:
  * write_section uses (registration order, then the plan's fragment order). */
 static sg_status fill_params(const sg_engine *e, sg__ck_manifest *m) {
   uint64_t *cursor = calloc((size_t)e->world, sizeof *cursor);
-  m->params = calloc((size_t)e->nparams, sizeof *m->params);
+  m->params = calloc((size_t)e->reg.nparams, sizeof *m->params);
   if (!cursor || !m->params) {
     free(cursor);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   }
   sg_status st = SG_OK;
-  for (int id = 0; id < e->nparams && st == SG_OK; id++) {
+  for (int id = 0; id < e->reg.nparams && st == SG_OK; id++) {
     sg__ck_param *p = &m->params[id];
     const size_t k0 = sg__ck_frag_begin(e, id, 0), k1 = sg__ck_frag_end(e, id, e->world - 1);
-    *p = (sg__ck_param){e->names[id],        e->numels[id],
-                        e->flags[id],        (uint32_t)e->cfg.param_dtype,
+    *p = (sg__ck_param){e->reg.names[id],        e->reg.numels[id],
+                        e->reg.flags[id],        (uint32_t)e->cfg.param_dtype,
                         (uint32_t)(k1 - k0), calloc(k1 - k0, sizeof(sg__ck_frag))};
     if (!p->frags) {
       st = sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -250,7 +250,7 @@ static sg_status fill_files(const sg_engine *e, uint64_t gen, const sg__ck_vote 
 
 static void free_manifest_tables(const sg_engine *e, sg__ck_manifest *m) {
   if (m->params)
-    for (int id = 0; id < e->nparams; id++) free(m->params[id].frags); /* names are the engine's */
+    for (int id = 0; id < e->reg.nparams; id++) free(m->params[id].frags); /* names are the engine's */
   if (m->files)
     for (int r = 0; r < e->world; r++) free(m->files[r].name);
   free(m->params);
@@ -263,19 +263,19 @@ static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
                        .world = (uint32_t)e->world,
                        .strategy = (uint32_t)e->cfg.strategy,
                        .param_dtype = (uint32_t)e->cfg.param_dtype,
-                       .has_master = e->master != NULL,
+                       .has_master = e->opt.master != NULL,
                        .plan_hash = e->plan->hash,
-                       .step = e->step,
-                       .loss_scale = e->loss_scale,
-                       .clean_steps = (uint32_t)e->clean_steps,
-                       .dynamic_scale = (uint32_t)e->dynamic_scale,
-                       .lr = e->lr,
-                       .nparams = (uint32_t)e->nparams};
+                       .step = e->opt.step,
+                       .loss_scale = e->sc.loss_scale,
+                       .clean_steps = (uint32_t)e->sc.clean_steps,
+                       .dynamic_scale = (uint32_t)e->sc.dynamic,
+                       .lr = (float)e->opt.lr[0],
+                       .nparams = (uint32_t)e->reg.nparams};
   sg__config_words(&e->cfg, m.cfg, SG_CK_NCFG); /* informational: a load may change it */
   m.ngroups = SG_MAX_GROUPS;
   for (int g = 0; g < SG_MAX_GROUPS; g++) {
-    m.group_lr[g] = g == 0 ? e->lr : e->group_lr[g];
-    m.group_wd[g] = e->group_wd[g];
+    m.group_lr[g] = (float)e->opt.lr[g];
+    m.group_wd[g] = (float)e->opt.wd[g];
   }
   uint8_t *buf = NULL;
   size_t len = 0;
@@ -383,7 +383,7 @@ static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
   free(all);
   if (st != SG_OK) return st;
   if (e->rank == 0) remove_old(e, dir, gen);
-  SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")", e->step,
+  SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")", e->opt.step,
          dir, gen);
   return SG_OK;
 }

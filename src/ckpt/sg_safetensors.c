@@ -71,24 +71,24 @@ static void sb_json_string(sbuf *b, const char *s) {
 /* Data offsets in plan order (the order the data are gathered and written). */
 static sg_status export_header(const sg_engine *e, uint8_t **out, size_t *len) {
   const sg__plan *p = e->plan;
-  uint64_t *begin = malloc((size_t)e->nparams * sizeof *begin);
+  uint64_t *begin = malloc((size_t)e->reg.nparams * sizeof *begin);
   if (!begin) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   uint64_t off = 0;
-  for (int k = 0; k < e->nparams; k++) {
+  for (int k = 0; k < e->reg.nparams; k++) {
     begin[p->order[k]] = off;
-    off += (uint64_t)e->numels[p->order[k]] * 4;
+    off += (uint64_t)e->reg.numels[p->order[k]] * 4;
   }
   sbuf b = {0};
   sb_str(&b, "        {\"__metadata__\":{\"format\":\"pt\",\"producer\":\"shardgrad\",\"step\":\"");
   char num[96];
-  snprintf(num, sizeof num, "%" PRIu64 "\"}", e->step);
+  snprintf(num, sizeof num, "%" PRIu64 "\"}", e->opt.step);
   sb_str(&b, num);
-  for (int id = 0; id < e->nparams; id++) {
+  for (int id = 0; id < e->reg.nparams; id++) {
     sb_str(&b, ",");
-    sb_json_string(&b, e->names[id]);
+    sb_json_string(&b, e->reg.names[id]);
     snprintf(num, sizeof num,
              ":{\"dtype\":\"F32\",\"shape\":[%zu],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}",
-             e->numels[id], begin[id], begin[id] + (uint64_t)e->numels[id] * 4);
+             e->reg.numels[id], begin[id], begin[id] + (uint64_t)e->reg.numels[id] * 4);
     sb_str(&b, num);
   }
   sb_str(&b, "}");
@@ -117,7 +117,7 @@ typedef struct {
 } exporter;
 
 static int needs_gather(const sg_engine *e) {
-  return e->master && e->cfg.strategy != SG_NO_SHARD && e->world > 1;
+  return e->opt.master && e->strat->gather_state && e->world > 1;
 }
 
 /* rank 0: numel f32 values of device memory to the file. */
@@ -131,39 +131,23 @@ static void write_values(sg_engine *e, exporter *x, const float *src, size_t num
   }
 }
 
-typedef struct {
-  sg_engine *e;
-  float *buf;
-  size_t bytes;
-} gather_arg;
-
-static sg_status gather_job(void *arg) {
-  gather_arg *g = arg;
-  return g->e->comm->ops->all_gather(g->e->comm, g->buf, g->bytes,
-                                     sg__deadline(g->e->cfg.timeout_ms));
-}
-
 /* Bucket b's master values in full, then rank 0 writes its parameters (plan order). */
 static sg_status export_bucket(sg_engine *e, exporter *x, int b) {
   const sg__plan *p = e->plan;
   const sg__bucket *bk = &p->buckets[b];
   const float *base = NULL; /* element bk->start of the bucket */
   if (needs_gather(e)) {
-    const size_t slice = sg__plan_slice_numel(p, b);
-    SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, x->gbuf + (size_t)e->rank * slice,
-                             e->master + bk->shard_offset, slice * 4, SG_COPY_D2D));
-    gather_arg g = {e, x->gbuf, slice * 4};
-    SG_TRY(sg__engine_run_comm(e, gather_job, &g));
+    SG_TRY(e->strat->gather_state(e, b, e->opt.master, x->gbuf));
     base = x->gbuf;
   } else {
     /* f32: the working params are the master (full on every rank); NO_SHARD or one rank: the
      * master is indexed by flat offset */
-    base = (e->master ? e->master : (const float *)e->params) + bk->start;
+    base = (e->opt.master ? e->opt.master : (const float *)e->params) + bk->start;
   }
   if (e->rank != 0) return SG_OK;
   for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
     const int id = p->order[k];
-    write_values(e, x, base + (p->params[id].offset - bk->start), e->numels[id]);
+    write_values(e, x, base + (p->params[id].offset - bk->start), e->reg.numels[id]);
   }
   return SG_OK;
 }
@@ -303,17 +287,17 @@ static sg_status import_header(importer *im) {
 }
 
 static sg_status match_entry(sg_engine *e, importer *im, int id) {
-  const sg__st_entry *t = sg__st_find(im->ent, im->nent, e->names[id]);
-  if (!t) return sg__err(SG_ERR_MISMATCH, "parameter '%s' is not in '%s'", e->names[id], im->path);
+  const sg__st_entry *t = sg__st_find(im->ent, im->nent, e->reg.names[id]);
+  if (!t) return sg__err(SG_ERR_MISMATCH, "parameter '%s' is not in '%s'", e->reg.names[id], im->path);
   if (t->dtype < 0)
     return sg__err(SG_ERR_MISMATCH, "tensor '%s' in '%s' has dtype %s; F32, BF16 or F16 needed",
                    t->name, im->path, t->dtype_name);
-  if (t->numel != e->numels[id])
+  if (t->numel != e->reg.numels[id])
     return sg__err(SG_ERR_MISMATCH,
                    "tensor '%s' in '%s' has %" PRIu64
                    " elements, the "
                    "parameter %zu",
-                   t->name, im->path, t->numel, e->numels[id]);
+                   t->name, im->path, t->numel, e->reg.numels[id]);
   if (t->end > im->data_bytes || t->end - t->begin != t->numel * sg__dtype_size(t->dtype))
     return sg__err(SG_ERR_CORRUPT,
                    "'%s': tensor '%s' has data offsets [%" PRIu64 ", %" PRIu64 "] for %" PRIu64
@@ -325,14 +309,14 @@ static sg_status match_entry(sg_engine *e, importer *im, int id) {
 
 static sg_status import_check(sg_engine *e, importer *im) {
   SG_TRY(import_header(im));
-  im->map = malloc((size_t)e->nparams * sizeof *im->map);
+  im->map = malloc((size_t)e->reg.nparams * sizeof *im->map);
   if (!im->map) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  for (int id = 0; id < e->nparams; id++) SG_TRY(match_entry(e, im, id));
+  for (int id = 0; id < e->reg.nparams; id++) SG_TRY(match_entry(e, im, id));
   return SG_OK;
 }
 
 static sg_status import_values(sg_engine *e, importer *im) {
-  for (int id = 0; id < e->nparams; id++) {
+  for (int id = 0; id < e->reg.nparams; id++) {
     const sg__st_entry *t = &im->ent[im->map[id]];
     void *buf = malloc(t->end - t->begin ? (size_t)(t->end - t->begin) : 1);
     if (!buf) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (tensor '%s')", t->name);
@@ -344,7 +328,7 @@ static sg_status import_values(sg_engine *e, importer *im) {
       char why[512];
       snprintf(why, sizeof why, "%s", sg_last_error());
       return sg__err(st, "%s (parameters before '%s' are imported, the rest are not)", why,
-                     e->names[id]);
+                     e->reg.names[id]);
     }
   }
   return SG_OK;

@@ -28,18 +28,23 @@ sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready) {
 }
 
 sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn) {
-  if (id < 0 || id >= e->nparams)
+  if (id < 0 || id >= e->reg.nparams)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: no parameter with id %d (have %d)", fn, id,
-                   e->nparams);
+                   e->reg.nparams);
   return SG_OK;
+}
+
+sg_status sg__engine_break(sg_engine *e, sg_status st, const char *where) {
+  e->state = SG_ES_BROKEN;
+  SG_LOG(SG_LOG_WARN, e->rank, "engine broken%s%s: %s", where ? " " : "", where ? where : "",
+         sg_last_error());
+  return st;
 }
 
 sg_status sg__engine_broken(sg_engine *e, sg_status st) {
   /* A collective that failed or disagreed leaves the ranks out of step for good. */
-  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA || st == SG_ERR_MISMATCH) {
-    e->state = SG_ES_BROKEN;
-    SG_LOG(SG_LOG_WARN, e->rank, "engine broken: %s", sg_last_error());
-  }
+  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA || st == SG_ERR_MISMATCH)
+    return sg__engine_break(e, st, NULL);
   return st;
 }
 
@@ -73,11 +78,17 @@ int64_t sg__engine_host_deadline(const sg_engine *e) {
   return e->cfg.timeout_ms > 0 ? sg__now_ms() + 2 * (int64_t)e->cfg.timeout_ms : INT64_MAX;
 }
 
+sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void *arg, uint64_t *ticket) {
+  *ticket = 0;
+  sg_status st = e->dev->ops->comm_submit(e->dev, fn, arg, ticket);
+  if (*ticket > e->last_ticket) e->last_ticket = *ticket;
+  return st;
+}
+
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
   uint64_t t = 0;
-  sg_status st = e->dev->ops->comm_submit(e->dev, fn, arg, &t);
+  sg_status st = sg__engine_submit(e, fn, arg, &t);
   if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, sg__engine_host_deadline(e));
-  if (t > e->last_ticket) e->last_ticket = t;
   return sg__engine_broken(e, st);
 }
 
@@ -88,6 +99,10 @@ static sg_status run_coll(sg_engine *e, sg__coll_op op, void *buf, size_t n, int
 
 sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype) {
   return run_coll(e, SG_COLL_ALLREDUCE, dev_buf, count, dtype, 0);
+}
+
+sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank) {
+  return run_coll(e, SG_COLL_ALLGATHER, dev_buf, bytes_per_rank, 0, 0);
 }
 
 sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank) {
@@ -142,21 +157,14 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   e->comm = comm;
   e->rank = comm->rank;
   e->world = comm->world;
-  e->sync = 1;
-  e->lr = e->cfg.lr;
-  for (int g = 0; g < SG_MAX_GROUPS; g++) {
-    e->group_lr[g] = e->cfg.lr; /* a group never set takes the config's values */
-    e->group_wd[g] = e->cfg.weight_decay;
-  }
-  e->ngroups = 1;
-  e->dynamic_scale = sg__config_dynamic_scale(&e->cfg);
-  e->loss_scale = e->dynamic_scale ? e->cfg.init_loss_scale
-                                   : (e->cfg.loss_scale > 0 ? e->cfg.loss_scale : 1.0f);
+  e->strat = sg__strategy_select(e->cfg.strategy);
+  sg__optim_init(e);
+  sg__scale_init(e);
   comm->in_use = 1;
   comm->dev = e->dev;
   *out = e;
-  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %d, param %s, grad %s, "
-         "reduce %s", e->world, (int)e->cfg.strategy, sg__dtype_name(e->cfg.param_dtype),
+  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %s, param %s, grad %s, "
+         "reduce %s", e->world, e->strat->name, sg__dtype_name(e->cfg.param_dtype),
          sg__dtype_name(e->cfg.grad_dtype), sg__dtype_name(e->cfg.reduce_dtype));
   return SG_OK;
 fail:
@@ -165,23 +173,18 @@ fail:
 }
 
 static void free_registration(sg_engine *e) {
-  for (int i = 0; i < e->nparams; i++) free(e->names[i]);
-  free(e->names);
-  sg__names_free(&e->name_index);
-  free(e->numels);
-  free(e->flags);
-  free(e->group);
+  for (int i = 0; i < e->reg.nparams; i++) free(e->reg.names[i]);
+  free(e->reg.names);
+  sg__names_free(&e->reg.name_index);
+  free(e->reg.numels);
+  free(e->reg.flags);
+  free(e->reg.group);
 }
 
 static void free_finalized(sg_engine *e) {
   sg__grads_free(e);
-  free(e->segs);
-  free(e->bucket_seg);
-  free(e->gather_ticket);
-  e->segs = NULL;
-  e->bucket_seg = NULL;
-  e->gather_ticket = NULL;
-  e->nsegs = 0;
+  sg__optim_free(e);
+  sg__gathers_free(e);
   sg__arenas_free(&e->ar);
   sg__plan_free(e->plan);
   e->plan = NULL;
@@ -219,20 +222,20 @@ void sg_engine_destroy(sg_engine *e) {
 
 
 static sg_status grow(sg_engine *e) {
-  int cap = e->cap ? e->cap * 2 : 64;
-  char **n = realloc(e->names, (size_t)cap * sizeof *n);
+  int cap = e->reg.cap ? e->reg.cap * 2 : 64;
+  char **n = realloc(e->reg.names, (size_t)cap * sizeof *n);
   if (!n) return SG_ERR_OUT_OF_MEMORY;
-  e->names = n;
-  size_t *s = realloc(e->numels, (size_t)cap * sizeof *s);
+  e->reg.names = n;
+  size_t *s = realloc(e->reg.numels, (size_t)cap * sizeof *s);
   if (!s) return SG_ERR_OUT_OF_MEMORY;
-  e->numels = s;
-  uint32_t *f = realloc(e->flags, (size_t)cap * sizeof *f);
+  e->reg.numels = s;
+  uint32_t *f = realloc(e->reg.flags, (size_t)cap * sizeof *f);
   if (!f) return SG_ERR_OUT_OF_MEMORY;
-  e->flags = f;
-  int *g = realloc(e->group, (size_t)cap * sizeof *g);
+  e->reg.flags = f;
+  int *g = realloc(e->reg.group, (size_t)cap * sizeof *g);
   if (!g) return SG_ERR_OUT_OF_MEMORY;
-  e->group = g;
-  e->cap = cap;
+  e->reg.group = g;
+  e->reg.cap = cap;
   return SG_OK;
 }
 
@@ -252,26 +255,26 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
   if (flags & ~SG_PARAM_NO_DECAY)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown flags 0x%x (param '%s')", fn,
                    (unsigned)flags, name);
-  if (e->nparams >= (1 << 30))
+  if (e->reg.nparams >= (1 << 30))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: too many parameters", fn);
-  const int dup = sg__names_find(&e->name_index, e->names, name);
+  const int dup = sg__names_find(&e->reg.name_index, e->reg.names, name);
   if (dup >= 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: parameter '%s' is already registered (id %d)",
                    fn, name, dup);
-  if (e->nparams == e->cap && grow(e) != SG_OK)
+  if (e->reg.nparams == e->reg.cap && grow(e) != SG_OK)
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   char *copy = malloc(len + 1);
   if (!copy) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   memcpy(copy, name, len + 1);
-  e->names[e->nparams] = copy;
-  if (sg__names_add(&e->name_index, e->names, e->nparams) != SG_OK) {
+  e->reg.names[e->reg.nparams] = copy;
+  if (sg__names_add(&e->reg.name_index, e->reg.names, e->reg.nparams) != SG_OK) {
     free(copy);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   }
-  e->numels[e->nparams] = numel;
-  e->flags[e->nparams] = flags;
-  e->group[e->nparams] = 0;
-  *id = e->nparams++;
+  e->reg.numels[e->reg.nparams] = numel;
+  e->reg.flags[e->reg.nparams] = flags;
+  e->reg.group[e->reg.nparams] = 0;
+  *id = e->reg.nparams++;
   return SG_OK;
 }
 
@@ -291,12 +294,12 @@ static uint64_t cfg_hash(const sg_config *c) {
 }
 
 static sg_status build_plan(sg_engine *e, sg__plan **out) {
-  if (e->nparams == 0)
+  if (e->reg.nparams == 0)
     return sg__err(SG_ERR_INVALID_STATE, "sg_finalize: no parameters registered");
-  sg__plan_input *in = malloc((size_t)e->nparams * sizeof *in);
+  sg__plan_input *in = malloc((size_t)e->reg.nparams * sizeof *in);
   if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
-  for (int i = 0; i < e->nparams; i++) in[i] = (sg__plan_input){e->names[i], e->numels[i], e->flags[i]};
-  sg_status st = sg__plan_build(in, e->nparams, e->world, sg__dtype_size(e->cfg.grad_dtype),
+  for (int i = 0; i < e->reg.nparams; i++) in[i] = (sg__plan_input){e->reg.names[i], e->reg.numels[i], e->reg.flags[i]};
+  sg_status st = sg__plan_build(in, e->reg.nparams, e->world, sg__dtype_size(e->cfg.grad_dtype),
                                 e->cfg.bucket_bytes, cfg_hash(&e->cfg), out);
   free(in);
   return st == SG_OK ? st : sg__err_prefix(st, "sg_finalize");
@@ -309,22 +312,22 @@ static sg_status param_mismatch(sg_engine *e, const uint64_t *all, const sg__pla
     if (all[r * SG__AG_WORDS + SG__AG_NPARAMS] > maxn) maxn = all[r * SG__AG_WORDS + SG__AG_NPARAMS];
   uint64_t *h = calloc((size_t)maxn * (size_t)e->world, sizeof *h);
   if (!h) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
-  if (p) memcpy(h + (size_t)e->rank * maxn, p->param_hash, (size_t)e->nparams * sizeof *h);
+  if (p) memcpy(h + (size_t)e->rank * maxn, p->param_hash, (size_t)e->reg.nparams * sizeof *h);
   sg_status st = sg__engine_allgather_host(e, h, (size_t)maxn * sizeof *h);
   if (st != SG_OK) goto done;
   for (uint64_t i = 0; i < maxn; i++) {
     for (int r = 0; r < e->world; r++) {
       if (h[(size_t)r * maxn + i] == h[i]) continue;
       int other = r == e->rank ? 0 : r;
-      if ((int)i < e->nparams)
+      if ((int)i < e->reg.nparams)
         st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks registered different parameters: "
                      "parameter #%d is '%s' (numel %zu, flags %u, group %d) on rank %d and differs "
-                     "on rank %d", (int)i, e->names[i], e->numels[i], (unsigned)e->flags[i],
-                     e->group[i], e->rank, other);
+                     "on rank %d", (int)i, e->reg.names[i], e->reg.numels[i], (unsigned)e->reg.flags[i],
+                     e->reg.group[i], e->rank, other);
       else
         st = sg__err(SG_ERR_MISMATCH, "sg_finalize: ranks registered different parameters: "
                      "rank %d has %d parameters, rank %d has more (first extra is #%d)", e->rank,
-                     e->nparams, other, (int)i);
+                     e->reg.nparams, other, (int)i);
       goto done;
     }
   }
@@ -349,7 +352,7 @@ static sg_status check_agreement(sg_engine *e, const uint64_t *all, const sg__pl
                        "and rank %d", sg__config_word_name(k), r);
   for (int r = 0; r < e->world; r++)
     if (all[r * SG__AG_WORDS + SG__AG_HASH] != all[e->rank * SG__AG_WORDS + SG__AG_HASH] ||
-        all[r * SG__AG_WORDS + SG__AG_NPARAMS] != (uint64_t)e->nparams)
+        all[r * SG__AG_WORDS + SG__AG_NPARAMS] != (uint64_t)e->reg.nparams)
       return param_mismatch(e, all, p);
   return SG_OK;
 }
@@ -360,7 +363,7 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
   if (!all) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
   uint64_t *mine = all + (size_t)e->rank * SG__AG_WORDS;
   mine[SG__AG_STATUS] = (uint64_t)local;
-  mine[SG__AG_NPARAMS] = (uint64_t)e->nparams;
+  mine[SG__AG_NPARAMS] = (uint64_t)e->reg.nparams;
   mine[SG__AG_HASH] = p ? p->hash : 0;
   sg__config_words(&e->cfg, mine + SG__AG_CFG0, SG__NCFG);
   sg_status st = sg__engine_allgather_host(e, all, SG__AG_WORDS * sizeof *all);
@@ -374,16 +377,11 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
 
 static sg_status setup_buffers(sg_engine *e) {
   sg__layout *l = &e->lay;
-  SG_TRY(sg__layout_compute(e->plan, &e->cfg, l));
+  sg__layout_shape shape;
+  sg__engine_shape(e->strat, e->plan, &e->cfg, &shape);
+  SG_TRY(sg__layout_compute(e->plan, &e->cfg, &shape, l));
   SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
   e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
-  e->slots = (char *)e->ar.base[SG_MEM_GRADS] + l->slots_off;
-  e->staging_stride = l->nstaging ? l->slots_bytes / (size_t)l->nstaging : 0;
-  e->accum = (char *)e->ar.base[SG_MEM_GRADS] + l->accum_off;
-  e->master = l->master_off == SIZE_MAX ? NULL
-                                        : (float *)((char *)e->ar.base[SG_MEM_MASTER] + l->master_off);
-  e->m = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->m_off);
-  e->v = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->v_off);
   char *comm = (char *)e->ar.base[SG_MEM_COMM] + l->comm_off;
   e->comm->scratch = comm;
   e->comm->scratch_bytes = l->comm_scratch_bytes;
@@ -394,13 +392,11 @@ static sg_status setup_buffers(sg_engine *e) {
 /* Mixes each parameter's group into its hash and the plan's, so that ranks must agree on the
  * groups. Group 0 mixes nothing: plans without groups hash as before. */
 static void hash_groups(sg_engine *e, sg__plan *p) {
-  e->ngroups = 1;
-  for (int i = 0; i < e->nparams; i++) {
-    if (e->group[i] == 0) continue;
-    const uint64_t w[2] = {(uint64_t)i, (uint64_t)e->group[i]};
+  for (int i = 0; i < e->reg.nparams; i++) {
+    if (e->reg.group[i] == 0) continue;
+    const uint64_t w[2] = {(uint64_t)i, (uint64_t)e->reg.group[i]};
     p->param_hash[i] = sg__hash_bytes(p->param_hash[i], &w[1], sizeof w[1]);
     p->hash = sg__hash_bytes(p->hash, w, sizeof w);
-    if (e->group[i] + 1 > e->ngroups) e->ngroups = e->group[i] + 1;
   }
 }
 
@@ -408,7 +404,8 @@ static sg_status finalize_local(sg_engine *e) {
   sg_status st = build_plan(e, &e->plan);
   if (st == SG_OK) hash_groups(e, e->plan);
   if (st == SG_OK) st = setup_buffers(e);
-  if (st == SG_OK) st = sg__step_build_segments(e);
+  if (st == SG_OK) st = sg__optim_bind(e);
+  if (st == SG_OK) st = sg__gathers_init(e);
   if (st == SG_OK) st = sg__grads_init(e);
   return sg__err_prefix(st, "sg_finalize");
 }
@@ -433,7 +430,7 @@ sg_status sg_finalize(sg_engine *e) {
   sg__grads_reset_microbatch(e);
   sg__trace_auto_start(e);
   SG_LOG(SG_LOG_INFO, e->rank, "finalized: %d params, %d buckets, %zu elements, shard %zu",
-         e->nparams, e->plan->nbuckets, e->plan->total_numel, e->lay.opt_numel);
+         e->reg.nparams, e->plan->nbuckets, e->plan->total_numel, e->lay.opt_numel);
   return SG_OK;
 fail:
   free(all);
@@ -465,23 +462,19 @@ sg_status sg_param_ptr(sg_engine *e, int id, void **ptr) {
 
 sg_status sg__engine_for_pieces(sg_engine *e, int id,
                                 sg_status (*f)(sg_engine *, const sg__piece *, void *), void *ctx) {
-  const sg__plan *p = e->plan;
-  if (e->cfg.strategy == SG_NO_SHARD) {
-    sg__piece pc = {0, p->params[id].offset, p->params[id].numel};
-    return f(e, &pc, ctx);
-  }
-  size_t k0 = p->frag_index[(size_t)id * p->world + e->rank];
-  size_t k1 = p->frag_index[(size_t)id * p->world + e->rank + 1];
-  for (size_t k = k0; k < k1; k++) {
-    sg__piece pc = {p->frags[k].param_offset, p->frags[k].shard_offset, p->frags[k].length};
-    SG_TRY(f(e, &pc, ctx));
-  }
-  return SG_OK;
+  const sg__plan_param *pp = &e->plan->params[id];
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, pp->bucket, &o);
+  const size_t x0 = pp->offset > o.flat0 ? pp->offset : o.flat0;
+  const size_t z = pp->offset + pp->numel, x1 = z < o.flat0 + o.n ? z : o.flat0 + o.n;
+  if (x0 >= x1) return SG_OK;
+  const sg__piece pc = {x0 - pp->offset, o.state0 + (x0 - o.flat0), x1 - x0};
+  return f(e, &pc, ctx);
 }
 
 static sg_status set_master_piece(sg_engine *e, const sg__piece *pc, void *ctx) {
   const float *src = ctx;
-  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, e->master + pc->opt_off, src + pc->param_off,
+  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, e->opt.master + pc->opt_off, src + pc->param_off,
                            pc->len * 4, SG_COPY_H2D);
 }
 
@@ -499,18 +492,18 @@ sg_status sg_set_param(sg_engine *e, int id, const void *src, sg_dtype src_dtype
   if (!src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_src is NULL", fn);
   SG_TRY(check_dtype_arg(src_dtype, fn, "src_dtype"));
   SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
-  const size_t n = e->numels[id];
+  const size_t n = e->reg.numels[id];
   void *work = malloc(n * psize(e));
-  float *f32 = e->master ? malloc(n * 4) : NULL;
+  float *f32 = e->opt.master ? malloc(n * 4) : NULL;
   sg_status st = SG_OK;
-  if (!work || (e->master && !f32)) {
-    st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory (param '%s')", fn, e->names[id]);
+  if (!work || (e->opt.master && !f32)) {
+    st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory (param '%s')", fn, e->reg.names[id]);
     goto done;
   }
   sg__cpu_cast(work, e->cfg.param_dtype, src, src_dtype, n);
   SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, param_at(e, id), work, n * psize(e),
                                 SG_COPY_H2D), st, done);
-  if (e->master) {
+  if (e->opt.master) {
     sg__cpu_cast(f32, SG_F32, src, src_dtype, n);
     st = sg__engine_for_pieces(e, id, set_master_piece, f32);
   }
@@ -528,7 +521,7 @@ sg_status sg_get_param(sg_engine *e, int id, void *dst, sg_dtype dst_dtype) {
   if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
   SG_TRY(check_dtype_arg(dst_dtype, fn, "dst_dtype"));
   SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
-  const size_t n = e->numels[id];
+  const size_t n = e->reg.numels[id];
   void *work = malloc(n * psize(e));
   if (!work) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   sg_status st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, work, param_at(e, id), n * psize(e),
@@ -536,17 +529,6 @@ sg_status sg_get_param(sg_engine *e, int id, void *dst, sg_dtype dst_dtype) {
   if (st == SG_OK) sg__cpu_cast(dst, dst_dtype, work, e->cfg.param_dtype, n);
   free(work);
   return st;
-}
-
-/* master[seg] = f32(working[seg]) for every segment this rank owns */
-static sg_status master_from_working(sg_engine *e) {
-  if (!e->master) return SG_OK;
-  for (int s = 0; s < e->nsegs; s++) {
-    const sg__seg *g = &e->segs[s];
-    SG_TRY(e->dev->ops->cast(e->dev, SG_Q_COMPUTE, e->master + g->shard_off, SG_F32,
-                             e->params + g->flat_off * psize(e), e->cfg.param_dtype, g->len));
-  }
-  return SG_OK;
 }
 
 sg_status sg_broadcast_params(sg_engine *e, int root) {
@@ -558,30 +540,30 @@ sg_status sg_broadcast_params(sg_engine *e, int root) {
   SG_TRY(sg__grads_idle(e, fn));
   SG_TRY(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)));
   SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0, root));
-  return master_from_working(e);
+  return sg__optim_master_from_working(e);
 }
 
-/* Full fp32 values of parameter `id` from a sharded fp32 state array (master, m or v). */
-static sg_status gather_state(sg_engine *e, int id, const float *state, float *dst) {
-  const sg__plan *p = e->plan;
-  const sg__plan_param *pp = &p->params[id];
-  if (e->cfg.strategy == SG_NO_SHARD)
+sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, float *dst) {
+  const sg__plan_param *pp = &e->plan->params[id];
+  if (!e->strat->gather_state)
     return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, state + pp->offset, pp->numel * 4,
                              SG_COPY_D2H);
-  const sg__bucket *b = &p->buckets[pp->bucket];
-  const size_t slice = sg__plan_slice_numel(p, pp->bucket);
+  const sg__bucket *b = &e->plan->buckets[pp->bucket];
   float *tmp = NULL;
   SG_TRY(e->dev->ops->alloc(e->dev, b->numel * 4, (void **)&tmp));
-  sg_status st;
-  SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, tmp + (size_t)e->rank * slice,
-                                state + b->shard_offset, slice * 4, SG_COPY_D2D), st, done);
-  SG_TRY_GOTO(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)), st, done);
-  SG_TRY_GOTO(run_coll(e, SG_COLL_ALLGATHER, tmp, slice * 4, 0, 0), st, done);
-  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start), pp->numel * 4,
-                         SG_COPY_D2H);
-done:
+  sg_status st = e->strat->gather_state(e, pp->bucket, state, tmp);
+  if (st == SG_OK)
+    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start),
+                           pp->numel * 4, SG_COPY_D2H);
   e->dev->ops->free(e->dev, tmp);
   return st;
+}
+
+void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
+                      sg__layout_shape *out) {
+  memset(out, 0, sizeof *out);
+  st->shape(p, cfg, out);
+  out->nstates = 2; /* AdamW: m, v */
 }
 
 sg_status sg_get_master(sg_engine *e, int id, float *dst) {
@@ -591,8 +573,8 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
   SG_TRY(sg__engine_check_id(e, id, fn));
   if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
   SG_TRY(sg__grads_idle(e, fn));
-  if (!e->master) return sg_get_param(e, id, dst, SG_F32);
-  return sg__err_prefix(gather_state(e, id, e->master, dst), fn);
+  if (!e->opt.master) return sg_get_param(e, id, dst, SG_F32);
+  return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.master, dst), fn);
 }
 
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
@@ -604,7 +586,7 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   if (which != 0 && which != 1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: which must be 0 (m) or 1 (v), got %d", fn, which);
   SG_TRY(sg__grads_idle(e, fn));
-  return sg__err_prefix(gather_state(e, id, which == 0 ? e->m : e->v, dst), fn);
+  return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.state[which], dst), fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -652,7 +634,9 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   free(in);
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;
-  st = sg__layout_compute(p, &c, &l);
+  sg__layout_shape shape;
+  sg__engine_shape(sg__strategy_select(c.strategy), p, &c, &shape);
+  st = sg__layout_compute(p, &c, &shape, &l);
   if (st == SG_OK) {
     sg_memory_stats s = {0};
     sg__memory_stats_fill(p, &l, 0, 0, &s);
@@ -664,40 +648,12 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* learning rate, loss scale, stream                                                         */
-
-/* lr and weight_decay at run time: finite and >= 0 (NaN fails the comparison). group < 0: the
- * value is not a group's. */
-static sg_status check_rate(const char *fn, const char *what, float v, int group) {
-  if (v >= 0.0f && !isinf(v)) return SG_OK;
-  if (group < 0)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and >= 0 (got %g)", fn, what, v);
-  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and >= 0 (got %g, group %d)", fn,
-                 what, v, group);
-}
-
-sg_status sg_set_lr(sg_engine *e, float lr) {
-  SG_ENGINE_GUARD(e, "sg_set_lr");
-  static const char *fn = "sg_set_lr";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  SG_TRY(check_rate(fn, "lr", lr, -1));
-  e->lr = lr;
-  return SG_OK;
-}
-
-sg_status sg_get_lr(sg_engine *e, float *lr) {
-  SG_ENGINE_GUARD(e, "sg_get_lr");
-  static const char *fn = "sg_get_lr";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
-  *lr = e->lr;
-  return SG_OK;
-}
+/* stream                                                                                    */
 
 /* ---------------------------------------------------------------------------------------- */
-/* parameter groups                                                                          */
+/* parameter groups (registration)                                                           */
 
-static sg_status check_group(int group, const char *fn) {
+sg_status sg__engine_check_group(int group, const char *fn) {
   if (group < 0 || group >= SG_MAX_GROUPS)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: group must be 0..%d (got %d)", fn,
                    SG_MAX_GROUPS - 1, group);
@@ -709,35 +665,8 @@ sg_status sg_set_param_group(sg_engine *e, int id, int group) {
   static const char *fn = "sg_set_param_group";
   SG_TRY(sg__engine_check(e, fn, 0));
   SG_TRY(sg__engine_check_id(e, id, fn));
-  SG_TRY(check_group(group, fn));
-  e->group[id] = group;
-  return SG_OK;
-}
-
-sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay) {
-  SG_ENGINE_GUARD(e, "sg_set_group");
-  static const char *fn = "sg_set_group";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  SG_TRY(check_group(group, fn));
-  SG_TRY(check_rate(fn, "lr", lr, group));
-  SG_TRY(check_rate(fn, "weight_decay", weight_decay, group));
-  if (group == 0)
-    e->lr = lr; /* group 0's lr is the one sg_set_lr sets; group_lr[0] is not used */
-  else
-    e->group_lr[group] = lr;
-  e->group_wd[group] = weight_decay;
-  return SG_OK;
-}
-
-sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay) {
-  SG_ENGINE_GUARD(e, "sg_get_group");
-  static const char *fn = "sg_get_group";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  SG_TRY(check_group(group, fn));
-  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
-  if (!weight_decay) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: weight_decay is NULL", fn);
-  *lr = group == 0 ? e->lr : e->group_lr[group];
-  *weight_decay = e->group_wd[group];
+  SG_TRY(sg__engine_check_group(group, fn));
+  e->reg.group[id] = group;
   return SG_OK;
 }
 
@@ -746,20 +675,9 @@ sg_status sg_set_stream(sg_engine *e, void *stream) {
   static const char *fn = "sg_set_stream";
   if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
   if (e->state == SG_ES_BROKEN) return sg__engine_check(e, fn, 1);
-  if (e->touched)
+  if (e->g.touched)
     return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress", fn);
   SG_TRY(sg__err_prefix(e->dev->ops->set_stream(e->dev, stream), fn));
-  /* The new stream is ordered after pending gathers too. */
-  if (!e->gather_pending) return SG_OK;
-  e->gather_waited = 0;
-  return sg__err_prefix(sg__step_settle(e), fn);
+  return sg__err_prefix(sg__gathers_new_queue(e), fn);
 }
 
-sg_status sg_get_loss_scale(sg_engine *e, float *scale) {
-  SG_ENGINE_GUARD(e, "sg_get_loss_scale");
-  static const char *fn = "sg_get_loss_scale";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!scale) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: scale is NULL", fn);
-  *scale = e->loss_scale;
-  return SG_OK;
-}

@@ -13,91 +13,129 @@
 #include "../plan/sg_plan.h"     /* plan */
 #include "sg_guard.h"            /* sg__guard, SG_ENGINE_GUARD */
 #include "sg_names.h"            /* sg__names */
+#include "sg_strategy.h"         /* strategy ops */
 
 typedef enum { SG_ES_BUILDING = 0, SG_ES_READY = 1, SG_ES_BROKEN = 2 } sg__engine_state;
 
+/* Each sub-structure below has one owner file that initialises, frees and restores it; other
+ * files read its fields and change them only through the owner's functions. */
+
+/* Registration (sg_engine.c): the parameters as registered, before and after finalize. */
+typedef struct sg__registry {
+  int nparams, cap;
+  char **names;
+  sg__names name_index; /* sg_names.c: names -> id */
+  size_t *numels;
+  uint32_t *flags;
+  int *group; /* [cap]: parameter group of each parameter */
+} sg__registry;
+
+/* Gradients and micro-batches (sg_grads.c). The slots themselves belong to the strategy
+ * (slot_state, its slots_init). */
+typedef struct sg__grads {
+  char *slots;           /* the GRADS arena's slot region (full buffer or staging buffers) */
+  char *accum;           /* accumulator, accum dtype, in state coordinates */
+  float *nosync;         /* full fp32 buffer for sg_set_sync(0), allocated on first use */
+  uint8_t *ready;        /* [nparams] */
+  int *pending;          /* [nbuckets]: params of the bucket not yet ready */
+  uint8_t *nosync_dirty; /* [nbuckets]: local gradients waiting in `nosync` */
+  void *slot_state;      /* the strategy's slot bookkeeping */
+  int next_launch;       /* next bucket (plan order) to launch in this micro-batch */
+  int touched;           /* any gradient touched in this micro-batch */
+  int sync;
+} sg__grads;
+
+/* All-gathers of the last step (sg_gather.c). */
+typedef struct sg__gathers {
+  uint64_t *ticket; /* [nbuckets]: the comm job gathering bucket b */
+  uint64_t last;    /* ticket of the last gather of the step */
+  uint64_t waited;  /* the caller's queue is ordered after this ticket */
+  int pending;      /* gathers the caller's queue has not waited for yet */
+} sg__gathers;
+
+/* Optimizer state and hyperparameters (sg_optim.c). Hyperparameters are doubles (the config's
+ * floats convert exactly); every group, 0 included, has its lr and weight decay here. */
+typedef struct sg__optim {
+  uint64_t step;
+  double lr[SG_MAX_GROUPS], wd[SG_MAX_GROUPS];
+  double beta1, beta2, eps;
+  int ngroups;      /* highest group of any parameter + 1 (after finalize) */
+  float *master;    /* NULL for f32 params */
+  int nstates;
+  float *state[SG__LAYOUT_MAX_STATES];
+  sg__seg *segs;    /* this rank's update segments, bucket by bucket */
+  int nsegs;
+  int *bucket_seg;  /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
+} sg__optim;
+
+/* Loss scale (sg_scale.c). */
+typedef struct sg__scale {
+  float loss_scale;
+  int clean_steps;
+  int dynamic;
+} sg__scale;
+
 struct sg_engine {
+  /* lifecycle (sg_engine.c) */
   sg_config cfg;
   sg_comm *comm;
   int rank, world;
   sg__device *dev;
   sg__engine_state state;
   sg__guard guard; /* sg_guard.c: one thread at a time in the public functions */
-  /* registration (before finalize) */
-  int nparams, cap;
-  char **names;
-  sg__names name_index; /* sg_names.c: names -> id */
-  size_t *numels;
-  uint32_t *flags;
-  int *group;     /* [cap]: parameter group of each parameter */
-  /* after finalize */
+  const sg__strategy_ops *strat;
   sg__plan *plan;
   sg__layout lay;
   sg__arenas ar;
   char *params;   /* working params, param dtype, flat plan layout */
-  char *slots;    /* full grad buffer (NO_SHARD, SHARD_OPT) or staging buffers (SHARD_GRAD_OP) */
-  size_t staging_stride; /* bytes between staging buffers */
-  char *accum;    /* accumulator, accum dtype: full (NO_SHARD) or shard */
-  float *master;  /* NULL for f32 params */
-  float *m, *v;
   char *small;    /* 256 bytes of device memory for the step's tiny all-reduce */
-  float *nosync;  /* full fp32 buffer for sg_set_sync(0), allocated on first use */
-  sg__seg *segs;  /* this rank's AdamW segments, bucket by bucket */
-  int nsegs;
-  int *bucket_seg; /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
-  /* all-gathers of the last step (sg_step.c) */
-  uint64_t *gather_ticket; /* [nbuckets]: the comm job gathering bucket b */
-  uint64_t gather_last;    /* ticket of the last gather of the step */
-  uint64_t gather_waited;  /* the caller's queue is ordered after this ticket */
-  int gather_pending;      /* gathers the caller's queue has not waited for yet */
-  /* micro-batch state */
-  uint8_t *ready;          /* [nparams] */
-  int *pending;            /* [nbuckets]: params of the bucket not yet ready */
-  int *bucket_staging;     /* [nbuckets]: staging index held, -1 none (SHARD_GRAD_OP) */
-  uint64_t *bucket_ticket; /* [nbuckets]: job that last used the bucket's slot region */
-  uint8_t *nosync_dirty;   /* [nbuckets]: local gradients waiting in `nosync` */
-  int nstaging;            /* staging buffers: lay.nstaging in the arena, more if forced */
-  char **staging_ptr;      /* [nstaging] */
-  int *staging_owner;      /* [nstaging]: bucket holding it, -1 free */
-  uint64_t *staging_ticket;/* [nstaging]: job after which it is zero and free */
-  int next_launch;         /* next bucket (plan order) to launch in this micro-batch */
-  int touched;             /* any gradient touched in this micro-batch */
-  int sync;
-  uint64_t last_ticket;
-  /* optimizer state */
-  uint64_t step;
-  float lr;               /* group 0's lr */
-  float group_lr[SG_MAX_GROUPS]; /* lr of groups >= 1 ([0] is not read: group 0 uses lr) */
-  float group_wd[SG_MAX_GROUPS];
-  int ngroups;            /* highest group of any parameter + 1 (after finalize) */
-  float loss_scale;
-  int clean_steps;
-  int dynamic_scale;
-  struct sg__trace *trace; /* sg_trace_*; NULL until first started */
+  uint64_t last_ticket; /* last comm job submitted (sg__engine_submit) */
+  sg__registry reg;
+  sg__grads g;
+  sg__gathers gat;
+  sg__optim opt;
+  sg__scale sc;
+  struct sg__trace *trace; /* sg_trace.c; NULL until first started */
 };
 
 /* Call-order and argument checks shared by the public functions. */
 sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready);
 sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn);
-/* Marks the engine broken after a failed collective and keeps the failure text. */
+sg_status sg__engine_check_group(int group, const char *fn);
+/* Marks the engine broken when st is the failure of a collective (ranks out of step for good)
+ * and returns st; the failure text stays. */
 sg_status sg__engine_broken(sg_engine *e, sg_status st);
+/* Marks the engine broken whatever st is (state left half-changed, `where` says how) and
+ * returns st. The only two ways the engine state becomes SG_ES_BROKEN. */
+sg_status sg__engine_break(sg_engine *e, sg_status st, const char *where);
 
 /* Deadline of a host wait for the comm queue: every collective on it has its own deadline, so
  * this is only a backstop for a queue of several (2 x timeout_ms; none when timeout_ms <= 0). */
 int64_t sg__engine_host_deadline(const sg_engine *e);
+/* Submits fn(arg) to the comm queue and records its ticket (*ticket, and e->last_ticket). On
+ * failure *ticket == 0 means the job was not queued (arg is still the caller's). */
+sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void *arg, uint64_t *ticket);
 /* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
 /* In-place all-reduce of device memory through the comm queue, waited for. */
 sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype);
+/* In-place all-gather of device memory through the comm queue, waited for. */
+sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank);
 /* All-gather `bytes_per_rank` from host memory through a temporary device buffer. */
 sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank);
 
-/* Pieces of parameter `id` held by this rank in master/m/v (shard coordinates). */
+/* Pieces of parameter `id` held by this rank in the state arrays (state coordinates). */
 typedef struct sg__piece { size_t param_off, opt_off, len; } sg__piece;
 /* Calls fn for each piece; stops at the first failure. */
 sg_status sg__engine_for_pieces(sg_engine *e, int id,
                                 sg_status (*fn)(sg_engine *, const sg__piece *, void *),
                                 void *ctx);
+/* Full fp32 values of parameter `id` from a state array (master or an optimizer state): a copy
+ * where the state is replicated, a gather of its bucket otherwise (collective). */
+sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, float *host_dst);
+/* The layout shape of a config: the strategy's sizes and the optimizer's state count. */
+void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
+                      sg__layout_shape *out);
 
 /* sg_grads.c */
 sg_status sg__grads_init(sg_engine *e);
@@ -108,13 +146,51 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn);
 /* No micro-batch in progress (SG_ERR_INVALID_STATE otherwise) and the comm queue drained: the
  * collectives of sg_get_master and friends then line up on every rank. */
 sg_status sg__grads_idle(sg_engine *e, const char *fn);
+/* Zeroes the accumulator (compute queue): after a step, and a load (with the no_sync sums). */
+sg_status sg__grads_clear_accum(sg_engine *e);
+sg_status sg__grads_clear(sg_engine *e);
 
-/* sg_step.c */
-/* Builds segs and bucket_seg (and the gather tickets) at sg_finalize. */
-sg_status sg__step_build_segments(sg_engine *e);
+/* sg_gather.c */
+sg_status sg__gathers_init(sg_engine *e);
+void sg__gathers_free(sg_engine *e);
+/* 1 when the strategy refreshes working parameters by gathering (and there is another rank). */
+int sg__gathers_needed(const sg_engine *e);
+/* Queues bucket b's gather after everything issued to the compute queue so far. */
+sg_status sg__gathers_submit(sg_engine *e, int b);
 /* Orders the caller's queue after every pending all-gather: before any engine work that reads
  * or writes the working parameters. */
 sg_status sg__step_settle(sg_engine *e);
+/* A new caller's queue (sg_set_stream): ordered after the pending gathers too. */
+sg_status sg__gathers_new_queue(sg_engine *e);
+/* Every bucket's gather at once, waited for (after a checkpoint load). */
+sg_status sg__gathers_all(sg_engine *e);
+
+/* sg_optim.c */
+/* Hyperparameters from the config (sg_engine_create). */
+void sg__optim_init(sg_engine *e);
+/* State arrays in the arenas and the update segments (sg_finalize, after the arenas). */
+sg_status sg__optim_bind(sg_engine *e);
+void sg__optim_free(sg_engine *e);
+/* Counters and hyperparameters from a checkpoint. ngroups 0 (a checkpoint before groups):
+ * every group takes lr0 and keeps its weight decay; else groups below ngroups take theirs. */
+void sg__optim_restore(sg_engine *e, uint64_t step, float lr0, uint32_t ngroups,
+                       const float *group_lr, const float *group_wd);
+/* The step's update of buckets [b1 .. b0] for the given gradient scale: `step` counted once
+ * (sg__optim_begin), then bucket by bucket. */
+void sg__optim_begin(sg_engine *e);
+void sg__optim_undo_begin(sg_engine *e);
+sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale);
+/* Every segment at once (no gathers to overlap). */
+sg_status sg__optim_update_all(sg_engine *e, float grad_scale);
+/* The master from the working params, for every owned segment (after sg_broadcast_params). */
+sg_status sg__optim_master_from_working(sg_engine *e);
+
+/* sg_scale.c */
+void sg__scale_init(sg_engine *e);
+/* After a step's decision: halves on overflow, doubles after scale_window clean steps. */
+void sg__scale_update(sg_engine *e, int overflow);
+/* From a checkpoint saved with dynamic scaling, when this engine scales dynamically. */
+void sg__scale_restore(sg_engine *e, int saved_dynamic, float loss_scale, uint32_t clean_steps);
 
 /* sg_trace.c. Records are created on the caller's thread only: a comm job gets its record
  * index when it is submitted and marks its start and end from the comm queue. */

@@ -59,10 +59,9 @@ static sg_status drain(sg_engine *e) {
  * sg_grad_ready are hot paths). */
 static void engine_label(const sg_engine *e, int kind, int id, char *out, size_t cap) {
   switch (kind) {
-    case SG_TRACE_GRAD_READY: snprintf(out, cap, "%s", e->names[id]); break;
+    case SG_TRACE_GRAD_READY: snprintf(out, cap, "%s", e->reg.names[id]); break;
     case SG_TRACE_REDUCE:
-      snprintf(out, cap, "%s b%d", e->cfg.strategy == SG_NO_SHARD ? "all-reduce" : "reduce-scatter",
-               id);
+      snprintf(out, cap, "%s b%d", e->strat->reduce_label, id);
       break;
     case SG_TRACE_STEP: snprintf(out, cap, "step"); break;
     case SG_TRACE_GATHER: snprintf(out, cap, "all-gather b%d", id); break;
@@ -82,7 +81,7 @@ int64_t sg__trace_new(sg_engine *e, int kind, int id, const char *label) {
   sg__trace_rec *r = &t->recs[t->n];
   r->kind = kind;
   r->id = id;
-  r->step = e->step;
+  r->step = e->opt.step;
   if (label)
     snprintf(r->label, sizeof r->label, "%s", label);
   else
@@ -272,10 +271,9 @@ static sg_status json_event(const sg_trace_event *ev, void *ctx) {
 }
 
 static void json_header(FILE *f, const sg_engine *e) {
-  static const char *strat[] = {"NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP"};
   fprintf(f, "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"library\":\"shardgrad %d\",\"rank\":%d,"
           "\"world\":%d,\"strategy\":\"%s\",\"device\":\"%s\",\"buckets\":%d},\n\"traceEvents\":[\n",
-          sg_version(), e->rank, e->world, strat[e->cfg.strategy], e->dev->ops->name,
+          sg_version(), e->rank, e->world, e->strat->name, e->dev->ops->name,
           e->plan->nbuckets);
   fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}},\n",
           e->rank, e->rank);

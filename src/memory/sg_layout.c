@@ -10,16 +10,11 @@
  * comm arena: the ring all-reduce uses the scratch for its own receives. */
 #define SG__SMALL_BYTES 256
 
-/* The most one arena may hold (2^61 bytes): the five arenas and their sum then fit a size_t.
- * Byte counts above it saturate to SIZE_MAX instead of wrapping, and the layout is refused. */
-#define SG__ARENA_MAX (SIZE_MAX / 8)
+#define SG__ARENA_MAX SG_MEM_ARENA_MAX
 
 static size_t align_up(size_t x) { return (x + SG_MEM_ALIGN - 1) / SG_MEM_ALIGN * SG_MEM_ALIGN; }
 
-/* a * b, or SIZE_MAX when above SG__ARENA_MAX. */
-static size_t mul_sat(size_t a, size_t b) {
-  return (b != 0 && a > SG__ARENA_MAX / b) ? SIZE_MAX : a * b;
-}
+static size_t mul_sat(size_t a, size_t b) { return sg__mem_mul_sat(a, b); }
 
 /* Appends a piece of `bytes` to arena `kind`, returns its offset. An arena that would pass
  * SG__ARENA_MAX is marked SIZE_MAX (sg__layout_compute refuses it). */
@@ -43,35 +38,28 @@ static sg_status check_fits(const sg__layout *l) {
   return SG_OK;
 }
 
-sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout *l) {
+sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__layout_shape *sh,
+                             sg__layout *l) {
   memset(l, 0, sizeof *l);
-  const size_t P = sg__dtype_size(cfg->param_dtype), G = sg__dtype_size(cfg->grad_dtype);
-  const size_t A = sg__dtype_size(cfg->accum_dtype);
-  const int sharded = cfg->strategy != SG_NO_SHARD;
-  l->opt_numel = sharded ? p->shard_numel : p->total_numel;
+  if (sh->nstates < 0 || sh->nstates > SG__LAYOUT_MAX_STATES)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "optimizer with %d state arrays (at most %d)",
+                   sh->nstates, SG__LAYOUT_MAX_STATES);
+  const size_t P = sg__dtype_size(cfg->param_dtype), A = sg__dtype_size(cfg->accum_dtype);
+  l->opt_numel = sh->opt_numel;
   l->params_off = carve(l, SG_MEM_PARAMS, mul_sat(p->total_numel, P));
-  if (cfg->strategy == SG_SHARD_GRAD_OP) {
-    l->nstaging = cfg->staging_buckets < p->nbuckets ? cfg->staging_buckets : p->nbuckets;
-    l->staging_numel = p->max_bucket_numel;
-    l->slots_bytes = mul_sat(align_up(mul_sat(l->staging_numel, G)), (size_t)l->nstaging);
-  } else {
-    l->nstaging = 0;
-    l->slots_bytes = mul_sat(p->total_numel, G);
-  }
+  l->nstaging = sh->nstaging;
+  l->staging_numel = sh->staging_numel;
+  l->slots_bytes = sh->slots_bytes;
   l->slots_off = carve(l, SG_MEM_GRADS, l->slots_bytes);
   l->accum_numel = l->opt_numel;
   l->accum_off = carve(l, SG_MEM_GRADS, mul_sat(l->accum_numel, A));
   l->master_off = SIZE_MAX;
   if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, mul_sat(l->opt_numel, 4));
-  l->m_off = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
-  l->v_off = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
-  size_t max_slice = 0;
-  for (int b = 0; b < p->nbuckets; b++) {
-    size_t s = sharded ? sg__plan_slice_numel(p, b) : (p->buckets[b].numel + p->world - 1) / p->world;
-    if (s > max_slice) max_slice = s;
-  }
+  l->nstates = sh->nstates;
+  for (int k = 0; k < sh->nstates; k++)
+    l->state_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
   /* the collective scratch with the small piece right after it, in one carve */
-  l->comm_scratch_bytes = sg__comm_scratch_bytes(max_slice);
+  l->comm_scratch_bytes = sg__comm_scratch_bytes(sh->max_wire);
   l->comm_off = carve(l, SG_MEM_COMM, l->comm_scratch_bytes + SG__SMALL_BYTES);
   l->small_off = l->comm_off + l->comm_scratch_bytes;
   /* A reduce_dtype other than grad_dtype puts each bucket on the wire through one buffer in
@@ -126,6 +114,11 @@ size_t sg__arenas_total(const sg__arenas *a) {
 void sg__arenas_note(sg__arenas *a) {
   size_t t = sg__arenas_total(a);
   if (t > a->peak) a->peak = t;
+}
+
+void sg__arenas_extra_grads(sg__arenas *a, long long bytes) {
+  a->extra_grads = (size_t)((long long)a->extra_grads + bytes);
+  sg__arenas_note(a);
 }
 
 void sg__memory_stats_fill(const sg__plan *p, const sg__layout *l, size_t extra_grads,

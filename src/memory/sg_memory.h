@@ -5,6 +5,7 @@
 #define SG_MEMORY_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "../core/sg_core.h"     /* sg_status */
 #include "../device/sg_device.h" /* sg__device */
@@ -21,18 +22,41 @@ typedef enum {
 
 #define SG_MEM_ALIGN 256 /* bytes: every piece starts here (128-bit loads, cache lines) */
 
+/* The most one arena may hold (2^61 bytes): the five arenas and their sum then fit a size_t.
+ * Byte counts above it saturate to SIZE_MAX instead of wrapping, and the layout is refused. */
+#define SG_MEM_ARENA_MAX (SIZE_MAX / 8)
+/* a * b, or SIZE_MAX when above SG_MEM_ARENA_MAX (sizes of a strategy's shape too). */
+static inline size_t sg__mem_mul_sat(size_t a, size_t b) {
+  return (b != 0 && a > SG_MEM_ARENA_MAX / b) ? SIZE_MAX : a * b;
+}
+
+/* What the strategy keeps, in elements (its `shape` op, src/engine/sg_strategy.h), and how many
+ * fp32 state arrays the optimizer keeps: the layout carves exactly these. */
+typedef struct sg__layout_shape {
+  size_t opt_numel;     /* elements of each optimizer state array, the master and the
+                           accumulator: full (replicated state) or this rank's shard */
+  size_t slots_bytes;   /* GRADS: gradient slots (a full buffer, or the staging buffers) */
+  int nstaging;         /* staging buffers of staging_numel elements (0: slots are a full buffer) */
+  size_t staging_numel;
+  size_t max_wire;      /* largest per-rank piece of a bucket in a collective: comm scratch */
+  int nstates;          /* fp32 optimizer state arrays (the optimizer's descriptor) */
+} sg__layout_shape;
+
+#define SG__LAYOUT_MAX_STATES 4 /* = SG__OPTIM_MAX_STATES (kernels/sg_kernel_args.h) */
+
 /* Offsets (bytes) of each buffer inside its kind's arena; SIZE_MAX when absent. */
 typedef struct sg__layout {
   size_t bytes[SG_MEM_KINDS];
   size_t params_off;            /* PARAMS: full working params, param dtype */
-  size_t slots_off, slots_bytes;/* GRADS: full grad slots (NO_SHARD, SHARD_OPT) or staging */
-  int nstaging;                 /* SHARD_GRAD_OP: staging buffers of staging_numel each */
+  size_t slots_off, slots_bytes;/* GRADS: gradient slots (full buffer, or staging buffers) */
+  int nstaging;                 /* staging buffers of staging_numel each (0: full buffer) */
   size_t staging_numel;
-  size_t accum_off;             /* GRADS: accumulator (full for NO_SHARD, shard otherwise) */
+  size_t accum_off;             /* GRADS: accumulator (accum dtype), accum_numel elements */
   size_t accum_numel;
   size_t master_off;            /* MASTER: fp32 master (absent for f32 params) */
-  size_t m_off, v_off;          /* OPTIM */
-  size_t opt_numel;             /* elements of master/m/v (full for NO_SHARD, shard otherwise) */
+  int nstates;                  /* OPTIM: the optimizer's fp32 state arrays, opt_numel each */
+  size_t state_off[SG__LAYOUT_MAX_STATES];
+  size_t opt_numel;             /* elements of master/state arrays (full or this rank's shard) */
   size_t comm_off;              /* COMM: collective scratch, comm_scratch_bytes long */
   size_t comm_scratch_bytes;
   size_t small_off;             /* COMM: the step's tiny all-reduce (norm, non-finite count) */
@@ -40,7 +64,10 @@ typedef struct sg__layout {
                                    only when reduce_dtype != grad_dtype (SIZE_MAX otherwise) */
 } sg__layout;
 
-sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, sg__layout *out);
+/* The layout of a plan for a strategy's and optimizer's shape. SG_ERR_INVALID_ARGUMENT for more
+ * state arrays than SG__LAYOUT_MAX_STATES. */
+sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__layout_shape *shape,
+                             sg__layout *out);
 
 typedef struct sg__arenas {
   sg__device *dev;
@@ -55,6 +82,9 @@ sg_status sg__arenas_alloc(sg__arenas *a, sg__device *dev, const sg__layout *l);
 void sg__arenas_free(sg__arenas *a);
 size_t sg__arenas_total(const sg__arenas *a);
 void sg__arenas_note(sg__arenas *a); /* update peak */
+/* Memory allocated outside the arenas but counted as gradients (no_sync buffer, extra staging):
+ * +bytes when allocated, -bytes when freed; the peak follows. */
+void sg__arenas_extra_grads(sg__arenas *a, long long bytes);
 /* Fills the public stats from a layout (and extra bytes). */
 void sg__memory_stats_fill(const sg__plan *p, const sg__layout *l, size_t extra_grads,
                            size_t peak, sg_memory_stats *full);

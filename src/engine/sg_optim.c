@@ -1,0 +1,247 @@
+/* The optimizer's state (engine side): hyperparameters per group, the step counter, the fp32
+ * state arrays and the update segments of this rank; their init, restore (sg_load) and the
+ * public accessors. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sg_engine_internal.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* lifecycle                                                                                 */
+
+void sg__optim_init(sg_engine *e) {
+  sg__optim *o = &e->opt;
+  const sg_config *c = &e->cfg;
+  for (int g = 0; g < SG_MAX_GROUPS; g++) {
+    o->lr[g] = c->lr; /* a group never set takes the config's values */
+    o->wd[g] = c->weight_decay;
+  }
+  o->beta1 = c->beta1;
+  o->beta2 = c->beta2;
+  o->eps = c->eps;
+  o->ngroups = 1;
+}
+
+/* Adjacent runs merge into one segment, but never across buckets: the step updates and gathers
+ * bucket by bucket. */
+static sg_status push_seg(sg_engine *e, int *cap, int first_of_bucket, sg__seg s) {
+  sg__optim *o = &e->opt;
+  if (o->nsegs > first_of_bucket) {
+    sg__seg *last = &o->segs[o->nsegs - 1];
+    /* With stochastic rounding each parameter keeps its own counter base. */
+    if (last->decay == s.decay && last->group == s.group &&
+        last->shard_off + last->len == s.shard_off && last->flat_off + last->len == s.flat_off &&
+        (!e->cfg.stochastic_rounding || last->sr_index + last->len == s.sr_index)) {
+      last->len += s.len;
+      return SG_OK;
+    }
+  }
+  if (o->nsegs == *cap) {
+    int nc = *cap ? *cap * 2 : 64;
+    sg__seg *n = realloc(o->segs, (size_t)nc * sizeof *n);
+    if (!n) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+    o->segs = n;
+    *cap = nc;
+  }
+  o->segs[o->nsegs++] = s;
+  return SG_OK;
+}
+
+/* The owned, non-padding runs of bucket b. */
+static sg_status bucket_segments(sg_engine *e, int b, int *cap) {
+  const sg__plan *p = e->plan;
+  const sg__bucket *bk = &p->buckets[b];
+  sg__owned ow;
+  e->strat->owned(p, e->rank, b, &ow);
+  const size_t s0 = ow.flat0, s1 = ow.flat0 + ow.n;
+  const int first = e->opt.nsegs;
+  for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
+    const int id = p->order[k];
+    const size_t a = p->params[id].offset, z = a + p->params[id].numel;
+    const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
+    if (x0 >= x1) continue;
+    sg__seg s = {ow.state0 + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
+                 ((uint64_t)id << 40) + (x0 - a), e->reg.group[id]};
+    SG_TRY(push_seg(e, cap, first, s));
+  }
+  return SG_OK;
+}
+
+static sg_status build_segments(sg_engine *e) {
+  sg__optim *o = &e->opt;
+  const int nb = e->plan->nbuckets;
+  int cap = 0;
+  o->nsegs = 0;
+  o->bucket_seg = calloc((size_t)nb + 1, sizeof *o->bucket_seg);
+  if (!o->bucket_seg) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  for (int b = 0; b < nb; b++) {
+    o->bucket_seg[b] = o->nsegs;
+    SG_TRY(bucket_segments(e, b, &cap));
+  }
+  o->bucket_seg[nb] = o->nsegs;
+  return SG_OK;
+}
+
+sg_status sg__optim_bind(sg_engine *e) {
+  sg__optim *o = &e->opt;
+  const sg__layout *l = &e->lay;
+  o->master = l->master_off == SIZE_MAX
+                  ? NULL
+                  : (float *)((char *)e->ar.base[SG_MEM_MASTER] + l->master_off);
+  o->nstates = l->nstates;
+  for (int k = 0; k < l->nstates; k++)
+    o->state[k] = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->state_off[k]);
+  o->ngroups = 1;
+  for (int i = 0; i < e->reg.nparams; i++)
+    if (e->reg.group[i] + 1 > o->ngroups) o->ngroups = e->reg.group[i] + 1;
+  return build_segments(e);
+}
+
+void sg__optim_free(sg_engine *e) {
+  sg__optim *o = &e->opt;
+  free(o->segs);
+  free(o->bucket_seg);
+  o->segs = NULL;
+  o->bucket_seg = NULL;
+  o->nsegs = 0;
+  o->master = NULL;
+  for (int k = 0; k < SG__LAYOUT_MAX_STATES; k++) o->state[k] = NULL;
+  o->nstates = 0;
+}
+
+void sg__optim_restore(sg_engine *e, uint64_t step, float lr0, uint32_t ngroups,
+                       const float *group_lr, const float *group_wd) {
+  sg__optim *o = &e->opt;
+  o->step = step;
+  for (int g = 0; g < SG_MAX_GROUPS; g++) o->lr[g] = lr0;
+  for (uint32_t g = 0; g < ngroups && g < SG_MAX_GROUPS; g++) {
+    if (g > 0) o->lr[g] = group_lr[g]; /* group 0's lr is the saved lr */
+    o->wd[g] = group_wd[g];
+  }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the update                                                                                */
+
+static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
+  const sg_config *c = &e->cfg;
+  const sg__optim *o = &e->opt;
+  sg__adamw_args a;
+  memset(&a, 0, sizeof a);
+  a.param = e->params;
+  a.param_dtype = c->param_dtype;
+  a.master = o->master;
+  a.m = o->state[0];
+  a.v = o->state[1];
+  a.grad = e->g.accum;
+  a.grad_dtype = c->accum_dtype;
+  a.segs = o->segs;
+  a.nsegs = o->nsegs;
+  a.grad_scale = grad_scale;
+  sg__adamw_scalars(&a, (float)o->lr[0], (float)o->beta1, (float)o->beta2, (float)o->eps,
+                    (float)o->wd[0], o->step);
+  /* Groups 1..ngroups-1 by the same rule; one group leaves ngroups at 0 (as before groups). */
+  if (o->ngroups > 1) {
+    a.ngroups = o->ngroups;
+    for (int g = 1; g < o->ngroups; g++)
+      sg__adamw_group_scalars(&a, g, (float)o->lr[g], (float)o->beta1, (float)o->wd[g]);
+  }
+  a.stochastic_rounding = c->stochastic_rounding && c->param_dtype == SG_BF16;
+  a.seed = c->seed;
+  return a;
+}
+
+void sg__optim_begin(sg_engine *e) { e->opt.step++; }
+void sg__optim_undo_begin(sg_engine *e) { e->opt.step--; }
+
+static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
+  sg__adamw_args a = adamw_args(e, grad_scale);
+  a.segs = e->opt.segs + s0;
+  a.nsegs = s1 - s0;
+  return e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
+}
+
+sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
+  return update_range(e, grad_scale, e->opt.bucket_seg[b], e->opt.bucket_seg[b + 1]);
+}
+
+sg_status sg__optim_update_all(sg_engine *e, float grad_scale) {
+  return update_range(e, grad_scale, 0, e->opt.nsegs);
+}
+
+sg_status sg__optim_master_from_working(sg_engine *e) {
+  const sg__optim *o = &e->opt;
+  if (!o->master) return SG_OK;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  for (int s = 0; s < o->nsegs; s++) {
+    const sg__seg *g = &o->segs[s];
+    SG_TRY(e->dev->ops->cast(e->dev, SG_Q_COMPUTE, o->master + g->shard_off, SG_F32,
+                             e->params + g->flat_off * P, e->cfg.param_dtype, g->len));
+  }
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* public: learning rate, groups, state                                                      */
+
+/* lr and weight_decay at run time: finite and >= 0 (NaN fails the comparison). group < 0: the
+ * value is not a group's. */
+static sg_status check_rate(const char *fn, const char *what, float v, int group) {
+  if (v >= 0.0f && !isinf(v)) return SG_OK;
+  if (group < 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and >= 0 (got %g)", fn, what, v);
+  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and >= 0 (got %g, group %d)", fn,
+                 what, v, group);
+}
+
+sg_status sg_set_lr(sg_engine *e, float lr) {
+  SG_ENGINE_GUARD(e, "sg_set_lr");
+  static const char *fn = "sg_set_lr";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(check_rate(fn, "lr", lr, -1));
+  e->opt.lr[0] = lr;
+  return SG_OK;
+}
+
+sg_status sg_get_lr(sg_engine *e, float *lr) {
+  SG_ENGINE_GUARD(e, "sg_get_lr");
+  static const char *fn = "sg_get_lr";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
+  *lr = (float)e->opt.lr[0];
+  return SG_OK;
+}
+
+sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_decay) {
+  SG_ENGINE_GUARD(e, "sg_set_group");
+  static const char *fn = "sg_set_group";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(sg__engine_check_group(group, fn));
+  SG_TRY(check_rate(fn, "lr", lr, group));
+  SG_TRY(check_rate(fn, "weight_decay", weight_decay, group));
+  e->opt.lr[group] = lr;
+  e->opt.wd[group] = weight_decay;
+  return SG_OK;
+}
+
+sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay) {
+  SG_ENGINE_GUARD(e, "sg_get_group");
+  static const char *fn = "sg_get_group";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(sg__engine_check_group(group, fn));
+  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
+  if (!weight_decay) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: weight_decay is NULL", fn);
+  *lr = (float)e->opt.lr[group];
+  *weight_decay = (float)e->opt.wd[group];
+  return SG_OK;
+}
+
+sg_status sg_get_step(sg_engine *e, uint64_t *step) {
+  SG_ENGINE_GUARD(e, "sg_get_step");
+  static const char *fn = "sg_get_step";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!step) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: step is NULL", fn);
+  *step = e->opt.step;
+  return SG_OK;
+}

@@ -1,0 +1,37 @@
+/* SG_NO_SHARD (DDP): every rank keeps every gradient and all optimizer state; a bucket is
+ * all-reduced into the full accumulator, and every rank updates every parameter. */
+#include "sg_strategy_common.h"
+
+static void shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
+  out->opt_numel = p->total_numel;
+  out->slots_bytes = sg__mem_mul_sat(p->total_numel, sg__dtype_size(cfg->grad_dtype));
+  out->nstaging = 0;
+  out->staging_numel = 0;
+  /* the ring all-reduce's per-rank piece */
+  out->max_wire = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const size_t s = (p->buckets[b].numel + (size_t)p->world - 1) / (size_t)p->world;
+    if (s > out->max_wire) out->max_wire = s;
+  }
+}
+
+static void owned(const sg__plan *p, int rank, int b, sg__owned *out) {
+  out->flat0 = p->buckets[b].start;
+  out->n = p->buckets[b].numel;
+  out->state0 = p->buckets[b].start;
+}
+
+static sg_status reduce(sg_engine *e, int b, char *wire) {
+  const sg__bucket *bk = &e->plan->buckets[b];
+  const int rdt = e->cfg.reduce_dtype, adt = e->cfg.accum_dtype;
+  SG_TRY(e->comm->ops->all_reduce(e->comm, wire, bk->numel, rdt, sg__deadline(e->cfg.timeout_ms)));
+  return e->dev->ops->accumulate(e->dev, SG_Q_COMM, e->g.accum + bk->start * sg__dtype_size(adt),
+                                 adt, wire, rdt, bk->numel);
+}
+
+/* sum_norm, gather, gather_state NULL: the accumulator is already the sum over all ranks, and
+ * every rank updated every parameter from replicated state. */
+const sg__strategy_ops sg__strategy_no_shard = {
+    .name = "NO_SHARD", .reduce_label = "all-reduce", .shape = shape, .owned = owned,
+    .reduce = reduce, SG__SLOTS_FULL_OPS,
+};

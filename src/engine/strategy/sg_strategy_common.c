@@ -1,0 +1,94 @@
+/* Pieces that several strategies share: see sg_strategy_common.h. */
+#include <stdlib.h>
+
+#include "sg_strategy_common.h"
+
+static size_t gsize(const sg_engine *e) { return sg__dtype_size(e->cfg.grad_dtype); }
+
+/* ---------------------------------------------------------------------------------------- */
+/* a full gradient buffer                                                                    */
+
+sg_status sg__slots_full_init(sg_engine *e, void **state) {
+  sg__slot_tickets *t = calloc(1, sizeof *t);
+  if (t) t->bucket = calloc((size_t)e->plan->nbuckets, sizeof *t->bucket);
+  if (!t || !t->bucket) {
+    free(t);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  }
+  *state = t;
+  return SG_OK;
+}
+
+void sg__slots_full_free(sg_engine *e, void *state) {
+  sg__slot_tickets *t = state;
+  if (!t) return;
+  free(t->bucket);
+  free(t);
+}
+
+sg_status sg__slots_full_slot(sg_engine *e, void *state, int b, char **base, const char *fn) {
+  const sg__slot_tickets *t = state;
+  /* The bucket's previous reduction must have zeroed the region before it is written again. */
+  sg_status st = e->dev->ops->compute_wait_comm(e->dev, t->bucket[b],
+                                                sg__deadline(e->cfg.timeout_ms));
+  if (st != SG_OK) return sg__engine_broken(e, st);
+  *base = e->g.slots + e->plan->buckets[b].start * gsize(e);
+  return SG_OK;
+}
+
+void sg__slots_full_release(sg_engine *e, void *state, int b, uint64_t ticket) {
+  sg__slot_tickets *t = state;
+  if (ticket) t->bucket[b] = ticket;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* sharded optimizer state                                                                   */
+
+void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out) {
+  out->flat0 = sg__plan_slice_start(p, b, rank);
+  out->n = sg__plan_slice_numel(p, b);
+  out->state0 = p->buckets[b].shard_offset;
+}
+
+size_t sg__sharded_max_wire(const sg__plan *p) {
+  size_t m = 0;
+  for (int b = 0; b < p->nbuckets; b++)
+    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
+  return m;
+}
+
+sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire) {
+  sg_comm *c = e->comm;
+  sg__device *d = e->dev;
+  const int rdt = e->cfg.reduce_dtype, adt = e->cfg.accum_dtype;
+  const size_t slice = sg__plan_slice_numel(e->plan, b);
+  SG_TRY(c->ops->reduce_scatter(c, wire, slice, rdt, sg__deadline(e->cfg.timeout_ms)));
+  return d->ops->accumulate(d, SG_Q_COMM,
+                            e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt),
+                            adt, wire + (size_t)e->rank * slice * sg__dtype_size(rdt), rdt, slice);
+}
+
+sg_status sg__sharded_sum_norm(sg_engine *e, double ss[2]) {
+  sg__device *d = e->dev;
+  SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, e->small, ss, 2 * sizeof(double), SG_COPY_H2D));
+  SG_TRY(sg__engine_allreduce(e, e->small, 2, SG__F64));
+  return d->ops->copy(d, SG_Q_COMPUTE, ss, e->small, 2 * sizeof(double), SG_COPY_D2H);
+}
+
+sg_status sg__sharded_gather(sg_engine *e, int b) {
+  const sg__plan *p = e->plan;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  return e->comm->ops->all_gather(e->comm, e->params + p->buckets[b].start * P,
+                                  sg__plan_slice_numel(p, b) * P,
+                                  sg__deadline(e->cfg.timeout_ms));
+}
+
+sg_status sg__sharded_gather_state(sg_engine *e, int b, const float *state, float *tmp) {
+  const sg__plan *p = e->plan;
+  const size_t slice = sg__plan_slice_numel(p, b);
+  sg__device *d = e->dev;
+  SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, tmp + (size_t)e->rank * slice,
+                      state + p->buckets[b].shard_offset, slice * 4, SG_COPY_D2D));
+  SG_TRY(d->ops->sync(d, sg__engine_host_deadline(e)));
+  return sg__engine_allgather(e, tmp, slice * 4);
+}
