@@ -88,6 +88,7 @@ class Comm:
         self._h = handle
         self.kind = kind
         self._users = 0  # engines using it
+        self._released = 0  # of those, engines whose owner let go (Engine.release)
         self._close_pending = False
         _live_comms.add(self)
 
@@ -172,9 +173,13 @@ class Comm:
         """Destroys the communicator. Not allowed while an Engine still uses it."""
         if self._h is None:
             return
+        if self._users and self._users == self._released:
+            self._close_pending = True  # destroyed after the last released engine
+            return
         if self._users:
             raise InvalidStateError("Comm.close: %d engine(s) still use this communicator; "
-                                    "close them first" % self._users, function="python")
+                                    "close them first" % (self._users - self._released),
+                                    function="python")
         h, self._h = self._h, None
         _live_comms.discard(self)
         _lib.load().sg_comm_destroy(h)
@@ -475,8 +480,19 @@ class Engine:
         _lib.load().sg_engine_destroy(h)
         comm = self.comm
         comm._users -= 1
+        if getattr(self, "_released_flag", False):
+            comm._released -= 1
         if comm._users == 0 and comm._close_pending:
             comm.close()
+
+    def release(self):
+        """For an owner that is done with the engine while zero-copy views of its memory may
+        still exist (ShardedAdamW.close): the engine is destroyed when the last reference to
+        this object goes (each view holds one), and Comm.close() no longer waits for it (the
+        communicator is destroyed after it). Drop your own reference after calling this."""
+        if self._h is not None and not getattr(self, "_released_flag", False):
+            self._released_flag = True
+            self.comm._released += 1
 
     def __enter__(self):
         return self

@@ -14,12 +14,19 @@
 What it does
  - Every trainable parameter's storage is re-pointed to the library's working parameters
    (zero copy): sg_step's all-gather updates the model in place.
- - Parameter order (param_order="backward", the default): the engine is finalized at the end
-   of the first backward pass, registering the parameters in reverse order of gradient
-   arrival, so that buckets fill and are reduced in the order autograd produces gradients
-   (module registration order often differs from execution order; DDP rebuilds its buckets for
-   the same reason). During that first backward the gradients sit in .grad as in plain torch.
-   param_order="registration" finalizes in the constructor instead, in named_parameters order.
+ - Parameter order and when the engine is built. param_order="registration" (the default):
+   in the constructor, in named_parameters order (the plan reduces buckets in the reverse
+   order, which is backward order when modules are registered in the order the forward pass
+   uses them, as in nn.Sequential and the usual transformer). The constructor briefly holds
+   the parameters twice (torch's and the library's), before any activation exists; every
+   training step, the first included, then peaks at the same memory (issue 16).
+   param_order="backward": the plan follows the order the first forward pass uses the
+   parameters (module registration order may differ from execution order; DDP rebuilds its
+   buckets for the same reason). Forward pre-hooks record it, and the engine is built when
+   the first gradient arrives, so no full gradient is held, but step 1 holds torch's copy of
+   the parameters (autograd's saved tensors use it) beside the library's until its backward
+   has passed them. Parameters used by no module's own forward go last in the backward order;
+   without an nn.Module the order is the iterable's.
  - A post-accumulate-grad hook hands each gradient to the library (sg_grad_add) as soon as
    autograd has produced it, then drops `.grad`, so under SHARD_GRAD_OP the full gradient never
    sits in memory. At the end of each backward sg_backward_end completes the micro-batch
@@ -39,8 +46,14 @@ What it does
    constructor's. betas and eps are the same for every group. With explicit groups every
    parameter decays by its group's weight_decay, as in torch (no_decay still applies when
    given).
- - Parameters with requires_grad=False are left alone; parameters with ndim <= 1 (biases,
-   norms) get no weight decay unless no_decay says otherwise.
+ - Weight decay as torch.optim.AdamW: every parameter decays by its group's weight_decay.
+   no_decay="1d" exempts the parameters with ndim <= 1 (biases, norms; the usual GPT recipe),
+   a set of names or a callable (name, param) -> bool exempts those it names. Parameters with
+   requires_grad=False are left alone.
+ - Bucket size: without bucket_bytes (and without config=), buckets are 1/8 of the model's
+   gradient bytes, rounded up to 64 KiB and kept within 64 KiB..32 MiB, so that the staging
+   buckets (2 by default) hold a quarter of the gradient and the first reductions start
+   while backward is still running; bucket_bytes= or config= choose otherwise.
 
 Overlapped all-gather (overlap_param_gather=True): step() returns as soon as the per-bucket
 all-gathers of the updated parameters are queued (the bucket of the first registered
@@ -54,14 +67,18 @@ Needs an nn.Module as `model`. close() removes the hooks; library calls (state_d
 master_weights...) wait by themselves.
 
 Threads: with sg.Comm.local(n), build one model replica and one ShardedAdamW per rank, each in
-its own thread (sg.run_threads). Collective (every rank, same order): the first backward (or
-the constructor with param_order="registration"), step, state_dict, param_state,
-master_weights. close() (or garbage collection) copies the parameters back into torch-owned memory before
-the engine goes away.
+its own thread (sg.run_threads). Collective (every rank, same order): the constructor (with
+param_order="backward": the first backward), step, state_dict, param_state, master_weights.
+
+close() (or garbage collection of the optimizer) copies the parameters back into torch-owned
+memory and removes the hooks. Tensors made from the parameters before that (a user's
+p.detach(), autograd's saved tensors) still view the library's memory: the engine is then
+destroyed only when the last of them is gone (the communicator may be closed before; it is
+destroyed after the engine).
 
 CUDA parameters (the engine runs on the parameters' GPU):
- - Streams: the engine works on the stream that is current when it is set up (the first
-   backward, or the constructor with param_order="registration"), e.g. a rank's own stream
+ - Streams: the engine works on the stream that is current when it is set up (the
+   constructor; with param_order="backward" the first backward), e.g. a rank's own stream
    inside `with torch.cuda.stream(s):` around forward, backward and step(). On torch's default
    stream (handle 0, which sg_set_stream would read as "an internal stream") it gets a
    stream of its own instead. Either way the streams are ordered with events: the engine's
@@ -183,6 +200,39 @@ def _grouped_params(model, param_groups):
     return named, group_of, opts
 
 
+def _check_one_dtype(named):
+    """One engine holds one working dtype: a model mixing dtypes would silently become all one
+    dtype (and its forward fail inside torch), so it is refused by name."""
+    first = {}
+    for name, p in named:
+        first.setdefault(p.dtype, name)
+    if len(first) > 1:
+        which = ", ".join("'%s' is %s" % (n, str(dt).replace("torch.", ""))
+                          for dt, n in first.items())
+        raise InvalidArgumentError(
+            "ShardedAdamW: the parameters have %d dtypes (%s); one ShardedAdamW keeps one "
+            "working dtype: cast the model to one (e.g. model.to(torch.bfloat16)), or give each "
+            "dtype's parameters their own ShardedAdamW" % (len(first), which), function="python")
+    sg_dtype(named[0][1].dtype)  # float32, bfloat16 or float16
+
+
+MIN_BUCKET_BYTES = 64 << 10
+MAX_BUCKET_BYTES = 32 << 20
+
+
+def default_bucket_bytes(grad_bytes):
+    """The bucket size ShardedAdamW picks for a model of grad_bytes gradient bytes: 1/8 of it,
+    rounded up to 64 KiB, within 64 KiB..32 MiB (32 MiB, the library's default, from 256 MiB
+    of gradients on). Eight buckets: the 2 staging buckets of SHARD_GRAD_OP then hold a quarter
+    of the gradient (not all of it, as one bucket would, which is SHARD_OPT's cost), and the
+    first bucket's reduction starts after an eighth of the backward pass. A parameter larger
+    than a bucket gets a bucket of its own, so a model whose largest parameter exceeds half
+    the gradient still stages it whole."""
+    b = -(-int(grad_bytes) // 8)
+    b = -(-b // MIN_BUCKET_BYTES) * MIN_BUCKET_BYTES
+    return max(MIN_BUCKET_BYTES, min(MAX_BUCKET_BYTES, b))
+
+
 def _f32_short(x):
     """The shortest decimal that rounds to the same float32 (0.1 rather than 0.10000000149)."""
     return float(str(np.float32(x)))
@@ -192,6 +242,12 @@ def _grad_hook(opt_ref, pid, param):
     opt = opt_ref()
     if opt is not None:
         opt._take_grad(pid, param)
+
+
+def _order_hook(opt_ref, indices, module, args):
+    opt = opt_ref()
+    if opt is not None and not opt._ready:
+        opt._note_forward(indices)
 
 
 def _wait_hook(opt_ref, indices, module, args):
@@ -208,21 +264,24 @@ class ShardedAdamW(torch.optim.Optimizer):
     comm: a shardgrad.Comm (Comm.mpi() or one of Comm.local(n)).
     lr, betas, eps, weight_decay: as torch.optim.AdamW; unset ones come from `config`, else
     the library defaults (1e-3, (0.9, 0.999), 1e-8, 0.01 as in torch.optim.AdamW).
-    no_decay: None (ndim <= 1 parameters are excluded from weight decay), a set of names, or a
-    callable (name, param) -> bool that decides for every parameter.
+    no_decay: None (every parameter decays, as in torch.optim.AdamW), "1d" (parameters with
+    ndim <= 1 get no weight decay), a set of names, or a callable (name, param) -> bool that
+    is True for the parameters that get none.
     broadcast: make every rank start from rank 0's values (sg_broadcast_params); default when
     the world has more than one rank.
-    param_order: "backward" (finalize after the first backward, parameters laid out in
-    gradient arrival order) or "registration" (finalize now, named_parameters order).
+    param_order: "registration" (finalize now, named_parameters order) or "backward"
+    (finalize at the first gradient, parameters laid out in the reverse of the first forward
+    pass's order); see the module text.
     config / **config_kwargs: any other shardgrad.Config field (strategy, max_grad_norm,
     bucket_bytes, param_dtype, timeout_ms, overlap_param_gather, ...). param_dtype defaults to
-    the parameters' dtype. overlap_param_gather=True: the all-gathers after step() overlap the
+    the parameters' dtype (one dtype for all of them); bucket_bytes to 1/8 of the gradient
+    (see the module text). overlap_param_gather=True: the all-gathers after step() overlap the
     next forward pass, each module's forward pre-hook waiting for its own parameters (see the
     module text; call wait_params() before reading parameters outside a forward pass).
     """
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
-                 no_decay=None, broadcast=None, param_order="backward", config=None,
+                 no_decay=None, broadcast=None, param_order="registration", config=None,
                  param_groups=None, **config_kwargs):
         if not isinstance(comm, Comm):
             raise TypeError("ShardedAdamW: comm must be a shardgrad.Comm, got %r" % (comm,))
@@ -230,7 +289,6 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
                              "(got %r)" % (param_order,))
         all_named, group_of, opts = _grouped_params(model, param_groups)
-        self._explicit_groups = all_named is not None
         if all_named is None:
             all_named, group_of, opts = _named_params(model), None, [{}]
             group_of = [0] * len(all_named)
@@ -254,6 +312,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._sync = True        # wanted sync state (no_sync may be entered before _ready)
         self._arrival = []       # indices in gradient arrival order, first backward only
         self._pid = [None] * len(named)  # index in _named -> engine parameter id
+        if isinstance(no_decay, str) and no_decay != "1d":
+            raise ValueError("ShardedAdamW: no_decay must be None, \"1d\", a set of names or a "
+                             "callable (got %r)" % (no_decay,))
         self._no_decay = no_decay
         self._broadcast = broadcast
         self.last_step_info = None
@@ -301,8 +362,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._unwaited = set()  # indices into _named whose all-gather may still be pending
         if self._engine.overlap_param_gather:
             self._add_wait_hooks(model, ref)
+        self._order_hooks = []  # forward pre-hooks recording the first forward's order
+        self._forward_seen = {}  # index into _named -> position of first use
         if param_order == "registration":
             self._setup(list(range(len(named))))
+        elif isinstance(model, torch.nn.Module) and not self._defer:
+            self._add_order_hooks(model, ref)
 
     # -- construction ---------------------------------------------------------------------
     @staticmethod
@@ -310,9 +375,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         kw = dict(kwargs)
         kw.update(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                   weight_decay=float(weight_decay))
-        dtypes = {p.dtype for _, p in named}
-        if "param_dtype" not in kwargs and config is None and len(dtypes) == 1:
-            kw["param_dtype"] = sg_dtype(dtypes.pop())
+        _check_one_dtype(named)
+        if "param_dtype" not in kwargs and config is None:
+            kw["param_dtype"] = sg_dtype(named[0][1].dtype)
+        if "bucket_bytes" not in kwargs and config is None:
+            kw["bucket_bytes"] = default_bucket_bytes(
+                sum(p.numel() for _, p in named) * named[0][1].element_size())
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise InvalidArgumentError("ShardedAdamW: parameters on several devices %s"
@@ -337,6 +405,22 @@ class ShardedAdamW(torch.optim.Optimizer):
                 self._wait_hooks.append(m.register_forward_pre_hook(
                     functools.partial(_wait_hook, ref, tuple(own))))
 
+    def _add_order_hooks(self, model, ref):
+        """param_order="backward": a forward pre-hook on every module that directly owns some
+        of the parameters notes when the first forward pass first uses them (removed once the
+        engine is built)."""
+        index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        for m in model.modules():
+            own = tuple(sorted({index[id(p)] for p in m.parameters(recurse=False)
+                                if id(p) in index}))
+            if own:
+                self._order_hooks.append(m.register_forward_pre_hook(
+                    functools.partial(_order_hook, ref, own)))
+
+    def _note_forward(self, indices):
+        for i in indices:
+            self._forward_seen.setdefault(i, len(self._forward_seen))
+
     def _wait_for(self, indices):
         """Forward pre-hook: the parameters `indices` (into _named) are gathered before the
         module reads them (CUDA: torch's current stream waits, the host does not)."""
@@ -360,11 +444,13 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _decays(self, name, p):
         nd = self._no_decay
+        if nd is None:
+            return True
+        if isinstance(nd, str):
+            return p.ndim > 1
         if callable(nd):
             return not nd(name, p)
-        if nd is not None:
-            return name not in nd
-        return self._explicit_groups or p.ndim > 1
+        return name not in nd
 
     def _setup(self, registration):
         """Collective: registers the parameters in the given order (indices into _named),
@@ -382,8 +468,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                 e.finalize()
             except MismatchError as ex:
                 raise MismatchError(ex.message + " (ShardedAdamW: with param_order='backward' "
-                                    "every rank must produce gradients in the same order in its "
-                                    "first backward; otherwise use param_order='registration')",
+                                    "every rank must use its modules in the same order in its "
+                                    "first forward pass; otherwise use "
+                                    "param_order='registration')",
                                     ex.status, ex.function) from None
             for i, (_, p) in enumerate(self._named):
                 e.set_param(self._pid[i], p.detach().to("cpu"))
@@ -409,22 +496,32 @@ class ShardedAdamW(torch.optim.Optimizer):
                 e.set_sync(False)
         except BaseException:
             self._closed = True
-            for h in self._hooks + self._wait_hooks:
+            for h in self._hooks + self._wait_hooks + self._order_hooks:
                 h.remove()
             self._hooks = []
             self._wait_hooks = []
+            self._order_hooks = []
             e.close()
             raise
         self._hand_order = list(registration[::-1])
         self._ready = True
+        for h in self._order_hooks:
+            h.remove()
+        self._order_hooks = []
 
     def _learned_order(self):
-        """Registration order: reverse gradient arrival (parameters that got none first), or
-        named_parameters order when no gradient has arrived yet."""
+        """Registration order (the plan reduces in its reverse): the first forward pass's
+        order of first use with the parameters it did not see first; else (deferred mode)
+        reverse gradient arrival with the parameters that got none first; else
+        named_parameters order."""
+        n = len(self._named)
+        if self._forward_seen:
+            seen = sorted(self._forward_seen, key=self._forward_seen.get)
+            return [i for i in range(n) if i not in self._forward_seen] + seen
         if not self._arrival:
-            return list(range(len(self._named)))
+            return list(range(n))
         seen = set(self._arrival)
-        order = self._arrival + [i for i in range(len(self._named)) if i not in seen]
+        order = self._arrival + [i for i in range(n) if i not in seen]
         return order[::-1]
 
     def _ensure_ready(self):
@@ -459,8 +556,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
             self._callback_queued = True
         if not self._ready:
-            self._arrival.append(i)  # first backward: learn the order, keep .grad for now
-            return
+            # First gradient: build the engine now, before any other gradient exists.
+            self._setup(self._learned_order())
         self._hand_over(i, g)
         p.grad = None
 
@@ -512,37 +609,22 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _backward_end(self):
         self._callback_queued = False
-        if not self._ready:
-            # First backward: register in reverse arrival order, so that buckets fill and are
-            # reduced in the order the gradients come (what DDP's bucket rebuild achieves).
-            seen = set(self._arrival)
-            order = self._arrival + [i for i in range(len(self._named)) if i not in seen]
-            grads = []
-            for i in self._arrival:
-                p = self._named[i][1]
-                grads.append((i, p.grad))
-                p.grad = None
-            self._arrival = []
-            self._setup(order[::-1])
-            for i, g in grads:
-                self._hand_over(i, g)
-            del grads
-        self._engine.backward_end()
+        if not self._closed:
+            self._engine.backward_end()
 
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches inside accumulate locally, without communication; the first backward
         after the block (with sync on) reduces everything. Enter and leave between
         micro-batches, on every rank alike."""
-        use_engine = self._ready and not self._defer  # deferred: torch accumulates in .grad
-        if use_engine:
-            self._engine.set_sync(False)
-        self._sync = False
+        if self._ready and not self._defer:  # deferred: torch accumulates in .grad
+            self._live().set_sync(False)
+        self._sync = False  # an engine built inside the block starts without sync
         try:
             yield
         finally:
             self._sync = True
-            if use_engine:
+            if self._ready and not self._defer and not self._closed:
                 self._engine.set_sync(True)
 
     def zero_grad(self, set_to_none=True):
@@ -610,9 +692,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             g["lr"] = float(value)
 
+    def _live(self):
+        if self._closed:
+            raise InvalidStateError("ShardedAdamW is closed", function="python")
+        return self._engine
+
     @property
     def loss_scale(self):
-        return self._engine.loss_scale
+        return self._live().loss_scale
 
     @property
     def step_count(self):
@@ -622,7 +709,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def scale_loss(self, loss):
         """loss * current loss scale (only differs from loss for fp16 dynamic scaling)."""
-        s = self._engine.loss_scale
+        s = self._live().loss_scale
         return loss if s == 1.0 else loss * s
 
     def memory(self):
@@ -704,25 +791,33 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # -- teardown -------------------------------------------------------------------------
     def close(self):
-        """Copies the parameters back into torch-owned memory, removes the hooks and destroys
-        the engine. The model stays usable; the optimizer does not."""
+        """Copies the parameters back into torch-owned memory, removes the hooks and lets the
+        engine go: at once, or when the last tensor that still views the library's memory (a
+        p.detach() made earlier, autograd's saved tensors) is gone. The model stays usable;
+        the optimizer does not."""
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks + getattr(self, "_wait_hooks", []):
+        for h in (self._hooks + getattr(self, "_wait_hooks", [])
+                  + getattr(self, "_order_hooks", [])):
             h.remove()
         self._hooks = []
         self._wait_hooks = []
-        if self._engine is not None and not self._engine.closed:
-            if not self._ready:
-                self._engine.close()
-                return
-            self._engine.param_wait(-1)  # overlap_param_gather: the copies need every bucket
-            self._torch_waits()  # the copies read what the engine's stream last wrote
-            with torch.no_grad():
-                for _, p in self._named:
-                    p.data = p.data.clone()
-            self._engine.close()
+        self._order_hooks = []
+        e, self._engine = self._engine, None
+        if e is None or e.closed:
+            return
+        if not self._ready:
+            e.close()  # no view of its memory was ever made
+            return
+        e.param_wait(-1)  # overlap_param_gather: the copies need every bucket
+        self._torch_waits()  # the copies read what the engine's stream last wrote
+        with torch.no_grad():
+            for _, p in self._named:
+                p.data = p.data.clone()
+        # Views made before (they hold the Engine object) keep it alive; without any, this
+        # was the last reference and the engine is destroyed here.
+        e.release()
 
     def __del__(self):
         try:
@@ -731,7 +826,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             pass
 
     def __repr__(self):
-        if self._engine is None or self._engine.closed:
+        if self._engine is None or self._engine.closed or self._closed:
             return "ShardedAdamW(closed)"
         c = self._engine.config
         return ("ShardedAdamW(%d params, rank %d of %d, %s, lr=%g)"

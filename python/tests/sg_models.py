@@ -84,11 +84,9 @@ def make_batches(seed, steps, micro, world, per_rank, seq=16, vocab=48):
 
 
 def param_groups_like_sharded(model, weight_decay):
-    """AdamW groups that match ShardedAdamW's default: no weight decay for ndim <= 1."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW groups that match ShardedAdamW's default, which is torch's: every parameter decays."""
+    return [{"params": [p for p in model.parameters() if p.requires_grad],
+             "weight_decay": weight_decay}]
 
 
 def torch_reference(model, batches, lr, weight_decay, max_grad_norm=0.0, betas=(0.9, 0.999),
