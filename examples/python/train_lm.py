@@ -366,7 +366,7 @@ def train_rank_on(comm, args, data, out, device):
         model = model.to(device)
     nparams = sum(p.numel() for p in model.parameters())
     opt = ShardedAdamW(model, comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                       strategy=args.strategy, max_grad_norm=args.clip,
+                       no_decay="1d", strategy=args.strategy, max_grad_norm=args.clip,
                        bucket_bytes=args.bucket_kib << 10,
                        overlap_param_gather=args.overlap_gather)
     warmup = max(1, args.steps // 10)

@@ -133,6 +133,14 @@ class Comm:
         _call("sg_comm_create_nccl_mpi", ptr, ctypes.byref(h))
         return cls(h.value, "nccl")
 
+    @classmethod
+    def from_torch(cls, group=None):
+        """Collective: a communicator with the ranks of an initialized torch.distributed group
+        (default: the world); NCCL, MPI (under mpirun) or a transport over the group itself.
+        See shardgrad.torch.comm_from_torch."""
+        from .torch import comm_from_torch
+        return comm_from_torch(group)
+
     @staticmethod
     def nccl_unique_id():
         """A 128-byte NCCL unique id (bytes) for Comm.nccl on every rank."""

@@ -96,6 +96,7 @@ CUDA parameters (the engine runs on the parameters' GPU):
 
 import contextlib
 import functools
+import os
 import weakref
 
 import numpy as np
@@ -104,10 +105,11 @@ import torch
 from . import _lib
 from ._structs import MAX_GROUPS, DType, Device
 from .config import Config
-from .core import Comm, Engine
+from .core import Comm, Engine, has_backend
 from .errors import InvalidArgumentError, InvalidStateError, MismatchError, UnsupportedError
 
-__all__ = ["ShardedAdamW", "torch_dtype", "sg_dtype"]
+__all__ = ["ShardedAdamW", "comm_from_torch", "default_bucket_bytes", "torch_dtype",
+           "sg_dtype"]
 
 _TO_SG = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
 _TO_TORCH = {v: k for k, v in _TO_SG.items()}
@@ -122,6 +124,73 @@ def sg_dtype(dt):
 
 def torch_dtype(dt):
     return _TO_TORCH[DType(dt)]
+
+
+# ------------------------------------------------------------------------------------------
+# communicators from torch.distributed
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def _started_by_mpirun():
+    return any(k in os.environ for k in _MPI_ENV)
+
+
+def comm_from_torch(group=None):
+    """Collective over `group` (default: the whole world): a shardgrad communicator with the
+    same ranks as an initialized torch.distributed process group (Comm.from_torch).
+
+    - NCCL group (CUDA): an NCCL communicator on torch's current CUDA device, its unique id made
+      by the group's rank 0 and shared through the group (broadcast_object_list).
+    - A job started by mpirun (the whole world only): Comm.mpi(), checked to give every process
+      the rank torch gave it.
+    - Otherwise (gloo on CPU under torchrun): a communicator whose transfers go through the
+      group itself, when the library has that transport (sg_comm_create_xport); else
+      UnsupportedError saying what to do instead.
+    """
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidStateError("Comm.from_torch: torch.distributed is not initialized (call "
+                                "torch.distributed.init_process_group first, e.g. under "
+                                "torchrun)", function="python")
+    g = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(g), dist.get_world_size(g)
+    backend = str(dist.get_backend(g)).lower()
+    if "nccl" in backend:
+        return _nccl_from_torch(dist, g, rank, world)
+    whole = world == dist.get_world_size()
+    if whole and _started_by_mpirun() and has_backend("mpi"):
+        comm = Comm.mpi()
+        if comm.size != world or comm.rank != rank:
+            got = (comm.rank, comm.size)
+            comm.close()
+            raise MismatchError("Comm.from_torch: MPI gives this process rank %d of %d, torch "
+                                "rank %d of %d: start torch with the ranks mpirun assigned "
+                                "(RANK=$OMPI_COMM_WORLD_RANK)" % (got + (rank, world)),
+                                function="python")
+        return comm
+    if not _lib.has("sg_comm_create_xport"):
+        raise UnsupportedError(
+            "Comm.from_torch: a %s process group needs shardgrad's torch.distributed transport, "
+            "which this libshardgrad lacks; start the job with mpirun instead of torchrun "
+            "(from_torch then uses MPI), or create the communicator with Comm.mpi()" % backend,
+            function="python")
+    from . import _torch_xport
+    return _torch_xport.create(dist, g, rank, world)
+
+
+def _nccl_from_torch(dist, g, rank, world):
+    if not has_backend("nccl"):
+        raise UnsupportedError("Comm.from_torch: the process group uses NCCL but this "
+                               "libshardgrad was built without it (sg_has_backend('nccl'))",
+                               function="python")
+    uid = [Comm.nccl_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid, src=dist.get_global_rank(g, 0), group=g)
+    return Comm.nccl(rank, world, uid[0], cuda_device=torch.cuda.current_device())
+
+
+# ------------------------------------------------------------------------------------------
+# the optimizer
 
 
 def _named_params(model):

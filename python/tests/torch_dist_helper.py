@@ -1,0 +1,79 @@
+"""A training script written for torch.distributed, run by test_torch_dist.py under torchrun
+(env:// rendezvous) or under mpirun (the torch rank from the MPI environment): it makes the
+process group itself, gets a shardgrad communicator from it (Comm.from_torch) and trains a
+small model with ShardedAdamW for a few steps, using the torch group for the loss all-reduce
+beside it. Rank 0 writes a JSON summary: the communicator kind, every step's global loss, and
+whether the ranks' parameters agree bitwise and equal a single-process torch.optim.AdamW run on
+the combined batch (within TOL).
+
+usage: torch_dist_helper.py OUT_JSON
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import shardgrad as sg
+from shardgrad.torch import ShardedAdamW
+
+STEPS = 5
+TOL = 2e-6
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def batch(step, world):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(world * 8, 16, generator=g), torch.randn(world * 8, 4, generator=g)
+
+
+def main():
+    out = sys.argv[1]
+    if "RANK" not in os.environ:  # mpirun: torch takes the ranks MPI assigned
+        os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+        os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = sg.Comm.from_torch()
+    assert (comm.rank, comm.size) == (rank, world), (comm.rank, comm.size, rank, world)
+    m = model()
+    opt = ShardedAdamW(m, comm, lr=1e-2, weight_decay=0.1, timeout_ms=60000)
+    ref = model()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for s in range(STEPS):
+        x, y = batch(0, world)  # one batch, learned over the steps
+        part = slice(rank * 8, (rank + 1) * 8)
+        loss = torch.nn.functional.mse_loss(m(x[part]), y[part])
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)  # the torch group still works beside shardgrad's communicator
+        losses.append(t.item() / world)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    same = all(torch.equal(everyone[0], e) for e in everyone)
+    diff = max((a - b).abs().max().item() for a, b in zip(m.parameters(), ref.parameters()))
+    kind = comm.kind
+    opt.close()
+    comm.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(kind=kind, world=world, losses=losses, ranks_equal=same,
+                           max_diff_vs_torch=diff, tol=TOL), f)
+
+
+if __name__ == "__main__":
+    main()
