@@ -164,9 +164,13 @@ SG_API sg_status sg_config_init(sg_config *cfg, size_t struct_size);
 
 typedef struct sg_engine sg_engine;
 
-/* One engine per model replica per rank. The engine uses `comm` until destroyed (one engine per
- * communicator at a time: SG_ERR_INVALID_STATE otherwise). The config is copied. Not
- * collective. SG_ERR_UNSUPPORTED for a device that is not compiled in. */
+/* One engine per model replica per rank. The engine uses `comm` until destroyed. Several engines
+ * may use one communicator (two models, teacher and student): each gets a channel of its own, so
+ * their collectives may interleave; create them in the same order on every rank. The first
+ * engine on a communicator is not collective; later ones (also one created after an earlier
+ * engine was destroyed) are, for MPI (a duplicate communicator) and NCCL (ncclCommSplit,
+ * SG_ERR_UNSUPPORTED before NCCL 2.18), within cfg->timeout_ms. The config is copied.
+ * SG_ERR_UNSUPPORTED for a device that is not compiled in. */
 SG_API sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out);
 
 /* Registers a parameter before sg_finalize. Names are unique, 1..255 bytes; numel >= 1.

@@ -464,13 +464,21 @@ static void test_api(void) {
   /* destroy while an engine holds it: refused (ASan would flag a later use otherwise) */
   sg_comm *one = NULL;
   check(0, sg_comm_create_local(1, &one) == SG_OK, "create_local(1)");
-  one->in_use = 1;
+  sg_comm *chan = NULL;
+  check(0, sg__comm_bind(one, NULL, 0, &chan) == SG_OK && chan && chan->parent == one,
+        "bind: a channel of the communicator");
+  sg_comm *chan2 = NULL;
+  check(0, sg__comm_bind(chan, NULL, 0, &chan2) == SG_ERR_INVALID_ARGUMENT && !chan2,
+        "a channel cannot be bound again");
   sg_comm_destroy(one);
+  sg_comm_destroy(chan); /* refused too: channels go through sg__comm_unbind */
   float v = 3;
   check(0, one->ops->all_reduce(one, &v, 1, SG_F32, sg__deadline(1000)) == SG_OK && v == 3,
         "destroy while in use leaves the communicator working");
+  check(0, chan->ops->all_reduce(chan, &v, 1, SG_F32, sg__deadline(1000)) == SG_OK && v == 3,
+        "and its channel");
   check(0, sg_comm_rank(one) == 0 && sg_comm_size(one) == 1, "rank/size of a W=1 comm");
-  one->in_use = 0;
+  sg__comm_unbind(chan);
   sg_comm_destroy(one);
   check(0, sg__comm_usable(NULL, "x") == SG_ERR_INVALID_ARGUMENT, "usable(NULL) rejected");
   /* a rank that destroys its communicator breaks the group: the other fails at once */

@@ -26,7 +26,6 @@
 
 #include "cpu/sg_cpu_kernels.h"    /* references */
 #include "device/sg_device.h"      /* the vtable, sg__device_cuda_create */
-#include "device/sg_device_cuda.h" /* comm stream, hooks */
 
 static int g_pass, g_fail;
 
@@ -45,7 +44,7 @@ static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 /* ---- hooks -------------------------------------------------------------------------------- */
 
 typedef struct hook_state {
-  int polls, aborts, detaches;
+  int polls, aborts;
   sg_status poll_result;
 } hook_state;
 
@@ -56,11 +55,23 @@ static sg_status hook_poll(void *arg) {
   return SG_OK;
 }
 static void hook_abort(void *arg) { ((hook_state *)arg)->aborts++; }
-static void hook_detach(void *arg) { ((hook_state *)arg)->detaches++; }
 
-static void attach(sg__device *d, hook_state *h) {
-  sg__cuda_comm_hooks hk = {hook_poll, hook_abort, hook_detach, h};
-  sg__device_cuda_set_comm_hooks(d, &hk);
+/* A stream-ordered communicator (as NCCL attaches); returns the comm stream. */
+static cudaStream_t attach(sg__device *d, hook_state *h) {
+  const sg__comm_attach a = {1, 0, hook_poll, hook_abort, h};
+  sg__comm_native nat = {NULL, -1};
+  check(d->ops->comm_attach(d, &a, &nat) == SG_OK && nat.stream && nat.ordinal == 0,
+        "comm_attach (stream-ordered): the comm stream and the GPU");
+  return (cudaStream_t)nat.stream;
+}
+
+/* The comm stream without an attachment left behind. */
+static cudaStream_t comm_stream_of(sg__device *d) {
+  const sg__comm_attach a = {0, 1, NULL, NULL, NULL};
+  sg__comm_native nat = {NULL, -1};
+  d->ops->comm_attach(d, &a, &nat);
+  d->ops->comm_detach(d);
+  return (cudaStream_t)nat.stream;
 }
 
 /* ---- jobs ----------------------------------------------------------------------------------- */
@@ -134,20 +145,21 @@ typedef struct probe_job {
   sg__device *d;
   float *dst, *src;
   size_t pending_after;
+  cudaStream_t comm;
 } probe_job;
 
 static sg_status probe_job_fn(void *arg) {
   probe_job *j = (probe_job *)arg;
   sg_status st = j->d->ops->copy(j->d, SG_Q_COMM, j->dst, j->src, 64, SG_COPY_D2D);
-  j->pending_after = sg_cudamock_pending((cudaStream_t)sg__device_cuda_comm_stream(j->d));
+  j->pending_after = sg_cudamock_pending(j->comm);
   return st;
 }
 
-static void host_driven(sg__device *d, int attached) {
+static void host_driven(sg__device *d, int attached, cudaStream_t comm) {
   float *a = NULL, *b = NULL;
   d->ops->alloc(d, 64, (void **)&a);
   d->ops->alloc(d, 64, (void **)&b);
-  probe_job j = {d, b, a, 99};
+  probe_job j = {d, b, a, 99, comm ? comm : comm_stream_of(d)};
   uint64_t t;
   d->ops->comm_submit(d, probe_job_fn, &j, &t);
   if (attached) {
@@ -189,10 +201,9 @@ static sg_status failing_fn(void *arg) {
 
 static void timeouts(void) {
   sg__device *d = NULL;
-  hook_state h = {0, 0, 0, SG_OK};
+  hook_state h = {0, 0, SG_OK};
   sg__device_cuda_create(0, 0, &d);
-  attach(d, &h);
-  cudaStream_t comm = (cudaStream_t)sg__device_cuda_comm_stream(d);
+  cudaStream_t comm = attach(d, &h);
   sg_cudamock_stall(comm, 1);
   nothing_job nj = {0};
   uint64_t t = 0;
@@ -210,13 +221,12 @@ static void timeouts(void) {
         "later submits fail without running the job");
   sg_cudamock_stall(comm, 0);
   d->ops->destroy(d);
-  check(h.detaches == 1, "destroy detaches the hooks");
+  check(h.aborts == 1, "destroy calls nothing of the attached communicator");
 
   /* the communicator reports a failure through the poll hook */
-  hook_state h2 = {0, 0, 0, SG_ERR_COMM};
+  hook_state h2 = {0, 0, SG_ERR_COMM};
   sg__device_cuda_create(0, 0, &d);
-  attach(d, &h2);
-  comm = (cudaStream_t)sg__device_cuda_comm_stream(d);
+  comm = attach(d, &h2);
   sg_cudamock_stall(comm, 1);
   d->ops->comm_submit(d, nothing_fn, &nj, &t);
   check(d->ops->comm_wait(d, t, sg__deadline(5000)) == SG_ERR_COMM && says("peer failed"),
@@ -225,8 +235,17 @@ static void timeouts(void) {
   sg_cudamock_stall(comm, 0);
   d->ops->destroy(d);
 
-  /* a failing job: returned by submit and by every later wait */
+  /* a failing job inline (a communicator that must not be called from another thread):
+   * returned by submit and by every later wait */
   sg__device_cuda_create(0, 0, &d);
+  const sg__comm_attach inline_comm = {0, 0, NULL, NULL, NULL};
+  sg__comm_native nat;
+  check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_OK, "attach host-driven, not threaded");
+  check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_ERR_INVALID_STATE,
+        "a second attachment is refused");
+  const int ran = nj.ran;
+  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_OK && nj.ran == ran + 1,
+        "not threaded: the job ran inline in comm_submit");
   check(d->ops->comm_submit(d, failing_fn, NULL, &t) == SG_ERR_COMM && says("collective failed"),
         "failing job: submit returns its failure");
   check(d->ops->comm_wait(d, t, sg__deadline(1000)) == SG_ERR_COMM && says("collective failed"),
@@ -283,8 +302,9 @@ static void async_jobs(void) {
   const sg__device_ops *o = d->ops;
   nothing_job nj = {0};
   uint64_t t0 = 0, t = 0, t2 = 0;
-  check(o->comm_submit(d, nothing_fn, &nj, &t0) == SG_OK && nj.ran == 1,
-        "async: the first job runs inline (a communicator may attach hooks in it)");
+  check(o->comm_submit(d, nothing_fn, &nj, &t0) == SG_OK &&
+            o->comm_wait(d, t0, sg__deadline(5000)) == SG_OK && nj.ran == 1,
+        "async: the first job runs on the worker like every other (no first-job special case)");
   float h[N], back[N];
   for (int i = 0; i < N; i++) h[i] = (float)(i % 31);
   float *a = NULL, *b = NULL, *c = NULL;
@@ -344,6 +364,7 @@ static void async_jobs(void) {
   atomic_init(&count, 0);
   count_job cj = {&count};
   o->comm_submit(d, count_fn, &cj, &t);
+  o->comm_wait(d, t, sg__deadline(5000));
   gate_job g2;
   atomic_init(&g2.released, 0);
   atomic_init(&g2.started, 0);
@@ -585,7 +606,7 @@ static void counts_now(long long c[NCOUNTED]) {
 
 static void bucket_tables(void) {
   sg__device *d = NULL;
-  hook_state h = {0, 0, 0, SG_OK};
+  hook_state h = {0, 0, SG_OK};
   sg__device_cuda_create(0, 0, &d);
   attach(d, &h); /* stream-ordered: barriers between steps wait on streams, not on the host */
   /* One segment array of three buckets (odd offsets: the scalar paths too), and a twin of
@@ -658,7 +679,7 @@ static void bucket_tables(void) {
  * queues, == the CPU bitwise. */
 static void group_tables(void) {
   sg__device *d = NULL;
-  hook_state h = {0, 0, 0, SG_OK};
+  hook_state h = {0, 0, SG_OK};
   sg__device_cuda_create(0, 0, &d);
   attach(d, &h);
   const sg__seg segs[4] = {{0, 1, 100, 1, 0, 0},
@@ -700,14 +721,14 @@ int main(void) {
   const size_t live0 = sg_cudamock_live_allocations();
   check(sg__device_cuda_create(0, -1, &d) == SG_OK && d, "create");
   ordering(d, "host-driven");
-  host_driven(d, 0);
+  host_driven(d, 0, NULL);
   stream_switch(d);
   allocations(d);
   kernels(d);
-  hook_state h = {0, 0, 0, SG_OK};
-  attach(d, &h);
+  hook_state h = {0, 0, SG_OK};
+  cudaStream_t comm = attach(d, &h);
   ordering(d, "stream-ordered");
-  host_driven(d, 1);
+  host_driven(d, 1, comm);
   check(d->ops->sync(d, sg__deadline(1000)) == SG_OK, "sync");
   d->ops->destroy(d);
   sg_cudamock_drain();

@@ -145,9 +145,9 @@ static void collectives(rank_ctx *x, int mode) {
   const int w = x->world, r = x->rank;
   const size_t n = 1000; /* not a multiple of 13: every rank's parts hold different values */
   sg__device *d = NULL;
-  if (mode == 2) {
+  if (mode == 2) { /* a channel bound (and attached) to the device */
     sg__device_cuda_create(r, 0, &d);
-    c->dev = d;
+    check(sg__comm_bind(x->c, d, 0, &c) == SG_OK && c && c->dev == d, "bind to a CUDA device");
   }
   for (int dt = 0; dt <= SG__F64; dt++) {
     const size_t bytes = n * esize(dt) * (size_t)w;
@@ -180,7 +180,7 @@ static void collectives(rank_ctx *x, int mode) {
       cudaFree(buf);
   }
   if (d) {
-    c->dev = NULL;
+    sg__comm_unbind(c);
     d->ops->destroy(d);
   }
 }
@@ -220,8 +220,8 @@ static void body_stuck(rank_ctx *x) {
   if (x->rank != 0) return;
   sg__device *d = NULL;
   sg__device_cuda_create(0, 0, &d);
-  sg_comm *c = x->c;
-  c->dev = d;
+  sg_comm *c = NULL;
+  sg__comm_bind(x->c, d, 0, &c);
   float *buf = NULL;
   cudaMalloc((void **)&buf, 1024);
   coll_job j = {c, buf};
@@ -232,8 +232,9 @@ static void body_stuck(rank_ctx *x) {
   check(c->broken && sg_ncclmock_live() == live - 1, "stuck: communicator aborted and broken");
   check(c->ops->all_reduce(c, buf, 4, SG_F32, sg__deadline(1000)) == SG_ERR_COMM && says("broken"),
         "stuck: later collectives refused");
-  c->dev = NULL;
-  d->ops->destroy(d); /* hooks detached; the comm is destroyed after it */
+  sg__comm_unbind(c); /* detached; the comm is destroyed after the device */
+  check(x->c->broken, "stuck: the channel's failure leaves its communicator broken");
+  d->ops->destroy(d);
   cudaFree(buf);
 }
 
@@ -242,8 +243,8 @@ static void body_async_error(rank_ctx *x) {
   if (x->rank != 0) return;
   sg__device *d = NULL;
   sg__device_cuda_create(0, 0, &d);
-  sg_comm *c = x->c;
-  c->dev = d;
+  sg_comm *c = NULL;
+  sg__comm_bind(x->c, d, 0, &c);
   float *buf = NULL;
   cudaMalloc((void **)&buf, 1024);
   coll_job j = {c, buf};
@@ -253,8 +254,11 @@ static void body_async_error(rank_ctx *x) {
   check(d->ops->comm_wait(d, t, sg__deadline(10000)) == SG_ERR_COMM && says("remote process"),
         "async error: SG_ERR_COMM with NCCL's text");
   check(c->broken, "async error: communicator broken");
-  /* the communicator goes first this time: the device must not call its hooks afterwards */
-  sg_comm_destroy(c);
+  /* the communicator goes first this time: the device must not call it afterwards */
+  sg_comm_destroy(x->c);
+  check(x->c->ops != NULL, "destroy of a communicator with a channel bound is refused");
+  sg__comm_unbind(c);
+  sg_comm_destroy(x->c);
   x->c = NULL;
   check(d->ops->sync(d, sg__deadline(1000)) == SG_ERR_COMM,
         "the device stays broken after its communicator is destroyed");

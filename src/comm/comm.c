@@ -1,7 +1,8 @@
 /* Public communicator functions (rank, size, destroy) and the helpers every backend shares
  * (DESIGN.md section 6). The backends live in local.c, mpi.c and nccl.c. */
-#include <stdarg.h> /* va_list */
-#include <stdio.h>  /* vsnprintf */
+#include <pthread.h> /* the bind lock */
+#include <stdarg.h>  /* va_list */
+#include <stdio.h>   /* vsnprintf */
 
 #include "sg_comm.h" /* sg_comm, sg__comm_ops, sg__comm_fail, sg__comm_usable */
 
@@ -9,20 +10,81 @@ int sg_comm_rank(const sg_comm *c) { return c ? c->rank : -1; }
 
 int sg_comm_size(const sg_comm *c) { return c ? c->world : -1; }
 
+/* Channel counts of every communicator: engines may be created and destroyed on any thread. */
+static pthread_mutex_t g_bind_mu = PTHREAD_MUTEX_INITIALIZER;
+
 /* Destroying a communicator that an engine still holds would leave the engine with a dangling
- * pointer (its comm worker may be inside a collective right now). We choose to refuse: log a
+ * channel (its comm worker may be inside a collective right now). We choose to refuse: log a
  * warning and leave the communicator alive (a leak, never a use-after-free). The caller can
  * destroy it again after sg_engine_destroy. */
 void sg_comm_destroy(sg_comm *c) {
   if (!c) return;
-  if (c->in_use) {
+  pthread_mutex_lock(&g_bind_mu);
+  const int bound = c->nbound;
+  pthread_mutex_unlock(&g_bind_mu);
+  if (bound > 0 || c->parent) {
     SG_LOG(SG_LOG_WARN, c->rank,
-           "sg_comm_destroy: communicator (rank %d of %d) is still used by an engine; not "
-           "destroyed (destroy the engine first)",
-           c->rank, c->world);
+           "sg_comm_destroy: communicator (rank %d of %d) is still used by %d engine(s); not "
+           "destroyed (destroy the engines first)",
+           c->rank, c->world, bound > 0 ? bound : 1);
     return;
   }
   if (c->ops && c->ops->destroy) c->ops->destroy(c);
+}
+
+sg_status sg__comm_bind(sg_comm *c, sg__device *dev, int timeout_ms, sg_comm **chan) {
+  static const char fn[] = "sg__comm_bind";
+  if (!chan) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: chan is NULL", fn);
+  *chan = NULL;
+  if (!c || !c->ops) return sg__comm_usable(c, fn);
+  if (c->parent)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: a channel cannot be bound again", fn);
+  if (!c->ops->bind)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: the %s communicator has no channels", fn, c->ops->name);
+  /* Indices advance even when a bind fails, so that ranks keep meeting at the same index. */
+  pthread_mutex_lock(&g_bind_mu);
+  const int broken = c->broken;
+  const uint64_t index = broken ? 0 : c->nbinds++;
+  pthread_mutex_unlock(&g_bind_mu);
+  if (broken) return sg__comm_usable(c, fn);
+  sg_comm *ch = NULL;
+  SG_TRY(c->ops->bind(c, index, dev, sg__deadline(timeout_ms), &ch));
+  pthread_mutex_lock(&g_bind_mu);
+  c->nbound++;
+  pthread_mutex_unlock(&g_bind_mu);
+  *chan = ch;
+  return SG_OK;
+}
+
+/* A channel's failure breaks its communicator for later engines: a collective that failed
+ * half-way leaves the ranks out of step (a peer may be gone). */
+void sg__comm_unbind(sg_comm *chan) {
+  if (!chan) return;
+  sg_comm *c = chan->parent;
+  const int broken = chan->broken;
+  chan->ops->unbind(chan);
+  if (!c) return;
+  pthread_mutex_lock(&g_bind_mu);
+  c->nbound--;
+  if (broken) c->broken = 1;
+  pthread_mutex_unlock(&g_bind_mu);
+}
+
+void sg__comm_set_scratch(sg_comm *chan, void *scratch, size_t bytes) {
+  if (!chan) return;
+  chan->scratch = scratch;
+  chan->scratch_bytes = scratch ? bytes : 0;
+}
+
+void sg__comm_channel_init(sg_comm *chan, const sg_comm *c, const sg__comm_ops *ops,
+                           sg__device *dev, void *impl) {
+  chan->ops = ops;
+  chan->rank = c->rank;
+  chan->world = c->world;
+  chan->threaded = c->threaded;
+  chan->parent = (sg_comm *)c;
+  chan->dev = dev;
+  chan->impl = impl;
 }
 
 sg_status sg__comm_fail(sg_comm *c, sg_status st, const char *fn, const char *fmt, ...) {

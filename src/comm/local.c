@@ -9,6 +9,16 @@
  * the result does not depend on which thread does the work, and every rank of an all-reduce
  * holds the same bits.
  *
+ * Channels (sg_comm.h). Channel 0 of a rank uses the group of its communicator; channel k > 0
+ * uses the k-th subgroup, made by the first rank that binds it and kept in a list of the base
+ * group until the last communicator goes. Ranks are threads of one process, so collectives of
+ * different channels interleave freely: each subgroup has its own barrier and posts.
+ *
+ * Devices. Ranks read each other's buffers directly, so every rank of a group must be on the
+ * same device (host memory, or one GPU): each post carries its GPU, and the first rendezvous of
+ * ranks on different GPUs fails on every rank with SG_ERR_UNSUPPORTED (no peer access is set
+ * up; one process driving several GPUs should use NCCL).
+ *
  * Failures. A barrier that passes its deadline marks the group broken and wakes everyone: the
  * rank that timed out gets SG_ERR_TIMEOUT, the ranks waiting with it SG_ERR_COMM, and every
  * later call on any rank SG_ERR_COMM. Invalid arguments on one rank, mismatched calls across
@@ -48,6 +58,7 @@ typedef struct lpost {
   void *buf;
   size_t count; /* elements (reductions) or bytes (gather, broadcast) */
   int op, dtype, root;
+  int ordinal; /* the GPU of buf, -1 for host memory */
 } lpost;
 
 typedef struct lgroup {
@@ -61,13 +72,16 @@ typedef struct lgroup {
   int broken;   /* never cleared */
   int broken_rank;
   char broken_why[96];
-  lpost posts[]; /* [world] */
+  uint64_t index;      /* a subgroup: its channel index; 0 for a communicator's group */
+  struct lgroup *subs; /* a communicator's group: its subgroups (under mu); a subgroup: next */
+  lpost posts[];       /* [world] */
 } lgroup;
 
 /* One rank's communicator; c first so that the sg_comm pointer is the allocation. */
 typedef struct lcomm {
   sg_comm c;
   lgroup *g;
+  int ordinal;        /* a channel: its device's GPU (-1: host memory) */
   const void *srcs[]; /* [world]: per-call source pointers, kept here to avoid a malloc */
 } lcomm;
 
@@ -179,6 +193,17 @@ static sg_status check_posts(sg_comm *c, const char *fn) {
   const lpost *p0 = &g->posts[0];
   for (int k = 1; k < g->world; k++) {
     const lpost *p = &g->posts[k];
+    if (p->ordinal != p0->ordinal) {
+      break_group(g, k, "is on another device");
+      leave_data(g);
+      c->broken = 1;
+      return sg__err(SG_ERR_UNSUPPORTED,
+                     "%s: local ranks must share one device: rank 0 is on %s %d, rank %d on %s "
+                     "%d (ranks read each other's buffers; use NCCL for one rank per GPU); "
+                     "communicator now broken",
+                     fn, p0->ordinal < 0 ? "host" : "GPU", p0->ordinal, k,
+                     p->ordinal < 0 ? "host" : "GPU", p->ordinal);
+    }
     if (p->op == p0->op && p->count == p0->count && p->dtype == p0->dtype && p->root == p0->root)
       continue;
     break_group(g, k, "called a mismatched collective");
@@ -235,6 +260,7 @@ static void chunk_of(size_t n, int w, int k, size_t *off, size_t *len) {
 static sg_status rendezvous(sg_comm *c, const char *fn, const lpost *mine, int64_t deadline_ms) {
   lgroup *g = group_of(c);
   g->posts[c->rank] = *mine;
+  g->posts[c->rank].ordinal = ((const lcomm *)c)->ordinal;
   SG_TRY(barrier(c, fn, deadline_ms, 0, 1));
   return check_posts(c, fn);
 }
@@ -272,7 +298,7 @@ static sg_status local_all_reduce(sg_comm *c, void *buf, size_t count, int dtype
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
     return fail_args(c, "passed invalid arguments");
-  const lpost mine = {buf, count, OP_ALL_REDUCE, dtype, -1};
+  const lpost mine = {buf, count, OP_ALL_REDUCE, dtype, -1, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
   const size_t es = elem_size(dtype);
@@ -302,7 +328,7 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
     return fail_args(c, "passed invalid arguments");
-  const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1};
+  const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
   const size_t off = (size_t)c->rank * count * elem_size(dtype);
@@ -320,7 +346,7 @@ static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t d
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
     return fail_args(c, "passed invalid arguments");
-  const lpost mine = {buf, bytes, OP_ALL_GATHER, 0, -1};
+  const lpost mine = {buf, bytes, OP_ALL_GATHER, 0, -1, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
   /* slice k is read from its owner, where nobody writes it */
@@ -345,7 +371,7 @@ static sg_status local_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
   /* bytes counts once, not per rank */
   if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
     return fail_args(c, "passed invalid arguments");
-  const lpost mine = {buf, bytes, OP_BROADCAST, 0, root};
+  const lpost mine = {buf, bytes, OP_BROADCAST, 0, root, -1};
   SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
   if (c->rank != root) {
     const sg_status st = lcopy(c, buf, group_of(c)->posts[root].buf, bytes);
@@ -354,8 +380,15 @@ static sg_status local_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
   return barrier(c, fn, deadline_ms, 1, 0);
 }
 
-/* The last communicator of the group frees it. An earlier one breaks it: a rank that is gone
- * can never join another collective, so peers fail at once instead of at their deadline. */
+static void group_free(lgroup *g) {
+  pthread_cond_destroy(&g->cv);
+  pthread_mutex_destroy(&g->mu);
+  free(g);
+}
+
+/* The last communicator of the group frees it, and its subgroups. An earlier one breaks it: a
+ * rank that is gone can never join another collective, so peers fail at once instead of at
+ * their deadline. */
 static void local_destroy(sg_comm *c) {
   lgroup *g = group_of(c);
   pthread_mutex_lock(&g->mu);
@@ -363,17 +396,70 @@ static void local_destroy(sg_comm *c) {
   if (left > 0) break_locked(g, c->rank, "destroyed its communicator");
   pthread_mutex_unlock(&g->mu);
   if (left == 0) {
-    pthread_cond_destroy(&g->cv);
-    pthread_mutex_destroy(&g->mu);
-    free(g);
+    while (g->subs) {
+      lgroup *sub = g->subs;
+      g->subs = sub->subs;
+      group_free(sub);
+    }
+    group_free(g);
   }
   free(c);
 }
 
+static sg_status group_create(int world, lgroup **out);
+
+/* Subgroup `index` of the base group: the first rank to bind that channel makes it. */
+static sg_status subgroup(lgroup *base, uint64_t index, lgroup **out) {
+  sg_status st = SG_OK;
+  pthread_mutex_lock(&base->mu);
+  lgroup *g = base->subs;
+  while (g && g->index != index) g = g->subs;
+  if (!g && (st = group_create(base->world, &g)) == SG_OK) {
+    g->index = index;
+    g->subs = base->subs;
+    base->subs = g;
+  }
+  pthread_mutex_unlock(&base->mu);
+  *out = g;
+  return st;
+}
+
+static const sg__comm_ops local_ops;
+
+static sg_status local_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+                            sg_comm **chan) {
+  lgroup *g = group_of(c);
+  if (index > 0) SG_TRY(subgroup(g, index, &g));
+  const int world = c->world;
+  lcomm *lc = calloc(1, sizeof *lc + (size_t)world * sizeof(const void *));
+  if (!lc) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(local) bind: out of memory");
+  sg__comm_channel_init(&lc->c, c, &local_ops, dev, lc);
+  lc->g = g;
+  lc->ordinal = -1;
+  if (dev) {
+    /* host-driven: reads of the peers' buffers between barriers, on any thread */
+    const sg__comm_attach a = {0, 1, NULL, NULL, NULL};
+    sg__comm_native native;
+    const sg_status st = dev->ops->comm_attach(dev, &a, &native);
+    if (st != SG_OK) {
+      free(lc);
+      return st;
+    }
+    lc->ordinal = native.ordinal;
+  }
+  *chan = &lc->c;
+  return SG_OK;
+}
+
+/* Subgroups stay with the base group (a peer may still be in one of their collectives). */
+static void local_unbind(sg_comm *chan) {
+  if (chan->dev) chan->dev->ops->comm_detach(chan->dev);
+  free(chan);
+}
+
 static const sg__comm_ops local_ops = {
-    "local",          local_all_reduce, local_reduce_scatter,
-    local_all_gather, local_broadcast,  NULL,
-    local_destroy,
+    "local",         local_all_reduce, local_reduce_scatter, local_all_gather,
+    local_broadcast, local_bind,       local_unbind,         local_destroy,
 };
 
 static sg_status group_create(int world, lgroup **out) {
@@ -419,6 +505,7 @@ sg_status sg_comm_create_local(int world, sg_comm **comms) {
     lc->c.threaded = 1;
     lc->c.impl = lc;
     lc->g = g;
+    lc->ordinal = -1;
     comms[r] = &lc->c;
   }
   return SG_OK;

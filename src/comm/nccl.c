@@ -1,14 +1,20 @@
 /* NCCL communicator (DESIGN.md section 6): one rank per GPU, collectives on the CUDA device's
  * comm stream.
  *
- * Streams and ordering. When the communicator is bound to a CUDA device (c->dev, set by the
- * engine), collectives on device memory are enqueued on the device's comm stream and return at
- * once: they run after the compute work that comm_submit ordered before the job, and the
- * device's ticket events mark their end. Such collectives must therefore be issued from comm
- * jobs. The device's host waits poll this communicator (sg__cuda_comm_hooks): an asynchronous
- * NCCL error or a passed deadline aborts it. Collectives on host memory are staged through
- * device memory; they, and collectives with no CUDA device bound, complete before returning,
- * within the deadline (device buffers must then be ready when the call is made).
+ * Streams and ordering. A channel bound to a CUDA device (sg__comm_bind) attaches to it as a
+ * stream-ordered communicator and gets its comm stream: collectives on device memory are
+ * enqueued there and return at once: they run after the compute work that comm_submit ordered
+ * before the job, and the device's ticket events mark their end. Such collectives must
+ * therefore be issued from comm jobs. The device's host waits poll the channel (its attachment):
+ * an asynchronous NCCL error or a passed deadline aborts it. Collectives on host memory are
+ * staged through device memory; they, and collectives with no CUDA device bound, complete
+ * before returning, within the deadline (device buffers must then be ready when the call is
+ * made). Every call leaves the calling thread's current CUDA device as it found it.
+ *
+ * Channels: the first one uses the communicator's NCCL communicator; later ones (a second
+ * engine, or the next engine after one was destroyed) get a split of it (ncclCommSplit, NCCL
+ * >= 2.18; refused with SG_ERR_UNSUPPORTED before), non-blocking and waited for with the
+ * engine's deadline, so that the collectives of two engines never share NCCL's queue.
  *
  * Communicators are created non-blocking (ncclConfig_t.blocking = 0), so that initialization
  * and every enqueue can be waited for with a deadline: calls may return ncclInProgress, and a
@@ -60,12 +66,14 @@
 /* One NCCL communicator. */
 typedef struct sg__nccl {
   const sg__nccl_lib *nc; /* NCCL's functions */
-  ncclComm_t comm;        /* NULL once aborted */
+  ncclComm_t comm;        /* NULL once aborted; only base->comm is used */
+  struct sg__nccl *base;  /* the one whose comm the collectives use (itself, or a channel's
+                             communicator) */
   int ordinal;            /* its GPU */
   cudaStream_t own;       /* collectives with no CUDA device bound */
+  cudaStream_t bound;     /* a channel on a CUDA device: the device's comm stream */
   void *stage;            /* device staging for host buffers, stream-ordered allocation */
   size_t stage_cap;
-  sg__device *hooked; /* the CUDA device whose waits poll this communicator */
 } sg__nccl;
 
 static const char *sg__nccl_base(const char *file) {
@@ -222,6 +230,7 @@ sg_status sg__nccl_id_file_read(const char *path, int world, int64_t deadline_ms
 /* ---- failures ------------------------------------------------------------------------------ */
 
 static void sg__nccl_abort(sg__nccl *n) {
+  n = n->base;
   if (!n->comm) return;
   (void)n->nc->CommAbort(n->comm);
   n->comm = NULL;
@@ -231,7 +240,7 @@ static void sg__nccl_abort(sg__nccl *n) {
 static sg_status sg__nccl_fail(sg_comm *c, sg_status st, const char *fn, const char *what,
                                ncclResult_t r, int line) {
   sg__nccl *n = (sg__nccl *)c->impl;
-  const char *last = n->nc->GetLastError(n->comm);
+  const char *last = n->nc->GetLastError(n->base->comm);
   char detail[256];
   snprintf(detail, sizeof detail, "%s", last ? last : "");
   sg__nccl_abort(n);
@@ -258,7 +267,7 @@ static sg_status sg__nccl_timeout(sg_comm *c, const char *fn, const char *what, 
 /* The communicator's asynchronous state: ncclSuccess, ncclInProgress or an error. */
 static ncclResult_t sg__nccl_async(const sg__nccl *n) {
   ncclResult_t r = ncclSuccess;
-  ncclResult_t e = n->nc->CommGetAsyncError(n->comm, &r);
+  ncclResult_t e = n->nc->CommGetAsyncError(n->base->comm, &r);
   return e != ncclSuccess ? e : r;
 }
 
@@ -296,7 +305,7 @@ static sg_status sg__nccl_wait_stream(sg_comm *c, cudaStream_t s, const char *fn
 static sg_status sg__nccl_hook_poll(void *arg) {
   sg_comm *c = (sg_comm *)arg;
   sg__nccl *n = (sg__nccl *)c->impl;
-  if (!n->comm)
+  if (!n->base->comm)
     return sg__err(SG_ERR_COMM, "sg_comm(nccl): communicator (rank %d of %d) was aborted", c->rank,
                    c->world);
   ncclResult_t r = sg__nccl_async(n);
@@ -310,34 +319,11 @@ static void sg__nccl_hook_abort(void *arg) {
   c->broken = 1;
 }
 
-static void sg__nccl_hook_detach(void *arg) {
-  sg_comm *c = (sg_comm *)arg;
-  ((sg__nccl *)c->impl)->hooked = NULL;
-}
-
-/* The stream to use: the bound CUDA device's comm stream (*bound = 1; hooks installed), or our
- * own stream. */
-static sg_status sg__nccl_bind(sg_comm *c, const char *fn, cudaStream_t *s, int *bound) {
+/* The stream to use: the bound CUDA device's comm stream (*bound = 1), or our own stream. */
+static void sg__nccl_stream(sg_comm *c, cudaStream_t *s, int *bound) {
   sg__nccl *n = (sg__nccl *)c->impl;
-  sg__device *d = c->dev;
-  *bound = 0;
-  *s = n->own;
-  if (!d || d->kind != SG_DEVICE_CUDA) return SG_OK;
-  int ord = sg__device_cuda_ordinal(d);
-  if (ord != n->ordinal)
-    return sg__err(SG_ERR_INVALID_STATE,
-                   "%s: the communicator is on GPU %d but its engine's device is GPU %d", fn,
-                   n->ordinal, ord);
-  if (n->hooked != d) {
-    if (n->hooked) (void)sg__device_cuda_set_comm_hooks(n->hooked, NULL);
-    n->hooked = NULL;
-    sg__cuda_comm_hooks h = {sg__nccl_hook_poll, sg__nccl_hook_abort, sg__nccl_hook_detach, c};
-    SG_TRY(sg__device_cuda_set_comm_hooks(d, &h));
-    n->hooked = d;
-  }
-  *s = (cudaStream_t)sg__device_cuda_comm_stream(d);
-  *bound = 1;
-  return SG_OK;
+  *bound = n->bound != NULL;
+  *s = n->bound ? n->bound : n->own;
 }
 
 /* ---- collectives ---------------------------------------------------------------------------- */
@@ -386,13 +372,13 @@ static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf
   const size_t slice = k->count * sg__nccl_esize(k->dtype) * (size_t)c->rank;
   switch (k->kind) {
     case SG__NC_ALL_REDUCE:
-      return n->nc->AllReduce(buf, buf, k->count, t, ncclSum, n->comm, s);
+      return n->nc->AllReduce(buf, buf, k->count, t, ncclSum, n->base->comm, s);
     case SG__NC_REDUCE_SCATTER: /* in place: NCCL wants recvbuff = sendbuff + rank*count */
-      return n->nc->ReduceScatter(buf, buf + slice, k->count, t, ncclSum, n->comm, s);
+      return n->nc->ReduceScatter(buf, buf + slice, k->count, t, ncclSum, n->base->comm, s);
     case SG__NC_ALL_GATHER: /* in place: sendbuff = recvbuff + rank*count */
-      return n->nc->AllGather(buf + slice, buf, k->count, ncclInt8, n->comm, s);
+      return n->nc->AllGather(buf + slice, buf, k->count, ncclInt8, n->base->comm, s);
     case SG__NC_BROADCAST:
-      return n->nc->Broadcast(buf, buf, k->count, ncclInt8, k->root, n->comm, s);
+      return n->nc->Broadcast(buf, buf, k->count, ncclInt8, k->root, n->base->comm, s);
   }
   return ncclInvalidArgument;
 }
@@ -453,15 +439,23 @@ static sg_status sg__nccl_run(sg_comm *c, const sg__nccl_call *k, void *buf, con
   if (!buf) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: buf is NULL (count %zu)", fn, k->count);
   if (k->count > SIZE_MAX / 8u / (size_t)c->world)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: count too large (%zu)", fn, k->count);
-  cudaError_t e = cudaSetDevice(n->ordinal);
+  int prev = -1;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess && prev != n->ordinal) e = cudaSetDevice(n->ordinal);
   if (e != cudaSuccess) return sg__nccl_cuda_fail(c, fn, "cudaSetDevice", e, __LINE__);
   cudaStream_t s;
   int bound;
-  SG_TRY(sg__nccl_bind(c, fn, &s, &bound));
-  if (!sg__nccl_is_device(buf)) return sg__nccl_staged(c, k, buf, s, fn, deadline_ms);
-  SG_TRY(sg__nccl_enqueue(c, k, buf, s, fn, deadline_ms));
-  /* Bound: stream-ordered, the device's ticket covers it. Otherwise complete it here. */
-  return bound ? SG_OK : sg__nccl_wait_stream(c, s, fn, deadline_ms);
+  sg__nccl_stream(c, &s, &bound);
+  sg_status st;
+  if (!sg__nccl_is_device(buf)) {
+    st = sg__nccl_staged(c, k, buf, s, fn, deadline_ms);
+  } else {
+    st = sg__nccl_enqueue(c, k, buf, s, fn, deadline_ms);
+    /* Bound: stream-ordered, the device's ticket covers it. Otherwise complete it here. */
+    if (st == SG_OK && !bound) st = sg__nccl_wait_stream(c, s, fn, deadline_ms);
+  }
+  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
+  return st;
 }
 
 static sg_status sg__nccl_check_dtype(int dtype, const char *fn) {
@@ -503,25 +497,27 @@ static sg_status sg__nccl_broadcast(sg_comm *c, void *buf, size_t bytes, int roo
 
 /* Flushes (ncclCommFinalize, bounded by the init timeout) and frees; aborts when a peer does not
  * let it finish. */
+static void sg__nccl_finalize(sg__nccl *n) {
+  if (!n->comm) return;
+  int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
+  ncclResult_t r = n->nc->CommFinalize(n->comm);
+  for (unsigned iter = 0; r == ncclInProgress && !sg__nccl_expired(deadline); iter++) {
+    sg__nccl_backoff(iter);
+    r = sg__nccl_async(n);
+  }
+  if (r == ncclSuccess)
+    (void)n->nc->CommDestroy(n->comm);
+  else
+    (void)n->nc->CommAbort(n->comm);
+  n->comm = NULL;
+}
+
 static void sg__nccl_destroy(sg_comm *c) {
   if (!c) return;
   sg__nccl *n = (sg__nccl *)c->impl;
   if (n) {
-    if (n->hooked) (void)sg__device_cuda_set_comm_hooks(n->hooked, NULL);
     (void)cudaSetDevice(n->ordinal);
-    if (n->comm) {
-      int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
-      ncclResult_t r = n->nc->CommFinalize(n->comm);
-      for (unsigned iter = 0; r == ncclInProgress && !sg__nccl_expired(deadline); iter++) {
-        sg__nccl_backoff(iter);
-        r = sg__nccl_async(n);
-      }
-      if (r == ncclSuccess)
-        (void)n->nc->CommDestroy(n->comm);
-      else
-        (void)n->nc->CommAbort(n->comm);
-      n->comm = NULL;
-    }
+    sg__nccl_finalize(n);
     if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
     if (n->own) (void)cudaStreamDestroy(n->own);
     free(n);
@@ -529,15 +525,132 @@ static void sg__nccl_destroy(sg_comm *c) {
   free(c);
 }
 
+static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+                               sg_comm **chan);
+static void sg__nccl_unbind(sg_comm *chan);
+
 static const sg__comm_ops sg__nccl_ops = {
     "nccl",
     sg__nccl_all_reduce,
     sg__nccl_reduce_scatter,
     sg__nccl_all_gather,
     sg__nccl_broadcast,
-    NULL, /* release: nothing allocated through the engine's device */
+    sg__nccl_bind,
+    sg__nccl_unbind,
     sg__nccl_destroy,
 };
+
+/* ---- channels --------------------------------------------------------------------------------- */
+
+/* A CUDA device: attach stream-ordered (its waits poll and abort us); another device (the CPU
+ * one, host buffers): host-driven, since every call completes before it returns. */
+static sg_status sg__nccl_attach(sg_comm *chan, sg__device *dev, const char *fn) {
+  sg__nccl *n = (sg__nccl *)chan->impl;
+  const int cuda = dev->kind == SG_DEVICE_CUDA;
+  const sg__comm_attach a = {cuda, !cuda, cuda ? sg__nccl_hook_poll : NULL,
+                             cuda ? sg__nccl_hook_abort : NULL, chan};
+  sg__comm_native native;
+  SG_TRY(dev->ops->comm_attach(dev, &a, &native));
+  if (cuda && native.ordinal != n->ordinal) {
+    dev->ops->comm_detach(dev);
+    return sg__err(SG_ERR_INVALID_STATE,
+                   "%s: the communicator is on GPU %d but its engine's device is GPU %d", fn,
+                   n->ordinal, native.ordinal);
+  }
+  n->bound = cuda ? (cudaStream_t)native.stream : NULL;
+  return SG_OK;
+}
+
+/* A split of p over the same ranks (color 0, key = rank), non-blocking, waited for until the
+ * deadline (the init timeout when there is none). A failure breaks c: ranks that split and
+ * ranks that did not are out of step. */
+static sg_status sg__nccl_split(sg_comm *c, sg__nccl *p, int64_t deadline_ms, ncclComm_t *out,
+                                const char *fn) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t comm = NULL;
+  if (deadline_ms == INT64_MAX) deadline_ms = sg__deadline(sg__nccl_init_timeout_ms());
+  ncclResult_t r = p->nc->CommSplit(p->comm, 0, c->rank, &comm, &cfg);
+  for (unsigned iter = 0; r == ncclInProgress && comm; iter++) {
+    if (sg__nccl_expired(deadline_ms)) {
+      (void)p->nc->CommAbort(comm);
+      return sg__comm_fail(c, SG_ERR_TIMEOUT, fn,
+                           "ncclCommSplit for a new engine did not complete before the deadline "
+                           "(rank %d of %d; do all ranks create their engines in the same order?)",
+                           c->rank, c->world);
+    }
+    sg__nccl_backoff(iter);
+    ncclResult_t e = p->nc->CommGetAsyncError(comm, &r);
+    if (e != ncclSuccess) r = e;
+  }
+  if (r != ncclSuccess) {
+    if (comm) (void)p->nc->CommAbort(comm);
+    return sg__comm_fail(c, SG_ERR_COMM, fn, "ncclCommSplit failed: %s",
+                         p->nc->GetErrorString(r));
+  }
+  *out = comm;
+  return SG_OK;
+}
+
+static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+                               sg_comm **chan) {
+  static const char fn[] = "sg_comm(nccl) bind";
+  sg__nccl *p = (sg__nccl *)c->impl;
+  if (index > 0 && !p->nc->CommSplit)
+    return sg__err(SG_ERR_UNSUPPORTED,
+                   "%s: a second engine on one NCCL communicator needs ncclCommSplit (NCCL >= "
+                   "2.18; this NCCL is %d): create another NCCL communicator for it",
+                   fn, p->nc->version);
+  if (!p->comm) return sg__err(SG_ERR_COMM, "%s: the NCCL communicator was aborted", fn);
+  sg_comm *ch = (sg_comm *)calloc(1, sizeof *ch);
+  sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
+  sg_status st = SG_OK;
+  int prev = -1;
+  if (!ch || !n) {
+    st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: channel struct", fn);
+    goto fail;
+  }
+  n->nc = p->nc;
+  n->base = index == 0 ? p : n;
+  n->ordinal = p->ordinal;
+  sg__comm_channel_init(ch, c, &sg__nccl_ops, dev, n);
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e == cudaSuccess && prev != n->ordinal) e = cudaSetDevice(n->ordinal);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&n->own, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    st = sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: cannot set up GPU %d: %s", fn,
+                    n->ordinal, cudaGetErrorString(e));
+    goto fail;
+  }
+  if (index > 0) SG_TRY_GOTO(sg__nccl_split(c, p, deadline_ms, &n->comm, fn), st, fail);
+  if (dev) SG_TRY_GOTO(sg__nccl_attach(ch, dev, fn), st, fail);
+  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
+  *chan = ch;
+  return SG_OK;
+fail:
+  if (n) sg__nccl_finalize(n);
+  if (n && n->own) (void)cudaStreamDestroy(n->own);
+  if (prev >= 0 && n && prev != n->ordinal) (void)cudaSetDevice(prev);
+  free(n);
+  free(ch);
+  return st;
+}
+
+/* The device's queue is drained: nothing of ours is pending on its stream. A failure seen by
+ * the channel leaves its communicator broken too (the NCCL communicator was aborted). */
+static void sg__nccl_unbind(sg_comm *chan) {
+  sg__nccl *n = (sg__nccl *)chan->impl;
+  if (chan->dev) chan->dev->ops->comm_detach(chan->dev);
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  (void)cudaSetDevice(n->ordinal);
+  if (n->base == n) sg__nccl_finalize(n); /* a split of its own */
+  if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
+  if (n->own) (void)cudaStreamDestroy(n->own);
+  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
+  free(n);
+  free(chan);
+}
 
 /* ---- creation ------------------------------------------------------------------------------- */
 
@@ -584,6 +697,7 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
     goto fail;
   }
   n->nc = nc;
+  n->base = n;
   n->ordinal = ordinal;
   c->ops = &sg__nccl_ops;
   c->rank = rank;

@@ -19,6 +19,18 @@
 /* Element types on the wire: sg_dtype values, plus f64 for the step's tiny norm reduction. */
 #define SG__F64 3
 
+/* Channels. An engine never calls the communicator the user made: it binds it
+ * (sg__comm_bind) and gets a channel, an sg_comm of the same backend whose collectives never
+ * mix with those of any other channel of that communicator (MPI: a duplicate MPI
+ * communicator; local: a group of its own; NCCL: the communicator itself for the first channel,
+ * a split of it for later ones), so that several engines (a GAN's two models, teacher and
+ * student) share one communicator and their collectives may interleave. Channel k of a rank
+ * meets channel k of every other rank: engines bind in the same order on every rank, as they
+ * issue collectives. The channel is bound to one device (its buffers live there; NULL: host
+ * memory) and attached to that device's comm queue (sg__device_ops.comm_attach) at bind time,
+ * so the device knows how to run its jobs before the first one. The engine gives it scratch
+ * (sg__comm_set_scratch) and unbinds it (sg__comm_unbind) once its comm queue is drained and
+ * before the device goes away. A communicator with channels alive is not destroyed. */
 typedef struct sg__comm_ops {
   const char *name;
   /* In place: buf[count] becomes the elementwise sum over ranks on every rank. */
@@ -30,9 +42,14 @@ typedef struct sg__comm_ops {
   /* In place: buf holds world*bytes; each rank contributes buf[rank*bytes .. +bytes). */
   sg_status (*all_gather)(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms);
   sg_status (*broadcast)(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms);
-  /* The bound device is about to be destroyed: free what was allocated through it (NULL: the
-   * backend allocates nothing there). */
-  void (*release)(sg_comm *c);
+  /* Channel `index` (0, 1, 2... per communicator, the same on every rank) for buffers on dev
+   * (NULL: host memory): allocates it, attaches it to dev. May be collective over c (MPI
+   * duplicates its communicator, NCCL splits), within deadline_ms. On failure nothing is left
+   * attached or allocated. */
+  sg_status (*bind)(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+                    sg_comm **chan);
+  /* Detaches the channel from its device, frees what it allocated there and itself. */
+  void (*unbind)(sg_comm *chan);
   void (*destroy)(sg_comm *c);
 } sg__comm_ops;
 
@@ -41,13 +58,26 @@ struct sg_comm {
   int rank;
   int world;
   int broken;           /* set on the first failure; later calls return SG_ERR_COMM */
-  int in_use;           /* an engine holds it */
-  int threaded;         /* 1: may be called from a worker thread (MPI: thread level allows it) */
-  sg__device *dev;      /* bound by the engine; NULL: host buffers */
-  void *scratch;        /* engine-provided scratch (device memory), scratch_bytes long */
+  int threaded;         /* 1: may be called from a worker thread (MPI: MPI_THREAD_MULTIPLE) */
+  sg_comm *parent;      /* a channel: the communicator it was bound from; NULL otherwise */
+  int nbound;           /* a communicator: its channels alive (comm.c, under its lock) */
+  uint64_t nbinds;      /* a communicator: channels made so far, the next channel's index */
+  sg__device *dev;      /* a channel: its device; NULL: host buffers */
+  void *scratch;        /* a channel: engine-provided scratch (device memory), scratch_bytes */
   size_t scratch_bytes;
   void *impl;
 };
+
+/* A channel of c for buffers on dev (see "Channels" above); timeout_ms bounds a collective
+ * bind (<= 0: none). SG_ERR_INVALID_ARGUMENT for a channel or NULL, SG_ERR_COMM when broken. */
+sg_status sg__comm_bind(sg_comm *c, sg__device *dev, int timeout_ms, sg_comm **chan);
+/* Frees a channel (NULL: nothing). Its device's comm queue must be drained. */
+void sg__comm_unbind(sg_comm *chan);
+/* The channel's scratch from now on (NULL, 0: none). */
+void sg__comm_set_scratch(sg_comm *chan, void *scratch, size_t bytes);
+/* Fills the fields every backend's channel copies from its communicator. */
+void sg__comm_channel_init(sg_comm *chan, const sg_comm *c, const sg__comm_ops *ops,
+                           sg__device *dev, void *impl);
 
 /* Scratch the engine must provide (through sg_comm.scratch) for collectives of at most
  * max_count elements per rank: max_count * 4 bytes for every backend, so sg_memory and

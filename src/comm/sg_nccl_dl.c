@@ -67,6 +67,7 @@ static const char *sg__nccl_bind(void *h, sg__nccl_lib *t) {
   SG__NCCL_BIND(AllGather);
   SG__NCCL_BIND(Broadcast);
 #undef SG__NCCL_BIND
+  t->CommSplit = (__typeof__(t->CommSplit))dlsym(h, "ncclCommSplit"); /* optional */
   return NULL;
 }
 

@@ -35,6 +35,10 @@ typedef struct sg__nccl_lib {
   __typeof__(ncclReduceScatter) *ReduceScatter;
   __typeof__(ncclAllGather) *AllGather;
   __typeof__(ncclBroadcast) *Broadcast;
+  /* Optional (NCCL >= 2.18; NULL before): a second engine on one communicator splits it. Not
+   * __typeof__: older headers do not declare it. */
+  ncclResult_t (*CommSplit)(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+                            ncclConfig_t *config);
   int version; /* ncclGetVersion's code, e.g. 22809 for 2.28.9 */
 } sg__nccl_lib;
 

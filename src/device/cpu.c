@@ -2,26 +2,24 @@
  * kernels/cpu, and a comm queue that is a worker thread running jobs in FIFO order.
  *
  * Queues on CPU. Compute-queue work runs inline on the calling thread, so it is complete when
- * the call returns. Comm jobs run on the worker (threaded_comm = 1) or inline in comm_submit
- * (threaded_comm = 0). Kernels and copies on SG_Q_COMM run inline too: inside a job they are
+ * the call returns. Comm jobs go through the shared job queue (sg_jobq.h): on its worker, or
+ * inline in comm_submit (threaded_comm = 0, or a communicator that must not be called from
+ * another thread). Kernels and copies on SG_Q_COMM run inline too: inside a job they are
  * ordered after the job's earlier work by construction; from any other thread they first wait
  * until every submitted job has finished, which is the order a stream would give. */
-#define _POSIX_C_SOURCE 200809L /* posix_memalign, pthread_condattr_setclock, CLOCK_MONOTONIC */
+#define _POSIX_C_SOURCE 200809L /* posix_memalign */
 
-#include <errno.h>     /* ETIMEDOUT */
 #include <math.h>      /* NAN, isnan */
-#include <pthread.h>   /* worker thread, mutex, condition variables */
 #include <stdatomic.h> /* allocation-failure test hook */
 #include <stdint.h>    /* INT64_MAX */
 #include <stdlib.h>    /* posix_memalign, malloc, free */
 #include <string.h>    /* memcpy, memset, strlen */
-#include <time.h>      /* struct timespec */
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_* loops */
 #include "sg_device.h"                        /* sg__device, sg__device_ops */
+#include "sg_jobq.h"                          /* the comm queue */
 
 #define SG_CPU_ALIGN 64   /* bytes: a cache line, and the widest vector register */
-#define SG_CPU_ERRTEXT 1024
 
 /* ---- allocation-failure test hook ---------------------------------------------------------- */
 
@@ -42,25 +40,10 @@ int sg__device_should_fail_alloc(void) {
 
 /* ---- the device object --------------------------------------------------------------------- */
 
-typedef struct cpu_job {
-  sg__job_fn fn;
-  void *arg;
-  struct cpu_job *next;
-} cpu_job;
-
 typedef struct cpu_device {
   sg__device base; /* first: the vtable's sg__device* is this struct */
-  int threaded;
-  pthread_t worker;
-  int worker_started;
-  pthread_mutex_t mu;
-  pthread_cond_t job_cv;  /* worker: a job arrived or stop was asked */
-  pthread_cond_t done_cv; /* waiters: a job completed */
-  cpu_job *head, *tail;
-  uint64_t submitted, completed; /* tickets are 1, 2, 3...; job t is done when completed >= t */
-  int stopping;
-  sg_status failed;          /* first failing job's status; later jobs are skipped */
-  char fail_text[SG_CPU_ERRTEXT];
+  sg__jobq q;      /* comm jobs: the worker thread, or inline */
+  int attached;    /* a communicator is attached */
 } cpu_device;
 
 static cpu_device *as_cpu(sg__device *d) { return (cpu_device *)d; }
@@ -87,157 +70,47 @@ static sg_status cpu_alloc(sg__device *d, size_t bytes, void **out) {
 
 static void cpu_free(sg__device *d, void *p) { free(p); }
 
-/* ---- comm queue internals ------------------------------------------------------------------ */
-
-static int on_worker(const cpu_device *cd) {
-  return cd->worker_started && pthread_equal(pthread_self(), cd->worker);
-}
-
-/* Records the first failure (caller holds the lock, or there is no worker). */
-static void record_failure(cpu_device *cd, sg_status st, const char *text) {
-  if (cd->failed != SG_OK) return;
-  cd->failed = st;
-  size_t n = strlen(text);
-  if (n >= sizeof cd->fail_text) n = sizeof cd->fail_text - 1;
-  memcpy(cd->fail_text, text, n);
-  cd->fail_text[n] = '\0';
-}
-
-/* Runs one job unless an earlier one failed. The failing job's text is read here, on the
- * thread that ran it, because sg_last_error() is thread-local. */
-static sg_status run_job(sg__job_fn fn, void *arg, int skip, char *text, size_t cap) {
-  if (skip) return SG_OK;
-  sg_status st = fn(arg);
-  if (st != SG_OK) {
-    const char *e = sg_last_error();
-    size_t n = e ? strlen(e) : 0;
-    if (n >= cap) n = cap - 1;
-    if (n) memcpy(text, e, n);
-    text[n] = '\0';
-  }
-  return st;
-}
-
-static void *worker_main(void *p) {
-  cpu_device *cd = (cpu_device *)p;
-  char text[SG_CPU_ERRTEXT];
-  pthread_mutex_lock(&cd->mu);
-  for (;;) {
-    while (!cd->head && !cd->stopping) pthread_cond_wait(&cd->job_cv, &cd->mu);
-    if (!cd->head) break; /* stopping and drained */
-    cpu_job *job = cd->head;
-    cd->head = job->next;
-    if (!cd->head) cd->tail = NULL;
-    const int skip = cd->failed != SG_OK;
-    pthread_mutex_unlock(&cd->mu);
-    sg_status st = run_job(job->fn, job->arg, skip, text, sizeof text);
-    free(job);
-    pthread_mutex_lock(&cd->mu);
-    if (st != SG_OK) record_failure(cd, st, text);
-    cd->completed++;
-    pthread_cond_broadcast(&cd->done_cv);
-  }
-  pthread_mutex_unlock(&cd->mu);
-  return NULL;
-}
-
-/* Absolute CLOCK_MONOTONIC time of a deadline in sg__now_ms() milliseconds. */
-static struct timespec deadline_ts(int64_t deadline_ms) {
-  struct timespec ts;
-  if (deadline_ms < 0) deadline_ms = 0;
-  ts.tv_sec = (time_t)(deadline_ms / 1000);
-  ts.tv_nsec = (long)(deadline_ms % 1000) * 1000000L;
-  return ts;
-}
-
-/* Waits (lock held) until job `ticket` completed or the deadline passed. */
-static sg_status wait_locked(cpu_device *cd, uint64_t ticket, int64_t deadline_ms) {
-  const struct timespec ts = deadline_ts(deadline_ms);
-  while (cd->completed < ticket) {
-    if (deadline_ms == INT64_MAX) {
-      pthread_cond_wait(&cd->done_cv, &cd->mu);
-    } else if (pthread_cond_timedwait(&cd->done_cv, &cd->mu, &ts) == ETIMEDOUT &&
-               cd->completed < ticket) {
-      return sg__err(SG_ERR_TIMEOUT,
-                     "comm_wait: comm job %llu not finished by the deadline (%llu of %llu jobs "
-                     "done; a collective may be stuck on another rank)",
-                     (unsigned long long)ticket, (unsigned long long)cd->completed,
-                     (unsigned long long)cd->submitted);
-    }
-  }
-  return SG_OK;
-}
-
-/* Returns the recorded failure (with its text) or SG_OK. Lock held. */
-static sg_status failure_locked(const cpu_device *cd) {
-  if (cd->failed == SG_OK) return SG_OK;
-  return sg__err(cd->failed, "%s", cd->fail_text);
-}
+/* ---- comm queue ---------------------------------------------------------------------------- */
 
 static sg_status cpu_comm_wait(sg__device *d, uint64_t ticket, int64_t deadline_ms) {
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_wait: NULL device");
-  cpu_device *cd = as_cpu(d);
-  if (cd->threaded && on_worker(cd))
-    return sg__err(SG_ERR_INVALID_STATE, "comm_wait: called from inside a comm job (deadlock)");
-  pthread_mutex_lock(&cd->mu);
-  sg_status st = SG_OK;
-  if (ticket > cd->submitted)
-    st = sg__err(SG_ERR_INVALID_ARGUMENT, "comm_wait: ticket %llu was never issued (last %llu)",
-                 (unsigned long long)ticket, (unsigned long long)cd->submitted);
-  if (st == SG_OK) st = wait_locked(cd, ticket, deadline_ms);
-  if (st == SG_OK) st = failure_locked(cd);
-  pthread_mutex_unlock(&cd->mu);
-  return st;
-}
-
-static sg_status submit_inline(cpu_device *cd, sg__job_fn fn, void *arg, uint64_t *ticket) {
-  char text[SG_CPU_ERRTEXT];
-  *ticket = ++cd->submitted;
-  sg_status st = run_job(fn, arg, cd->failed != SG_OK, text, sizeof text);
-  if (st != SG_OK) record_failure(cd, st, text);
-  cd->completed++;
-  return failure_locked(cd);
+  return sg__jobq_wait(&as_cpu(d)->q, ticket, deadline_ms, "comm_wait");
 }
 
 static sg_status cpu_comm_submit(sg__device *d, sg__job_fn fn, void *arg, uint64_t *ticket) {
   if (!d || !fn || !ticket)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_submit: NULL %s",
                    !d ? "device" : !fn ? "fn" : "ticket");
+  return sg__jobq_submit(&as_cpu(d)->q, fn, NULL, arg, ticket);
+}
+
+static sg_status cpu_comm_attach(sg__device *d, const sg__comm_attach *a, sg__comm_native *out) {
+  if (!d || !a || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_attach: NULL argument");
   cpu_device *cd = as_cpu(d);
-  sg_status st = SG_OK;
-  if (!cd->threaded) {
-    pthread_mutex_lock(&cd->mu); /* not contended; keeps every counter under one rule */
-    st = submit_inline(cd, fn, arg, ticket);
-    pthread_mutex_unlock(&cd->mu);
-    return st;
-  }
-  cpu_job *job = (cpu_job *)malloc(sizeof *job);
-  if (!job) return sg__err(SG_ERR_OUT_OF_MEMORY, "comm_submit: no memory for a job");
-  job->fn = fn;
-  job->arg = arg;
-  job->next = NULL;
-  pthread_mutex_lock(&cd->mu);
-  if (cd->tail)
-    cd->tail->next = job;
-  else
-    cd->head = job;
-  cd->tail = job;
-  *ticket = ++cd->submitted;
-  pthread_cond_signal(&cd->job_cv);
-  pthread_mutex_unlock(&cd->mu);
-  return st;
+  if (cd->attached)
+    return sg__err(SG_ERR_INVALID_STATE, "comm_attach: a communicator is already attached");
+  if (a->stream_ordered)
+    return sg__err(SG_ERR_UNSUPPORTED, "comm_attach: the CPU device has no streams");
+  sg__jobq_set_threaded(&cd->q, a->threaded);
+  cd->attached = 1;
+  out->stream = NULL;
+  out->ordinal = -1;
+  return SG_OK;
+}
+
+static void cpu_comm_detach(sg__device *d) {
+  if (!d) return;
+  cpu_device *cd = as_cpu(d);
+  sg__jobq_set_threaded(&cd->q, 1);
+  cd->attached = 0;
 }
 
 /* Before SG_Q_COMM work issued outside a job: let every submitted job finish first. */
 static sg_status enter_queue(sg__device *d, sg__queue q, const char *fn) {
   if (q != SG_Q_COMPUTE && q != SG_Q_COMM)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown queue (%d)", fn, (int)q);
-  cpu_device *cd = as_cpu(d);
-  if (q == SG_Q_COMPUTE || !cd->threaded || on_worker(cd)) return SG_OK;
-  pthread_mutex_lock(&cd->mu);
-  sg_status st = wait_locked(cd, cd->submitted, INT64_MAX);
-  pthread_mutex_unlock(&cd->mu);
-  return st;
+  if (q == SG_Q_COMPUTE) return SG_OK;
+  return sg__jobq_wait_all(&as_cpu(d)->q, INT64_MAX, fn);
 }
 
 /* ---- copies and kernels -------------------------------------------------------------------- */
@@ -393,16 +266,7 @@ static sg_status cpu_mark_elapsed(sg__device *d, void *marks, size_t from, size_
 static void cpu_destroy(sg__device *d) {
   if (!d) return;
   cpu_device *cd = as_cpu(d);
-  if (cd->worker_started) {
-    pthread_mutex_lock(&cd->mu);
-    cd->stopping = 1;
-    pthread_cond_broadcast(&cd->job_cv);
-    pthread_mutex_unlock(&cd->mu);
-    pthread_join(cd->worker, NULL);
-  }
-  pthread_cond_destroy(&cd->done_cv);
-  pthread_cond_destroy(&cd->job_cv);
-  pthread_mutex_destroy(&cd->mu);
+  sg__jobq_destroy(&cd->q);
   free(cd);
 }
 
@@ -422,6 +286,8 @@ static const sg__device_ops cpu_ops = {
     .comm_submit = cpu_comm_submit,
     .comm_wait = cpu_comm_wait,
     .compute_wait_comm = cpu_compute_wait_comm,
+    .comm_attach = cpu_comm_attach,
+    .comm_detach = cpu_comm_detach,
     .sync = cpu_sync,
     .set_stream = cpu_set_stream,
     .marks_create = cpu_marks_create,
@@ -433,21 +299,6 @@ static const sg__device_ops cpu_ops = {
 
 /* ---- create -------------------------------------------------------------------------------- */
 
-/* The done condition waits against CLOCK_MONOTONIC, the clock of sg__now_ms() deadlines. */
-static int init_sync(cpu_device *cd) {
-  pthread_condattr_t attr;
-  if (pthread_condattr_init(&attr) != 0) return -1;
-  int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-  if (rc == 0) rc = pthread_mutex_init(&cd->mu, NULL);
-  if (rc == 0 && (rc = pthread_cond_init(&cd->job_cv, NULL)) != 0) pthread_mutex_destroy(&cd->mu);
-  if (rc == 0 && (rc = pthread_cond_init(&cd->done_cv, &attr)) != 0) {
-    pthread_cond_destroy(&cd->job_cv);
-    pthread_mutex_destroy(&cd->mu);
-  }
-  pthread_condattr_destroy(&attr);
-  return rc;
-}
-
 sg_status sg__device_cpu_create(int rank, int threaded_comm, sg__device **out) {
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cpu_create: NULL out");
   *out = NULL;
@@ -456,22 +307,12 @@ sg_status sg__device_cpu_create(int rank, int threaded_comm, sg__device **out) {
   cd->base.ops = &cpu_ops;
   cd->base.kind = SG_DEVICE_CPU;
   cd->base.rank = rank;
-  cd->threaded = threaded_comm != 0;
-  cd->failed = SG_OK;
-  int rc = init_sync(cd);
+  /* the worker thread starts with the first job */
+  int rc = sg__jobq_init(&cd->q, NULL, NULL, threaded_comm);
   if (rc != 0) {
     free(cd);
     return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
                       "sg__device_cpu_create: pthread init failed (%d)", rc);
-  }
-  if (cd->threaded) {
-    rc = pthread_create(&cd->worker, NULL, worker_main, cd);
-    if (rc != 0) {
-      cpu_destroy(&cd->base);
-      return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
-                        "sg__device_cpu_create: cannot start the comm thread (%d)", rc);
-    }
-    cd->worker_started = 1;
   }
   *out = &cd->base;
   return SG_OK;

@@ -11,30 +11,30 @@
  * Ticket events live in a ring; a slot reused by a later ticket still answers for the earlier
  * one, since the comm stream runs in order (waiting on the later ticket only waits longer).
  *
- * Host-driven jobs. A communicator that works on the host (local: rank threads reading each
- * other's buffers between barriers; MPI through pinned staging) needs the CPU device's
- * semantics: the job's input complete when it starts, and every SG_Q_COMM copy or kernel it
- * issues complete when that call returns. Until a communicator installs hooks (NCCL, whose
- * collectives are stream-ordered), jobs run that way on a worker thread of the device (started
- * by the first such job, joined by destroy after it drained the queue): comm_submit records the
- * ticket's ring event on the compute stream and queues the job; the worker waits on the host
- * for that event (and for the comm stream to be idle), runs the job, waits for the comm stream
- * again (its marks), and publishes the ticket as done under the mutex. comm_wait and
- * compute_wait_comm of such a ticket are host waits on a condition variable. The very first job
- * of a device still runs inline in comm_submit (as above, the host waiting first), because a
- * stream-ordered communicator installs its hooks during its first collective; so does every
- * job once hooks are installed (pending worker jobs are drained first), or when the
- * communicator cannot be called from another thread (sg__device_cuda_set_threaded_comm).
+ * Jobs and communicators. Jobs go through the shared job queue (sg_jobq.h); how they run is
+ * fixed when a communicator attaches (comm_attach, at bind time, before its first job).
+ * Stream-ordered communicators (NCCL) only enqueue work on the comm stream: their jobs run
+ * inline in comm_submit after the comm stream was made to wait for the compute stream, and the
+ * ticket's ring event, recorded on the comm stream after the job, marks their end. Host-driven
+ * communicators (local: rank threads reading each other's buffers between barriers; MPI
+ * through pinned staging) need the CPU device's semantics: the job's input complete when it
+ * starts, and every SG_Q_COMM copy or kernel it issues complete when that call returns.
+ * comm_submit records the ticket's ring event on the compute stream; the job, on the queue's
+ * worker thread (or inline when the communicator must not be called from another thread),
+ * waits on the host for that event and for the comm stream to be idle, runs, waits for the
+ * comm stream again (its marks), and completes its ticket in the queue. Waits for such a
+ * ticket are host waits on the queue. Without an attachment jobs are host-driven on the worker.
  *
- * Threads. The caller's thread issues compute work while the worker runs a job: the ticket
- * counters, the failure and the hooks are under `mu`; "inside a job" is a thread-local; the
- * sumsq scratch is per queue; the AdamW segment-table cache is under `tab_mu`. The worker never
- * reads d->compute (the caller may switch it). SG_Q_COMM work issued outside a job first waits
- * for every queued job, as on the CPU device.
+ * Threads. The caller's thread issues compute work while the worker runs a job: tickets and
+ * the failure live in the queue (its lock), the ring bookkeeping and the attachment under `mu`
+ * (taken after the queue's lock, never before it); the sumsq scratch is per queue; the AdamW
+ * segment-table cache is under `tab_mu`. The worker never reads d->compute (the caller may
+ * switch it). SG_Q_COMM work issued outside a job first waits for every queued job, as on the
+ * CPU device.
  *
  * Waits. Every host wait polls (cudaEventQuery / cudaStreamQuery) with a deadline, so that a
  * collective that never completes gives SG_ERR_TIMEOUT instead of a hang; the NCCL communicator
- * joins the polls through sg__cuda_comm_hooks (its asynchronous error, its abort). No
+ * joins the polls through its attachment (its asynchronous error, its abort). No
  * cudaDeviceSynchronize anywhere. */
 #define _POSIX_C_SOURCE 200809L /* nanosleep under -std=c11 */
 
@@ -50,7 +50,8 @@
 
 #include "../../kernels/cuda/sg_cuda_kernels.h" /* sg__cuda_* launchers */
 #include "sg_device.h"                          /* sg__device, sg__device_ops */
-#include "sg_device_cuda.h"                     /* comm stream accessor, comm hooks */
+#include "sg_device_cuda.h"                     /* sg__device_cuda_pick */
+#include "sg_jobq.h"                            /* the comm job queue */
 
 #define SG__CUDA_RING 1024 /* ticket events; power of two */
 #define SG__CUDA_FAIL_CAP 512
@@ -73,14 +74,6 @@ typedef struct sg__cuda_segtab {
   cudaStream_t synced[2]; /* streams known to run after the upload: no wait needed there */
 } sg__cuda_segtab;
 
-/* A host-driven job queued for the worker; its input is complete at the ticket's ring event. */
-typedef struct sg__cuda_job {
-  sg__job_fn fn;
-  void *arg;
-  uint64_t ticket;
-  struct sg__cuda_job *next;
-} sg__cuda_job;
-
 /* Pinned staging for table uploads: chunks handed out front to back, never reused while the
  * cache lives (an upload may still read its slice), all freed together. */
 typedef struct sg__cuda_stage {
@@ -98,25 +91,17 @@ typedef struct sg__cuda_dev {
   cudaStream_t comm;
   cudaEvent_t order_ev; /* compute -> comm ordering at submit, stream switches */
   cudaEvent_t ring[SG__CUDA_RING];
-  /* Under mu: tickets, failure, hooks, the worker's queue. */
+  sg__jobq q; /* comm jobs: tickets, the first failure, the worker */
+  int q_ready;
+  int sync_ready; /* mu and tab_mu exist */
+  /* Under mu: the ring bookkeeping and the attachment. */
   pthread_mutex_t mu;
-  pthread_cond_t job_cv;  /* worker: a job arrived or stop was asked */
-  pthread_cond_t done_cv; /* host waits: the worker finished a job */
-  int sync_ready;         /* mu and the condition variables exist */
-  uint64_t ring_tk[SG__CUDA_RING];     /* the ticket that last used each slot */
-  unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is a worker job (host waits) */
-  uint64_t last_ticket; /* tickets issued so far are 1..last_ticket */
-  uint64_t done_ticket; /* every ticket <= this one is known to be complete */
-  sg_status fail_st;    /* first failure of a comm job or a wait; SG_OK while healthy */
-  char fail_msg[SG__CUDA_FAIL_CAP];
-  sg__cuda_comm_hooks hooks;
-  int have_hooks; /* a stream-ordered communicator (NCCL) is attached */
-  int threaded;   /* host-driven jobs may run on the worker (the communicator allows it) */
-  pthread_t worker;
-  int worker_started, stopping;
-  sg__cuda_job *head, *tail;
-  uint64_t host_queued; /* the last ticket queued to the worker */
-  uint64_t host_done;   /* the last ticket the worker finished */
+  uint64_t ring_tk[SG__CUDA_RING];        /* the ticket that last used each slot */
+  unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is host-driven (queue waits) */
+  uint64_t done_ticket; /* every stream-ordered ticket <= this one is known to be complete */
+  sg__comm_attach att;  /* the attached communicator */
+  int attached;
+  int stream_mode; /* 1: jobs are stream-ordered (the attachment says so) */
   pthread_mutex_t tab_mu; /* the segment-table cache and use_ev: adamw on either thread */
   /* AdamW segment tables (see "segment tables" below) */
   struct sg__cuda_segtab *tabs;
@@ -159,42 +144,31 @@ static sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, c
 
 static sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
 
-/* The calling thread is running a comm job of this device (inline or on the worker). */
-static _Thread_local const sg__cuda_dev *sg__cuda_job_dev;
-
 /* Keeps the first failure; the engine is broken from then on and every wait returns it. The
- * text is the calling thread's last error (the thread that saw the failure). mu not held. */
+ * text is the calling thread's last error (the thread that saw the failure). */
 static sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
-  pthread_mutex_lock(&d->mu);
-  if (d->fail_st == SG_OK) {
-    d->fail_st = st;
-    snprintf(d->fail_msg, sizeof d->fail_msg, "%s", sg_last_error());
-  }
-  pthread_mutex_unlock(&d->mu);
-  return st;
+  return sg__jobq_fail(&d->q, st, NULL);
 }
 
-/* The recorded failure with its text in the calling thread's error; mu held. */
-static sg_status sg__cuda_failed_locked(const sg__cuda_dev *d) {
-  if (d->fail_st == SG_OK) return SG_OK;
-  return sg__err(d->fail_st, "%s", d->fail_msg);
-}
+/* The recorded failure with its text in the calling thread's error; SG_OK while healthy. */
+static sg_status sg__cuda_failed(sg__cuda_dev *d) { return sg__jobq_failed(&d->q); }
 
-/* The same, mu not held: SG_OK while healthy. */
-static sg_status sg__cuda_failed(sg__cuda_dev *d) {
+/* A copy of the attachment when it takes part in waits (stream-ordered); 0 otherwise. */
+static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach *h) {
   pthread_mutex_lock(&d->mu);
-  sg_status st = sg__cuda_failed_locked(d);
-  pthread_mutex_unlock(&d->mu);
-  return st;
-}
-
-/* A copy of the hooks; 0 when none are installed. */
-static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__cuda_comm_hooks *h) {
-  pthread_mutex_lock(&d->mu);
-  const int have = d->have_hooks;
-  if (h) *h = d->hooks;
+  const int have = d->attached && d->stream_mode;
+  if (h) *h = d->att;
   pthread_mutex_unlock(&d->mu);
   return have;
+}
+
+/* The calling thread runs a host-driven job of d (its comm work completes call by call). */
+static int sg__cuda_in_host_job(sg__cuda_dev *d) {
+  if (!sg__jobq_in_job(&d->q)) return 0;
+  pthread_mutex_lock(&d->mu);
+  const int host = !d->stream_mode;
+  pthread_mutex_unlock(&d->mu);
+  return host;
 }
 
 /* Binds the calling thread to our GPU: the engine may run on another thread than the one that
@@ -242,7 +216,7 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
     if (e != cudaErrorNotReady)
       return sg__cuda_record_failure(
           d, sg__cuda_err(e, fn, ev ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__));
-    sg__cuda_comm_hooks h;
+    sg__comm_attach h;
     const int hooked = sg__cuda_hooks_get(d, &h);
     if (hooked && h.poll) {
       sg_status st = h.poll(h.arg);
@@ -262,56 +236,15 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
 /* Host-driven jobs (see the top of the file): their comm-queue work completes before the call
  * that issued it returns. */
 static sg_status sg__cuda_after(sg__cuda_dev *d, sg__queue q, const char *fn) {
-  if (q != SG_Q_COMM || sg__cuda_job_dev != d || sg__cuda_hooks_get(d, NULL)) return SG_OK;
+  if (q != SG_Q_COMM || !sg__cuda_in_host_job(d)) return SG_OK;
   return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
 }
 
-/* Absolute CLOCK_MONOTONIC time (the clock of sg__now_ms) of a deadline. */
-static struct timespec sg__cuda_deadline_ts(int64_t deadline_ms) {
-  if (deadline_ms < 0) deadline_ms = 0;
-  struct timespec ts = {(time_t)(deadline_ms / 1000), (long)(deadline_ms % 1000) * 1000000L};
-  return ts;
-}
-
-/* Host wait until the worker finished ticket t, the device failed (its failure) or the deadline
- * passed (SG_ERR_TIMEOUT, not recorded: the job may still finish). mu held. */
-static sg_status sg__cuda_host_wait_locked(sg__cuda_dev *d, uint64_t t, int64_t deadline_ms,
-                                           const char *fn) {
-  const struct timespec ts = sg__cuda_deadline_ts(deadline_ms);
-  for (;;) {
-    if (d->fail_st != SG_OK) return sg__cuda_failed_locked(d);
-    if (d->host_done >= t) return SG_OK;
-    if (deadline_ms == INT64_MAX) {
-      pthread_cond_wait(&d->done_cv, &d->mu);
-    } else if (pthread_cond_timedwait(&d->done_cv, &d->mu, &ts) == ETIMEDOUT &&
-               d->host_done < t && d->fail_st == SG_OK) {
-      return sg__err(SG_ERR_TIMEOUT,
-                     "%s: comm job %llu not finished by the deadline (%llu done, %llu queued; a "
-                     "collective may be stuck on another rank)",
-                     fn, (unsigned long long)t, (unsigned long long)d->host_done,
-                     (unsigned long long)d->host_queued);
-    }
-  }
-}
-
-static sg_status sg__cuda_host_wait(sg__cuda_dev *d, uint64_t t, int64_t deadline_ms,
-                                    const char *fn) {
-  pthread_mutex_lock(&d->mu);
-  sg_status st = sg__cuda_host_wait_locked(d, t, deadline_ms, fn);
-  pthread_mutex_unlock(&d->mu);
-  return st;
-}
-
-/* Before SG_Q_COMM work issued outside a job: every queued worker job finishes first (the
- * order a stream would give). */
+/* Before SG_Q_COMM work issued outside a job: every queued job finishes first (the order a
+ * stream would give). */
 static sg_status sg__cuda_enter_queue(sg__cuda_dev *d, sg__queue q, const char *fn) {
-  if (q != SG_Q_COMM || sg__cuda_job_dev == d) return SG_OK;
-  pthread_mutex_lock(&d->mu);
-  sg_status st = d->host_done < d->host_queued
-                     ? sg__cuda_host_wait_locked(d, d->host_queued, INT64_MAX, fn)
-                     : SG_OK;
-  pthread_mutex_unlock(&d->mu);
-  return st;
+  if (q != SG_Q_COMM) return SG_OK;
+  return sg__jobq_wait_all(&d->q, INT64_MAX, fn);
 }
 
 /* ---- memory ----------------------------------------------------------------------------- */
@@ -721,160 +654,124 @@ static cudaEvent_t sg__cuda_ticket_event(sg__cuda_dev *d, uint64_t ticket) {
   return d->ring[ticket & (SG__CUDA_RING - 1)];
 }
 
-/* Issues the next ticket (mu held). */
-static uint64_t sg__cuda_issue_locked(sg__cuda_dev *d, int host) {
-  const uint64_t t = d->last_ticket + 1;
-  d->ring_tk[t & (SG__CUDA_RING - 1)] = t;
-  d->ring_host[t & (SG__CUDA_RING - 1)] = (unsigned char)host;
-  d->last_ticket = t;
-  return t;
+/* Queue hook, submitting thread, queue lock held: job t's bookkeeping, and for a host-driven
+ * job its input (the compute stream now) on its ring event. */
+static sg_status sg__cuda_job_mark(void *ctx, uint64_t t, int worker) {
+  static const char fn[] = "sg__device_cuda.comm_submit";
+  sg__cuda_dev *d = (sg__cuda_dev *)ctx;
+  (void)worker;
+  const size_t slot = t & (SG__CUDA_RING - 1);
+  pthread_mutex_lock(&d->mu);
+  const int host = !d->stream_mode;
+  cudaError_t e = host ? cudaEventRecord(d->ring[slot], d->compute) : cudaSuccess;
+  if (e == cudaSuccess) {
+    d->ring_tk[slot] = t;
+    d->ring_host[slot] = (unsigned char)host;
+  }
+  pthread_mutex_unlock(&d->mu);
+  if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventRecord(job input)", __FILE__, __LINE__);
+  return SG_OK;
 }
 
-/* Runs the job on this thread: stream-ordered (hooks installed), or host-driven with the host
- * waiting for the compute stream first. */
-static sg_status sg__cuda_submit_inline(sg__cuda_dev *d, sg__job_fn job, void *arg,
-                                        uint64_t *ticket, const char *fn) {
-  /* The job's input was produced by compute work issued before this call. */
+/* A stream-ordered job: the comm stream after the compute work issued so far, the job, the
+ * ticket's ring event after it (recorded even when the job failed: waits look at it). */
+static sg_status sg__cuda_run_stream_job(sg__cuda_dev *d, sg__jobq_fn job, void *arg,
+                                         uint64_t t, const char *fn) {
   SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
   SG__CU(cudaStreamWaitEvent(d->comm, d->order_ev, 0), fn);
-  if (!sg__cuda_hooks_get(d, NULL)) SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
-  sg__cuda_job_dev = d;
-  sg_status st = job(arg);
-  sg__cuda_job_dev = NULL;
-  /* The job may have been the first one of a stream-ordered communicator (it attached itself
-   * during the call): its work is then still in flight, which the ticket covers. */
-  if (st != SG_OK) sg__cuda_record_failure(d, st);
-  pthread_mutex_lock(&d->mu);
-  const uint64_t t = d->last_ticket + 1;
-  cudaError_t e = cudaEventRecord(sg__cuda_ticket_event(d, t), d->comm);
-  if (e == cudaSuccess) *ticket = sg__cuda_issue_locked(d, 0);
-  pthread_mutex_unlock(&d->mu);
-  if (e != cudaSuccess)
-    return sg__cuda_record_failure(
-        d, sg__cuda_err(e, fn, "cudaEventRecord(ticket)", __FILE__, __LINE__));
-  return st == SG_OK ? SG_OK : sg__cuda_failed(d);
+  const sg_status st = job(arg);
+  SG__CU(cudaEventRecord(sg__cuda_ticket_event(d, t), d->comm), fn);
+  return st;
 }
 
-/* One worker job: its input (the compute stream at submit, earlier comm-stream work), the job
- * with its SG_Q_COMM work waited for call by call, then the comm stream idle (its marks). */
-static sg_status sg__cuda_run_host_job(sg__cuda_dev *d, const sg__cuda_job *j) {
-  static const char fn[] = "sg__device_cuda.comm_worker";
-  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, j->ticket), NULL, INT64_MAX, fn));
+/* A host-driven job: its input (the ring event), earlier comm-stream work, the job with its
+ * SG_Q_COMM work waited for call by call, then the comm stream idle (its marks). */
+static sg_status sg__cuda_run_host_job(sg__cuda_dev *d, sg__jobq_fn job, void *arg, uint64_t t,
+                                       const char *fn) {
+  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, t), NULL, INT64_MAX, fn));
   SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
-  sg__cuda_job_dev = d;
-  sg_status st = j->fn(j->arg);
-  sg__cuda_job_dev = NULL;
-  SG_TRY(st);
+  SG_TRY(job(arg));
   return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
 }
 
-/* Jobs run in FIFO order; after a failure the rest are skipped (their tickets still complete,
- * and every wait returns the failure). The failure's text is read on this thread, where it was
- * set. */
-static void *sg__cuda_worker_main(void *p) {
-  sg__cuda_dev *d = (sg__cuda_dev *)p;
-  int bound = 0;
+/* Queue hook: runs job t on the worker or inline. */
+static sg_status sg__cuda_job_run(void *ctx, sg__jobq_fn job, void *arg, uint64_t t) {
+  static const char fn[] = "sg__device_cuda.comm_job";
+  sg__cuda_dev *d = (sg__cuda_dev *)ctx;
+  SG_TRY(sg__cuda_enter(d, fn)); /* the worker thread's first job binds it to our GPU */
   pthread_mutex_lock(&d->mu);
-  for (;;) {
-    while (!d->head && !d->stopping) pthread_cond_wait(&d->job_cv, &d->mu);
-    sg__cuda_job *j = d->head;
-    if (!j) break; /* stopping and drained */
-    d->head = j->next;
-    if (!d->head) d->tail = NULL;
-    const int skip = d->fail_st != SG_OK;
-    pthread_mutex_unlock(&d->mu);
-    sg_status st = SG_OK;
-    if (!skip && !bound) bound = (st = sg__cuda_enter(d, "sg__device_cuda.comm_worker")) == SG_OK;
-    if (!skip && st == SG_OK) st = sg__cuda_run_host_job(d, j);
-    if (st != SG_OK) sg__cuda_record_failure(d, st);
-    pthread_mutex_lock(&d->mu);
-    d->host_done = j->ticket;
-    pthread_cond_broadcast(&d->done_cv);
-    free(j);
-  }
+  const int stream = d->stream_mode;
   pthread_mutex_unlock(&d->mu);
-  return NULL;
+  return stream ? sg__cuda_run_stream_job(d, job, arg, t, fn)
+                : sg__cuda_run_host_job(d, job, arg, t, fn);
 }
 
-/* Queues a host-driven job for the worker (started on first use). */
-static sg_status sg__cuda_submit_host(sg__cuda_dev *d, sg__job_fn job, void *arg, uint64_t *ticket,
-                                      const char *fn) {
-  sg__cuda_job *j = (sg__cuda_job *)calloc(1, sizeof *j);
-  if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: no memory for a job", fn);
-  j->fn = job;
-  j->arg = arg;
-  sg_status st = SG_OK;
-  pthread_mutex_lock(&d->mu);
-  if (!d->worker_started) {
-    int rc = pthread_create(&d->worker, NULL, sg__cuda_worker_main, d);
-    if (rc != 0)
-      st = sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
-                      "%s: cannot start the comm worker thread (%d)", fn, rc);
-    d->worker_started = rc == 0;
-  }
-  /* The ticket's ring event marks the job's input on the compute stream. */
-  const uint64_t t = d->last_ticket + 1;
-  cudaError_t e = st == SG_OK ? cudaEventRecord(sg__cuda_ticket_event(d, t), d->compute)
-                              : cudaSuccess;
-  if (st == SG_OK && e == cudaSuccess) {
-    j->ticket = sg__cuda_issue_locked(d, 1);
-    if (d->tail)
-      d->tail->next = j;
-    else
-      d->head = j;
-    d->tail = j;
-    d->host_queued = j->ticket;
-    *ticket = j->ticket;
-    pthread_cond_signal(&d->job_cv);
-    j = NULL;
-  }
-  pthread_mutex_unlock(&d->mu);
-  free(j);
-  SG_TRY(st);
-  if (e != cudaSuccess)
-    return sg__cuda_record_failure(d, sg__cuda_err(e, fn, "cudaEventRecord(job)", __FILE__, __LINE__));
-  return SG_OK;
-}
+static const sg__jobq_ops sg__cuda_jobq_ops = {sg__cuda_job_mark, sg__cuda_job_run};
 
 static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void *arg,
                                        uint64_t *ticket) {
   static const char fn[] = "sg__device_cuda.comm_submit";
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d || !job || !ticket) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  SG_TRY(sg__cuda_failed(d));
+  *ticket = 0;
   SG_TRY(sg__cuda_enter(d, fn));
+  return sg__jobq_submit(&d->q, job, NULL, arg, ticket);
+}
+
+/* Pending jobs finish before the mode changes. */
+static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a,
+                                       sg__comm_native *out) {
+  static const char fn[] = "sg__device_cuda.comm_attach";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !a || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(sg__jobq_wait_all(&d->q, INT64_MAX, fn));
   pthread_mutex_lock(&d->mu);
-  const int inline_job = d->have_hooks || d->last_ticket == 0 || !d->threaded;
-  const uint64_t queued = d->host_done < d->host_queued ? d->host_queued : 0;
+  const int busy = d->attached;
+  if (!busy) {
+    d->att = *a;
+    d->attached = 1;
+    d->stream_mode = a->stream_ordered != 0;
+  }
   pthread_mutex_unlock(&d->mu);
-  if (!inline_job) return sg__cuda_submit_host(d, job, arg, ticket, fn);
-  /* Hooks installed while worker jobs are queued: those go first. */
-  if (queued) SG_TRY(sg__cuda_host_wait(d, queued, INT64_MAX, fn));
-  return sg__cuda_submit_inline(d, job, arg, ticket, fn);
+  if (busy) return sg__err(SG_ERR_INVALID_STATE, "%s: a communicator is already attached", fn);
+  /* stream-ordered jobs only enqueue: inline, on the caller's thread */
+  sg__jobq_set_threaded(&d->q, !a->stream_ordered && a->threaded);
+  out->stream = (void *)d->comm;
+  out->ordinal = d->ordinal;
+  return SG_OK;
+}
+
+static void sg__cudev_comm_detach(sg__device *dev) {
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return;
+  (void)sg__jobq_wait_all(&d->q, INT64_MAX, "sg__device_cuda.comm_detach");
+  pthread_mutex_lock(&d->mu);
+  memset(&d->att, 0, sizeof d->att);
+  d->attached = 0;
+  d->stream_mode = 0;
+  pthread_mutex_unlock(&d->mu);
+  sg__jobq_set_threaded(&d->q, 1);
 }
 
 /* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for; else
  * *wait_for is the ticket to wait for (the one now in the ticket's ring slot: a later one waits
- * longer, since jobs complete in ticket order) and *host says whether it is a worker job. */
+ * longer, since jobs complete in ticket order) and *host says whether it is host-driven. */
 static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const char *fn,
                                        int *done, uint64_t *wait_for, int *host) {
   *done = 1;
+  SG_TRY(sg__cuda_failed(d));
+  const uint64_t last = sg__jobq_last(&d->q);
+  if (ticket > last)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ticket %llu was never issued (last %llu)", fn,
+                   (unsigned long long)ticket, (unsigned long long)last);
+  const size_t slot = ticket & (SG__CUDA_RING - 1);
   pthread_mutex_lock(&d->mu);
-  sg_status st = sg__cuda_failed_locked(d);
-  if (st == SG_OK && ticket > d->last_ticket)
-    st = sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ticket %llu was never issued (last %llu)", fn,
-                 (unsigned long long)ticket, (unsigned long long)d->last_ticket);
-  if (st == SG_OK) {
-    const size_t slot = ticket & (SG__CUDA_RING - 1);
-    *done = ticket <= d->done_ticket;
-    *wait_for = d->ring_tk[slot];
-    *host = d->ring_host[slot];
-    if (*host && d->host_done >= *wait_for) *done = 1;
-    if (!*done && *host && d->worker_started && pthread_equal(pthread_self(), d->worker))
-      st = sg__err(SG_ERR_INVALID_STATE, "%s: called from inside a comm job (deadlock)", fn);
-  }
+  *wait_for = d->ring_tk[slot];
+  *host = d->ring_host[slot];
+  *done = !*host && ticket <= d->done_ticket;
   pthread_mutex_unlock(&d->mu);
-  return st;
+  if (*host && sg__jobq_done(&d->q) >= *wait_for) *done = 1;
+  return SG_OK;
 }
 
 static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
@@ -885,7 +782,7 @@ static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t d
   uint64_t w = 0;
   SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host));
   if (done) return SG_OK;
-  if (host) return sg__cuda_host_wait(d, w, deadline_ms, fn);
+  if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
   SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, w), NULL, deadline_ms, fn));
   pthread_mutex_lock(&d->mu);
@@ -904,7 +801,7 @@ static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
   SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host));
   if (done) return SG_OK;
   /* A worker job's CUDA work is complete when the job is: a host wait is enough. */
-  if (host) return sg__cuda_host_wait(d, w, deadline_ms, fn);
+  if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
   /* A stream wait, not a host wait: the deadline applies to whoever waits on the host later. */
   SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
@@ -996,22 +893,12 @@ static sg_status sg__cudev_mark_elapsed(sg__device *dev, void *marks, size_t fro
 
 /* ---- lifetime --------------------------------------------------------------------------- */
 
-/* Queued worker jobs run (or are skipped after a failure) before the worker exits; a job stuck
- * in a collective is bounded by that communicator's own deadline, so the join ends. */
-static void sg__cuda_stop_worker(sg__cuda_dev *d) {
-  pthread_mutex_lock(&d->mu);
-  const int started = d->worker_started;
-  d->stopping = 1;
-  pthread_cond_broadcast(&d->job_cv);
-  pthread_mutex_unlock(&d->mu);
-  if (started) pthread_join(d->worker, NULL);
-}
-
 static void sg__cudev_destroy(sg__device *dev) {
   sg__cuda_dev *d = sg__cuda(dev);
   if (!d) return;
-  if (d->sync_ready) sg__cuda_stop_worker(d);
-  if (d->have_hooks && d->hooks.detach) d->hooks.detach(d->hooks.arg);
+  /* Queued jobs run (or are skipped after a failure) before the worker exits; a job stuck in a
+   * collective is bounded by that communicator's own deadline, so the join ends. */
+  if (d->q_ready) sg__jobq_stop(&d->q);
   (void)cudaSetDevice(d->ordinal);
   /* Stream-ordered frees on the comm stream after the table's last use. The caller's compute
    * stream is not touched: it may already be gone. The sumsq scratch has no pending use. */
@@ -1032,11 +919,10 @@ static void sg__cudev_destroy(sg__device *dev) {
   if (d->comm) (void)cudaStreamDestroy(d->comm);
   if (d->own_compute) (void)cudaStreamDestroy(d->own_compute);
   if (d->sync_ready) {
-    pthread_cond_destroy(&d->done_cv);
-    pthread_cond_destroy(&d->job_cv);
     pthread_mutex_destroy(&d->tab_mu);
     pthread_mutex_destroy(&d->mu);
   }
+  if (d->q_ready) sg__jobq_destroy(&d->q);
   free(d);
 }
 
@@ -1056,6 +942,8 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_comm_submit,
     sg__cudev_comm_wait,
     sg__cudev_compute_wait_comm,
+    sg__cudev_comm_attach,
+    sg__cudev_comm_detach,
     sg__cudev_sync,
     sg__cudev_set_stream,
     sg__cudev_marks_create,
@@ -1082,24 +970,11 @@ sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {
   return SG_OK;
 }
 
-/* The mutexes and condition variables; done_cv waits against CLOCK_MONOTONIC, the clock of
- * sg__now_ms() deadlines. 0 or an errno value. */
+/* The mutexes; 0 or an errno value. */
 static int sg__cuda_sync_init(sg__cuda_dev *d) {
-  pthread_condattr_t attr;
-  int rc = pthread_condattr_init(&attr);
+  int rc = pthread_mutex_init(&d->mu, NULL);
   if (rc != 0) return rc;
-  int step = 0;
-  if ((rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)) == 0 &&
-      (rc = pthread_mutex_init(&d->mu, NULL)) == 0 && ++step &&
-      (rc = pthread_mutex_init(&d->tab_mu, NULL)) == 0 && ++step &&
-      (rc = pthread_cond_init(&d->job_cv, NULL)) == 0 && ++step &&
-      (rc = pthread_cond_init(&d->done_cv, &attr)) == 0)
-    ++step;
-  pthread_condattr_destroy(&attr);
-  if (rc == 0) return 0;
-  if (step >= 3) pthread_cond_destroy(&d->job_cv);
-  if (step >= 2) pthread_mutex_destroy(&d->tab_mu);
-  if (step >= 1) pthread_mutex_destroy(&d->mu);
+  if ((rc = pthread_mutex_init(&d->tab_mu, NULL)) != 0) pthread_mutex_destroy(&d->mu);
   return rc;
 }
 
@@ -1137,13 +1012,16 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
   d->base.kind = SG_DEVICE_CUDA;
   d->base.rank = rank;
   d->ordinal = ordinal;
-  d->threaded = 1;
   int rc = sg__cuda_sync_init(d);
+  if (rc == 0) {
+    d->sync_ready = 1;
+    rc = sg__jobq_init(&d->q, &sg__cuda_jobq_ops, d, 1);
+    d->q_ready = rc == 0;
+  }
   if (rc != 0) {
-    free(d);
+    sg__cudev_destroy(&d->base);
     return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__, "%s: pthread init failed (%d)", fn, rc);
   }
-  d->sync_ready = 1;
   sg_status st = SG_OK;
   SG_TRY_GOTO(sg__cuda_enter(d, fn), st, fail);
   SG_TRY_GOTO(sg__cuda_init(d), st, fail);
@@ -1154,46 +1032,4 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
 fail:
   sg__cudev_destroy(&d->base);
   return st;
-}
-
-/* ---- accessors for the NCCL communicator ------------------------------------------------- */
-
-static sg__cuda_dev *sg__cuda_or_null(const sg__device *d) {
-  return d && d->kind == SG_DEVICE_CUDA && d->ops == &sg__cuda_ops ? (sg__cuda_dev *)d : NULL;
-}
-
-void *sg__device_cuda_comm_stream(sg__device *d) {
-  sg__cuda_dev *c = sg__cuda_or_null(d);
-  return c ? (void *)c->comm : NULL;
-}
-
-int sg__device_cuda_ordinal(const sg__device *d) {
-  const sg__cuda_dev *c = sg__cuda_or_null(d);
-  return c ? c->ordinal : -1;
-}
-
-sg_status sg__device_cuda_set_comm_hooks(sg__device *d, const sg__cuda_comm_hooks *h) {
-  sg__cuda_dev *c = sg__cuda_or_null(d);
-  if (!c)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda_set_comm_hooks: not a CUDA device");
-  pthread_mutex_lock(&c->mu);
-  if (h) {
-    c->hooks = *h;
-    c->have_hooks = 1;
-  } else {
-    memset(&c->hooks, 0, sizeof c->hooks);
-    c->have_hooks = 0;
-  }
-  pthread_mutex_unlock(&c->mu);
-  return SG_OK;
-}
-
-sg_status sg__device_cuda_set_threaded_comm(sg__device *d, int threaded) {
-  sg__cuda_dev *c = sg__cuda_or_null(d);
-  if (!c)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda_set_threaded_comm: not a CUDA device");
-  pthread_mutex_lock(&c->mu);
-  c->threaded = threaded != 0;
-  pthread_mutex_unlock(&c->mu);
-  return SG_OK;
 }

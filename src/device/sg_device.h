@@ -10,7 +10,16 @@
  * compute queue (CUDA: an event recorded on the compute stream, waited by the comm stream; CPU:
  * the caller's work is already done when it submits). Jobs run one at a time in submit order.
  * A failing job records its status and text; every later comm_wait returns it (the engine is
- * then broken). */
+ * then broken). Both devices run jobs through one queue (sg_jobq.h).
+ *
+ * Communicators. A communicator channel bound to the device (sg__comm_bind) attaches to it
+ * first (comm_attach): it says how its collectives work and gets what it needs to enqueue them
+ * (the native comm stream). Host-driven collectives (local, MPI: they work on the host, and
+ * their SG_Q_COMM copies and kernels complete before each call returns) run on the device's
+ * worker thread when the communicator allows calls from another thread, inline in comm_submit
+ * otherwise; stream-ordered ones (NCCL) only enqueue work on the comm stream, run inline, and
+ * take part in the device's host waits (poll, abort at a passed deadline). Without an
+ * attachment jobs are host-driven on the worker. */
 #ifndef SG_DEVICE_H
 #define SG_DEVICE_H
 
@@ -25,6 +34,24 @@ typedef enum { SG_COPY_H2D = 0, SG_COPY_D2H = 1, SG_COPY_D2D = 2 } sg__copy_kind
 
 typedef struct sg__device sg__device;
 typedef sg_status (*sg__job_fn)(void *arg);
+
+/* What a communicator tells the device at bind time (see "Communicators" above). */
+typedef struct sg__comm_attach {
+  int stream_ordered; /* 1: jobs only enqueue work on the native comm stream (NCCL) */
+  int threaded;       /* host-driven: jobs may run on the device's worker thread */
+  /* stream-ordered: called by the device's host waits on every poll round (SG_OK, or the
+   * communicator's failure with its text, then recorded as a failed job), and once when a
+   * wait passes its deadline, before SG_ERR_TIMEOUT is returned (abort the collectives) */
+  sg_status (*poll)(void *arg);
+  void (*abort)(void *arg);
+  void *arg;
+} sg__comm_attach;
+
+/* What the device gives the communicator. No CUDA types: streams travel as void *. */
+typedef struct sg__comm_native {
+  void *stream; /* CUDA: the cudaStream_t of SG_Q_COMM; NULL on CPU */
+  int ordinal;  /* CUDA: the device's GPU; -1 on CPU */
+} sg__comm_native;
 
 typedef struct sg__device_ops {
   const char *name;
@@ -62,6 +89,11 @@ typedef struct sg__device_ops {
   sg_status (*comm_wait)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
   /* Compute queue waits (CUDA: stream wait on an event) for job `ticket`; CPU: host wait. */
   sg_status (*compute_wait_comm)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
+  /* One attachment at a time (SG_ERR_INVALID_STATE for a second; SG_ERR_UNSUPPORTED for a
+   * stream-ordered one on CPU). Pending jobs finish first. Detach: jobs are host-driven on the
+   * worker again; the device calls nothing of the communicator any more. */
+  sg_status (*comm_attach)(sg__device *d, const sg__comm_attach *a, sg__comm_native *out);
+  void (*comm_detach)(sg__device *d);
   /* All compute-queue work done (host). */
   sg_status (*sync)(sg__device *d, int64_t deadline_ms);
   /* caller's stream (CUDA); CPU: SG_ERR_UNSUPPORTED for non-NULL */
@@ -83,8 +115,8 @@ struct sg__device {
   int rank; /* for log lines */
 };
 
-/* cpu.c. threaded_comm = 0 runs comm jobs inline on the submitting thread (no overlap), for
- * MPI libraries without MPI_THREAD_MULTIPLE/SERIALIZED. */
+/* cpu.c. threaded_comm = 0 runs comm jobs inline on the submitting thread (no overlap) until a
+ * communicator attaches (comm_attach sets the mode from then on). */
 sg_status sg__device_cpu_create(int rank, int threaded_comm, sg__device **out);
 #ifdef SG_HAVE_CUDA
 sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out);

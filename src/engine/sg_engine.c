@@ -7,9 +7,6 @@
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* host-side dtype conversion */
 #include "sg_engine_internal.h"
-#ifdef SG_HAVE_CUDA
-#include "../device/sg_device_cuda.h" /* sg__device_cuda_set_threaded_comm */
-#endif
 
 
 /* ---------------------------------------------------------------------------------------- */
@@ -121,21 +118,27 @@ done:
 /* ---------------------------------------------------------------------------------------- */
 /* create / destroy                                                                          */
 
-static sg_status make_device(const sg_config *c, sg_comm *comm, sg__device **out) {
-  if (c->device == SG_DEVICE_CPU) return sg__device_cpu_create(comm->rank, comm->threaded, out);
+/* The device, and the communicator's channel bound to it (which tells the device how to run
+ * its collectives). */
+static sg_status make_device(const sg_config *c, sg_comm *comm, sg__device **dev,
+                             sg_comm **chan) {
+  sg_status st = SG_OK;
+  if (c->device == SG_DEVICE_CPU) {
+    st = sg__device_cpu_create(comm->rank, 1, dev);
+  } else {
 #ifdef SG_HAVE_CUDA
-  SG_TRY(sg__device_cuda_create(comm->rank, c->cuda_device, out));
-  /* host-driven collectives on the device's worker thread only where the comm allows it */
-  sg_status st = sg__device_cuda_set_threaded_comm(*out, comm->threaded);
-  if (st != SG_OK) {
-    (*out)->ops->destroy(*out);
-    *out = NULL;
+    st = sg__device_cuda_create(comm->rank, c->cuda_device, dev);
+#else
+    return sg__err(SG_ERR_UNSUPPORTED, "sg_engine_create: SG_DEVICE_CUDA requested but shardgrad "
+                                       "was built without CUDA");
+#endif
+  }
+  if (st == SG_OK) st = sg__comm_bind(comm, *dev, c->timeout_ms, chan);
+  if (st != SG_OK && *dev) {
+    (*dev)->ops->destroy(*dev);
+    *dev = NULL;
   }
   return st;
-#else
-  return sg__err(SG_ERR_UNSUPPORTED, "sg_engine_create: SG_DEVICE_CUDA requested but shardgrad "
-                                     "was built without CUDA");
-#endif
 }
 
 sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out) {
@@ -144,8 +147,6 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   *out = NULL;
   if (!comm) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm is NULL", fn);
   if (!cfg) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
-  if (comm->in_use)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: the communicator is used by another engine", fn);
   if (comm->broken)
     return sg__err(SG_ERR_COMM, "%s: the communicator is broken by an earlier failure", fn);
   sg_engine *e = calloc(1, sizeof *e);
@@ -153,15 +154,12 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   sg_status st;
   SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
   SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
-  SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev), st, fail);
-  e->comm = comm;
+  SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev, &e->comm), st, fail); /* e->comm: a channel */
   e->rank = comm->rank;
   e->world = comm->world;
   e->strat = sg__strategy_select(e->cfg.strategy);
   sg__optim_init(e);
   sg__scale_init(e);
-  comm->in_use = 1;
-  comm->dev = e->dev;
   *out = e;
   SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %s, param %s, grad %s, "
          "reduce %s", e->world, e->strat->name, sg__dtype_name(e->cfg.param_dtype),
@@ -201,17 +199,13 @@ void sg_engine_destroy(sg_engine *e) {
   /* Pending reductions finish before memory goes away (every collective has its own deadline
    * and jobs after a failure are skipped, so this ends), and the memory goes back through the
    * device before the device itself is destroyed. */
-  if (e->dev && e->last_ticket) (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, INT64_MAX);
+  if (e->dev && e->last_ticket)
+    (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__engine_host_deadline(e));
+  sg__comm_unbind(e->comm); /* after every queued job (bounded by their deadlines) */
+  e->comm = NULL;
   sg__trace_free(e);
   free_finalized(e);
-  if (e->comm && e->comm->ops && e->comm->ops->release) e->comm->ops->release(e->comm);
   if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */
-  if (e->comm) {
-    e->comm->in_use = 0;
-    e->comm->dev = NULL;
-    e->comm->scratch = NULL;
-    e->comm->scratch_bytes = 0;
-  }
   e->dev = NULL;
   free_registration(e);
   free(e);
@@ -383,8 +377,7 @@ static sg_status setup_buffers(sg_engine *e) {
   SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
   e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
   char *comm = (char *)e->ar.base[SG_MEM_COMM] + l->comm_off;
-  e->comm->scratch = comm;
-  e->comm->scratch_bytes = l->comm_scratch_bytes;
+  sg__comm_set_scratch(e->comm, comm, l->comm_scratch_bytes);
   e->small = (char *)e->ar.base[SG_MEM_COMM] + l->small_off;
   return SG_OK;
 }
@@ -435,10 +428,7 @@ sg_status sg_finalize(sg_engine *e) {
 fail:
   free(all);
   free_finalized(e);
-  if (e->comm) {
-    e->comm->scratch = NULL;
-    e->comm->scratch_bytes = 0;
-  }
+  sg__comm_set_scratch(e->comm, NULL, 0);
   return sg__err_prefix(st, fn);
 }
 

@@ -58,6 +58,7 @@ struct ncclComm {
   bool settling = false;  // a non-blocking call returned ncclInProgress; done at the next query
   ncclResult_t async = ncclSuccess;
   uint64_t seq = 0;
+  uint64_t splits = 0;  // ncclCommSplit calls so far: the k-th split of every rank meets
 };
 
 namespace {
@@ -313,6 +314,21 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
     lk.lock();
   }
   return mine->joined == mine->world ? ncclSuccess : ncclSystemError;
+}
+
+// The k-th split of every rank of a group makes one new group, as an id would (key = rank;
+// color must be 0: the mock splits into one communicator over every rank).
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+                           ncclConfig_t *config) {
+  ncclUniqueId id;
+  {
+    std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+    if (!comm || !newcomm || color != 0 || key != comm->rank) return ncclInvalidArgument;
+    memset(id.internal, 0, sizeof id.internal);
+    snprintf(id.internal, sizeof id.internal, "sg-ncclmock-split-%p-%llu", (void *)comm->g.get(),
+             (unsigned long long)comm->splits++);
+  }
+  return ncclCommInitRankConfig(newcomm, comm->g->world, id, comm->rank, config);
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error) {
