@@ -17,7 +17,6 @@
 #include "cpu/sg_cpu_kernels.h"     /* sg__cpu_* references */
 #include "cuda/sg_cuda_kernels.h"   /* launchers, for launch-shape checks */
 #include "device/sg_device.h"      /* sg__device_cuda_create */
-#include "device/sg_device_cuda.h" /* sg__device_cuda_comm_stream */
 #include "sg_elem.h"               /* conversions, for NaN tests */
 
 static int g_pass, g_fail, g_quick;
@@ -545,7 +544,13 @@ static void test_adamw(void) {
   /* Outside a comm job, SG_Q_COMM work is only enqueued on the comm stream, and sync waits for
    * the compute stream alone: the D2H copies below (compute stream) must not start before the
    * comm stream has finished the update. */
-  check(cudaStreamSynchronize((cudaStream_t)sg__device_cuda_comm_stream(g_dev)) == cudaSuccess,
+  /* the comm stream, as a communicator gets it (attached and detached again) */
+  const sg__comm_attach probe = {0, 1, NULL, NULL, NULL};
+  sg__comm_native native = {NULL, -1};
+  check(g_dev->ops->comm_attach(g_dev, &probe, &native) == SG_OK && native.stream,
+        "comm_attach gives the comm stream", NULL);
+  g_dev->ops->comm_detach(g_dev);
+  check(cudaStreamSynchronize((cudaStream_t)native.stream) == cudaSuccess,
         "comm stream synchronized", NULL);
   check(g_dev->ops->sync(g_dev, sg__deadline(60000)) == SG_OK, "sync", NULL);
   adamw_compare(&h, &d, &c, sn, fn, "adamw on comm queue, fewer segments");

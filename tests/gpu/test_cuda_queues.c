@@ -21,7 +21,6 @@
 
 #include "comm/sg_comm.h"          /* sg_comm internals: dev, ops */
 #include "device/sg_device.h"      /* sg__device_cuda_create */
-#include "device/sg_device_cuda.h" /* sg__device_cuda_comm_stream */
 
 static int g_pass, g_fail;
 
@@ -41,6 +40,18 @@ static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 
 /* ---- comm jobs ------------------------------------------------------------------------------ */
 
+/* The comm stream of the device under test, as a communicator gets it (comm_attach), taken
+ * outside the jobs: jobs read it here. */
+static cudaStream_t g_comm;
+
+static cudaStream_t comm_stream_of(sg__device *d) {
+  const sg__comm_attach probe = {0, 1, NULL, NULL, NULL};
+  sg__comm_native native = {NULL, -1};
+  if (d->ops->comm_attach(d, &probe, &native) != SG_OK) return NULL;
+  d->ops->comm_detach(d);
+  return (cudaStream_t)native.stream;
+}
+
 typedef struct copy_job {
   sg__device *d;
   void *dst;
@@ -52,7 +63,7 @@ typedef struct copy_job {
 static sg_status copy_job_fn(void *arg) {
   copy_job *j = (copy_job *)arg;
   sg_status st = j->d->ops->copy(j->d, SG_Q_COMM, j->dst, j->src, j->bytes, SG_COPY_D2D);
-  cudaStream_t s = (cudaStream_t)sg__device_cuda_comm_stream(j->d);
+  cudaStream_t s = g_comm;
   j->done_on_return = cudaStreamQuery(s) == cudaSuccess;
   return st;
 }
@@ -120,7 +131,7 @@ typedef struct sleep_job {
 
 static sg_status sleep_job_fn(void *arg) {
   sleep_job *j = (sleep_job *)arg;
-  cudaStream_t s = (cudaStream_t)sg__device_cuda_comm_stream(j->d);
+  cudaStream_t s = g_comm;
   cudaLaunchHostFunc(s, sleepy, (void *)(size_t)j->ms);
   return SG_OK;
 }
@@ -131,6 +142,12 @@ static void test_timeout(void) {
     check(0, "second device");
     return;
   }
+  /* stream-ordered, as NCCL attaches: the job only enqueues, the wait polls the stream */
+  const sg__comm_attach ordered = {1, 0, NULL, NULL, NULL};
+  sg__comm_native native = {NULL, -1};
+  check(d->ops->comm_attach(d, &ordered, &native) == SG_OK, "attach stream-ordered");
+  cudaStream_t outer = g_comm;
+  g_comm = (cudaStream_t)native.stream;
   sleep_job j = {d, 1500};
   uint64_t t = 0;
   check(d->ops->comm_submit(d, sleep_job_fn, &j, &t) == SG_OK, "submit a 1.5 s job");
@@ -142,7 +159,9 @@ static void test_timeout(void) {
         "later waits return the recorded failure");
   check(d->ops->comm_submit(d, sleep_job_fn, &j, &t) != SG_OK, "later submits fail");
   sleep_ms(1600); /* let the host function finish before the streams go */
+  d->ops->comm_detach(d);
   d->ops->destroy(d);
+  g_comm = outer;
 }
 
 static void test_alloc_failures(sg__device *d) {
@@ -181,7 +200,12 @@ static sg_status coll_job_fn(void *arg) {
 }
 
 /* Every collective leaves a world-1 buffer as it was. */
-static void nccl_collectives(sg__device *d, sg_comm *c, int bound, int host) {
+static void nccl_collectives(sg__device *d, sg_comm *comm, int bound, int host) {
+  sg_comm *c = comm; /* bound: a channel attached to the device (the second one a split) */
+  if (bound && sg__comm_bind(comm, d, 30000, &c) != SG_OK) {
+    check(0, "nccl: bind to the device");
+    return;
+  }
   const size_t n = 100003;
   double *h = malloc(n * 8), *back = malloc(n * 8);
   for (size_t i = 0; i < n; i++) h[i] = (double)i * 0.25;
@@ -190,7 +214,6 @@ static void nccl_collectives(sg__device *d, sg_comm *c, int bound, int host) {
     buf = malloc(n * 8);
   else
     d->ops->alloc(d, n * 8, &buf);
-  c->dev = bound ? d : NULL;
   static const int dtypes[] = {0, 1, 2, 3};
   for (int op = 0; op < 4; op++)
     for (int k = 0; k < 4; k++) {
@@ -227,7 +250,7 @@ static void nccl_collectives(sg__device *d, sg_comm *c, int bound, int host) {
     free(buf);
   else
     d->ops->free(d, buf);
-  c->dev = NULL;
+  if (bound) sg__comm_unbind(c);
   free(h);
   free(back);
 }
@@ -277,6 +300,7 @@ int main(void) {
     printf("FAIL cannot create the CUDA device: %s\n0 passed, 1 failed\n", sg_last_error());
     return 1;
   }
+  g_comm = comm_stream_of(d);
   test_jobs(d);
   test_alloc_failures(d);
 #ifdef SG_HAVE_NCCL
