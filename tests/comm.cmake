@@ -29,3 +29,13 @@ foreach(np 2 3)
     endif()
   endforeach()
 endforeach()
+# Several engines on one communicator (issue 14): engines stepping alternately, their gradients
+# interleaved, each bitwise equal to the same engine alone; threads and mpirun.
+sg_add_test(test_two_engines SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_two_engines.c
+  ARGS --local 2 LABELS local TIMEOUT 300)
+add_test(NAME test_two_engines_w3 COMMAND test_two_engines --local 3)
+set_tests_properties(test_two_engines_w3 PROPERTIES TIMEOUT 300 LABELS local)
+sg_add_mpi_test(test_two_engines_mpi_np2 EXE test_two_engines NP 2 ARGS --mpi TIMEOUT 300)
+# Comm jobs skipped after a failure give back their arguments (LeakSanitizer in the asan stage).
+sg_add_test(test_skip_leak SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_skip_leak.c LABELS local
+  TIMEOUT 60)

@@ -64,7 +64,15 @@ if(SG_WITH_CUDA)
       target_link_libraries(shardgrad_cudamock PUBLIC MPI::MPI_C)
     endif()
 
-    foreach(t test_cuda_mock test_cuda_mock_engine test_cuda_mock_nccl)
+    # Two engines on one NCCL communicator (the second a split), engines on the CUDA device.
+    add_executable(test_two_engines_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_two_engines.c)
+    target_link_libraries(test_two_engines_cudamock PRIVATE shardgrad_cudamock)
+    target_compile_definitions(test_two_engines_cudamock PRIVATE SG_TEST_NCCL)
+    target_compile_options(test_two_engines_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter)
+    add_test(NAME test_two_engines_cudamock COMMAND test_two_engines_cudamock --nccl 2)
+    set_tests_properties(test_two_engines_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
+
+    foreach(t test_cuda_mock test_cuda_mock_engine test_cuda_mock_nccl test_cuda_mock_waits)
       add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
       target_link_libraries(${t} PRIVATE shardgrad_cudamock)
       target_compile_options(${t} PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)

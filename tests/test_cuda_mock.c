@@ -58,7 +58,7 @@ static void hook_abort(void *arg) { ((hook_state *)arg)->aborts++; }
 
 /* A stream-ordered communicator (as NCCL attaches); returns the comm stream. */
 static cudaStream_t attach(sg__device *d, hook_state *h) {
-  const sg__comm_attach a = {1, 0, hook_poll, hook_abort, h};
+  const sg__comm_attach a = {1, 0, hook_poll, hook_abort, h, 0};
   sg__comm_native nat = {NULL, -1};
   check(d->ops->comm_attach(d, &a, &nat) == SG_OK && nat.stream && nat.ordinal == 0,
         "comm_attach (stream-ordered): the comm stream and the GPU");
@@ -67,7 +67,7 @@ static cudaStream_t attach(sg__device *d, hook_state *h) {
 
 /* The comm stream without an attachment left behind. */
 static cudaStream_t comm_stream_of(sg__device *d) {
-  const sg__comm_attach a = {0, 1, NULL, NULL, NULL};
+  const sg__comm_attach a = {0, 1, NULL, NULL, NULL, 0};
   sg__comm_native nat = {NULL, -1};
   d->ops->comm_attach(d, &a, &nat);
   d->ops->comm_detach(d);
@@ -103,7 +103,7 @@ static void ordering(sg__device *d, const char *mode) {
   uint64_t t = 0;
   char what[128];
   snprintf(what, sizeof what, "%s: comm_submit", mode);
-  check(o->comm_submit(d, copy_job_fn, &j, &t) == SG_OK, what);
+  check(o->comm_submit(d, copy_job_fn, NULL, &j, &t) == SG_OK, what);
   check(o->compute_wait_comm(d, t, sg__deadline(5000)) == SG_OK, "compute_wait_comm");
   o->accumulate(d, SG_Q_COMPUTE, b, 0, b, 0, N);
   memset(back, 0, sizeof back);
@@ -161,7 +161,7 @@ static void host_driven(sg__device *d, int attached, cudaStream_t comm) {
   d->ops->alloc(d, 64, (void **)&b);
   probe_job j = {d, b, a, 99, comm ? comm : comm_stream_of(d)};
   uint64_t t;
-  d->ops->comm_submit(d, probe_job_fn, &j, &t);
+  d->ops->comm_submit(d, probe_job_fn, NULL, &j, &t);
   if (attached) {
     check(j.pending_after > 0, "stream-ordered jobs: comm work stays queued");
     d->ops->comm_wait(d, t, sg__deadline(1000));
@@ -190,7 +190,7 @@ static sg_status nothing_fn(void *arg) {
 static void queue_barrier(sg__device *d) {
   nothing_job nj = {0};
   uint64_t t = 0;
-  d->ops->comm_submit(d, nothing_fn, &nj, &t);
+  d->ops->comm_submit(d, nothing_fn, NULL, &nj, &t);
   d->ops->compute_wait_comm(d, t, sg__deadline(5000));
 }
 
@@ -207,7 +207,7 @@ static void timeouts(void) {
   sg_cudamock_stall(comm, 1);
   nothing_job nj = {0};
   uint64_t t = 0;
-  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_OK && nj.ran == 1,
+  check(d->ops->comm_submit(d, nothing_fn, NULL, &nj, &t) == SG_OK && nj.ran == 1,
         "submit on a stalled stream");
   int64_t t0 = sg__now_ms();
   check(d->ops->comm_wait(d, t, sg__now_ms() + 50) == SG_ERR_TIMEOUT && says("deadline"),
@@ -217,7 +217,7 @@ static void timeouts(void) {
   check(d->ops->comm_wait(d, t, sg__deadline(1000)) == SG_ERR_TIMEOUT,
         "later waits return the recorded timeout");
   check(d->ops->sync(d, sg__deadline(1000)) == SG_ERR_TIMEOUT, "sync returns it too");
-  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_ERR_TIMEOUT && nj.ran == 1,
+  check(d->ops->comm_submit(d, nothing_fn, NULL, &nj, &t) == SG_ERR_TIMEOUT && nj.ran == 1,
         "later submits fail without running the job");
   sg_cudamock_stall(comm, 0);
   d->ops->destroy(d);
@@ -228,7 +228,7 @@ static void timeouts(void) {
   sg__device_cuda_create(0, 0, &d);
   comm = attach(d, &h2);
   sg_cudamock_stall(comm, 1);
-  d->ops->comm_submit(d, nothing_fn, &nj, &t);
+  d->ops->comm_submit(d, nothing_fn, NULL, &nj, &t);
   check(d->ops->comm_wait(d, t, sg__deadline(5000)) == SG_ERR_COMM && says("peer failed"),
         "poll hook failure: SG_ERR_COMM with its text");
   check(d->ops->comm_wait(d, t, sg__deadline(5000)) == SG_ERR_COMM, "and it sticks");
@@ -238,15 +238,15 @@ static void timeouts(void) {
   /* a failing job inline (a communicator that must not be called from another thread):
    * returned by submit and by every later wait */
   sg__device_cuda_create(0, 0, &d);
-  const sg__comm_attach inline_comm = {0, 0, NULL, NULL, NULL};
+  const sg__comm_attach inline_comm = {0, 0, NULL, NULL, NULL, 0};
   sg__comm_native nat;
   check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_OK, "attach host-driven, not threaded");
   check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_ERR_INVALID_STATE,
         "a second attachment is refused");
   const int ran = nj.ran;
-  check(d->ops->comm_submit(d, nothing_fn, &nj, &t) == SG_OK && nj.ran == ran + 1,
+  check(d->ops->comm_submit(d, nothing_fn, NULL, &nj, &t) == SG_OK && nj.ran == ran + 1,
         "not threaded: the job ran inline in comm_submit");
-  check(d->ops->comm_submit(d, failing_fn, NULL, &t) == SG_ERR_COMM && says("collective failed"),
+  check(d->ops->comm_submit(d, failing_fn, NULL, NULL, &t) == SG_ERR_COMM && says("collective failed"),
         "failing job: submit returns its failure");
   check(d->ops->comm_wait(d, t, sg__deadline(1000)) == SG_ERR_COMM && says("collective failed"),
         "failing job: comm_wait returns it");
@@ -302,7 +302,7 @@ static void async_jobs(void) {
   const sg__device_ops *o = d->ops;
   nothing_job nj = {0};
   uint64_t t0 = 0, t = 0, t2 = 0;
-  check(o->comm_submit(d, nothing_fn, &nj, &t0) == SG_OK &&
+  check(o->comm_submit(d, nothing_fn, NULL, &nj, &t0) == SG_OK &&
             o->comm_wait(d, t0, sg__deadline(5000)) == SG_OK && nj.ran == 1,
         "async: the first job runs on the worker like every other (no first-job special case)");
   float h[N], back[N];
@@ -320,7 +320,7 @@ static void async_jobs(void) {
   g.d = d;
   g.dst = b;
   g.src = a;
-  check(o->comm_submit(d, gate_fn, &g, &t) == SG_OK && !atomic_load(&g.finished),
+  check(o->comm_submit(d, gate_fn, NULL, &g, &t) == SG_OK && !atomic_load(&g.finished),
         "async: submit of a blocked job returns at once");
   /* compute work while the job is blocked on the worker */
   o->copy(d, SG_Q_COMPUTE, c, h, N * 4, SG_COPY_H2D);
@@ -344,12 +344,12 @@ static void async_jobs(void) {
   check(ok, "async: the job saw the compute work before submit, compute sees the job's copy");
 
   /* a failing job on the worker: its status and text reach every later wait */
-  check(o->comm_submit(d, failing_fn, NULL, &t2) == SG_OK, "async: failing job queued");
+  check(o->comm_submit(d, failing_fn, NULL, NULL, &t2) == SG_OK, "async: failing job queued");
   check(o->comm_wait(d, t2, sg__deadline(10000)) == SG_ERR_COMM && says("collective failed"),
         "async: comm_wait returns the job's failure with its text");
   check(o->compute_wait_comm(d, t, sg__deadline(1000)) == SG_ERR_COMM && says("collective failed"),
         "async: every later wait returns it (an earlier ticket too)");
-  check(o->comm_submit(d, nothing_fn, &nj, &t) == SG_ERR_COMM && nj.ran == 1,
+  check(o->comm_submit(d, nothing_fn, NULL, &nj, &t) == SG_ERR_COMM && nj.ran == 1,
         "async: later submits fail without running the job");
   check(o->sync(d, sg__deadline(1000)) == SG_ERR_COMM, "async: sync returns it");
   o->free(d, a);
@@ -363,15 +363,15 @@ static void async_jobs(void) {
   atomic_int count;
   atomic_init(&count, 0);
   count_job cj = {&count};
-  o->comm_submit(d, count_fn, &cj, &t);
+  o->comm_submit(d, count_fn, NULL, &cj, &t);
   o->comm_wait(d, t, sg__deadline(5000));
   gate_job g2;
   atomic_init(&g2.released, 0);
   atomic_init(&g2.started, 0);
   atomic_init(&g2.finished, 0);
   g2.d = NULL;
-  ok = o->comm_submit(d, gate_fn, &g2, &t) == SG_OK;
-  for (int i = 0; i < 3; i++) ok = ok && o->comm_submit(d, count_fn, &cj, &t) == SG_OK;
+  ok = o->comm_submit(d, gate_fn, NULL, &g2, &t) == SG_OK;
+  for (int i = 0; i < 3; i++) ok = ok && o->comm_submit(d, count_fn, NULL, &cj, &t) == SG_OK;
   check(ok && atomic_load(&count) == 1, "async: three jobs queued behind a blocked one");
   pthread_t rel;
   pthread_create(&rel, NULL, release_later, &g2);

@@ -163,7 +163,7 @@ static void collectives(rank_ctx *x, int mode) {
       sg_status st;
       if (mode == 2) {
         uint64_t t = 0;
-        st = d->ops->comm_submit(d, op_run, &j, &t);
+        st = d->ops->comm_submit(d, op_run, NULL, &j, &t);
         if (st == SG_OK) st = d->ops->comm_wait(d, t, sg__deadline(10000));
       } else {
         st = op_run(&j);
@@ -227,7 +227,7 @@ static void body_stuck(rank_ctx *x) {
   coll_job j = {c, buf};
   uint64_t t = 0;
   const int live = sg_ncclmock_live();
-  check(d->ops->comm_submit(d, allreduce_job, &j, &t) == SG_OK, "stuck: the job is queued");
+  check(d->ops->comm_submit(d, allreduce_job, NULL, &j, &t) == SG_OK, "stuck: the job is queued");
   check(d->ops->comm_wait(d, t, sg__now_ms() + 100) == SG_ERR_TIMEOUT, "stuck: SG_ERR_TIMEOUT");
   check(c->broken && sg_ncclmock_live() == live - 1, "stuck: communicator aborted and broken");
   check(c->ops->all_reduce(c, buf, 4, SG_F32, sg__deadline(1000)) == SG_ERR_COMM && says("broken"),
@@ -249,7 +249,7 @@ static void body_async_error(rank_ctx *x) {
   cudaMalloc((void **)&buf, 1024);
   coll_job j = {c, buf};
   uint64_t t = 0;
-  check(d->ops->comm_submit(d, allreduce_job, &j, &t) == SG_OK, "async error: the job is queued");
+  check(d->ops->comm_submit(d, allreduce_job, NULL, &j, &t) == SG_OK, "async error: the job is queued");
   sg_ncclmock_fail_all(ncclRemoteError);
   check(d->ops->comm_wait(d, t, sg__deadline(10000)) == SG_ERR_COMM && says("remote process"),
         "async error: SG_ERR_COMM with NCCL's text");

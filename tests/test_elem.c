@@ -655,7 +655,7 @@ static void test_device_queue(void) {
   int tickets_ok = 1;
   for (int i = 0; i < 100; i++) {
     jobs[i] = (job){&log, i, 0, 0, 0, NULL};
-    tickets_ok &= d->ops->comm_submit(d, job_fn, &jobs[i], &t) == SG_OK && t == (uint64_t)i + 1;
+    tickets_ok &= d->ops->comm_submit(d, job_fn, NULL, &jobs[i], &t) == SG_OK && t == (uint64_t)i + 1;
   }
   sg_status st = d->ops->comm_wait(d, 100, sg__now_ms() + 10000);
   int fifo = atomic_load(&log.ran) == 100;
@@ -666,7 +666,7 @@ static void test_device_queue(void) {
 
   /* deadline */
   jobs[100] = (job){&log, 100, 0, 1, 0, NULL};
-  d->ops->comm_submit(d, job_fn, &jobs[100], &t);
+  d->ops->comm_submit(d, job_fn, NULL, &jobs[100], &t);
   int64_t t0 = sg__now_ms();
   st = d->ops->comm_wait(d, t, t0 + 60);
   int64_t waited = sg__now_ms() - t0;
@@ -681,7 +681,7 @@ static void test_device_queue(void) {
   int word = 0;
   float zeroed = 1.0f;
   jobs[101] = (job){&log, 101, 0, 0, 30, &word};
-  d->ops->comm_submit(d, job_fn, &jobs[101], &t);
+  d->ops->comm_submit(d, job_fn, NULL, &jobs[101], &t);
   st = d->ops->zero(d, SG_Q_COMM, &zeroed, sizeof zeroed);
   CHECK(st == SG_OK && word == 1 && zeroed == 0.0f,
         "comm queue: SG_Q_COMM work from the host runs after the pending jobs");
@@ -692,9 +692,9 @@ static void test_device_queue(void) {
   jobs[103] = (job){&log, 103, 1, 0, 0, NULL};
   jobs[104] = (job){&log, 104, 0, 0, 0, NULL};
   uint64_t tf, tl;
-  d->ops->comm_submit(d, job_fn, &jobs[102], &tf);
-  d->ops->comm_submit(d, job_fn, &jobs[103], &tl);
-  d->ops->comm_submit(d, job_fn, &jobs[104], &tl);
+  d->ops->comm_submit(d, job_fn, NULL, &jobs[102], &tf);
+  d->ops->comm_submit(d, job_fn, NULL, &jobs[103], &tl);
+  d->ops->comm_submit(d, job_fn, NULL, &jobs[104], &tl);
   sg__err_clear();
   st = d->ops->comm_wait(d, tl, sg__now_ms() + 10000);
   int text = strstr(sg_last_error(), "job 102 failed") != NULL;
@@ -717,10 +717,10 @@ static void test_device_inline_and_destroy(void) {
   jobs[0] = (job){&log, 0, 0, 0, 0, NULL};
   jobs[1] = (job){&log, 1, 1, 0, 0, NULL};
   jobs[2] = (job){&log, 2, 0, 0, 0, NULL};
-  ok &= d->ops->comm_submit(d, job_fn, &jobs[0], &t) == SG_OK && t == 1 && atomic_load(&log.ran) == 1;
-  sg_status st = d->ops->comm_submit(d, job_fn, &jobs[1], &t);
+  ok &= d->ops->comm_submit(d, job_fn, NULL, &jobs[0], &t) == SG_OK && t == 1 && atomic_load(&log.ran) == 1;
+  sg_status st = d->ops->comm_submit(d, job_fn, NULL, &jobs[1], &t);
   sg__err_clear();
-  sg_status st2 = d->ops->comm_submit(d, job_fn, &jobs[2], &t);
+  sg_status st2 = d->ops->comm_submit(d, job_fn, NULL, &jobs[2], &t);
   int text = strstr(sg_last_error(), "job 1 failed") != NULL;
   /* refused at submit (no ticket): the job is still the caller's */
   ok &= st == SG_ERR_COMM && st2 == SG_ERR_COMM && text && t == 0 && atomic_load(&log.ran) == 2;
@@ -733,7 +733,7 @@ static void test_device_inline_and_destroy(void) {
   ok = sg__device_cpu_create(0, 1, &d) == SG_OK;
   for (int i = 0; i < 10; i++) {
     jobs[i] = (job){&log, i, 0, 0, 3, NULL};
-    ok &= d->ops->comm_submit(d, job_fn, &jobs[i], &t) == SG_OK;
+    ok &= d->ops->comm_submit(d, job_fn, NULL, &jobs[i], &t) == SG_OK;
   }
   d->ops->destroy(d);
   CHECK(ok && atomic_load(&log.ran) == 10, "destroy runs the pending jobs and joins the worker");

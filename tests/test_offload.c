@@ -151,7 +151,7 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
         arrive_job j = {&o, k, SG__ARRIVE_DIRECT, dg, c.rdt};
         uint64_t tk = 0;
         ok = ok && sg__offload_arrive_plan(&o, k, c.rdt, INT64_MAX, &j.mode) == SG_OK &&
-             d->ops->comm_submit(d, arrive_fn, &j, &tk) == SG_OK;
+             d->ops->comm_submit(d, arrive_fn, NULL, &j, &tk) == SG_OK;
         sg__offload_arrive_submitted(&o, k, j.mode, tk);
         ok = ok && d->ops->comm_wait(d, tk, INT64_MAX) == SG_OK; /* dg and j are reused */
       }

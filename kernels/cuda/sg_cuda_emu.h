@@ -143,7 +143,9 @@ inline void sg_emu_fiber_main() {
   setcontext(&f->main);
 }
 
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetLastError() {
+  return sg_emu_last_error ? (cudaError_t)sg_emu_last_error() : cudaSuccess;
+}
 
 // A vector load or store at p: misaligned ones fault on the GPU ("misaligned address"), so here
 // they stop the program with the kernel's position.

@@ -7,5 +7,8 @@
 #include <functional>  // std::function
 
 inline void (*sg_emu_enqueue)(void *stream, std::function<void()> work) = nullptr;
+// The runtime's cudaGetLastError (this thread's last error, reset), which the emulated
+// launchers report as a real launch does; NULL: none (launches always succeed).
+inline int (*sg_emu_last_error)(void) = nullptr;
 
 #endif  // SG_CUDA_EMU_HOOK_H

@@ -48,7 +48,7 @@ sg_status sg__comm_bind(sg_comm *c, sg__device *dev, int timeout_ms, sg_comm **c
   pthread_mutex_unlock(&g_bind_mu);
   if (broken) return sg__comm_usable(c, fn);
   sg_comm *ch = NULL;
-  SG_TRY(c->ops->bind(c, index, dev, sg__deadline(timeout_ms), &ch));
+  SG_TRY(c->ops->bind(c, index, dev, timeout_ms, &ch));
   pthread_mutex_lock(&g_bind_mu);
   c->nbound++;
   pthread_mutex_unlock(&g_bind_mu);

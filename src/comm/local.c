@@ -426,7 +426,7 @@ static sg_status subgroup(lgroup *base, uint64_t index, lgroup **out) {
 
 static const sg__comm_ops local_ops;
 
-static sg_status local_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+static sg_status local_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                             sg_comm **chan) {
   lgroup *g = group_of(c);
   if (index > 0) SG_TRY(subgroup(g, index, &g));
@@ -438,7 +438,7 @@ static sg_status local_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t
   lc->ordinal = -1;
   if (dev) {
     /* host-driven: reads of the peers' buffers between barriers, on any thread */
-    const sg__comm_attach a = {0, 1, NULL, NULL, NULL};
+    const sg__comm_attach a = {0, 1, NULL, NULL, NULL, timeout_ms};
     sg__comm_native native;
     const sg_status st = dev->ops->comm_attach(dev, &a, &native);
     if (st != SG_OK) {

@@ -241,7 +241,7 @@ static void mpi_unbind(sg_comm *chan) {
   free_mcomm(m);
 }
 
-static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                           sg_comm **chan);
 
 static const sg__comm_ops mpi_ops = {
@@ -271,7 +271,7 @@ static sg_status dup_comm(sg_comm *c, MPI_Comm base, int64_t deadline_ms, MPI_Co
   return rc == MPI_SUCCESS ? SG_OK : sg__comm_fail(c, SG_ERR_COMM, fn, "errhandler (%d)", rc);
 }
 
-static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                           sg_comm **chan) {
   mcomm *m = calloc(1, sizeof *m);
   if (!m) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(mpi) bind: out of memory");
@@ -281,12 +281,12 @@ static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t d
   sg_status st = SG_OK;
   if (index == 0)
     m->comm = mc(c)->comm;
-  else if ((st = dup_comm(c, mc(c)->comm, deadline_ms, &m->comm)) == SG_OK)
+  else if ((st = dup_comm(c, mc(c)->comm, sg__deadline(timeout_ms), &m->comm)) == SG_OK)
     m->own_comm = 1;
   if (st == SG_OK) st = sg__coll_init(&m->coll, &m->c, &mpi_xport, m, m->tag_ub);
   if (st == SG_OK && dev) {
     /* host-driven; on the device's worker only where MPI allows calls from any thread */
-    const sg__comm_attach a = {0, c->threaded, NULL, NULL, NULL};
+    const sg__comm_attach a = {0, c->threaded, NULL, NULL, NULL, timeout_ms};
     sg__comm_native native;
     st = dev->ops->comm_attach(dev, &a, &native);
   }

@@ -292,6 +292,7 @@ static sg_status sg__nccl_wait_stream(sg_comm *c, cudaStream_t s, const char *fn
     cudaError_t e = cudaStreamQuery(s);
     if (e == cudaSuccess) return SG_OK;
     if (e != cudaErrorNotReady) return sg__nccl_cuda_fail(c, fn, "cudaStreamQuery", e, __LINE__);
+    (void)cudaGetLastError(); /* NotReady stays the thread's last error otherwise */
     ncclResult_t r = sg__nccl_async(n);
     if (r != ncclSuccess && r != ncclInProgress)
       return sg__nccl_fail(c, SG_ERR_COMM, fn, "collective", r, __LINE__);
@@ -516,16 +517,19 @@ static void sg__nccl_destroy(sg_comm *c) {
   if (!c) return;
   sg__nccl *n = (sg__nccl *)c->impl;
   if (n) {
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
     (void)cudaSetDevice(n->ordinal);
     sg__nccl_finalize(n);
     if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
     if (n->own) (void)cudaStreamDestroy(n->own);
+    if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
     free(n);
   }
   free(c);
 }
 
-static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                                sg_comm **chan);
 static void sg__nccl_unbind(sg_comm *chan);
 
@@ -544,11 +548,11 @@ static const sg__comm_ops sg__nccl_ops = {
 
 /* A CUDA device: attach stream-ordered (its waits poll and abort us); another device (the CPU
  * one, host buffers): host-driven, since every call completes before it returns. */
-static sg_status sg__nccl_attach(sg_comm *chan, sg__device *dev, const char *fn) {
+static sg_status sg__nccl_attach(sg_comm *chan, sg__device *dev, int timeout_ms, const char *fn) {
   sg__nccl *n = (sg__nccl *)chan->impl;
   const int cuda = dev->kind == SG_DEVICE_CUDA;
   const sg__comm_attach a = {cuda, !cuda, cuda ? sg__nccl_hook_poll : NULL,
-                             cuda ? sg__nccl_hook_abort : NULL, chan};
+                             cuda ? sg__nccl_hook_abort : NULL, chan, timeout_ms};
   sg__comm_native native;
   SG_TRY(dev->ops->comm_attach(dev, &a, &native));
   if (cuda && native.ordinal != n->ordinal) {
@@ -592,7 +596,7 @@ static sg_status sg__nccl_split(sg_comm *c, sg__nccl *p, int64_t deadline_ms, nc
   return SG_OK;
 }
 
-static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
+static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                                sg_comm **chan) {
   static const char fn[] = "sg_comm(nccl) bind";
   sg__nccl *p = (sg__nccl *)c->impl;
@@ -622,8 +626,8 @@ static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int6
                     n->ordinal, cudaGetErrorString(e));
     goto fail;
   }
-  if (index > 0) SG_TRY_GOTO(sg__nccl_split(c, p, deadline_ms, &n->comm, fn), st, fail);
-  if (dev) SG_TRY_GOTO(sg__nccl_attach(ch, dev, fn), st, fail);
+  if (index > 0) SG_TRY_GOTO(sg__nccl_split(c, p, sg__deadline(timeout_ms), &n->comm, fn), st, fail);
+  if (dev) SG_TRY_GOTO(sg__nccl_attach(ch, dev, timeout_ms, fn), st, fail);
   if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
   *chan = ch;
   return SG_OK;
@@ -692,6 +696,7 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
   sg_comm *c = (sg_comm *)calloc(1, sizeof *c);
   sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
   sg_status st = SG_OK;
+  int prev = -1;
   if (!c || !n) {
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: communicator struct", fn);
     goto fail;
@@ -704,6 +709,7 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
   c->world = world;
   c->threaded = 1;
   c->impl = n;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
   cudaError_t e = cudaSetDevice(ordinal);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&n->own, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
@@ -713,9 +719,11 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
   }
   SG_TRY_GOTO(sg__nccl_init_comm(nc, rank, world, id, &n->comm, fn), st, fail);
   SG_LOG(SG_LOG_INFO, rank, "nccl communicator: rank %d of %d on GPU %d", rank, world, ordinal);
+  if (prev >= 0 && prev != ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
   *out = c;
   return SG_OK;
 fail:
+  if (prev >= 0 && prev != ordinal) (void)cudaSetDevice(prev);
   if (c && n) {
     sg__nccl_destroy(c);
   } else {

@@ -44,10 +44,10 @@ typedef struct sg__comm_ops {
   sg_status (*broadcast)(sg_comm *c, void *buf, size_t bytes, int root, int64_t deadline_ms);
   /* Channel `index` (0, 1, 2... per communicator, the same on every rank) for buffers on dev
    * (NULL: host memory): allocates it, attaches it to dev. May be collective over c (MPI
-   * duplicates its communicator, NCCL splits), within deadline_ms. On failure nothing is left
-   * attached or allocated. */
-  sg_status (*bind)(sg_comm *c, uint64_t index, sg__device *dev, int64_t deadline_ms,
-                    sg_comm **chan);
+   * duplicates its communicator, NCCL splits) within timeout_ms (<= 0: none), which also bounds
+   * the device's own waits (sg__comm_attach.timeout_ms). On failure nothing is left attached or
+   * allocated. */
+  sg_status (*bind)(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms, sg_comm **chan);
   /* Detaches the channel from its device, frees what it allocated there and itself. */
   void (*unbind)(sg_comm *chan);
   void (*destroy)(sg_comm *c);

@@ -77,11 +77,14 @@ static sg_status cpu_comm_wait(sg__device *d, uint64_t ticket, int64_t deadline_
   return sg__jobq_wait(&as_cpu(d)->q, ticket, deadline_ms, "comm_wait");
 }
 
-static sg_status cpu_comm_submit(sg__device *d, sg__job_fn fn, void *arg, uint64_t *ticket) {
-  if (!d || !fn || !ticket)
+static sg_status cpu_comm_submit(sg__device *d, sg__job_fn fn, void (*drop)(void *), void *arg,
+                                 uint64_t *ticket) {
+  if (!d || !fn || !ticket) {
+    if (drop) drop(arg);
     return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_submit: NULL %s",
                    !d ? "device" : !fn ? "fn" : "ticket");
-  return sg__jobq_submit(&as_cpu(d)->q, fn, NULL, arg, ticket);
+  }
+  return sg__jobq_submit(&as_cpu(d)->q, fn, drop, arg, ticket);
 }
 
 static sg_status cpu_comm_attach(sg__device *d, const sg__comm_attach *a, sg__comm_native *out) {

@@ -61,6 +61,7 @@
 #define SG__CUDA_TAB_MAX 4096
 #define SG__CUDA_TAB_MAX_BYTES ((size_t)64 << 20)
 #define SG__CUDA_STAGE_CHUNK ((size_t)64 << 10)
+#define SG__CUDA_COPY_CHUNK ((size_t)8 << 20) /* pinned staging of pageable copies, per queue */
 
 /* One cached AdamW segment table, keyed by the segments' content. */
 typedef struct sg__cuda_segtab {
@@ -115,6 +116,9 @@ typedef struct sg__cuda_dev {
   void *red_dev[2];
   size_t red_cap[2];
   double *red_host; /* 4 doubles: queue q's pair at 2q */
+  /* per queue: pinned staging of copies from and to pageable host memory */
+  void *cstage[2];
+  size_t cstage_cap[2];
 } sg__cuda_dev;
 
 /* ---- errors ---------------------------------------------------------------------------- */
@@ -174,9 +178,41 @@ static int sg__cuda_in_host_job(sg__cuda_dev *d) {
 /* Binds the calling thread to our GPU: the engine may run on another thread than the one that
  * created the device, and the runtime's current device is per thread. */
 static sg_status sg__cuda_enter(sg__cuda_dev *d, const char *fn) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur == d->ordinal) return SG_OK;
   SG__CU(cudaSetDevice(d->ordinal), fn);
   return SG_OK;
 }
+
+/* Every vtable call leaves the calling thread's current device as it found it (the caller's
+ * framework, e.g. torch, keeps its own): SG__CUDA_SCOPE(d) at the top of a call restores it on
+ * every return path. */
+typedef struct sg__cuda_scope {
+  int prev; /* -1: unknown, nothing to restore */
+} sg__cuda_scope;
+
+static sg__cuda_scope sg__cuda_scope_begin(const sg__cuda_dev *d) {
+  (void)d;
+  sg__cuda_scope sc = {-1};
+  if (cudaGetDevice(&sc.prev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    sc.prev = -1;
+  }
+  return sc;
+}
+
+static void sg__cuda_scope_end(const sg__cuda_scope *sc) {
+  int cur = -1;
+  if (sc->prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != sc->prev)
+    (void)cudaSetDevice(sc->prev);
+}
+
+#if defined(__GNUC__) /* gcc, clang */
+#define SG__CUDA_SCOPE(d) \
+  __attribute__((cleanup(sg__cuda_scope_end))) const sg__cuda_scope sg__scope_ = sg__cuda_scope_begin(d)
+#else
+#error "src/device/cuda.c restores the current CUDA device with __attribute__((cleanup))"
+#endif
 
 static sg_status sg__cuda_check_queue(sg__queue q, const char *fn) {
   if (q != SG_Q_COMPUTE && q != SG_Q_COMM)
@@ -210,9 +246,20 @@ static void sg__cuda_backoff(unsigned iter) {
  * through the hooks and timeouts are recorded: the comm queue's state is unknown afterwards. */
 static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, int64_t deadline_ms,
                                const char *fn) {
+  /* The device's own waits (copies, sumsq, host-driven jobs) end at the attached communicator's
+   * timeout: the GPU work they wait for may sit behind a collective that never completes. */
+  if (deadline_ms == INT64_MAX) {
+    pthread_mutex_lock(&d->mu);
+    const int timeout_ms = d->attached ? d->att.timeout_ms : 0;
+    pthread_mutex_unlock(&d->mu);
+    deadline_ms = sg__deadline(timeout_ms);
+  }
   for (unsigned iter = 0;; iter++) {
     cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
     if (e == cudaSuccess) return SG_OK;
+    /* NotReady is not a failure, but the runtime keeps it as the thread's last error, which the
+     * next launcher's cudaGetLastError would report: clear it. */
+    if (e == cudaErrorNotReady) (void)cudaGetLastError();
     if (e != cudaErrorNotReady)
       return sg__cuda_record_failure(
           d, sg__cuda_err(e, fn, ev ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__));
@@ -254,6 +301,7 @@ static sg_status sg__cuda_enter_queue(sg__cuda_dev *d, sg__queue q, const char *
 static sg_status sg__cuda_alloc_any(sg__device *dev, size_t bytes, void **out, int pinned_host) {
   const char *fn = pinned_host ? "sg__device_cuda.host_alloc" : "sg__device_cuda.alloc";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   *out = NULL;
   if (sg__device_should_fail_alloc())
@@ -276,22 +324,66 @@ static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out)
 
 static void sg__cudev_free(sg__device *dev, void *p) {
   if (!dev || !p) return;
-  (void)cudaSetDevice(sg__cuda(dev)->ordinal);
+  SG__CUDA_SCOPE(sg__cuda(dev));
+  (void)sg__cuda_enter(sg__cuda(dev), "sg__device_cuda.free");
   (void)cudaFree(p);
 }
 
 static void sg__cudev_host_free(sg__device *dev, void *p) {
   if (!dev || !p) return;
-  (void)cudaSetDevice(sg__cuda(dev)->ordinal);
+  SG__CUDA_SCOPE(sg__cuda(dev));
+  (void)sg__cuda_enter(sg__cuda(dev), "sg__device_cuda.host_free");
   (void)cudaFreeHost(p);
 }
 
 /* ---- copies and fills ------------------------------------------------------------------- */
 
+/* Host memory the runtime has pinned (cudaMallocHost, cudaHostRegister). */
+static int sg__cuda_is_pinned(const void *p) {
+  struct cudaPointerAttributes a;
+  memset(&a, 0, sizeof a);
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+
+/* A copy from or to pageable host memory. The driver would do it synchronously, blocking
+ * before any deadline poll while the stream sits behind a stuck collective (sg_get_param after
+ * a gather whose peer died). Through pinned staging, chunk by chunk, every wait is one of ours,
+ * with the deadline of the attached communicator. */
+static sg_status sg__cuda_copy_staged(sg__cuda_dev *d, sg__queue q, void *dst, const void *src,
+                                      size_t bytes, sg__copy_kind kind, const char *fn) {
+  const size_t chunk = bytes < SG__CUDA_COPY_CHUNK ? bytes : SG__CUDA_COPY_CHUNK;
+  if (d->cstage_cap[q] < chunk) {
+    if (d->cstage[q]) (void)cudaFreeHost(d->cstage[q]); /* its last copy was waited for */
+    d->cstage[q] = NULL;
+    d->cstage_cap[q] = 0;
+    SG__CU(cudaMallocHost(&d->cstage[q], chunk), fn);
+    d->cstage_cap[q] = chunk;
+  }
+  cudaStream_t s = sg__cuda_stream(d, q);
+  char *stage = (char *)d->cstage[q];
+  for (size_t off = 0; off < bytes; off += chunk) {
+    const size_t n = bytes - off < chunk ? bytes - off : chunk;
+    if (kind == SG_COPY_H2D) {
+      memcpy(stage, (const char *)src + off, n);
+      SG__CU(cudaMemcpyAsync((char *)dst + off, stage, n, cudaMemcpyHostToDevice, s), fn);
+    } else {
+      SG__CU(cudaMemcpyAsync(stage, (const char *)src + off, n, cudaMemcpyDeviceToHost, s), fn);
+    }
+    SG_TRY(sg__cuda_wait(d, NULL, s, INT64_MAX, fn)); /* INT64_MAX: the attachment's timeout */
+    if (kind == SG_COPY_D2H) memcpy((char *)dst + off, stage, n);
+  }
+  return SG_OK;
+}
+
 static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const void *src,
                                 size_t bytes, sg__copy_kind kind) {
   static const char fn[] = "sg__device_cuda.copy";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -306,6 +398,8 @@ static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const v
   }
   SG_TRY(sg__cuda_enter(d, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
+  const void *host = kind == SG_COPY_H2D ? src : kind == SG_COPY_D2H ? dst : NULL;
+  if (host && !sg__cuda_is_pinned(host)) return sg__cuda_copy_staged(d, q, dst, src, bytes, kind, fn);
   SG__CU(cudaMemcpyAsync(dst, src, bytes, k, s), fn);
   /* Host memory is the caller's again when a compute-queue H2D/D2H returns. */
   if (q == SG_Q_COMPUTE && kind != SG_COPY_D2D) return sg__cuda_wait(d, NULL, s, INT64_MAX, fn);
@@ -315,6 +409,7 @@ static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const v
 static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t bytes) {
   static const char fn[] = "sg__device_cuda.zero";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -333,6 +428,7 @@ static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, i
                                       const void *src, int src_dtype, size_t n) {
   static const char fn[] = "sg__device_cuda.accumulate";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -352,6 +448,7 @@ static sg_status sg__cudev_cast(sg__device *dev, sg__queue q, void *dst, int dst
                                 const void *src, int src_dtype, size_t n) {
   static const char fn[] = "sg__device_cuda.cast";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -369,6 +466,7 @@ static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
                                       const void *const *srcs, int nsrc, int dtype, size_t n) {
   static const char fn[] = "sg__device_cuda.reduce_sum";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -407,6 +505,7 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
                                  double *sumsq, double *nonfinite) {
   static const char fn[] = "sg__device_cuda.sumsq";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d || !sumsq || !nonfinite) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -626,6 +725,7 @@ static sg_status sg__cuda_adamw_check(const sg__adamw_args *a, const char *fn) {
 static sg_status sg__cudev_adamw(sg__device *dev, sg__queue q, const sg__adamw_args *a) {
   static const char fn[] = "sg__device_cuda.adamw";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -708,14 +808,22 @@ static sg_status sg__cuda_job_run(void *ctx, sg__jobq_fn job, void *arg, uint64_
 
 static const sg__jobq_ops sg__cuda_jobq_ops = {sg__cuda_job_mark, sg__cuda_job_run};
 
-static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void *arg,
-                                       uint64_t *ticket) {
+static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void (*drop)(void *),
+                                       void *arg, uint64_t *ticket) {
   static const char fn[] = "sg__device_cuda.comm_submit";
   sg__cuda_dev *d = sg__cuda(dev);
-  if (!d || !job || !ticket) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG__CUDA_SCOPE(d);
+  if (!d || !job || !ticket) {
+    if (drop) drop(arg);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  }
   *ticket = 0;
-  SG_TRY(sg__cuda_enter(d, fn));
-  return sg__jobq_submit(&d->q, job, NULL, arg, ticket);
+  const sg_status st = sg__cuda_enter(d, fn);
+  if (st != SG_OK) {
+    if (drop) drop(arg);
+    return st;
+  }
+  return sg__jobq_submit(&d->q, job, drop, arg, ticket);
 }
 
 /* Pending jobs finish before the mode changes. */
@@ -723,6 +831,7 @@ static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a
                                        sg__comm_native *out) {
   static const char fn[] = "sg__device_cuda.comm_attach";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d || !a || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__jobq_wait_all(&d->q, INT64_MAX, fn));
   pthread_mutex_lock(&d->mu);
@@ -743,6 +852,7 @@ static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a
 
 static void sg__cudev_comm_detach(sg__device *dev) {
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return;
   (void)sg__jobq_wait_all(&d->q, INT64_MAX, "sg__device_cuda.comm_detach");
   pthread_mutex_lock(&d->mu);
@@ -777,6 +887,7 @@ static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const c
 static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
   static const char fn[] = "sg__device_cuda.comm_wait";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   int done, host = 0;
   uint64_t w = 0;
@@ -795,6 +906,7 @@ static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
                                              int64_t deadline_ms) {
   static const char fn[] = "sg__device_cuda.compute_wait_comm";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   int done, host = 0;
   uint64_t w = 0;
@@ -811,6 +923,7 @@ static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
 static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
   static const char fn[] = "sg__device_cuda.sync";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   SG_TRY(sg__cuda_enter(d, fn));
   SG_TRY(sg__cuda_wait(d, NULL, d->compute, deadline_ms, fn));
@@ -822,6 +935,7 @@ static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
 static sg_status sg__cudev_set_stream(sg__device *dev, void *stream) {
   static const char fn[] = "sg__device_cuda.set_stream";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
   cudaStream_t next = stream ? (cudaStream_t)stream : d->own_compute;
   if (next == d->compute) return SG_OK;
@@ -837,7 +951,8 @@ static sg_status sg__cudev_set_stream(sg__device *dev, void *stream) {
 static void sg__cudev_marks_destroy(sg__device *dev, void *marks, size_t n) {
   if (!dev || !marks) return;
   cudaEvent_t *ev = marks;
-  (void)cudaSetDevice(sg__cuda(dev)->ordinal);
+  SG__CUDA_SCOPE(sg__cuda(dev));
+  (void)sg__cuda_enter(sg__cuda(dev), "sg__device_cuda.marks_destroy");
   for (size_t i = 0; i < n; i++)
     if (ev[i]) (void)cudaEventDestroy(ev[i]);
   free(ev);
@@ -846,6 +961,7 @@ static void sg__cudev_marks_destroy(sg__device *dev, void *marks, size_t n) {
 static sg_status sg__cudev_marks_create(sg__device *dev, size_t n, void **marks) {
   static const char fn[] = "sg__device_cuda.marks_create";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d || !marks || n == 0) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad argument", fn);
   cudaEvent_t *ev = calloc(n, sizeof *ev);
   if (!ev) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory (%zu marks)", fn, n);
@@ -865,6 +981,7 @@ static sg_status sg__cudev_marks_create(sg__device *dev, size_t n, void **marks)
 static sg_status sg__cudev_mark(sg__device *dev, void *marks, size_t i, sg__queue q) {
   static const char fn[] = "sg__device_cuda.mark";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d || !marks) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__cuda_check_queue(q, fn));
   SG_TRY(sg__cuda_enter_queue(d, q, fn));
@@ -877,6 +994,7 @@ static sg_status sg__cudev_mark_elapsed(sg__device *dev, void *marks, size_t fro
                                         double *us) {
   static const char fn[] = "sg__device_cuda.mark_elapsed";
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d || !marks || !us) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   const cudaEvent_t *ev = marks;
   SG_TRY(sg__cuda_enter(d, fn));
@@ -895,6 +1013,7 @@ static sg_status sg__cudev_mark_elapsed(sg__device *dev, void *marks, size_t fro
 
 static void sg__cudev_destroy(sg__device *dev) {
   sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
   if (!d) return;
   /* Queued jobs run (or are skipped after a failure) before the worker exits; a job stuck in a
    * collective is bounded by that communicator's own deadline, so the join ends. */
@@ -911,6 +1030,8 @@ static void sg__cudev_destroy(sg__device *dev) {
   sg__cuda_tabs_release(d, d->comm);
   free(d->tabs);
   if (d->red_host) (void)cudaFreeHost(d->red_host);
+  for (int q = 0; q < 2; q++)
+    if (d->cstage[q]) (void)cudaFreeHost(d->cstage[q]);
   for (int i = 0; i < SG__CUDA_RING; i++)
     if (d->ring[i]) (void)cudaEventDestroy(d->ring[i]);
   if (d->order_ev) (void)cudaEventDestroy(d->order_ev);
@@ -1012,6 +1133,7 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
   d->base.kind = SG_DEVICE_CUDA;
   d->base.rank = rank;
   d->ordinal = ordinal;
+  SG__CUDA_SCOPE(d); /* the caller's current device stays as it is */
   int rc = sg__cuda_sync_init(d);
   if (rc == 0) {
     d->sync_ready = 1;

@@ -45,6 +45,10 @@ typedef struct sg__comm_attach {
   sg_status (*poll)(void *arg);
   void (*abort)(void *arg);
   void *arg;
+  /* the engine's timeout_ms (<= 0: none): the device's own host waits (copies, sumsq,
+   * host-driven jobs' GPU work) end there with SG_ERR_TIMEOUT instead of hanging behind a
+   * collective that never completes */
+  int timeout_ms;
 } sg__comm_attach;
 
 /* What the device gives the communicator. No CUDA types: streams travel as void *. */
@@ -82,8 +86,11 @@ typedef struct sg__device_ops {
    * dst may be one of srcs. Used by the local communicator. */
   sg_status (*reduce_sum)(sg__device *d, sg__queue q, void *dst, const void *const *srcs,
                           int nsrc, int dtype, size_t n);
-  /* queues */
-  sg_status (*comm_submit)(sg__device *d, sg__job_fn fn, void *arg, uint64_t *ticket);
+  /* queues. drop(arg), when not NULL, is called exactly once: after the job ran, instead of
+   * running it when an earlier failure skips it, or when the submit fails; the argument is the
+   * queue's from the call on. */
+  sg_status (*comm_submit)(sg__device *d, sg__job_fn fn, void (*drop)(void *arg), void *arg,
+                           uint64_t *ticket);
   /* Host waits until job `ticket` (and all before it) finished, or the deadline passes
    * (SG_ERR_TIMEOUT). Returns the first failure of any job. */
   sg_status (*comm_wait)(sg__device *d, uint64_t ticket, int64_t deadline_ms);

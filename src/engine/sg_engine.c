@@ -75,16 +75,17 @@ int64_t sg__engine_host_deadline(const sg_engine *e) {
   return e->cfg.timeout_ms > 0 ? sg__now_ms() + 2 * (int64_t)e->cfg.timeout_ms : INT64_MAX;
 }
 
-sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void *arg, uint64_t *ticket) {
+sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg), void *arg,
+                            uint64_t *ticket) {
   *ticket = 0;
-  sg_status st = e->dev->ops->comm_submit(e->dev, fn, arg, ticket);
+  sg_status st = e->dev->ops->comm_submit(e->dev, fn, drop, arg, ticket);
   if (*ticket > e->last_ticket) e->last_ticket = *ticket;
   return st;
 }
 
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
   uint64_t t = 0;
-  sg_status st = sg__engine_submit(e, fn, arg, &t);
+  sg_status st = sg__engine_submit(e, fn, NULL, arg, &t);
   if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, sg__engine_host_deadline(e));
   return sg__engine_broken(e, st);
 }

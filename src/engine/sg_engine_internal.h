@@ -114,7 +114,8 @@ sg_status sg__engine_break(sg_engine *e, sg_status st, const char *where);
 int64_t sg__engine_host_deadline(const sg_engine *e);
 /* Submits fn(arg) to the comm queue and records its ticket (*ticket, and e->last_ticket). On
  * failure *ticket == 0 means the job was not queued (arg is still the caller's). */
-sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void *arg, uint64_t *ticket);
+sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg), void *arg,
+                            uint64_t *ticket);
 /* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
 /* In-place all-reduce of device memory through the comm queue, waited for. */

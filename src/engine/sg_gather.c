@@ -25,8 +25,7 @@ int sg__gathers_needed(const sg_engine *e) { return e->strat->gather != NULL && 
 typedef struct { sg_engine *e; int b; int64_t trace; } sg__gather_job;
 
 static sg_status gather_job_fn(void *arg) {
-  const sg__gather_job j = *(sg__gather_job *)arg;
-  free(arg);
+  const sg__gather_job j = *(sg__gather_job *)arg; /* the queue frees arg (comm_submit's drop) */
   sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
   sg_status st = j.e->strat->gather(j.e, j.b);
   if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
@@ -38,11 +37,8 @@ sg_status sg__gathers_submit(sg_engine *e, int b) {
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
   *j = (sg__gather_job){e, b, sg__trace_new(e, SG_TRACE_GATHER, b, NULL)};
   uint64_t t = 0;
-  sg_status st = sg__engine_submit(e, gather_job_fn, j, &t);
-  if (st != SG_OK) {
-    if (t == 0) free(j);
-    return st;
-  }
+  sg_status st = sg__engine_submit(e, gather_job_fn, free, j, &t);
+  if (st != SG_OK) return st;
   e->gat.last = e->gat.ticket[b] = t;
   e->gat.pending = 1;
   return SG_OK;

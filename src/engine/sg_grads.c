@@ -98,8 +98,7 @@ static sg_status reduce_bucket(const sg__reduce_job *jp) {
 }
 
 static sg_status reduce_job_fn(void *arg) {
-  sg__reduce_job j = *(sg__reduce_job *)arg;
-  free(arg);
+  sg__reduce_job j = *(sg__reduce_job *)arg; /* the queue frees arg (comm_submit's drop) */
   sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
   sg_status st = reduce_bucket(&j);
   if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
@@ -157,11 +156,8 @@ static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   *j = (sg__reduce_job){e, b, slot, sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
   uint64_t t = 0;
-  sg_status st = sg__engine_submit(e, reduce_job_fn, j, &t);
-  if (st != SG_OK) {
-    if (t == 0) free(j); /* not queued: still ours */
-    return sg__engine_broken(e, st);
-  }
+  sg_status st = sg__engine_submit(e, reduce_job_fn, free, j, &t);
+  if (st != SG_OK) return sg__engine_broken(e, st);
   release_slot(e, b, t);
   return SG_OK;
 }

@@ -69,7 +69,7 @@ static sg_status copy_job_fn(void *arg) {
 static sg_status submit_copy(sg__host_pipe *p, sg__host_copy *c, void *dst, const void *src,
                              size_t bytes, sg__copy_kind kind, uint64_t *ticket) {
   *c = (sg__host_copy){p->dev, dst, src, bytes, kind};
-  return p->dev->ops->comm_submit(p->dev, copy_job_fn, c, ticket);
+  return p->dev->ops->comm_submit(p->dev, copy_job_fn, NULL, c, ticket);
 }
 
 /* Buffer k free again: its last copy completed. */

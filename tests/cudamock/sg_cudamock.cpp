@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "cuda/sg_cuda_emu_hook.h"  // sg_emu_enqueue: emulated kernels go to our streams
@@ -64,9 +65,10 @@ std::map<void *, bool> g_is_host;  // cudaMallocHost
 // Call counters (sg_cudamock_calls).
 const char *const kCounted[] = {"cudaMemcpyAsync", "cudaMallocAsync",     "cudaMallocHost",
                                 "cudaEventQuery",  "cudaStreamQuery",     "cudaStreamWaitEvent",
-                                "cudaEventRecord", "cudaFree"};
+                                "cudaEventRecord", "cudaFree",            "cudaSetDevice",
+                                "pageable_block"};
 enum { kMemcpyAsync, kMallocAsync, kMallocHost, kEventQuery, kStreamQuery, kStreamWaitEvent,
-       kEventRecord, kFree, kNumCounted };
+       kEventRecord, kFree, kSetDevice, kPageableBlock, kNumCounted };
 long long g_calls[kNumCounted];
 void counted(int which) { g_calls[which]++; }  // under g_mu
 
@@ -182,8 +184,13 @@ void enqueue_hook(void *stream, std::function<void()> work) {
   push_fn((CUstream_st *)stream, std::move(work));
 }
 
+int last_error_hook() { return (int)cudaGetLastError(); }
+
 struct Init {
-  Init() { sg_emu_enqueue = enqueue_hook; }
+  Init() {
+    sg_emu_enqueue = enqueue_hook;
+    sg_emu_last_error = last_error_hook;
+  }
 } g_init;
 
 }  // namespace
@@ -254,6 +261,7 @@ cudaError_t cudaGetDevice(int *device) {
 cudaError_t cudaSetDevice(int device) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (device < 0 || device >= g_devices) return fail(cudaErrorInvalidDevice);
+  if (device != g_current) counted(kSetDevice);  // changes of this thread's current device
   g_current = device;
   return cudaSuccess;
 }
@@ -336,9 +344,12 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
   return cudaSuccess;
 }
 
+// As the driver does it: a copy from or to pageable host memory is synchronous, it returns once
+// the stream has run everything before it and the copy is done, so it blocks (here for at most
+// 60 s, then cudaErrorNotReady) while the stream is stalled or waits on a collective.
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind,
                             cudaStream_t s) {
-  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  std::unique_lock<std::recursive_mutex> lk(g_mu);
   counted(kMemcpyAsync);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if ((!dst || !src) && bytes) return fail(cudaErrorInvalidValue);
@@ -347,7 +358,21 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
             (int)kind, dst, src, bytes);
     return fail(cudaErrorInvalidValue);
   }
-  push_fn(s, [=] { memmove(dst, src, bytes); });
+  const bool pageable = bytes && ((kind == cudaMemcpyHostToDevice && !is_pinned(src)) ||
+                                  (kind == cudaMemcpyDeviceToHost && !is_pinned(dst)));
+  if (!pageable) {
+    push_fn(s, [=] { memmove(dst, src, bytes); });
+    return cudaSuccess;
+  }
+  for (int i = 0; !advance(s, s->enq); i++) {
+    if (i == 0) counted(kPageableBlock);
+    if (i >= 60000) return fail(cudaErrorNotReady);
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lk.lock();
+    if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
+  }
+  memmove(dst, src, bytes);
   return cudaSuccess;
 }
 
@@ -420,11 +445,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 
+// NotReady is also left as this thread's last error, which the next launch's cudaGetLastError
+// reports unless the caller cleared it (the runtime records it like any other result).
 cudaError_t cudaStreamQuery(cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   counted(kStreamQuery);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
-  return advance(s, s->enq) ? cudaSuccess : cudaErrorNotReady;
+  return advance(s, s->enq) ? cudaSuccess : fail(cudaErrorNotReady);
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaStreamQuery(s); }
@@ -493,7 +520,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
   counted(kEventQuery);
   if (!valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
   if (!e->s) return cudaSuccess;
-  return advance(e->s, e->pos) ? cudaSuccess : cudaErrorNotReady;
+  return advance(e->s, e->pos) ? cudaSuccess : fail(cudaErrorNotReady);  // last error: as above
 }
 
 void sg_cudamock_set_devices(int n) {

@@ -545,7 +545,7 @@ static void test_adamw(void) {
    * the compute stream alone: the D2H copies below (compute stream) must not start before the
    * comm stream has finished the update. */
   /* the comm stream, as a communicator gets it (attached and detached again) */
-  const sg__comm_attach probe = {0, 1, NULL, NULL, NULL};
+  const sg__comm_attach probe = {0, 1, NULL, NULL, NULL, 0};
   sg__comm_native native = {NULL, -1};
   check(g_dev->ops->comm_attach(g_dev, &probe, &native) == SG_OK && native.stream,
         "comm_attach gives the comm stream", NULL);

@@ -45,7 +45,7 @@ static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 static cudaStream_t g_comm;
 
 static cudaStream_t comm_stream_of(sg__device *d) {
-  const sg__comm_attach probe = {0, 1, NULL, NULL, NULL};
+  const sg__comm_attach probe = {0, 1, NULL, NULL, NULL, 0};
   sg__comm_native native = {NULL, -1};
   if (d->ops->comm_attach(d, &probe, &native) != SG_OK) return NULL;
   d->ops->comm_detach(d);
@@ -79,7 +79,7 @@ static void test_jobs(sg__device *d) {
   check(o->accumulate(d, SG_Q_COMPUTE, a, 0, a, 0, N_BIG) == SG_OK, "accumulate on compute");
   copy_job j = {d, b, a, N_BIG * 4, 0};
   uint64_t t1 = 0, t2 = 0;
-  check(o->comm_submit(d, copy_job_fn, &j, &t1) == SG_OK && t1 > 0, "comm_submit: ticket");
+  check(o->comm_submit(d, copy_job_fn, NULL, &j, &t1) == SG_OK && t1 > 0, "comm_submit: ticket");
   check(j.done_on_return, "host-driven job: comm work complete when the call returned");
   check(o->comm_wait(d, t1, sg__deadline(30000)) == SG_OK, "comm_wait");
   /* compute waits for the job, then b += b */
@@ -89,7 +89,7 @@ static void test_jobs(sg__device *d) {
   int ok = 1;
   for (size_t i = 0; i < N_BIG && ok; i++) ok = back[i] == 4.0f * h[i];
   check(ok, "job saw the compute result; compute saw the job's result (b == 4*h)");
-  check(o->comm_submit(d, copy_job_fn, &j, &t2) == SG_OK && t2 == t1 + 1, "tickets increase");
+  check(o->comm_submit(d, copy_job_fn, NULL, &j, &t2) == SG_OK && t2 == t1 + 1, "tickets increase");
   check(o->comm_wait(d, 0, sg__deadline(1000)) == SG_OK, "comm_wait(0) returns at once");
   check(o->comm_wait(d, t2 + 5, sg__deadline(1000)) == SG_ERR_INVALID_ARGUMENT,
         "comm_wait on a ticket never issued");
@@ -143,21 +143,21 @@ static void test_timeout(void) {
     return;
   }
   /* stream-ordered, as NCCL attaches: the job only enqueues, the wait polls the stream */
-  const sg__comm_attach ordered = {1, 0, NULL, NULL, NULL};
+  const sg__comm_attach ordered = {1, 0, NULL, NULL, NULL, 0};
   sg__comm_native native = {NULL, -1};
   check(d->ops->comm_attach(d, &ordered, &native) == SG_OK, "attach stream-ordered");
   cudaStream_t outer = g_comm;
   g_comm = (cudaStream_t)native.stream;
   sleep_job j = {d, 1500};
   uint64_t t = 0;
-  check(d->ops->comm_submit(d, sleep_job_fn, &j, &t) == SG_OK, "submit a 1.5 s job");
+  check(d->ops->comm_submit(d, sleep_job_fn, NULL, &j, &t) == SG_OK, "submit a 1.5 s job");
   int64_t t0 = sg__now_ms();
   sg_status st = d->ops->comm_wait(d, t, sg__now_ms() + 100);
   check(st == SG_ERR_TIMEOUT && sg__now_ms() - t0 < 1400,
         "comm_wait past its deadline: SG_ERR_TIMEOUT");
   check(d->ops->comm_wait(d, t, sg__deadline(10000)) == SG_ERR_TIMEOUT,
         "later waits return the recorded failure");
-  check(d->ops->comm_submit(d, sleep_job_fn, &j, &t) != SG_OK, "later submits fail");
+  check(d->ops->comm_submit(d, sleep_job_fn, NULL, &j, &t) != SG_OK, "later submits fail");
   sleep_ms(1600); /* let the host function finish before the streams go */
   d->ops->comm_detach(d);
   d->ops->destroy(d);
@@ -227,7 +227,7 @@ static void nccl_collectives(sg__device *d, sg_comm *comm, int bound, int host) 
       sg_status st;
       if (bound) {
         uint64_t t = 0;
-        st = d->ops->comm_submit(d, coll_job_fn, &j, &t);
+        st = d->ops->comm_submit(d, coll_job_fn, NULL, &j, &t);
         if (st == SG_OK) st = d->ops->comm_wait(d, t, sg__deadline(30000));
       } else {
         st = coll_job_fn(&j);
