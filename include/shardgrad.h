@@ -106,6 +106,15 @@ SG_API int sg_comm_size(const sg_comm *c);
 /* NULL is fine. Must not be called while an engine still uses the communicator. */
 SG_API void sg_comm_destroy(sg_comm *c);
 
+/* Collective over c, like MPI_Comm_split: the ranks passing the same color >= 0 form a new
+ * communicator *out, ranked by (key, rank in c); color < 0 takes part and gets *out = NULL.
+ * The new communicator is independent of c (either may be destroyed first) and of c's engines;
+ * every rank calls it in the same order relative to its other collective calls on c (engine
+ * creation included), from one thread per rank. Local: a group of threads of its own; MPI:
+ * MPI_Comm_split. Waits at most 10 minutes for every rank of c (SG_ERR_TIMEOUT, c broken).
+ * SG_ERR_UNSUPPORTED for NCCL communicators (split the MPI communicator they were made from). */
+SG_API sg_status sg_comm_split(sg_comm *c, int color, int key, sg_comm **out);
+
 /* ---------------------------------------------------------------------------------------- */
 /* Configuration                                                                             */
 /* ---------------------------------------------------------------------------------------- */

@@ -159,6 +159,20 @@ class Comm:
               ctypes.byref(h))
         return cls(h.value, "nccl")
 
+    def split(self, color, key=0):
+        """Collective: the ranks passing the same color >= 0 get a new communicator, ranked by
+        (key, rank); color < 0 takes part and gets None (as MPI_Comm_split). Close the result
+        yourself; it does not depend on this one staying open."""
+        for name, v in (("color", color), ("key", key)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError("Comm.split: %s must be an int, got %r" % (name, v))
+            if not -2**31 <= v < 2**31:
+                raise InvalidArgumentError("Comm.split: %s out of int range (%d)" % (name, v),
+                                           function="sg_comm_split")
+        h = ctypes.c_void_p()
+        _call("sg_comm_split", self.handle, color, key, ctypes.byref(h))
+        return Comm(h.value, self.kind) if h.value else None
+
     @property
     def handle(self):
         if self._h is None:

@@ -182,7 +182,7 @@ static sg_status host_broadcast(sg_comm *c, void *buf, size_t bytes, int root, i
 
 /* The host-memory collectives, for the staging wrapper. */
 static const sg__comm_ops mpi_host_ops = {"mpi", host_all_reduce, host_reduce_scatter,
-                                          host_all_gather, host_broadcast, NULL, NULL, NULL};
+                                          host_all_gather, host_broadcast, NULL, NULL, NULL, NULL};
 
 static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
   if (!sg__stage_needed(c)) return host_all_reduce(c, buf, count, dtype, dl);
@@ -244,10 +244,31 @@ static void mpi_unbind(sg_comm *chan) {
 static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                           sg_comm **chan);
 
+static sg_status mpi_split(sg_comm *chan, const int *colors, const int *keys, int64_t dl,
+                           sg_comm **out);
+
 static const sg__comm_ops mpi_ops = {
     "mpi",    mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather, mpi_broadcast,
-    mpi_bind, mpi_unbind,     mpi_destroy,
+    mpi_bind, mpi_unbind,     mpi_destroy,        mpi_split,
 };
+
+/* Every rank has arrived (sg_comm_split gathered the colors over this channel), so the blocking
+ * MPI_Comm_split cannot wait for a missing peer. The result is duplicated into a communicator
+ * of our own by sg_comm_create_mpi. */
+static sg_status mpi_split(sg_comm *chan, const int *colors, const int *keys, int64_t dl,
+                           sg_comm **out) {
+  static const char fn[] = "sg_comm_split(mpi)";
+  (void)dl;
+  const int me = chan->rank;
+  MPI_Comm nc = MPI_COMM_NULL;
+  const int rc =
+      MPI_Comm_split(mc(chan)->comm, colors[me] < 0 ? MPI_UNDEFINED : colors[me], keys[me], &nc);
+  if (rc != MPI_SUCCESS) return sg__comm_fail(chan, SG_ERR_COMM, fn, "MPI_Comm_split failed (%d)", rc);
+  if (nc == MPI_COMM_NULL) return SG_OK;
+  const sg_status st = sg_comm_create_mpi(&nc, out);
+  MPI_Comm_free(&nc);
+  return st;
+}
 
 /* MPI_Comm_idup, polled until the deadline (a duplicate is collective: a peer that never
  * binds leaves it pending, and the communicator broken). */

@@ -542,6 +542,7 @@ static const sg__comm_ops sg__nccl_ops = {
     sg__nccl_bind,
     sg__nccl_unbind,
     sg__nccl_destroy,
+    NULL, /* split: not yet (split the MPI communicator, then make NCCL ones per part) */
 };
 
 /* ---- channels --------------------------------------------------------------------------------- */

@@ -51,6 +51,12 @@ typedef struct sg__comm_ops {
   /* Detaches the channel from its device, frees what it allocated there and itself. */
   void (*unbind)(sg_comm *chan);
   void (*destroy)(sg_comm *c);
+  /* sg_comm_split's backend part, called on a fresh host channel of the communicator being
+   * split once every rank has arrived: color/key of every rank in rank order (colors[r] < 0:
+   * rank r takes no part). Makes this rank's new communicator (NULL for a negative color).
+   * Collective over the channel. NULL: the backend cannot split. */
+  sg_status (*split)(sg_comm *chan, const int *colors, const int *keys, int64_t deadline_ms,
+                     sg_comm **out);
 } sg__comm_ops;
 
 struct sg_comm {
@@ -78,6 +84,13 @@ void sg__comm_set_scratch(sg_comm *chan, void *scratch, size_t bytes);
 /* Fills the fields every backend's channel copies from its communicator. */
 void sg__comm_channel_init(sg_comm *chan, const sg_comm *c, const sg__comm_ops *ops,
                            sg__device *dev, void *impl);
+
+/* The local backend's split (sg_split.c): a new group of threads per color. */
+sg_status sg__comm_split_threads(sg_comm *chan, const int *colors, const int *keys,
+                                 int64_t deadline_ms, sg_comm **out);
+/* New rank of `rank` among the ranks of its color, ranked by (key, rank); -1 for a negative
+ * color. *size receives the number of ranks of that color. */
+int sg__comm_split_rank(const int *colors, const int *keys, int world, int rank, int *size);
 
 /* Scratch the engine must provide (through sg_comm.scratch) for collectives of at most
  * max_count elements per rank: max_count * 4 bytes for every backend, so sg_memory and

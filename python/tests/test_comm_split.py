@@ -1,0 +1,45 @@
+"""Comm.split (sg_comm_split) with ranks as threads: new ranks by (key, rank), None for a
+negative color, argument errors, and the parts outliving the communicator they came from."""
+
+import pytest
+
+import shardgrad as sg
+
+
+def split_ranks(comm, world):
+    rank = comm.rank
+    node = comm.split(rank // 2, key=rank)
+    replica = comm.split(rank % 2, key=-rank)  # reversed order
+    alone = comm.split(-1 if rank == 0 else 1)
+    out = (node.rank, node.size, replica.rank, replica.size, alone)
+    node.close()
+    replica.close()
+    if alone is not None:
+        out = out[:4] + (alone.rank,)
+        alone.close()
+    return out
+
+
+def test_split_threads():
+    got = sg.run_threads(4, split_ranks, 4)
+    assert got[0] == (0, 2, 1, 2, None)
+    assert got[1] == (1, 2, 1, 2, 0)
+    assert got[2] == (0, 2, 0, 2, 1)
+    assert got[3] == (1, 2, 0, 2, 2)
+
+
+def test_split_arguments():
+    comms = sg.Comm.local(1)
+    try:
+        with pytest.raises(TypeError):
+            comms[0].split("a")
+        with pytest.raises(sg.InvalidArgumentError):
+            comms[0].split(2**40)
+        part = comms[0].split(3, key=5)
+        assert (part.rank, part.size) == (0, 1)
+    finally:
+        comms[0].close()
+    assert part.rank == 0  # still usable after its parent is closed
+    part.close()
+    with pytest.raises(sg.InvalidStateError):
+        comms[0].split(0)

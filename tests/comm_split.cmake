@@ -1,0 +1,5 @@
+# sg_comm_split: threads (W = 1, 2, 3, 4, 6 in one run) and MPI at np 3 and 4.
+sg_add_test(test_comm_split SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_split.c LABELS local
+  TIMEOUT 120)
+sg_add_mpi_test(test_comm_split_mpi_np3 EXE test_comm_split NP 3 ARGS --mpi TIMEOUT 120)
+sg_add_mpi_test(test_comm_split_mpi_np4 EXE test_comm_split NP 4 ARGS --mpi TIMEOUT 120)

@@ -1,0 +1,227 @@
+/* test_comm_split: sg_comm_split with ranks as threads (--local W) and one rank per process
+ * (--mpi, under mpirun).
+ *
+ * For each world size, every rank splits its communicator three ways: by node (blocks of L
+ * consecutive ranks, key = rank), by index within a node (key = -rank, so the order reverses)
+ * and with one rank left out (color -1). Each rank checks its new rank and size against a
+ * reference computed here, then sums its old rank over the new communicator: the sum must be
+ * that of exactly the ranks of its color. An engine then trains on the node communicators and
+ * must give the bits of an engine on a communicator of the same size made directly. Splitting
+ * while an engine is using the communicator works (the split has a channel of its own), and
+ * bad arguments fail with SG_ERR_INVALID_ARGUMENT. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/comm/sg_comm.h" /* ops, for a sum over the new communicator */
+#include "sg_test_check.h"
+#include "shardgrad.h"
+#ifdef SG_HAVE_MPI
+#include <mpi.h>
+#endif
+
+enum { NUMEL = 40 };
+
+/* Reference: new rank of `rank` among ranks of the same color ordered by (key, rank). */
+static int ref_rank(const int *colors, const int *keys, int world, int rank, int *size) {
+  int n = 0, below = 0;
+  for (int s = 0; s < world; s++)
+    if (colors[s] == colors[rank]) {
+      n++;
+      below += keys[s] < keys[rank] || (keys[s] == keys[rank] && s < rank);
+    }
+  *size = n;
+  return colors[rank] < 0 ? -1 : below;
+}
+
+/* Sum of the old ranks over the new communicator, against the reference. */
+static void check_members(sg_comm *nc, const int *colors, int world, int rank, const char *what) {
+  float v[1] = {(float)rank};
+  const sg_status st = nc->ops->all_reduce(nc, v, 1, SG_F32, sg__deadline(60000));
+  float want = 0.0f;
+  for (int s = 0; s < world; s++)
+    if (colors[s] == colors[rank]) want += (float)s;
+  CHECK(st == SG_OK && v[0] == want, "%s: sum of old ranks over the new communicator %g (want %g)",
+        what, (double)v[0], (double)want);
+}
+
+static void one_split(sg_comm *c, const int *colors, const int *keys, const char *what) {
+  const int world = sg_comm_size(c), rank = sg_comm_rank(c);
+  sg_comm *nc = (sg_comm *)&nc; /* must be overwritten */
+  const sg_status st = sg_comm_split(c, colors[rank], keys[rank], &nc);
+  int size = 0;
+  const int want = ref_rank(colors, keys, world, rank, &size);
+  if (!CHECK(st == SG_OK, "%s: sg_comm_split returns SG_OK (%s)", what, sg_status_string(st)))
+    return;
+  if (want < 0) {
+    CHECK(nc == NULL, "%s: color < 0 gives NULL", what);
+    return;
+  }
+  CHECK(sg_comm_rank(nc) == want && sg_comm_size(nc) == size, "%s: rank %d of %d (want %d of %d)",
+        what, sg_comm_rank(nc), sg_comm_size(nc), want, size);
+  check_members(nc, colors, world, rank, what);
+  sg_comm_destroy(nc);
+}
+
+/* Engine steps with exactly summable gradients; the final parameters, in fp32. */
+static sg_status train(sg_comm *c, int data_rank, float *out) {
+  sg_config cfg;
+  sg_engine *e = NULL;
+  int id = -1;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  cfg.timeout_ms = 60000;
+  if (st == SG_OK) st = sg_engine_create(c, &cfg, &e);
+  if (st == SG_OK) st = sg_add_param(e, "w", NUMEL, 0, &id);
+  if (st == SG_OK) st = sg_finalize(e);
+  for (int s = 0; s < 3 && st == SG_OK; s++) {
+    float g[NUMEL];
+    for (int i = 0; i < NUMEL; i++) g[i] = (float)((i + s + data_rank) % 5) * 0.25f;
+    st = sg_grad_add(e, id, g, SG_F32);
+    if (st == SG_OK) st = sg_step(e, NULL);
+  }
+  if (st == SG_OK) st = sg_get_param(e, id, out, SG_F32);
+  sg_engine_destroy(e);
+  return st;
+}
+
+/* W = L * N ranks: node communicators of L, then an engine on each, against one made directly
+ * with sg_comm_create_local (threads) or the same split's reference (rank order) under MPI. */
+static void engine_on_split(sg_comm *c, int l, const float *direct) {
+  const int rank = sg_comm_rank(c);
+  sg_comm *node = NULL;
+  if (!CHECK(sg_comm_split(c, rank / l, rank, &node) == SG_OK, "node split for the engine")) return;
+  float got[NUMEL];
+  const sg_status st = train(node, sg_comm_rank(node), got);
+  CHECK(st == SG_OK && memcmp(got, direct, sizeof got) == 0,
+        "engine on a split communicator of %d ranks: the bits of a direct one (%s)", l,
+        sg_status_string(st));
+  sg_comm_destroy(node);
+}
+
+/* An engine holds c (its channel) while the rank splits c: the split has its own channel. */
+static void split_beside_engine(sg_comm *c) {
+  sg_config cfg;
+  sg_engine *e = NULL;
+  int id = -1;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (st == SG_OK) st = sg_engine_create(c, &cfg, &e);
+  if (st == SG_OK) st = sg_add_param(e, "p", 8, 0, &id);
+  if (st == SG_OK) st = sg_finalize(e);
+  sg_comm *half = NULL;
+  const int rank = sg_comm_rank(c);
+  if (st == SG_OK) st = sg_comm_split(c, rank % 2, 0, &half);
+  CHECK(st == SG_OK && half != NULL, "split while an engine uses the communicator (%s)",
+        sg_status_string(st));
+  if (st == SG_OK) st = sg_step(e, NULL);
+  CHECK(st == SG_OK, "the engine still steps after the split (%s)", sg_status_string(st));
+  sg_comm_destroy(half);
+  sg_engine_destroy(e);
+}
+
+static void errors(sg_comm *c) {
+  sg_comm *nc = (sg_comm *)&nc;
+  CHECK(sg_comm_split(NULL, 0, 0, &nc) == SG_ERR_INVALID_ARGUMENT && nc == NULL,
+        "NULL communicator: SG_ERR_INVALID_ARGUMENT, *out = NULL");
+  CHECK(sg_comm_split(c, 0, 0, NULL) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "sg_comm_split: out is NULL") != NULL,
+        "NULL out: SG_ERR_INVALID_ARGUMENT naming it");
+}
+
+/* Every case on one rank of communicator c (of world W); direct: the engine reference. */
+static void run_rank(sg_comm *c, const float *direct, int l) {
+  const int world = sg_comm_size(c), rank = sg_comm_rank(c);
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[W=%d rank %d]", world, rank);
+  sg_test_quiet = rank != 0;
+  int colors[64] = {0}, keys[64] = {0};
+  for (int s = 0; s < world; s++) colors[s] = s / l, keys[s] = s;
+  one_split(c, colors, keys, "by node");
+  for (int s = 0; s < world; s++) colors[s] = s % l, keys[s] = -s;
+  one_split(c, colors, keys, "by index in node, reversed keys");
+  for (int s = 0; s < world; s++) colors[s] = s == world - 1 ? -1 : 7, keys[s] = s % 2;
+  one_split(c, colors, keys, "last rank left out, keys with ties");
+  if (world % l == 0) engine_on_split(c, l, direct);
+  if (world >= 2) split_beside_engine(c);
+  errors(c);
+}
+
+/* ---- threads -------------------------------------------------------------------------------- */
+
+typedef struct targ {
+  sg_comm *c;
+  const float *direct;
+  int l;
+  float out[NUMEL];
+} targ;
+
+static void *thread_main(void *p) {
+  targ *a = p;
+  run_rank(a->c, a->direct, a->l);
+  return NULL;
+}
+
+static void *direct_main(void *p) {
+  targ *a = p;
+  CHECK(train(a->c, sg_comm_rank(a->c), a->out) == SG_OK, "direct engine reference");
+  return NULL;
+}
+
+/* Runs fn on w threads over a fresh local communicator. */
+static void threads(int w, void *(*fn)(void *), targ *args, const float *direct, int l) {
+  sg_comm *comms[64];
+  pthread_t th[64];
+  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "sg_comm_create_local(%d)", w)) return;
+  for (int r = 0; r < w; r++) {
+    args[r] = (targ){.c = comms[r], .direct = direct, .l = l};
+    pthread_create(&th[r], NULL, fn, &args[r]);
+  }
+  for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+}
+
+static void run_local(int w) {
+  const int l = w % 2 == 0 ? 2 : 1;
+  targ args[64];
+  float direct[NUMEL];
+  threads(l, direct_main, args, NULL, l);
+  memcpy(direct, args[0].out, sizeof direct);
+  threads(w, thread_main, args, direct, l);
+}
+
+/* ---- MPI ------------------------------------------------------------------------------------ */
+
+static void run_mpi(void) {
+#ifdef SG_HAVE_MPI
+  int provided = 0, world = 0, rank = 0;
+  MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const int l = world % 2 == 0 ? 2 : 1;
+  /* the reference: threads of this process, a communicator of l ranks made directly */
+  targ args[64];
+  float direct[NUMEL];
+  sg_test_quiet = 1;
+  threads(l, direct_main, args, NULL, l);
+  memcpy(direct, args[0].out, sizeof direct);
+  sg_comm *c = NULL;
+  if (CHECK(sg_comm_create_mpi(NULL, &c) == SG_OK, "sg_comm_create_mpi")) run_rank(c, direct, l);
+  sg_comm_destroy(c);
+  int fails = sg_test_fail_, all = 0;
+  MPI_Allreduce(&fails, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Finalize();
+  if (all && !fails) sg_test_fail_ = 1; /* another rank failed: fail here too */
+#else
+  CHECK(0, "built without MPI");
+#endif
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 2 && !strcmp(argv[1], "--mpi")) {
+    run_mpi();
+  } else {
+    const int sizes[] = {1, 2, 3, 4, 6};
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) run_local(sizes[i]);
+  }
+  return sg_test_summary("");
+}
