@@ -115,6 +115,21 @@ SG_API void sg_comm_destroy(sg_comm *c);
  * SG_ERR_UNSUPPORTED for NCCL communicators (split the MPI communicator they were made from). */
 SG_API sg_status sg_comm_split(sg_comm *c, int color, int key, sg_comm **out);
 
+/* What this rank moved over a communicator since it was made: every collective of every engine
+ * on it (and of sg_comm_split), in the bytes a bandwidth-optimal algorithm moves, as nccl-tests'
+ * bus bandwidth counts them: an all-reduce of S bytes over W ranks sends and receives
+ * 2(W-1)/W x S, a reduce-scatter or all-gather of a buffer of S bytes (all W slices) (W-1)/W x S,
+ * a broadcast S (sent by the root, received by the others); S in the wire dtype. Rounded down
+ * per collective. Fields are only ever appended. */
+typedef struct sg_comm_traffic {
+  size_t struct_size;      /* sizeof(sg_comm_traffic), set by the caller */
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t collectives;    /* collectives this rank issued */
+} sg_comm_traffic;
+/* Not collective; may be called while engines use c. */
+SG_API sg_status sg_comm_stats(const sg_comm *c, sg_comm_traffic *out);
+
 /* ---------------------------------------------------------------------------------------- */
 /* Configuration                                                                             */
 /* ---------------------------------------------------------------------------------------- */

@@ -3,3 +3,8 @@ sg_add_test(test_comm_split SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_split.
   TIMEOUT 120)
 sg_add_mpi_test(test_comm_split_mpi_np3 EXE test_comm_split NP 3 ARGS --mpi TIMEOUT 120)
 sg_add_mpi_test(test_comm_split_mpi_np4 EXE test_comm_split NP 4 ARGS --mpi TIMEOUT 120)
+# sg_comm_stats: the bus-byte counts of every collective, threads W = 1..4 and MPI at np 2 and 3.
+sg_add_test(test_comm_stats SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_stats.c LABELS local
+  TIMEOUT 120)
+sg_add_mpi_test(test_comm_stats_mpi_np2 EXE test_comm_stats NP 2 ARGS --mpi TIMEOUT 120)
+sg_add_mpi_test(test_comm_stats_mpi_np3 EXE test_comm_stats NP 3 ARGS --mpi TIMEOUT 120)

@@ -114,6 +114,15 @@ class SgMemoryStats(ctypes.Structure):
     ]
 
 
+class SgCommTraffic(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("bytes_sent", ctypes.c_uint64),
+        ("bytes_received", ctypes.c_uint64),
+        ("collectives", ctypes.c_uint64),
+    ]
+
+
 class SgTraceEvent(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32),

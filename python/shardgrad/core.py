@@ -13,8 +13,8 @@ import weakref
 import numpy as np
 
 from . import _lib
-from ._structs import (DType, Device, PARAM_NO_DECAY, SgMemoryStats, SgStepInfo, SgTraceEvent,
-                       TraceKind)
+from ._structs import (DType, Device, PARAM_NO_DECAY, SgCommTraffic, SgMemoryStats, SgStepInfo,
+                       SgTraceEvent, TraceKind)
 from .config import Config, to_dtype
 from .errors import (InvalidArgumentError, InvalidStateError, ShardgradError, UnsupportedError,
                      check)
@@ -172,6 +172,14 @@ class Comm:
         h = ctypes.c_void_p()
         _call("sg_comm_split", self.handle, color, key, ctypes.byref(h))
         return Comm(h.value, self.kind) if h.value else None
+
+    def stats(self):
+        """What this rank moved over the communicator (every engine on it included): a dict
+        with bytes_sent, bytes_received and collectives, in bus bytes (see sg_comm_stats)."""
+        t = SgCommTraffic(struct_size=ctypes.sizeof(SgCommTraffic))
+        _call("sg_comm_stats", self.handle, ctypes.byref(t))
+        return {"bytes_sent": t.bytes_sent, "bytes_received": t.bytes_received,
+                "collectives": t.collectives}
 
     @property
     def handle(self):

@@ -1,5 +1,6 @@
 """Comm.split (sg_comm_split) with ranks as threads: new ranks by (key, rank), None for a
-negative color, argument errors, and the parts outliving the communicator they came from."""
+negative color, argument errors, and the parts outliving the communicator they came from;
+Comm.stats (sg_comm_stats) counting the split's own collectives."""
 
 import pytest
 
@@ -43,3 +44,19 @@ def test_split_arguments():
     part.close()
     with pytest.raises(sg.InvalidStateError):
         comms[0].split(0)
+
+
+def test_stats_zero_then_split_counts():
+    def body(comm):
+        first = comm.stats()
+        part = comm.split(0)
+        after = comm.stats()
+        part.close()
+        return first, after
+
+    for first, after in sg.run_threads(2, body):
+        assert first == {"bytes_sent": 0, "bytes_received": 0, "collectives": 0}
+        # the split all-gathers (color, key) and, on threads, the handles twice: 8, 8 and 8
+        # bytes per rank, (W-1)/W of each W-slice buffer
+        assert after["collectives"] == 3
+        assert after["bytes_sent"] == after["bytes_received"] == 8 + 8 + 8

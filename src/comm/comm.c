@@ -121,3 +121,45 @@ sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
   return sg__err(SG_ERR_UNSUPPORTED, "sg_comm_create_mpi: built without MPI");
 }
 #endif
+
+/* Bandwidth-optimal byte counts (nccl-tests' bus bytes): a reduction of S bytes over W ranks
+ * sends and receives (W-1)/W of S per phase (two phases for an all-reduce), an all-gather of a
+ * W-slice buffer of S bytes (W-1)/W of S, a broadcast S from the root into every other rank. */
+void sg__comm_count(sg_comm *c, int op, size_t bytes, int root) {
+  if (!c) return;
+  sg_comm *base = c->parent ? c->parent : c;
+  const uint64_t w = c->world > 0 ? (uint64_t)c->world : 1u, b = (uint64_t)bytes;
+  uint64_t sent = 0, recv = 0;
+  switch (op) {
+    case SG__COUNT_ALL_REDUCE:
+      sent = recv = 2u * (w - 1u) * b / w;
+      break;
+    case SG__COUNT_REDUCE_SCATTER:
+    case SG__COUNT_ALL_GATHER:
+      sent = recv = (w - 1u) * b / w;
+      break;
+    case SG__COUNT_BROADCAST:
+      if (w > 1 && c->rank == root)
+        sent = b;
+      else if (w > 1)
+        recv = b;
+      break;
+  }
+  __atomic_fetch_add(&base->sent, sent, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&base->received, recv, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&base->collectives, 1u, __ATOMIC_RELAXED);
+}
+
+sg_status sg_comm_stats(const sg_comm *c, sg_comm_traffic *out) {
+  static const char fn[] = "sg_comm_stats";
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  if (out->struct_size != sizeof(sg_comm_traffic))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out->struct_size %zu, expected %zu", fn,
+                   out->struct_size, sizeof(sg_comm_traffic));
+  if (!c) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm is NULL", fn);
+  const sg_comm *base = c->parent ? c->parent : c;
+  out->bytes_sent = __atomic_load_n(&base->sent, __ATOMIC_RELAXED);
+  out->bytes_received = __atomic_load_n(&base->received, __ATOMIC_RELAXED);
+  out->collectives = __atomic_load_n(&base->collectives, __ATOMIC_RELAXED);
+  return SG_OK;
+}

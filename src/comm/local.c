@@ -295,6 +295,7 @@ static sg_status local_all_reduce(sg_comm *c, void *buf, size_t count, int dtype
                                   int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_reduce";
   SG_TRY(sg__comm_usable(c, fn));
+  sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * elem_size(dtype), -1);
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
     return fail_args(c, "passed invalid arguments");
@@ -325,6 +326,7 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
                                       int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) reduce_scatter";
   SG_TRY(sg__comm_usable(c, fn));
+  sg__comm_count(c, SG__COUNT_REDUCE_SCATTER, (size_t)c->world * count * elem_size(dtype), -1);
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
     return fail_args(c, "passed invalid arguments");
@@ -343,6 +345,7 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
 static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_gather";
   SG_TRY(sg__comm_usable(c, fn));
+  sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
     return fail_args(c, "passed invalid arguments");
@@ -363,6 +366,7 @@ static sg_status local_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
                                  int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) broadcast";
   SG_TRY(sg__comm_usable(c, fn));
+  sg__comm_count(c, SG__COUNT_BROADCAST, bytes, root);
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (root < 0 || root >= c->world) {
     sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root out of range (%d, world %d)", fn, root, c->world);

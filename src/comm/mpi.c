@@ -185,21 +185,26 @@ static const sg__comm_ops mpi_host_ops = {"mpi", host_all_reduce, host_reduce_sc
                                           host_all_gather, host_broadcast, NULL, NULL, NULL, NULL};
 
 static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
+  if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
   if (!sg__stage_needed(c)) return host_all_reduce(c, buf, count, dtype, dl);
   return sg__stage_all_reduce(c, &mc(c)->stage, &mpi_host_ops, buf, count, dtype, dl);
 }
 
 static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
+  if (c) sg__comm_count(c, SG__COUNT_REDUCE_SCATTER,
+                 (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
   if (!sg__stage_needed(c)) return host_reduce_scatter(c, buf, count, dtype, dl);
   return sg__stage_reduce_scatter(c, &mc(c)->stage, &mpi_host_ops, buf, count, dtype, dl);
 }
 
 static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t dl) {
+  if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
   if (!sg__stage_needed(c)) return host_all_gather(c, buf, bytes, dl);
   return sg__stage_all_gather(c, &mc(c)->stage, &mpi_host_ops, buf, bytes, dl);
 }
 
 static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int64_t dl) {
+  sg__comm_count(c, SG__COUNT_BROADCAST, bytes, root);
   if (!sg__stage_needed(c)) return host_broadcast(c, buf, bytes, root, dl);
   return sg__stage_broadcast(c, &mc(c)->stage, &mpi_host_ops, buf, bytes, root, dl);
 }

@@ -467,6 +467,7 @@ static sg_status sg__nccl_check_dtype(int dtype, const char *fn) {
 static sg_status sg__nccl_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
                                      int64_t deadline_ms) {
   static const char fn[] = "sg_comm(nccl) all_reduce";
+  if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
   SG_TRY(sg__nccl_check_dtype(dtype, fn));
   sg__nccl_call k = {SG__NC_ALL_REDUCE, count, dtype, 0};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
@@ -475,6 +476,9 @@ static sg_status sg__nccl_all_reduce(sg_comm *c, void *buf, size_t count, int dt
 static sg_status sg__nccl_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
                                          int64_t deadline_ms) {
   static const char fn[] = "sg_comm(nccl) reduce_scatter";
+  if (c)
+    sg__comm_count(c, SG__COUNT_REDUCE_SCATTER,
+                   (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
   SG_TRY(sg__nccl_check_dtype(dtype, fn));
   sg__nccl_call k = {SG__NC_REDUCE_SCATTER, count, dtype, 0};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
@@ -482,6 +486,7 @@ static sg_status sg__nccl_reduce_scatter(sg_comm *c, void *buf, size_t count, in
 
 static sg_status sg__nccl_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(nccl) all_gather";
+  if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
   sg__nccl_call k = {SG__NC_ALL_GATHER, bytes, SG__NCCL_BYTES, 0};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
 }
@@ -492,6 +497,7 @@ static sg_status sg__nccl_broadcast(sg_comm *c, void *buf, size_t bytes, int roo
   if (c && (root < 0 || root >= c->world))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d out of range (world %d)", fn, root,
                    c->world);
+  sg__comm_count(c, SG__COUNT_BROADCAST, bytes, root);
   sg__nccl_call k = {SG__NC_BROADCAST, bytes, SG__NCCL_BYTES, root};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
 }

@@ -72,6 +72,9 @@ struct sg_comm {
   void *scratch;        /* a channel: engine-provided scratch (device memory), scratch_bytes */
   size_t scratch_bytes;
   void *impl;
+  /* a communicator: what this rank moved over it and all its channels (sg__comm_count), read
+   * by sg_comm_stats; atomic adds: engines count from their comm workers */
+  uint64_t sent, received, collectives;
 };
 
 /* A channel of c for buffers on dev (see "Channels" above); timeout_ms bounds a collective
@@ -91,6 +94,17 @@ sg_status sg__comm_split_threads(sg_comm *chan, const int *colors, const int *ke
 /* New rank of `rank` among the ranks of its color, ranked by (key, rank); -1 for a negative
  * color. *size receives the number of ranks of that color. */
 int sg__comm_split_rank(const int *colors, const int *keys, int world, int rank, int *size);
+
+/* Counts one collective on c (a channel: on its communicator) as sg_comm_stats defines it.
+ * op: SG__COUNT_*; bytes: the buffer of the call in bytes (all-reduce: count elements;
+ * reduce-scatter and all-gather: all world slices; broadcast: the message), root for a
+ * broadcast. NULL: nothing. */
+enum { SG__COUNT_ALL_REDUCE = 1, SG__COUNT_REDUCE_SCATTER, SG__COUNT_ALL_GATHER, SG__COUNT_BROADCAST };
+void sg__comm_count(sg_comm *c, int op, size_t bytes, int root);
+/* Bytes of one element of a wire dtype (sg_dtype or SG__F64). */
+static inline size_t sg__comm_elem_bytes(int dtype) {
+  return dtype == SG__F64 ? 8u : dtype == SG_F32 ? 4u : 2u;
+}
 
 /* Scratch the engine must provide (through sg_comm.scratch) for collectives of at most
  * max_count elements per rank: max_count * 4 bytes for every backend, so sg_memory and
