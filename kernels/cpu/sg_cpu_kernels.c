@@ -62,7 +62,10 @@
  * -ffp-contract=off keeps FMA out even where the ISA has it. Fewer instructions per element
  * matter when the cores are shared (measured on 2 busy cores, 16M parameters: AdamW 1.9x and
  * sumsq 2.6x faster than SSE2). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__gnu_linux__)
+/* Not in sanitizer builds: the loader runs an ifunc's resolver before the sanitizer runtime is
+ * set up, and an instrumented resolver crashes there (gcc's TSan: SIGSEGV before main). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__gnu_linux__) && \
+    !defined(SG_CPU_TSAN) && !defined(__SANITIZE_ADDRESS__)
 #define SG_CPU_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define SG_CPU_HOT
