@@ -307,6 +307,34 @@ SG_API sg_status sg_set_group(sg_engine *e, int group, float lr, float weight_de
  * group its lr and leaves the weight decays as they are). */
 SG_API sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay);
 
+/* AdamW hyperparameters as doubles, for callers whose values are doubles (Python, and
+ * torch.optim.AdamW, which forms 1 - beta2, lr * weight_decay and lr / (1 - beta1^t) in double
+ * and rounds each to float once where its CPU kernels take them). The engine forms every per-step
+ * scalar the same way from these values, so for the same Python values m, v and the parameters
+ * follow torch's single-tensor AdamW; the float fields of sg_config (and sg_set_lr,
+ * sg_set_group) give the doubles of their float values. Filled by sg_get_hparams, changed, and
+ * given to sg_set_hparams. */
+typedef struct sg_hparams {
+  size_t struct_size;   /* sizeof(sg_hparams) */
+  double lr;            /* the group's: finite, >= 0 */
+  double weight_decay;  /* the group's: finite, >= 0 */
+  double beta1, beta2;  /* every group's: in [0, 1) */
+  double eps;           /* every group's: finite, > 0 */
+  double max_grad_norm; /* every group's: finite, >= 0; 0: no clipping */
+} sg_hparams;
+/* Group `group`'s lr and weight_decay and the engine's betas, eps and max_grad_norm, as the next
+ * step uses them. */
+SG_API sg_status sg_get_hparams(sg_engine *e, int group, sg_hparams *out);
+/* Sets group `group`'s lr and weight_decay and the engine's betas, eps and max_grad_norm (the
+ * last four for every group), between steps; every value is checked before any is set. Not
+ * checked across ranks (like sg_set_lr): give every rank the same values. */
+SG_API sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h);
+/* Collective, after the micro-batches of a step and before sg_step: the global L2 norm of the
+ * reduced, unscaled gradient that the next sg_step clips with (what torch.nn.utils.clip_grad_norm_
+ * returns: the norm before clipping; inf or NaN for non-finite gradients). sg_step reuses it
+ * unless gradients arrive in between. */
+SG_API sg_status sg_grad_norm(sg_engine *e, float *norm);
+
 typedef struct sg_memory_stats {
   size_t struct_size;
   size_t params_bytes; /* working parameters (full replica) */

@@ -63,30 +63,33 @@ typedef struct sg__adamw_args {
   float group_step_size[SG_MAX_GROUPS];
 } sg__adamw_args;
 
-/* The per-step scalars of sg__adamw_args from the (float) hyperparameters, computed in double
- * on the host as DESIGN.md section 5 says. The engine and the benchmarks share this rule. */
-static inline void sg__adamw_scalars(sg__adamw_args *a, float lr, float beta1, float beta2,
-                                     float eps, float wd, uint64_t t) {
-  const double bc1 = 1.0 - pow((double)beta1, (double)t);
-  const double bc2 = 1.0 - pow((double)beta2, (double)t);
-  a->decay_factor = (float)(1.0 - (double)lr * (double)wd);
-  a->beta1 = beta1;
-  a->one_minus_beta1 = (float)(1.0 - (double)beta1);
-  a->beta2 = beta2;
-  a->one_minus_beta2 = (float)(1.0 - (double)beta2);
-  a->step_size = (float)((double)lr / bc1);
+/* The per-step scalars of sg__adamw_args from the hyperparameters, computed in double on the
+ * host and rounded to float once, where torch.optim.AdamW's single-tensor path rounds its Python
+ * (double) scalars: 1 - lr*wd, 1 - beta1, 1 - beta2, lr / (1 - beta1^t), sqrt(1 - beta2^t)
+ * (DESIGN.md section 5). Float hyperparameters (sg_config) arrive as the doubles of their float
+ * values. The engine and the benchmarks share this rule. */
+static inline void sg__adamw_scalars(sg__adamw_args *a, double lr, double beta1, double beta2,
+                                     double eps, double wd, uint64_t t) {
+  const double bc1 = 1.0 - pow(beta1, (double)t);
+  const double bc2 = 1.0 - pow(beta2, (double)t);
+  a->decay_factor = (float)(1.0 - lr * wd);
+  a->beta1 = (float)beta1;
+  a->one_minus_beta1 = (float)(1.0 - beta1);
+  a->beta2 = (float)beta2;
+  a->one_minus_beta2 = (float)(1.0 - beta2);
+  a->step_size = (float)(lr / bc1);
   a->bc2_sqrt = (float)sqrt(bc2);
-  a->eps = eps;
+  a->eps = (float)eps;
   a->step = t;
 }
 
 /* The lr and weight decay dependent scalars of group g (0: decay_factor and step_size), by
  * the rule of sg__adamw_scalars; a->step must already be set. */
-static inline void sg__adamw_group_scalars(sg__adamw_args *a, int g, float lr, float beta1,
-                                           float wd) {
-  const double bc1 = 1.0 - pow((double)beta1, (double)a->step);
-  const float df = (float)(1.0 - (double)lr * (double)wd);
-  const float ss = (float)((double)lr / bc1);
+static inline void sg__adamw_group_scalars(sg__adamw_args *a, int g, double lr, double beta1,
+                                           double wd) {
+  const double bc1 = 1.0 - pow(beta1, (double)a->step);
+  const float df = (float)(1.0 - lr * wd);
+  const float ss = (float)(lr / bc1);
   if (g == 0) {
     a->decay_factor = df;
     a->step_size = ss;

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from ._structs import SgConfig, SgMemoryStats, SgStepInfo, SgTraceEvent
+from ._structs import SgConfig, SgHparams, SgMemoryStats, SgStepInfo, SgTraceEvent
 
 __all__ = ["LibraryNotFoundError", "load", "library_path", "PROTOTYPES", "OPTIONAL"]
 
@@ -99,6 +99,10 @@ PROTOTYPES = {
     "sg_set_param_group": (_status, [_vp, _c_int, _c_int]),
     "sg_set_group": (_status, [_vp, _c_int, _c_float, _c_float]),
     "sg_get_group": (_status, [_vp, _c_int, ctypes.POINTER(_c_float), ctypes.POINTER(_c_float)]),
+    # exact (double) hyperparameters, the gradient norm before sg_step
+    "sg_get_hparams": (_status, [_vp, _c_int, ctypes.POINTER(SgHparams)]),
+    "sg_set_hparams": (_status, [_vp, _c_int, ctypes.POINTER(SgHparams)]),
+    "sg_grad_norm": (_status, [_vp, _fp]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
@@ -107,7 +111,7 @@ OPTIONAL = frozenset({
     "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step", "sg_get_lr",
     "sg_trace_start", "sg_trace_stop", "sg_trace_mark", "sg_trace_events", "sg_trace_write",
     "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group", "sg_comm_split",
-    "sg_comm_stats",
+    "sg_comm_stats", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
 })
 
 

@@ -9,7 +9,7 @@ import enum
 
 __all__ = ["Status", "DType", "Device", "Strategy", "TraceKind", "PARAM_NO_DECAY",
            "MAX_GROUPS", "SgConfig",
-           "SgStepInfo", "SgMemoryStats", "SgTraceEvent"]
+           "SgStepInfo", "SgMemoryStats", "SgTraceEvent", "SgHparams"]
 
 
 class Status(enum.IntEnum):
@@ -132,3 +132,10 @@ class SgTraceEvent(ctypes.Structure):
         ("end_us", ctypes.c_double),
         ("label", ctypes.c_char * 48),
     ]
+
+
+class SgHparams(ctypes.Structure):
+    """sg_hparams: exact (double) AdamW hyperparameters (sg_get_hparams / sg_set_hparams)."""
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [
+        (n, ctypes.c_double) for n in ("lr", "weight_decay", "beta1", "beta2", "eps",
+                                       "max_grad_norm")]

@@ -13,8 +13,8 @@ import weakref
 import numpy as np
 
 from . import _lib
-from ._structs import (DType, Device, PARAM_NO_DECAY, SgCommTraffic, SgMemoryStats, SgStepInfo,
-                       SgTraceEvent, TraceKind)
+from ._structs import (DType, Device, PARAM_NO_DECAY, SgCommTraffic, SgHparams, SgMemoryStats,
+                       SgStepInfo, SgTraceEvent, TraceKind)
 from .config import Config, to_dtype
 from .errors import (InvalidArgumentError, InvalidStateError, ShardgradError, UnsupportedError,
                      check)
@@ -790,6 +790,39 @@ class Engine:
         lr, wd = ctypes.c_float(), ctypes.c_float()
         _call("sg_get_group", self.handle, int(group), ctypes.byref(lr), ctypes.byref(wd))
         return float(lr.value), float(wd.value)
+
+    _HPARAMS = ("lr", "weight_decay", "beta1", "beta2", "eps", "max_grad_norm")
+
+    def hparams(self, group=0):
+        """{lr, weight_decay (group `group`'s), beta1, beta2, eps, max_grad_norm} as the next
+        step uses them, exact (doubles; sg_get_hparams)."""
+        h = SgHparams(struct_size=ctypes.sizeof(SgHparams))
+        _call("sg_get_hparams", self.handle, int(group), ctypes.byref(h))
+        return {k: float(getattr(h, k)) for k in self._HPARAMS}
+
+    def set_hparams(self, group=0, **values):
+        """Sets any of lr, weight_decay (group `group`'s), beta1, beta2, eps, max_grad_norm
+        (the engine's) exactly, as Python floats (sg_set_hparams), between steps; the others
+        keep their values. The per-step scalars are then formed from them as torch.optim.AdamW
+        forms them. Not checked across ranks."""
+        unknown = sorted(set(values) - set(self._HPARAMS))
+        if unknown:
+            raise TypeError("Engine.set_hparams: unknown hyperparameter(s) %s (known: %s)"
+                            % (", ".join(unknown), ", ".join(self._HPARAMS)))
+        cur = self.hparams(group)
+        cur.update({k: float(v) for k, v in values.items()})
+        h = SgHparams(struct_size=ctypes.sizeof(SgHparams), **cur)
+        _call("sg_set_hparams", self.handle, int(group), ctypes.byref(h))
+        if int(group) == 0:
+            self._lr = cur["lr"]
+
+    def grad_norm(self):
+        """Collective, between the last backward of a step and step(): the global L2 norm of
+        the reduced gradient (before clipping; NaN when it is not finite) that the next step
+        clips with (sg_grad_norm); step() reuses it."""
+        v = ctypes.c_float()
+        _call("sg_grad_norm", self.handle, ctypes.byref(v))
+        return float(v.value)
 
     @property
     def step_count(self):

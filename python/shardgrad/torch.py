@@ -97,6 +97,7 @@ CUDA parameters (the engine runs on the parameters' GPU):
 import contextlib
 import functools
 import os
+import uuid
 import weakref
 
 import numpy as np
@@ -269,6 +270,85 @@ def _grouped_params(model, param_groups):
     return named, group_of, opts
 
 
+# ------------------------------------------------------------------------------------------
+# torch.nn.utils.clip_grad_norm_ on the parameters of a ShardedAdamW
+
+_OWNER = {}  # id(parameter) -> weakref to the ShardedAdamW holding its gradient
+
+
+def _register_params(opt):
+    ref = weakref.ref(opt)
+    for _, p in opt._named:
+        _OWNER[id(p)] = ref
+    _install_clip_hook()
+
+
+def _unregister_params(opt):
+    for _, p in getattr(opt, "_named", []):
+        r = _OWNER.get(id(p))
+        if r is not None and r() in (opt, None):
+            del _OWNER[id(p)]
+
+
+def _owner_of(p):
+    r = _OWNER.get(id(p))
+    opt = r() if r is not None else None
+    if opt is None or opt._closed or not any(q is p for _, q in opt._named):
+        return None
+    return opt
+
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                     foreach=None):
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = {}
+    for p in params:
+        opt = _owner_of(p)
+        if opt is not None:
+            owners[id(opt)] = opt
+    if not owners:
+        return _torch_clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                      error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    if len(owners) > 1:
+        raise RuntimeError("torch.nn.utils.clip_grad_norm_: these parameters belong to %d "
+                           "ShardedAdamW optimizers; their gradients live in the library "
+                           "(.grad is None): call opt.clip_grad_norm_(max_norm) on each"
+                           % len(owners))
+    opt = next(iter(owners.values()))
+    mine = {id(q) for _, q in opt._named}
+    given = {id(p) for p in params}
+    strays = [p for p in params if id(p) not in mine and p.grad is not None]
+    if strays or mine - given:
+        raise RuntimeError("torch.nn.utils.clip_grad_norm_: the parameters given are %s a "
+                           "ShardedAdamW's; it clips the global norm of all of its gradients "
+                           "(which live in the library: .grad is None), so pass exactly its "
+                           "parameters, or call opt.clip_grad_norm_(max_norm)"
+                           % ("more than" if strays else "only part of"))
+    return opt.clip_grad_norm_(max_norm, norm_type=norm_type,
+                               error_if_nonfinite=error_if_nonfinite)
+
+
+_torch_clip_grad_norm_ = None
+
+
+def _install_clip_hook():
+    """torch.nn.utils.clip_grad_norm_ (and torch.nn.utils.clip_grad's) are wrapped once, on the
+    first ShardedAdamW: for parameters of a live ShardedAdamW, .grad is None after backward and
+    torch would silently clip nothing, so the call goes to opt.clip_grad_norm_ (Hugging Face
+    Trainer and accelerate call it every step); any other call is torch's, unchanged."""
+    global _torch_clip_grad_norm_
+    import torch.nn.utils as nnu
+    import torch.nn.utils.clip_grad as cg
+    if getattr(nnu.clip_grad_norm_, "_shardgrad", False):
+        return
+    _torch_clip_grad_norm_ = nnu.clip_grad_norm_
+    wrapper = functools.wraps(_torch_clip_grad_norm_)(_clip_grad_norm_)
+    wrapper._shardgrad = True
+    nnu.clip_grad_norm_ = wrapper
+    if getattr(cg, "clip_grad_norm_", None) is _torch_clip_grad_norm_:
+        cg.clip_grad_norm_ = wrapper
+
+
 def _check_one_dtype(named):
     """One engine holds one working dtype: a model mixing dtypes would silently become all one
     dtype (and its forward fail inside torch), so it is refused by name."""
@@ -417,6 +497,17 @@ class ShardedAdamW(torch.optim.Optimizer):
                                        "(forward pre-hooks on its modules wait for the "
                                        "parameters)", function="python")
         self._engine = Engine(comm, cfg)
+        # max_grad_norm as the caller's Python value (exact through sg_set_hparams)
+        self._max_norm = (float(config_kwargs["max_grad_norm"]) if "max_grad_norm" in config_kwargs
+                          else _f32_short(cfg.max_grad_norm))
+        self._clip_once = None  # clip_grad_norm_'s max_norm for the coming step
+        self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
+        self._version = 0  # ... at this state (steps and loads so far)
+        _register_params(self)
+        if isinstance(model, torch.nn.Module) and comm.size > 1:
+            # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel,
+            # which all-reduces .grad itself: this optimizer already reduces every gradient
+            model._is_accelerate_prepared = True
         # CUDA engine, several ranks as threads: no library call from torch's autograd thread
         # (see the module text); the gradients wait in .grad for step().
         cuda = self._engine.config.device == Device.CUDA
@@ -702,6 +793,25 @@ class ShardedAdamW(torch.optim.Optimizer):
         for _, p in self._named:
             p.grad = None
 
+    def _readopt(self):
+        """Parameters whose storage was replaced since they were re-pointed to the library (a
+        model.to("cpu:0"), as transformers.Trainer does, copies them; so does load_state_dict
+        with assign=True) would no longer see the step's updates: their current values go to
+        the library and they view its memory again."""
+        e = self._engine
+        for i, (name, p) in enumerate(self._named):
+            if p.data_ptr() == e.param_ptr(self._pid[i]):
+                continue
+            if p.dtype != torch_dtype(e.param_dtype):
+                raise InvalidStateError("ShardedAdamW: parameter '%s' became %s (the library "
+                                        "holds %s); change dtypes before building the optimizer"
+                                        % (name, p.dtype, torch_dtype(e.param_dtype)),
+                                        function="python")
+            self._engine_waits()
+            e.set_param(self._pid[i], p.detach().to("cpu"))
+            with torch.no_grad():
+                p.data = e.param_tensor(self._pid[i])
+
     # -- step -----------------------------------------------------------------------------
     def _group_hparams(self):
         groups = self.param_groups
@@ -710,8 +820,21 @@ class ShardedAdamW(torch.optim.Optimizer):
         return [(tuple(g["betas"]), g["eps"]) for g in groups]
 
     def _apply_hparams(self):
-        """Gives the engine each group's lr and weight decay where they changed."""
+        """Gives the engine each group's lr and weight decay where they changed: exactly, as the
+        Python floats they are, with betas, eps and the step's max_grad_norm (sg_set_hparams),
+        so that the step's scalars are formed as torch.optim.AdamW forms them."""
         e = self._engine
+        if _lib.has("sg_set_hparams"):
+            max_norm = self._max_norm if self._clip_once is None else self._clip_once
+            for g, grp in enumerate(self.param_groups):
+                b1, b2 = (float(b) for b in grp["betas"])
+                v = (float(grp["lr"]), float(grp["weight_decay"]), b1, b2, float(grp["eps"]),
+                     max_norm)
+                if v != self._sent[g]:
+                    e.set_hparams(g, lr=v[0], weight_decay=v[1], beta1=b1, beta2=b2, eps=v[4],
+                                  max_grad_norm=max_norm)
+                    self._sent[g] = v
+            return
         for g, grp in enumerate(self.param_groups):
             v = (float(grp["lr"]), float(grp["weight_decay"]))
             if v == self._sent[g]:
@@ -739,13 +862,51 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._defer:
             self._hand_over_deferred()
         self._ensure_ready()
+        self._readopt()
         self._apply_hparams()
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
+        self._version += 1
+        self._clip_once = None
         if self._wait_hooks:  # overlap_param_gather: the gathers run on; the hooks wait
             self._unwaited = set(range(len(self._named)))
         self._torch_waits()
         return loss
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """Collective, after the last backward of a step and before step(): torch's
+        clip_grad_norm_ for the gradients the library holds. Returns the global L2 norm of the
+        reduced gradient before clipping (a 0-d float32 tensor, as torch does), and makes the
+        coming step() clip to max_norm (coefficient min(1, max_norm / (norm + 1e-6)), torch's);
+        max_norm = inf only reads the norm (the step then clips by the constructor's
+        max_grad_norm, if any). torch.nn.utils.clip_grad_norm_ on this optimizer's parameters
+        comes here. Only the L2 norm (norm_type 2)."""
+        if float(norm_type) != 2.0:
+            raise UnsupportedError("ShardedAdamW.clip_grad_norm_: only norm_type=2 (got %r)"
+                                   % (norm_type,), function="python")
+        max_norm = float(max_norm)
+        if not max_norm >= 0.0:
+            raise InvalidArgumentError("ShardedAdamW.clip_grad_norm_: max_norm must be >= 0 "
+                                       "(got %r)" % (max_norm,), function="python")
+        if not _lib.has("sg_grad_norm"):
+            raise UnsupportedError("ShardedAdamW.clip_grad_norm_: this libshardgrad has no "
+                                   "sg_grad_norm; pass max_grad_norm= to ShardedAdamW instead",
+                                   function="python")
+        self._live()
+        if self._defer:
+            self._hand_over_deferred()
+        self._ensure_ready()
+        if max_norm != float("inf"):
+            self._clip_once = max_norm
+        self._apply_hparams()
+        self._engine_waits()
+        norm = self._engine.grad_norm()
+        if error_if_nonfinite and not np.isfinite(norm):
+            raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and "
+                               "scale the gradients by the non-finite norm anyway, set "
+                               "`error_if_nonfinite=False`")
+        return torch.tensor(norm, dtype=torch.float32)
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -821,12 +982,27 @@ class ShardedAdamW(torch.optim.Optimizer):
             d["params"] = [i for i, x in enumerate(self._group_of) if x == gi]
             groups.append(d)
         return {"state": state, "param_groups": groups,
-                "names": [n for n, _ in self._named]}
+                "names": [n for n, _ in self._named],
+                "shardgrad": {"token": self._token, "version": self._version}}
 
     def load_state_dict(self, state_dict):
-        raise UnsupportedError("ShardedAdamW.load_state_dict: the C API has no setter for "
-                               "AdamW moments; use save()/load() (sharded checkpoints)",
-                               function="python")
+        """Takes back a state_dict() of this optimizer made since its last step (as
+        accelerate, and so transformers.Trainer, does when it wraps an optimizer: state_dict,
+        moved to the device, load_state_dict): the moments are those the library holds, and
+        the param groups' hyperparameters are taken. Any other state (another optimizer's, an
+        older one) needs setters the C API lacks: use save()/load()."""
+        mark = state_dict.get("shardgrad") if isinstance(state_dict, dict) else None
+        if (mark != {"token": self._token, "version": self._version}
+                or state_dict.get("names") != [n for n, _ in self._named]
+                or len(state_dict.get("param_groups", ())) != len(self.param_groups)):
+            raise UnsupportedError("ShardedAdamW.load_state_dict: only this optimizer's own "
+                                   "current state_dict() can be loaded (the C API has no setter "
+                                   "for AdamW moments); use save()/load() (sharded checkpoints)",
+                                   function="python")
+        for mine, theirs in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
 
     def save(self, directory):
         """Collective: sharded checkpoint of parameters, masters, moments, step, lr and loss
@@ -841,6 +1017,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._engine_waits()
         self._engine.load(directory)
+        self._version += 1
         self._torch_waits()
         self._sent = [None] * len(self.param_groups)  # lr and weight decay apply again
         self.last_step_info = None
@@ -867,6 +1044,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        _unregister_params(self)
         for h in (self._hooks + getattr(self, "_wait_hooks", [])
                   + getattr(self, "_order_hooks", [])):
             h.remove()

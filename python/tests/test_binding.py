@@ -15,7 +15,8 @@ import pytest
 
 import shardgrad as sg
 from shardgrad import _lib
-from shardgrad._structs import SgCommTraffic, SgConfig, SgMemoryStats, SgStepInfo, SgTraceEvent
+from shardgrad._structs import (SgCommTraffic, SgConfig, SgHparams, SgMemoryStats, SgStepInfo,
+                                SgTraceEvent)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -161,7 +162,8 @@ def _c_compiler():
 
 
 STRUCTS = {"sg_config": SgConfig, "sg_step_info": SgStepInfo, "sg_memory_stats": SgMemoryStats,
-           "sg_trace_event": SgTraceEvent, "sg_comm_traffic": SgCommTraffic}
+           "sg_trace_event": SgTraceEvent, "sg_comm_traffic": SgCommTraffic,
+           "sg_hparams": SgHparams}
 ENUMS = {
     **{"SG_" + s.name: int(s) for s in sg.Status},
     **{("SG_DTYPE_AUTO" if d == sg.DType.AUTO else "SG_" + d.name): int(d) for d in sg.DType},
@@ -900,3 +902,37 @@ def test_discovery_next_to_package_and_directory(tmp_path):
     r = _run_python("import shardgrad as sg; print(sg.library_path())", env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith(os.path.dirname(src))
+
+
+def test_exact_hparams_and_grad_norm():
+    """sg_set_hparams / sg_get_hparams keep doubles exactly; every value is checked first;
+    sg_grad_norm gives the norm sg_step then clips with (and reuses)."""
+    comm = sg.Comm.local(1)[0]
+    with sg.Engine(comm, lr=0.01, timeout_ms=60000) as e:
+        w = e.add_param("w", 4)
+        e.finalize()
+        h = e.hparams()
+        assert h["lr"] == float(np.float32(0.01)) and h["beta2"] == float(np.float32(0.999))
+        e.set_hparams(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                      max_grad_norm=0.5)
+        assert e.hparams() == dict(lr=3e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+                                   max_grad_norm=0.5)
+        for bad in (dict(beta2=1.0), dict(eps=0.0), dict(lr=-1.0), dict(max_grad_norm=np.inf),
+                    dict(weight_decay=np.nan)):
+            with pytest.raises(sg.InvalidArgumentError, match="sg_set_hparams"):
+                e.set_hparams(**bad)
+        assert e.hparams()["beta2"] == 0.95  # nothing changed by the refused calls
+        with pytest.raises(sg.InvalidArgumentError, match="group"):
+            e.set_hparams(group=16, lr=1.0)
+        with pytest.raises(TypeError, match="momentum"):
+            e.set_hparams(momentum=0.9)
+        e.grad_add(w, np.array([3.0, 4.0, 0.0, 0.0], np.float32))
+        assert e.grad_norm() == pytest.approx(5.0)
+        info = e.step()
+        assert info.grad_norm == pytest.approx(5.0)
+        assert info.clip_coef == pytest.approx(0.5 / (5.0 + 1e-6))
+        e.grad_add(w, np.array([0.0, 0.0, 0.0, 1.0], np.float32))
+        assert e.grad_norm() == pytest.approx(1.0)
+        e.grad_add(w, np.array([0.0, 0.0, 0.0, 1.0], np.float32))  # arrives after: recomputed
+        assert e.step().grad_norm == pytest.approx(2.0)
+    comm.close()

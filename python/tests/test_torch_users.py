@@ -194,3 +194,91 @@ def test_default_bucket_size_follows_the_model():
           "backward" % (len(reduces), 100 * summary["hidden_fraction"]))
     assert len(reduces) >= 3 * 4  # several buckets per step, not one
     assert summary["hidden_us"] > 0
+
+
+def _clip_run(world, clip, via):
+    """Two steps of a small MLP at W ranks (threads), each rank its own batch, clipped at
+    `clip` through `via` ("torch": torch.nn.utils.clip_grad_norm_, "opt": the method)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(world, 4, 8, generator=g) for _ in range(2)]
+
+    def body(comm):
+        m = _copy(base)
+        opt = ShardedAdamW(m, comm, lr=0.1, **FAST)
+        norms, infos = [], []
+        for x in data:
+            m(x[comm.rank]).square().sum().backward()
+            assert all(p.grad is None for p in m.parameters())
+            if via == "torch":
+                norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), clip).item())
+            else:
+                norms.append(opt.clip_grad_norm_(clip).item())
+            opt.step()
+            infos.append(opt.last_step_info)
+        params = [p.detach().clone() for p in m.parameters()]
+        opt.close()
+        return norms, infos, params
+
+    out = sg.run_threads(world, body)
+    # torch: DDP's gradients (mean over ranks), clipped by torch
+    ref = _copy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    rnorms = []
+    for x in data:
+        for r in range(world):
+            (ref(x[r]).square().sum() / world).backward()
+        rnorms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ropt.step()
+        ropt.zero_grad()
+    return out, rnorms, [p.detach() for p in ref.parameters()]
+
+
+@pytest.mark.parametrize("via", ["torch", "opt"])
+def test_clip_grad_norm_works_on_library_gradients(via):
+    """Issue 16 item 3: .grad is None after backward, yet torch.nn.utils.clip_grad_norm_ on
+    the optimizer's parameters (or opt.clip_grad_norm_) returns the step's global norm and the
+    step clips to max_norm, as torch on DDP's gradients does (before: it returned 0 and clipped
+    nothing)."""
+    out, rnorms, rparams = _clip_run(2, 0.05, via)
+    norms, infos, params = out[0]
+    print("clip via %s: norms %s, torch %s, clip coefs %s" % (via, norms, rnorms,
+                                                             [i.clip_coef for i in infos]))
+    for n, rn, info in zip(norms, rnorms, infos):
+        assert n == pytest.approx(rn, rel=1e-5)
+        assert info.grad_norm == pytest.approx(n, rel=1e-6) and info.clip_coef < 1.0
+    assert out[1][0] == norms
+    for a, b in zip(params, rparams):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def test_clip_grad_norm_inf_reads_the_norm_and_misuse_is_refused():
+    comm = sg.Comm.local(1)[0]
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    other = torch.nn.Linear(3, 3)
+    opt = ShardedAdamW(m, comm, max_grad_norm=1e-3, **FAST)
+    m(torch.ones(2, 4)).sum().backward()
+    n = torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"))  # Trainer's norm probe
+    assert n.item() > 1e-3
+    with pytest.raises(RuntimeError, match=r"only part of.*opt\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(m[0].parameters(), 1.0)
+    other(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="more than"):
+        torch.nn.utils.clip_grad_norm_(list(m.parameters()) + list(other.parameters()), 1.0)
+    with pytest.raises(sg.UnsupportedError, match="norm_type"):
+        opt.clip_grad_norm_(1.0, norm_type=1)
+    opt.step()  # inf did not override the constructor's max_grad_norm
+    assert opt.last_step_info.clip_coef < 1.0
+    assert opt.last_step_info.grad_norm == pytest.approx(n.item(), rel=1e-6)
+    # parameters of no ShardedAdamW: torch's own clip_grad_norm_, unchanged
+    want = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in other.parameters()]))
+    got = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    assert torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in
+                                               other.parameters()])).item() < 2e-3
+    opt.close()
+    m(torch.ones(2, 4)).sum().backward()  # closed: plain torch again
+    assert torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item() > 0
+    comm.close()

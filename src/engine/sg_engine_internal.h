@@ -43,6 +43,9 @@ typedef struct sg__grads {
   int next_launch;       /* next bucket (plan order) to launch in this micro-batch */
   int touched;           /* any gradient touched in this micro-batch */
   int sync;
+  int norm_valid;        /* norm_ss holds the sum of squares of `accum` (sg_grad_norm); 0 once
+                            gradients arrive or accum is cleared */
+  double norm_ss[2];
 } sg__grads;
 
 /* All-gathers of the last step (sg_gather.c). */
@@ -58,7 +61,7 @@ typedef struct sg__gathers {
 typedef struct sg__optim {
   uint64_t step;
   double lr[SG_MAX_GROUPS], wd[SG_MAX_GROUPS];
-  double beta1, beta2, eps;
+  double beta1, beta2, eps, max_grad_norm; /* every group's */
   int ngroups;      /* highest group of any parameter + 1 (after finalize) */
   float *master;    /* NULL for f32 params */
   int nstates;
@@ -150,6 +153,10 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn);
 /* Zeroes the accumulator (compute queue): after a step, and a load (with the no_sync sums). */
 sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
+/* The sum of squares of the reduced gradient kept by sg_grad_norm for the step's sg_step (its
+ * norm_ss, valid until gradients arrive or the accumulator is cleared). */
+void sg__grads_norm_keep(sg_engine *e, const double ss[2]);
+void sg__grads_norm_drop(sg_engine *e);
 
 /* sg_gather.c */
 sg_status sg__gathers_init(sg_engine *e);

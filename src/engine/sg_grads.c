@@ -57,7 +57,16 @@ void sg__grads_reset_microbatch(sg_engine *e) {
   e->g.touched = 0;
 }
 
+void sg__grads_norm_keep(sg_engine *e, const double ss[2]) {
+  e->g.norm_ss[0] = ss[0];
+  e->g.norm_ss[1] = ss[1];
+  e->g.norm_valid = 1;
+}
+
+void sg__grads_norm_drop(sg_engine *e) { e->g.norm_valid = 0; }
+
 sg_status sg__grads_clear_accum(sg_engine *e) {
+  e->g.norm_valid = 0;
   return e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->g.accum, e->lay.accum_numel * asize(e));
 }
 
@@ -186,6 +195,7 @@ static sg_status mark_ready(sg_engine *e, int id) {
   sg__trace_instant(e, SG_TRACE_GRAD_READY, id, NULL);
   e->g.ready[id] = 1;
   e->g.touched = 1;
+  e->g.norm_valid = 0; /* a sg_grad_norm before this gradient is stale */
   e->g.pending[e->plan->params[id].bucket]--;
   return launch_ready(e);
 }
@@ -210,6 +220,7 @@ sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr) {
   char *p = NULL;
   SG_TRY(param_slot(e, id, &p, fn));
   e->g.touched = 1;
+  e->g.norm_valid = 0; /* a sg_grad_norm before this gradient is stale */
   *ptr = p;
   return SG_OK;
 }

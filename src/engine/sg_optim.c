@@ -20,6 +20,7 @@ void sg__optim_init(sg_engine *e) {
   o->beta1 = c->beta1;
   o->beta2 = c->beta2;
   o->eps = c->eps;
+  o->max_grad_norm = c->max_grad_norm;
   o->ngroups = 1;
 }
 
@@ -139,13 +140,12 @@ static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
   a.segs = o->segs;
   a.nsegs = o->nsegs;
   a.grad_scale = grad_scale;
-  sg__adamw_scalars(&a, (float)o->lr[0], (float)o->beta1, (float)o->beta2, (float)o->eps,
-                    (float)o->wd[0], o->step);
+  sg__adamw_scalars(&a, o->lr[0], o->beta1, o->beta2, o->eps, o->wd[0], o->step);
   /* Groups 1..ngroups-1 by the same rule; one group leaves ngroups at 0 (as before groups). */
   if (o->ngroups > 1) {
     a.ngroups = o->ngroups;
     for (int g = 1; g < o->ngroups; g++)
-      sg__adamw_group_scalars(&a, g, (float)o->lr[g], (float)o->beta1, (float)o->wd[g]);
+      sg__adamw_group_scalars(&a, g, o->lr[g], o->beta1, o->wd[g]);
   }
   a.stochastic_rounding = c->stochastic_rounding && c->param_dtype == SG_BF16;
   a.seed = c->seed;
@@ -234,6 +234,62 @@ sg_status sg_get_group(sg_engine *e, int group, float *lr, float *weight_decay) 
   if (!weight_decay) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: weight_decay is NULL", fn);
   *lr = (float)e->opt.lr[group];
   *weight_decay = (float)e->opt.wd[group];
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* public: exact hyperparameters                                                             */
+
+static sg_status check_hparams_struct(const char *fn, const void *h, size_t struct_size) {
+  if (!h) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hparams is NULL", fn);
+  if (struct_size != sizeof(sg_hparams))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: struct_size %zu, expected %zu", fn, struct_size,
+                   sizeof(sg_hparams));
+  return SG_OK;
+}
+
+static sg_status check_double(const char *fn, const char *what, double v, double lo, int strict,
+                              double below, int group) {
+  const int ok = isfinite(v) && (strict ? v > lo : v >= lo) && v < below;
+  if (ok) return SG_OK;
+  if (below < INFINITY)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be in [%g, %g) (got %.17g, group %d)",
+                   fn, what, lo, below, v, group);
+  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s must be finite and %s %g (got %.17g, group %d)",
+                 fn, what, strict ? ">" : ">=", lo, v, group);
+}
+
+sg_status sg_get_hparams(sg_engine *e, int group, sg_hparams *out) {
+  SG_ENGINE_GUARD(e, "sg_get_hparams");
+  static const char *fn = "sg_get_hparams";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(sg__engine_check_group(group, fn));
+  SG_TRY(check_hparams_struct(fn, out, out ? out->struct_size : 0));
+  const sg__optim *o = &e->opt;
+  *out = (sg_hparams){sizeof *out, o->lr[group], o->wd[group], o->beta1, o->beta2, o->eps,
+                      o->max_grad_norm};
+  return SG_OK;
+}
+
+sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h) {
+  SG_ENGINE_GUARD(e, "sg_set_hparams");
+  static const char *fn = "sg_set_hparams";
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  SG_TRY(sg__engine_check_group(group, fn));
+  SG_TRY(check_hparams_struct(fn, h, h ? h->struct_size : 0));
+  SG_TRY(check_double(fn, "lr", h->lr, 0.0, 0, INFINITY, group));
+  SG_TRY(check_double(fn, "weight_decay", h->weight_decay, 0.0, 0, INFINITY, group));
+  SG_TRY(check_double(fn, "beta1", h->beta1, 0.0, 0, 1.0, group));
+  SG_TRY(check_double(fn, "beta2", h->beta2, 0.0, 0, 1.0, group));
+  SG_TRY(check_double(fn, "eps", h->eps, 0.0, 1, INFINITY, group));
+  SG_TRY(check_double(fn, "max_grad_norm", h->max_grad_norm, 0.0, 0, INFINITY, group));
+  sg__optim *o = &e->opt;
+  o->lr[group] = h->lr;
+  o->wd[group] = h->weight_decay;
+  o->beta1 = h->beta1;
+  o->beta2 = h->beta2;
+  o->eps = h->eps;
+  o->max_grad_norm = h->max_grad_norm;
   return SG_OK;
 }
 

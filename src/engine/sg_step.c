@@ -59,27 +59,57 @@ static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
   return st;
 }
 
+/* Every reduction of the step done, then the global sum of squares (once per step: a
+ * sg_grad_norm before sg_step computed it already unless gradients came after). */
+static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
+  SG_TRY(sg__step_settle(e));
+  SG_TRY(sg__grads_flush(e, fn));
+  SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
+                                                     sg__engine_host_deadline(e))));
+  if (!e->g.norm_valid) {
+    double s[2] = {0, 0};
+    SG_TRY(global_sumsq(e, s));
+    sg__grads_norm_keep(e, s);
+  }
+  ss[0] = e->g.norm_ss[0];
+  ss[1] = e->g.norm_ss[1];
+  return SG_OK;
+}
+
+static double global_norm(const sg_engine *e, const double ss[2]) {
+  const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
+  return sqrt(ss[0]) * avg * (1.0 / (double)e->sc.loss_scale);
+}
+
+sg_status sg_grad_norm(sg_engine *e, float *norm) {
+  SG_ENGINE_GUARD(e, "sg_grad_norm");
+  static const char *fn = "sg_grad_norm";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (!norm) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: norm is NULL", fn);
+  double ss[2];
+  SG_TRY(sg__err_prefix(step_sumsq(e, fn, ss), fn));
+  *norm = ss[1] > 0 ? NAN : (float)global_norm(e, ss);
+  return SG_OK;
+}
+
 sg_status sg_step(sg_engine *e, sg_step_info *info) {
   SG_ENGINE_GUARD(e, "sg_step");
   static const char *fn = "sg_step";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(check_info(info));
-  SG_TRY(sg__step_settle(e));
-  SG_TRY(sg__grads_flush(e, fn));
-  SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
-                                                     sg__engine_host_deadline(e))));
+  double ss[2] = {0, 0};
+  SG_TRY(step_sumsq(e, fn, ss));
+  sg__grads_norm_drop(e); /* the next step computes its own */
   const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, NULL);
   sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
-  double ss[2] = {0, 0};
-  SG_TRY(global_sumsq(e, ss));
   const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
   const double inv_scale = 1.0 / (double)e->sc.loss_scale;
-  const double norm = sqrt(ss[0]) * avg * inv_scale;
+  const double norm = global_norm(e, ss);
   const int overflow = ss[1] > 0 || !isfinite(norm);
   const int skip = overflow && (e->cfg.skip_nonfinite || e->sc.dynamic);
   double clip = 1.0;
-  if (e->cfg.max_grad_norm > 0 && isfinite(norm))
-    clip = fmin(1.0, (double)e->cfg.max_grad_norm / (norm + 1e-6));
+  if (e->opt.max_grad_norm > 0 && isfinite(norm))
+    clip = fmin(1.0, e->opt.max_grad_norm / (norm + 1e-6));
   sg_step_info v = {sizeof v, e->opt.step, (float)norm, (float)clip, e->sc.loss_scale, skip};
   sg_status st = SG_OK;
   if (skip)
