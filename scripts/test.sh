@@ -11,7 +11,7 @@
 #      build-tsan-cuda/ the mock CUDA tests of the CUDA device's worker thread
 #   5. pytest over python/tests when it exists, with the python of the torch venv
 #      ($SG_TORCH_VENV, default $HOME/.cache/shardgrad/venv: torch, numpy, pytest, safetensors,
-#      transformers, matplotlib), created on the first run (~4 min, 5.7 GB here) and reused by
+#      transformers, accelerate (transformers.Trainer needs it), matplotlib), created on the first run (~4 min, 5.7 GB here) and reused by
 #      later ones, so that the torch tests run; SG_TEST_NO_TORCH=1 uses python3 instead (the
 #      torch tests then skip themselves)
 #   6. pip check (scripts/pip_check.sh): fresh venvs, pip install ./python and pip wheel, the
@@ -27,7 +27,7 @@ JOBS=${JOBS:-2}
 N=${SG_TEST_BUILD:-build}
 B=$ROOT/$N
 TORCH_VENV=${SG_TORCH_VENV:-$HOME/.cache/shardgrad/venv}
-TORCH_PKGS=(torch numpy pytest safetensors transformers matplotlib)
+TORCH_PKGS=(torch numpy pytest safetensors transformers accelerate matplotlib)
 PYTEST_PY=python3
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
@@ -90,8 +90,8 @@ install_deps() {
 # nothing; the stage's time in the summary is the install time).
 torch_venv() {
   local t0=$SECONDS
-  if "$TORCH_VENV/bin/python" -c "import torch, numpy, pytest, safetensors, transformers, matplotlib" \
-    2>/dev/null; then
+  local mods="torch, numpy, pytest, safetensors, transformers, accelerate, matplotlib"
+  if "$TORCH_VENV/bin/python" -c "import $mods" 2>/dev/null; then
     echo "reusing $TORCH_VENV (torch $("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
   else
     echo "installing ${TORCH_PKGS[*]} into $TORCH_VENV (several GB, a few minutes)"

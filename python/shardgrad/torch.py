@@ -457,6 +457,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._hooks = []
         self._closed = False
         self._callback_queued = False
+        self._handed = False  # gradients went to the library since the last step
         self._ready = False      # engine finalized, parameters adopted
         self._sync = True        # wanted sync state (no_sync may be entered before _ready)
         self._arrival = []       # indices in gradient arrival order, first backward only
@@ -719,6 +720,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             # First gradient: build the engine now, before any other gradient exists.
             self._setup(self._learned_order())
         self._hand_over(i, g)
+        self._handed = True
         p.grad = None
 
     def _hand_over(self, i, g):
@@ -788,8 +790,17 @@ class ShardedAdamW(torch.optim.Optimizer):
                 self._engine.set_sync(True)
 
     def zero_grad(self, set_to_none=True):
-        """Drops any .grad left on the parameters. Gradients already handed to the library are
-        consumed by step(); they cannot be discarded."""
+        """Drops the gradients since the last step, as torch's zero_grad does: any .grad left on
+        the parameters, and those already handed to the library (Engine.grad_zero: a micro-batch
+        cut short by an exception in backward is completed and thrown away with the rest), so a
+        loop can catch the exception, call zero_grad() and carry on. Collective when gradients
+        were handed over since the last step: then every rank calls it at the same point."""
+        if self._handed and self._ready and not self._closed and _lib.has("sg_grad_zero"):
+            self._engine.grad_zero()
+            self._clip_once = None  # it was for the gradients just dropped
+        self._handed = False
+        # a backward that raised never ran its queued _backward_end
+        self._callback_queued = False
         for _, p in self._named:
             p.grad = None
 
@@ -866,6 +877,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._apply_hparams()
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
+        self._handed = False
+        self._callback_queued = False  # the step completed any micro-batch left open
         self._version += 1
         self._clip_once = None
         if self._wait_hooks:  # overlap_param_gather: the gathers run on; the hooks wait

@@ -282,3 +282,83 @@ def test_clip_grad_norm_inf_reads_the_norm_and_misuse_is_refused():
     m(torch.ones(2, 4)).sum().backward()  # closed: plain torch again
     assert torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item() > 0
     comm.close()
+
+
+class _BoomFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mod):
+        ctx.mod = mod
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.mod.armed:
+            raise RuntimeError("boom in backward")
+        return g, None
+
+
+class _Boom(torch.nn.Module):
+    """Identity whose backward raises while armed: the layers after it have handed their
+    gradients to the library by then, those before it never get theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return _BoomFn.apply(x, self)
+
+
+def test_zero_grad_after_an_exception_in_backward_carries_on():
+    """A backward that raises half-way (rank 0 only; rank 1's completes) leaves a micro-batch
+    partly handed to the library. zero_grad() on every rank drops it, with the whole micro-batch
+    accumulated before it, as torch's zero_grad drops .grad; training then goes on and matches
+    torch.optim.AdamW on DDP's gradients of the good batches. Before: the next backward failed
+    ("already marked ready"), the open micro-batch never ended."""
+    world = 2
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), _Boom(), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 2))
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randn(world, 4, 8, generator=g) for _ in range(4)]
+    bad = 1
+
+    def body(comm):
+        r = comm.rank
+        m = _copy(base)
+        opt = ShardedAdamW(m, comm, lr=0.05, **FAST)
+        raised = False
+        for k, x in enumerate(data):
+            m(x[r]).square().sum().backward()
+            if k == bad:
+                m[1].armed = r == 0
+                try:
+                    m(x[r]).square().sum().backward()
+                except RuntimeError as exc:
+                    raised = "boom" in str(exc)
+                m[1].armed = False
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        params = [p.detach().clone() for p in m.parameters()]
+        step = opt.step_count
+        opt.close()
+        return raised, step, params
+
+    out = sg.run_threads(world, body)
+    assert [o[0] for o in out] == [True, False]
+    assert [o[1] for o in out] == [len(data) - 1] * world
+    ref = _copy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for k, x in enumerate(data):
+        if k == bad:
+            continue
+        for r in range(world):
+            (ref(x[r]).square().sum() / world).backward()
+        ropt.step()
+        ropt.zero_grad()
+    for a, b in zip(out[0][2], ref.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=2e-6)
+    for a, b in zip(out[0][2], out[1][2]):
+        assert torch.equal(a, b)
