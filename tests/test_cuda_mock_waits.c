@@ -112,6 +112,7 @@ static void pageable_copy(void) {
   check(sg_cudamock_calls("pageable_block") == blocked0,
         "pageable: no copy of pageable memory reached the driver");
   pthread_join(th, NULL);
+  d->ops->free(d, dev);
   d->ops->comm_detach(d);
   d->ops->destroy(d);
   cudaStreamDestroy(user);
