@@ -171,6 +171,19 @@ typedef struct sg_config {
   uint64_t reserved_0_2;    /* 0 (must stay 0). Ends the 0.2 block on an 8-byte boundary: 0.2's
                                overlap_param_gather took 0.1's tail padding, so 0.2's sizeof
                                would equal 0.1's without it. */
+  /* --- appended in 0.3 --- */
+  int offload_optimizer;    /* 0. 1 (CUDA device): the fp32 master, the optimizer state and the
+                               shard accumulator live in pinned host memory and the optimizer
+                               runs on the CPU; working parameters and staging stay on the GPU.
+                               On the CPU device it is accepted and changes nothing (the state is
+                               host memory already). */
+  sg_dtype replica_reduce_dtype; /* SG_F32 (or SG_BF16): hybrid engines (sg_engine_create_hybrid)
+                               only: the dtype of the once-per-step all-reduce across replicas;
+                               sums in fp32 in a fixed order. Flat engines ignore it. */
+  int shard_ranks;          /* 0: sg_estimate_memory only: ranks one shard group spans (hybrid
+                               layout: ranks per node); 0 = all `world` ranks (flat). Engines take
+                               the layout from their communicators and require 0 or that size. */
+  int reserved_0_3;         /* 0 (must stay 0): ends the 0.3 block on an 8-byte boundary */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
    * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */
@@ -346,6 +359,9 @@ typedef struct sg_memory_stats {
   size_t peak_bytes;   /* highest total so far */
   size_t numel;        /* elements in the plan, padding included */
   size_t shard_numel;  /* elements owned by one rank */
+  /* --- appended in 0.3 (a 0.2-sized struct_size is still accepted) --- */
+  size_t host_bytes;   /* pinned host memory the engine holds (offload_optimizer on CUDA);
+                          not part of total_bytes, which counts the device */
 } sg_memory_stats;
 
 /* Memory this engine holds, exactly as allocated (after sg_finalize). */

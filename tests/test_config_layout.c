@@ -4,6 +4,7 @@
  * overlap_param_gather: a 0.1-sized config gets overlap_param_gather = 0 whatever those bytes
  * hold. The 0.1 struct is spelled out here as its header had it, so that the size the library
  * expects is checked against the real old layout, not against itself. */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -31,6 +32,9 @@ typedef struct sg_config_v0_1 {
   uint64_t seed;
   int timeout_ms;
 } sg_config_v0_1;
+
+/* 0.2 ended with reserved_0_2; 0.3's block starts right after it. */
+#define V0_2_SIZE (offsetof(sg_config, offload_optimizer))
 
 /* The caller's bytes: a config of `size` bytes inside a buffer filled with `fill`. */
 typedef union {
@@ -80,8 +84,8 @@ static void test_sizes(void) {
             offsetof(sg_config, overlap_param_gather) < sizeof(sg_config_v0_1),
         "overlap_param_gather sits in 0.1's tail padding (offset %zu, 0.1 size %zu)",
         offsetof(sg_config, overlap_param_gather), sizeof(sg_config_v0_1));
-  const size_t ok_sizes[] = {sizeof(sg_config_v0_1), sizeof(sg_config)};
-  for (int k = 0; k < 2; k++) {
+  const size_t ok_sizes[] = {sizeof(sg_config_v0_1), V0_2_SIZE, sizeof(sg_config)};
+  for (int k = 0; k < 3; k++) {
     cfg_buf b;
     memset(&b, 0xa5, sizeof b);
     CHECK(sg_config_init(&b.cfg, ok_sizes[k]) == SG_OK && b.cfg.struct_size == ok_sizes[k] &&
@@ -89,9 +93,9 @@ static void test_sizes(void) {
           "sg_config_init(%zu) works and writes only %zu bytes", ok_sizes[k], ok_sizes[k]);
   }
   /* Sizes between the published ones name no layout. */
-  const size_t bad[] = {sizeof(sg_config_v0_1) - 4, sizeof(sg_config_v0_1) + 4,
+  const size_t bad[] = {sizeof(sg_config_v0_1) - 4, sizeof(sg_config_v0_1) + 4, V0_2_SIZE + 8,
                         sizeof(sg_config) - 4, sizeof(sg_config) + 8};
-  for (int k = 0; k < 4; k++) {
+  for (int k = 0; k < 5; k++) {
     cfg_buf b;
     memset(&b, 0xa5, sizeof b);
     CHECK(sg_config_init(&b.cfg, bad[k]) == SG_ERR_INVALID_ARGUMENT && b.bytes[0] == 0xa5 &&
@@ -129,8 +133,10 @@ static void test_v0_1_caller(void) {
 static void test_v0_2_caller(void) {
   printf("a 0.2 caller ...\n");
   for (int ov = 0; ov <= 1; ov++) {
-    sg_config c;
-    if (!CHECK(sg_config_init(&c, sizeof c) == SG_OK, "init 0.2")) return;
+    cfg_buf b;
+    memset(&b, 0xa5, sizeof b); /* a 0.2 caller owns only V0_2_SIZE bytes */
+    if (!CHECK(sg_config_init(&b.cfg, V0_2_SIZE) == SG_OK, "init 0.2")) return;
+    sg_config c = b.cfg;
     c.overlap_param_gather = ov;
     char what[64];
     snprintf(what, sizeof what, "0.2-sized, overlap_param_gather %d", ov);
@@ -148,9 +154,76 @@ static void test_v0_2_caller(void) {
   sg_comm_destroy(comm);
 }
 
+/* A 0.3 field set to a value the library cannot honour fails sg_engine_create by name. */
+static void expect_rejected(sg_config c, const char *field, sg_status want) {
+  sg_comm *comm = NULL;
+  sg_engine *e = NULL;
+  sg_comm_create_local(1, &comm);
+  sg_status st = sg_engine_create(comm, &c, &e);
+  CHECK(st == want && !e && strstr(sg_last_error(), field), "%s is rejected (%d): '%s'", field,
+        (int)st, sg_last_error());
+  sg_engine_destroy(e);
+  sg_comm_destroy(comm);
+}
+
+static void test_v0_3_caller(void) {
+  printf("a 0.3 caller ...\n");
+  sg_config c;
+  if (!CHECK(sg_config_init(&c, sizeof c) == SG_OK, "init 0.3")) return;
+  CHECK(c.offload_optimizer == 0 && c.replica_reduce_dtype == SG_F32 && c.shard_ranks == 0 &&
+            c.reserved_0_3 == 0,
+        "0.3 defaults: no offload, f32 replica wire, flat layout");
+  CHECK(run_engine(&c, "0.3-sized") == 0, "0.3-sized config runs");
+  sg_config d = c;
+  d.offload_optimizer = 1; /* the CPU device: accepted, changes nothing */
+  CHECK(run_engine(&d, "0.3-sized, offload on the CPU device") == 0, "offload on CPU runs");
+  d = c;
+  d.shard_ranks = 1; /* one rank: the flat layout */
+  CHECK(run_engine(&d, "0.3-sized, shard_ranks = world") == 0, "shard_ranks = world runs");
+  d = c;
+  d.offload_optimizer = 2;
+  expect_rejected(d, "offload_optimizer", SG_ERR_INVALID_ARGUMENT);
+  d = c;
+  d.replica_reduce_dtype = SG_F16;
+  expect_rejected(d, "replica_reduce_dtype", SG_ERR_INVALID_ARGUMENT);
+  d = c;
+  d.shard_ranks = 2;
+  expect_rejected(d, "shard_ranks", SG_ERR_INVALID_ARGUMENT);
+  d = c;
+  d.reserved_0_3 = 1;
+  expect_rejected(d, "reserved_0_3", SG_ERR_INVALID_ARGUMENT);
+}
+
+/* sg_memory_stats: 0.2's struct (no host_bytes) and 0.3's both work; nothing else does. */
+static void test_memory_stats_sizes(void) {
+  printf("sg_memory_stats sizes ...\n");
+  sg_config c;
+  sg_config_init(&c, sizeof c);
+  size_t numel = 1000;
+  union {
+    sg_memory_stats s;
+    unsigned char bytes[sizeof(sg_memory_stats) + 16];
+  } b;
+  const size_t old = offsetof(sg_memory_stats, host_bytes);
+  memset(&b, 0xa5, sizeof b);
+  b.s.struct_size = old;
+  CHECK(sg_estimate_memory(&c, &numel, 1, 2, &b.s) == SG_OK && b.bytes[old] == 0xa5 &&
+            b.s.numel >= 1000,
+        "0.2-sized sg_memory_stats works and is written up to its size only");
+  memset(&b, 0xa5, sizeof b);
+  b.s.struct_size = sizeof(sg_memory_stats);
+  CHECK(sg_estimate_memory(&c, &numel, 1, 2, &b.s) == SG_OK && b.s.host_bytes == 0,
+        "0.3-sized sg_memory_stats: no host bytes without offload");
+  b.s.struct_size = old + 4;
+  CHECK(sg_estimate_memory(&c, &numel, 1, 2, &b.s) == SG_ERR_INVALID_ARGUMENT,
+        "an unpublished sg_memory_stats size is rejected: '%s'", sg_last_error());
+}
+
 int main(void) {
   test_sizes();
   test_v0_1_caller();
   test_v0_2_caller();
+  test_v0_3_caller();
+  test_memory_stats_sizes();
   return sg_test_summary("");
 }

@@ -88,7 +88,7 @@ static void intrude(shared *s, sg_engine *e) {
   void *ptr = NULL;
   float f = 0;
   uint64_t u = 0;
-  sg_memory_stats ms = {sizeof ms, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  sg_memory_stats ms = {.struct_size = sizeof ms};
   sg_trace_event ev[4];
   size_t cnt = 0, dropped = 0;
   int id = -1;

@@ -92,6 +92,11 @@ class SgConfig(ctypes.Structure):
         # 0; ends the 0.2 block on 8 bytes so that 0.2's sizeof differs from 0.1's. Each later
         # block ends on 8 bytes too (include/shardgrad.h, "Appending").
         ("reserved_0_2", ctypes.c_uint64),
+        # --- 0.3 ---
+        ("offload_optimizer", ctypes.c_int),
+        ("replica_reduce_dtype", ctypes.c_int),
+        ("shard_ranks", ctypes.c_int),
+        ("reserved_0_3", ctypes.c_int),
     ]
 
 
@@ -110,7 +115,7 @@ class SgMemoryStats(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_size_t)] + [
         (n, ctypes.c_size_t) for n in (
             "params_bytes", "grads_bytes", "master_bytes", "optim_bytes", "comm_bytes",
-            "total_bytes", "peak_bytes", "numel", "shard_numel")
+            "total_bytes", "peak_bytes", "numel", "shard_numel", "host_bytes")
     ]
 
 

@@ -72,21 +72,23 @@ def to_device(value, what="device"):
 
 _ENUM_FIELDS = {
     "strategy": to_strategy, "device": to_device, "param_dtype": to_dtype, "grad_dtype": to_dtype,
-    "reduce_dtype": to_dtype, "accum_dtype": to_dtype,
+    "reduce_dtype": to_dtype, "accum_dtype": to_dtype, "replica_reduce_dtype": to_dtype,
 }
 _INT_TYPES = {ctypes.c_int: (-2**31, 2**31 - 1), ctypes.c_size_t: (0, 2**64 - 1),
               ctypes.c_uint64: (0, 2**64 - 1)}
 FIELDS = tuple(name for name, _ in SgConfig._fields_
                if name != "struct_size" and not name.startswith("reserved"))
 _FIELD_TYPES = dict(SgConfig._fields_)
-_BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overlap_param_gather")
+_BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overlap_param_gather",
+                "offload_optimizer")
 # Fields appended after 0.1, with the C function that tells whether the loaded library knows
 # them. An older library takes an older struct_size (_SIZES) and would ignore the value, so a
 # non-default value is refused there instead.
 _NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
 # Published sizes of sg_config, newest first (include/shardgrad.h, "Appending"): 0.2's, then
 # 0.1's (0.1 ended at timeout_ms plus tail padding, where 0.2's overlap_param_gather went).
-_SIZES = (ctypes.sizeof(SgConfig), SgConfig.reserved_0_2.offset)
+# 0.3 appended a block after reserved_0_2, so its fields lie past 0.2's struct_size.
+_SIZES = (ctypes.sizeof(SgConfig), SgConfig.offload_optimizer.offset, SgConfig.reserved_0_2.offset)
 
 
 class Config:
@@ -141,7 +143,9 @@ class Config:
             raise TypeError("Config: unknown field %r; fields are: %s" % (name, ", ".join(FIELDS)))
         v = self._convert(name, value)
         fn = _NEWER_FIELDS.get(name)
-        if v and fn is not None and not _lib.has(fn):
+        too_new = (fn is not None and not _lib.has(fn)) or \
+            getattr(SgConfig, name).offset >= self._c.struct_size
+        if too_new and v != getattr(self._c, name):
             raise UnsupportedError("Config.%s: the loaded library (%s) predates this field"
                                    % (name, _lib.library_path()), function="python")
         setattr(self._c, name, v)

@@ -20,10 +20,11 @@ typedef struct {
 static const sg__config_layout layouts[] = {
     {"0.1", SG__ROUND_UP(SG__END_OF(timeout_ms), _Alignof(sg_config)), SG__END_OF(timeout_ms)},
     {"0.2", SG__END_OF(reserved_0_2), SG__END_OF(reserved_0_2)},
+    {"0.3", SG__END_OF(reserved_0_3), SG__END_OF(reserved_0_3)},
 };
 #define SG__NLAYOUTS ((int)(sizeof layouts / sizeof layouts[0]))
 #define SG__CONFIG_V1_SIZE (layouts[0].size)
-_Static_assert(sizeof(sg_config) == SG__END_OF(reserved_0_2),
+_Static_assert(sizeof(sg_config) == SG__END_OF(reserved_0_3),
                "the newest sg_config block must end without tail padding (see layouts)");
 
 /* The layout a caller's struct_size names; NULL for a size no release published. */
@@ -64,6 +65,10 @@ static void sg__config_defaults(sg_config *c) {
   c->timeout_ms = 600000;
   c->overlap_param_gather = 0;
   c->reserved_0_2 = 0;
+  c->offload_optimizer = 0;
+  c->replica_reduce_dtype = SG_F32;
+  c->shard_ranks = 0;
+  c->reserved_0_3 = 0;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
@@ -183,6 +188,21 @@ static sg_status sg__config_check_optim(const sg_config *c, const char *fn) {
   return SG_OK;
 }
 
+static sg_status sg__config_check_0_3(const sg_config *c, const char *fn) {
+  SG_TRY(sg__check_bool(fn, "offload_optimizer", c->offload_optimizer));
+  if (c->replica_reduce_dtype != SG_F32 && c->replica_reduce_dtype != SG_BF16)
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->replica_reduce_dtype must be SG_F32 or SG_BF16 (got %d)", fn,
+                   (int)c->replica_reduce_dtype);
+  if (c->shard_ranks < 0 || c->shard_ranks > 4096)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->shard_ranks must be in 0..4096 (got %d)",
+                   fn, c->shard_ranks);
+  if (c->reserved_0_3 != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->reserved_0_3 must be 0 (got %d)", fn,
+                   c->reserved_0_3);
+  return SG_OK;
+}
+
 static sg_status sg__config_check_scale(const sg_config *c, const char *fn) {
   SG_TRY(sg__check_min(fn, "loss_scale", c->loss_scale, 0.0f, 0));
   SG_TRY(sg__check_min(fn, "init_loss_scale", c->init_loss_scale, 0.0f, 1));
@@ -207,6 +227,7 @@ sg_status sg__config_check(const sg_config *c, const char *fn) {
   SG_TRY(sg__config_check_sizes(c, fn));
   SG_TRY(sg__config_check_optim(c, fn));
   SG_TRY(sg__config_check_scale(c, fn));
+  SG_TRY(sg__config_check_0_3(c, fn));
   return SG_OK;
 }
 

@@ -1,6 +1,7 @@
 /* Engine lifecycle: create, parameter registration, finalize (the cross-rank agreement check),
  * parameter access, memory reports, destroy. */
 #include <math.h>
+#include <stddef.h> /* offsetof */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,6 +143,19 @@ static sg_status make_device(const sg_config *c, sg_comm *comm, sg__device **dev
   return st;
 }
 
+/* What a flat engine cannot honour yet, refused rather than ignored. */
+static sg_status check_flat_options(const sg_config *c, const sg_comm *comm, const char *fn) {
+  if (c->shard_ranks != 0 && c->shard_ranks != comm->world)
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->shard_ranks is %d but the communicator has %d ranks (0 = all)", fn,
+                   c->shard_ranks, comm->world);
+  if (c->offload_optimizer && c->device == SG_DEVICE_CUDA)
+    return sg__err(SG_ERR_UNSUPPORTED,
+                   "%s: cfg->offload_optimizer on the CUDA device is not available in this build",
+                   fn);
+  return SG_OK;
+}
+
 sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out) {
   static const char *fn = "sg_engine_create";
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
@@ -155,6 +169,7 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   sg_status st;
   SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
   SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
+  SG_TRY_GOTO(check_flat_options(&e->cfg, comm, fn), st, fail);
   SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev, &e->comm), st, fail); /* e->comm: a channel */
   e->rank = comm->rank;
   e->world = comm->world;
@@ -585,9 +600,12 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
 
 static sg_status check_stats(sg_memory_stats *out, const char *fn) {
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
-  if (out->struct_size < sizeof(sg_memory_stats) || out->struct_size > sizeof(sg_memory_stats))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out->struct_size %zu, expected %zu", fn,
-                   out->struct_size, sizeof(sg_memory_stats));
+  /* 0.2's layout ended before host_bytes; both are published. */
+  if (out->struct_size != sizeof(sg_memory_stats) &&
+      out->struct_size != offsetof(sg_memory_stats, host_bytes))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out->struct_size %zu, expected %zu (or 0.2's %zu)",
+                   fn, out->struct_size, sizeof(sg_memory_stats),
+                   offsetof(sg_memory_stats, host_bytes));
   return SG_OK;
 }
 
