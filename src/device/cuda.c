@@ -294,6 +294,14 @@ static sg_status sg__cuda_enter_queue(sg__cuda_dev *d, sg__queue q, const char *
   return sg__jobq_wait_all(&d->q, INT64_MAX, fn);
 }
 
+/* The checks of every op that issues work to queue q: a device, a known queue, and (see
+ * sg__cuda_enter_queue) the queued jobs finished first. */
+static sg_status sg__cuda_queue_op(sg__cuda_dev *d, sg__queue q, const char *fn) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  SG_TRY(sg__cuda_check_queue(q, fn));
+  return sg__cuda_enter_queue(d, q, fn);
+}
+
 /* ---- memory ----------------------------------------------------------------------------- */
 
 /* Device memory (cudaMalloc) or pinned host memory (cudaMallocHost); 0 bytes still gets a
@@ -384,9 +392,7 @@ static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const v
   static const char fn[] = "sg__device_cuda.copy";
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
   if (bytes == 0) return SG_OK;
   if (!dst || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   enum cudaMemcpyKind k;
@@ -410,9 +416,7 @@ static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t 
   static const char fn[] = "sg__device_cuda.zero";
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
   if (bytes == 0) return SG_OK;
   if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   SG_TRY(sg__cuda_enter(d, fn));
@@ -424,42 +428,46 @@ static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t 
 
 static int sg__cuda_dtype_ok(int dt) { return dt == SG_F32 || dt == SG_BF16 || dt == SG_F16; }
 
-static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, int acc_dtype,
-                                      const void *src, int src_dtype, size_t n) {
-  static const char fn[] = "sg__device_cuda.accumulate";
+/* accumulate and cast: one launcher of that shape over dst and src, each f32/bf16/f16. */
+typedef struct sg__cuda_conv_op {
+  const char *fn;       /* the vtable op, for messages */
+  const char *dst_name; /* its destination's name in messages */
+  int (*launch)(sg__cuda_launch L, void *dst, int dst_dtype, const void *src, int src_dtype,
+                size_t n);
+  const char *call; /* the launcher, for CUDA errors */
+} sg__cuda_conv_op;
+
+static sg_status sg__cuda_convert(sg__device *dev, sg__queue q, void *dst, int dst_dtype,
+                                  const void *src, int src_dtype, size_t n,
+                                  const sg__cuda_conv_op *op) {
+  const char *fn = op->fn;
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
-  /* any acc dtype: f32/bf16 accumulators, and f16 gradient slots (sg_grad_add) */
-  if (!sg__cuda_dtype_ok(acc_dtype) || !sg__cuda_dtype_ok(src_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (acc %d, src %d)", fn, acc_dtype,
-                   src_dtype);
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
+  if (!sg__cuda_dtype_ok(dst_dtype) || !sg__cuda_dtype_ok(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%s %d, src %d)", fn, op->dst_name,
+                   dst_dtype, src_dtype);
   if (n == 0) return SG_OK;
-  if (!acc || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  if (!dst || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   SG_TRY(sg__cuda_enter(d, fn));
-  SG__CU_LAUNCH(sg__cuda_accumulate(sg__cuda_launch_on(d, q), acc, acc_dtype, src, src_dtype, n),
-                fn);
+  const int rc = op->launch(sg__cuda_launch_on(d, q), dst, dst_dtype, src, src_dtype, n);
+  if (rc != 0) return sg__cuda_err((cudaError_t)rc, fn, op->call, __FILE__, __LINE__);
   return sg__cuda_after(d, q, fn);
+}
+
+/* any acc dtype: f32/bf16 accumulators, and f16 gradient slots (sg_grad_add) */
+static sg_status sg__cudev_accumulate(sg__device *dev, sg__queue q, void *acc, int acc_dtype,
+                                      const void *src, int src_dtype, size_t n) {
+  static const sg__cuda_conv_op op = {"sg__device_cuda.accumulate", "acc", sg__cuda_accumulate,
+                                      "sg__cuda_accumulate"};
+  return sg__cuda_convert(dev, q, acc, acc_dtype, src, src_dtype, n, &op);
 }
 
 static sg_status sg__cudev_cast(sg__device *dev, sg__queue q, void *dst, int dst_dtype,
                                 const void *src, int src_dtype, size_t n) {
-  static const char fn[] = "sg__device_cuda.cast";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
-  if (!sg__cuda_dtype_ok(dst_dtype) || !sg__cuda_dtype_ok(src_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (dst %d, src %d)", fn, dst_dtype,
-                   src_dtype);
-  if (n == 0) return SG_OK;
-  if (!dst || !src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
-  SG_TRY(sg__cuda_enter(d, fn));
-  SG__CU_LAUNCH(sg__cuda_cast(sg__cuda_launch_on(d, q), dst, dst_dtype, src, src_dtype, n), fn);
-  return sg__cuda_after(d, q, fn);
+  static const sg__cuda_conv_op op = {"sg__device_cuda.cast", "dst", sg__cuda_cast,
+                                      "sg__cuda_cast"};
+  return sg__cuda_convert(dev, q, dst, dst_dtype, src, src_dtype, n, &op);
 }
 
 static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
@@ -467,9 +475,7 @@ static sg_status sg__cudev_reduce_sum(sg__device *dev, sg__queue q, void *dst,
   static const char fn[] = "sg__device_cuda.reduce_sum";
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
   if (!sg__cuda_dtype_ok(dtype) && dtype != 3)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
   if (nsrc < 1 || nsrc > SG__CUDA_MAX_SRCS)
@@ -507,8 +513,7 @@ static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, in
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d || !sumsq || !nonfinite) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
   if (!sg__cuda_dtype_ok(dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
   *sumsq = 0.0;
@@ -884,8 +889,11 @@ static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const c
   return SG_OK;
 }
 
-static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
-  static const char fn[] = "sg__device_cuda.comm_wait";
+/* comm_wait (the host waits until deadline_ms) and compute_wait_comm (stream_wait: the compute
+ * stream waits; the deadline applies to whoever waits on the host later). A host-driven
+ * worker job's CUDA work is complete when the job is: for it, a host wait on the queue. */
+static sg_status sg__cuda_ticket_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms,
+                                      int stream_wait, const char *fn) {
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
@@ -895,6 +903,10 @@ static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t d
   if (done) return SG_OK;
   if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
+  if (stream_wait) {
+    SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
+    return SG_OK;
+  }
   SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, w), NULL, deadline_ms, fn));
   pthread_mutex_lock(&d->mu);
   if (d->done_ticket < ticket) d->done_ticket = ticket;
@@ -902,22 +914,13 @@ static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t d
   return SG_OK;
 }
 
+static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
+  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 0, "sg__device_cuda.comm_wait");
+}
+
 static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
                                              int64_t deadline_ms) {
-  static const char fn[] = "sg__device_cuda.compute_wait_comm";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  int done, host = 0;
-  uint64_t w = 0;
-  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host));
-  if (done) return SG_OK;
-  /* A worker job's CUDA work is complete when the job is: a host wait is enough. */
-  if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
-  SG_TRY(sg__cuda_enter(d, fn));
-  /* A stream wait, not a host wait: the deadline applies to whoever waits on the host later. */
-  SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
-  return SG_OK;
+  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 1, "sg__device_cuda.compute_wait_comm");
 }
 
 static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
@@ -983,8 +986,7 @@ static sg_status sg__cudev_mark(sg__device *dev, void *marks, size_t i, sg__queu
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d || !marks) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
   SG_TRY(sg__cuda_enter(d, fn));
   SG__CU(cudaEventRecord(((cudaEvent_t *)marks)[i], sg__cuda_stream(d, q)), fn);
   return SG_OK;
