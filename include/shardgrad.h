@@ -115,6 +115,20 @@ SG_API void sg_comm_destroy(sg_comm *c);
  * SG_ERR_UNSUPPORTED for NCCL communicators (split the MPI communicator they were made from). */
 SG_API sg_status sg_comm_split(sg_comm *c, int color, int key, sg_comm **out);
 
+/* Collective over c: the two communicators of a hybrid layout (sg_engine_create_hybrid), N
+ * nodes of L ranks each. *shard holds the ranks of this rank's node (ranked as in c); *replica
+ * the ranks with this rank's index in their node, one per node (ranked by node, nodes ordered
+ * by their lowest rank in c). ranks_per_node > 0: nodes are blocks of that many consecutive
+ * ranks of c; 0: the ranks sharing a host (MPI: MPI_COMM_TYPE_SHARED; otherwise the host name;
+ * local thread communicators: all ranks are one node). Both are independent of c, as with
+ * sg_comm_split, and made in one rendezvous (same rules and 10-minute bound).
+ * SG_ERR_MISMATCH on every rank, c still usable, when the nodes would differ in size (world not
+ * a multiple of ranks_per_node, hosts with different numbers of ranks) or the ranks pass
+ * different ranks_per_node; a rank's bad argument (NULL shard or replica, ranks_per_node < 0)
+ * is SG_ERR_INVALID_ARGUMENT there and SG_ERR_MISMATCH on the others. On failure both are NULL. */
+SG_API sg_status sg_comm_split_nodes(sg_comm *c, int ranks_per_node, sg_comm **shard,
+                                     sg_comm **replica);
+
 /* What this rank moved over a communicator since it was made: every collective of every engine
  * on it (and of sg_comm_split), in the bytes a bandwidth-optimal algorithm moves, as nccl-tests'
  * bus bandwidth counts them: an all-reduce of S bytes over W ranks sends and receives

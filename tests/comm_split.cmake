@@ -8,3 +8,9 @@ sg_add_test(test_comm_stats SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_stats.
   TIMEOUT 120)
 sg_add_mpi_test(test_comm_stats_mpi_np2 EXE test_comm_stats NP 2 ARGS --mpi TIMEOUT 120)
 sg_add_mpi_test(test_comm_stats_mpi_np3 EXE test_comm_stats NP 3 ARGS --mpi TIMEOUT 120)
+# sg_comm_split_nodes: threads (W = 1..6 and 8, every ranks_per_node dividing W, mismatches and
+# argument errors) and MPI at np 4 (2 x 2, 4 x 1, 1 x 4; by host: one node under plain mpirun).
+sg_add_test(test_comm_split_nodes SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_split_nodes.c
+  LABELS local TIMEOUT 120)
+sg_add_mpi_test(test_comm_split_nodes_mpi_np4 EXE test_comm_split_nodes NP 4 ARGS --mpi
+  TIMEOUT 120)

@@ -45,6 +45,7 @@ PROTOTYPES = {
     "sg_comm_create_local": (_status, [_c_int, _pp]),
     "sg_comm_create_mpi": (_status, [_vp, _pp]),
     "sg_comm_split": (_status, [_vp, _c_int, _c_int, _pp]),
+    "sg_comm_split_nodes": (_status, [_vp, _c_int, _pp, _pp]),
     "sg_comm_stats": (_status, [_vp, _vp]),
     "sg_comm_rank": (_c_int, [_vp]),
     "sg_comm_size": (_c_int, [_vp]),
@@ -111,7 +112,7 @@ OPTIONAL = frozenset({
     "sg_save", "sg_load", "sg_export", "sg_import", "sg_get_step", "sg_get_lr",
     "sg_trace_start", "sg_trace_stop", "sg_trace_mark", "sg_trace_events", "sg_trace_write",
     "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group", "sg_comm_split",
-    "sg_comm_stats", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
+    "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
 })
 
 

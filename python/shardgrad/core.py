@@ -173,6 +173,23 @@ class Comm:
         _call("sg_comm_split", self.handle, color, key, ctypes.byref(h))
         return Comm(h.value, self.kind) if h.value else None
 
+    def split_nodes(self, ranks_per_node=0):
+        """Collective: (shard, replica), the two communicators of a hybrid layout of N nodes
+        of L ranks (sg_comm_split_nodes). shard: the ranks of this rank's node; replica: the
+        ranks with this rank's index in their node, one per node, in node order. Nodes are
+        blocks of `ranks_per_node` consecutive ranks, or with 0 the ranks sharing a host (MPI:
+        shared memory; threads: all of them). Nodes of different sizes raise MismatchError on
+        every rank. Close both yourself; they do not depend on this one staying open."""
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+            raise TypeError("Comm.split_nodes: ranks_per_node must be an int, got %r"
+                            % (ranks_per_node,))
+        # out of int range: the library's own check, on every rank, as for any other bad value
+        rpn = ranks_per_node if -2**31 <= ranks_per_node < 2**31 else -1
+        shard, replica = ctypes.c_void_p(), ctypes.c_void_p()
+        _call("sg_comm_split_nodes", self.handle, rpn, ctypes.byref(shard),
+              ctypes.byref(replica))
+        return Comm(shard.value, self.kind), Comm(replica.value, self.kind)
+
     def stats(self):
         """What this rank moved over the communicator (every engine on it included): a dict
         with bytes_sent, bytes_received and collectives, in bus bytes (see sg_comm_stats)."""

@@ -464,7 +464,7 @@ static void local_unbind(sg_comm *chan) {
 static const sg__comm_ops local_ops = {
     "local",         local_all_reduce, local_reduce_scatter, local_all_gather,
     local_broadcast, local_bind,       local_unbind,         local_destroy,
-    sg__comm_split_threads,
+    sg__comm_split_threads, NULL, /* node_leader: by host name (all threads share one) */
 };
 
 static sg_status group_create(int world, lgroup **out) {

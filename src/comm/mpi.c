@@ -182,7 +182,8 @@ static sg_status host_broadcast(sg_comm *c, void *buf, size_t bytes, int root, i
 
 /* The host-memory collectives, for the staging wrapper. */
 static const sg__comm_ops mpi_host_ops = {"mpi", host_all_reduce, host_reduce_scatter,
-                                          host_all_gather, host_broadcast, NULL, NULL, NULL, NULL};
+                                          host_all_gather, host_broadcast, NULL, NULL, NULL, NULL,
+                                          NULL};
 
 static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
   if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
@@ -252,9 +253,11 @@ static sg_status mpi_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeo
 static sg_status mpi_split(sg_comm *chan, const int *colors, const int *keys, int64_t dl,
                            sg_comm **out);
 
+static sg_status mpi_node_leader(sg_comm *chan, int64_t dl, int *leader);
+
 static const sg__comm_ops mpi_ops = {
     "mpi",    mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather, mpi_broadcast,
-    mpi_bind, mpi_unbind,     mpi_destroy,        mpi_split,
+    mpi_bind, mpi_unbind,     mpi_destroy,        mpi_split,      mpi_node_leader,
 };
 
 /* Every rank has arrived (sg_comm_split gathered the colors over this channel), so the blocking
@@ -273,6 +276,28 @@ static sg_status mpi_split(sg_comm *chan, const int *colors, const int *keys, in
   const sg_status st = sg_comm_create_mpi(&nc, out);
   MPI_Comm_free(&nc);
   return st;
+}
+
+/* The ranks MPI says share memory with this one (MPI_COMM_TYPE_SHARED: one node); the lowest
+ * of them in chan. Every rank has arrived (sg_comm_split_nodes gathered its arguments over the
+ * channel first), so the blocking MPI_Comm_split_type cannot wait for a missing peer. */
+static sg_status mpi_node_leader(sg_comm *chan, int64_t dl, int *leader) {
+  static const char fn[] = "sg_comm_split_nodes(mpi)";
+  (void)dl;
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Group gnode = MPI_GROUP_NULL, gall = MPI_GROUP_NULL;
+  const int zero = 0;
+  int rc = MPI_Comm_split_type(mc(chan)->comm, MPI_COMM_TYPE_SHARED, chan->rank, MPI_INFO_NULL,
+                               &node);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_group(node, &gnode);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_group(mc(chan)->comm, &gall);
+  if (rc == MPI_SUCCESS) rc = MPI_Group_translate_ranks(gnode, 1, &zero, gall, leader);
+  if (gnode != MPI_GROUP_NULL) MPI_Group_free(&gnode);
+  if (gall != MPI_GROUP_NULL) MPI_Group_free(&gall);
+  if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+  if (rc != MPI_SUCCESS)
+    return sg__comm_fail(chan, SG_ERR_COMM, fn, "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) failed (%d)", rc);
+  return SG_OK;
 }
 
 /* MPI_Comm_idup, polled until the deadline (a duplicate is collective: a peer that never

@@ -549,6 +549,7 @@ static const sg__comm_ops sg__nccl_ops = {
     sg__nccl_unbind,
     sg__nccl_destroy,
     NULL, /* split: not yet (split the MPI communicator, then make NCCL ones per part) */
+    NULL, /* node_leader: by host name */
 };
 
 /* ---- channels --------------------------------------------------------------------------------- */

@@ -57,6 +57,10 @@ typedef struct sg__comm_ops {
    * Collective over the channel. NULL: the backend cannot split. */
   sg_status (*split)(sg_comm *chan, const int *colors, const int *keys, int64_t deadline_ms,
                      sg_comm **out);
+  /* sg_comm_split_nodes with ranks_per_node 0, on the same kind of channel once every rank has
+   * arrived: *leader = the lowest rank of the channel on this rank's node (MPI: the ranks that
+   * share memory). Collective over the channel. NULL: nodes by host name. */
+  sg_status (*node_leader)(sg_comm *chan, int64_t deadline_ms, int *leader);
 } sg__comm_ops;
 
 struct sg_comm {
@@ -91,6 +95,8 @@ void sg__comm_channel_init(sg_comm *chan, const sg_comm *c, const sg__comm_ops *
 /* The local backend's split (sg_split.c): a new group of threads per color. */
 sg_status sg__comm_split_threads(sg_comm *chan, const int *colors, const int *keys,
                                  int64_t deadline_ms, sg_comm **out);
+/* The rank that becomes rank 0 of `rank`'s color (colors[rank] >= 0). */
+int sg__comm_split_leader(const int *colors, const int *keys, int world, int rank);
 /* New rank of `rank` among the ranks of its color, ranked by (key, rank); -1 for a negative
  * color. *size receives the number of ranks of that color. */
 int sg__comm_split_rank(const int *colors, const int *keys, int world, int rank, int *size);
