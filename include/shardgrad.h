@@ -111,8 +111,10 @@ SG_API void sg_comm_destroy(sg_comm *c);
  * The new communicator is independent of c (either may be destroyed first) and of c's engines;
  * every rank calls it in the same order relative to its other collective calls on c (engine
  * creation included), from one thread per rank. Local: a group of threads of its own; MPI:
- * MPI_Comm_split. Waits at most 10 minutes for every rank of c (SG_ERR_TIMEOUT, c broken).
- * SG_ERR_UNSUPPORTED for NCCL communicators (split the MPI communicator they were made from). */
+ * MPI_Comm_split; NCCL: ncclCommSplit (on the same GPU), or with an NCCL before 2.18 a fresh
+ * unique id per part handed out over c, which works only as the first use of c (no engine on it
+ * before: later engines and splits of c then need ncclCommSplit, SG_ERR_UNSUPPORTED). Waits at
+ * most 10 minutes for every rank of c (SG_ERR_TIMEOUT, c broken). */
 SG_API sg_status sg_comm_split(sg_comm *c, int color, int key, sg_comm **out);
 
 /* Collective over c: the two communicators of a hybrid layout (sg_engine_create_hybrid), N

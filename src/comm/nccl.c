@@ -12,9 +12,14 @@
  * made). Every call leaves the calling thread's current CUDA device as it found it.
  *
  * Channels: the first one uses the communicator's NCCL communicator; later ones (a second
- * engine, or the next engine after one was destroyed) get a split of it (ncclCommSplit, NCCL
- * >= 2.18; refused with SG_ERR_UNSUPPORTED before), non-blocking and waited for with the
- * engine's deadline, so that the collectives of two engines never share NCCL's queue.
+ * engine, or the next engine after one was destroyed, or the rendezvous of an sg_comm_split)
+ * get a split of it (ncclCommSplit, NCCL >= 2.18; refused with SG_ERR_UNSUPPORTED before),
+ * non-blocking and waited for with the engine's deadline, so that the collectives of two
+ * engines never share NCCL's queue.
+ *
+ * sg_comm_split: ncclCommSplit with the caller's color and key on the rendezvous channel, or,
+ * without it, a fresh unique id per color made by its new rank 0 and all-gathered over the
+ * channel (host memory, staged), each new communicator then initialized from its id.
  *
  * Communicators are created non-blocking (ncclConfig_t.blocking = 0), so that initialization
  * and every enqueue can be waited for with a deadline: calls may return ncclInProgress, and a
@@ -538,6 +543,10 @@ static void sg__nccl_destroy(sg_comm *c) {
 static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                                sg_comm **chan);
 static void sg__nccl_unbind(sg_comm *chan);
+static sg_status sg__nccl_split_op(sg_comm *chan, const int *colors, const int *keys,
+                                   int64_t deadline_ms, sg_comm **out);
+static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const ncclUniqueId *id,
+                              ncclComm_t made, int ordinal, sg_comm **out, const char *fn);
 
 static const sg__comm_ops sg__nccl_ops = {
     "nccl",
@@ -548,7 +557,7 @@ static const sg__comm_ops sg__nccl_ops = {
     sg__nccl_bind,
     sg__nccl_unbind,
     sg__nccl_destroy,
-    NULL, /* split: not yet (split the MPI communicator, then make NCCL ones per part) */
+    sg__nccl_split_op,
     NULL, /* node_leader: by host name */
 };
 
@@ -573,22 +582,22 @@ static sg_status sg__nccl_attach(sg_comm *chan, sg__device *dev, int timeout_ms,
   return SG_OK;
 }
 
-/* A split of p over the same ranks (color 0, key = rank), non-blocking, waited for until the
+/* ncclCommSplit of p (NCCL_SPLIT_NOCOLOR: *out = NULL), non-blocking, waited for until the
  * deadline (the init timeout when there is none). A failure breaks c: ranks that split and
  * ranks that did not are out of step. */
-static sg_status sg__nccl_split(sg_comm *c, sg__nccl *p, int64_t deadline_ms, ncclComm_t *out,
-                                const char *fn) {
+static sg_status sg__nccl_split(sg_comm *c, sg__nccl *p, int color, int key, int64_t deadline_ms,
+                                ncclComm_t *out, const char *fn) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   ncclComm_t comm = NULL;
   if (deadline_ms == INT64_MAX) deadline_ms = sg__deadline(sg__nccl_init_timeout_ms());
-  ncclResult_t r = p->nc->CommSplit(p->comm, 0, c->rank, &comm, &cfg);
+  ncclResult_t r = p->nc->CommSplit(p->comm, color, key, &comm, &cfg);
   for (unsigned iter = 0; r == ncclInProgress && comm; iter++) {
     if (sg__nccl_expired(deadline_ms)) {
       (void)p->nc->CommAbort(comm);
       return sg__comm_fail(c, SG_ERR_TIMEOUT, fn,
-                           "ncclCommSplit for a new engine did not complete before the deadline "
-                           "(rank %d of %d; do all ranks create their engines in the same order?)",
+                           "ncclCommSplit did not complete before the deadline (rank %d of %d; "
+                           "do all ranks create their engines and split in the same order?)",
                            c->rank, c->world);
     }
     sg__nccl_backoff(iter);
@@ -610,8 +619,10 @@ static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int 
   sg__nccl *p = (sg__nccl *)c->impl;
   if (index > 0 && !p->nc->CommSplit)
     return sg__err(SG_ERR_UNSUPPORTED,
-                   "%s: a second engine on one NCCL communicator needs ncclCommSplit (NCCL >= "
-                   "2.18; this NCCL is %d): create another NCCL communicator for it",
+                   "%s: a second engine or sg_comm_split on one NCCL communicator needs "
+                   "ncclCommSplit (NCCL >= 2.18; this NCCL is %d): create another NCCL "
+                   "communicator for it (without ncclCommSplit only the first use, an engine or "
+                   "one sg_comm_split or sg_comm_split_nodes, has the communicator to itself)",
                    fn, p->nc->version);
   if (!p->comm) return sg__err(SG_ERR_COMM, "%s: the NCCL communicator was aborted", fn);
   sg_comm *ch = (sg_comm *)calloc(1, sizeof *ch);
@@ -634,7 +645,8 @@ static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int 
                     n->ordinal, cudaGetErrorString(e));
     goto fail;
   }
-  if (index > 0) SG_TRY_GOTO(sg__nccl_split(c, p, sg__deadline(timeout_ms), &n->comm, fn), st, fail);
+  if (index > 0)
+    SG_TRY_GOTO(sg__nccl_split(c, p, 0, c->rank, sg__deadline(timeout_ms), &n->comm, fn), st, fail);
   if (dev) SG_TRY_GOTO(sg__nccl_attach(ch, dev, timeout_ms, fn), st, fail);
   if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
   *chan = ch;
@@ -662,6 +674,66 @@ static void sg__nccl_unbind(sg_comm *chan) {
   if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
   free(n);
   free(chan);
+}
+
+/* ---- sg_comm_split ---------------------------------------------------------------------------- */
+
+#ifndef NCCL_SPLIT_NOCOLOR
+#define NCCL_SPLIT_NOCOLOR -1 /* <nccl.h> before 2.18 */
+#endif
+
+/* Without ncclCommSplit: the new rank 0 of each color makes an id, every rank takes its
+ * leader's from an all-gather over chan ([made flag, pad, id] per rank) and joins with it. */
+#define SG__NCCL_ID_SLOT (8 + SG__NCCL_ID_BYTES)
+static sg_status sg__nccl_split_by_ids(sg_comm *chan, const int *colors, const int *keys,
+                                       int64_t deadline_ms, sg_comm **out, const char *fn) {
+  sg__nccl *n = (sg__nccl *)chan->impl;
+  const int world = chan->world, me = chan->rank;
+  int size = 0;
+  const int nr = sg__comm_split_rank(colors, keys, world, me, &size);
+  unsigned char *slots = (unsigned char *)calloc((size_t)world, SG__NCCL_ID_SLOT);
+  if (!slots) return sg__comm_fail(chan, SG_ERR_OUT_OF_MEMORY, fn, "out of memory (world %d)", world);
+  unsigned char *mine = slots + (size_t)me * SG__NCCL_ID_SLOT;
+  ncclUniqueId id;
+  if (nr == 0 && n->nc->GetUniqueId(&id) == ncclSuccess) {
+    mine[0] = 1;
+    memcpy(mine + 8, id.internal, SG__NCCL_ID_BYTES);
+  }
+  sg_status st = chan->ops->all_gather(chan, slots, SG__NCCL_ID_SLOT, deadline_ms);
+  if (st == SG_OK && nr >= 0) {
+    const int lead = sg__comm_split_leader(colors, keys, world, me);
+    const unsigned char *theirs = slots + (size_t)lead * SG__NCCL_ID_SLOT;
+    if (!theirs[0]) {
+      st = sg__comm_fail(chan, SG_ERR_COMM, fn, "rank %d could not make the NCCL id of color %d",
+                         lead, colors[me]);
+    } else {
+      memcpy(id.internal, theirs + 8, SG__NCCL_ID_BYTES);
+      st = sg__nccl_new(n->nc, nr, size, &id, NULL, n->ordinal, out, fn);
+    }
+  }
+  free(slots);
+  return st;
+}
+
+/* sg_comm_split's part (sg_split.c has gathered every rank's color and key over chan, a host
+ * channel): ncclCommSplit of the channel's NCCL communicator where NCCL has it, else fresh ids
+ * handed out over the channel. The new communicator is on the same GPU. */
+static sg_status sg__nccl_split_op(sg_comm *chan, const int *colors, const int *keys,
+                                   int64_t deadline_ms, sg_comm **out) {
+  static const char fn[] = "sg_comm_split(nccl)";
+  sg__nccl *n = (sg__nccl *)chan->impl;
+  if (!n->nc->CommSplit) return sg__nccl_split_by_ids(chan, colors, keys, deadline_ms, out, fn);
+  const int me = chan->rank;
+  int size = 0, prev = -1;
+  const int nr = sg__comm_split_rank(colors, keys, chan->world, me, &size);
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  (void)cudaSetDevice(n->ordinal);
+  ncclComm_t made = NULL;
+  sg_status st = sg__nccl_split(chan, n->base, nr < 0 ? NCCL_SPLIT_NOCOLOR : colors[me], keys[me],
+                                deadline_ms, &made, fn);
+  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
+  if (st != SG_OK || nr < 0) return st;
+  return sg__nccl_new(n->nc, nr, size, NULL, made, n->ordinal, out, fn);
 }
 
 /* ---- creation ------------------------------------------------------------------------------- */
@@ -699,16 +771,20 @@ static sg_status sg__nccl_init_comm(const sg__nccl_lib *nc, int rank, int world,
   return SG_OK;
 }
 
+/* A communicator over `made` (an NCCL communicator of world ranks, e.g. from ncclCommSplit; it
+ * is ours from now on, also on failure), or, when made is NULL, over a new one joined with id. */
 static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const ncclUniqueId *id,
-                              int ordinal, sg_comm **out, const char *fn) {
+                              ncclComm_t made, int ordinal, sg_comm **out, const char *fn) {
   sg_comm *c = (sg_comm *)calloc(1, sizeof *c);
   sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
   sg_status st = SG_OK;
   int prev = -1;
   if (!c || !n) {
+    if (made) (void)nc->CommAbort(made);
     st = sg__err(SG_ERR_OUT_OF_MEMORY, "%s: communicator struct", fn);
     goto fail;
   }
+  n->comm = made;
   n->nc = nc;
   n->base = n;
   n->ordinal = ordinal;
@@ -725,7 +801,7 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
                     cudaGetErrorString(e));
     goto fail;
   }
-  SG_TRY_GOTO(sg__nccl_init_comm(nc, rank, world, id, &n->comm, fn), st, fail);
+  if (!made) SG_TRY_GOTO(sg__nccl_init_comm(nc, rank, world, id, &n->comm, fn), st, fail);
   SG_LOG(SG_LOG_INFO, rank, "nccl communicator: rank %d of %d on GPU %d", rank, world, ordinal);
   if (prev >= 0 && prev != ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
   *out = c;
@@ -780,7 +856,7 @@ sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_d
   SG_TRY(sg__nccl_lib_load(fn, &nc));
   ncclUniqueId id;
   SG_TRY(sg__nccl_bootstrap(nc, rank, world, id128, path, &id, fn));
-  sg_status st = sg__nccl_new(nc, rank, world, &id, ordinal, out, fn);
+  sg_status st = sg__nccl_new(nc, rank, world, &id, NULL, ordinal, out, fn);
   /* Every rank has read the file once initialization is over (it needs all of them). */
   if (path && rank == 0) (void)unlink(path);
   return st;

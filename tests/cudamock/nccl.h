@@ -71,7 +71,10 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error);
 ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
-/* Every rank passes color 0 (one new communicator over the same ranks, ordered by key). */
+/* As NCCL's: every rank of comm calls it (the k-th split of each rank meets); the ranks of one
+ * color >= 0 form a communicator, ranked by (key, rank); NCCL_SPLIT_NOCOLOR gives NULL. The mock
+ * blocks until every rank has called (at most 60 s), then joins like ncclCommInitRankConfig. */
+#define NCCL_SPLIT_NOCOLOR -1
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                            ncclConfig_t *config);
 ncclResult_t ncclGroupStart(void);

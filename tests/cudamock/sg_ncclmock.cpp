@@ -41,11 +41,18 @@ struct Coll {
   std::vector<std::vector<char>> out;  // per rank: its recv buffer's result, until delivered
 };
 
+// The k-th ncclCommSplit of every rank of a group: each rank's color and key, until all came.
+struct SplitRound {
+  std::vector<int> color, key;
+  int arrived = 0, left = 0;
+};
+
 struct Group {
   int world = 0;
   int joined = 0;
   std::vector<ncclComm *> members;
   std::map<uint64_t, std::shared_ptr<Coll>> colls;
+  std::map<uint64_t, SplitRound> splits;
 };
 
 }  // namespace
@@ -316,19 +323,41 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   return mine->joined == mine->world ? ncclSuccess : ncclSystemError;
 }
 
-// The k-th split of every rank of a group makes one new group, as an id would (key = rank;
-// color must be 0: the mock splits into one communicator over every rank).
+// The k-th split of every rank of a group: once all have come, the ranks of each color join a
+// new group through an id of (group, k, color), ranked by (key, rank), as an id would.
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                            ncclConfig_t *config) {
   ncclUniqueId id;
+  int size = 0, rank = 0;
   {
-    std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
-    if (!comm || !newcomm || color != 0 || key != comm->rank) return ncclInvalidArgument;
+    std::unique_lock<std::recursive_mutex> lk(sg_cudamock_lock());
+    if (!comm || !newcomm || color < NCCL_SPLIT_NOCOLOR) return ncclInvalidArgument;
+    *newcomm = nullptr;
+    std::shared_ptr<Group> g = comm->g;
+    const uint64_t k = comm->splits++;
+    SplitRound &s = g->splits[k];  // std::map: the reference survives other inserts
+    if (s.color.empty()) s.color.assign(g->world, 0), s.key.assign(g->world, 0);
+    s.color[comm->rank] = color;
+    s.key[comm->rank] = key;
+    s.arrived++;
+    for (int i = 0; i < 60000 && s.arrived < g->world; i++) {
+      lk.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      lk.lock();
+    }
+    if (s.arrived < g->world) return ncclSystemError;  // a peer never split: left in the table
+    for (int r = 0; r < g->world; r++)
+      if (s.color[r] == color) {
+        size++;
+        rank += s.key[r] < key || (s.key[r] == key && r < comm->rank);
+      }
+    if (++s.left == g->world) g->splits.erase(k);
+    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
     memset(id.internal, 0, sizeof id.internal);
-    snprintf(id.internal, sizeof id.internal, "sg-ncclmock-split-%p-%llu", (void *)comm->g.get(),
-             (unsigned long long)comm->splits++);
+    snprintf(id.internal, sizeof id.internal, "sg-ncclmock-split-%p-%llu-%d", (void *)g.get(),
+             (unsigned long long)k, color);
   }
-  return ncclCommInitRankConfig(newcomm, comm->g->world, id, comm->rank, config);
+  return ncclCommInitRankConfig(newcomm, size, id, rank, config);
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error) {
