@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # ctest test_cluster: brings up a simulated cluster of 2 nodes (scripts/cluster.sh, 1 Gbit/s
 # links), runs at np 4 as 2 nodes x 2 ranks the layout check (host names, shared-memory split,
-# private /dev/shm; plus a link measurement that is printed, not checked) and the MPI communicator
-# test, and takes the cluster down again, also when a step fails or the test is killed.
+# private /dev/shm; plus a link measurement that is printed, not checked), the MPI communicator
+# test and sg_comm_split_nodes by host (2 hosts of 2 ranks: a 2 x 2 layout), and takes the
+# cluster down again, also when a step fails or the test is killed.
 # Exit 77 (ctest SKIP_RETURN_CODE) where network namespaces are not permitted.
-#   usage: test_cluster.sh CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM
+#   usage: test_cluster.sh CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM TEST_COMM_SPLIT_NODES
 set -uo pipefail
-[ $# -eq 3 ] || { echo "usage: $0 CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM" >&2; exit 64; }
-cluster=$1 topo=$2 comm=$3
+[ $# -eq 4 ] || { echo "usage: $0 CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM TEST_COMM_SPLIT_NODES" >&2; exit 64; }
+cluster=$1 topo=$2 comm=$3 split_nodes=$4
 # a name of its own (this process), so that test runs in other build trees at the same time and
 # a cluster a user has up are left alone; clusters of earlier runs that were killed are pruned
 name=t$$
 cl() { "$cluster" --name "$name" "$@"; }
 
-cl check || exit 77
+if ! cl check; then
+  echo "test_cluster: skipped: network namespaces are not permitted here (scripts/cluster.sh check says why)"
+  exit 77
+fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 cleanup() { cl down; }
 trap cleanup EXIT
@@ -31,5 +35,8 @@ echo "layout check: $((SECONDS - t0))s"
 t0=$SECONDS
 run --ranks-per-node 2 "$comm" --mpi || rc=1
 echo "test_comm --mpi at np 4 (2 nodes x 2 ranks): $((SECONDS - t0))s"
+t0=$SECONDS
+run --ranks-per-node 2 "$split_nodes" --mpi --per-host 2 || rc=1
+echo "test_comm_split_nodes --mpi, nodes by host (2 x 2): $((SECONDS - t0))s"
 cl counters
 exit $rc
