@@ -112,6 +112,16 @@ typedef struct sg__ck_manifest {
   sg__ck_file *files;   /* [world] */
 } sg__ck_manifest;
 
+/* A growing byte buffer for the encoders (the manifest, the safetensors header). An append
+ * keeps a NUL after the bytes, so that text can be read as a string; after a failed allocation
+ * oom is set and later appends do nothing. The caller frees p. */
+typedef struct sg__ck_buf {
+  uint8_t *p;
+  size_t len, cap;
+  int oom;
+} sg__ck_buf;
+void sg__ck_buf_add(sg__ck_buf *b, const void *src, size_t n);
+
 /* Encodes m (checksum included) into a malloc'd buffer. */
 sg_status sg__ck_manifest_encode(const sg__ck_manifest *m, uint8_t **out, size_t *len);
 /* Parses and validates untrusted bytes: SG_ERR_CORRUPT naming `what` and the reason, or

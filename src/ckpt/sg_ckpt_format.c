@@ -29,17 +29,11 @@ uint32_t sg__ckpt_chunk_bytes(void) { return __atomic_load_n(&g_chunk_bytes, __A
 /* ---------------------------------------------------------------------------------------- */
 /* little-endian writer and bounds-checked reader                                            */
 
-typedef struct {
-  uint8_t *p;
-  size_t len, cap;
-  int oom;
-} wbuf;
-
-static void wb_bytes(wbuf *b, const void *src, size_t n) {
+void sg__ck_buf_add(sg__ck_buf *b, const void *src, size_t n) {
   if (b->oom) return;
-  if (b->len + n > b->cap) {
+  if (b->len + n + 1 > b->cap) {
     size_t cap = b->cap ? b->cap : 4096;
-    while (cap < b->len + n) cap *= 2;
+    while (cap < b->len + n + 1) cap *= 2;
     uint8_t *p = realloc(b->p, cap);
     if (!p) {
       b->oom = 1;
@@ -50,23 +44,24 @@ static void wb_bytes(wbuf *b, const void *src, size_t n) {
   }
   memcpy(b->p + b->len, src, n);
   b->len += n;
+  b->p[b->len] = 0;
 }
 
 static void put_le(uint8_t *dst, uint64_t v, int n) {
   for (int i = 0; i < n; i++) dst[i] = (uint8_t)(v >> (8 * i));
 }
-static void wb_uint(wbuf *b, uint64_t v, int n) {
+static void wb_uint(sg__ck_buf *b, uint64_t v, int n) {
   uint8_t t[8];
   put_le(t, v, n);
-  wb_bytes(b, t, (size_t)n);
+  sg__ck_buf_add(b, t, (size_t)n);
 }
-static void wb_u16(wbuf *b, uint64_t v) { wb_uint(b, v, 2); }
-static void wb_u32(wbuf *b, uint64_t v) { wb_uint(b, v, 4); }
-static void wb_u64(wbuf *b, uint64_t v) { wb_uint(b, v, 8); }
-static void wb_name(wbuf *b, const char *s) {
+static void wb_u16(sg__ck_buf *b, uint64_t v) { wb_uint(b, v, 2); }
+static void wb_u32(sg__ck_buf *b, uint64_t v) { wb_uint(b, v, 4); }
+static void wb_u64(sg__ck_buf *b, uint64_t v) { wb_uint(b, v, 8); }
+static void wb_name(sg__ck_buf *b, const char *s) {
   const size_t n = strlen(s);
   wb_u16(b, n);
-  wb_bytes(b, s, n);
+  sg__ck_buf_add(b, s, n);
 }
 
 typedef struct {
@@ -108,9 +103,9 @@ static uint32_t bits_of(float f) {
 /* ---------------------------------------------------------------------------------------- */
 /* manifest: encode                                                                          */
 
-static void encode_body(const sg__ck_manifest *m, wbuf *b) {
+static void encode_body(const sg__ck_manifest *m, sg__ck_buf *b) {
   const uint32_t version = m->version == 1 ? 1u : SG_CK_MANIFEST_VERSION;
-  wb_bytes(b, k_manifest_magic, 8);
+  sg__ck_buf_add(b, k_manifest_magic, 8);
   wb_u32(b, version);
   wb_u32(b, 0);
   wb_u64(b, 0); /* total bytes, patched at the end */
@@ -158,7 +153,7 @@ static void encode_body(const sg__ck_manifest *m, wbuf *b) {
 }
 
 sg_status sg__ck_manifest_encode(const sg__ck_manifest *m, uint8_t **out, size_t *len) {
-  wbuf b = {0};
+  sg__ck_buf b = {0};
   encode_body(m, &b);
   wb_u32(&b, 0); /* checksum slot */
   if (b.oom) {

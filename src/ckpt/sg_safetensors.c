@@ -22,50 +22,26 @@
 /* ---------------------------------------------------------------------------------------- */
 /* JSON text                                                                                 */
 
-typedef struct {
-  char *p;
-  size_t len, cap;
-  int oom;
-} sbuf;
-
-static void sb_add(sbuf *b, const char *s, size_t n) {
-  if (b->oom) return;
-  if (b->len + n + 1 > b->cap) {
-    size_t cap = b->cap ? b->cap : 4096;
-    while (cap < b->len + n + 1) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) {
-      b->oom = 1;
-      return;
-    }
-    b->p = p;
-    b->cap = cap;
-  }
-  memcpy(b->p + b->len, s, n);
-  b->len += n;
-  b->p[b->len] = 0;
-}
-
-static void sb_str(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+static void sb_str(sg__ck_buf *b, const char *s) { sg__ck_buf_add(b, s, strlen(s)); }
 
 /* A JSON string literal: quotes, backslashes and control characters escaped. */
-static void sb_json_string(sbuf *b, const char *s) {
-  sb_add(b, "\"", 1);
+static void sb_json_string(sg__ck_buf *b, const char *s) {
+  sg__ck_buf_add(b, "\"", 1);
   for (; *s; s++) {
     const unsigned char ch = (unsigned char)*s;
     char esc[8];
     if (ch == '"' || ch == '\\') {
       esc[0] = '\\';
       esc[1] = (char)ch;
-      sb_add(b, esc, 2);
+      sg__ck_buf_add(b, esc, 2);
     } else if (ch < 0x20) {
       snprintf(esc, sizeof esc, "\\u%04x", ch);
-      sb_add(b, esc, 6);
+      sg__ck_buf_add(b, esc, 6);
     } else {
-      sb_add(b, s, 1);
+      sg__ck_buf_add(b, s, 1);
     }
   }
-  sb_add(b, "\"", 1);
+  sg__ck_buf_add(b, "\"", 1);
 }
 
 /* Data offsets in plan order (the order the data are gathered and written). */
@@ -78,7 +54,7 @@ static sg_status export_header(const sg_engine *e, uint8_t **out, size_t *len) {
     begin[p->order[k]] = off;
     off += (uint64_t)e->reg.numels[p->order[k]] * 4;
   }
-  sbuf b = {0};
+  sg__ck_buf b = {0};
   sb_str(&b, "        {\"__metadata__\":{\"format\":\"pt\",\"producer\":\"shardgrad\",\"step\":\"");
   char num[96];
   snprintf(num, sizeof num, "%" PRIu64 "\"}", e->opt.step);
@@ -98,8 +74,8 @@ static sg_status export_header(const sg_engine *e, uint8_t **out, size_t *len) {
     free(b.p);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   }
-  for (int i = 0; i < 8; i++) b.p[i] = (char)((uint64_t)(b.len - 8) >> (8 * i));
-  *out = (uint8_t *)b.p;
+  for (int i = 0; i < 8; i++) b.p[i] = (uint8_t)((uint64_t)(b.len - 8) >> (8 * i));
+  *out = b.p;
   *len = b.len;
   return SG_OK;
 }

@@ -314,40 +314,59 @@ static int check_size(jp *j, const sg__st_entry *t) {
   return 1;
 }
 
-/* {"dtype": ..., "shape": [...], "data_offsets": [b, e], ...} */
-static int parse_tensor(jp *j, sg__st_entry *t, int *oom) {
-  int have = 0;
-  if (!eat(j, '{')) return 0;
-  if (eat(j, '}')) return 0;
+/* The members of an object, its '{' and the check for an empty one already done: each
+ * "key": value through member (which parses the value), up to the closing '}'. 0 on a failure. */
+typedef int (*jmember_fn)(jp *j, const char *key, void *ctx, int *oom);
+
+static int jmembers(jp *j, jmember_fn member, void *ctx, int *oom) {
   for (;;) {
     char *key = NULL;
     if (!jstring(j, &key, oom) || !eat(j, ':')) {
       free(key);
       return 0;
     }
-    int ok = 1;
-    if (strcmp(key, "dtype") == 0) {
-      char *dt = NULL;
-      ok = jstring(j, &dt, oom) && set_dtype(j, t, dt);
-      have |= 1;
-      free(dt);
-    } else if (strcmp(key, "shape") == 0) {
-      ok = parse_shape(j, t, &t->numel);
-      have |= 2;
-    } else if (strcmp(key, "data_offsets") == 0) {
-      ok = parse_offsets(j, t);
-      have |= 4;
-    } else {
-      ok = jskip(j, 1);
-    }
+    const int ok = member(j, key, ctx, oom);
     free(key);
     if (!ok) return 0;
-    if (eat(j, '}')) break;
+    if (eat(j, '}')) return 1;
     if (!eat(j, ',')) return 0;
   }
-  if (have != 7)
+}
+
+typedef struct tensor_ctx {
+  sg__st_entry *t;
+  int have; /* bits: 1 dtype, 2 shape, 4 data_offsets */
+} tensor_ctx;
+
+static int tensor_member(jp *j, const char *key, void *ctx, int *oom) {
+  tensor_ctx *c = ctx;
+  if (strcmp(key, "dtype") == 0) {
+    char *dt = NULL;
+    const int ok = jstring(j, &dt, oom) && set_dtype(j, c->t, dt);
+    c->have |= 1;
+    free(dt);
+    return ok;
+  }
+  if (strcmp(key, "shape") == 0) {
+    c->have |= 2;
+    return parse_shape(j, c->t, &c->t->numel);
+  }
+  if (strcmp(key, "data_offsets") == 0) {
+    c->have |= 4;
+    return parse_offsets(j, c->t);
+  }
+  return jskip(j, 1);
+}
+
+/* {"dtype": ..., "shape": [...], "data_offsets": [b, e], ...} */
+static int parse_tensor(jp *j, sg__st_entry *t, int *oom) {
+  tensor_ctx c = {t, 0};
+  if (!eat(j, '{')) return 0;
+  if (eat(j, '}')) return 0;
+  if (!jmembers(j, tensor_member, &c, oom)) return 0;
+  if (c.have != 7)
     return refuse(j, "tensor '%s' lacks %s", t->name,
-                  !(have & 1) ? "\"dtype\"" : !(have & 2) ? "\"shape\"" : "\"data_offsets\"");
+                  !(c.have & 1) ? "\"dtype\"" : !(c.have & 2) ? "\"shape\"" : "\"data_offsets\"");
   return check_size(j, t);
 }
 
@@ -366,6 +385,14 @@ const sg__st_entry *sg__st_find(const sg__st_entry *ent, size_t n, const char *n
   return n ? bsearch(&key, ent, n, sizeof *ent, entry_cmp) : NULL;
 }
 
+static int metadata_member(jp *j, const char *key, void *ctx, int *oom) {
+  (void)ctx;
+  if (peek(j) == '"') return jstring(j, NULL, oom);
+  if (!jskip(j, 2)) return 0;
+  return refuse(j, "\"__metadata__\" must map keys to strings (the value of '%.64s' is not a "
+                "string)", key);
+}
+
 /* "__metadata__": null, or an object whose values are all strings (the reference reads it as
  * a map from string to string). */
 static int parse_metadata(jp *j, int *oom) {
@@ -375,23 +402,7 @@ static int parse_metadata(jp *j, int *oom) {
     return refuse(j, "\"__metadata__\" must be an object of strings (or null)");
   }
   if (eat(j, '}')) return 1;
-  for (;;) {
-    char *key = NULL;
-    if (!jstring(j, &key, oom) || !eat(j, ':')) {
-      free(key);
-      return 0;
-    }
-    int ok = 1;
-    if (peek(j) == '"')
-      ok = jstring(j, NULL, oom);
-    else if ((ok = jskip(j, 2)))
-      ok = refuse(j, "\"__metadata__\" must map keys to strings (the value of '%.64s' is not a "
-                  "string)", key);
-    free(key);
-    if (!ok) return 0;
-    if (eat(j, '}')) return 1;
-    if (!eat(j, ',')) return 0;
-  }
+  return jmembers(j, metadata_member, NULL, oom);
 }
 
 /* One "name": value member of the top-level object; *t filled for tensors (skip = metadata). */
