@@ -32,6 +32,20 @@ sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn) {
   return SG_OK;
 }
 
+sg_status sg__engine_check_param(sg_engine *e, int id, const void *ptr, const char *what,
+                                 const char *fn) {
+  SG_TRY(sg__engine_check(e, fn, 1));
+  SG_TRY(sg__engine_check_id(e, id, fn));
+  if (!ptr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, what);
+  return SG_OK;
+}
+
+sg_status sg__engine_check_dtype(int dt, const char *what, const char *fn) {
+  if (!sg__dtype_valid(dt))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s %d is not a valid sg_dtype", fn, what, dt);
+  return SG_OK;
+}
+
 sg_status sg__engine_break(sg_engine *e, sg_status st, const char *where) {
   e->state = SG_ES_BROKEN;
   SG_LOG(SG_LOG_WARN, e->rank, "engine broken%s%s: %s", where ? " " : "", where ? where : "",
@@ -459,9 +473,7 @@ static char *param_at(const sg_engine *e, int id) {
 sg_status sg_param_ptr(sg_engine *e, int id, void **ptr) {
   SG_ENGINE_GUARD(e, "sg_param_ptr");
   static const char *fn = "sg_param_ptr";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!ptr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ptr is NULL", fn);
+  SG_TRY(sg__engine_check_param(e, id, ptr, "ptr", fn));
   *ptr = param_at(e, id);
   return SG_OK;
 }
@@ -484,20 +496,19 @@ static sg_status set_master_piece(sg_engine *e, const sg__piece *pc, void *ctx) 
                            pc->len * 4, SG_COPY_H2D);
 }
 
-static sg_status check_dtype_arg(int dt, const char *fn, const char *what) {
-  if (!sg__dtype_valid(dt))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s %d is not a valid sg_dtype", fn, what, dt);
-  return SG_OK;
+/* The checks of sg_set_param (to_host 0) and sg_get_param (to_host 1) on the host buffer and its
+ * dtype, then the step settled. */
+static sg_status host_param_begin(sg_engine *e, int id, const void *host, int dt, int to_host,
+                                  const char *fn) {
+  SG_TRY(sg__engine_check_param(e, id, host, to_host ? "host_dst" : "host_src", fn));
+  SG_TRY(sg__engine_check_dtype(dt, to_host ? "dst_dtype" : "src_dtype", fn));
+  return sg__err_prefix(sg__step_settle(e), fn);
 }
 
 sg_status sg_set_param(sg_engine *e, int id, const void *src, sg_dtype src_dtype) {
   SG_ENGINE_GUARD(e, "sg_set_param");
   static const char *fn = "sg_set_param";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_src is NULL", fn);
-  SG_TRY(check_dtype_arg(src_dtype, fn, "src_dtype"));
-  SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
+  SG_TRY(host_param_begin(e, id, src, src_dtype, 0, fn));
   const size_t n = e->reg.numels[id];
   void *work = malloc(n * psize(e));
   float *f32 = e->opt.master ? malloc(n * 4) : NULL;
@@ -522,11 +533,7 @@ done:
 sg_status sg_get_param(sg_engine *e, int id, void *dst, sg_dtype dst_dtype) {
   SG_ENGINE_GUARD(e, "sg_get_param");
   static const char *fn = "sg_get_param";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
-  SG_TRY(check_dtype_arg(dst_dtype, fn, "dst_dtype"));
-  SG_TRY(sg__err_prefix(sg__step_settle(e), fn));
+  SG_TRY(host_param_begin(e, id, dst, dst_dtype, 1, fn));
   const size_t n = e->reg.numels[id];
   void *work = malloc(n * psize(e));
   if (!work) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
@@ -575,9 +582,7 @@ void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_co
 sg_status sg_get_master(sg_engine *e, int id, float *dst) {
   SG_ENGINE_GUARD(e, "sg_get_master");
   static const char *fn = "sg_get_master";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
+  SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   SG_TRY(sg__grads_idle(e, fn));
   if (!e->opt.master) return sg_get_param(e, id, dst, SG_F32);
   return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.master, dst), fn);
@@ -586,9 +591,7 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   SG_ENGINE_GUARD(e, "sg_get_optim_state");
   static const char *fn = "sg_get_optim_state";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: host_dst is NULL", fn);
+  SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   if (which != 0 && which != 1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: which must be 0 (m) or 1 (v), got %d", fn, which);
   SG_TRY(sg__grads_idle(e, fn));

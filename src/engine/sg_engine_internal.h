@@ -104,6 +104,11 @@ struct sg_engine {
 /* Call-order and argument checks shared by the public functions. */
 sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready);
 sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn);
+/* sg__engine_check (finalized) and sg__engine_check_id, then ptr (the argument `what`) not NULL. */
+sg_status sg__engine_check_param(sg_engine *e, int id, const void *ptr, const char *what,
+                                 const char *fn);
+/* dt (the argument `what`) is an sg_dtype. */
+sg_status sg__engine_check_dtype(int dt, const char *what, const char *fn);
 sg_status sg__engine_check_group(int group, const char *fn);
 /* Marks the engine broken when st is the failure of a collective (ranks out of step for good)
  * and returns st; the failure text stays. */

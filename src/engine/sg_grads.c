@@ -213,9 +213,7 @@ static sg_status check_not_ready(sg_engine *e, int id, const char *fn) {
 sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr) {
   SG_ENGINE_GUARD(e, "sg_grad_ptr");
   static const char *fn = "sg_grad_ptr";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!ptr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ptr is NULL", fn);
+  SG_TRY(sg__engine_check_param(e, id, ptr, "ptr", fn));
   SG_TRY(check_not_ready(e, id, fn));
   char *p = NULL;
   SG_TRY(param_slot(e, id, &p, fn));
@@ -239,12 +237,8 @@ sg_status sg_grad_ready(sg_engine *e, int id) {
 sg_status sg_grad_add(sg_engine *e, int id, const void *src, sg_dtype src_dtype) {
   SG_ENGINE_GUARD(e, "sg_grad_add");
   static const char *fn = "sg_grad_add";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: src is NULL", fn);
-  if (!sg__dtype_valid(src_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: src_dtype %d is not a valid sg_dtype", fn,
-                   (int)src_dtype);
+  SG_TRY(sg__engine_check_param(e, id, src, "src", fn));
+  SG_TRY(sg__engine_check_dtype(src_dtype, "src_dtype", fn));
   SG_TRY(check_not_ready(e, id, fn));
   char *p = NULL;
   SG_TRY(param_slot(e, id, &p, fn));
