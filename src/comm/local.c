@@ -37,7 +37,13 @@
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_sum */
 #include "sg_comm.h"                          /* sg_comm, sg__comm_ops, sg__comm_fail */
 
-enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
+/* The collectives, numbered as sg__comm_count counts them. */
+enum {
+  OP_ALL_REDUCE = SG__COUNT_ALL_REDUCE,
+  OP_REDUCE_SCATTER = SG__COUNT_REDUCE_SCATTER,
+  OP_ALL_GATHER = SG__COUNT_ALL_GATHER,
+  OP_BROADCAST = SG__COUNT_BROADCAST
+};
 
 static const char *op_name(int op) {
   switch (op) {
@@ -291,25 +297,48 @@ static sg_status check_common(sg_comm *c, const char *fn, const void *buf, size_
   return SG_OK;
 }
 
+/* The start of every collective: the communicator usable, the call counted (reduce-scatter and
+ * all-gather: all world slices), the group still healthy, the arguments valid (a failure breaks
+ * the group for the peers), then the rendezvous. */
+static sg_status enter(sg_comm *c, const char *fn, const lpost *mine, int64_t deadline_ms) {
+  SG_TRY(sg__comm_usable(c, fn));
+  /* gathers and broadcasts count bytes, once (not per rank) */
+  const int bytes = mine->op == OP_ALL_GATHER || mine->op == OP_BROADCAST;
+  const int slices = mine->op == OP_REDUCE_SCATTER || mine->op == OP_ALL_GATHER;
+  const size_t b = bytes ? mine->count : mine->count * elem_size(mine->dtype);
+  sg__comm_count(c, mine->op, slices ? (size_t)c->world * b : b, mine->root);
+  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
+  if (mine->op == OP_BROADCAST && (mine->root < 0 || mine->root >= c->world)) {
+    sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root out of range (%d, world %d)", fn, mine->root,
+            c->world);
+    return fail_args(c, "passed invalid arguments");
+  }
+  if (check_common(c, fn, mine->buf, mine->count, mine->dtype, bytes) != SG_OK)
+    return fail_args(c, "passed invalid arguments");
+  return rendezvous(c, fn, mine, deadline_ms);
+}
+
+/* Elements [off, off + len) of every rank's buffer reduced into this rank's; dst aliases
+ * srcs[rank], which reduce_sum allows (others read only their own slices meanwhile). */
+static sg_status reduce_slice(sg_comm *c, const lpost *mine, size_t off, size_t len) {
+  const lgroup *g = group_of(c);
+  const size_t es = elem_size(mine->dtype);
+  const void **srcs = ((lcomm *)c)->srcs;
+  for (int k = 0; k < g->world; k++) srcs[k] = (const char *)g->posts[k].buf + off * es;
+  return lreduce(c, (char *)mine->buf + off * es, srcs, g->world, mine->dtype, len);
+}
+
 static sg_status local_all_reduce(sg_comm *c, void *buf, size_t count, int dtype,
                                   int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_reduce";
-  SG_TRY(sg__comm_usable(c, fn));
-  sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * elem_size(dtype), -1);
-  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
-  if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
-    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, count, OP_ALL_REDUCE, dtype, -1, -1};
-  SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
+  SG_TRY(enter(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
   const size_t es = elem_size(dtype);
-  const void **srcs = ((lcomm *)c)->srcs;
   size_t off, len;
-  sg_status st;
-  /* phase 1: this rank reduces its chunk into its own buffer (others read only their chunks) */
+  /* phase 1: this rank reduces its chunk into its own buffer */
   chunk_of(count, g->world, c->rank, &off, &len);
-  for (int k = 0; k < g->world; k++) srcs[k] = (const char *)g->posts[k].buf + off * es;
-  st = lreduce(c, (char *)buf + off * es, srcs, g->world, dtype, len);
+  sg_status st = reduce_slice(c, &mine, off, len);
   if (st != SG_OK) return fail_data(c, fn, st);
   SG_TRY(barrier(c, fn, deadline_ms, 1, 1));
   /* phase 2: copy every other chunk from its owner: all ranks end with the same bits */
@@ -325,32 +354,17 @@ static sg_status local_all_reduce(sg_comm *c, void *buf, size_t count, int dtype
 static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype,
                                       int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) reduce_scatter";
-  SG_TRY(sg__comm_usable(c, fn));
-  sg__comm_count(c, SG__COUNT_REDUCE_SCATTER, (size_t)c->world * count * elem_size(dtype), -1);
-  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
-  if (check_common(c, fn, buf, count, dtype, 0) != SG_OK)
-    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1, -1};
-  SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
-  lgroup *g = group_of(c);
-  const size_t off = (size_t)c->rank * count * elem_size(dtype);
-  const void **srcs = ((lcomm *)c)->srcs;
-  /* slice r of every buffer; dst aliases srcs[rank], which reduce_sum allows */
-  for (int k = 0; k < g->world; k++) srcs[k] = (const char *)g->posts[k].buf + off;
-  const sg_status st = lreduce(c, (char *)buf + off, srcs, g->world, dtype, count);
+  SG_TRY(enter(c, fn, &mine, deadline_ms));
+  const sg_status st = reduce_slice(c, &mine, (size_t)c->rank * count, count); /* slice r */
   if (st != SG_OK) return fail_data(c, fn, st);
   return barrier(c, fn, deadline_ms, 1, 0);
 }
 
 static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_gather";
-  SG_TRY(sg__comm_usable(c, fn));
-  sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
-  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
-  if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
-    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, bytes, OP_ALL_GATHER, 0, -1, -1};
-  SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
+  SG_TRY(enter(c, fn, &mine, deadline_ms));
   lgroup *g = group_of(c);
   /* slice k is read from its owner, where nobody writes it */
   for (int k = 0; k < g->world; k++) {
@@ -365,18 +379,8 @@ static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t d
 static sg_status local_broadcast(sg_comm *c, void *buf, size_t bytes, int root,
                                  int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) broadcast";
-  SG_TRY(sg__comm_usable(c, fn));
-  sg__comm_count(c, SG__COUNT_BROADCAST, bytes, root);
-  if (group_is_broken(group_of(c))) return fail_broken(c, fn);
-  if (root < 0 || root >= c->world) {
-    sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root out of range (%d, world %d)", fn, root, c->world);
-    return fail_args(c, "passed invalid arguments");
-  }
-  /* bytes counts once, not per rank */
-  if (check_common(c, fn, buf, bytes, 0, 1) != SG_OK)
-    return fail_args(c, "passed invalid arguments");
   const lpost mine = {buf, bytes, OP_BROADCAST, 0, root, -1};
-  SG_TRY(rendezvous(c, fn, &mine, deadline_ms));
+  SG_TRY(enter(c, fn, &mine, deadline_ms));
   if (c->rank != root) {
     const sg_status st = lcopy(c, buf, group_of(c)->posts[root].buf, bytes);
     if (st != SG_OK) return fail_data(c, fn, st);
