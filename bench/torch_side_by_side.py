@@ -24,7 +24,8 @@ and ratios against ddp measured in the same run.
 Run with 2 ranks under mpirun (from_torch then uses MPI for shardgrad, gloo serves torch):
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 2 -x OMP_NUM_THREADS=1 \\
       -x PYTHONPATH=python python3 bench/torch_side_by_side.py
-or under torchrun --nproc_per_node 2 when the library has the torch.distributed transport.
+or under torchrun (from_torch then sends shardgrad's bytes through the gloo group itself):
+  PYTHONPATH=python torchrun --nproc_per_node 2 bench/torch_side_by_side.py
 """
 import argparse
 import copy

@@ -100,6 +100,55 @@ SG_API sg_status sg_comm_create_local(int world, sg_comm **comms);
  * SG_ERR_UNSUPPORTED when built without MPI. */
 SG_API sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out);
 
+/* "Bring your own transport": a communicator whose bytes travel through the caller's
+ * point-to-point messages (torch.distributed's gloo process group, a custom fabric), under the
+ * library's collective algorithms (the ones the MPI communicator uses; fp32 sums, fixed order).
+ * Host memory only: an engine on a GPU gets SG_ERR_UNSUPPORTED (use an NCCL communicator).
+ *
+ * The library starts transfers with isend/irecv and learns of their completion only through
+ * sg_xport_done(token, ...), which the transport calls exactly once per started transfer, from
+ * any thread; callbacks should return at once (start the transfer, not wait for it). Every wait is the library's, with the engine's
+ * deadline (timeout_ms): a peer that never answers gives SG_ERR_TIMEOUT, after which the
+ * library cancels what is pending. Ranks call collectives in the same order (channels: tags
+ * differ per engine and per call, so messages of different engines or calls never match). */
+typedef struct sg_xport {
+  size_t struct_size; /* sizeof(sg_xport) */
+  const char *name;   /* in messages ("torch"); copied, at most 31 characters; NULL: "xport" */
+  void *user;         /* passed to every callback */
+  int threaded;       /* 1: the callbacks may be called from any thread (the engine's comm worker
+                         overlaps reductions with backward); 0: only from the threads that call
+                         the library (collectives then run inside sg_grad_ready, sg_step...) */
+  /* Start sending `bytes` (>= 1) from buf to rank `peer` (0..world-1, never this rank) under
+   * `tag` (0 <= tag < 2^31); messages from one rank to another with the same tag are received in
+   * the order they were sent. buf stays valid and unchanged until the transfer completes or is
+   * cancelled. Return 0 (then call sg_xport_done(token, ...) once it completes or fails), or
+   * nonzero with a NUL-terminated message in msg[msg_cap] (then never call it). */
+  int (*isend)(void *user, const void *buf, size_t bytes, int peer, int tag, void *token,
+               char *msg, size_t msg_cap);
+  /* Start receiving exactly `bytes` into buf from `peer` under `tag`; as isend. */
+  int (*irecv)(void *user, void *buf, size_t bytes, int peer, int tag, void *token, char *msg,
+               size_t msg_cap);
+  /* After a failure or a passed deadline the library gives up a started transfer whose
+   * completion it has not seen. After cancel returns, the transport never calls sg_xport_done
+   * with that token. Return 0 when the transfer will not touch its buffer any more, 1 when it
+   * may (the library then never frees a receive buffer of its own that was involved). */
+  int (*cancel)(void *user, void *token);
+  /* Called once, when the communicator is destroyed (after every engine on it): nothing will
+   * call the transport again and user may be freed. NULL: nothing to do. */
+  void (*release)(void *user);
+} sg_xport;
+
+/* A communicator of `world` ranks (1..65536) in which this process is rank `rank`, over the
+ * transport *t (copied; isend, irecv and cancel must be set). Not collective. sg_comm_split is
+ * not supported on it (SG_ERR_UNSUPPORTED). */
+SG_API sg_status sg_comm_create_xport(const sg_xport *t, int rank, int world, sg_comm **out);
+
+/* The transfer of `token` has completed (error = 0; for a receive, bytes = the bytes received)
+ * or failed (error != 0, msg: why, may be NULL). Exactly once per started transfer, never
+ * after cancel; may be called from any thread, also from inside isend/irecv. A token completed
+ * twice gives SG_ERR_INVALID_STATE; NULL SG_ERR_INVALID_ARGUMENT. */
+SG_API sg_status sg_xport_done(void *token, int error, size_t bytes, const char *msg);
+
 /* Rank and size, or -1 for NULL. */
 SG_API int sg_comm_rank(const sg_comm *c);
 SG_API int sg_comm_size(const sg_comm *c);

@@ -3,6 +3,8 @@
 
     # W ranks as processes (one rank per process, Comm.mpi):
     mpirun -np 2 python3 examples/python/train_lm.py
+    # W ranks as processes started by torchrun (gloo process group, Comm.from_torch):
+    torchrun --nproc_per_node 2 examples/python/train_lm.py
     # W ranks as threads of this process (Comm.local):
     python3 examples/python/train_lm.py --ranks 2
     # your own text instead of the generated corpus:
@@ -54,6 +56,10 @@ def under_mpirun():
                                          "SLURM_STEP_ID"))
 
 
+def under_torchrun():
+    return "TORCHELASTIC_RUN_ID" in os.environ and not under_mpirun()
+
+
 PROG = "train_lm.py"
 MAX_SEQ = 4096  # attention is O(seq^2) per head: 4096 is ~2 GiB of scores per layer at batch 8
 
@@ -93,9 +99,10 @@ def check_args(args):
              % (args.seq, MAX_SEQ, args.seq, args.seq))
     if args.ranks is not None and args.ranks > 64:
         fail("--ranks %d: at most 64 ranks as threads" % args.ranks)
-    if args.ranks is not None and under_mpirun():
-        fail("--ranks %d asks for threads, but mpirun started this process: each process "
-             "would train alone; drop --ranks (one rank per process)" % args.ranks)
+    if args.ranks is not None and (under_mpirun() or under_torchrun()):
+        fail("--ranks %d asks for threads, but %s started this process: each process "
+             "would train alone; drop --ranks (one rank per process)"
+             % (args.ranks, "mpirun" if under_mpirun() else "torchrun"))
     for name in ("trace", "plot"):
         path = getattr(args, name)
         if path is not None:
@@ -450,7 +457,7 @@ class Progress:
 
     def __init__(self, steps):
         self.steps, self.t0, self.drawn = steps, time.perf_counter(), 0.0
-        self.tty = sys.stdout.isatty() and not under_mpirun()
+        self.tty = sys.stdout.isatty() and not under_mpirun() and not under_torchrun()
 
     def eta(self, done):
         left = (time.perf_counter() - self.t0) / max(done, 1) * (self.steps - done)
@@ -536,23 +543,35 @@ def main(args):
 
     data = CharData(args.corpus if args.text else generate_corpus())
 
+    use_torch = args.ranks is None and under_torchrun()
     use_mpi = args.ranks is None and under_mpirun()
     local = 1 if use_mpi else (args.ranks or 1)
     if use_mpi:
         local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    if use_torch:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
 
     out = {}
-    if use_mpi:
-        comm = sg.Comm.mpi()
+    if use_mpi or use_torch:
+        if use_torch:  # torchrun's env:// rendezvous; shardgrad's bytes go through the group
+            import torch.distributed as dist
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+            if args.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            comm = sg.Comm.from_torch()
+        else:
+            comm = sg.Comm.mpi()
         rank, world = comm.rank, comm.size
         res = train_rank(comm, args, data, out)
         print_memory(rank, res)
+        kind = comm.kind
         comm.close()
+        if use_torch:
+            dist.destroy_process_group()
         if rank != 0:
             return 0
         results = [res]
-        kind = "mpi"
     else:
         sg.run_threads(local, train_rank, args, data, out)
         world, results, kind = local, [out[r] for r in range(local)], "local"

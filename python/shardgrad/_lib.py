@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from ._structs import SgConfig, SgHparams, SgMemoryStats, SgStepInfo, SgTraceEvent
+from ._structs import SgConfig, SgHparams, SgMemoryStats, SgStepInfo, SgTraceEvent, SgXport
 
 __all__ = ["LibraryNotFoundError", "load", "library_path", "PROTOTYPES", "OPTIONAL"]
 
@@ -104,6 +104,9 @@ PROTOTYPES = {
     "sg_get_hparams": (_status, [_vp, _c_int, ctypes.POINTER(SgHparams)]),
     "sg_set_hparams": (_status, [_vp, _c_int, ctypes.POINTER(SgHparams)]),
     "sg_grad_norm": (_status, [_vp, _fp]),
+    # a communicator over the caller's transport (torch.distributed: Comm.from_torch)
+    "sg_comm_create_xport": (_status, [ctypes.POINTER(SgXport), _c_int, _c_int, _pp]),
+    "sg_xport_done": (_status, [_vp, _c_int, _c_size, _c_char_p]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
@@ -113,6 +116,7 @@ OPTIONAL = frozenset({
     "sg_trace_start", "sg_trace_stop", "sg_trace_mark", "sg_trace_events", "sg_trace_write",
     "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group", "sg_comm_split",
     "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
+    "sg_comm_create_xport", "sg_xport_done",
 })
 
 

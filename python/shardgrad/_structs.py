@@ -9,7 +9,8 @@ import enum
 
 __all__ = ["Status", "DType", "Device", "Strategy", "TraceKind", "PARAM_NO_DECAY",
            "MAX_GROUPS", "SgConfig",
-           "SgStepInfo", "SgMemoryStats", "SgTraceEvent", "SgHparams"]
+           "SgStepInfo", "SgMemoryStats", "SgTraceEvent", "SgHparams", "SgXport",
+           "XPORT_SEND", "XPORT_RECV", "XPORT_CANCEL", "XPORT_RELEASE"]
 
 
 class Status(enum.IntEnum):
@@ -144,3 +145,20 @@ class SgHparams(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_size_t)] + [
         (n, ctypes.c_double) for n in ("lr", "weight_decay", "beta1", "beta2", "eps",
                                        "max_grad_norm")]
+
+
+# sg_xport's callbacks (a communicator over the caller's point-to-point transport)
+XPORT_SEND = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_size_t)
+XPORT_RECV = XPORT_SEND
+XPORT_CANCEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+XPORT_RELEASE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class SgXport(ctypes.Structure):
+    """sg_xport: the transport of sg_comm_create_xport."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("name", ctypes.c_char_p),
+                ("user", ctypes.c_void_p), ("threaded", ctypes.c_int),
+                ("isend", XPORT_SEND), ("irecv", XPORT_RECV), ("cancel", XPORT_CANCEL),
+                ("release", XPORT_RELEASE)]

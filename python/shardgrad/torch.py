@@ -107,7 +107,8 @@ from . import _lib
 from ._structs import MAX_GROUPS, DType, Device
 from .config import Config
 from .core import Comm, Engine, has_backend
-from .errors import InvalidArgumentError, InvalidStateError, MismatchError, UnsupportedError
+from .errors import (InvalidArgumentError, InvalidStateError, MismatchError, ShardgradError,
+                     UnsupportedError)
 
 __all__ = ["ShardedAdamW", "comm_from_torch", "default_bucket_bytes", "torch_dtype",
            "sg_dtype"]
@@ -177,7 +178,7 @@ def comm_from_torch(group=None):
             "(from_torch then uses MPI), or create the communicator with Comm.mpi()" % backend,
             function="python")
     from . import _torch_xport
-    return _torch_xport.create(dist, g, rank, world)
+    return _torch_xport.create(g, rank, world)
 
 
 def _nccl_from_torch(dist, g, rank, world):
@@ -1053,7 +1054,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Copies the parameters back into torch-owned memory, removes the hooks and lets the
         engine go: at once, or when the last tensor that still views the library's memory (a
         p.detach() made earlier, autograd's saved tensors) is gone. The model stays usable;
-        the optimizer does not."""
+        the optimizer does not. After a communication failure it still closes (the parameters
+        keep whatever the failed step left in them)."""
         if self._closed:
             return
         self._closed = True
@@ -1070,7 +1072,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not self._ready:
             e.close()  # no view of its memory was ever made
             return
-        e.param_wait(-1)  # overlap_param_gather: the copies need every bucket
+        try:
+            e.param_wait(-1)  # overlap_param_gather: the copies need every bucket
+        except ShardgradError:
+            pass  # a broken engine (a peer failed): copy the parameters as they are
         self._torch_waits()  # the copies read what the engine's stream last wrote
         with torch.no_grad():
             for _, p in self._named:

@@ -32,7 +32,7 @@ def _free_port():
 def _check(out, kind):
     with open(out) as f:
         res = json.load(f)
-    print("%s: %d ranks, global loss %s, max |param - torch.optim.AdamW| %.2g"
+    print("%s: %d ranks, global loss %s, max |param - DDP + torch.optim.AdamW| %.2g"
           % (res["kind"], res["world"], ["%.4f" % v for v in res["losses"]],
              res["max_diff_vs_torch"]))
     assert res["kind"] == kind and res["world"] == 2
@@ -77,3 +77,24 @@ def test_from_torch_under_torchrun(tmp_path):
         return
     assert r.returncode == 0, r.stdout + r.stderr
     _check(out, "torch")
+
+
+def test_torchrun_peer_process_dies(tmp_path):
+    """Rank 1 exits after building its optimizer: rank 0's step fails within the timeout (5 s)
+    with CommError (gloo saw the connection close) or TimeoutError, and closing works."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed beside %s" % sys.executable)
+    if not _lib.has("sg_comm_create_xport"):
+        pytest.skip("libshardgrad without the torch.distributed transport")
+    out = str(tmp_path / "dead.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                        HELPER, out, "dead"], env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert os.path.exists(out), r.stdout + r.stderr
+    with open(out) as f:
+        res = json.load(f)
+    print(res)
+    assert res["error"] in ("CommError", "ShardgradTimeoutError"), res
+    assert res["seconds"] < 30, res

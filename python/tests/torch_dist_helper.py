@@ -2,16 +2,23 @@
 (env:// rendezvous) or under mpirun (the torch rank from the MPI environment): it makes the
 process group itself, gets a shardgrad communicator from it (Comm.from_torch) and trains a
 small model with ShardedAdamW for a few steps, using the torch group for the loss all-reduce
-beside it. Rank 0 writes a JSON summary: the communicator kind, every step's global loss, and
-whether the ranks' parameters agree bitwise and equal a single-process torch.optim.AdamW run on
-the combined batch (within TOL).
+beside it, and trains the same model with torch.optim.AdamW under DistributedDataParallel on the
+same data. Rank 0 writes a JSON summary: the communicator kind, every step's global loss, whether
+the ranks' parameters agree bitwise, and the largest difference from the DDP run's parameters
+(TOL: the two sum the ranks' gradients in different orders, a few ulp per step).
 
-usage: torch_dist_helper.py OUT_JSON
+With a second argument `dead`, rank 1 exits right after building its optimizer, and rank 0's
+next step must fail (CommError: gloo reports the closed connection, or TimeoutError at the
+optimizer's timeout_ms) instead of hanging; rank 0 writes the error class, its text and how long
+the step took, then closes everything.
+
+usage: torch_dist_helper.py OUT_JSON [dead]
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,8 +51,10 @@ def main():
     comm = sg.Comm.from_torch()
     assert (comm.rank, comm.size) == (rank, world), (comm.rank, comm.size, rank, world)
     m = model()
+    if sys.argv[2:] == ["dead"]:
+        return peer_dies(out, comm, m, rank)
     opt = ShardedAdamW(m, comm, lr=1e-2, weight_decay=0.1, timeout_ms=60000)
-    ref = model()
+    ref = torch.nn.parallel.DistributedDataParallel(model())
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for s in range(STEPS):
@@ -57,14 +66,15 @@ def main():
         t = loss.detach().clone()
         dist.all_reduce(t)  # the torch group still works beside shardgrad's communicator
         losses.append(t.item() / world)
-        torch.nn.functional.mse_loss(ref(x), y).backward()
+        torch.nn.functional.mse_loss(ref(x[part]), y[part]).backward()
         ropt.step()
         ropt.zero_grad()
     flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
     same = all(torch.equal(everyone[0], e) for e in everyone)
-    diff = max((a - b).abs().max().item() for a, b in zip(m.parameters(), ref.parameters()))
+    diff = max((a - b).abs().max().item()
+               for a, b in zip(m.parameters(), ref.module.parameters()))
     kind = comm.kind
     opt.close()
     comm.close()
@@ -73,6 +83,25 @@ def main():
         with open(out, "w") as f:
             json.dump(dict(kind=kind, world=world, losses=losses, ranks_equal=same,
                            max_diff_vs_torch=diff, tol=TOL), f)
+
+
+def peer_dies(out, comm, m, rank):
+    opt = ShardedAdamW(m, comm, lr=1e-2, timeout_ms=5000)
+    if rank == 1:
+        os._exit(0)  # gone without a word: no close, no destroy_process_group
+    x, y = batch(0, 1)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    t0 = time.monotonic()
+    try:
+        opt.step()
+        err = None
+    except sg.ShardgradError as e:
+        err = e
+    took = time.monotonic() - t0
+    opt.close()
+    comm.close()
+    with open(out, "w") as f:
+        json.dump(dict(error=type(err).__name__ if err else None, text=str(err), seconds=took), f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""The torch.distributed transport of Comm.from_torch: a communicator (sg_comm_create_xport)
+whose bytes travel as torch.distributed sends and receives of uint8 CPU tensors over a process
+group (gloo), beside whatever else the application does with that group.
+
+How a transfer runs. The engine's comm worker (a C thread) calls isend/irecv through ctypes,
+which takes the GIL for the callback: it wraps the library's buffer in a tensor without copying
+(torch.frombuffer), posts ProcessGroup.send/recv, and hands the Work to a waiter thread. gloo's
+send/recv Work completes only inside Work.wait() (is_completed() stays False, there is no
+future), so a waiter blocks in wait() (torch releases the GIL there) and then reports the
+result with sg_xport_done. The library polls its own record of the transfer, never Python, so
+a waiting comm worker does not compete for the GIL. Waiters are a pool that grows to the
+number of transfers in flight (a handful per collective) and is reused.
+
+Deadlines are the library's: a transfer that does not finish in time is cancelled (the Work is
+kept alive, with its tensor, for as long as gloo might still use the buffer) and the engine's
+call fails with TimeoutError. A failed Work (peer gone: gloo reports the closed connection)
+fails the call with CommError carrying torch's message.
+
+Every callback catches everything (an exception must never cross into C) and answers with a
+status and a message. The callbacks are module-level ctypes objects that live as long as the
+process, and each communicator's state is found through an integer key, so no callback can run
+after its function object was freed, whatever is closed or collected first.
+
+Tags: the library's tags (channel and call) are below 2^31; the application's own point-to-point
+messages on the same group should use other tags or another group.
+"""
+
+import ctypes
+import itertools
+import queue
+import threading
+
+import torch
+
+from . import _lib
+from ._structs import XPORT_CANCEL, XPORT_RECV, XPORT_RELEASE, XPORT_SEND, SgXport
+
+__all__ = ["create", "TorchTransport"]
+
+
+class _Waiters:
+    """Daemon threads that block in Work.wait(); at least one free thread per queued job, so a
+    transfer never waits behind another that cannot finish before it."""
+
+    def __init__(self):
+        self._q = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self.threads = 0
+
+    def submit(self, job):
+        with self._lock:
+            spawn = self._idle == 0
+            if spawn:
+                self.threads += 1
+            else:
+                self._idle -= 1
+        if spawn:
+            threading.Thread(target=self._run, name="shardgrad-xport-wait", daemon=True).start()
+        self._q.put(job)
+
+    def _run(self):
+        while True:
+            job = self._q.get()
+            try:
+                job()
+            except BaseException:  # a job reports its own failures; never lose the thread
+                pass
+            with self._lock:
+                self._idle += 1
+
+
+_waiters = _Waiters()
+_transports = {}  # key -> TorchTransport, until the library releases it
+_keys = itertools.count(1)  # 0 would reach the callbacks as None
+_kept = []  # (work, tensor) of cancelled transfers gloo may still touch: never freed
+
+
+class TorchTransport:
+    """One communicator's transfers over `group` (a torch ProcessGroup with send/recv taking
+    ranks within the group)."""
+
+    def __init__(self, group, rank, world):
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.lock = threading.Lock()
+        self.pending = {}  # token -> [work, tensor, finished]
+        self.released = False
+
+    def start(self, recv, buf, nbytes, peer, tag, token):
+        arr = (ctypes.c_ubyte * nbytes).from_address(buf)
+        t = torch.frombuffer(arr, dtype=torch.uint8)
+        work = (self.group.recv if recv else self.group.send)([t], peer, tag)
+        entry = [work, t, False]
+        with self.lock:
+            self.pending[token] = entry
+        _waiters.submit(lambda: self._wait(token, entry, nbytes if recv else 0))
+
+    def _wait(self, token, entry, nbytes):
+        err = None
+        try:
+            entry[0].wait()
+        except BaseException as e:  # noqa: B902 - reported to the library as text
+            err = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
+        with self.lock:
+            entry[2] = True
+            if self.pending.pop(token, None) is None:
+                return  # cancelled: the library forgot the token
+            lib = _lib.load()
+            if err is None:
+                lib.sg_xport_done(token, 0, nbytes, None)
+            else:
+                lib.sg_xport_done(token, 1, 0, err.encode("utf-8", "replace"))
+
+    def cancel(self, token):
+        with self.lock:
+            entry = self.pending.pop(token, None)
+        if entry is None or entry[2]:
+            return 0
+        _kept.append((entry[0], entry[1]))
+        return 1
+
+
+def _write_msg(msg, cap, text):
+    if not msg or cap == 0:
+        return
+    raw = text.encode("utf-8", "replace")[:cap - 1] + b"\0"
+    ctypes.memmove(msg, raw, len(raw))
+
+
+def _start(recv):
+    def cb(user, buf, nbytes, peer, tag, token, msg, cap):
+        try:
+            tp = _transports.get(user)
+            if tp is None:
+                raise RuntimeError("the communicator's transport was already released")
+            tp.start(recv, buf, nbytes, peer, tag, token)
+            return 0
+        except BaseException as e:  # noqa: B902 - never into C
+            _write_msg(msg, cap, "torch.distributed %s, rank %d, tag %d: %s: %s"
+                       % ("recv" if recv else "send", peer, tag, type(e).__name__, e))
+            return 1
+    return cb
+
+
+def _cancel(user, token):
+    try:
+        tp = _transports.get(user)
+        return tp.cancel(token) if tp is not None else 0
+    except BaseException:  # noqa: B902
+        return 1  # unknown: assume the buffer may still be used
+
+
+def _release(user):
+    try:
+        tp = _transports.pop(user, None)
+        if tp is not None:
+            tp.released = True
+    except BaseException:  # noqa: B902
+        pass
+
+
+_CB_SEND = XPORT_SEND(_start(False))
+_CB_RECV = XPORT_RECV(_start(True))
+_CB_CANCEL = XPORT_CANCEL(_cancel)
+_CB_RELEASE = XPORT_RELEASE(_release)
+
+
+def create(group, rank, world, name=b"torch"):
+    """A Comm of `world` ranks, this process being `rank`, over `group` (a torch ProcessGroup
+    on CPU tensors, e.g. gloo). Not collective."""
+    from .core import Comm, _call
+    key = next(_keys)
+    _transports[key] = TorchTransport(group, rank, world)
+    t = SgXport(struct_size=ctypes.sizeof(SgXport), name=name, user=key, threaded=1,
+                isend=_CB_SEND, irecv=_CB_RECV, cancel=_CB_CANCEL, release=_CB_RELEASE)
+    h = ctypes.c_void_p()
+    try:
+        _call("sg_comm_create_xport", ctypes.byref(t), int(rank), int(world), ctypes.byref(h))
+    except BaseException:
+        _transports.pop(key, None)
+        raise
+    return Comm(h.value, "torch")
