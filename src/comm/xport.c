@@ -194,9 +194,11 @@ static void x_destroy(sg_comm *c) {
 static sg_status x_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                         sg_comm **chan);
 
+/* No split yet (sg_comm_split: SG_ERR_UNSUPPORTED): it would need a rank map over the
+ * transport. Node leaders from host names. */
 static const sg__comm_ops xcomm_ops = {
     "xport", x_all_reduce, x_reduce_scatter, x_all_gather, x_broadcast,
-    x_bind,  x_unbind,     x_destroy,        NULL,
+    x_bind,  x_unbind,     x_destroy,        NULL,         NULL,
 };
 
 /* The algorithms' state for x, named after the transport in messages. */
