@@ -237,11 +237,13 @@ typedef struct sg_config {
                                overlap_param_gather took 0.1's tail padding, so 0.2's sizeof
                                would equal 0.1's without it. */
   /* --- appended in 0.3 --- */
-  int offload_optimizer;    /* 0. 1 (CUDA device): the fp32 master, the optimizer state and the
-                               shard accumulator live in pinned host memory and the optimizer
-                               runs on the CPU; working parameters and staging stay on the GPU.
-                               On the CPU device it is accepted and changes nothing (the state is
-                               host memory already). */
+  int offload_optimizer;    /* 0. 1 (CUDA device, SG_SHARD_GRAD_OP or SG_SHARD_OPT): the fp32
+                               master, the optimizer state and the shard accumulator live in
+                               pinned host memory and AdamW runs on the CPU; working parameters
+                               and staging stay on the GPU. Results, checkpoints and every
+                               accessor are bitwise those of the run without it. SG_NO_SHARD on
+                               CUDA: SG_ERR_UNSUPPORTED. On the CPU device it is accepted and
+                               changes nothing (the state is host memory already). */
   sg_dtype replica_reduce_dtype; /* SG_F32 (or SG_BF16): hybrid engines (sg_engine_create_hybrid)
                                only: the dtype of the once-per-step all-reduce across replicas;
                                sums in fp32 in a fixed order. Flat engines ignore it. */
@@ -425,8 +427,10 @@ typedef struct sg_memory_stats {
   size_t numel;        /* elements in the plan, padding included */
   size_t shard_numel;  /* elements owned by one rank */
   /* --- appended in 0.3 (a 0.2-sized struct_size is still accepted) --- */
-  size_t host_bytes;   /* pinned host memory the engine holds (offload_optimizer on CUDA);
-                          not part of total_bytes, which counts the device */
+  size_t host_bytes;   /* pinned host memory the engine holds (offload_optimizer on CUDA:
+                          accumulator, master, m, v and the pipeline's buffers; then master and
+                          optim are 0 and grads holds the staging only); not part of
+                          total_bytes, which counts the device */
 } sg_memory_stats;
 
 /* Memory this engine holds, exactly as allocated (after sg_finalize). */

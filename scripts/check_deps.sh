@@ -44,7 +44,7 @@ declare -A ALLOW=(
   [src/offload]="include src/core src/device kernels kernels/cpu"
   [src/memory]="include src/core src/plan src/device src/comm kernels"
   [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload kernels kernels/cpu"
-  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/engine kernels kernels/cpu"
+  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/offload src/engine kernels kernels/cpu"
   [src/engine/optim]="include src/core src/device src/engine kernels kernels/cpu"
   [src/ckpt]="include src/core src/plan src/memory src/device src/comm src/engine kernels kernels/cpu"
 )

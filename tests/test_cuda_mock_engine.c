@@ -16,6 +16,14 @@
  * stream work only when something waits for it, a dependency the engine fails to express (an
  * event between its streams, a wait before reading) shows up as wrong numbers here.
  *
+ * Optimizer offload (cfg.offload_optimizer): every sharded case runs once more on each CUDA
+ * communicator with the master, moments and accumulator in pinned host memory; the results must
+ * be those of the same run without offload, bit for bit, and sg_memory must count the host
+ * arrays (host_bytes) instead of the device's, as sg_estimate_memory does. The CPU reference
+ * runs with offload_optimizer set where the strategy is sharded (accepted, changes nothing).
+ * Cases with `ckpt` save after training, load into a second engine with the other offload
+ * setting, and step both once more: state and the next step bitwise equal.
+ *
  * Built a second time against the real CUDA runtime and NCCL (SG_TEST_REAL_GPU, target
  * test_cuda_engine, run by tests/gpu/run.sh): the same comparisons on a GPU, where NCCL runs
  * only at W = 1 (it refuses two ranks on one GPU). */
@@ -27,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h> /* rmdir */
 
 #include <cuda_runtime.h> /* streams, host functions, device buffers (the mock's, or CUDA's) */
 #ifndef SG_TEST_REAL_GPU
@@ -61,11 +70,16 @@ typedef struct tcase {
   int world, mb, nosync;
   int overlap; /* overlap_param_gather: the next forward pass reads each parameter on the
                   caller's stream right after sg_param_wait */
+  float clip;   /* max_grad_norm */
+  int inf_step; /* > 0: rank 0 writes an inf into a gradient of that step (dynamic loss scale
+                   for f16: the step is skipped) */
+  int ckpt;     /* save, load into an engine with the other offload setting, one more step */
 } tcase;
 
 typedef struct result {
   float *param[NP], *master[NP], *m[NP], *v[NP];
-  float norm[STEPS];
+  float norm[STEPS + 1];
+  int skipped;
   uint64_t fwd_hash[STEPS]; /* overlap: the bytes each step's forward pass read */
 } result;
 
@@ -73,6 +87,8 @@ typedef struct rank_arg {
   const tcase *tc;
   sg_comm *comm;
   int cuda;
+  int offload;
+  const char *ckpt_dir; /* tc->ckpt: the checkpoint this run writes */
   int rank;
   const unsigned char *nccl_id; /* NCCL: the rank creates its communicator */
   result res;
@@ -94,12 +110,14 @@ typedef struct gwrite {
   sg_dtype dtype;
   size_t n;
   int rank, step, k, p;
+  int inf; /* element 0 is +inf */
 } gwrite;
 
 static void CUDART_CB gwrite_fn(void *arg) {
   gwrite *w = (gwrite *)arg;
   for (size_t i = 0; i < w->n; i++)
     sg_elem_store(w->dst, w->dtype, i, grad_val(w->rank, w->step, w->k, w->p, i));
+  if (w->inf) sg_elem_store(w->dst, w->dtype, 0, INFINITY);
   free(w);
 }
 
@@ -107,9 +125,9 @@ static void CUDART_CB gwrite_fn(void *arg) {
  * the pinned buffer `stage`, then a copy moves it to device memory (stream order makes both
  * reuses of `stage` safe). */
 static void write_grad(void *dst, sg_dtype dt, cudaStream_t s, void *stage, int rank, int step,
-                       int k, int p) {
+                       int k, int p, int inf) {
   gwrite *w = (gwrite *)malloc(sizeof *w);
-  gwrite tmp = {s ? stage : dst, dt, k_sizes[p], rank, step, k, p};
+  gwrite tmp = {s ? stage : dst, dt, k_sizes[p], rank, step, k, p, inf};
   *w = tmp;
   if (!s) {
     gwrite_fn(w);
@@ -121,7 +139,7 @@ static void write_grad(void *dst, sg_dtype dt, cudaStream_t s, void *stage, int 
 
 /* ---- one rank -------------------------------------------------------------------------------- */
 
-static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
+static sg_status setup(rank_arg *a, int offload, sg_engine **e, int *ids, sg_config *cfg_out) {
   const tcase *tc = a->tc;
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
@@ -134,9 +152,12 @@ static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
   cfg.accum_dtype = tc->adt;
   cfg.bucket_bytes = 8192;
   cfg.lr = 0.01f;
-  cfg.loss_scale = 1.0f;
+  cfg.loss_scale = tc->pdt == SG_F16 ? 0.0f : 1.0f; /* f16: dynamic */
   cfg.timeout_ms = 60000;
   cfg.overlap_param_gather = tc->overlap;
+  cfg.max_grad_norm = tc->clip;
+  cfg.offload_optimizer = offload;
+  *cfg_out = cfg;
   if ((st = sg_engine_create(a->comm, &cfg, e))) return st;
   for (int p = 0; p < NP && !st; p++) {
     char name[32];
@@ -161,13 +182,14 @@ static sg_status micro_batch(rank_arg *a, sg_engine *e, const int *ids, void *co
   sg_status st = SG_OK;
   if (a->tc->nosync) st = sg_set_sync(e, k == a->tc->mb - 1);
   for (int p = NP - 1; p >= 0 && !st; p--) {
+    const int inf = a->tc->inf_step > 0 && a->tc->inf_step == step && rank == 0 && k == 0 && p == 2;
     if (p % 2 == 0) {
       void *g = NULL;
       st = sg_grad_ptr(e, ids[p], &g);
-      if (!st) write_grad(g, gdt, s, stage[p], rank, step, k, p);
+      if (!st) write_grad(g, gdt, s, stage[p], rank, step, k, p, inf);
       if (!st) st = sg_grad_ready(e, ids[p]);
     } else {
-      write_grad(src[p], gdt, s, stage[p], rank, step, k, p);
+      write_grad(src[p], gdt, s, stage[p], rank, step, k, p, inf);
       st = sg_grad_add(e, ids[p], src[p], gdt);
     }
   }
@@ -225,15 +247,116 @@ static sg_status collect(sg_engine *e, const int *ids, result *r) {
   return st;
 }
 
+static size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+/* sg_memory equals sg_estimate_memory; offloaded on CUDA: no device master or moments, the
+ * device accumulator gone from grads, and host_bytes = (A + 8 + 4 unless f32) x shard + the
+ * pipeline's buffers (2 landing buffers of the largest slice in reduce dtype, a ring of 3
+ * chunks of min(slice, 2M) working values). The largest bucket is p5's own: 30011 elements
+ * padded to 64 W. */
+static void check_memory(rank_arg *a, sg_engine *e, const sg_config *cfg) {
+  const tcase *tc = a->tc;
+  sg_memory_stats m, est, plain;
+  memset(&m, 0, sizeof m);
+  m.struct_size = est.struct_size = plain.struct_size = sizeof m;
+  sg_config pc = *cfg;
+  pc.offload_optimizer = 0;
+  int ok = sg_memory(e, &m) == SG_OK &&
+           sg_estimate_memory(cfg, k_sizes, NP, tc->world, &est) == SG_OK &&
+           sg_estimate_memory(&pc, k_sizes, NP, tc->world, &plain) == SG_OK;
+  ok = ok && m.params_bytes == est.params_bytes && m.grads_bytes == est.grads_bytes &&
+       m.master_bytes == est.master_bytes && m.optim_bytes == est.optim_bytes &&
+       m.comm_bytes == est.comm_bytes && m.total_bytes == est.total_bytes &&
+       m.host_bytes == est.host_bytes && m.shard_numel == est.shard_numel;
+  const size_t P = tc->pdt == SG_F32 ? 4 : 2, A = tc->adt == SG_F32 ? 4 : 2;
+  const size_t R = tc->gdt == SG_F32 ? 4 : 2;
+  const size_t maxw = round_up(30011, 64 * (size_t)tc->world) / (size_t)tc->world;
+  const size_t chunk = maxw < ((size_t)2 << 20) ? maxw : (size_t)2 << 20;
+  const size_t host = (A + 8 + (P < 4 ? 4 : 0)) * m.shard_numel + 2 * maxw * R + 3 * chunk * P;
+  const int off = a->cuda && a->offload;
+  if (off)
+    ok = ok && m.master_bytes == 0 && m.optim_bytes == 0 && m.host_bytes == host &&
+         m.params_bytes == plain.params_bytes && m.comm_bytes == plain.comm_bytes &&
+         m.grads_bytes == plain.grads_bytes - round_up(A * m.shard_numel, 256);
+  else
+    ok = ok && m.host_bytes == 0 && m.total_bytes == plain.total_bytes;
+  char what[300];
+  snprintf(what, sizeof what, "%s rank %d (%s%s): sg_memory == sg_estimate_memory, host_bytes "
+           "%zu (formula %zu)", tc->name, a->rank, a->cuda ? "cuda" : "cpu",
+           a->offload ? ", offload" : "", m.host_bytes, off ? host : (size_t)0);
+  check(ok, what);
+}
+
+static void free_result(result *r) {
+  for (int p = 0; p < NP; p++) {
+    free(r->param[p]), free(r->master[p]), free(r->m[p]), free(r->v[p]);
+    r->param[p] = r->master[p] = r->m[p] = r->v[p] = NULL;
+  }
+}
+
+static int same_result(const result *x, const result *y) {
+  for (int p = 0; p < NP; p++) {
+    const size_t n = k_sizes[p] * 4;
+    if (memcmp(x->param[p], y->param[p], n) || memcmp(x->master[p], y->master[p], n) ||
+        memcmp(x->m[p], y->m[p], n) || memcmp(x->v[p], y->v[p], n))
+      return 0;
+  }
+  return 1;
+}
+
+static sg_status one_step(rank_arg *a, sg_engine *e, const int *ids, void *const *src,
+                          void *const *stage, cudaStream_t s, int step, sg_step_info *info) {
+  sg_status st = SG_OK;
+  for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, src, stage, s, step, k);
+  memset(info, 0, sizeof *info);
+  info->struct_size = sizeof *info;
+  return st ? st : sg_step(e, info);
+}
+
+/* The checkpoint of e (trained, state in a->res) loaded into an engine with the other offload
+ * setting: the same state, then one more step on both gives the same bits. */
+static sg_status cross_load(rank_arg *a, sg_engine *e, const int *ids, void *const *src,
+                            void *const *stage, cudaStream_t s) {
+  sg_engine *e2 = NULL;
+  int ids2[NP];
+  result r2, n1, n2;
+  memset(&r2, 0, sizeof r2), memset(&n1, 0, sizeof n1), memset(&n2, 0, sizeof n2);
+  sg_config c2;
+  sg_status st = sg_save(e, a->ckpt_dir);
+  if (!st) st = setup(a, !a->offload, &e2, ids2, &c2);
+  if (!st && s) st = sg_set_stream(e2, s);
+  if (!st) st = sg_load(e2, a->ckpt_dir);
+  if (!st) st = collect(e2, ids2, &r2);
+  char what[200];
+  snprintf(what, sizeof what, "%s rank %d: a checkpoint saved %s offload loads %s it bitwise",
+           a->tc->name, a->rank, a->offload ? "with" : "without", a->offload ? "without" : "with");
+  if (!st) check(same_result(&a->res, &r2), what);
+  sg_step_info i1, i2;
+  if (!st) st = one_step(a, e, ids, src, stage, s, STEPS, &i1);
+  if (!st) st = one_step(a, e2, ids2, src, stage, s, STEPS, &i2);
+  if (!st) st = collect(e, ids, &n1);
+  if (!st) st = collect(e2, ids2, &n2);
+  snprintf(what, sizeof what, "%s rank %d: the next step after the cross-load is bitwise the "
+           "saving engine's (step %llu, loss scale %g)", a->tc->name, a->rank,
+           (unsigned long long)i1.step, (double)i1.loss_scale);
+  if (!st) check(same_result(&n1, &n2) && i1.step == i2.step && i1.loss_scale == i2.loss_scale &&
+                 i1.skipped == i2.skipped, what);
+  sg_engine_destroy(e2);
+  free_result(&r2), free_result(&n1), free_result(&n2);
+  return st;
+}
+
 static void *rank_main(void *arg) {
   rank_arg *a = (rank_arg *)arg;
   sg_engine *e = NULL;
   int ids[NP];
   void *src[NP] = {0}, *stage[NP] = {0};
   cudaStream_t s = NULL;
+  sg_config cfg;
   sg_status st = SG_OK;
   if (a->nccl_id) st = sg_comm_create_nccl(a->rank, a->tc->world, a->nccl_id, 0, &a->comm);
-  if (!st) st = setup(a, &e, ids);
+  if (!st) st = setup(a, a->offload, &e, ids, &cfg);
+  if (!st) check_memory(a, e, &cfg);
   if (!st && a->cuda) {
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     st = sg_set_stream(e, s);
@@ -246,14 +369,13 @@ static void *rank_main(void *arg) {
   }
   for (int step = 0; step < STEPS && !st; step++) {
     if (a->tc->overlap && step > 0) st = forward_read(a, e, ids, s, &a->res.fwd_hash[step]);
-    for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, src, stage, s, step, k);
     sg_step_info info;
-    memset(&info, 0, sizeof info);
-    info.struct_size = sizeof info;
-    if (!st) st = sg_step(e, &info);
+    if (!st) st = one_step(a, e, ids, src, stage, s, step, &info);
     a->res.norm[step] = info.grad_norm;
+    a->res.skipped += !st && info.skipped;
   }
   if (!st) st = collect(e, ids, &a->res);
+  if (!st && a->tc->ckpt) st = cross_load(a, e, ids, src, stage, s);
   if (st) snprintf(a->err, sizeof a->err, "%s: %s", sg_status_string(st), sg_last_error());
   sg_engine_destroy(e);
   if (s) cudaStreamSynchronize(s); /* host functions may still use the staging buffers */
@@ -266,8 +388,11 @@ static void *rank_main(void *arg) {
   return NULL;
 }
 
-enum { RUN_CPU, RUN_CUDA_LOCAL, RUN_CUDA_NCCL };
-static const char *const k_runs[] = {"cpu+local", "cuda+local", "cuda+nccl"};
+enum { RUN_CPU, RUN_CUDA_LOCAL, RUN_CUDA_NCCL, RUN_OFF_LOCAL, RUN_OFF_NCCL };
+static const char *const k_runs[] = {"cpu+local", "cuda+local", "cuda+nccl", "cuda+local+offload",
+                                     "cuda+nccl+offload"};
+
+static int sharded(const tcase *tc) { return tc->strategy != SG_NO_SHARD; }
 
 /* W ranks of one kind; 0 when anything failed (reported). */
 static int run(const tcase *tc, int kind, rank_arg *args) {
@@ -275,8 +400,13 @@ static int run(const tcase *tc, int kind, rank_arg *args) {
   unsigned char id[128];
   pthread_t th[MAXW];
   char what[800]; /* the case, the run and a rank's error text (512) */
-  if (kind == RUN_CUDA_NCCL ? sg_nccl_unique_id(id) != SG_OK
-                            : sg_comm_create_local(tc->world, comms) != SG_OK) {
+  const int nccl = kind == RUN_CUDA_NCCL || kind == RUN_OFF_NCCL;
+  char dir[64] = "/tmp/sg_cuda_engine_XXXXXX";
+  if (tc->ckpt && !mkdtemp(dir)) {
+    check(0, "mkdtemp");
+    return 0;
+  }
+  if (nccl ? sg_nccl_unique_id(id) != SG_OK : sg_comm_create_local(tc->world, comms) != SG_OK) {
     check(0, "communicator");
     return 0;
   }
@@ -285,18 +415,30 @@ static int run(const tcase *tc, int kind, rank_arg *args) {
     args[r].tc = tc;
     args[r].comm = comms[r];
     args[r].cuda = kind != RUN_CPU;
+    /* the CPU device accepts offload and changes nothing: the reference runs with it */
+    args[r].offload = kind >= RUN_OFF_LOCAL || (kind == RUN_CPU && sharded(tc));
+    args[r].ckpt_dir = tc->ckpt ? dir : NULL;
     args[r].rank = r;
-    args[r].nccl_id = kind == RUN_CUDA_NCCL ? id : NULL;
+    args[r].nccl_id = nccl ? id : NULL;
     pthread_create(&th[r], NULL, rank_main, &args[r]);
   }
   int ok = 1;
   for (int r = 0; r < tc->world; r++) {
     pthread_join(th[r], NULL);
-    if (kind != RUN_CUDA_NCCL) sg_comm_destroy(comms[r]);
+    if (!nccl) sg_comm_destroy(comms[r]);
     snprintf(what, sizeof what, "%s on %s, rank %d: trains %s%s", tc->name, k_runs[kind], r,
              args[r].err[0] ? "-- " : "", args[r].err);
     check(!args[r].err[0], what);
     ok &= !args[r].err[0];
+    if (args[r].err[0]) continue;
+    snprintf(what, sizeof what, "%s on %s, rank %d: %d step(s) skipped", tc->name, k_runs[kind], r,
+             args[r].res.skipped);
+    check(args[r].res.skipped == (tc->inf_step > 0), what);
+  }
+  if (tc->ckpt) {
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) check(0, "removing the checkpoint directory");
   }
   return ok;
 }
@@ -316,7 +458,8 @@ static const float *field(const result *r, int f, int p) {
   return f == 0 ? r->param[p] : f == 1 ? r->master[p] : f == 2 ? r->m[p] : r->v[p];
 }
 
-static void compare(const tcase *tc, const char *run, const rank_arg *cpu, const rank_arg *gpu) {
+static void compare(const tcase *tc, const char *run, const char *refname, const rank_arg *cpu,
+                    const rank_arg *gpu) {
   char what[200];
   for (int r = 0; r < tc->world; r++) {
     int bad_f = -1, bad_p = -1;
@@ -326,17 +469,20 @@ static void compare(const tcase *tc, const char *run, const rank_arg *cpu, const
         if (!same_bits(field(&cpu[r].res, f, p), field(&gpu[r].res, f, p), k_sizes[p], &at))
           bad_f = f, bad_p = p;
     if (bad_f < 0)
-      snprintf(what, sizeof what, "%s rank %d: %s == cpu bitwise (params, master, m, v)", tc->name,
-               r, run);
+      snprintf(what, sizeof what, "%s rank %d: %s == %s bitwise (params, master, m, v)",
+               tc->name, r, run, refname);
     else
-      snprintf(what, sizeof what, "%s rank %d: %s != cpu: %s of p%d at %zu (cpu %.9g, %.9g)",
-               tc->name, r, run, k_fields[bad_f], bad_p, at,
+      snprintf(what, sizeof what, "%s rank %d: %s != %s: %s of p%d at %zu (%.9g, %.9g)",
+               tc->name, r, run, refname, k_fields[bad_f], bad_p, at,
                (double)field(&cpu[r].res, bad_f, bad_p)[at],
                (double)field(&gpu[r].res, bad_f, bad_p)[at]);
     check(bad_f < 0, what);
     int norms = 1;
     for (int s = 0; s < STEPS; s++)
-      norms &= fabsf(cpu[r].res.norm[s] - gpu[r].res.norm[s]) <= 1e-6f * fabsf(cpu[r].res.norm[s]);
+    {
+      const float x = cpu[r].res.norm[s], y = gpu[r].res.norm[s];
+      norms &= (!isfinite(x) && !isfinite(y)) || fabsf(x - y) <= 1e-6f * fabsf(x);
+    }
     snprintf(what, sizeof what, "%s rank %d: %s gradient norms agree (1e-6)", tc->name, r, run);
     check(norms, what);
     if (!tc->overlap) continue;
@@ -349,37 +495,65 @@ static void compare(const tcase *tc, const char *run, const rank_arg *cpu, const
 }
 
 static void free_results(rank_arg *args, int w) {
-  for (int r = 0; r < w; r++)
-    for (int p = 0; p < NP; p++) {
-      free(args[r].res.param[p]);
-      free(args[r].res.master[p]);
-      free(args[r].res.m[p]);
-      free(args[r].res.v[p]);
-    }
+  for (int r = 0; r < w; r++) free_result(&args[r].res);
+}
+
+/* A sharded strategy offloads on CUDA; NO_SHARD is refused with a clear message. */
+static void test_refusal(void) {
+  sg_comm *c = NULL;
+  sg_config cfg;
+  sg_engine *e = NULL;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.device = SG_DEVICE_CUDA;
+  cfg.strategy = SG_NO_SHARD;
+  cfg.offload_optimizer = 1;
+  sg_memory_stats m;
+  m.struct_size = sizeof m;
+  if (sg_comm_create_local(1, &c) != SG_OK) return check(0, "communicator");
+  check(sg_engine_create(c, &cfg, &e) == SG_ERR_UNSUPPORTED && !e &&
+            strstr(sg_last_error(), "needs a sharded strategy"),
+        "offload with SG_NO_SHARD on CUDA: SG_ERR_UNSUPPORTED, 'needs a sharded strategy'");
+  check(sg_estimate_memory(&cfg, k_sizes, NP, 1, &m) == SG_OK && m.host_bytes == 0,
+        "sg_estimate_memory of NO_SHARD with offload: nothing on the host");
+  sg_comm_destroy(c);
 }
 
 int main(void) {
   static const tcase cases[] = {
-      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0, 0},
-      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 0},
-      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0, 0},
-      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1, 0},
-      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0, 0},
-      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0},
-      {"zero2 bf16 overlap W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 1},
-      {"zero1 f32 overlap W3", SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1},
+      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0, 0, 0, 0, 1},
+      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 0, 0, 0, 1},
+      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0, 0, 0, 0, 0},
+      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1, 0, 0, 0, 0},
+      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0, 0, 0, 0, 0},
+      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0, 0, 0, 0},
+      {"zero2 bf16 overlap W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 1, 0, 0, 0},
+      {"zero1 f32 overlap W3", SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0, 0, 0},
+      {"zero2 bf16 3 mb clip W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 3, 3, 0, 0, 0.05f, 0,
+       1},
+      {"zero2 f16 skip W2", SG_SHARD_GRAD_OP, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0, 0, 1, 1},
+      {"zero2 f32 clip W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 3, 0, 0, 0.1f, 0, 0},
   };
+  test_refusal();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    static rank_arg ref[MAXW], got[MAXW];
+    static rank_arg ref[MAXW], plain[2][MAXW], got[MAXW];
     const tcase *tc = &cases[i];
     const int ok_ref = run(tc, RUN_CPU, ref);
-    for (int kind = RUN_CUDA_LOCAL; kind <= RUN_CUDA_NCCL; kind++) {
+    int ok_plain[2] = {0, 0};
+    for (int kind = RUN_CUDA_LOCAL; kind <= RUN_OFF_NCCL; kind++) {
+      const int nccl = kind == RUN_CUDA_NCCL || kind == RUN_OFF_NCCL;
 #ifdef SG_TEST_REAL_GPU
-      if (kind == RUN_CUDA_NCCL && tc->world > 1) continue; /* one GPU: NCCL needs W == 1 */
+      if (nccl && tc->world > 1) continue; /* one GPU: NCCL needs W == 1 */
 #endif
-      if (run(tc, kind, got) && ok_ref) compare(tc, k_runs[kind], ref, got);
-      free_results(got, tc->world);
+      if (kind >= RUN_OFF_LOCAL && !sharded(tc)) continue;
+      rank_arg *out = kind < RUN_OFF_LOCAL ? plain[nccl] : got;
+      const int ok = run(tc, kind, out);
+      if (ok && ok_ref) compare(tc, k_runs[kind], "cpu", ref, out);
+      if (kind < RUN_OFF_LOCAL) ok_plain[nccl] = ok;
+      else if (ok && ok_plain[nccl]) compare(tc, k_runs[kind], k_runs[kind - 2], plain[nccl], out);
+      if (kind >= RUN_OFF_LOCAL) free_results(got, tc->world);
     }
+    free_results(plain[0], tc->world);
+    free_results(plain[1], tc->world);
     free_results(ref, tc->world);
   }
 #ifndef SG_TEST_REAL_GPU

@@ -74,10 +74,10 @@ static int d2h(sg__device *d, void *dst, const void *src, size_t bytes) {
   return d->ops->copy(d, SG_Q_COMPUTE, dst, src, bytes, SG_COPY_D2H) == SG_OK;
 }
 
-typedef struct arrive_job { sg__offload *o; int k; sg__arrive_mode mode; const void *src; int dt; } arrive_job;
+typedef struct arrive_job { sg__offload *o; int k; const void *src; int dt; } arrive_job;
 static sg_status arrive_fn(void *arg) {
   arrive_job *j = arg;
-  return sg__offload_arrive_job(j->o, j->k, j->mode, j->src, j->dt);
+  return sg__offload_arrive_job(j->o, j->k, j->src, j->dt);
 }
 
 static sg__adamw_args args_for(const tcase *c, const layout *l, int k, uint64_t t, float scale) {
@@ -119,12 +119,17 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
   snprintf(tag, sizeof tag, "%s param %d accum %d reduce %d, %d micro-batch(es)%s%s", dn, c.pdt,
            c.adt, c.rdt, c.mb, c.clip ? ", clipped" : "",
            c.nonfinite_step ? ", a non-finite step" : "");
-  if (!CHECK(sg__offload_init(&o, d, n, c.pdt, c.adt, NB, l.off, l.len, 1500) == SG_OK,
+  size_t maxlen = 0;
+  for (int k = 0; k < NB; k++) maxlen = l.len[k] > maxlen ? l.len[k] : maxlen;
+  /* one landing buffer: every landed arrival but the last is folded when the next one takes it */
+  const size_t lb = maxlen * es(c.rdt);
+  if (!CHECK(sg__offload_init(&o, d, n, c.pdt, c.adt, NB, l.off, l.len, 1500, 1, lb) == SG_OK,
              "%s: init", tag))
     return;
-  CHECK(o.host_bytes == sg__offload_host_bytes(n, c.pdt, c.adt, 1500) &&
-            o.host_bytes == n * (es(c.adt) + 8 + (c.pdt ? 4 : 0)) + 3 * 1500 * P,
-        "%s: host bytes %zu = (A + 8 + master) x numel + the pipe's ring", tag, o.host_bytes);
+  CHECK(o.host_bytes == sg__offload_host_bytes(n, c.pdt, c.adt, 1500, 1, lb) &&
+            o.host_bytes == n * (es(c.adt) + 8 + (c.pdt ? 4 : 0)) + 3 * 1500 * P + lb,
+        "%s: host bytes %zu = (A + 8 + master) x numel + the pipe's ring + landing", tag,
+        o.host_bytes);
   /* the same starting point on both sides */
   float *h = malloc(n * 4);
   void *hp = malloc(n * 4), *hg = malloc(n * 4);
@@ -148,11 +153,11 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
         ok = h2d(d, dg, hg, l.len[k] * es(c.rdt));
         ok = ok && d->ops->accumulate(d, SG_Q_COMPUTE, (char *)r.accum + l.off[k] * es(c.adt), c.adt,
                                       dg, c.rdt, l.len[k]) == SG_OK;
-        arrive_job j = {&o, k, SG__ARRIVE_DIRECT, dg, c.rdt};
+        arrive_job j = {&o, k, dg, c.rdt};
         uint64_t tk = 0;
-        ok = ok && sg__offload_arrive_plan(&o, k, c.rdt, INT64_MAX, &j.mode) == SG_OK &&
+        ok = ok && sg__offload_arrive_plan(&o, k, c.rdt, INT64_MAX) == SG_OK &&
              d->ops->comm_submit(d, arrive_fn, NULL, &j, &tk) == SG_OK;
-        sg__offload_arrive_submitted(&o, k, j.mode, tk);
+        sg__offload_arrive_submitted(&o, k, tk);
         ok = ok && d->ops->comm_wait(d, tk, INT64_MAX) == SG_OK; /* dg and j are reused */
       }
     double rs[2], os[2];
@@ -174,7 +179,7 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
     t += !skip;
     ok = ok && d->ops->zero(d, SG_Q_COMPUTE, r.accum, n * es(c.adt)) == SG_OK &&
          sg__host_pipe_drain(&o.pipe, INT64_MAX) == SG_OK && d->ops->sync(d, INT64_MAX) == SG_OK;
-    sg__offload_end_step(&o);
+    ok = ok && sg__offload_clear(&o, INT64_MAX) == SG_OK;
     if (!CHECK(ok && same_state(d, &c, &l, &r, &o, dparams),
                "%s: step %d: working values, master, m, v bitwise those of the device path", tag,
                (int)step))
@@ -193,25 +198,38 @@ static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 static void test_errors(sg__device *d, const char *dn) {
   sg__offload o;
   size_t off[2] = {0, 100}, len[2] = {100, 50};
-  CHECK(sg__offload_init(&o, d, 120, 1, 0, 2, off, len, 0) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, 120, 1, 0, 2, off, len, 0, 1, 400) == SG_ERR_INVALID_ARGUMENT &&
             says("outside the shard"), "%s init: a slice outside the shard refused", dn);
-  CHECK(sg__offload_init(&o, d, 150, 1, 2, 2, off, len, 0) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, 150, 1, 2, 2, off, len, 0, 1, 400) == SG_ERR_INVALID_ARGUMENT &&
             says("bad dtype"), "%s init: an f16 accumulator refused", dn);
   sg__device_fail_alloc_after(2);
-  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0) == SG_ERR_OUT_OF_MEMORY && o.dev == NULL,
+  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0, 1, 400) == SG_ERR_OUT_OF_MEMORY && o.dev == NULL,
         "%s init: a failed pinned allocation frees the rest", dn);
   sg__device_fail_alloc_after(-1);
   sg__offload_free(&o, INT64_MAX);
   sg__offload_free(NULL, INT64_MAX);
-  if (!CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 1024) == SG_OK, "%s init", dn)) return;
-  sg__arrive_mode mode;
-  CHECK(sg__offload_arrive_plan(&o, 2, 0, INT64_MAX, &mode) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0, 1, 150) == SG_ERR_INVALID_ARGUMENT &&
+            says("landing buffers"), "%s init: landing buffers smaller than a slice refused", dn);
+  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0, 0, 400) == SG_ERR_INVALID_ARGUMENT &&
+            says("landing buffers"), "%s init: no landing buffer refused", dn);
+  if (!CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 1024, 2, 200) == SG_OK, "%s init",
+             dn))
+    return;
+  CHECK(o.host_bytes == sg__offload_host_bytes(150, 1, 0, 1024, 2, 200) &&
+            o.host_bytes == 150 * 16 + 3 * 1024 * 2 + 2 * 200,
+        "%s init: host bytes %zu exact", dn, o.host_bytes);
+  CHECK(sg__offload_arrive_plan(&o, 2, 0, INT64_MAX) == SG_ERR_INVALID_ARGUMENT &&
             says("bucket 2 of 2"), "%s arrive: bucket out of range", dn);
-  CHECK(sg__offload_arrive_plan(&o, 0, 1, INT64_MAX, &mode) == SG_OK && mode == SG__ARRIVE_LAND &&
-            o.b[0].land != NULL && o.host_bytes == sg__offload_host_bytes(150, 1, 0, 1024) + 200,
-        "%s arrive: a bf16 slice into an f32 accumulator lands first (+%d pinned bytes)", dn, 200);
-  CHECK(sg__offload_arrive_job(&o, 0, mode, NULL, 0) == SG_ERR_INVALID_STATE && says("not planned"),
+  CHECK(sg__offload_arrive_plan(&o, 0, 1, INT64_MAX) == SG_OK && o.b[0].mode == SG__ARRIVE_LAND &&
+            o.b[0].land >= 0, "%s arrive: a bf16 slice into an f32 accumulator lands first", dn);
+  CHECK(sg__offload_arrive_job(&o, 0, NULL, 0) == SG_ERR_INVALID_STATE && says("not planned"),
         "%s arrive: a job with another dtype than planned refused", dn);
+  sg__offload_arrive_submitted(&o, 0, 0); /* never queued: the landing buffer is free again */
+  CHECK(o.b[0].land < 0 && o.land_owner[0] < 0 && o.land_owner[1] < 0,
+        "%s arrive: an arrival never queued gives its landing buffer back", dn);
+  CHECK(sg__offload_arrive_plan(&o, 0, 0, INT64_MAX) == SG_ERR_INTERNAL && says("does not fit"),
+        "%s arrive: a second f32 slice over the bf16-sized landing buffers refused", dn);
+
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
   a.param_dtype = 0;

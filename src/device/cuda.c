@@ -404,6 +404,18 @@ static sg_status sg__cudev_copy(sg__device *dev, sg__queue q, void *dst, const v
   }
   SG_TRY(sg__cuda_enter(d, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
+  /* Pinned host memory where the kind says device memory (an offloaded optimizer state, which
+   * checkpoints and sg_get_master read like device state): the kind follows the pointers, as
+   * cudaMemcpyDefault would have it. */
+  const int src_host = kind == SG_COPY_H2D || sg__cuda_is_pinned(src);
+  const int dst_host = kind == SG_COPY_D2H || sg__cuda_is_pinned(dst);
+  if (src_host && dst_host) { /* in stream order, then on the host */
+    SG_TRY(sg__cuda_wait(d, NULL, s, INT64_MAX, fn));
+    memcpy(dst, src, bytes);
+    return SG_OK;
+  }
+  kind = src_host ? SG_COPY_H2D : dst_host ? SG_COPY_D2H : SG_COPY_D2D;
+  k = src_host ? cudaMemcpyHostToDevice : dst_host ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
   const void *host = kind == SG_COPY_H2D ? src : kind == SG_COPY_D2H ? dst : NULL;
   if (host && !sg__cuda_is_pinned(host)) return sg__cuda_copy_staged(d, q, dst, src, bytes, kind, fn);
   SG__CU(cudaMemcpyAsync(dst, src, bytes, k, s), fn);

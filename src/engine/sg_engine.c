@@ -163,9 +163,10 @@ static sg_status check_flat_options(const sg_config *c, const sg_comm *comm, con
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->shard_ranks is %d but the communicator has %d ranks (0 = all)", fn,
                    c->shard_ranks, comm->world);
-  if (c->offload_optimizer && c->device == SG_DEVICE_CUDA)
+  if (c->offload_optimizer && c->device == SG_DEVICE_CUDA && !sg__strategy_offloads(c))
     return sg__err(SG_ERR_UNSUPPORTED,
-                   "%s: cfg->offload_optimizer on the CUDA device is not available in this build",
+                   "%s: cfg->offload_optimizer needs a sharded strategy (SG_SHARD_GRAD_OP or "
+                   "SG_SHARD_OPT); SG_NO_SHARD keeps the whole optimizer state on every rank",
                    fn);
   return SG_OK;
 }
@@ -187,7 +188,7 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev, &e->comm), st, fail); /* e->comm: a channel */
   e->rank = comm->rank;
   e->world = comm->world;
-  e->strat = sg__strategy_select(e->cfg.strategy);
+  e->strat = sg__strategy_select(&e->cfg);
   sg__optim_init(e);
   sg__scale_init(e);
   *out = e;
@@ -212,6 +213,7 @@ static void free_registration(sg_engine *e) {
 static void free_finalized(sg_engine *e) {
   sg__grads_free(e);
   sg__optim_free(e);
+  if (e->strat && e->strat->state) e->strat->state->free(e);
   sg__gathers_free(e);
   sg__arenas_free(&e->ar);
   sg__plan_free(e->plan);
@@ -427,6 +429,7 @@ static sg_status finalize_local(sg_engine *e) {
   sg_status st = build_plan(e, &e->plan);
   if (st == SG_OK) hash_groups(e, e->plan);
   if (st == SG_OK) st = setup_buffers(e);
+  if (st == SG_OK && e->strat->state) st = e->strat->state->init(e);
   if (st == SG_OK) st = sg__optim_bind(e);
   if (st == SG_OK) st = sg__gathers_init(e);
   if (st == SG_OK) st = sg__grads_init(e);
@@ -647,7 +650,7 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;
   sg__layout_shape shape;
-  sg__engine_shape(sg__strategy_select(c.strategy), p, &c, &shape);
+  sg__engine_shape(sg__strategy_select(&c), p, &c, &shape);
   st = sg__layout_compute(p, &c, &shape, &l);
   if (st == SG_OK) {
     sg_memory_stats s = {0};

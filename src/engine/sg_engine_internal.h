@@ -99,6 +99,8 @@ struct sg_engine {
   sg__optim opt;
   sg__scale sc;
   struct sg__trace *trace; /* sg_trace.c; NULL until first started */
+  struct sg__offload *off; /* the offloaded optimizer state (src/offload/sg_offload.c, made and
+                              freed by the offloading strategies' state ops); NULL otherwise */
 };
 
 /* Call-order and argument checks shared by the public functions. */

@@ -19,7 +19,8 @@ sg_status sg__grads_init(sg_engine *e) {
   sg__grads *g = &e->g;
   const int nb = e->plan->nbuckets;
   g->slots = (char *)e->ar.base[SG_MEM_GRADS] + e->lay.slots_off;
-  g->accum = (char *)e->ar.base[SG_MEM_GRADS] + e->lay.accum_off;
+  g->accum = e->strat->state ? e->strat->state->array(e, SG__STATE_ACCUM)
+                             : (char *)e->ar.base[SG_MEM_GRADS] + e->lay.accum_off;
   g->ready = calloc((size_t)e->reg.nparams, 1);
   g->pending = calloc((size_t)nb, sizeof *g->pending);
   g->nosync_dirty = calloc((size_t)nb, 1);
@@ -67,6 +68,7 @@ void sg__grads_norm_drop(sg_engine *e) { e->g.norm_valid = 0; }
 
 sg_status sg__grads_clear_accum(sg_engine *e) {
   e->g.norm_valid = 0;
+  if (e->strat->state) return e->strat->state->clear(e);
   return e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->g.accum, e->lay.accum_numel * asize(e));
 }
 
@@ -164,8 +166,15 @@ static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   sg__reduce_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   *j = (sg__reduce_job){e, b, slot, sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
+  const sg__state_ops *so = e->strat->state;
+  sg_status st = so ? so->prepare(e, b) : SG_OK;
+  if (st != SG_OK) {
+    free(j);
+    return sg__engine_broken(e, st);
+  }
   uint64_t t = 0;
-  sg_status st = sg__engine_submit(e, reduce_job_fn, free, j, &t);
+  st = sg__engine_submit(e, reduce_job_fn, free, j, &t);
+  if (so) so->submitted(e, b, t);
   if (st != SG_OK) return sg__engine_broken(e, st);
   release_slot(e, b, t);
   return SG_OK;

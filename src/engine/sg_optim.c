@@ -87,12 +87,15 @@ static sg_status build_segments(sg_engine *e) {
 sg_status sg__optim_bind(sg_engine *e) {
   sg__optim *o = &e->opt;
   const sg__layout *l = &e->lay;
-  o->master = l->master_off == SIZE_MAX
+  const sg__state_ops *so = e->strat->state; /* NULL: the arenas */
+  o->master = so ? so->array(e, 0)
+              : l->master_off == SIZE_MAX
                   ? NULL
                   : (float *)((char *)e->ar.base[SG_MEM_MASTER] + l->master_off);
   o->nstates = l->nstates;
   for (int k = 0; k < l->nstates; k++)
-    o->state[k] = (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->state_off[k]);
+    o->state[k] = so ? so->array(e, 1 + k)
+                     : (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->state_off[k]);
   o->ngroups = 1;
   for (int i = 0; i < e->reg.nparams; i++)
     if (e->reg.group[i] + 1 > o->ngroups) o->ngroups = e->reg.group[i] + 1;
@@ -159,6 +162,7 @@ static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
   sg__adamw_args a = adamw_args(e, grad_scale);
   a.segs = e->opt.segs + s0;
   a.nsegs = s1 - s0;
+  if (e->strat->state) return e->strat->state->update(e, &a);
   return e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
 }
 
@@ -173,6 +177,7 @@ sg_status sg__optim_update_all(sg_engine *e, float grad_scale) {
 sg_status sg__optim_master_from_working(sg_engine *e) {
   const sg__optim *o = &e->opt;
   if (!o->master) return SG_OK;
+  if (e->strat->state) return e->strat->state->master_from_working(e);
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   for (int s = 0; s < o->nsegs; s++) {
     const sg__seg *g = &o->segs[s];

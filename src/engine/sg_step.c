@@ -8,8 +8,11 @@
 /* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks. */
 static sg_status global_sumsq(sg_engine *e, double out[2]) {
   sg__device *d = e->dev;
-  SG_TRY(d->ops->sumsq(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
-                       &out[0], &out[1]));
+  if (e->strat->state)
+    SG_TRY(e->strat->state->sumsq(e, out));
+  else
+    SG_TRY(d->ops->sumsq(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
+                         &out[0], &out[1]));
   if (!e->strat->sum_norm || e->world == 1) return SG_OK;
   return e->strat->sum_norm(e, out);
 }

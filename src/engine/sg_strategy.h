@@ -26,6 +26,33 @@ typedef struct sg__owned {
   size_t flat0, n, state0;
 } sg__owned;
 
+/* Where a strategy keeps the optimizer state, when not in the device arenas (optimizer offload:
+ * pinned host memory, updated by the CPU). NULL in a strategy's table: the arenas, the device's
+ * kernels. Every op runs on the caller's thread. */
+#define SG__STATE_ACCUM (-1) /* array(): the accumulator (accum dtype) */
+typedef struct sg__state_ops {
+  /* sg_finalize, after the arenas and before the optimizer binds its arrays; free at destroy
+   * (after the comm queue drained; nothing made: nothing). */
+  sg_status (*init)(sg_engine *e);
+  void (*free)(sg_engine *e);
+  /* The arrays in state coordinates: 0 the master (NULL for f32 params), 1 + k state array k,
+   * SG__STATE_ACCUM the accumulator. The device's copies accept them on either side. */
+  void *(*array)(sg_engine *e, int which);
+  /* Around the submit of bucket b's reduction job (sg_grads.c). */
+  sg_status (*prepare)(sg_engine *e, int b);
+  void (*submitted)(sg_engine *e, int b, uint64_t ticket);
+  /* This rank's sum of squares and non-finite count of the accumulator, in the order of the
+   * device's own sumsq (every reduction waited for). */
+  sg_status (*sumsq)(sg_engine *e, double out[2]);
+  /* The update of a->segs (device path: the device's adamw on the compute queue); the new
+   * working values reach e->params before any comm job submitted after it runs. */
+  sg_status (*update)(sg_engine *e, const sg__adamw_args *a);
+  /* The accumulator empty again (after a step, sg_grad_zero, a load). */
+  sg_status (*clear)(sg_engine *e);
+  /* The master from the working parameters of every owned segment (sg_broadcast_params). */
+  sg_status (*master_from_working)(sg_engine *e);
+} sg__state_ops;
+
 typedef struct sg__strategy_ops {
   const char *name;         /* "SHARD_GRAD_OP": trace metadata, logs */
   const char *reduce_label; /* trace label of a bucket's reduction ("reduce-scatter") */
@@ -60,10 +87,15 @@ typedef struct sg__strategy_ops {
   /* Bucket b of an fp32 state array in full into tmp (device memory, bucket numel floats),
    * through the comm queue (collective). NULL: the state is replicated. */
   sg_status (*gather_state)(sg_engine *e, int b, const float *state, float *tmp);
+  /* NULL: the optimizer state in the device arenas. */
+  const sg__state_ops *state;
 } sg__strategy_ops;
 
-/* The ops of cfg->strategy (validated by sg__config_check). */
-const sg__strategy_ops *sg__strategy_select(sg_strategy s);
+/* The ops of cfg->strategy (validated by sg__config_check), the offloading variant where
+ * cfg->offload_optimizer asks for it on the CUDA device. */
+const sg__strategy_ops *sg__strategy_select(const sg_config *cfg);
+/* 1 when cfg asks for offload and its strategy has an offloading variant (on the CUDA device). */
+int sg__strategy_offloads(const sg_config *cfg);
 /* 1 when s names a strategy of the table (a checkpoint's manifest). */
 int sg__strategy_known(uint32_t s);
 

@@ -30,12 +30,27 @@ static size_t carve(sg__layout *l, sg__mem_kind kind, size_t bytes) {
 
 static sg_status check_fits(const sg__layout *l) {
   static const char *names[SG_MEM_KINDS] = {"params", "grads", "master", "optim", "comm"};
+  if (l->host_bytes > SG__ARENA_MAX)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "the model is too large: its offloaded optimizer "
+                   "state exceeds %zu bytes of host memory per rank", (size_t)SG__ARENA_MAX);
   for (int k = 0; k < SG_MEM_KINDS; k++)
     if (l->bytes[k] > SG__ARENA_MAX)
       return sg__err(SG_ERR_INVALID_ARGUMENT,
                      "the model is too large: its %s memory exceeds %zu bytes per rank", names[k],
                      (size_t)SG__ARENA_MAX);
   return SG_OK;
+}
+
+/* Optimizer offload: the accumulator, the master (not for f32 params) and the state arrays in
+ * pinned host memory, each allocated on its own (no arena alignment), plus the strategy's
+ * pipeline buffers. Saturates like the arenas. */
+static void host_arrays(sg__layout *l, const sg__layout_shape *sh, size_t P, size_t A) {
+  const size_t per = A + (P < 4 ? 4 : 0) + 4 * (size_t)sh->nstates;
+  const size_t arrays = mul_sat(l->opt_numel, per);
+  l->host_state = 1;
+  l->accum_off = l->master_off = SIZE_MAX;
+  for (int k = 0; k < sh->nstates; k++) l->state_off[k] = SIZE_MAX;
+  l->host_bytes = arrays > SG__ARENA_MAX - sh->host_extra ? SIZE_MAX : arrays + sh->host_extra;
 }
 
 sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__layout_shape *sh,
@@ -52,12 +67,16 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__
   l->slots_bytes = sh->slots_bytes;
   l->slots_off = carve(l, SG_MEM_GRADS, l->slots_bytes);
   l->accum_numel = l->opt_numel;
-  l->accum_off = carve(l, SG_MEM_GRADS, mul_sat(l->accum_numel, A));
-  l->master_off = SIZE_MAX;
-  if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, mul_sat(l->opt_numel, 4));
   l->nstates = sh->nstates;
-  for (int k = 0; k < sh->nstates; k++)
-    l->state_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
+  if (sh->host_state) {
+    host_arrays(l, sh, P, A);
+  } else {
+    l->accum_off = carve(l, SG_MEM_GRADS, mul_sat(l->accum_numel, A));
+    l->master_off = SIZE_MAX;
+    if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, mul_sat(l->opt_numel, 4));
+    for (int k = 0; k < sh->nstates; k++)
+      l->state_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
+  }
   /* the collective scratch with the small piece right after it, in one carve */
   l->comm_scratch_bytes = sg__comm_scratch_bytes(sh->max_wire);
   l->comm_off = carve(l, SG_MEM_COMM, l->comm_scratch_bytes + SG__SMALL_BYTES);
@@ -133,4 +152,5 @@ void sg__memory_stats_fill(const sg__plan *p, const sg__layout *l, size_t extra_
   s->peak_bytes = peak > s->total_bytes ? peak : s->total_bytes;
   s->numel = p->total_numel;
   s->shard_numel = l->opt_numel;
+  s->host_bytes = l->host_bytes;
 }

@@ -40,6 +40,9 @@ typedef struct sg__layout_shape {
   size_t staging_numel;
   size_t max_wire;      /* largest per-rank piece of a bucket in a collective: comm scratch */
   int nstates;          /* fp32 optimizer state arrays (the optimizer's descriptor) */
+  int host_state;       /* 1: the master, the state arrays and the accumulator are pinned host
+                           memory (optimizer offload), not carved from the device arenas */
+  size_t host_extra;    /* host_state: pinned bytes beyond those arrays (pipeline buffers) */
 } sg__layout_shape;
 
 #define SG__LAYOUT_MAX_STATES 4 /* = SG__OPTIM_MAX_STATES (kernels/sg_kernel_args.h) */
@@ -62,6 +65,10 @@ typedef struct sg__layout {
   size_t small_off;             /* COMM: the step's tiny all-reduce (norm, non-finite count) */
   size_t reduce_off;            /* COMM: bucket in reduce_dtype, max bucket numel elements;
                                    only when reduce_dtype != grad_dtype (SIZE_MAX otherwise) */
+  int host_state;               /* accum, master and states live in pinned host memory: their
+                                   offsets are SIZE_MAX and host_bytes counts them */
+  size_t host_bytes;            /* pinned host bytes: (A + 4 unless f32 + 4 x nstates) x
+                                   opt_numel + host_extra */
 } sg__layout;
 
 /* The layout of a plan for a strategy's and optimizer's shape. SG_ERR_INVALID_ARGUMENT for more

@@ -32,42 +32,69 @@ static sg_status check_init(sg__device *d, size_t numel, int param_dtype, int ac
   return SG_OK;
 }
 
+static sg_status alloc_landing(sg__offload *o, int nland, size_t land_bytes) {
+  o->land = calloc((size_t)nland, sizeof *o->land);
+  o->land_owner = calloc((size_t)nland, sizeof *o->land_owner);
+  o->land_ticket = calloc((size_t)nland, sizeof *o->land_ticket);
+  if (!o->land || !o->land_owner || !o->land_ticket)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
+  o->nland = nland;
+  o->land_bytes = land_bytes;
+  for (int j = 0; j < nland; j++) {
+    o->land_owner[j] = -1;
+    SG_TRY(pinned(o, land_bytes, &o->land[j]));
+  }
+  return SG_OK;
+}
+
 sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int param_dtype,
                            int accum_dtype, int nbuckets, const size_t *off, const size_t *len,
-                           size_t chunk) {
+                           size_t chunk, int nland, size_t land_bytes) {
   if (!o) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: NULL state");
   memset(o, 0, sizeof *o);
   SG_TRY(check_init(d, numel, param_dtype, accum_dtype, nbuckets, off, len));
+  size_t maxlen = 0;
+  for (int k = 0; k < nbuckets; k++) maxlen = len[k] > maxlen ? len[k] : maxlen;
+  if (nland < 1 || land_bytes < maxlen * 2)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: %d landing buffers of %zu bytes "
+                   "(at least 1 of %zu)", nland, land_bytes, maxlen * 2);
   o->dev = d;
   o->numel = numel;
   o->param_dtype = param_dtype;
   o->accum_dtype = accum_dtype;
   o->nbuckets = nbuckets;
-  o->b = calloc((size_t)nbuckets, sizeof *o->b);
+  o->b = calloc(nbuckets > 0 ? (size_t)nbuckets : 1, sizeof *o->b);
   if (!o->b) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
-  for (int k = 0; k < nbuckets; k++) o->b[k].off = off[k], o->b[k].len = len[k];
+  for (int k = 0; k < nbuckets; k++) o->b[k].off = off[k], o->b[k].len = len[k], o->b[k].land = -1;
   void *p = NULL;
   sg_status st = pinned(o, numel * esz(accum_dtype), &o->accum);
   if (st == SG_OK) st = pinned(o, numel * 4, &p), o->m = p;
   if (st == SG_OK) st = pinned(o, numel * 4, &p), o->v = p;
   if (st == SG_OK && param_dtype != SG_F32) st = pinned(o, numel * 4, &p), o->master = p;
+  if (st == SG_OK) st = alloc_landing(o, nland, land_bytes);
   if (st == SG_OK) st = sg__host_pipe_init(&o->pipe, d, chunk, esz(param_dtype), 0);
   if (st == SG_OK) o->host_bytes += o->pipe.host_bytes;
   if (st != SG_OK) sg__offload_free(o, INT64_MAX);
   return st;
 }
 
+/* The latest ticket of any arrival still counted as pending. */
+static uint64_t last_arrival(const sg__offload *o) {
+  uint64_t last = 0;
+  for (int k = 0; o->b && k < o->nbuckets; k++)
+    if (o->b[k].ticket > last) last = o->b[k].ticket;
+  return last;
+}
+
 void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
   if (!o || !o->dev) return;
   sg__device *d = o->dev;
-  uint64_t last = 0;
-  for (int k = 0; o->b && k < o->nbuckets; k++)
-    if (o->b[k].land_ticket > last) last = o->b[k].land_ticket;
-  /* a landing copy still running after the deadline keeps its buffer (a leak, not a use after
-   * free); so does the state the pipe's copies read */
+  const uint64_t last = last_arrival(o);
+  /* a copy still running after the deadline keeps its buffer (a leak, not a use after free);
+   * so does the state the pipe's copies read */
   const int landed = last == 0 || d->ops->comm_wait(d, last, deadline_ms) == SG_OK;
-  for (int k = 0; o->b && k < o->nbuckets && landed; k++)
-    if (o->b[k].land) d->ops->host_free(d, o->b[k].land);
+  for (int j = 0; o->land && j < o->nland && landed; j++)
+    if (o->land[j]) d->ops->host_free(d, o->land[j]);
   sg__host_pipe_free(&o->pipe, deadline_ms);
   if (landed) {
     if (o->accum) d->ops->host_free(d, o->accum);
@@ -76,6 +103,9 @@ void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
     if (o->v) d->ops->host_free(d, o->v);
   }
   free(o->b);
+  free(o->land);
+  free(o->land_owner);
+  free(o->land_ticket);
   memset(o, 0, sizeof *o);
 }
 
@@ -88,70 +118,90 @@ static sg_status check_bucket(const sg__offload *o, int k, const char *fn) {
   return SG_OK;
 }
 
-static sg_status ensure_landing(sg__offload *o, sg__offload_bucket *b, int src_dtype) {
-  const size_t bytes = b->len * esz(src_dtype);
-  if (b->land && b->land_bytes >= bytes) return SG_OK;
-  if (b->land) {
-    o->dev->ops->host_free(o->dev, b->land);
-    o->host_bytes -= b->land_bytes;
-    b->land = NULL, b->land_bytes = 0;
+/* A landing buffer for bucket k: a free one, else the one filled first (its arrival folded). */
+static sg_status take_landing(sg__offload *o, int64_t deadline_ms, int *out) {
+  int best = -1;
+  for (int j = 0; j < o->nland; j++) {
+    if (o->land_owner[j] < 0) {
+      best = j;
+      break;
+    }
+    if (best < 0 || o->land_ticket[j] < o->land_ticket[best]) best = j;
   }
-  SG_TRY(pinned(o, bytes ? bytes : 1, &b->land));
-  b->land_bytes = bytes ? bytes : 1;
+  if (o->land_owner[best] >= 0) SG_TRY(sg__offload_fold(o, o->land_owner[best], deadline_ms));
+  *out = best;
   return SG_OK;
 }
 
-sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms,
-                                  sg__arrive_mode *mode) {
+sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms) {
   static const char fn[] = "sg__offload_arrive_plan";
   SG_TRY(check_bucket(o, k, fn));
-  if (!sg__dtype_valid(src_dtype) || !mode)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype %d or NULL mode", fn, src_dtype);
-  SG_TRY(sg__offload_fold(o, k, deadline_ms)); /* the landing buffer is free again */
+  if (!sg__dtype_valid(src_dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype %d", fn, src_dtype);
   sg__offload_bucket *b = &o->b[k];
+  /* the job of the previous arrival reads b->mode: it must have run (a micro-batch ago) */
+  if (b->ticket) SG_TRY(o->dev->ops->comm_wait(o->dev, b->ticket, deadline_ms));
+  b->ticket = 0;
+  SG_TRY(sg__offload_fold(o, k, deadline_ms));
   if (!b->filled && src_dtype == o->accum_dtype) {
-    *mode = SG__ARRIVE_DIRECT;
+    b->mode = SG__ARRIVE_DIRECT;
   } else {
-    SG_TRY(ensure_landing(o, b, src_dtype));
+    if (b->len * esz(src_dtype) > o->land_bytes)
+      return sg__err(SG_ERR_INTERNAL, "%s: bucket %d's slice does not fit a landing buffer", fn, k);
+    int j = -1;
+    SG_TRY(take_landing(o, deadline_ms, &j));
+    o->land_owner[j] = k;
+    o->land_ticket[j] = UINT64_MAX; /* until submitted */
+    b->land = j;
     b->land_dtype = src_dtype;
     b->land_first = !b->filled;
-    *mode = SG__ARRIVE_LAND;
+    b->mode = SG__ARRIVE_LAND;
   }
   b->filled = 1;
   return SG_OK;
 }
 
-sg_status sg__offload_arrive_job(sg__offload *o, int k, sg__arrive_mode mode, const void *dev_slice,
-                                 int src_dtype) {
+sg_status sg__offload_arrive_job(sg__offload *o, int k, const void *dev_slice, int src_dtype) {
   static const char fn[] = "sg__offload_arrive_job";
   SG_TRY(check_bucket(o, k, fn));
   const sg__offload_bucket *b = &o->b[k];
   if (b->len == 0) return SG_OK;
-  void *dst = mode == SG__ARRIVE_DIRECT ? (char *)o->accum + b->off * esz(o->accum_dtype) : b->land;
-  if (!dst || (mode == SG__ARRIVE_LAND && src_dtype != b->land_dtype) ||
-      (mode == SG__ARRIVE_DIRECT && src_dtype != o->accum_dtype))
+  const int direct = b->mode == SG__ARRIVE_DIRECT;
+  void *dst = direct ? (char *)o->accum + b->off * esz(o->accum_dtype)
+                     : b->land >= 0 ? o->land[b->land] : NULL;
+  if (!dst || (!direct && src_dtype != b->land_dtype) || (direct && src_dtype != o->accum_dtype))
     return sg__err(SG_ERR_INVALID_STATE, "%s: bucket %d's arrival was not planned for dtype %d",
                    fn, k, src_dtype);
   return o->dev->ops->copy(o->dev, SG_Q_COMM, dst, dev_slice, b->len * esz(src_dtype), SG_COPY_D2H);
 }
 
-void sg__offload_arrive_submitted(sg__offload *o, int k, sg__arrive_mode mode, uint64_t ticket) {
-  if (!o || k < 0 || k >= o->nbuckets) return;
-  if (mode == SG__ARRIVE_LAND) o->b[k].land_ticket = ticket;
+void sg__offload_arrive_submitted(sg__offload *o, int k, uint64_t ticket) {
+  if (!o || !o->dev || k < 0 || k >= o->nbuckets) return;
+  sg__offload_bucket *b = &o->b[k];
+  b->ticket = ticket;
+  if (b->land < 0) return;
+  if (ticket) {
+    o->land_ticket[b->land] = ticket;
+    return;
+  }
+  o->land_owner[b->land] = -1; /* never queued: nothing will land */
+  b->land = -1;
 }
 
 sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms) {
   SG_TRY(check_bucket(o, k, "sg__offload_fold"));
   sg__offload_bucket *b = &o->b[k];
-  if (!b->land_ticket) return SG_OK;
-  SG_TRY(o->dev->ops->comm_wait(o->dev, b->land_ticket, deadline_ms));
+  if (b->land < 0) return SG_OK;
+  const int j = b->land;
+  SG_TRY(o->dev->ops->comm_wait(o->dev, o->land_ticket[j], deadline_ms));
   void *acc = (char *)o->accum + b->off * esz(o->accum_dtype);
   /* 0 + x as the device path's zeroed accumulator gives; a cast where the slice is the first */
   if (b->land_first)
-    sg__cpu_cast(acc, o->accum_dtype, b->land, b->land_dtype, b->len);
+    sg__cpu_cast(acc, o->accum_dtype, o->land[j], b->land_dtype, b->len);
   else
-    sg__cpu_accumulate(acc, o->accum_dtype, b->land, b->land_dtype, b->len);
-  b->land_ticket = 0;
+    sg__cpu_accumulate(acc, o->accum_dtype, o->land[j], b->land_dtype, b->len);
+  o->land_owner[j] = -1;
+  b->land = -1;
   return SG_OK;
 }
 
@@ -166,7 +216,7 @@ sg_status sg__offload_norm(sg__offload *o, double out[2]) {
   if (!o || !o->dev || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_norm: NULL");
   for (int k = 0; k < o->nbuckets; k++) {
     sg__offload_bucket *b = &o->b[k];
-    if (b->land_ticket)
+    if (b->land >= 0)
       return sg__err(SG_ERR_INVALID_STATE, "sg__offload_norm: bucket %d not folded", k);
     if (!b->filled) { /* empty since the last step: zeros, as the device path's zeroed slice */
       memset((char *)o->accum + b->off * esz(o->accum_dtype), 0, b->len * esz(o->accum_dtype));
@@ -196,8 +246,35 @@ sg_status sg__offload_update(sg__offload *o, const sg__adamw_args *a, void *dev_
   return sg__host_pipe_update(&o->pipe, &h, dev_params, deadline_ms, last);
 }
 
-void sg__offload_end_step(sg__offload *o) {
-  for (int k = 0; o && k < o->nbuckets; k++) o->b[k].filled = 0;
+sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms) {
+  if (!o || !o->dev) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_clear: no state");
+  const uint64_t last = last_arrival(o);
+  if (last) SG_TRY(o->dev->ops->comm_wait(o->dev, last, deadline_ms));
+  for (int j = 0; j < o->nland; j++) o->land_owner[j] = -1;
+  for (int k = 0; k < o->nbuckets; k++) o->b[k].filled = 0, o->b[k].ticket = 0, o->b[k].land = -1;
+  return SG_OK;
+}
+
+sg_status sg__offload_master_from(sg__offload *o, const void *dev_params, const sg__seg *segs,
+                                  int nsegs, int64_t deadline_ms) {
+  if (!o || !o->dev || !dev_params || (nsegs > 0 && !segs))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_master_from: NULL argument");
+  if (!o->master) return SG_OK;
+  SG_TRY(sg__host_pipe_drain(&o->pipe, deadline_ms)); /* its buffers are free */
+  const size_t P = esz(o->param_dtype), chunk = o->pipe.chunk;
+  for (int s = 0; s < nsegs; s++) {
+    if (segs[s].shard_off > o->numel || segs[s].len > o->numel - segs[s].shard_off)
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_master_from: segment %d is outside "
+                     "the shard", s);
+    for (size_t i = 0; i < segs[s].len; i += chunk) {
+      const size_t n = segs[s].len - i < chunk ? segs[s].len - i : chunk;
+      SG_TRY(o->dev->ops->copy(o->dev, SG_Q_COMPUTE, o->pipe.out[0],
+                               (const char *)dev_params + (segs[s].flat_off + i) * P, n * P,
+                               SG_COPY_D2H));
+      sg__cpu_cast(o->master + segs[s].shard_off + i, SG_F32, o->pipe.out[0], o->param_dtype, n);
+    }
+  }
+  return SG_OK;
 }
 
 /* ---- access and memory --------------------------------------------------------------------- */
@@ -207,8 +284,9 @@ float *sg__offload_state(sg__offload *o, int which) {
   return which == 0 ? o->master : which == 1 ? o->m : which == 2 ? o->v : NULL;
 }
 
-size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk) {
+size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk,
+                              int nland, size_t land_bytes) {
   const size_t c = chunk ? chunk : SG__HOST_PIPE_CHUNK;
   return numel * (esz(accum_dtype) + 8 + (param_dtype == SG_F32 ? 0 : 4)) +
-         SG__HOST_PIPE_NBUF * c * esz(param_dtype);
+         (size_t)nland * land_bytes + SG__HOST_PIPE_NBUF * c * esz(param_dtype);
 }

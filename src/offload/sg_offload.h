@@ -4,17 +4,19 @@
  * it at four points, and nothing else in the engine needs to know where the state lives:
  *
  *   arrival   a bucket's reduction job, once its slice is reduced in device memory:
- *             sg__offload_arrive_plan on the caller's thread when the job is submitted, then
- *             sg__offload_arrive_job inside the job (comm queue). The slice goes D2H straight
- *             into the accumulator when the bucket's accumulator is empty and the dtypes agree
- *             (the usual single micro-batch: no host pass at all, and it works for
- *             stream-ordered jobs, NCCL's), or else into the bucket's landing buffer (pinned,
- *             allocated at its first use), which sg__offload_fold adds on the host later.
+ *             sg__offload_arrive_plan on the caller's thread before the job is submitted, then
+ *             sg__offload_arrive_job inside the job (comm queue), sg__offload_arrive_submitted
+ *             with its ticket. The slice goes D2H straight into the accumulator when the
+ *             bucket's accumulator is empty and the dtypes agree (the usual single micro-batch
+ *             of fp32 or bf16-accumulated gradients: no host pass at all, and it works for
+ *             stream-ordered jobs, NCCL's), or else into a landing buffer of a small pinned
+ *             pool, which sg__offload_fold adds on the host later: when the buffer is needed
+ *             for a later bucket, when the bucket arrives again, or at the step.
  *   step      sg__offload_fold_all; sg__offload_norm (sum of squares and non-finite count in
  *             the order of the device's own sumsq, so every decision matches the device path
  *             bit for bit); sg__offload_update per bucket (the host AdamW pipeline: each chunk
  *             copied H2D into the working parameters while the next one updates, then the
- *             caller queues the bucket's all-gather); sg__offload_end_step (every bucket's
+ *             caller queues the bucket's all-gather); sg__offload_clear (every bucket's
  *             accumulator is empty again: the next arrival overwrites it, no zeroing pass).
  *   access    sg__offload_state: host pointers for checkpoints and sg_get/set_master (host
  *             memcpy where the device path copies D2H/H2D).
@@ -32,17 +34,17 @@
 
 typedef enum {
   SG__ARRIVE_DIRECT = 0, /* D2H into the accumulator slice */
-  SG__ARRIVE_LAND = 1    /* D2H into the landing buffer; fold adds (or casts) it */
+  SG__ARRIVE_LAND = 1    /* D2H into a landing buffer; fold adds (or casts) it */
 } sg__arrive_mode;
 
 typedef struct sg__offload_bucket {
   size_t off, len;  /* the bucket's slice of the shard (elements) */
   int filled;       /* the accumulator slice holds a gradient since the last step */
-  void *land;       /* pinned landing buffer (reduce dtype), NULL until first needed */
-  size_t land_bytes;
+  sg__arrive_mode mode; /* of the latest arrival (read by its job) */
+  uint64_t ticket;  /* the latest arrival's job; 0 once known complete */
+  int land;         /* landing buffer holding an arrival not folded yet, -1 none */
   int land_dtype;
   int land_first;   /* the landed slice is the bucket's first since the step: cast, not add */
-  uint64_t land_ticket; /* the job writing it; 0 when nothing is waiting to be folded */
 } sg__offload_bucket;
 
 typedef struct sg__offload {
@@ -53,28 +55,34 @@ typedef struct sg__offload {
   void *accum;             /* pinned, accum_dtype */
   int nbuckets;
   sg__offload_bucket *b;
+  int nland;               /* landing buffers, land_bytes each */
+  size_t land_bytes;
+  void **land;             /* [nland] pinned */
+  int *land_owner;         /* [nland]: bucket whose arrival it holds, -1 free */
+  uint64_t *land_ticket;   /* [nland]: that arrival's job */
   sg__host_pipe pipe;
   size_t host_bytes;       /* every pinned byte held (state, landing buffers, pipe) */
 } sg__offload;
 
 /* Allocates and zeroes the state for a shard of numel elements whose buckets' slices are
  * [off[k], off[k] + len[k]) (disjoint, inside the shard). chunk: the update pipeline's
- * (0: default). On failure nothing stays allocated. */
+ * (0: default); nland landing buffers (>= 1) of land_bytes (>= every slice in any arriving
+ * dtype). On failure nothing stays allocated. */
 sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int param_dtype,
                            int accum_dtype, int nbuckets, const size_t *off, const size_t *len,
-                           size_t chunk);
+                           size_t chunk, int nland, size_t land_bytes);
 /* Waits (bounded) for copies in flight and frees everything; NULL or zeroed o: nothing. */
 void sg__offload_free(sg__offload *o, int64_t deadline_ms);
 
-/* Caller's thread, before submitting bucket k's reduction job whose slice has src_dtype: folds
- * an earlier landing still pending (waiting for its job), picks the mode and records it. */
-sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms,
-                                  sg__arrive_mode *mode);
+/* Caller's thread, before submitting bucket k's reduction job whose slice has src_dtype: waits
+ * for the bucket's previous arrival, picks the mode (folding the landing buffer it takes if
+ * that still holds another bucket's arrival) and records it. */
+sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms);
 /* Inside the job: D2H of the reduced slice (device memory, src_dtype) on SG_Q_COMM, as planned. */
-sg_status sg__offload_arrive_job(sg__offload *o, int k, sg__arrive_mode mode, const void *dev_slice,
-                                 int src_dtype);
-/* Caller's thread, after submitting the job: its ticket (what fold waits for). */
-void sg__offload_arrive_submitted(sg__offload *o, int k, sg__arrive_mode mode, uint64_t ticket);
+sg_status sg__offload_arrive_job(sg__offload *o, int k, const void *dev_slice, int src_dtype);
+/* Caller's thread, after submitting the job: its ticket (what fold waits for; 0: not queued,
+ * the arrival is forgotten). */
+void sg__offload_arrive_submitted(sg__offload *o, int k, uint64_t ticket);
 /* Adds bucket k's landed slice into the accumulator (waits for its job first); nothing pending:
  * nothing. */
 sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms);
@@ -89,14 +97,21 @@ sg_status sg__offload_norm(sg__offload *o, double out[2]);
  * working-parameter buffer, device memory). *last: the ticket of its last copy. */
 sg_status sg__offload_update(sg__offload *o, const sg__adamw_args *a, void *dev_params,
                              int64_t deadline_ms, uint64_t *last);
-/* After the step (taken or skipped): every bucket's accumulator is empty. */
-void sg__offload_end_step(sg__offload *o);
+/* After the step (taken or skipped), sg_grad_zero or a load: every bucket's accumulator is
+ * empty; arrivals not folded yet are dropped (after their jobs, waited for). */
+sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms);
+/* The master (bf16/f16 params) from the working values of segments segs[0..nsegs) of the
+ * device buffer dev_params (compute-queue copies through the pipe's buffers). */
+sg_status sg__offload_master_from(sg__offload *o, const void *dev_params, const sg__seg *segs,
+                                  int nsegs, int64_t deadline_ms);
 
 /* which: 0 master (NULL for f32 params), 1 m, 2 v: host memory in shard coordinates. Valid
  * once every copy into the working parameters finished (sg__host_pipe_drain). */
 float *sg__offload_state(sg__offload *o, int which);
-/* Pinned host bytes an offloaded shard of numel elements holds before any landing buffer:
- * accumulator + master (not for f32 params) + m + v, plus the update pipeline's ring. */
-size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk);
+/* Pinned host bytes an offloaded shard of numel elements holds: accumulator + master (not for
+ * f32 params) + m + v, plus the update pipeline's ring and the landing buffers (what
+ * sg__offload_init allocates with these arguments, exactly). */
+size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk,
+                              int nland, size_t land_bytes);
 
 #endif /* SG_OFFLOAD_H */

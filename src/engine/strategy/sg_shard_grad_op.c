@@ -29,7 +29,7 @@ typedef struct {
   int *bucket_staging;  /* [nbuckets]: staging index held, -1 none */
 } pool;
 
-static void pool_free(sg_engine *e, void *state) {
+void sg__staging_free(sg_engine *e, void *state) {
   pool *s = state;
   if (!s) return;
   for (int k = e->lay.nstaging; k < s->n; k++) {
@@ -44,7 +44,7 @@ static void pool_free(sg_engine *e, void *state) {
   free(s);
 }
 
-static sg_status pool_init(sg_engine *e, void **state) {
+sg_status sg__staging_init(sg_engine *e, void **state) {
   const int nb = e->plan->nbuckets, ns = e->lay.nstaging;
   pool *s = calloc(1, sizeof *s);
   if (!s) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
@@ -54,7 +54,7 @@ static sg_status pool_init(sg_engine *e, void **state) {
   s->ticket = calloc((size_t)(ns ? ns : 1), sizeof *s->ticket);
   s->ptr = calloc((size_t)(ns ? ns : 1), sizeof *s->ptr);
   if (!s->t.bucket || !s->bucket_staging || !s->owner || !s->ticket || !s->ptr) {
-    pool_free(e, s);
+    sg__staging_free(e, s);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
   }
   s->n = ns;
@@ -115,14 +115,14 @@ static sg_status acquire(sg_engine *e, pool *s, int b, const char *fn) {
   return SG_OK;
 }
 
-static sg_status slot(sg_engine *e, void *state, int b, char **base, const char *fn) {
+sg_status sg__staging_slot(sg_engine *e, void *state, int b, char **base, const char *fn) {
   pool *s = state;
   if (s->bucket_staging[b] < 0) SG_TRY(acquire(e, s, b, fn));
   *base = s->ptr[s->bucket_staging[b]];
   return SG_OK;
 }
 
-static void release(sg_engine *e, void *state, int b, uint64_t ticket) {
+void sg__staging_release(sg_engine *e, void *state, int b, uint64_t ticket) {
   pool *s = state;
   if (ticket) s->t.bucket[b] = ticket;
   const int k = s->bucket_staging[b];
@@ -135,6 +135,5 @@ static void release(sg_engine *e, void *state, int b, uint64_t ticket) {
 
 const sg__strategy_ops sg__strategy_shard_grad_op = {
     .name = "SHARD_GRAD_OP", .reduce_label = "reduce-scatter", .shape = shape,
-    .slots_init = pool_init, .slots_free = pool_free, .slot = slot, .release = release,
-    SG__SHARDED_OPS,
+    SG__STAGING_OPS, SG__SHARDED_OPS,
 };

@@ -5,6 +5,16 @@
 extern const sg__strategy_ops sg__strategy_no_shard;
 extern const sg__strategy_ops sg__strategy_shard_opt;
 extern const sg__strategy_ops sg__strategy_shard_grad_op;
+extern const sg__strategy_ops sg__strategy_shard_opt_offload;      /* sg_offload_ops.c */
+extern const sg__strategy_ops sg__strategy_shard_grad_op_offload;
+
+/* [strategy][offload]: offload on the CUDA device only (on the CPU the state is host memory
+ * already); NO_SHARD has no offloading variant (sg_engine_create refuses it). */
+static const sg__strategy_ops *const offload_table[] = {
+    [SG_SHARD_OPT] = &sg__strategy_shard_opt_offload,
+    [SG_SHARD_GRAD_OP] = &sg__strategy_shard_grad_op_offload,
+};
+#define SG__NOFFLOAD (sizeof offload_table / sizeof offload_table[0])
 
 static const sg__strategy_ops *const table[] = {
     [SG_NO_SHARD] = &sg__strategy_no_shard,
@@ -15,7 +25,15 @@ static const sg__strategy_ops *const table[] = {
 
 int sg__strategy_known(uint32_t s) { return s < SG__NSTRATEGIES && table[s] != NULL; }
 
-const sg__strategy_ops *sg__strategy_select(sg_strategy s) {
+int sg__strategy_offloads(const sg_config *cfg) {
+  const uint32_t s = (uint32_t)cfg->strategy;
+  return cfg->offload_optimizer && cfg->device == SG_DEVICE_CUDA && s < SG__NOFFLOAD &&
+         offload_table[s] != NULL;
+}
+
+const sg__strategy_ops *sg__strategy_select(const sg_config *cfg) {
+  const sg_strategy s = cfg->strategy;
+  if (sg__strategy_offloads(cfg)) return offload_table[s];
   /* sg__config_check has rejected every other value */
   return sg__strategy_known((uint32_t)s) ? table[s] : table[SG_SHARD_GRAD_OP];
 }

@@ -57,15 +57,21 @@ size_t sg__sharded_max_wire(const sg__plan *p) {
   return m;
 }
 
-sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire) {
-  sg_comm *c = e->comm;
-  sg__device *d = e->dev;
-  const int rdt = e->cfg.reduce_dtype, adt = e->cfg.accum_dtype;
+sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char **mine) {
+  const int rdt = e->cfg.reduce_dtype;
   const size_t slice = sg__plan_slice_numel(e->plan, b);
-  SG_TRY(c->ops->reduce_scatter(c, wire, slice, rdt, sg__deadline(e->cfg.timeout_ms)));
-  return d->ops->accumulate(d, SG_Q_COMM,
-                            e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt),
-                            adt, wire + (size_t)e->rank * slice * sg__dtype_size(rdt), rdt, slice);
+  SG_TRY(e->comm->ops->reduce_scatter(e->comm, wire, slice, rdt, sg__deadline(e->cfg.timeout_ms)));
+  *mine = wire + (size_t)e->rank * slice * sg__dtype_size(rdt);
+  return SG_OK;
+}
+
+sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire) {
+  const int adt = e->cfg.accum_dtype;
+  const char *mine = NULL;
+  SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
+  return e->dev->ops->accumulate(e->dev, SG_Q_COMM,
+                                 e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt),
+                                 adt, mine, e->cfg.reduce_dtype, sg__plan_slice_numel(e->plan, b));
 }
 
 sg_status sg__sharded_sum_norm(sg_engine *e, double ss[2]) {

@@ -13,16 +13,28 @@ void sg__slots_full_free(sg_engine *e, void *state);
 sg_status sg__slots_full_slot(sg_engine *e, void *state, int b, char **base, const char *fn);
 void sg__slots_full_release(sg_engine *e, void *state, int b, uint64_t ticket);
 
+/* a pool of staging buffers (SHARD_GRAD_OP, sg_shard_grad_op.c): bucket b's slot is a
+ * buffer of the pool while its gradients are written and reduced */
+sg_status sg__staging_init(sg_engine *e, void **state);
+void sg__staging_free(sg_engine *e, void *state);
+sg_status sg__staging_slot(sg_engine *e, void *state, int b, char **base, const char *fn);
+void sg__staging_release(sg_engine *e, void *state, int b, uint64_t ticket);
+
 /* sharded state: this rank owns slice `rank` of every bucket (DESIGN.md section 2) */
 void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out);
 /* the largest slice: the per-rank piece of a reduce-scatter or all-gather */
 size_t sg__sharded_max_wire(const sg__plan *p);
+/* Bucket b reduce-scattered in `wire` (reduce_dtype); *mine: this rank's reduced slice in it. */
+sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char **mine);
 sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire);
 sg_status sg__sharded_sum_norm(sg_engine *e, double ss[2]);
 sg_status sg__sharded_gather(sg_engine *e, int b);
 sg_status sg__sharded_gather_state(sg_engine *e, int b, const float *state, float *tmp);
 
-/* Table entries of the two shared pieces (designated initializers of sg__strategy_ops). */
+/* Table entries of the shared pieces (designated initializers of sg__strategy_ops). */
+#define SG__STAGING_OPS                                                                           \
+  .slots_init = sg__staging_init, .slots_free = sg__staging_free, .slot = sg__staging_slot,      \
+  .release = sg__staging_release
 #define SG__SLOTS_FULL_OPS                                                                        \
   .slots_init = sg__slots_full_init, .slots_free = sg__slots_full_free,                          \
   .slot = sg__slots_full_slot, .release = sg__slots_full_release
