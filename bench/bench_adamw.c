@@ -16,7 +16,16 @@
  * Triad and AdamW alternate rep by rep after the warm-up, so both see the same background load;
  * the ratio reported is the median of the per-rep ratios.
  *
- *   sg_bench_adamw [--sizes 1,4,16,64] [--reps 10] [--warmup 2]   (sizes in Mi parameters) */
+ *   sg_bench_adamw [--sizes 1,4,16,64] [--reps 10] [--warmup 2]   (sizes in Mi parameters)
+ *
+ * --lean-report: instead, the whole one-rank f32 step of the engine (SG_SHARD_GRAD_OP, CPU
+ * device, local communicator of one rank, 32 MiB buckets, parameters of 4 Mi elements) timed
+ * from the caller: every sg_grad_ready of a micro-batch plus the sg_step after it. The caller
+ * writes its gradients into the sg_grad_ptr slots before the clock starts (enough staging
+ * buffers that no slot waits for another bucket). The step's figure of merit counts 32 bytes
+ * per parameter (the update's 28 and the norm's 4), against the triad in the same run, rep by
+ * rep; the goal (issue 13) is >= 0.8. What the engine actually moves per parameter: DESIGN.md
+ * section 4, "The step on the device". */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, posix_memalign */
 #include <math.h>
 #include <stdint.h>
@@ -30,12 +39,13 @@
 
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_adamw */
 #include "sg_elem.h"            /* sg_elem_adamw: the reference of the untimed check */
+#include "shardgrad.h"          /* --lean-report: the engine */
 
 #define SEG_MAX ((size_t)4 << 20) /* split the shard into parameters of at most 4 Mi elements */
 
 typedef struct options {
   size_t sizes[16];
-  int nsizes, reps, warmup;
+  int nsizes, reps, warmup, lean;
 } options;
 
 static double now_s(void) {
@@ -223,23 +233,129 @@ static result measure(state *s, triad_bufs *tb, const options *o) {
   return res;
 }
 
+/* ---- --lean-report: the engine's whole step ------------------------------------------------- */
+
+typedef struct lean {
+  sg_comm *comm;
+  sg_engine *e;
+  int nparams;
+  size_t n;
+} lean;
+
+static int lean_fail(const char *what, sg_status st) {
+  fprintf(stderr, "sg_bench_adamw --lean-report: %s: %s: %s\n", what, sg_status_string(st),
+          sg_last_error());
+  return 0;
+}
+
+static int lean_init(lean *l, size_t n) {
+  memset(l, 0, sizeof *l);
+  l->n = n;
+  l->nparams = (int)((n + SEG_MAX - 1) / SEG_MAX);
+  sg_config cfg;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (!st) st = sg_comm_create_local(1, &l->comm);
+  if (st) return lean_fail("setup", st);
+  cfg.strategy = SG_SHARD_GRAD_OP;
+  cfg.staging_buckets = l->nparams; /* a slot per bucket: sg_grad_ptr never waits */
+  if ((st = sg_engine_create(l->comm, &cfg, &l->e))) return lean_fail("sg_engine_create", st);
+  for (int p = 0; p < l->nparams && !st; p++) {
+    char name[32];
+    snprintf(name, sizeof name, "w%d", p);
+    const size_t len = n - (size_t)p * SEG_MAX < SEG_MAX ? n - (size_t)p * SEG_MAX : SEG_MAX;
+    int id = 0;
+    st = sg_add_param(l->e, name, len, p % 2 ? SG_PARAM_NO_DECAY : 0, &id);
+  }
+  if (!st) st = sg_finalize(l->e);
+  for (int p = 0; p < l->nparams && !st; p++) {
+    float *w = NULL;
+    st = sg_param_ptr(l->e, p, (void **)&w);
+    const size_t len = n - (size_t)p * SEG_MAX < SEG_MAX ? n - (size_t)p * SEG_MAX : SEG_MAX;
+    if (!st) fill(w, len, -0.5f, 1.0f);
+  }
+  return st ? lean_fail("parameters", st) : 1;
+}
+
+static void lean_free(lean *l) {
+  sg_engine_destroy(l->e);
+  sg_comm_destroy(l->comm);
+}
+
+/* One micro-batch and its step; the seconds from the first sg_grad_ready to sg_step's return,
+ * without the caller's gradient writes (done first, in backward order). */
+static double lean_once(lean *l, int *ok) {
+  sg_status st = SG_OK;
+  for (int p = l->nparams - 1; p >= 0 && !st; p--) {
+    float *g = NULL;
+    st = sg_grad_ptr(l->e, p, (void **)&g);
+    const size_t len = l->n - (size_t)p * SEG_MAX < SEG_MAX ? l->n - (size_t)p * SEG_MAX : SEG_MAX;
+    if (!st) fill(g, len, -1e-3f, 2e-3f);
+  }
+  const double t0 = now_s();
+  for (int p = l->nparams - 1; p >= 0 && !st; p--) st = sg_grad_ready(l->e, p);
+  sg_step_info info = {sizeof info, 0, 0, 0, 0, 0};
+  if (!st) st = sg_step(l->e, &info);
+  const double t = now_s() - t0;
+  if (st || info.skipped || !(info.grad_norm > 0)) *ok = st ? lean_fail("step", st) : 0;
+  return t;
+}
+
+static int lean_report(const options *o) {
+  printf("sg_bench_adamw --lean-report: one-rank f32 step (SG_SHARD_GRAD_OP, CPU device) timed "
+         "from the caller\n(sg_grad_ready of every parameter + sg_step) vs STREAM triad, %d "
+         "OpenMP thread(s), median of %d after %d warm-up\n", threads(), o->reps, o->warmup);
+  printf("step GB/s counts 32 bytes per parameter (AdamW 28 + norm 4); triad 24 per element; "
+         "ratio = median of per-rep ratios\n\n");
+  printf("%8s  %9s  %9s  %10s  %10s  %6s  %6s  %s\n", "params", "step ms", "triad ms", "step GB/s",
+         "triad GB/s", "ratio", "best", "check");
+  int all_ok = 1;
+  for (int k = 0; k < o->nsizes; k++) {
+    const size_t n = o->sizes[k];
+    lean l;
+    triad_bufs tb;
+    if (!lean_init(&l, n)) return 0;
+    triad_init(&tb, n);
+    double ts[64], tt[64], ratio[64], best_s, best_t, unused;
+    const int reps = o->reps < 64 ? o->reps : 64;
+    int ok = 1;
+    for (int r = 0; r < o->warmup; r++) triad_once(&tb), lean_once(&l, &ok);
+    for (int r = 0; r < reps; r++) {
+      tt[r] = triad_once(&tb);
+      ts[r] = lean_once(&l, &ok);
+      ratio[r] = (32.0 / 24.0) * tt[r] / ts[r];
+    }
+    const double r_med = median(ratio, reps, &unused);
+    const double t_step = median(ts, reps, &best_s), t_triad = median(tt, reps, &best_t);
+    printf("%7zuM  %9.2f  %9.2f  %10.2f  %10.2f  %6.2f  %6.2f  %s\n", n >> 20, t_step * 1e3,
+           t_triad * 1e3, 32.0 * (double)n / t_step / 1e9, 24.0 * (double)n / t_triad / 1e9, r_med,
+           (32.0 / 24.0) * best_t / best_s, ok ? "ok" : "WRONG");
+    all_ok &= ok;
+    triad_free(&tb);
+    lean_free(&l);
+  }
+  return all_ok;
+}
+
 /* ---- main ------------------------------------------------------------------------------------ */
 
 static int parse(int argc, char **argv, options *o) {
   const size_t defaults[] = {1, 4, 16, 64};
-  o->nsizes = 4, o->reps = 10, o->warmup = 2;
+  o->nsizes = 4, o->reps = 10, o->warmup = 2, o->lean = 0;
   for (int i = 0; i < 4; i++) o->sizes[i] = defaults[i] << 20;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
       o->reps = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) {
       o->warmup = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--lean-report")) {
+      o->lean = 1;
     } else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
       o->nsizes = 0;
       for (char *tok = strtok(argv[++i], ","); tok && o->nsizes < 16; tok = strtok(NULL, ","))
         o->sizes[o->nsizes++] = (size_t)strtoull(tok, NULL, 10) << 20;
     } else {
-      fprintf(stderr, "usage: %s [--sizes 1,4,16,64] [--reps 10] [--warmup 2]  (sizes in Mi)\n", argv[0]);
+      fprintf(stderr, "usage: %s [--lean-report] [--sizes 1,4,16,64] [--reps 10] [--warmup 2]  "
+              "(sizes in Mi)\n", argv[0]);
       return 0;
     }
   }
@@ -249,6 +365,7 @@ static int parse(int argc, char **argv, options *o) {
 int main(int argc, char **argv) {
   options o;
   if (!parse(argc, argv, &o)) return 2;
+  if (o.lean) return lean_report(&o) ? 0 : 1;
   printf("sg_bench_adamw: fused AdamW step (sg__cpu_adamw) vs STREAM triad, %d OpenMP thread(s), "
          "median of %d after %d warm-up\n", threads(), o.reps, o.warmup);
   printf("bytes per element: f32 params 28, bf16 params (fp32 master) 30, triad 24 (3 doubles)\n\n");

@@ -72,8 +72,9 @@ if(SG_WITH_CUDA)
     add_test(NAME test_two_engines_cudamock COMMAND test_two_engines_cudamock --nccl 2)
     set_tests_properties(test_two_engines_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
 
+    # test_cuda_mock_lean: host syncs and kernel launches of one step, counted by the mock.
     foreach(t test_cuda_mock test_cuda_mock_engine test_cuda_mock_nccl test_cuda_mock_nccl_split
-              test_cuda_mock_waits)
+              test_cuda_mock_waits test_cuda_mock_lean)
       add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
       target_link_libraries(${t} PRIVATE shardgrad_cudamock)
       target_compile_options(${t} PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)

@@ -180,6 +180,7 @@ inline void sg_emu_submit(cudaStream_t s, std::function<void()> work) {
 
 inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind,
                                    cudaStream_t s) {
+  if (sg_emu_counted) sg_emu_counted(0);
   sg_emu_submit(s, [=] { memmove(dst, src, bytes); });
   return cudaSuccess;
 }
@@ -237,12 +238,14 @@ void sg_emu_run_sync(void (*k)(P...), unsigned grid, unsigned block, A... args) 
 template <typename... P, typename... A>
 void sg_emu_launch(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block, A... args) {
   sg_emu_check_launch<P...>(grid, block);
+  if (sg_emu_counted) sg_emu_counted(1);
   sg_emu_submit(s, [=] { sg_emu_run(k, grid, block, args...); });
 }
 
 template <typename... P, typename... A>
 void sg_emu_launch_sync(cudaStream_t s, void (*k)(P...), unsigned grid, unsigned block, A... args) {
   sg_emu_check_launch<P...>(grid, block);
+  if (sg_emu_counted) sg_emu_counted(1);
   sg_emu_submit(s, [=] { sg_emu_run_sync(k, grid, block, args...); });
 }
 

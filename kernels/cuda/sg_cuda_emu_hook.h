@@ -10,5 +10,8 @@ inline void (*sg_emu_enqueue)(void *stream, std::function<void()> work) = nullpt
 // The runtime's cudaGetLastError (this thread's last error, reset), which the emulated
 // launchers report as a real launch does; NULL: none (launches always succeed).
 inline int (*sg_emu_last_error)(void) = nullptr;
+// Told of every emulated kernel launch (kernel = 1) and copy (kernel = 0) as it is queued, so
+// that a mock runtime can count the device operations of the calling thread; NULL: nobody.
+inline void (*sg_emu_counted)(int kernel) = nullptr;
 
 #endif  // SG_CUDA_EMU_HOOK_H

@@ -199,6 +199,13 @@ static sg_status cpu_sumsq(sg__device *d, sg__queue q, const void *x, int dtype,
   return SG_OK;
 }
 
+/* Device memory is host memory: the values land in dev2 at once. */
+static sg_status cpu_sumsq_to(sg__device *d, sg__queue q, const void *x, int dtype, size_t n,
+                              double *dev2) {
+  if (!dev2) return sg__err(SG_ERR_INVALID_ARGUMENT, "sumsq: NULL output");
+  return cpu_sumsq(d, q, x, dtype, n, &dev2[0], &dev2[1]);
+}
+
 static sg_status cpu_reduce_sum(sg__device *d, sg__queue q, void *dst, const void *const *srcs,
                                 int nsrc, int dtype, size_t n) {
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "reduce_sum: NULL device");
@@ -285,6 +292,7 @@ static const sg__device_ops cpu_ops = {
     .accumulate = cpu_accumulate,
     .cast = cpu_cast,
     .sumsq = cpu_sumsq,
+    .sumsq_to = cpu_sumsq_to,
     .reduce_sum = cpu_reduce_sum,
     .comm_submit = cpu_comm_submit,
     .comm_wait = cpu_comm_wait,

@@ -519,30 +519,56 @@ static sg_status sg__cuda_red_reserve(sg__cuda_dev *d, sg__queue q, size_t bytes
   return SG_OK;
 }
 
+/* The checks of sumsq and sumsq_to (d is not NULL). */
+static sg_status sg__cuda_sumsq_check(sg__cuda_dev *d, sg__queue q, const void *x, int dtype,
+                                      size_t n, const char *fn) {
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
+  if (!sg__cuda_dtype_ok(dtype))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
+  if (n > 0 && !x) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  return SG_OK;
+}
+
+/* The two kernels of sumsq on queue q (arguments checked), writing the pair to result2 (device
+ * memory; NULL: the scratch's first two doubles); nothing waited for. */
+static sg_status sg__cuda_sumsq_launch(sg__cuda_dev *d, sg__queue q, const void *x, int dtype,
+                                       size_t n, double *result2, const char *fn) {
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG_TRY(sg__cuda_red_reserve(d, q, sg__cuda_sumsq_scratch_bytes(n), fn));
+  if (!result2) result2 = (double *)d->red_dev[q]; /* the first two doubles of the scratch */
+  SG__CU_LAUNCH(sg__cuda_sumsq(sg__cuda_launch_on(d, q), x, dtype, n, d->red_dev[q], result2), fn);
+  return SG_OK;
+}
+
 static sg_status sg__cudev_sumsq(sg__device *dev, sg__queue q, const void *x, int dtype, size_t n,
                                  double *sumsq, double *nonfinite) {
   static const char fn[] = "sg__device_cuda.sumsq";
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d || !sumsq || !nonfinite) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  SG_TRY(sg__cuda_queue_op(d, q, fn));
-  if (!sg__cuda_dtype_ok(dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (%d)", fn, dtype);
+  SG_TRY(sg__cuda_sumsq_check(d, q, x, dtype, n, fn));
   *sumsq = 0.0;
   *nonfinite = 0.0;
   if (n == 0) return SG_OK;
-  if (!x) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
-  SG_TRY(sg__cuda_enter(d, fn));
+  SG_TRY(sg__cuda_sumsq_launch(d, q, x, dtype, n, NULL, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
-  SG_TRY(sg__cuda_red_reserve(d, q, sg__cuda_sumsq_scratch_bytes(n), fn));
-  double *result = (double *)d->red_dev[q]; /* the first two doubles of the scratch */
   double *host = d->red_host + 2 * (int)q;
-  SG__CU_LAUNCH(sg__cuda_sumsq(sg__cuda_launch_on(d, q), x, dtype, n, d->red_dev[q], result), fn);
-  SG__CU(cudaMemcpyAsync(host, result, 2 * sizeof(double), cudaMemcpyDeviceToHost, s), fn);
+  SG__CU(cudaMemcpyAsync(host, d->red_dev[q], 2 * sizeof(double), cudaMemcpyDeviceToHost, s), fn);
   SG_TRY(sg__cuda_wait(d, NULL, s, INT64_MAX, fn));
   *sumsq = host[0];
   *nonfinite = host[1];
   return SG_OK;
+}
+
+static sg_status sg__cudev_sumsq_to(sg__device *dev, sg__queue q, const void *x, int dtype,
+                                    size_t n, double *dev2) {
+  static const char fn[] = "sg__device_cuda.sumsq_to";
+  sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
+  if (!d || !dev2) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(sg__cuda_sumsq_check(d, q, x, dtype, n, fn));
+  SG_TRY(sg__cuda_sumsq_launch(d, q, x, dtype, n, dev2, fn));
+  return sg__cuda_after(d, q, fn);
 }
 
 /* ---- segment tables ------------------------------------------------------------------------
@@ -1073,6 +1099,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_accumulate,
     sg__cudev_cast,
     sg__cudev_sumsq,
+    sg__cudev_sumsq_to,
     sg__cudev_reduce_sum,
     sg__cudev_comm_submit,
     sg__cudev_comm_wait,

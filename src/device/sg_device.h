@@ -82,6 +82,10 @@ typedef struct sg__device_ops {
    * return (host reads the result). */
   sg_status (*sumsq)(sg__device *d, sg__queue q, const void *x, int dtype, size_t n,
                      double *sumsq, double *nonfinite);
+  /* The same two values (same partition and order) into dev2[0..1], device memory, in queue
+   * order: nothing waits (the step's norm, summed over the ranks on the device and read once). */
+  sg_status (*sumsq_to)(sg__device *d, sg__queue q, const void *x, int dtype, size_t n,
+                        double *dev2);
   /* dst[i] = round(sum over k in 0..nsrc-1 of srcs[k][i]) in dtype, fp32 sums in k order.
    * dst may be one of srcs. Used by the local communicator. */
   sg_status (*reduce_sum)(sg__device *d, sg__queue q, void *dst, const void *const *srcs,

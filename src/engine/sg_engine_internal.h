@@ -46,6 +46,10 @@ typedef struct sg__grads {
   int norm_valid;        /* norm_ss holds the sum of squares of `accum` (sg_grad_norm); 0 once
                             gradients arrive or accum is cleared */
   double norm_ss[2];
+  uint8_t *empty;        /* [nbuckets]: no reduction of the bucket since accum was emptied, so
+                            its part holds stale values: the next reduction writes it instead of
+                            adding, and a norm or step before that zeroes it */
+  double *norm_host;     /* 2 doubles, pinned host memory: where the step's norm is read */
 } sg__grads;
 
 /* All-gathers of the last step (sg_gather.c). */
@@ -157,9 +161,17 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn);
 /* No micro-batch in progress (SG_ERR_INVALID_STATE otherwise) and the comm queue drained: the
  * collectives of sg_get_master and friends then line up on every rank. */
 sg_status sg__grads_idle(sg_engine *e, const char *fn);
-/* Zeroes the accumulator (compute queue): after a step, and a load (with the no_sync sums). */
+/* Empties the accumulator: after a step, and a load (with the no_sync sums). Nothing is written:
+ * each bucket's next reduction writes its part (DESIGN.md section 4). */
 sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
+/* On the comm queue, from a strategy's reduce: n reduced elements (reduce_dtype) into the
+ * accumulator at state index state_off, written when `first`, else added. */
+sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
+                               int first);
+/* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks,
+ * once every reduction of the step was submitted: the step's one host synchronization. */
+sg_status sg__grads_sumsq(sg_engine *e, double out[2]);
 /* The sum of squares of the reduced gradient kept by sg_grad_norm for the step's sg_step (its
  * norm_ss, valid until gradients arrive or the accumulator is cleared). */
 void sg__grads_norm_keep(sg_engine *e, const double ss[2]);

@@ -8,6 +8,7 @@
 typedef struct {
   sg_engine *e;
   int bucket;
+  int first;  /* the bucket's first reduction since the accumulator was emptied */
   char *slot; /* the bucket's gradients, grad dtype, bucket numel elements */
   int64_t trace; /* trace record, -1 none */
 } sg__reduce_job;
@@ -24,10 +25,18 @@ sg_status sg__grads_init(sg_engine *e) {
   g->ready = calloc((size_t)e->reg.nparams, 1);
   g->pending = calloc((size_t)nb, sizeof *g->pending);
   g->nosync_dirty = calloc((size_t)nb, 1);
+  g->empty = malloc((size_t)nb);
   g->sync = 1;
-  if (!g->ready || !g->pending || !g->nosync_dirty) {
+  if (!g->ready || !g->pending || !g->nosync_dirty || !g->empty) {
     sg__grads_free(e);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  }
+  memset(g->empty, 1, (size_t)nb);
+  sg_status hs = e->dev->ops->host_alloc(e->dev, 2 * sizeof(double), (void **)&g->norm_host);
+  if (hs != SG_OK) {
+    g->norm_host = NULL;
+    sg__grads_free(e);
+    return hs;
   }
   sg_status st = e->strat->slots_init(e, &g->slot_state);
   if (st != SG_OK) sg__grads_free(e);
@@ -43,9 +52,13 @@ void sg__grads_free(sg_engine *e) {
     sg__arenas_extra_grads(&e->ar, -(long long)(e->plan->total_numel * 4));
   }
   g->nosync = NULL;
+  if (g->norm_host) e->dev->ops->host_free(e->dev, g->norm_host);
+  g->norm_host = NULL;
   free(g->ready);
   free(g->pending);
   free(g->nosync_dirty);
+  free(g->empty);
+  g->empty = NULL;
   g->ready = NULL;
   g->pending = NULL;
   g->nosync_dirty = NULL;
@@ -68,8 +81,74 @@ void sg__grads_norm_drop(sg_engine *e) { e->g.norm_valid = 0; }
 
 sg_status sg__grads_clear_accum(sg_engine *e) {
   e->g.norm_valid = 0;
+  memset(e->g.empty, 1, (size_t)e->plan->nbuckets);
   if (e->strat->state) return e->strat->state->clear(e);
-  return e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->g.accum, e->lay.accum_numel * asize(e));
+  return SG_OK;
+}
+
+sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
+                               int first) {
+  sg__device *d = e->dev;
+  const int adt = e->cfg.accum_dtype, rdt = e->cfg.reduce_dtype;
+  char *acc = e->g.accum + state_off * asize(e);
+  /* The first micro-batch is a copy (none when the dtypes agree on CUDA: a device copy), not
+   * a zeroing pass plus an add: the same values, but for the sign of a zero sum, which it
+   * keeps as reduced. */
+  if (first) return d->ops->cast(d, SG_Q_COMM, acc, adt, src, rdt, n);
+  return d->ops->accumulate(d, SG_Q_COMM, acc, adt, src, rdt, n);
+}
+
+/* Buckets not reduced since the accumulator was emptied count as zeros (a step or norm without
+ * gradients, or with sg_set_sync(0) throughout): their parts are zeroed now. */
+static sg_status zero_empty(sg_engine *e) {
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    if (!e->g.empty[b]) continue;
+    sg__owned ow;
+    e->strat->owned(e->plan, e->rank, b, &ow);
+    SG_TRY(e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->g.accum + ow.state0 * asize(e),
+                             ow.n * asize(e)));
+  }
+  return SG_OK;
+}
+
+/* On the comm queue: the partials summed over the ranks in place, then copied to pinned host
+ * memory, so that the comm_wait for this job is the only host wait. */
+static sg_status norm_job_fn(void *arg) {
+  sg_engine *e = arg;
+  double *dev = (double *)e->small;
+  SG_TRY(e->strat->sum_norm(e, dev));
+  return e->dev->ops->copy(e->dev, SG_Q_COMM, e->g.norm_host, dev, 2 * sizeof(double),
+                           SG_COPY_D2H);
+}
+
+/* This rank's partials into device memory: the device's kernels, or (a state off the device)
+ * the state's own sum copied there. */
+static sg_status local_sumsq(sg_engine *e, double *dev) {
+  sg__device *d = e->dev;
+  if (e->strat->state) {
+    SG_TRY(e->strat->state->sumsq(e, e->g.norm_host));
+    return d->ops->copy(d, SG_Q_COMPUTE, dev, e->g.norm_host, 2 * sizeof(double), SG_COPY_H2D);
+  }
+  SG_TRY(zero_empty(e));
+  return d->ops->sumsq_to(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
+                          dev);
+}
+
+/* The caller made the compute queue wait for every reduction. The sum of squares goes into
+ * device memory (e->small) and never through the host before it is final. */
+sg_status sg__grads_sumsq(sg_engine *e, double out[2]) {
+  sg__device *d = e->dev;
+  double *dev = (double *)e->small;
+  const int across = e->strat->sum_norm && e->world > 1;
+  if (e->strat->state && !across) return e->strat->state->sumsq(e, out);
+  SG_TRY(local_sumsq(e, dev));
+  if (across)
+    SG_TRY(sg__engine_run_comm(e, norm_job_fn, e));
+  else
+    SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, e->g.norm_host, dev, 2 * sizeof(double), SG_COPY_D2H));
+  out[0] = e->g.norm_host[0];
+  out[1] = e->g.norm_host[1];
+  return SG_OK;
 }
 
 sg_status sg__grads_clear(sg_engine *e) {
@@ -103,7 +182,7 @@ static sg_status reduce_bucket(const sg__reduce_job *jp) {
   sg_engine *e = j.e;
   char *wire = NULL;
   SG_TRY(wire_of(e, &j, e->plan->buckets[j.bucket].numel, &wire));
-  SG_TRY(e->strat->reduce(e, j.bucket, wire));
+  SG_TRY(e->strat->reduce(e, j.bucket, wire, j.first));
   /* The slot is handed out again for the next micro-batch and must read as zeros. */
   return e->dev->ops->zero(e->dev, SG_Q_COMM, j.slot, e->plan->buckets[j.bucket].numel * gsize(e));
 }
@@ -165,7 +244,7 @@ static sg_status unfold_local(sg_engine *e, int b, char *slot) {
 static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   sg__reduce_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  *j = (sg__reduce_job){e, b, slot, sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
+  *j = (sg__reduce_job){e, b, e->g.empty[b], slot, sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
   const sg__state_ops *so = e->strat->state;
   sg_status st = so ? so->prepare(e, b) : SG_OK;
   if (st != SG_OK) {
@@ -176,6 +255,7 @@ static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   st = sg__engine_submit(e, reduce_job_fn, free, j, &t);
   if (so) so->submitted(e, b, t);
   if (st != SG_OK) return sg__engine_broken(e, st);
+  e->g.empty[b] = 0;
   release_slot(e, b, t);
   return SG_OK;
 }

@@ -5,18 +5,6 @@
 
 #include "sg_engine_internal.h"
 
-/* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks. */
-static sg_status global_sumsq(sg_engine *e, double out[2]) {
-  sg__device *d = e->dev;
-  if (e->strat->state)
-    SG_TRY(e->strat->state->sumsq(e, out));
-  else
-    SG_TRY(d->ops->sumsq(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
-                         &out[0], &out[1]));
-  if (!e->strat->sum_norm || e->world == 1) return SG_OK;
-  return e->strat->sum_norm(e, out);
-}
-
 /* Bucket by bucket, last bucket first (the first layers of the next forward pass): each
  * bucket's gather runs on the comm queue while the next bucket's update runs. */
 static sg_status update_and_gather(sg_engine *e, float grad_scale, int64_t trace) {
@@ -62,16 +50,20 @@ static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
   return st;
 }
 
-/* Every reduction of the step done, then the global sum of squares (once per step: a
- * sg_grad_norm before sg_step computed it already unless gradients came after). */
+/* Every reduction of the step submitted, the compute queue ordered after them (a stream wait on
+ * CUDA, not a host wait), then the global sum of squares (once per step: a sg_grad_norm before
+ * sg_step computed it already unless gradients came after). */
 static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
   SG_TRY(sg__step_settle(e));
   SG_TRY(sg__grads_flush(e, fn));
-  SG_TRY(sg__engine_broken(e, e->dev->ops->comm_wait(e->dev, e->last_ticket,
-                                                     sg__engine_host_deadline(e))));
+  /* A state off the device (offload) reads the reductions on the host: a host wait there. */
+  sg__device *d = e->dev;
+  const int64_t dl = sg__engine_host_deadline(e);
+  SG_TRY(sg__engine_broken(e, e->strat->state ? d->ops->comm_wait(d, e->last_ticket, dl)
+                                              : d->ops->compute_wait_comm(d, e->last_ticket, dl)));
   if (!e->g.norm_valid) {
     double s[2] = {0, 0};
-    SG_TRY(global_sumsq(e, s));
+    SG_TRY(sg__grads_sumsq(e, s));
     sg__grads_norm_keep(e, s);
   }
   ss[0] = e->g.norm_ss[0];

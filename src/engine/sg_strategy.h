@@ -76,11 +76,14 @@ typedef struct sg__strategy_ops {
   void (*release)(sg_engine *e, void *state, int b, uint64_t ticket);
 
   /* On the comm queue: sums bucket b over the ranks from `wire` (reduce_dtype, the whole
-   * bucket, may be used as scratch) and adds this rank's owned part into the accumulator. */
-  sg_status (*reduce)(sg_engine *e, int b, char *wire);
-  /* The step's norm partials (sum of squares, non-finite count) summed over the ranks that
-   * share the gradient. NULL: every rank already holds all of it (replicated accumulator). */
-  sg_status (*sum_norm)(sg_engine *e, double ss[2]);
+   * bucket, may be used as scratch) and puts this rank's owned part into the accumulator with
+   * sg__grads_into_accum (first: the first reduction of the bucket since the accumulator was
+   * emptied, which writes instead of adding). */
+  sg_status (*reduce)(sg_engine *e, int b, char *wire, int first);
+  /* On the comm queue: the step's norm partials (sum of squares, non-finite count: 2 doubles
+   * in device memory) summed in place over the ranks that share the gradient. NULL: every
+   * rank already holds all of it (replicated accumulator). */
+  sg_status (*sum_norm)(sg_engine *e, double *dev_ss);
   /* On the comm queue, after bucket b's update: the other ranks' parts of its working
    * parameters. NULL: every rank updated all of them. */
   sg_status (*gather)(sg_engine *e, int b);

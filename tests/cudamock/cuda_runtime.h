@@ -126,6 +126,17 @@ size_t sg_cudamock_live_allocations(void);
  * included), cudaStreamWaitEvent, cudaEventRecord, cudaFree (cudaFreeHost included). -1 for
  * another name. Tests count uploads and host waits with it. */
 long long sg_cudamock_calls(const char *name);
+/* The same counters for the calling thread only (a rank's own calls when ranks are threads),
+ * and these, counted per thread too:
+ *   kernel           emulated kernel launches (kernels/cuda on the mock streams)
+ *   cudaMemsetAsync  fills
+ *   collective       NCCL collectives (the mock NCCL)
+ *   host_sync        times the host waited for the device: a poll (cudaEventQuery or
+ *                    cudaStreamQuery) of an object other than the one this thread's previous
+ *                    poll found not ready (a poll loop counts once), a copy from or to
+ *                    pageable memory, a cudaMemcpy, a cudaFree/cudaFreeHost (a device sync)
+ * cudaMemcpyAsync also counts the emulated kernels' device-to-device copies here. */
+long long sg_cudamock_thread_calls(const char *name);
 
 #ifdef __cplusplus
 }

@@ -62,15 +62,28 @@ std::vector<std::unique_ptr<CUevent_st>> g_events;
 std::map<void *, size_t> g_allocs;
 std::map<void *, bool> g_is_host;  // cudaMallocHost
 
-// Call counters (sg_cudamock_calls).
+// Call counters (sg_cudamock_calls, sg_cudamock_thread_calls).
 const char *const kCounted[] = {"cudaMemcpyAsync", "cudaMallocAsync",     "cudaMallocHost",
                                 "cudaEventQuery",  "cudaStreamQuery",     "cudaStreamWaitEvent",
                                 "cudaEventRecord", "cudaFree",            "cudaSetDevice",
-                                "pageable_block"};
+                                "pageable_block",  "kernel",              "cudaMemsetAsync",
+                                "collective",      "host_sync"};
 enum { kMemcpyAsync, kMallocAsync, kMallocHost, kEventQuery, kStreamQuery, kStreamWaitEvent,
-       kEventRecord, kFree, kSetDevice, kPageableBlock, kNumCounted };
+       kEventRecord, kFree, kSetDevice, kPageableBlock, kKernel, kMemsetAsync, kCollective,
+       kHostSync, kNumCounted };
 long long g_calls[kNumCounted];
-void counted(int which) { g_calls[which]++; }  // under g_mu
+thread_local long long t_calls[kNumCounted];
+void counted(int which) {  // under g_mu
+  g_calls[which]++;
+  t_calls[which]++;
+}
+
+// The object this thread's last poll found not ready: polling it again continues one wait.
+thread_local const void *t_polling = nullptr;
+void polled(const void *obj, bool ready) {  // under g_mu
+  if (obj != t_polling) counted(kHostSync);
+  t_polling = ready ? nullptr : obj;
+}
 
 const size_t kTooLarge = (size_t)1 << 40;  // "more than the GPU has"
 
@@ -179,6 +192,11 @@ cudaError_t free_tracked(void *p) {
   return cudaSuccess;
 }
 
+void counted_hook(int kernel) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kernel ? kKernel : kMemcpyAsync);
+}
+
 void enqueue_hook(void *stream, std::function<void()> work) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   push_fn((CUstream_st *)stream, std::move(work));
@@ -190,6 +208,7 @@ struct Init {
   Init() {
     sg_emu_enqueue = enqueue_hook;
     sg_emu_last_error = last_error_hook;
+    sg_emu_counted = counted_hook;
   }
 } g_init;
 
@@ -210,6 +229,11 @@ uint64_t sg_cudamock_push_gate(cudaStream_t s, std::function<bool()> gate) {
 bool sg_cudamock_at(cudaStream_t s, uint64_t pos) { return advance(s, pos) && s->done == pos; }
 
 bool sg_cudamock_valid_stream(cudaStream_t s) { return valid_stream(s); }
+
+void sg_cudamock_count_collective() {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  counted(kCollective);
+}
 
 extern "C" {
 
@@ -299,6 +323,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 cudaError_t cudaFree(void *p) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   counted(kFree);
+  counted(kHostSync);
   drain_all();  // cudaFree synchronizes the device
   return free_tracked(p);
 }
@@ -364,6 +389,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
     push_fn(s, [=] { memmove(dst, src, bytes); });
     return cudaSuccess;
   }
+  counted(kHostSync);
   for (int i = 0; !advance(s, s->enq); i++) {
     if (i == 0) counted(kPageableBlock);
     if (i >= 60000) return fail(cudaErrorNotReady);
@@ -394,6 +420,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpy
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if ((!dst || !src) && bytes) return fail(cudaErrorInvalidValue);
   if (bytes && !kind_matches(dst, src, bytes, kind)) return fail(cudaErrorInvalidValue);
+  counted(kHostSync);
   CUstream_st *legacy = legacy_stream();
   const bool pageable_src = !is_device(src, bytes) && !is_pinned(src);
   if (bytes && kind == cudaMemcpyHostToDevice && pageable_src) {
@@ -411,6 +438,7 @@ cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t s) 
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
   if (!dst && bytes) return fail(cudaErrorInvalidValue);
   if (bytes && !is_device(dst, bytes)) return fail(cudaErrorInvalidValue);  // device memory only
+  counted(kMemsetAsync);
   push_fn(s, [=] { memset(dst, value, bytes); });
   return cudaSuccess;
 }
@@ -451,7 +479,9 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   counted(kStreamQuery);
   if (!valid_stream(s)) return fail(cudaErrorInvalidResourceHandle);
-  return advance(s, s->enq) ? cudaSuccess : fail(cudaErrorNotReady);
+  const bool ready = advance(s, s->enq);
+  polled(s, ready);
+  return ready ? cudaSuccess : fail(cudaErrorNotReady);
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaStreamQuery(s); }
@@ -519,8 +549,9 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   counted(kEventQuery);
   if (!valid_event(e)) return fail(cudaErrorInvalidResourceHandle);
-  if (!e->s) return cudaSuccess;
-  return advance(e->s, e->pos) ? cudaSuccess : fail(cudaErrorNotReady);  // last error: as above
+  const bool ready = !e->s || advance(e->s, e->pos);
+  polled(e, ready);
+  return ready ? cudaSuccess : fail(cudaErrorNotReady);  // last error: as above
 }
 
 void sg_cudamock_set_devices(int n) {
@@ -552,6 +583,13 @@ long long sg_cudamock_calls(const char *name) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   for (int i = 0; name && i < kNumCounted; i++)
     if (strcmp(name, kCounted[i]) == 0) return g_calls[i];
+  return -1;
+}
+
+long long sg_cudamock_thread_calls(const char *name) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  for (int i = 0; name && i < kNumCounted; i++)
+    if (strcmp(name, kCounted[i]) == 0) return t_calls[i];
   return -1;
 }
 

@@ -16,5 +16,7 @@ uint64_t sg_cudamock_push_gate(cudaStream_t s, std::function<bool()> gate);
 // Advances s until the item at `pos` is next; true when it is (everything before it done).
 bool sg_cudamock_at(cudaStream_t s, uint64_t pos);
 bool sg_cudamock_valid_stream(cudaStream_t s);
+// Counts one collective of the calling thread (sg_cudamock_thread_calls("collective")).
+void sg_cudamock_count_collective();
 
 #endif  // SG_CUDAMOCK_INTERNAL_H

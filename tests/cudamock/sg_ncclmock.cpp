@@ -229,6 +229,7 @@ ncclResult_t call(ncclComm_t comm, Kind kind, const void *send, void *recv, size
   if (r != ncclSuccess) return r;
   if (!sg_cudamock_valid_stream(s) || (count && (!send || !recv))) return ncclInvalidArgument;
   if (!buffers_ok(comm, kind, send, recv, count, dt, root)) return ncclInvalidArgument;
+  sg_cudamock_count_collective();
   if (t_depth == 0) {
     join(comm, kind, send, recv, count, dt, root, s);
     return ncclSuccess;

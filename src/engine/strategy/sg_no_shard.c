@@ -21,12 +21,11 @@ static void owned(const sg__plan *p, int rank, int b, sg__owned *out) {
   out->state0 = p->buckets[b].start;
 }
 
-static sg_status reduce(sg_engine *e, int b, char *wire) {
+static sg_status reduce(sg_engine *e, int b, char *wire, int first) {
   const sg__bucket *bk = &e->plan->buckets[b];
-  const int rdt = e->cfg.reduce_dtype, adt = e->cfg.accum_dtype;
+  const int rdt = e->cfg.reduce_dtype;
   SG_TRY(e->comm->ops->all_reduce(e->comm, wire, bk->numel, rdt, sg__deadline(e->cfg.timeout_ms)));
-  return e->dev->ops->accumulate(e->dev, SG_Q_COMM, e->g.accum + bk->start * sg__dtype_size(adt),
-                                 adt, wire, rdt, bk->numel);
+  return sg__grads_into_accum(e, bk->start, wire, bk->numel, first);
 }
 
 /* sum_norm, gather, gather_state NULL: the accumulator is already the sum over all ranks, and

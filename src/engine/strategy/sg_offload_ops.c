@@ -103,7 +103,8 @@ static void submitted(sg_engine *e, int b, uint64_t ticket) {
   sg__offload_arrive_submitted(e->off, b, ticket);
 }
 
-static sg_status reduce(sg_engine *e, int b, char *wire) {
+/* `first` is the device accumulator's: the host fold keeps its own (sg_offload.c). */
+static sg_status reduce(sg_engine *e, int b, char *wire, int first) {
   const char *mine = NULL;
   SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
   return sg__offload_arrive_job(e->off, b, mine, e->cfg.reduce_dtype);

@@ -65,20 +65,15 @@ sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char
   return SG_OK;
 }
 
-sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire) {
-  const int adt = e->cfg.accum_dtype;
+sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
   const char *mine = NULL;
   SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
-  return e->dev->ops->accumulate(e->dev, SG_Q_COMM,
-                                 e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt),
-                                 adt, mine, e->cfg.reduce_dtype, sg__plan_slice_numel(e->plan, b));
+  return sg__grads_into_accum(e, e->plan->buckets[b].shard_offset, mine,
+                              sg__plan_slice_numel(e->plan, b), first);
 }
 
-sg_status sg__sharded_sum_norm(sg_engine *e, double ss[2]) {
-  sg__device *d = e->dev;
-  SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, e->small, ss, 2 * sizeof(double), SG_COPY_H2D));
-  SG_TRY(sg__engine_allreduce(e, e->small, 2, SG__F64));
-  return d->ops->copy(d, SG_Q_COMPUTE, ss, e->small, 2 * sizeof(double), SG_COPY_D2H);
+sg_status sg__sharded_sum_norm(sg_engine *e, double *dev_ss) {
+  return e->comm->ops->all_reduce(e->comm, dev_ss, 2, SG__F64, sg__deadline(e->cfg.timeout_ms));
 }
 
 sg_status sg__sharded_gather(sg_engine *e, int b) {

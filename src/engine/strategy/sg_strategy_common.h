@@ -26,8 +26,8 @@ void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out);
 size_t sg__sharded_max_wire(const sg__plan *p);
 /* Bucket b reduce-scattered in `wire` (reduce_dtype); *mine: this rank's reduced slice in it. */
 sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char **mine);
-sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire);
-sg_status sg__sharded_sum_norm(sg_engine *e, double ss[2]);
+sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first);
+sg_status sg__sharded_sum_norm(sg_engine *e, double *dev_ss);
 sg_status sg__sharded_gather(sg_engine *e, int b);
 sg_status sg__sharded_gather_state(sg_engine *e, int b, const float *state, float *tmp);
 

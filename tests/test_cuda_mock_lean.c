@@ -1,0 +1,240 @@
+/* The lean step (issue 13), counted on the mock CUDA runtime: what one training step of a rank
+ * asks of the device and how often its host waits for it, from the caller's first sg_grad_ptr to
+ * the return of sg_step. 200 parameters in 10 buckets, SG_SHARD_GRAD_OP, f32, two ranks (threads)
+ * over the mock NCCL (stream-ordered collectives), one micro-batch per step; the counters are the
+ * calling thread's (sg_cudamock_thread_calls), summed over the engine calls only, so the test's
+ * own gradient writes are not counted. Steady state: steps 3 and 4 (the AdamW segment tables are
+ * cached by then).
+ *
+ * Bounds asserted (DESIGN.md section 4, "The step on the device"): at most one host
+ * synchronization per step, and at most two kernel launches per bucket per step. The full
+ * counts are printed (before/after numbers of the issue). A second case, W = 1 on the mock NCCL
+ * with two micro-batches and a step with no gradients at all, holds the parameters to the same
+ * run on the CPU device bit for bit, so that the lean paths (the first micro-batch copied into
+ * the accumulator, a step without gradients) stay the arithmetic they replace. */
+#define _POSIX_C_SOURCE 200809L
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h> /* the mock's: sg_cudamock_thread_calls */
+
+#include "engine/sg_engine_internal.h" /* e->plan->nbuckets */
+#include "sg_elem.h"                   /* sg_elem_store */
+#include "shardgrad.h"
+#include "sg_test_check.h"            /* CHECK, sg_test_summary */
+
+#define NPARAM 200
+#define NUMEL 256
+#define STEPS 4
+#define MAXW 2
+
+/* What is counted: the calling thread's calls of these (see tests/cudamock/cuda_runtime.h). */
+enum { C_SYNC, C_KERNEL, C_COPY, C_MEMSET, C_COLL, C_RECORD, C_WAIT, NC };
+static const char *const k_names[NC] = {"host_sync", "kernel", "cudaMemcpyAsync",
+                                        "cudaMemsetAsync", "collective", "cudaEventRecord",
+                                        "cudaStreamWaitEvent"};
+
+typedef struct counts {
+  long long c[NC];
+} counts;
+
+static void now(counts *x) {
+  for (int k = 0; k < NC; k++) x->c[k] = sg_cudamock_thread_calls(k_names[k]);
+}
+
+/* acc += what the calls between *t0 and now added. */
+static void add_since(counts *acc, const counts *t0) {
+  counts t1;
+  now(&t1);
+  for (int k = 0; k < NC; k++) acc->c[k] += t1.c[k] - t0->c[k];
+}
+
+/* One engine call, counted. */
+#define COUNTED(acc, call)      \
+  do {                          \
+    counts t0_;                 \
+    now(&t0_);                  \
+    st = (call);                \
+    add_since((acc), &t0_);     \
+  } while (0)
+
+static float grad_val(int rank, int step, int mb, int p, size_t i) {
+  const int k = (int)((i * 7u + (size_t)p * 13u + (size_t)step * 5u + (size_t)mb) % 17u) - 8;
+  return (float)(k * (rank + 1)) * 0.125f;
+}
+
+typedef struct rank_arg {
+  int rank, world, cuda, mb;
+  const unsigned char *nccl_id;
+  sg_comm *comm;
+  counts per_step[STEPS];
+  int nbuckets;
+  float *params; /* NPARAM * NUMEL, after the run */
+  char err[512];
+} rank_arg;
+
+static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
+  sg_config cfg;
+  sg_status st = sg_config_init(&cfg, sizeof cfg);
+  if (st) return st;
+  cfg.strategy = SG_SHARD_GRAD_OP;
+  cfg.device = a->cuda ? SG_DEVICE_CUDA : SG_DEVICE_CPU;
+  cfg.bucket_bytes = 20 * NUMEL * 4; /* 20 parameters per bucket: 10 buckets */
+  cfg.lr = 0.01f;
+  cfg.timeout_ms = 60000;
+  if ((st = sg_engine_create(a->comm, &cfg, e))) return st;
+  for (int p = 0; p < NPARAM && !st; p++) {
+    char name[32];
+    snprintf(name, sizeof name, "p%d", p);
+    st = sg_add_param(*e, name, NUMEL, p % 5 == 4 ? SG_PARAM_NO_DECAY : 0, &ids[p]);
+  }
+  if (!st) st = sg_finalize(*e);
+  float init[NUMEL];
+  for (int p = 0; p < NPARAM && !st; p++) {
+    for (int i = 0; i < NUMEL; i++) init[i] = 0.01f * (float)((i * 37 + p) % 101);
+    st = sg_set_param(*e, ids[p], init, SG_F32);
+  }
+  if (!st) a->nbuckets = (*e)->plan->nbuckets;
+  return st;
+}
+
+/* Gradients in reverse registration order through sg_grad_ptr; the test writes them (host
+ * values, then a copy on the caller's stream), outside the counted calls. */
+static sg_status micro_batch(rank_arg *a, sg_engine *e, const int *ids, cudaStream_t s,
+                             float *stage, int step, int mb, counts *acc) {
+  sg_status st = SG_OK;
+  for (int p = NPARAM - 1; p >= 0 && !st; p--) {
+    void *g = NULL;
+    COUNTED(acc, sg_grad_ptr(e, ids[p], &g));
+    if (st) break;
+    float *h = s ? stage + (size_t)p * NUMEL : (float *)g;
+    for (int i = 0; i < NUMEL; i++) h[i] = grad_val(a->rank, step, mb, p, (size_t)i);
+    if (s && cudaMemcpyAsync(g, h, NUMEL * 4, cudaMemcpyHostToDevice, s) != cudaSuccess)
+      return SG_ERR_CUDA;
+    COUNTED(acc, sg_grad_ready(e, ids[p]));
+  }
+  return st;
+}
+
+/* The test's own wait for its stream (the staging buffers are written again): polled, since the
+ * mock's streams move only when queried and a gather needs every rank's; NotReady cleared. */
+static sg_status drain(cudaStream_t s) {
+  if (!s) return SG_OK;
+  for (long spin = 0; spin < 100000000; spin++) {
+    const cudaError_t ce = cudaStreamQuery(s);
+    (void)cudaGetLastError();
+    if (ce == cudaSuccess) return SG_OK;
+    if (ce != cudaErrorNotReady) return SG_ERR_CUDA;
+    sched_yield();
+  }
+  return SG_ERR_TIMEOUT;
+}
+
+static void *rank_main(void *arg) {
+  rank_arg *a = (rank_arg *)arg;
+  sg_engine *e = NULL;
+  int ids[NPARAM];
+  cudaStream_t s = NULL;
+  float *stage = NULL;
+  sg_status st = SG_OK;
+  if (a->nccl_id) st = sg_comm_create_nccl(a->rank, a->world, a->nccl_id, 0, &a->comm);
+  if (!st) st = setup(a, &e, ids);
+  if (!st && a->cuda) {
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    /* one buffer per parameter: a step's copies are all in flight before anything waits */
+    if (cudaMallocHost((void **)&stage, (size_t)NPARAM * NUMEL * 4) != cudaSuccess)
+      st = SG_ERR_OUT_OF_MEMORY;
+    if (!st) st = sg_set_stream(e, s);
+  }
+  for (int step = 0; step < STEPS && !st; step++) {
+    counts *acc = &a->per_step[step];
+    memset(acc, 0, sizeof *acc);
+    for (int mb = 0; mb < a->mb && !st; mb++) {
+      st = micro_batch(a, e, ids, s, stage, step, mb, acc);
+      if (!st && mb + 1 < a->mb) st = drain(s);
+    }
+    if (!st) COUNTED(acc, sg_step(e, NULL));
+    if (!st) st = drain(s);
+  }
+  if (!st) COUNTED(&a->per_step[0], sg_step(e, NULL)); /* a step without gradients */
+  a->params = malloc((size_t)NPARAM * NUMEL * 4);
+  for (int p = 0; p < NPARAM && !st; p++)
+    st = sg_get_param(e, ids[p], a->params + (size_t)p * NUMEL, SG_F32);
+  if (st) snprintf(a->err, sizeof a->err, "%s: %s", sg_status_string(st), sg_last_error());
+  sg_engine_destroy(e);
+  (void)drain(s);
+  if (stage) cudaFreeHost(stage);
+  if (s) cudaStreamDestroy(s);
+  if (a->nccl_id) sg_comm_destroy(a->comm);
+  return NULL;
+}
+
+static int run(int world, int cuda, int mb, rank_arg *args) {
+  unsigned char id[128];
+  sg_comm *comms[MAXW] = {0};
+  pthread_t th[MAXW];
+  if (cuda ? sg_nccl_unique_id(id) != SG_OK : sg_comm_create_local(world, comms) != SG_OK) {
+    CHECK(0, "communicator");
+    return 0;
+  }
+  for (int r = 0; r < world; r++) {
+    memset(&args[r], 0, sizeof args[r]);
+    args[r].rank = r, args[r].world = world, args[r].cuda = cuda, args[r].mb = mb;
+    args[r].nccl_id = cuda ? id : NULL;
+    args[r].comm = comms[r];
+    pthread_create(&th[r], NULL, rank_main, &args[r]);
+  }
+  int ok = 1;
+  for (int r = 0; r < world; r++) {
+    pthread_join(th[r], NULL);
+    if (!cuda) sg_comm_destroy(comms[r]);
+    char what[700];
+    snprintf(what, sizeof what, "%s W=%d, rank %d: %d steps%s%s", cuda ? "cuda+nccl" : "cpu+local",
+             world, r, STEPS, args[r].err[0] ? " -- " : "", args[r].err);
+    CHECK(!args[r].err[0], "%s", what);
+    ok &= !args[r].err[0];
+  }
+  return ok;
+}
+
+/* The counts of the steady steps; the bounds. */
+static void report(const rank_arg *a) {
+  char what[300];
+  const int nb = a->nbuckets;
+  snprintf(what, sizeof what, "rank %d: %d buckets", a->rank, nb);
+  CHECK(nb == 10, "%s", what);
+  for (int step = 2; step < STEPS; step++) {
+    const long long *c = a->per_step[step].c;
+    const long long ops = c[C_KERNEL] + c[C_COPY] + c[C_MEMSET] + c[C_COLL];
+    printf("rank %d step %d: %lld host syncs, %lld device operations (%lld kernels = %.2f per "
+           "bucket, %lld copies, %lld memsets, %lld collectives), %lld event records, %lld "
+           "stream waits\n", a->rank, step + 1, c[C_SYNC], ops, c[C_KERNEL],
+           (double)c[C_KERNEL] / nb, c[C_COPY], c[C_MEMSET], c[C_COLL], c[C_RECORD], c[C_WAIT]);
+    snprintf(what, sizeof what, "rank %d step %d: at most 1 host synchronization (%lld)", a->rank,
+             step + 1, c[C_SYNC]);
+    CHECK(c[C_SYNC] <= 1, "%s", what);
+    snprintf(what, sizeof what, "rank %d step %d: at most 2 kernels per bucket (%lld for %d)",
+             a->rank, step + 1, c[C_KERNEL], nb);
+    CHECK(c[C_KERNEL] <= 2LL * nb, "%s", what);
+  }
+}
+
+int main(void) {
+  static rank_arg ref[MAXW], got[MAXW];
+  if (run(2, 1, 1, got))
+    for (int r = 0; r < 2; r++) report(&got[r]);
+  for (int r = 0; r < 2; r++) free(got[r].params);
+  /* Bitwise against the CPU device: two micro-batches, then a step without gradients. */
+  const int ok_ref = run(1, 0, 2, ref), ok = run(1, 1, 2, got);
+  if (ok_ref && ok)
+    CHECK(memcmp(ref[0].params, got[0].params, (size_t)NPARAM * NUMEL * 4) == 0,
+          "W=1, 2 micro-batches, then a step without gradients: cuda+nccl == cpu bitwise");
+  free(ref[0].params);
+  free(got[0].params);
+  sg_cudamock_drain();
+  return sg_test_summary("");
+}
