@@ -13,6 +13,8 @@ void sg__cpu_adamw(const sg__adamw_args *a);
 /* acc[i] += src[i]; acc_dtype f32 or bf16 (fp32 math, rounded once) */
 void sg__cpu_accumulate(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n);
 void sg__cpu_cast(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n);
+/* dst[0..bytes) = 0 (threads as the loops) */
+void sg__cpu_zero(void *dst, size_t bytes);
 /* one pass: sum of squares in double and count of non-finite values. Deterministic: fixed
  * block partition independent of the thread count, partials combined in block order. */
 void sg__cpu_sumsq(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite);

@@ -134,7 +134,7 @@ static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "zero: NULL device");
   if (bytes && !dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "zero: NULL dst with %zu bytes", bytes);
   SG_TRY(enter_queue(d, q, "zero"));
-  if (bytes) memset(dst, 0, bytes);
+  sg__cpu_zero(dst, bytes);
   return SG_OK;
 }
 
