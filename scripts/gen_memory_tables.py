@@ -35,17 +35,22 @@ BEGIN = "<!-- gen_memory_tables.py: %s begin (generated; edit the script, not th
 END = "<!-- gen_memory_tables.py: %s end -->"
 
 
-def estimate(sg, nparams, world, **cfg):
-    return sg.estimate_memory([PARAM] * nparams, world, **cfg).total_bytes
+OFFLOAD = dict(device="cuda", offload_optimizer=1)  # the optimizer state in pinned host memory
 
 
-def bytes_per_param(sg, world, **cfg):
+def estimate(sg, nparams, world, host=False, **cfg):
+    m = sg.estimate_memory([PARAM] * nparams, world, **cfg)
+    return m.host_bytes if host else m.total_bytes
+
+
+def bytes_per_param(sg, world, host=False, **cfg):
     small, big = 16, 48
-    return (estimate(sg, big, world, **cfg) - estimate(sg, small, world, **cfg)) / ((big - small) * PARAM)
+    return ((estimate(sg, big, world, host, **cfg) - estimate(sg, small, world, host, **cfg)) /
+            ((big - small) * PARAM))
 
 
 def largest_model(sg, gib, world, **cfg):
-    """Most parameters (in steps of PARAM) whose per-rank states fit in `gib` GiB."""
+    """Most parameters (in steps of PARAM) whose per-rank device states fit in `gib` GiB."""
     cap = gib << 30
     lo, hi = 0, 1
     while estimate(sg, hi, world, **cfg) <= cap:
@@ -80,6 +85,40 @@ def table_per_param(sg):
              "|---|---|---|" + "---|" * len(WORLDS)]
     for label, pdt, acc, vals in rows_per_param(sg):
         lines.append("| %s | %s | %s | %s |" % (label, pdt, acc, " | ".join(fmt(v) for v in vals)))
+    return lines
+
+
+def table_offload(sg):
+    """Bytes per parameter per rank with offload_optimizer, on the GPU and in host memory."""
+    lines = ["| strategy + offload | params | accumulator | memory | " +
+             " | ".join("W=%d" % w for w in WORLDS) + " |",
+             "|---|---|---|---|" + "---|" * len(WORLDS)]
+    for pdt, acc in (("bf16", "f32"), ("bf16", "bf16"), ("f32", "f32")):
+        for s, label in STRATEGIES[1:]:
+            for host in (False, True):
+                vals = [bytes_per_param(sg, w, host, strategy=s, param_dtype=pdt, accum_dtype=acc,
+                                        **OFFLOAD) for w in WORLDS]
+                lines.append("| %s | %s | %s | %s | %s |" % (
+                    label, pdt, acc, "host (pinned)" if host else "GPU",
+                    " | ".join(fmt(v) for v in vals)))
+    return lines
+
+
+def table_fits_offload(sg):
+    """Largest model per GPU size and W for SHARD_GRAD_OP without and with offload, and the
+    pinned host memory per rank the offloaded one needs."""
+    lines = ["| W | " + " | ".join(GPU_NAME.get(g, "%d GiB" % g) for g in GPU_GIB) + " |",
+             "|---|" + "---|" * len(GPU_GIB)]
+    cfg = dict(strategy="shard_grad_op", param_dtype="bf16")
+    for w in WORLDS:
+        cells = []
+        for g in GPU_GIB:
+            plain = largest_model(sg, g, w, **cfg)
+            off = largest_model(sg, g, w, **cfg, **OFFLOAD)
+            host = estimate(sg, off // PARAM, w, True, **cfg, **OFFLOAD)
+            cells.append("%.1fB / %.1fB (host %d GiB)" % (plain / 1e9, off / 1e9,
+                                                          -(-host // (1 << 30))))
+        lines.append("| %d | %s |" % (w, " | ".join(cells)))
     return lines
 
 
@@ -167,6 +206,8 @@ def main():
         old = f.read()
     new = replace_block(old, "bytes-per-param", table_per_param(sg))
     new = replace_block(new, "largest-model", table_fit(sg))
+    new = replace_block(new, "offload-per-param", table_offload(sg))
+    new = replace_block(new, "offload-fits", table_fits_offload(sg))
     if args.check:
         if new != old:
             sys.stdout.writelines(difflib.unified_diff(

@@ -38,7 +38,8 @@ foreach(case
     "unknown|unknown argument '--bogus'. mlp --help lists the flags|--bogus"
     "ranks_mpi|--ranks and --mpi conflict|--ranks;3;--mpi"
     "save_every|--save-every needs --save DIR|--save-every;5"
-    "launched_ranks|started by mpirun \\(Open MPI\\), and --ranks 2 asks for threads|--ranks;2")
+    "launched_ranks|started by mpirun \\(Open MPI\\), and --ranks 2 asks for threads|--ranks;2"
+    "offload_no_shard|--offload needs --strategy shard_grad_op or shard_opt|--offload;--strategy;no_shard")
   string(REPLACE "|" ";" parts "${case}")
   list(GET parts 0 name)
   list(GET parts 1 pattern)
@@ -49,10 +50,15 @@ foreach(case
 endforeach()
 # as mpirun would start it (its environment variable), without a real launch
 set_tests_properties(test_mlp_cli_launched_ranks PROPERTIES ENVIRONMENT "OMPI_COMM_WORLD_SIZE=2")
+# --offload on the CPU device: accepted, trains as without it (the state is host memory already)
+add_test(NAME test_mlp_offload COMMAND test_mlp --ranks 2 --steps 40 --hidden 32 --layers 3
+  --batch 16 --bucket-mb 0.004 --lr 0.01 --log-every 10 --check --offload)
+set_tests_properties(test_mlp_offload PROPERTIES TIMEOUT 300 LABELS local
+  FAIL_REGULAR_EXPRESSION "pinned host memory")
 # --help: every flag with its default, on stdout, exit 0
 add_test(NAME test_mlp_help COMMAND test_mlp --help)
 set_tests_properties(test_mlp_help PROPERTIES TIMEOUT 60 LABELS unit
-  PASS_REGULAR_EXPRESSION "--steps N +optimizer steps \\(default 200\\).*--resume DIR")
+  PASS_REGULAR_EXPRESSION "--steps N +optimizer steps \\(default 200\\).*--offload .*--resume DIR")
 # mpirun -np 2 without --mpi: one training of 2 ranks over MPI, not two of 2 threads each
 sg_add_mpi_test(test_mlp_mpi_auto EXE test_mlp NP 2
   ARGS --steps 40 --hidden 32 --layers 3 --batch 16 --bucket-mb 0.004 --lr 0.01 --log-every 10

@@ -26,6 +26,7 @@ typedef struct mlp_cli {
   sg_dtype dtype;
   int ranks, steps, micro, batch, hidden, layers, check, log_every;
   int overlap_gather; /* --overlap-gather: overlap_param_gather, waits layer by layer */
+  int offload;        /* --offload: offload_optimizer (the optimizer state in host memory) */
   double bucket_mb;
   float lr, clip;
   uint64_t seed;
@@ -100,6 +101,7 @@ static inline void mlp_cli_config(const mlp_cli *c, sg_config *cfg) {
   cfg->seed = c->seed;
   cfg->timeout_ms = 120000; /* a failed rank makes the others fail within 2 minutes, not hang */
   cfg->overlap_param_gather = c->overlap_gather;
+  cfg->offload_optimizer = c->offload;
 }
 
 /* The two lines after the program's own first line of the run. */
@@ -110,6 +112,9 @@ static inline void mlp_cli_print_memory(const sg_memory_stats *mem, const sg_mem
       mlp_cli_mib(mem->total_bytes), mlp_cli_mib(mem->params_bytes),
       mlp_cli_mib(mem->grads_bytes), mlp_cli_mib(mem->master_bytes),
       mlp_cli_mib(mem->optim_bytes), mlp_cli_mib(mem->comm_bytes), mlp_cli_mib(ddp->total_bytes));
+  if (mem->host_bytes)
+    printf("offloaded optimizer state: %.3f MiB of pinned host memory per rank\n",
+           mlp_cli_mib(mem->host_bytes));
   printf("loss below is rank 0's local loss (each rank trains on its own slice of the data)\n");
 }
 
@@ -367,6 +372,9 @@ static inline void mlp_cli_help_common(FILE *out, const mlp_cli_prog *p) {
           "                      rank), and a summary of the overlap\n"
           "  --overlap-gather    sg_step returns before the parameters are gathered; each layer\n"
           "                      of the next forward pass waits for its own (sg_param_wait)\n"
+          "  --offload           master weights, Adam moments and gradient accumulator in pinned\n"
+          "                      host memory, AdamW on the CPU (offload_optimizer; needs\n"
+          "                      shard_grad_op or shard_opt; on the CPU device it changes nothing)\n"
           "  --help              this text\n",
           mlp_cli_strategy_flag(d.strategy), p->max_ranks, d.ranks, mlp_cli_dtypes(p),
           mlp_cli_dtype_name(d.dtype), d.steps, d.micro, d.batch, d.hidden, MLP_MAX_LAYERS,
@@ -389,6 +397,8 @@ static inline int mlp_cli_parse(const mlp_cli_prog *p, int argc, char **argv, ml
       c->check = 1;
     else if (!strcmp(a, "--overlap-gather"))
       c->overlap_gather = 1;
+    else if (!strcmp(a, "--offload"))
+      c->offload = 1;
     else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       p->usage();
       exit(0);
@@ -413,6 +423,11 @@ static inline int mlp_cli_parse(const mlp_cli_prog *p, int argc, char **argv, ml
     }
   }
   if (!c->lr_given) c->lr = mlp_cli_default_lr(c->hidden);
+  if (c->offload && c->strategy == SG_NO_SHARD) {
+    fprintf(stderr, "%s: --offload needs --strategy shard_grad_op or shard_opt (no_shard keeps "
+            "the whole optimizer state on every rank)\n", p->name);
+    return -1;
+  }
   return 0;
 }
 

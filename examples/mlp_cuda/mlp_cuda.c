@@ -322,6 +322,7 @@ static void *train(void *arg) {
   CHECK(sg_memory(e, &mem));
   sg_config ddp_cfg = cfg;
   ddp_cfg.strategy = SG_NO_SHARD;
+  ddp_cfg.offload_optimizer = 0;
   CHECK(sg_estimate_memory(&ddp_cfg, m.numel, m.nparams, world, &ddp));
   if (rank == 0) print_memory(o, &m, &mem, &ddp, world, r->gpu);
 

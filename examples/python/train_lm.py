@@ -97,6 +97,9 @@ def check_args(args):
     if args.seq > MAX_SEQ:
         fail("--seq %d is above %d: attention memory grows with seq^2 (%d x %d scores per head)"
              % (args.seq, MAX_SEQ, args.seq, args.seq))
+    if args.offload and args.strategy == "no_shard":
+        fail("--offload needs --strategy shard_grad_op or shard_opt (no_shard keeps the whole "
+             "optimizer state on every rank)")
     if args.ranks is not None and args.ranks > 64:
         fail("--ranks %d: at most 64 ranks as threads" % args.ranks)
     if args.ranks is not None and (under_mpirun() or under_torchrun()):
@@ -162,6 +165,10 @@ def parse_args(argv=None):
     ap.add_argument("--overlap-gather", action="store_true",
                     help="overlap_param_gather: step() returns with the parameter all-gathers "
                     "still running; each module waits for its own in a forward pre-hook")
+    ap.add_argument("--offload", action="store_true",
+                    help="offload_optimizer: fp32 master weights, Adam moments and gradient "
+                    "accumulator in pinned host memory, AdamW on the CPU (with --device cuda; "
+                    "needs --strategy shard_grad_op or shard_opt; on cpu it changes nothing)")
     ap.add_argument("--plot", metavar="FILE",
                     help="draw the loss curve and the memory per rank beside NO_SHARD's to a "
                     "PNG (needs matplotlib)")
@@ -375,7 +382,7 @@ def train_rank_on(comm, args, data, out, device):
     opt = ShardedAdamW(model, comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                        no_decay="1d", strategy=args.strategy, max_grad_norm=args.clip,
                        bucket_bytes=args.bucket_kib << 10,
-                       overlap_param_gather=args.overlap_gather)
+                       overlap_param_gather=args.overlap_gather, offload_optimizer=args.offload)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
@@ -439,7 +446,8 @@ def train_rank_on(comm, args, data, out, device):
         finish_trace(opt.engine, args.trace, rank, world, note, args.overlap_gather)
     mem = opt.memory()
     mem_ddp = sg.estimate_memory([p.numel() for p in model.parameters()], world,
-                                 config=opt.engine.config.copy(strategy="no_shard"))
+                                 config=opt.engine.config.copy(strategy="no_shard",
+                                                               offload_optimizer=False))
     sample = None
     if rank == 0:
         prompt = data.data[:16].tolist()
@@ -526,6 +534,9 @@ def print_memory(rank, res):
           % (rank, mem.total_bytes / mib, mem.params_bytes / mib, mem.grads_bytes / mib,
              mem.master_bytes / mib, mem.optim_bytes / mib, mem.comm_bytes / mib,
              mem.peak_bytes / mib, mem.shard_numel, mem.numel, rss_mib()), flush=True)
+    if mem.host_bytes:
+        print("rank %d offloaded optimizer state: %.2f MiB of pinned host memory"
+              % (rank, mem.host_bytes / mib), flush=True)
 
 
 

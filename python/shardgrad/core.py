@@ -311,6 +311,7 @@ class MemoryStats:
     peak_bytes: int
     numel: int
     shard_numel: int
+    host_bytes: int = 0  # pinned host memory (offload_optimizer on CUDA); not in total_bytes
 
     @classmethod
     def _from(cls, s):
@@ -325,7 +326,8 @@ class MemoryStats:
                 "MiB, total %.2f MiB (peak %.2f MiB), %d elements, %d per rank" % (
                     self.params_bytes / mib, self.grads_bytes / mib, self.master_bytes / mib,
                     self.optim_bytes / mib, self.comm_bytes / mib, self.total_bytes / mib,
-                    self.peak_bytes / mib, self.numel, self.shard_numel))
+                    self.peak_bytes / mib, self.numel, self.shard_numel) +
+                (", host %.2f MiB" % (self.host_bytes / mib) if self.host_bytes else ""))
 
 
 @dataclasses.dataclass(frozen=True)

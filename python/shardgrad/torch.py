@@ -428,6 +428,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     (see the module text). overlap_param_gather=True: the all-gathers after step() overlap the
     next forward pass, each module's forward pre-hook waiting for its own parameters (see the
     module text; call wait_params() before reading parameters outside a forward pass).
+    offload_optimizer=True: on CUDA tensors the fp32 master, the moments and the gradient
+    accumulator live in pinned host memory and AdamW runs on the CPU (bitwise the same results;
+    memory().host_bytes counts it); on CPU tensors it changes nothing.
     """
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,

@@ -11,16 +11,19 @@ pytest.importorskip("torch")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_train_lm_example_threads():
+@pytest.mark.parametrize("extra", [[], ["--offload"]])
+def test_train_lm_example_threads(extra):
+    """--offload on the CPU device: accepted, nothing pinned (the state is host memory)."""
     cmd = [sys.executable, os.path.join(REPO, "examples", "python", "train_lm.py"), "--ranks",
            "2", "--steps", "40", "--d", "64", "--layers", "2", "--batch", "4", "--seq", "32",
-           "--micro", "2", "--log-every", "10", "--threads", "1"]
+           "--micro", "2", "--log-every", "10", "--threads", "1"] + extra
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "loss fell" in r.stdout
     assert "tokens/s" in r.stdout
     assert "rank 0 memory" in r.stdout and "rank 1 memory" in r.stdout
+    assert "pinned host memory" not in r.stdout
 
 
 TRAIN_LM = os.path.join(REPO, "examples", "python", "train_lm.py")
@@ -38,6 +41,7 @@ TRAIN_LM = os.path.join(REPO, "examples", "python", "train_lm.py")
     (["--batch", "0"], "--batch must be >= 1"),
     (["--plot", "/nonexistent-dir/loss.png"], "--plot /nonexistent-dir/loss.png: no directory"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--offload", "--strategy", "no_shard"], "--offload needs --strategy shard_grad_op or shard_opt"),
 ])
 def test_train_lm_flag_errors(args, message):
     """Each bad flag: one line on stderr naming it, nothing on stdout, a non-zero exit, at once

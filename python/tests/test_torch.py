@@ -634,3 +634,58 @@ def test_peak_memory_below_replicated_torch_adamw():
                         s["library_total_bytes_per_rank"] / mib,
                         s["library"]["params_bytes"] / mib))
     assert s["step_peak_bytes"] < t["step_peak_bytes"]
+
+
+# ------------------------------------------------------------------------------------------
+# optimizer offload
+
+
+def _offload_run(offload, world=2, steps=4):
+    base = make_model(0)
+    batches = make_batches(1, steps, 2, world, 4)
+
+    def body(comm):
+        m = copy.deepcopy(base)
+        opt = ShardedAdamW(m, comm, max_grad_norm=0.5, offload_optimizer=offload, **HP, **FAST)
+        losses, infos = train_sharded(m, opt, batches, comm.rank)
+        mem = opt.memory()
+        params = {n: p.detach().clone() for n, p in m.named_parameters()}
+        opt.close()
+        return losses, [i.grad_norm for i in infos], params, mem
+
+    return sg.run_threads(world, body)
+
+
+def test_offload_optimizer_on_cpu_tensors_changes_nothing():
+    """ShardedAdamW(..., offload_optimizer=True) on CPU tensors: the library keeps the state in
+    host memory already, so the run is bitwise the one without it and nothing more is pinned."""
+    off, on = _offload_run(False), _offload_run(True)
+    for rank in range(2):
+        assert off[rank][0] == on[rank][0] and off[rank][1] == on[rank][1]
+        for n, p in off[rank][2].items():
+            assert torch.equal(p, on[rank][2][n]), n
+        assert on[rank][3].host_bytes == 0 and on[rank][3] == off[rank][3]
+    assert on[0][0][-1] < on[0][0][0]
+
+
+def test_offload_optimizer_memory_estimate():
+    """estimate_memory for a CUDA config with offload_optimizer: master and moments leave the
+    device, the accumulator leaves grads, and host_bytes is (A + 8 + 4) x shard plus the
+    pipeline's buffers (2 landing buffers of a bucket slice in bf16, 3 chunks of 2M bf16)."""
+    numels = [1 << 22] * 16  # bf16: 4 parameters per 32 MiB bucket, 16M elements each
+    kw = dict(strategy="shard_grad_op", param_dtype="bf16", device="cuda")
+    for world in (1, 2, 4):
+        plain = sg.estimate_memory(numels, world, **kw)
+        off = sg.estimate_memory(numels, world, offload_optimizer=True, **kw)
+        shard, slice_ = (64 << 20) // world, (16 << 20) // world
+        assert off.master_bytes == 0 and off.optim_bytes == 0
+        assert off.params_bytes == plain.params_bytes and off.comm_bytes == plain.comm_bytes
+        assert off.grads_bytes == plain.grads_bytes - 4 * shard
+        assert off.host_bytes == 16 * shard + 2 * slice_ * 2 + 3 * min(slice_, 2 << 20) * 2
+        assert plain.host_bytes == 0
+    cpu = sg.estimate_memory(numels, 2, strategy="shard_grad_op", param_dtype="bf16",
+                             offload_optimizer=True)
+    assert cpu.host_bytes == 0 and cpu.master_bytes > 0  # the CPU device: unchanged
+    with pytest.raises(sg.UnsupportedError, match="needs a sharded strategy"):
+        ShardedAdamW(make_model(0), sg.Comm.local(1)[0], strategy="no_shard", device="cuda",
+                     offload_optimizer=True)

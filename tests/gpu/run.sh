@@ -36,7 +36,10 @@
 #     examples/python/train_lm.py --device cuda (when torch and pytest import); compute-sanitizer
 #     memcheck on test_cuda_kernels --quick and test_cuda_engine; the host side of optimizer
 #     offload (test_host_step_cuda, test_offload_cuda: host norm and AdamW pipeline against the
-#     GPU's kernels, bitwise; sg_bench_host_step --device cuda: the host step with DMA copies).
+#     GPU's kernels, bitwise; sg_bench_host_step --device cuda: the host step with DMA copies),
+#     the whole step of mlp_cuda with and without --offload (steps/s, same run).
+#     test_cuda_engine (quick) runs every sharded case offloaded
+#     too, bitwise against the run without offload.
 # Exit status: 0 when nothing failed. Without a GPU every GPU step fails fast with its reason.
 set -uo pipefail
 
@@ -267,7 +270,8 @@ fi
 step_if "$T/test_cuda_device" test_cuda_device 30 2 "$T/test_cuda_device"
 step_if "$T/test_cuda_kernels" test_cuda_kernels 90 25 "$T/test_cuda_kernels"
 step_if "$T/test_cuda_queues" test_cuda_queues 60 15 "$T/test_cuda_queues"
-step_if "$T/test_cuda_engine" test_cuda_engine 90 30 "$T/test_cuda_engine"
+# (with optimizer offload: every sharded case again offloaded, bitwise against the run without)
+step_if "$T/test_cuda_engine" test_cuda_engine 120 45 "$T/test_cuda_engine"
 step_if "$B/bench/sg_bench_adamw_cuda" bench_adamw_cuda 60 15 "$B/bench/sg_bench_adamw_cuda" \
   --sizes 1,4,16,64,256 --reps 20
 copy_log bench_adamw_cuda
@@ -314,6 +318,14 @@ step_if "$T/test_offload_cuda" offload_cuda 45 3 "$T/test_offload_cuda"
 step_if "$B/bench/sg_bench_host_step" bench_host_step_cuda 60 15 "$B/bench/sg_bench_host_step" \
   --device cuda --size 64 --reps 5 --python python3
 copy_log bench_host_step_cuda 22
+
+# The whole step with and without offload, same model, same run (bf16, 8 x 4096: 134M params,
+# one rank over NCCL of world 1): steps/s of each and the offloaded one's pinned host memory.
+for off in "" --offload; do
+  step_if "$MLP" "mlp_cuda_step${off:+_offload}" 60 15 "$MLP" --nccl-solo --layers 8 --hidden 4096 \
+    --batch 2048 --steps 12 --dtype bf16 --log-every 100 --bucket-mb 32 $off
+  copy_log "mlp_cuda_step${off:+_offload}" 4
+done
 
 # ---- full: examples -------------------------------------------------------------------------------
 step_if "$MLP" timeline_ranks2 60 20 "$MLP" --ranks 2 --layers 8 --hidden 4096 --batch 2048 \
