@@ -5,6 +5,12 @@ foreach(w 1 3 4 8)
   add_test(NAME test_comm_local${w} COMMAND test_comm_local2 --local ${w})
   set_tests_properties(test_comm_local${w} PROPERTIES TIMEOUT 300 LABELS local)
 endforeach()
+# The caller's transport (sg_comm_create_xport) over an in-process mailbox: the MPI algorithms
+# through the public callbacks, at W=2 (ring) and W=3 (direct), with its timeout and failures.
+foreach(w 2 3)
+  add_test(NAME test_comm_xport${w} COMMAND test_comm_local2 --xport ${w})
+  set_tests_properties(test_comm_xport${w} PROPERTIES TIMEOUT 300 LABELS local)
+endforeach()
 # MPI: the default reduce-scatter, then each algorithm forced (SG_MPI_REDUCE_SCATTER); the test
 # reads the same variable to know the summation order it must match bit for bit.
 foreach(np 2 3 4)

@@ -10,7 +10,10 @@
  *
  *   test_comm --local W          W ranks as threads (local backend)
  *   test_comm --mpi              one rank per process, under mpirun
- *   test_comm --mpi --timeout    under mpirun: one rank skips a collective */
+ *   test_comm --mpi --timeout    under mpirun: one rank skips a collective
+ *   test_comm --xport W          W ranks as threads, each an sg_comm_create_xport over an
+ *                                in-process mailbox (the MPI algorithms over the public
+ *                                transport interface), its timeouts and callback failures */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier */
 
 #include <math.h>    /* fabs, ldexp, frexp */
@@ -592,21 +595,252 @@ static int run_mpi(int timeout_test) {
 #endif
 }
 
+/* ---- the caller's transport (sg_comm_create_xport) over an in-process mailbox ------------- */
+
+/* Posted sends and receives of one group of threads, matched in posting order per (source,
+ * destination, tag), as MPI and gloo match them. Completion is reported from inside the
+ * callback that finds the match (isend or irecv of either side). */
+typedef struct mail {
+  int recv, src, dst, tag;
+  void *buf;
+  size_t bytes;
+  void *token;
+  struct mail *next;
+} mail;
+
+typedef struct mailbox {
+  pthread_mutex_t mu;
+  mail *head;
+  atomic_int released;
+  atomic_int fail_sends; /* > 0: isend fails with a message */
+} mailbox;
+
+typedef struct xuser {
+  mailbox *mb;
+  int rank;
+} xuser;
+
+static int mb_post(void *user, int recv, void *buf, size_t bytes, int peer, int tag, void *token,
+                   char *msg, size_t cap) {
+  xuser *u = user;
+  mailbox *mb = u->mb;
+  if (!recv && atomic_load(&mb->fail_sends) > 0) {
+    snprintf(msg, cap, "mailbox: link to rank %d is down", peer);
+    return 3;
+  }
+  const int src = recv ? peer : u->rank, dst = recv ? u->rank : peer;
+  pthread_mutex_lock(&mb->mu);
+  mail **pp = &mb->head;
+  while (*pp && !((*pp)->recv != recv && (*pp)->src == src && (*pp)->dst == dst &&
+                  (*pp)->tag == tag))
+    pp = &(*pp)->next;
+  if (*pp) {
+    mail *m = *pp;
+    *pp = m->next;
+    pthread_mutex_unlock(&mb->mu);
+    const void *from = recv ? m->buf : buf;
+    void *to = recv ? buf : m->buf;
+    const size_t rb = recv ? bytes : m->bytes, sb = recv ? m->bytes : bytes;
+    const int ok = rb == sb;
+    if (ok) memcpy(to, from, sb);
+    const char *why = ok ? NULL : "message of another size";
+    sg_xport_done(m->token, !ok, ok && m->recv ? sb : 0, why);
+    sg_xport_done(token, !ok, ok && recv ? sb : 0, why);
+    free(m);
+    return 0;
+  }
+  mail *m = calloc(1, sizeof *m);
+  *m = (mail){recv, src, dst, tag, buf, bytes, token, NULL};
+  *pp = m; /* at the tail: matched after everything posted before */
+  pthread_mutex_unlock(&mb->mu);
+  return 0;
+}
+
+static int mb_isend(void *user, const void *buf, size_t bytes, int peer, int tag, void *token,
+                    char *msg, size_t cap) {
+  return mb_post(user, 0, (void *)buf, bytes, peer, tag, token, msg, cap);
+}
+
+static int mb_irecv(void *user, void *buf, size_t bytes, int peer, int tag, void *token,
+                    char *msg, size_t cap) {
+  return mb_post(user, 1, buf, bytes, peer, tag, token, msg, cap);
+}
+
+/* A posted transfer is dropped; one already matched was completed, so nothing touches it. */
+static int mb_cancel(void *user, void *token) {
+  mailbox *mb = ((xuser *)user)->mb;
+  pthread_mutex_lock(&mb->mu);
+  for (mail **pp = &mb->head; *pp; pp = &(*pp)->next)
+    if ((*pp)->token == token) {
+      mail *m = *pp;
+      *pp = m->next;
+      free(m);
+      break;
+    }
+  pthread_mutex_unlock(&mb->mu);
+  return 0;
+}
+
+static void mb_release(void *user) { atomic_fetch_add(&((xuser *)user)->mb->released, 1); }
+
+static void mb_init(mailbox *mb) {
+  memset(mb, 0, sizeof *mb);
+  pthread_mutex_init(&mb->mu, NULL);
+}
+
+static void mb_free(mailbox *mb) {
+  while (mb->head) {
+    mail *m = mb->head;
+    mb->head = m->next;
+    free(m);
+  }
+  pthread_mutex_destroy(&mb->mu);
+}
+
+static sg_status xport_comm(mailbox *mb, xuser *u, int rank, int world, sg_comm **out) {
+  *u = (xuser){mb, rank};
+  sg_xport t = {sizeof t, "mailbox", u, 1, mb_isend, mb_irecv, mb_cancel, mb_release};
+  return sg_comm_create_xport(&t, rank, world, out);
+}
+
+static void xport_api(void) {
+  mailbox mb;
+  mb_init(&mb);
+  xuser u = {&mb, 0};
+  sg_comm *c = (sg_comm *)1;
+  sg_xport t = {sizeof t, "mailbox", &u, 1, mb_isend, mb_irecv, mb_cancel, mb_release};
+  check(0, sg_comm_create_xport(&t, 0, 2, NULL) == SG_ERR_INVALID_ARGUMENT, "xport: out NULL");
+  check(0, sg_comm_create_xport(NULL, 0, 2, &c) == SG_ERR_INVALID_ARGUMENT && !c, "xport: t NULL");
+  t.struct_size = 8;
+  check(0, sg_comm_create_xport(&t, 0, 2, &c) == SG_ERR_INVALID_ARGUMENT, "xport: struct_size");
+  t.struct_size = sizeof t;
+  t.cancel = NULL;
+  check(0, sg_comm_create_xport(&t, 0, 2, &c) == SG_ERR_INVALID_ARGUMENT &&
+               strstr(sg_last_error(), "cancel"), "xport: cancel NULL (%s)", sg_last_error());
+  t.cancel = mb_cancel;
+  check(0, sg_comm_create_xport(&t, 2, 2, &c) == SG_ERR_INVALID_ARGUMENT, "xport: rank 2 of 2");
+  check(0, sg_comm_create_xport(&t, 0, 0, &c) == SG_ERR_INVALID_ARGUMENT, "xport: world 0");
+  check(0, sg_xport_done(NULL, 0, 0, NULL) == SG_ERR_INVALID_ARGUMENT, "xport_done(NULL)");
+  check(0, sg_comm_create_xport(&t, 0, 1, &c) == SG_OK && sg_comm_size(c) == 1, "xport: W=1");
+  sg_comm *chan = NULL;
+  check(0, sg__comm_bind(c, NULL, 0, &chan) == SG_OK, "xport: bind a channel");
+  sg_comm_destroy(c); /* refused: the channel is alive */
+  check(0, atomic_load(&mb.released) == 0, "xport: not released while a channel is alive");
+  float v = 2;
+  check(0, chan->ops->all_reduce(chan, &v, 1, SG_F32, sg__deadline(1000)) == SG_OK && v == 2,
+        "xport: W=1 all_reduce");
+  sg__comm_unbind(chan);
+  sg_comm_destroy(c);
+  check(0, atomic_load(&mb.released) == 1, "xport: released once, at destroy");
+  mb_free(&mb);
+}
+
+typedef struct xport_arg {
+  rank_ctx x;
+  sg_comm *late; /* the timeout test's communicator */
+  sg_comm *fail; /* the failing-isend test's */
+  mailbox *fail_mb;
+  pthread_barrier_t *bar;
+} xport_arg;
+
+/* The last rank skips an all-reduce: the others time out, the late rank's next call (another
+ * tag) times out too; then every call fails at once. */
+static void xport_timeout(xport_arg *a, size_t n) {
+  const int rank = a->x.rank, world = a->x.world;
+  sg_comm *c = a->late;
+  float *v = calloc(n + 1, sizeof *v);
+  sg_status st;
+  if (rank != world - 1)
+    st = c->ops->all_reduce(c, v, n, SG_F32, sg__deadline(300));
+  else
+    st = c->ops->all_reduce(c, v, n + 1, SG_F32, sg__deadline(600));
+  check(rank, st == SG_ERR_TIMEOUT && strstr(sg_last_error(), "deadline") &&
+                  strstr(sg_last_error(), "sg_comm(mailbox)"),
+        "xport timeout n=%zu: TIMEOUT naming the transport (%s)", n, sg_last_error());
+  st = c->ops->all_reduce(c, v, n, SG_F32, sg__deadline(60000));
+  check(rank, st == SG_ERR_COMM, "xport timeout n=%zu: broken stays broken", n);
+  free(v);
+}
+
+static void *xport_rank(void *p) {
+  xport_arg *a = p;
+  run_collectives(&a->x);
+  if (a->x.world < 2) return NULL;
+  pthread_barrier_wait(a->bar);
+  xport_timeout(a, 64);
+  pthread_barrier_wait(a->bar);
+  if (a->x.rank == 0) atomic_store(&a->fail_mb->fail_sends, 1);
+  pthread_barrier_wait(a->bar);
+  float v[1000] = {0};
+  const sg_status st = a->fail->ops->all_reduce(a->fail, v, 1000, SG_F32, sg__deadline(500));
+  /* every rank's first send fails: the callback's text comes back with SG_ERR_COMM */
+  check(a->x.rank, st == SG_ERR_COMM && strstr(sg_last_error(), "link to rank") &&
+                       strstr(sg_last_error(), "isend failed (3)"),
+        "xport: a failing isend gives COMM with its message (%s)", sg_last_error());
+  return NULL;
+}
+
+static int run_xport(int world) {
+  xport_api();
+  const char *algo = getenv("SG_MPI_REDUCE_SCATTER");
+  g_ring = algo && *algo ? strcmp(algo, "ring") == 0 : world == 2;
+  mailbox mb[3];
+  for (int g = 0; g < 3; g++) mb_init(&mb[g]);
+  xuser *us = calloc((size_t)world * 3, sizeof *us);
+  sg_comm **cs = calloc((size_t)world * 3, sizeof *cs);
+  int ok = 1;
+  for (int g = 0; g < 3; g++)
+    for (int r = 0; r < world; r++)
+      ok &= xport_comm(&mb[g], &us[g * world + r], r, world, &cs[g * world + r]) == SG_OK;
+  check(0, ok, "create_xport x3 at W=%d (%s)", world, sg_last_error());
+  if (!ok) return 1;
+  xport_arg *args = calloc((size_t)world, sizeof *args);
+  pthread_t *th = calloc((size_t)world, sizeof *th);
+  pthread_barrier_t bar;
+  pthread_barrier_init(&bar, NULL, (unsigned)world);
+  for (int r = 0; r < world; r++) {
+    cs[r]->scratch_bytes = sg__comm_scratch_bytes(k_counts[N_COUNTS - 1]);
+    cs[r]->scratch = malloc(cs[r]->scratch_bytes);
+    args[r] = (xport_arg){{cs[r], r, world, 60000}, cs[world + r], cs[2 * world + r], &mb[2],
+                          &bar};
+    pthread_create(&th[r], NULL, xport_rank, &args[r]);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < world; r++) free(cs[r]->scratch);
+  for (int i = 0; i < 3 * world; i++) sg_comm_destroy(cs[i]);
+  for (int g = 0; g < 3; g++) {
+    check(0, atomic_load(&mb[g].released) == world, "xport: every communicator released");
+    mb_free(&mb[g]);
+  }
+  pthread_barrier_destroy(&bar);
+  free(args);
+  free(th);
+  free(cs);
+  free(us);
+  return 0;
+}
+
+/* --local W and --xport W: W ranks as threads of this process. */
+static int run_threaded(const char *what, const char *arg, int (*run)(int)) {
+  const int world = atoi(arg);
+  if (world < 1 || world > 64) {
+    printf("bad world %s\n", arg);
+    return 2;
+  }
+  printf("%s, W=%d\n", what, world);
+  run(world);
+  printf("%d passed, %d failed\n", atomic_load(&g_pass), atomic_load(&g_fail));
+  return atomic_load(&g_fail) != 0;
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (argc >= 3 && strcmp(argv[1], "--local") == 0) {
-    const int world = atoi(argv[2]);
-    if (world < 1 || world > 64) {
-      printf("bad world %s\n", argv[2]);
-      return 2;
-    }
-    printf("local backend, W=%d\n", world);
-    run_local(world);
-    printf("%d passed, %d failed\n", atomic_load(&g_pass), atomic_load(&g_fail));
-    return atomic_load(&g_fail) != 0;
-  }
+  if (argc >= 3 && strcmp(argv[1], "--local") == 0)
+    return run_threaded("local backend", argv[2], run_local);
+  if (argc >= 3 && strcmp(argv[1], "--xport") == 0)
+    return run_threaded("caller's transport (mailbox)", argv[2], run_xport);
   if (argc >= 2 && strcmp(argv[1], "--mpi") == 0)
     return run_mpi(argc >= 3 && strcmp(argv[2], "--timeout") == 0);
-  printf("usage: %s --local W | --mpi [--timeout]\n", argv[0]);
+  printf("usage: %s --local W | --mpi [--timeout] | --xport W\n", argv[0]);
   return 2;
 }
