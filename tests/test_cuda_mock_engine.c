@@ -21,7 +21,8 @@
  * be those of the same run without offload, bit for bit, and sg_memory must count the host
  * arrays (host_bytes) instead of the device's, as sg_estimate_memory does. The CPU reference
  * runs with offload_optimizer set where the strategy is sharded (accepted, changes nothing).
- * Cases with `ckpt` save after training, load into a second engine with the other offload
+ * Cases with `groups` give two parameters groups of their own lr and weight decay. Cases with
+ * `ckpt` save after training, load into a second engine with the other offload
  * setting, and step both once more: state and the next step bitwise equal.
  *
  * Built a second time against the real CUDA runtime and NCCL (SG_TEST_REAL_GPU, target
@@ -74,6 +75,7 @@ typedef struct tcase {
   int inf_step; /* > 0: rank 0 writes an inf into a gradient of that step (dynamic loss scale
                    for f16: the step is skipped) */
   int ckpt;     /* save, load into an engine with the other offload setting, one more step */
+  int groups;   /* p3 in parameter group 1, p4 in group 2, each with its own lr and decay */
 } tcase;
 
 typedef struct result {
@@ -164,7 +166,11 @@ static sg_status setup(rank_arg *a, int offload, sg_engine **e, int *ids, sg_con
     snprintf(name, sizeof name, "p%d", p);
     st = sg_add_param(*e, name, k_sizes[p], p % 3 == 1 ? SG_PARAM_NO_DECAY : 0, &ids[p]);
   }
+  if (!st && tc->groups) st = sg_set_param_group(*e, ids[3], 1);
+  if (!st && tc->groups) st = sg_set_param_group(*e, ids[4], 2);
   if (!st) st = sg_finalize(*e);
+  if (!st && tc->groups) st = sg_set_group(*e, 1, 0.03f, 0.0f);
+  if (!st && tc->groups) st = sg_set_group(*e, 2, 0.004f, 0.3f);
   float *init = (float *)malloc(k_sizes[NP - 1] * sizeof *init);
   for (int p = 0; p < NP && !st; p++) {
     for (size_t i = 0; i < k_sizes[p]; i++) init[i] = 0.01f * (float)((i * 37 + (size_t)p) % 101);
@@ -520,18 +526,20 @@ static void test_refusal(void) {
 
 int main(void) {
   static const tcase cases[] = {
-      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0, 0, 0, 0, 1},
-      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 0, 0, 0, 1},
-      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0, 0, 0, 0, 0},
-      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1, 0, 0, 0, 0},
-      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0, 0, 0, 0, 0},
-      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0, 0, 0, 0},
-      {"zero2 bf16 overlap W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 1, 0, 0, 0},
-      {"zero1 f32 overlap W3", SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0, 0, 0},
+      {"zero2 f32 W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 1, 0, 0, 0, 0, 1, 0},
+      {"zero2 bf16 W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 0, 0, 0, 1, 0},
+      {"zero2 bf16 accum W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_BF16, 3, 1, 0, 0, 0, 0, 0, 0},
+      {"zero2 f32 no_sync W2", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 2, 3, 1, 0, 0, 0, 0, 0},
+      {"zero1 f32/bf16 W3", SG_SHARD_OPT, SG_F32, SG_BF16, SG_F32, 3, 2, 0, 0, 0, 0, 0, 0},
+      {"ddp f16 W2", SG_NO_SHARD, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0, 0, 0, 0, 0},
+      {"zero2 bf16 overlap W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 2, 0, 1, 0, 0, 0, 0},
+      {"zero1 f32 overlap W3", SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 1, 0, 1, 0, 0, 0, 0},
       {"zero2 bf16 3 mb clip W3", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 3, 3, 0, 0, 0.05f, 0,
-       1},
-      {"zero2 f16 skip W2", SG_SHARD_GRAD_OP, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0, 0, 1, 1},
-      {"zero2 f32 clip W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 3, 0, 0, 0.1f, 0, 0},
+       1, 0},
+      {"zero2 f16 skip W2", SG_SHARD_GRAD_OP, SG_F16, SG_F16, SG_F32, 2, 1, 0, 0, 0, 1, 1, 0},
+      {"zero2 f32 clip W1", SG_SHARD_GRAD_OP, SG_F32, SG_F32, SG_F32, 1, 3, 0, 0, 0.1f, 0, 0, 0},
+      {"zero2 bf16 groups W2", SG_SHARD_GRAD_OP, SG_BF16, SG_BF16, SG_F32, 2, 1, 0, 0, 0, 0, 1, 1},
+      {"zero1 f32 groups W3", SG_SHARD_OPT, SG_F32, SG_F32, SG_F32, 3, 2, 0, 0, 0, 0, 0, 1},
   };
   test_refusal();
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

@@ -380,7 +380,7 @@ else
   grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_kernels.log" 2>/dev/null | tail -1 |
     sed 's/^/      /' | tee -a "$RES"
   # the engine's own launches (segments, staging, the comm stream), W = 1..3 threads and NCCL
-  step_if "$T/test_cuda_engine" memcheck_test_cuda_engine 120 60 "$SAN" --tool memcheck \
+  step_if "$T/test_cuda_engine" memcheck_test_cuda_engine 150 90 "$SAN" --tool memcheck \
     --error-exitcode 99 "$T/test_cuda_engine"
   grep -E 'ERROR SUMMARY' "$LOGS/memcheck_test_cuda_engine.log" 2>/dev/null | tail -1 |
     sed 's/^/      /' | tee -a "$RES"
