@@ -9,9 +9,10 @@
  * Bounds asserted (DESIGN.md section 4, "The step on the device"): at most one host
  * synchronization per step, and at most two kernel launches per bucket per step. The full
  * counts are printed (before/after numbers of the issue). A second case, W = 1 on the mock NCCL
- * with two micro-batches and a step with no gradients at all, holds the parameters to the same
- * run on the CPU device bit for bit, so that the lean paths (the first micro-batch copied into
- * the accumulator, a step without gradients) stay the arithmetic they replace. */
+ * with two micro-batches (at most one host synchronization per step too) and a step with no
+ * gradients at all, holds the parameters to the same run on the CPU device bit for bit, so that
+ * the lean paths (the first micro-batch copied into the accumulator, a step without gradients)
+ * stay the arithmetic they replace. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <pthread.h>
@@ -230,6 +231,9 @@ int main(void) {
   for (int r = 0; r < 2; r++) free(got[r].params);
   /* Bitwise against the CPU device: two micro-batches, then a step without gradients. */
   const int ok_ref = run(1, 0, 2, ref), ok = run(1, 1, 2, got);
+  for (int step = 2; ok && step < STEPS; step++) /* two micro-batches, one rank: one wait still */
+    CHECK(got[0].per_step[step].c[C_SYNC] <= 1, "W=1, 2 micro-batches, step %d: %lld host sync(s)",
+          step + 1, got[0].per_step[step].c[C_SYNC]);
   if (ok_ref && ok)
     CHECK(memcmp(ref[0].params, got[0].params, (size_t)NPARAM * NUMEL * 4) == 0,
           "W=1, 2 micro-batches, then a step without gradients: cuda+nccl == cpu bitwise");
