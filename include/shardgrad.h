@@ -277,6 +277,31 @@ typedef struct sg_engine sg_engine;
  * SG_ERR_UNSUPPORTED for a device that is not compiled in. */
 SG_API sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out);
 
+/* Hybrid sharding, for nodes joined by a slower network: the engine shards gradients and
+ * optimizer state L ways over `shard` (the L ranks of one node) and is replicated over the N
+ * ranks of `replica` (this rank's counterparts on the other nodes, the ranks with its index in
+ * `shard`), so it trains data-parallel over W = N x L ranks. Each micro-batch's buckets are
+ * reduce-scattered inside `shard` only; once per optimizer step each bucket's shard of the
+ * summed gradient is all-reduced over `replica` (in cfg->replica_reduce_dtype on the wire,
+ * summed in fp32 in a fixed order, so every replica holds the same bits), right after that
+ * bucket's reduction in the last micro-batch when sg_set_microbatches said which one that is,
+ * else by sg_step before the norm. Averaging (grad_average) is over all W ranks; the norm,
+ * clipping, loss scale and skip decision are identical on all W ranks; AdamW runs on the shard
+ * and the all-gathers stay inside `shard`: no parameter bytes cross `replica`. With f32 on the
+ * wire the result equals that of sg_engine_create over all W ranks (bitwise for exactly
+ * summable gradients). Memory per rank is that of a flat engine over L ranks.
+ * SG_SHARD_GRAD_OP or SG_SHARD_OPT (SG_NO_SHARD has nothing to shard: SG_ERR_INVALID_ARGUMENT);
+ * SG_DEVICE_CPU in this build (CUDA: SG_ERR_UNSUPPORTED). cfg->shard_ranks must be 0 or L.
+ * Global rank (sg_broadcast_params' root): replica rank x L + shard rank. sg_finalize checks
+ * the layout on every rank: every shard communicator of the same size, every rank of a
+ * replica communicator with the same index in its shard, every rank of a shard communicator in
+ * the same replica position (SG_ERR_MISMATCH on every rank otherwise). sg_save writes one copy
+ * (the ranks of replica 0; every rank votes), which sg_load reads into any layout, flat or
+ * hybrid; the directory must be visible to every node. The engine uses both communicators until
+ * destroyed. */
+SG_API sg_status sg_engine_create_hybrid(sg_comm *shard, sg_comm *replica, const sg_config *cfg,
+                                         sg_engine **out);
+
 /* Registers a parameter before sg_finalize. Names are unique, 1..255 bytes; numel >= 1.
  * *id receives the dense id 0..n-1 in registration order. */
 SG_API sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t flags,
@@ -339,6 +364,13 @@ SG_API sg_status sg_backward_end(sg_engine *e);
  * micro-batch of the step. Must be called between micro-batches, with the same value on every
  * rank. */
 SG_API sg_status sg_set_sync(sg_engine *e, int enabled);
+/* The number of micro-batches of each optimizer step (n >= 1; 0, the default: not said). A
+ * hybrid engine then starts each bucket's all-reduce across replicas as soon as that bucket is
+ * reduced in the n-th micro-batch since the last step, overlapping the rest of that backward
+ * pass; without it sg_step (or sg_grad_norm) runs them. Once they have started, a further
+ * micro-batch before sg_step is SG_ERR_INVALID_STATE. Call between micro-batches, with the same
+ * value on every rank. Other engines check n and otherwise ignore it. */
+SG_API sg_status sg_set_microbatches(sg_engine *e, int n);
 /* Collective: drops every gradient accumulated since the last sg_step (or sg_load), so that a
  * training loop can recover from an exception in the middle of a backward pass. Completes the
  * micro-batch in progress, if any, as sg_backward_end does (what was written so far and zeros

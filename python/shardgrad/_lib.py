@@ -54,6 +54,7 @@ PROTOTYPES = {
     "sg_config_init": (_status, [ctypes.POINTER(SgConfig), _c_size]),
     # engine
     "sg_engine_create": (_status, [_vp, ctypes.POINTER(SgConfig), _pp]),
+    "sg_engine_create_hybrid": (_status, [_vp, _vp, ctypes.POINTER(SgConfig), _pp]),
     "sg_add_param": (_status, [_vp, _c_char_p, _c_size, ctypes.c_uint32,
                                ctypes.POINTER(_c_int)]),
     "sg_finalize": (_status, [_vp]),
@@ -68,6 +69,7 @@ PROTOTYPES = {
     "sg_grad_add": (_status, [_vp, _c_int, _vp, _dtype]),
     "sg_backward_end": (_status, [_vp]),
     "sg_set_sync": (_status, [_vp, _c_int]),
+    "sg_set_microbatches": (_status, [_vp, _c_int]),
     "sg_grad_zero": (_status, [_vp]),
     "sg_step": (_status, [_vp, ctypes.POINTER(SgStepInfo)]),
     "sg_set_lr": (_status, [_vp, _c_float]),
@@ -117,6 +119,7 @@ OPTIONAL = frozenset({
     "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group", "sg_comm_split",
     "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
     "sg_comm_create_xport", "sg_xport_done",
+    "sg_engine_create_hybrid", "sg_set_microbatches",
 })
 
 

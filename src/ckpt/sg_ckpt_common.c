@@ -6,26 +6,33 @@
 
 #include "sg_ckpt_engine.h"
 
+/* Every rank's vote: over the shard group, then (hybrid) the groups over the replicas, so the
+ * array is in global rank order (replica x world + rank) and its first e->world entries are
+ * replica 0's, the group that writes. */
 sg_status sg__ck_agree(sg_engine *e, const char *fn, sg_status local, const uint64_t val[4],
                        sg__ck_vote **all_out) {
   *all_out = NULL;
-  sg__ck_vote *all = calloc((size_t)e->world, sizeof *all);
+  const int w = sg__replicas_world(e);
+  sg__ck_vote *all = calloc((size_t)w, sizeof *all);
   if (!all) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
-  sg__ck_vote *mine = &all[e->rank];
+  sg__ck_vote *group = all + (size_t)e->rep.rank * (size_t)e->world;
+  sg__ck_vote *mine = &group[e->rank];
+  const int me = (int)(mine - all);
   mine->status = (uint64_t)local;
   if (val) memcpy(mine->val, val, sizeof mine->val);
   if (local != SG_OK) snprintf(mine->msg, sizeof mine->msg, "%s", sg_last_error());
-  sg_status st = sg__engine_allgather_host(e, all, sizeof *all);
+  sg_status st = sg__engine_allgather_host(e, group, sizeof *all);
+  if (st == SG_OK) st = sg__replicas_allgather_host(e, all, (size_t)e->world * sizeof *all);
   if (st != SG_OK) {
     free(all);
     return sg__engine_broken(e, st);
   }
   *all_out = all;
-  for (int r = 0; r < e->world; r++) {
+  for (int r = 0; r < w; r++) {
     const sg_status s = (sg_status)all[r].status;
     if (s == SG_OK) continue;
     all[r].msg[SG_CK_VOTE_MSG - 1] = 0;
-    if (r == e->rank) return sg__err(s, "%s", all[r].msg);
+    if (r == me) return sg__err(s, "%s", all[r].msg);
     const char *msg = all[r].msg;
     const size_t n = strlen(fn);
     if (strncmp(msg, fn, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ') msg += n + 2;
@@ -64,3 +71,5 @@ char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, s
 }
 
 sg_status sg__ck_gather_params(sg_engine *e) { return sg__gathers_all(e); }
+
+int sg__ck_lead(const sg_engine *e) { return e->rank == 0 && sg__replicas_writer(e); }

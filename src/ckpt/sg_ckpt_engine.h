@@ -42,4 +42,7 @@ char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, s
 /* Host-side all-gather of the working parameters, every bucket in place (after a load). */
 sg_status sg__ck_gather_params(sg_engine *e);
 
+/* The rank that writes manifests and exported files: global rank 0 (rank 0 of replica 0). */
+int sg__ck_lead(const sg_engine *e);
+
 #endif /* SG_CKPT_ENGINE_H */

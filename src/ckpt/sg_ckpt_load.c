@@ -408,7 +408,7 @@ sg_status sg_load(sg_engine *e, const char *dir) {
   const uint64_t v[4] = {c.m.generation, c.m.step, 0, 0};
   sg__ck_vote *all = NULL;
   sg_status st = sg__ck_agree(e, fn, local, v, &all);
-  for (int r = 1; st == SG_OK && r < e->world; r++)
+  for (int r = 1; st == SG_OK && r < sg__replicas_world(e); r++)
     if (all[r].val[0] != all[0].val[0])
       st = sg__err(SG_ERR_MISMATCH,
                    "%s: ranks read different checkpoints from '%s' (generation "

@@ -344,7 +344,7 @@ static sg_status round_prepare(sg_engine *e, const char *dir, uint64_t *gen, sg_
   sg_status local = sg__grads_idle(e, fn);
   if (local != SG_OK) return local;
   uint64_t v[4] = {0, 0, 0, 0};
-  if (e->rank == 0) {
+  if (sg__ck_lead(e)) {
     local = prepare_dir(dir, &v[0], lock);
     if (local != SG_OK) sg__err_prefix(local, fn);
   }
@@ -361,7 +361,9 @@ static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
   SG_TRY(round_prepare(e, dir, &gen, lock));
   /* Round 2: every rank's file is durable; rank 0 learns their sizes and header checksums. */
   file_info info = {0, 0, 0};
-  sg_status local = write_rank_file(e, dir, gen, &info);
+  /* one copy: the ranks of replica 0 write, the other replicas vote */
+  const int writer = sg__replicas_writer(e);
+  sg_status local = writer ? write_rank_file(e, dir, gen, &info) : SG_OK;
   const uint64_t v[4] = {info.bytes, info.numel, info.header_crc, 0};
   sg__ck_vote *all = NULL;
   sg_status st = sg__ck_agree(e, fn, local, v, &all);
@@ -369,20 +371,20 @@ static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
     /* No manifest names this generation: drop our file (the old checkpoint stays current). */
     char name[64];
     sg__ck_shard_name(name, sizeof name, gen, e->rank, 0);
-    char *path = sg__ck_path(dir, name);
+    char *path = writer ? sg__ck_path(dir, name) : NULL;
     if (path) unlink(path);
     free(path);
     free(all);
     return st;
   }
   /* Round 3: the manifest, the commit point. */
-  local = e->rank == 0 ? write_manifest(e, dir, gen, all) : SG_OK;
+  local = sg__ck_lead(e) ? write_manifest(e, dir, gen, all) : SG_OK;
   if (local != SG_OK) drop_generation(e, dir, gen);
   free(all);
   st = sg__ck_agree(e, fn, local, NULL, &all);
   free(all);
   if (st != SG_OK) return st;
-  if (e->rank == 0) remove_old(e, dir, gen);
+  if (sg__ck_lead(e)) remove_old(e, dir, gen);
   SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")", e->opt.step,
          dir, gen);
   return SG_OK;

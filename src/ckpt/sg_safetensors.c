@@ -120,7 +120,7 @@ static sg_status export_bucket(sg_engine *e, exporter *x, int b) {
      * master is indexed by flat offset */
     base = (e->opt.master ? e->opt.master : (const float *)e->params) + bk->start;
   }
-  if (e->rank != 0) return SG_OK;
+  if (!sg__ck_lead(e)) return SG_OK;
   for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
     const int id = p->order[k];
     write_values(e, x, base + (p->params[id].offset - bk->start), e->reg.numels[id]);
@@ -197,7 +197,7 @@ sg_status sg_export(sg_engine *e, const char *path) {
   sg_status local = SG_OK;
   if (needs_gather(e))
     local = e->dev->ops->alloc(e->dev, e->plan->max_bucket_numel * 4, (void **)&x.gbuf);
-  if (local == SG_OK && e->rank == 0) local = export_open(e, path, &x);
+  if (local == SG_OK && sg__ck_lead(e)) local = export_open(e, path, &x);
   if (local != SG_OK) sg__err_prefix(local, fn);
   sg__ck_vote *all = NULL;
   sg_status st = sg__ck_agree(e, fn, local, NULL, &all);
@@ -208,7 +208,7 @@ sg_status sg_export(sg_engine *e, const char *path) {
     return sg__err_prefix(st, fn);
   }
   /* Round 2: rank 0's file is durable under its name. */
-  local = e->rank == 0 ? export_close(&x, path) : SG_OK;
+  local = sg__ck_lead(e) ? export_close(&x, path) : SG_OK;
   if (local != SG_OK) sg__err_prefix(local, fn);
   st = sg__ck_agree(e, fn, local, NULL, &all);
   free(all);

@@ -171,34 +171,86 @@ static sg_status check_flat_options(const sg_config *c, const sg_comm *comm, con
   return SG_OK;
 }
 
-sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out) {
-  static const char *fn = "sg_engine_create";
+/* What both kinds of engine do: the config, the device and the shard communicator's channel;
+ * `check` refuses what the kind cannot honour, `replica` (NULL: flat) is bound last. */
+static sg_status create(sg_comm *comm, sg_comm *replica, const sg_config *cfg, const char *fn,
+                        sg_status (*check)(const sg_config *, const sg_comm *, const char *),
+                        sg_engine **out) {
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
   *out = NULL;
-  if (!comm) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm is NULL", fn);
   if (!cfg) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
-  if (comm->broken)
+  if (comm->broken || (replica && replica->broken))
     return sg__err(SG_ERR_COMM, "%s: the communicator is broken by an earlier failure", fn);
   sg_engine *e = calloc(1, sizeof *e);
   if (!e) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   sg_status st;
   SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
   SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
-  SG_TRY_GOTO(check_flat_options(&e->cfg, comm, fn), st, fail);
+  SG_TRY_GOTO(check(&e->cfg, comm, fn), st, fail);
+  e->strat = sg__strategy_select(&e->cfg);
+  if (replica && !sg__strategy_sharded(e->strat)) {
+    st = sg__err(SG_ERR_INVALID_ARGUMENT, "%s: strategy %s keeps every gradient and all "
+                 "optimizer state on every rank, so there is nothing to shard inside a node; use "
+                 "SG_SHARD_GRAD_OP or SG_SHARD_OPT (or sg_engine_create)", fn, e->strat->name);
+    goto fail;
+  }
   SG_TRY_GOTO(make_device(&e->cfg, comm, &e->dev, &e->comm), st, fail); /* e->comm: a channel */
   e->rank = comm->rank;
   e->world = comm->world;
-  e->strat = sg__strategy_select(&e->cfg);
+  e->rep.n = 1;
+  if (replica && (st = sg__replicas_attach(e, replica, fn)) != SG_OK) {
+    sg__comm_unbind(e->comm);
+    e->dev->ops->destroy(e->dev);
+    goto fail;
+  }
   sg__optim_init(e);
   sg__scale_init(e);
   *out = e;
-  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d, strategy %s, param %s, grad %s, "
-         "reduce %s", e->world, e->strat->name, sg__dtype_name(e->cfg.param_dtype),
-         sg__dtype_name(e->cfg.grad_dtype), sg__dtype_name(e->cfg.reduce_dtype));
+  SG_LOG(SG_LOG_INFO, e->rank, "engine created: world %d x %d replicas, strategy %s, param %s, "
+         "grad %s, reduce %s", e->world, e->rep.n, e->strat->name,
+         sg__dtype_name(e->cfg.param_dtype), sg__dtype_name(e->cfg.grad_dtype),
+         sg__dtype_name(e->cfg.reduce_dtype));
   return SG_OK;
 fail:
   free(e);
   return st;
+}
+
+sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out) {
+  static const char *fn = "sg_engine_create";
+  if (out) *out = NULL;
+  if (!comm) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm is NULL", fn);
+  return create(comm, NULL, cfg, fn, check_flat_options, out);
+}
+
+/* What a hybrid engine cannot honour yet. */
+static sg_status check_hybrid_options(const sg_config *c, const sg_comm *shard, const char *fn) {
+  if (c->shard_ranks != 0 && c->shard_ranks != shard->world)
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->shard_ranks is %d but the shard communicator has %d ranks (0 = its "
+                   "size)", fn, c->shard_ranks, shard->world);
+  if (c->device != SG_DEVICE_CPU)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: hybrid engines run on SG_DEVICE_CPU in this build "
+                   "(the replica communicator's collectives need host buffers)", fn);
+  if (c->offload_optimizer)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->offload_optimizer with a hybrid engine is not "
+                   "available in this build", fn);
+  return SG_OK;
+}
+
+sg_status sg_engine_create_hybrid(sg_comm *shard, sg_comm *replica, const sg_config *cfg,
+                                  sg_engine **out) {
+  static const char *fn = "sg_engine_create_hybrid";
+  if (out) *out = NULL;
+  if (!shard) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: shard is NULL", fn);
+  if (!replica) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: replica is NULL", fn);
+  if (shard == replica)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: shard and replica are the same communicator "
+                   "(split the world with sg_comm_split: color rank / L for the shard, rank %% L "
+                   "for the replica)", fn);
+  if (shard->parent || replica->parent)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: a communicator of another engine's channel", fn);
+  return create(shard, replica, cfg, fn, check_hybrid_options, out);
 }
 
 static void free_registration(sg_engine *e) {
@@ -211,6 +263,7 @@ static void free_registration(sg_engine *e) {
 }
 
 static void free_finalized(sg_engine *e) {
+  sg__replicas_free(e);
   sg__grads_free(e);
   sg__optim_free(e);
   if (e->strat && e->strat->state) e->strat->state->free(e);
@@ -235,6 +288,7 @@ void sg_engine_destroy(sg_engine *e) {
     (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__engine_host_deadline(e));
   sg__comm_unbind(e->comm); /* after every queued job (bounded by their deadlines) */
   e->comm = NULL;
+  sg__replicas_detach(e);
   sg__trace_free(e);
   free_finalized(e);
   if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */
@@ -404,7 +458,7 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
 static sg_status setup_buffers(sg_engine *e) {
   sg__layout *l = &e->lay;
   sg__layout_shape shape;
-  sg__engine_shape(e->strat, e->plan, &e->cfg, &shape);
+  sg__engine_shape(e->strat, e->plan, &e->cfg, e->rep.n, &shape);
   SG_TRY(sg__layout_compute(e->plan, &e->cfg, &shape, l));
   SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
   e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
@@ -433,6 +487,7 @@ static sg_status finalize_local(sg_engine *e) {
   if (st == SG_OK) st = sg__optim_bind(e);
   if (st == SG_OK) st = sg__gathers_init(e);
   if (st == SG_OK) st = sg__grads_init(e);
+  if (st == SG_OK) st = sg__replicas_init(e);
   return sg__err_prefix(st, "sg_finalize");
 }
 
@@ -447,10 +502,12 @@ sg_status sg_finalize(sg_engine *e) {
   sg_status st = exchange(e, local, e->plan, &all);
   if (st != SG_OK) goto fail;
   if (local != SG_OK) {
-    st = sg__err(local, "%s", local_msg);
+    st = sg__replicas_agree(e, sg__err(local, "%s", local_msg));
     goto fail;
   }
-  SG_TRY_GOTO(check_agreement(e, all, e->plan), st, fail);
+  st = check_agreement(e, all, e->plan);
+  /* every replica learns every node's verdict (flat: st as it is) */
+  SG_TRY_GOTO(sg__replicas_agree(e, st), st, fail);
   free(all);
   e->state = SG_ES_READY;
   sg__grads_reset_microbatch(e);
@@ -551,11 +608,14 @@ sg_status sg_broadcast_params(sg_engine *e, int root) {
   SG_ENGINE_GUARD(e, "sg_broadcast_params");
   static const char *fn = "sg_broadcast_params";
   SG_TRY(sg__engine_check(e, fn, 1));
-  if (root < 0 || root >= e->world)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d outside 0..%d", fn, root, e->world - 1);
+  const int w = sg__replicas_world(e); /* global rank: replica x world + shard rank */
+  if (root < 0 || root >= w)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d outside 0..%d", fn, root, w - 1);
   SG_TRY(sg__grads_idle(e, fn));
   SG_TRY(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)));
-  SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0, root));
+  SG_TRY(sg__replicas_broadcast_params(e, root / e->world));
+  SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0,
+                  root % e->world));
   return sg__optim_master_from_working(e);
 }
 
@@ -576,10 +636,11 @@ sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, floa
 }
 
 void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
-                      sg__layout_shape *out) {
+                      int replicas, sg__layout_shape *out) {
   memset(out, 0, sizeof *out);
   st->shape(p, cfg, out);
   out->nstates = 2; /* AdamW: m, v */
+  sg__replicas_shape(p, cfg, replicas, out);
 }
 
 sg_status sg_get_master(sg_engine *e, int id, float *dst) {
@@ -640,17 +701,25 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   sg_config c;
   SG_TRY(sg__config_copy(cfg, &c, fn));
   SG_TRY(sg__config_check(&c, fn));
+  /* a hybrid layout: shard groups of shard_ranks ranks, world / shard_ranks replicas */
+  const int L = c.shard_ranks ? c.shard_ranks : world;
+  if (world % L != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: world %d is not a multiple of cfg->shard_ranks "
+                   "%d", fn, world, L);
+  if (L != world && !sg__strategy_sharded(sg__strategy_select(&c)))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->shard_ranks %d < world %d needs a sharded "
+                   "strategy (SG_SHARD_GRAD_OP or SG_SHARD_OPT)", fn, L, world);
   sg__plan_input *in = malloc((size_t)nparams * sizeof *in);
   if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   for (int i = 0; i < nparams; i++) in[i] = (sg__plan_input){NULL, numels[i], 0};
   sg__plan *p = NULL;
-  sg_status st = sg__plan_build(in, nparams, world, sg__dtype_size(c.grad_dtype), c.bucket_bytes,
+  sg_status st = sg__plan_build(in, nparams, L, sg__dtype_size(c.grad_dtype), c.bucket_bytes,
                                 0, &p);
   free(in);
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;
   sg__layout_shape shape;
-  sg__engine_shape(sg__strategy_select(&c), p, &c, &shape);
+  sg__engine_shape(sg__strategy_select(&c), p, &c, world / L, &shape);
   st = sg__layout_compute(p, &c, &shape, &l);
   if (st == SG_OK) {
     sg_memory_stats s = {0};

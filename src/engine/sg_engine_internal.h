@@ -75,6 +75,21 @@ typedef struct sg__optim {
   int *bucket_seg;  /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
 } sg__optim;
 
+/* Replicas (sg_replica.c): the copies of this shard group on other nodes of a hybrid engine
+ * (sg_engine_create_hybrid), the replica communicator's channel, and which buckets' all-reduce
+ * across replicas this step has queued. A flat engine has one replica and no channel: every
+ * sg__replicas_* function then does nothing. */
+typedef struct sg__replicas {
+  sg_comm *comm;     /* channel of the replica communicator (host buffers); NULL: one replica */
+  int rank, n;       /* this rank's replica and the replica count (flat: 0, 1) */
+  int microbatches;  /* sg_set_microbatches (0: not said) */
+  int mb;            /* micro-batches begun since the accumulator was last cleared */
+  int nclaimed;      /* buckets whose all-reduce across replicas is queued this step */
+  uint8_t *claimed;  /* [nbuckets] */
+  char *wire;        /* COMM arena: one slice in replica_reduce_dtype; NULL when the
+                        accumulator itself goes on the wire (same dtype) */
+} sg__replicas;
+
 /* Loss scale (sg_scale.c). */
 typedef struct sg__scale {
   float loss_scale;
@@ -102,6 +117,7 @@ struct sg_engine {
   sg__gathers gat;
   sg__optim opt;
   sg__scale sc;
+  sg__replicas rep;
   struct sg__trace *trace; /* sg_trace.c; NULL until first started */
   struct sg__offload *off; /* the offloaded optimizer state (src/offload/sg_offload.c, made and
                               freed by the offloading strategies' state ops); NULL otherwise */
@@ -148,9 +164,10 @@ sg_status sg__engine_for_pieces(sg_engine *e, int id,
 /* Full fp32 values of parameter `id` from a state array (master or an optimizer state): a copy
  * where the state is replicated, a gather of its bucket otherwise (collective). */
 sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, float *host_dst);
-/* The layout shape of a config: the strategy's sizes and the optimizer's state count. */
+/* The layout shape of a config: the strategy's sizes, the optimizer's state count and the
+ * replica stage's buffer (replicas: 1 flat). */
 void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
-                      sg__layout_shape *out);
+                      int replicas, sg__layout_shape *out);
 
 /* sg_grads.c */
 sg_status sg__grads_init(sg_engine *e);
@@ -165,6 +182,9 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn);
  * each bucket's next reduction writes its part (DESIGN.md section 4). */
 sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
+/* Zeroes the accumulator's part of every bucket not reduced since it was emptied (they count as
+ * zeros), on the compute queue. */
+sg_status sg__grads_zero_empty(sg_engine *e);
 /* On the comm queue, from a strategy's reduce: n reduced elements (reduce_dtype) into the
  * accumulator at state index state_off, written when `first`, else added. */
 sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
@@ -218,6 +238,41 @@ void sg__scale_init(sg_engine *e);
 void sg__scale_update(sg_engine *e, int overflow);
 /* From a checkpoint saved with dynamic scaling, when this engine scales dynamically. */
 void sg__scale_restore(sg_engine *e, int saved_dynamic, float loss_scale, uint32_t clean_steps);
+
+/* sg_replica.c */
+/* sg_engine_create_hybrid: binds the replica communicator (host buffers), records the layout. */
+sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn);
+/* sg_finalize, after the arenas: the bucket flags and the wire buffer. */
+sg_status sg__replicas_init(sg_engine *e);
+/* Frees what sg__replicas_init made (a failed finalize, destroy). */
+void sg__replicas_free(sg_engine *e);
+/* Destroy, once the comm queue is drained: unbinds the channel. */
+void sg__replicas_detach(sg_engine *e);
+/* Data-parallel ranks: shard ranks x replicas (the averaging divisor). */
+int sg__replicas_world(const sg_engine *e);
+/* This rank writes checkpoint files for its shard group (replica 0; flat: every rank). */
+int sg__replicas_writer(const sg_engine *e);
+/* The replica stage's piece of the layout for n replicas (estimate: W / shard_ranks). */
+void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out);
+/* sg_finalize, after the shard's own agreement (st): every rank of the shard in the same
+ * replica position, every replica with the same shard size, plan and config; any rank's
+ * failure reaches every rank. Returns the verdict (SG_ERR_MISMATCH names the difference). */
+sg_status sg__replicas_agree(sg_engine *e, sg_status st);
+/* A new micro-batch may start (not after this step's replica reductions began), and counts it. */
+sg_status sg__replicas_open(sg_engine *e, const char *fn);
+void sg__replicas_count_microbatch(sg_engine *e);
+/* After bucket b's reduction job was queued: in the declared last micro-batch, its all-reduce
+ * across replicas right behind it. */
+sg_status sg__replicas_after_reduce(sg_engine *e, int b);
+/* sg_step / sg_grad_norm, after every reduction was queued: the buckets not yet all-reduced
+ * across replicas, in plan order. */
+sg_status sg__replicas_rest(sg_engine *e);
+/* The accumulator was cleared (step, sg_grad_zero, load): a new step's reductions. */
+void sg__replicas_reset(sg_engine *e);
+/* All-gather over the replicas of `bytes` per replica in host memory (flat: nothing). */
+sg_status sg__replicas_allgather_host(sg_engine *e, void *host, size_t bytes);
+/* Working parameters of replica `root` on every replica (each rank from its counterpart). */
+sg_status sg__replicas_broadcast_params(sg_engine *e, int root);
 
 /* sg_trace.c. Records are created on the caller's thread only: a comm job gets its record
  * index when it is submitted and marks its start and end from the comm queue. */

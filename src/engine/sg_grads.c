@@ -82,6 +82,7 @@ void sg__grads_norm_drop(sg_engine *e) { e->g.norm_valid = 0; }
 sg_status sg__grads_clear_accum(sg_engine *e) {
   e->g.norm_valid = 0;
   memset(e->g.empty, 1, (size_t)e->plan->nbuckets);
+  sg__replicas_reset(e);
   if (e->strat->state) return e->strat->state->clear(e);
   return SG_OK;
 }
@@ -100,7 +101,7 @@ sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, 
 
 /* Buckets not reduced since the accumulator was emptied count as zeros (a step or norm without
  * gradients, or with sg_set_sync(0) throughout): their parts are zeroed now. */
-static sg_status zero_empty(sg_engine *e) {
+sg_status sg__grads_zero_empty(sg_engine *e) {
   for (int b = 0; b < e->plan->nbuckets; b++) {
     if (!e->g.empty[b]) continue;
     sg__owned ow;
@@ -129,7 +130,7 @@ static sg_status local_sumsq(sg_engine *e, double *dev) {
     SG_TRY(e->strat->state->sumsq(e, e->g.norm_host));
     return d->ops->copy(d, SG_Q_COMPUTE, dev, e->g.norm_host, 2 * sizeof(double), SG_COPY_H2D);
   }
-  SG_TRY(zero_empty(e));
+  SG_TRY(sg__grads_zero_empty(e));
   return d->ops->sumsq_to(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
                           dev);
 }
@@ -204,6 +205,7 @@ static sg_status bucket_slot(sg_engine *e, int b, char **base, const char *fn) {
 
 static sg_status param_slot(sg_engine *e, int id, char **ptr, const char *fn) {
   const sg__plan_param *pp = &e->plan->params[id];
+  if (!e->g.touched) SG_TRY(sg__replicas_open(e, fn));
   char *base = NULL;
   SG_TRY(bucket_slot(e, pp->bucket, &base, fn));
   *ptr = base + (pp->offset - e->plan->buckets[pp->bucket].start) * gsize(e);
@@ -257,7 +259,7 @@ static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   if (st != SG_OK) return sg__engine_broken(e, st);
   e->g.empty[b] = 0;
   release_slot(e, b, t);
-  return SG_OK;
+  return sg__replicas_after_reduce(e, b);
 }
 
 static sg_status launch(sg_engine *e, int b, int sync) {
@@ -280,10 +282,16 @@ static sg_status launch_ready(sg_engine *e) {
   return SG_OK;
 }
 
+/* The first gradient of a micro-batch begins it. */
+static void touch(sg_engine *e) {
+  if (!e->g.touched) sg__replicas_count_microbatch(e);
+  e->g.touched = 1;
+}
+
 static sg_status mark_ready(sg_engine *e, int id) {
   sg__trace_instant(e, SG_TRACE_GRAD_READY, id, NULL);
   e->g.ready[id] = 1;
-  e->g.touched = 1;
+  touch(e);
   e->g.norm_valid = 0; /* a sg_grad_norm before this gradient is stale */
   e->g.pending[e->plan->params[id].bucket]--;
   return launch_ready(e);
@@ -306,7 +314,7 @@ sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr) {
   SG_TRY(check_not_ready(e, id, fn));
   char *p = NULL;
   SG_TRY(param_slot(e, id, &p, fn));
-  e->g.touched = 1;
+  touch(e);
   e->g.norm_valid = 0; /* a sg_grad_norm before this gradient is stale */
   *ptr = p;
   return SG_OK;

@@ -56,6 +56,7 @@ static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
 static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
   SG_TRY(sg__step_settle(e));
   SG_TRY(sg__grads_flush(e, fn));
+  SG_TRY(sg__replicas_rest(e)); /* the buckets not summed across replicas yet */
   /* A state off the device (offload) reads the reductions on the host: a host wait there. */
   sg__device *d = e->dev;
   const int64_t dl = sg__engine_host_deadline(e);
@@ -72,7 +73,7 @@ static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
 }
 
 static double global_norm(const sg_engine *e, const double ss[2]) {
-  const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
+  const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_world(e) : 1.0;
   return sqrt(ss[0]) * avg * (1.0 / (double)e->sc.loss_scale);
 }
 
@@ -97,7 +98,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   sg__grads_norm_drop(e); /* the next step computes its own */
   const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, NULL);
   sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
-  const double avg = e->cfg.grad_average ? 1.0 / e->world : 1.0;
+  const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_world(e) : 1.0;
   const double inv_scale = 1.0 / (double)e->sc.loss_scale;
   const double norm = global_norm(e, ss);
   const int overflow = ss[1] > 0 || !isfinite(norm);

@@ -110,4 +110,10 @@ static inline size_t sg__strategy_state_index(const sg__strategy_ops *st, const 
   return o.state0 + (flat - o.flat0);
 }
 
+/* The strategy shards optimizer state over the ranks (what a hybrid engine replicates across
+ * nodes); a replicated one has no gather_state. */
+static inline int sg__strategy_sharded(const sg__strategy_ops *st) {
+  return st->gather_state != NULL;
+}
+
 #endif /* SG_STRATEGY_H */

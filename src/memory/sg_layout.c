@@ -87,6 +87,9 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__
   if (cfg->reduce_dtype != cfg->grad_dtype)
     l->reduce_off =
         carve(l, SG_MEM_COMM, mul_sat(p->max_bucket_numel, sg__dtype_size(cfg->reduce_dtype)));
+  l->replica_off = SIZE_MAX;
+  l->replica_bytes = sh->replica_bytes;
+  if (sh->replica_bytes) l->replica_off = carve(l, SG_MEM_COMM, sh->replica_bytes);
   return check_fits(l);
 }
 

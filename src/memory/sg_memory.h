@@ -43,6 +43,7 @@ typedef struct sg__layout_shape {
   int host_state;       /* 1: the master, the state arrays and the accumulator are pinned host
                            memory (optimizer offload), not carved from the device arenas */
   size_t host_extra;    /* host_state: pinned bytes beyond those arrays (pipeline buffers) */
+  size_t replica_bytes; /* COMM: a hybrid engine's wire buffer across replicas (0: none) */
 } sg__layout_shape;
 
 #define SG__LAYOUT_MAX_STATES 4 /* = SG__OPTIM_MAX_STATES (kernels/sg_kernel_args.h) */
@@ -69,6 +70,8 @@ typedef struct sg__layout {
                                    offsets are SIZE_MAX and host_bytes counts them */
   size_t host_bytes;            /* pinned host bytes: (A + 4 unless f32 + 4 x nstates) x
                                    opt_numel + host_extra */
+  size_t replica_off;           /* COMM: replica wire buffer, replica_bytes (SIZE_MAX: none) */
+  size_t replica_bytes;
 } sg__layout;
 
 /* The layout of a plan for a strategy's and optimizer's shape. SG_ERR_INVALID_ARGUMENT for more

@@ -1,0 +1,289 @@
+/* The replica stage of a hybrid engine (sg_engine_create_hybrid, DESIGN.md section 4): the
+ * engine is a ZeRO-2 (or ZeRO-1) engine over its shard communicator, and this file adds what its
+ * replicas on the other nodes need: once per optimizer step, each bucket's slice of the shard
+ * accumulator is all-reduced over the replica communicator, right behind that bucket's
+ * reduction in the declared last micro-batch (sg_set_microbatches) or at the step. The engine
+ * calls these functions at fixed points whatever its layout; a flat engine has one replica and
+ * they do nothing. */
+#include <stdio.h> /* snprintf */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sg_engine_internal.h"
+
+static int hybrid(const sg_engine *e) { return e->rep.comm != NULL; }
+
+static size_t max_slice(const sg__plan *p) {
+  size_t m = 0;
+  for (int b = 0; b < p->nbuckets; b++)
+    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
+  return m;
+}
+
+/* Where the accumulator's slice goes on the wire: itself when its dtype is the wire's. */
+static int wire_dtype(const sg_engine *e) { return e->cfg.replica_reduce_dtype; }
+static int needs_wire(const sg_config *cfg) { return cfg->replica_reduce_dtype != cfg->accum_dtype; }
+
+/* ---------------------------------------------------------------------------------------- */
+/* lifecycle                                                                                 */
+
+sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn) {
+  /* Jobs of a threaded shard channel run on the comm worker: the replica's must be callable
+   * there too (MPI without MPI_THREAD_MULTIPLE is not). */
+  if (e->comm->threaded && !replica->threaded)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: the replica communicator cannot be called from the "
+                   "engine's comm thread (MPI without MPI_THREAD_MULTIPLE) while the shard "
+                   "communicator runs its collectives there", fn);
+  /* Host buffers: the CPU device's memory is host memory, and the device has one attachment
+   * (the shard channel's). */
+  sg_comm *chan = NULL;
+  SG_TRY(sg__err_prefix(sg__comm_bind(replica, NULL, e->cfg.timeout_ms, &chan), fn));
+  e->rep.comm = chan;
+  e->rep.rank = replica->rank;
+  e->rep.n = replica->world;
+  return SG_OK;
+}
+
+sg_status sg__replicas_init(sg_engine *e) {
+  if (!hybrid(e)) return SG_OK;
+  e->rep.claimed = calloc((size_t)e->plan->nbuckets, 1);
+  if (!e->rep.claimed) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  e->rep.wire = e->lay.replica_off == SIZE_MAX
+                    ? NULL
+                    : (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
+  /* Collectives of both channels run one at a time on the comm queue: one scratch serves both. */
+  sg__comm_set_scratch(e->rep.comm, e->comm->scratch, e->comm->scratch_bytes);
+  sg__replicas_reset(e);
+  return SG_OK;
+}
+
+void sg__replicas_free(sg_engine *e) {
+  sg__comm_set_scratch(e->rep.comm, NULL, 0);
+  free(e->rep.claimed);
+  e->rep.claimed = NULL;
+  e->rep.wire = NULL;
+}
+
+void sg__replicas_detach(sg_engine *e) {
+  sg__comm_unbind(e->rep.comm);
+  e->rep.comm = NULL;
+}
+
+int sg__replicas_world(const sg_engine *e) { return e->world * (e->rep.n > 0 ? e->rep.n : 1); }
+
+int sg__replicas_writer(const sg_engine *e) { return e->rep.rank == 0; }
+
+void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out) {
+  out->replica_bytes = 0;
+  if (n > 1 && needs_wire(cfg))
+    out->replica_bytes = sg__mem_mul_sat(max_slice(p),
+                                         sg__dtype_size(cfg->replica_reduce_dtype));
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* agreement (sg_finalize)                                                                   */
+
+/* Round A, over the shard: every rank of it in the same replica position and wire dtype. */
+enum { RA_N, RA_RANK, RA_WIRE, RA_WORDS };
+/* Round B, over the replicas: every node's verdict, size, index and plan. */
+enum { RB_STATUS, RB_L, RB_SHARD_RANK, RB_HASH, RB_WIRE, RB_WORDS };
+
+static sg_status round_a(sg_engine *e) {
+  uint64_t *all = calloc((size_t)e->world * RA_WORDS, sizeof *all);
+  if (!all) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  uint64_t *mine = all + (size_t)e->rank * RA_WORDS;
+  mine[RA_N] = (uint64_t)e->rep.n;
+  mine[RA_RANK] = (uint64_t)e->rep.rank;
+  mine[RA_WIRE] = (uint64_t)wire_dtype(e);
+  sg_status st = sg__engine_allgather_host(e, all, RA_WORDS * sizeof *all);
+  for (int r = 0; st == SG_OK && r < e->world; r++) {
+    const uint64_t *o = all + (size_t)r * RA_WORDS;
+    if (o[RA_N] != mine[RA_N] || o[RA_RANK] != mine[RA_RANK])
+      st = sg__err(SG_ERR_MISMATCH, "the shard communicator joins ranks of different replica "
+                   "positions: rank %d of it is replica %d of %d, this rank (%d) replica %d of %d "
+                   "(every node needs the same number of ranks, and the replica communicator the "
+                   "ranks with the same index on every node)", r, (int)o[RA_RANK], (int)o[RA_N],
+                   e->rank, e->rep.rank, e->rep.n);
+    else if (o[RA_WIRE] != mine[RA_WIRE])
+      st = sg__err(SG_ERR_MISMATCH, "config field replica_reduce_dtype differs between shard "
+                   "ranks %d and %d", r, e->rank);
+  }
+  free(all);
+  return st;
+}
+
+typedef struct {
+  sg_engine *e;
+  void *buf;
+  size_t bytes;
+} gather_job;
+
+static sg_status gather_fn(void *arg) {
+  gather_job *j = arg;
+  sg_comm *c = j->e->rep.comm;
+  return c->ops->all_gather(c, j->buf, j->bytes, sg__deadline(j->e->cfg.timeout_ms));
+}
+
+sg_status sg__replicas_allgather_host(sg_engine *e, void *host, size_t bytes) {
+  if (!hybrid(e)) return SG_OK;
+  gather_job j = {e, host, bytes};
+  return sg__engine_run_comm(e, gather_fn, &j);
+}
+
+static sg_status check_round_b(sg_engine *e, const uint64_t *all, const uint64_t *mine) {
+  for (int r = 0; r < e->rep.n; r++) {
+    const uint64_t *o = all + (size_t)r * RB_WORDS;
+    if (r == e->rep.rank) continue;
+    if (o[RB_STATUS] != SG_OK)
+      return sg__err(SG_ERR_MISMATCH, "replica %d (another node) failed to finalize (%s)", r,
+                     sg_status_string((sg_status)o[RB_STATUS]));
+    if (o[RB_L] != mine[RB_L])
+      return sg__err(SG_ERR_MISMATCH, "the nodes differ in size: this rank's shard communicator "
+                     "has %d ranks, replica %d's has %d (every node needs the same count)",
+                     e->world, r, (int)o[RB_L]);
+    if (o[RB_SHARD_RANK] != mine[RB_SHARD_RANK])
+      return sg__err(SG_ERR_MISMATCH, "the replica communicator does not match the shard "
+                     "communicators: this rank is rank %d of its shard, its replica %d is rank %d "
+                     "of its own (join the ranks with the same index on every node)", e->rank, r,
+                     (int)o[RB_SHARD_RANK]);
+    if (o[RB_WIRE] != mine[RB_WIRE])
+      return sg__err(SG_ERR_MISMATCH, "config field replica_reduce_dtype differs between "
+                     "replica %d and this rank's (replica %d)", r, e->rep.rank);
+    if (o[RB_HASH] != mine[RB_HASH])
+      return sg__err(SG_ERR_MISMATCH, "replica %d registered different parameters or a "
+                     "different config (its plan differs from replica %d's)", r, e->rep.rank);
+  }
+  return SG_OK;
+}
+
+/* Round B over the replicas spreads every node's verdict after round A, which every rank of
+ * that node shares: after it every rank knows every failure. */
+sg_status sg__replicas_agree(sg_engine *e, sg_status st) {
+  if (!hybrid(e)) return st;
+  char msg[512] = "";
+  if (st == SG_OK) st = round_a(e);
+  if (st != SG_OK) snprintf(msg, sizeof msg, "%s", sg_last_error());
+  uint64_t *all = calloc((size_t)e->rep.n * RB_WORDS, sizeof *all);
+  if (!all) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  uint64_t *mine = all + (size_t)e->rep.rank * RB_WORDS;
+  mine[RB_STATUS] = (uint64_t)st;
+  mine[RB_L] = (uint64_t)e->world;
+  mine[RB_SHARD_RANK] = (uint64_t)e->rank;
+  mine[RB_HASH] = e->plan ? e->plan->hash : 0;
+  mine[RB_WIRE] = (uint64_t)wire_dtype(e);
+  sg_status gst = sg__replicas_allgather_host(e, all, RB_WORDS * sizeof *all);
+  if (gst == SG_OK && st != SG_OK) gst = sg__err(st, "%s", msg);
+  if (gst == SG_OK) gst = check_round_b(e, all, mine);
+  free(all);
+  return gst;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* micro-batches and the all-reduce across replicas                                         */
+
+sg_status sg_set_microbatches(sg_engine *e, int n) {
+  SG_ENGINE_GUARD(e, "sg_set_microbatches");
+  static const char *fn = "sg_set_microbatches";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (n < 0 || n > (1 << 20))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: n must be in 0..%d (got %d)", fn, 1 << 20, n);
+  if (e->g.touched)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call it between "
+                   "micro-batches (after sg_backward_end)", fn);
+  e->rep.microbatches = n;
+  return SG_OK;
+}
+
+sg_status sg__replicas_open(sg_engine *e, const char *fn) {
+  if (!hybrid(e) || e->rep.nclaimed == 0) return SG_OK;
+  return sg__err(SG_ERR_INVALID_STATE, "%s: this step's gradients are already being summed "
+                 "across replicas (after micro-batch %d of %d, sg_set_microbatches, or "
+                 "sg_grad_norm); call sg_step first", fn, e->rep.mb,
+                 e->rep.microbatches);
+}
+
+void sg__replicas_count_microbatch(sg_engine *e) { e->rep.mb++; }
+
+void sg__replicas_reset(sg_engine *e) {
+  e->rep.mb = 0;
+  e->rep.nclaimed = 0;
+  if (e->rep.claimed) memset(e->rep.claimed, 0, (size_t)e->plan->nbuckets);
+}
+
+typedef struct {
+  sg_engine *e;
+  int bucket;
+  int64_t trace;
+} replica_job;
+
+/* Bucket b's slice of the accumulator summed over the replicas, in place. Through the wire
+ * buffer when the wire dtype differs: every replica rounds its own slice to it, the sum is in
+ * fp32 in replica order (sg_comm.h) rounded once, and every replica casts back the same bits. */
+static sg_status replica_reduce(sg_engine *e, int b) {
+  sg_comm *c = e->rep.comm;
+  sg__device *d = e->dev;
+  const int adt = e->cfg.accum_dtype, wdt = wire_dtype(e);
+  const size_t n = sg__plan_slice_numel(e->plan, b);
+  char *acc = e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt);
+  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  if (!e->rep.wire) return c->ops->all_reduce(c, acc, n, adt, dl);
+  SG_TRY(d->ops->cast(d, SG_Q_COMM, e->rep.wire, wdt, acc, adt, n));
+  SG_TRY(c->ops->all_reduce(c, e->rep.wire, n, wdt, dl));
+  return d->ops->cast(d, SG_Q_COMM, acc, adt, e->rep.wire, wdt, n);
+}
+
+static sg_status replica_job_fn(void *arg) {
+  const replica_job j = *(replica_job *)arg; /* the queue frees arg */
+  sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
+  sg_status st = replica_reduce(j.e, j.bucket);
+  if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
+  return st;
+}
+
+static sg_status submit(sg_engine *e, int b) {
+  replica_job *j = malloc(sizeof *j);
+  if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  *j = (replica_job){e, b, sg__trace_new(e, SG_TRACE_REDUCE, b, "all-reduce across replicas")};
+  e->rep.claimed[b] = 1;
+  e->rep.nclaimed++;
+  uint64_t t = 0;
+  return sg__engine_broken(e, sg__engine_submit(e, replica_job_fn, free, j, &t));
+}
+
+sg_status sg__replicas_after_reduce(sg_engine *e, int b) {
+  if (!hybrid(e) || e->rep.claimed[b]) return SG_OK;
+  if (e->rep.microbatches == 0 || e->rep.mb < e->rep.microbatches) return SG_OK;
+  return submit(e, b);
+}
+
+sg_status sg__replicas_rest(sg_engine *e) {
+  if (!hybrid(e)) return SG_OK;
+  /* a bucket without gradients this step holds stale values until zeroed (the same on every
+   * replica: reductions are collective) */
+  if (e->rep.nclaimed < e->plan->nbuckets) SG_TRY(sg__grads_zero_empty(e));
+  for (int b = 0; b < e->plan->nbuckets; b++)
+    if (!e->rep.claimed[b]) SG_TRY(submit(e, b));
+  return SG_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* parameters                                                                                */
+
+typedef struct {
+  sg_engine *e;
+  int root;
+} bcast_job;
+
+static sg_status bcast_fn(void *arg) {
+  bcast_job *j = arg;
+  sg_engine *e = j->e;
+  const size_t bytes = e->plan->total_numel * sg__dtype_size(e->cfg.param_dtype);
+  return e->rep.comm->ops->broadcast(e->rep.comm, e->params, bytes, j->root,
+                                     sg__deadline(e->cfg.timeout_ms));
+}
+
+sg_status sg__replicas_broadcast_params(sg_engine *e, int root) {
+  if (!hybrid(e)) return SG_OK;
+  bcast_job j = {e, root};
+  return sg__engine_run_comm(e, bcast_fn, &j);
+}
