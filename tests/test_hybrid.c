@@ -44,6 +44,9 @@ typedef struct {
   int inject;    /* +inf in one gradient of the last virtual rank at step 1 (f16: dynamic scale) */
   int random;    /* random gradients (tolerance) */
   int steps;
+  int empty_step; /* step 1 has no micro-batch at all (every bucket counts as zeros) */
+  int redo;       /* step 1: sg_grad_zero after its micro-batches (the replica sums queued when
+                     declared), then the micro-batches again */
 } tcase;
 
 typedef struct {
@@ -173,7 +176,12 @@ static sg_status micro_batch(run_arg *a, sg_engine *e, const int *ids, int step,
 static sg_status one_step(run_arg *a, sg_engine *e, const int *ids, int s) {
   sg_status st = SG_OK;
   const int step = a->step0 + s;
-  for (int k = 0; k < a->tc->mb && !st; k++) st = micro_batch(a, e, ids, step, k);
+  const int mbs = a->tc->empty_step && step == 1 ? 0 : a->tc->mb;
+  for (int k = 0; k < mbs && !st; k++) st = micro_batch(a, e, ids, step, k);
+  if (a->tc->redo && step == 1) {
+    if (!st) st = sg_grad_zero(e);
+    for (int k = 0; k < mbs && !st; k++) st = micro_batch(a, e, ids, step + 7, k);
+  }
   sg_step_info info;
   memset(&info, 0, sizeof info);
   info.struct_size = sizeof info;
@@ -338,16 +346,20 @@ static void run_matrix_case(const tcase *tc, int n, int l) {
 }
 
 static const tcase k_cases[] = {
-    {"grad_op f32 mb1", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 0, 0.0f, SG_F32, 0, 0, 3},
-    {"grad_op f32 mb3 declared", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 0, 3},
-    {"grad_op f32 mb3 no_sync", SG_SHARD_GRAD_OP, SG_F32, 3, 1, 0, 0.0f, SG_F32, 0, 0, 3},
-    {"grad_op bf16 mb3 declared clip", SG_SHARD_GRAD_OP, SG_BF16, 3, 0, 1, 1.0f, SG_F32, 0, 0, 3},
-    {"shard_opt f32 mb3 no_sync declared", SG_SHARD_OPT, SG_F32, 3, 1, 1, 0.0f, SG_F32, 0, 0, 3},
-    {"grad_op bf16 mb1 clip", SG_SHARD_GRAD_OP, SG_BF16, 1, 0, 0, 1.0f, SG_F32, 0, 0, 3},
+    {"grad_op f32 mb1", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 0, 0.0f, SG_F32, 0, 0, 3, 0, 0},
+    {"grad_op f32 mb3 declared", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 0, 3, 0, 0},
+    {"grad_op f32 mb3 no_sync", SG_SHARD_GRAD_OP, SG_F32, 3, 1, 0, 0.0f, SG_F32, 0, 0, 3, 0, 0},
+    {"grad_op bf16 mb3 declared clip", SG_SHARD_GRAD_OP, SG_BF16, 3, 0, 1, 1.0f, SG_F32, 0, 0, 3, 0, 0},
+    {"shard_opt f32 mb3 no_sync declared", SG_SHARD_OPT, SG_F32, 3, 1, 1, 0.0f, SG_F32, 0, 0, 3, 0, 0},
+    {"grad_op bf16 mb1 clip", SG_SHARD_GRAD_OP, SG_BF16, 1, 0, 0, 1.0f, SG_F32, 0, 0, 3, 0, 0},
     {"grad_op f16 mb2 declared inf on one rank", SG_SHARD_GRAD_OP, SG_F16, 2, 0, 1, 0.0f, SG_F32,
-     1, 0, 3},
+     1, 0, 3, 0, 0},
     {"grad_op f32 mb3 declared bf16 wire (exact)", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f,
-     SG_BF16, 0, 0, 3},
+     SG_BF16, 0, 0, 3, 0, 0},
+    {"grad_op bf16 mb2 declared, a step without gradients", SG_SHARD_GRAD_OP, SG_BF16, 2, 0, 1,
+     0.0f, SG_BF16, 0, 0, 3, 1, 0},
+    {"grad_op f32 mb2 declared, sg_grad_zero after the replica sums", SG_SHARD_GRAD_OP, SG_F32, 2,
+     0, 1, 0.0f, SG_F32, 0, 0, 3, 0, 1},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -477,7 +489,7 @@ static void wire_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
 static void check_bf16_wire(int n, int l) {
   const int w = n * l;
   double f[3 * MAXW] = {0}, b[3 * MAXW] = {0};
-  tcase tf = {"random f32 wire", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 1, 1};
+  tcase tf = {"random f32 wire", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 1, 1, 0, 0};
   tcase tb = tf;
   tb.name = "random bf16 wire";
   tb.wire = SG_BF16;
@@ -583,7 +595,7 @@ static void run_stats(void) {
     for (int declare = 0; declare < 2; declare++)
       for (int wi = 0; wi < 2; wi++) {
         tcase tc = {"traffic", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, wi ? SG_BF16 : SG_F32,
-                    0, 0, 2};
+                    0, 0, 2, 0, 0};
         run_bodies(&tc, K_HYBRID, lay[li][0], lay[li][1], stats_body, &declare);
       }
 }
@@ -631,7 +643,7 @@ static void memory_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard
 }
 
 static void run_memory(void) {
-  tcase tc = {"memory", SG_SHARD_GRAD_OP, SG_BF16, 1, 0, 0, 0.0f, SG_F32, 0, 0, 0};
+  tcase tc = {"memory", SG_SHARD_GRAD_OP, SG_BF16, 1, 0, 0, 0.0f, SG_F32, 0, 0, 0, 0, 0};
   run_bodies(&tc, K_HYBRID, 2, 2, memory_body, NULL);
   run_bodies(&tc, K_HYBRID, 2, 3, memory_body, NULL);
   tc.wire = SG_BF16;
@@ -794,7 +806,7 @@ static void kill_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
 }
 
 static void run_kill(void) {
-  tcase tc = {"kill", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 0, 0.0f, SG_F32, 0, 0, 1};
+  tcase tc = {"kill", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 0, 0.0f, SG_F32, 0, 0, 1, 0, 0};
   kill_ctx k;
   memset(&k, 0, sizeof k);
   k.dead = 3;
@@ -815,7 +827,7 @@ static void run_kill(void) {
 static void run_errors(void) {
   run_argument_errors();
   run_layout_errors();
-  tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1};
+  tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1, 0, 0};
   run_bodies(&tc, K_HYBRID, 2, 2, extra_mb_body, NULL);
   run_kill();
 }
@@ -839,7 +851,7 @@ static void run_ckpt_from(int from_kind, int fn, int fl) {
   static const int to[][3] = {{K_SINGLE, 1, 1}, {K_FLAT, 1, 3}, {K_HYBRID, 2, 3}, {K_HYBRID, 2, 2}};
   char dir[] = "/tmp/sg_hybrid_ckpt_XXXXXX";
   if (!CHECK(mkdtemp(dir) != NULL, "temp dir")) return;
-  tcase t5 = {"ckpt", SG_SHARD_GRAD_OP, SG_BF16, 2, 0, 1, 1.0f, SG_F32, 0, 0, 5};
+  tcase t5 = {"ckpt", SG_SHARD_GRAD_OP, SG_BF16, 2, 0, 1, 1.0f, SG_F32, 0, 0, 5, 0, 0};
   tcase t3 = t5;
   t3.steps = 3;
   run_arg proto;
@@ -933,7 +945,7 @@ static int run_mpi(void) {
                k_cases[c].name);
     }
     for (int declare = 0; declare < 2; declare++) {
-      tcase tc = {"traffic", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 0, 2};
+      tcase tc = {"traffic", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 0, 2, 0, 0};
       result res;
       memset(&res, 0, sizeof res);
       body_arg b = {{.tc = &tc, .kind = K_HYBRID, .n = 2, .l = 2, .vw = 4, .avg = 1,

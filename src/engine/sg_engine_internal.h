@@ -182,9 +182,6 @@ sg_status sg__grads_idle(sg_engine *e, const char *fn);
  * each bucket's next reduction writes its part (DESIGN.md section 4). */
 sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
-/* Zeroes the accumulator's part of every bucket not reduced since it was emptied (they count as
- * zeros), on the compute queue. */
-sg_status sg__grads_zero_empty(sg_engine *e);
 /* On the comm queue, from a strategy's reduce: n reduced elements (reduce_dtype) into the
  * accumulator at state index state_off, written when `first`, else added. */
 sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,

@@ -101,7 +101,7 @@ sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, 
 
 /* Buckets not reduced since the accumulator was emptied count as zeros (a step or norm without
  * gradients, or with sg_set_sync(0) throughout): their parts are zeroed now. */
-sg_status sg__grads_zero_empty(sg_engine *e) {
+static sg_status zero_empty(sg_engine *e) {
   for (int b = 0; b < e->plan->nbuckets; b++) {
     if (!e->g.empty[b]) continue;
     sg__owned ow;
@@ -130,7 +130,7 @@ static sg_status local_sumsq(sg_engine *e, double *dev) {
     SG_TRY(e->strat->state->sumsq(e, e->g.norm_host));
     return d->ops->copy(d, SG_Q_COMPUTE, dev, e->g.norm_host, 2 * sizeof(double), SG_COPY_H2D);
   }
-  SG_TRY(sg__grads_zero_empty(e));
+  SG_TRY(zero_empty(e));
   return d->ops->sumsq_to(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
                           dev);
 }

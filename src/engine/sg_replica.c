@@ -258,11 +258,10 @@ sg_status sg__replicas_after_reduce(sg_engine *e, int b) {
 
 sg_status sg__replicas_rest(sg_engine *e) {
   if (!hybrid(e)) return SG_OK;
-  /* a bucket without gradients this step holds stale values until zeroed (the same on every
-   * replica: reductions are collective) */
-  if (e->rep.nclaimed < e->plan->nbuckets) SG_TRY(sg__grads_zero_empty(e));
+  /* A bucket not reduced this step (no gradients at all) counts as zeros on every replica alike
+   * (reductions are collective) and is zeroed before the norm: nothing to sum. */
   for (int b = 0; b < e->plan->nbuckets; b++)
-    if (!e->rep.claimed[b]) SG_TRY(submit(e, b));
+    if (!e->rep.claimed[b] && !e->g.empty[b]) SG_TRY(submit(e, b));
   return SG_OK;
 }
 
