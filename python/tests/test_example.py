@@ -1,4 +1,5 @@
-"""examples/python/train_lm.py runs (2 ranks as threads, a short run) and its loss falls."""
+"""examples/python/train_lm.py runs (2 ranks as threads, a short run; 2 processes under
+torchrun, the README's command) and its loss falls."""
 
 import os
 import subprocess
@@ -27,6 +28,29 @@ def test_train_lm_example_threads(extra):
 
 
 TRAIN_LM = os.path.join(REPO, "examples", "python", "train_lm.py")
+
+
+def test_train_lm_example_torchrun():
+    """Comm.from_torch over the gloo group torchrun's env:// rendezvous made (~40 s)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed beside %s" % sys.executable)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [torchrun, "--nproc_per_node", "2", "--master_port", str(port), TRAIN_LM]
+    # (no --d: torchrun takes it for an abbreviation of one of its own options)
+    small = ["--steps", "40", "--layers", "2", "--batch", "4", "--seq", "32",
+             "--log-every", "10", "--threads", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(base + small, capture_output=True, text=True, timeout=300, env=env)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 ranks (torch)" in r.stdout and "loss fell" in r.stdout
+    r = subprocess.run(base + ["--ranks", "2"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode != 0 and "torchrun started this process" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
