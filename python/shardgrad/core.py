@@ -756,6 +756,11 @@ class Engine:
     def set_sync(self, enabled):
         _call("sg_set_sync", self.handle, 1 if enabled else 0)
 
+    def set_microbatches(self, n):
+        """Micro-batches per optimizer step (sg_set_microbatches; 0: not said). A hybrid engine
+        then sums each bucket across replicas during the n-th backward pass, not in step()."""
+        _call("sg_set_microbatches", self.handle, int(n))
+
     def grad_zero(self):
         """Collective: drops every gradient accumulated since the last step (sg_grad_zero).
         Completes the micro-batch in progress (written gradients, zeros for the rest), waits
