@@ -4,8 +4,11 @@
  * configuration and prints the table; it runs under any mpirun too.
  *
  *   --mode flat      the engine over all W ranks (sg_engine_create on MPI_COMM_WORLD)
- *   --mode hybrid    sharded inside a node, replicated across nodes: needs
- *                    sg_engine_create_hybrid, which this library does not have yet (refused)
+ *   --mode hybrid    sharded inside a node, replicated across nodes: sg_comm_split_nodes
+ *                    (--ranks-per-node K, or 0: the ranks sharing a host) and
+ *                    sg_engine_create_hybrid, told the micro-batches per step
+ *                    (sg_set_microbatches), so each bucket's all-reduce across nodes starts in
+ *                    the last backward pass; --wire f32|bf16: replica_reduce_dtype
  *   --sync every     every micro-batch's gradients are reduce-scattered (the engine's default)
  *   --sync last      sg_set_sync(0) before all but the last micro-batch (no_sync: local fp32
  *                    accumulation, one reduction per optimizer step)
@@ -29,8 +32,8 @@
 
 typedef struct options {
   const char *mode, *iface;
-  int sync_last, micro, steps, warmup, batch, hidden, layers;
-  sg_dtype dtype;
+  int sync_last, micro, steps, warmup, batch, hidden, layers, ranks_per_node;
+  sg_dtype dtype, wire;
   double bucket_mb;
 } options;
 
@@ -91,15 +94,19 @@ static void fill_config(const options *o, sg_config *cfg) {
   cfg->strategy = SG_SHARD_GRAD_OP;
   cfg->param_dtype = cfg->grad_dtype = cfg->reduce_dtype = o->dtype;
   cfg->bucket_bytes = (size_t)(o->bucket_mb * 1024.0 * 1024.0);
+  cfg->replica_reduce_dtype = o->wire;
   cfg->lr = 1e-4f; /* 1e-3 makes the 30M-parameter MLP's loss rise in the first steps */
   cfg->timeout_ms = 600000;
 }
 
-/* The one place that differs between modes: which communicators the engine spans. */
+/* The one place that differs between modes: which communicators the engine spans (hybrid:
+ * *shard and *replica, the caller's to destroy after the engine). */
 static sg_status create_engine(const options *o, sg_comm *world_comm, const sg_config *cfg,
-                               sg_engine **e) {
+                               sg_comm **shard, sg_comm **replica, sg_engine **e) {
   if (!strcmp(o->mode, "flat")) return sg_engine_create(world_comm, cfg, e);
-  return SG_ERR_UNSUPPORTED; /* parse_args refuses hybrid before MPI starts */
+  sg_status st = sg_comm_split_nodes(world_comm, o->ranks_per_node, shard, replica);
+  if (st == SG_OK) st = sg_engine_create_hybrid(*shard, *replica, cfg, e);
+  return st;
 }
 
 /* ---- the timed loop ----------------------------------------------------------------------- */
@@ -133,6 +140,7 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
   mlp_engine me;
   memset(&me, 0, sizeof me);
   sg_engine *e = NULL;
+  sg_comm *shard = NULL, *replica = NULL;
   double *times = calloc((size_t)o->steps, sizeof *times);
   if (!times || mlp_init(&m, o->layers, o->hidden, o->batch, 1) != 0) {
     free(times);
@@ -142,9 +150,10 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
   if (st == SG_OK) fill_config(o, &cfg);
-  if (st == SG_OK) st = create_engine(o, comm, &cfg, &e);
+  if (st == SG_OK) st = create_engine(o, comm, &cfg, &shard, &replica, &e);
   if (st == SG_OK) st = mlp_engine_register(&me, &m, e, &cfg);
   if (st == SG_OK) st = sg_finalize(e);
+  if (st == SG_OK && shard) st = sg_set_microbatches(e, o->micro);
   if (st == SG_OK) st = mlp_engine_init_params(&me);
   link_bytes start = {0, 0};
   for (int s = 0; s < o->warmup + o->steps && st == SG_OK; s++) {
@@ -174,6 +183,8 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
   }
   mlp_engine_free(&me);
   sg_engine_destroy(e);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(replica);
   mlp_free(&m);
   free(times);
   return st;
@@ -194,13 +205,15 @@ static int usage(void) {
   fprintf(stderr,
           "usage: sg_bench_cluster [--mode flat|hybrid] [--sync every|last] [--micro N] "
           "[--steps N] [--warmup N] [--batch N] [--hidden N] [--layers N] [--dtype f32|bf16] "
-          "[--bucket-mb X] [--iface NAME]   (under mpirun)\n");
+          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--ranks-per-node K]   (under "
+          "mpirun)\n");
   return -1;
 }
 
 static int parse_args(int argc, char **argv, options *o) {
   *o = (options){.mode = "flat", .iface = "eth0", .micro = 1, .steps = 3, .warmup = 1,
-                 .batch = 2, .hidden = 2048, .layers = 9, .dtype = SG_F32, .bucket_mb = 32.0};
+                 .batch = 2, .hidden = 2048, .layers = 9, .dtype = SG_F32, .wire = SG_F32,
+                 .bucket_mb = 32.0};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     int bad = 0;
@@ -229,24 +242,27 @@ static int parse_args(int argc, char **argv, options *o) {
     else if (!strcmp(a, "--dtype")) {
       o->dtype = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
       bad = strcmp(v, "bf16") && strcmp(v, "f32");
-    } else
+    } else if (!strcmp(a, "--wire")) {
+      o->wire = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
+      bad = strcmp(v, "bf16") && strcmp(v, "f32");
+    } else if (!strcmp(a, "--ranks-per-node"))
+      bad = parse_int(v, 0, &o->ranks_per_node);
+    else
       bad = 1;
     if (bad) return usage();
     i++;
   }
-  if (!strcmp(o->mode, "hybrid")) {
-    fprintf(stderr, "sg_bench_cluster: --mode hybrid needs sg_engine_create_hybrid (sharded "
-                    "inside a node, replicated across nodes), which this library does not have "
-                    "yet; only --mode flat runs\n");
-    return -2;
+  if (!strcmp(o->mode, "hybrid") && o->sync_last) {
+    fprintf(stderr, "sg_bench_cluster: --mode hybrid reduces inside a node every micro-batch "
+                    "and across nodes once per step already; --sync last is for flat\n");
+    return -1;
   }
   return 0;
 }
 
 int main(int argc, char **argv) {
   options o;
-  const int prc = parse_args(argc, argv, &o);
-  if (prc != 0) return prc == -2 ? 2 : 64;
+  if (parse_args(argc, argv, &o) != 0) return 64;
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -266,10 +282,11 @@ int main(int argc, char **argv) {
     st = run(&o, comm, node, &r);
   if (st == SG_OK && rank == 0)
     printf("RESULT impl=shardgrad mode=%s sync=%s micro=%d W=%d nodes=%d params=%zu dtype=%s "
-           "batch=%d steps=%d step_ms=%.1f link_sent_per_step=%.0f link_sent_max_node=%.0f "
-           "loss_first=%.6f loss_last=%.6f\n",
+           "wire=%s batch=%d steps=%d step_ms=%.1f link_sent_per_step=%.0f "
+           "link_sent_max_node=%.0f loss_first=%.6f loss_last=%.6f\n",
            o.mode, o.sync_last ? "last" : "every", o.micro, world, r.nodes, r.params,
-           o.dtype == SG_BF16 ? "bf16" : "f32", o.batch, o.steps, r.step_ms, r.sent_per_step,
+           o.dtype == SG_BF16 ? "bf16" : "f32", o.wire == SG_BF16 ? "bf16" : "f32", o.batch,
+           o.steps, r.step_ms, r.sent_per_step,
            r.sent_max_node, (double)r.first_loss, (double)r.last_loss);
   sg_comm_destroy(comm);
   MPI_Comm_free(&node);

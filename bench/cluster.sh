@@ -4,8 +4,8 @@
 # micro-batches per optimizer step it runs, in the same run:
 #   shardgrad flat ZeRO-2 over W=4 (sg_bench_cluster --mode flat), syncing every micro-batch
 #     (the default) and with sg_set_sync(0) on all but the last (no_sync)
-#   shardgrad hybrid (sharded in a node, replicated across nodes): a column that says "not yet"
-#     until sg_engine_create_hybrid exists (sg_bench_cluster --mode hybrid refuses it)
+#   shardgrad hybrid (sharded in a node, replicated across nodes: sg_bench_cluster --mode hybrid,
+#     nodes by host), with f32 and with bf16 on the cross-node wire (replica_reduce_dtype)
 #   PyTorch FSDP2 hybrid ZeRO-2 (bench/cluster_fsdp.py: fully_shard on a 2-D mesh,
 #     reshard_after_forward=False, gloo), as a user runs it: nothing disabled, no_sync
 #     (set_requires_gradient_sync), and the cross-node all-reduce once per step
@@ -15,6 +15,9 @@
 #
 #   bench/cluster.sh [--build DIR] [--rates "1gbit 10gbit"] [--micro "1 8"] [--steps N]
 #                    [--warmup N] [--batch N] [--hidden N] [--layers N] [--python PY] [--no-torch]
+#                    [--flat-sync "every last"] [--torch-sync "every last allreduce-last"]
+# (--flat-sync / --torch-sync: which of those variants run with more than one micro-batch;
+# "every" always runs, it is the baseline)
 #
 # Defaults: the MLP of sg_bench_cluster at 9 layers x 2048 (29.5M parameters, f32), batch 2 per
 # micro-batch per rank, 1 warm-up + 2 timed steps. Needs root (network namespaces); exits 77
@@ -23,7 +26,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build RATES="1gbit 10gbit" MICROS="1 8" STEPS=2 WARMUP=1 BATCH=2 HIDDEN=2048
-LAYERS=9 PY="" TORCH=1
+LAYERS=9 PY="" TORCH=1 FLAT_SYNC="every last" TORCH_SYNC="every last allreduce-last"
 while [ $# -gt 0 ]; do
   case $1 in
     --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
@@ -36,7 +39,9 @@ while [ $# -gt 0 ]; do
     --layers) LAYERS=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
     --no-torch) TORCH=0; shift ;;
-    *) sed -n '2,20p' "$0" >&2; exit 64 ;;
+    --flat-sync) FLAT_SYNC=$2; shift 2 ;;
+    --torch-sync) TORCH_SYNC=$2; shift 2 ;;
+    *) sed -n '2,24p' "$0" >&2; exit 64 ;;
   esac
 done
 BENCH=$BUILD/bench/sg_bench_cluster
@@ -78,15 +83,18 @@ for rate in $RATES; do
   "${CL[@]}" up --nodes 2 --rate "$rate" 2>/dev/null || exit 1
   for micro in $MICROS; do
     one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}"
-    [ "$micro" -gt 1 ] &&
+    [ "$micro" -gt 1 ] && [[ " $FLAT_SYNC " == *" last "* ]] &&
       one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}"
-    RESULTS+=("rate=$rate micro=$micro label=shardgrad hybrid (f32 / bf16 wire)|RESULT pending=1")
+    one "$rate" "$micro" "shardgrad hybrid, f32 wire" "$BENCH" --mode hybrid --wire f32 --micro "$micro" "${model[@]}"
+    one "$rate" "$micro" "shardgrad hybrid, bf16 wire" "$BENCH" --mode hybrid --wire bf16 --micro "$micro" "${model[@]}"
     if [ "$TORCH" = 1 ]; then
       fsdp=("$PY" "$ROOT/bench/cluster_fsdp.py" --ranks-per-node 2 --master sgbench-n0 --micro "$micro" "${model[@]}")
       one "$rate" "$micro" "torch FSDP2 HSDP ZeRO-2, sync every" "${fsdp[@]}" --sync every
       if [ "$micro" -gt 1 ]; then
-        one "$rate" "$micro" "torch FSDP2 HSDP, no_sync" "${fsdp[@]}" --sync last
-        one "$rate" "$micro" "torch FSDP2 HSDP, all-reduce last" "${fsdp[@]}" --sync allreduce-last
+        [[ " $TORCH_SYNC " == *" last "* ]] &&
+          one "$rate" "$micro" "torch FSDP2 HSDP, no_sync" "${fsdp[@]}" --sync last
+        [[ " $TORCH_SYNC " == *" allreduce-last "* ]] &&
+          one "$rate" "$micro" "torch FSDP2 HSDP, all-reduce last" "${fsdp[@]}" --sync allreduce-last
       fi
     fi
   done
@@ -106,9 +114,7 @@ for r in "${RESULTS[@]}"; do
   label=${label%%|*}
   ms=$(field step_ms "$r") sent=$(field link_sent_per_step "$r") maxn=$(field link_sent_max_node "$r")
   case $label in "shardgrad flat ZeRO-2, sync every") base=$ms ;; esac
-  if grep -q 'pending=1' <<<"$r"; then
-    printf '%-9s %5s  %-38s %10s\n' "$rate" "$micro" "$label" "not yet (needs sg_engine_create_hybrid)"
-  elif [ -z "$ms" ]; then
+  if [ -z "$ms" ]; then
     printf '%-9s %5s  %-38s %10s\n' "$rate" "$micro" "$label" "FAILED"
   else
     printf '%-9s %5s  %-38s %10.1f %8.2fx %13.1f %13.2f\n' "$rate" "$micro" "$label" "$ms" \

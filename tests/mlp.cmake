@@ -14,6 +14,15 @@ target_include_directories(test_mlp_bf16_nosync PRIVATE ${SG_MLP_DIR})
 sg_add_mpi_test(test_mlp_mpi EXE test_mlp NP 2
   ARGS --mpi --steps 40 --hidden 32 --layers 3 --batch 16 --bucket-mb 0.004 --lr 0.01
        --log-every 10 --check)
+# --hybrid: 4 ranks as 2 nodes x 2 (threads) and 3 x 2 under mpirun -np 6, sharded in a node,
+# replicated across nodes: the loss must halve, and the first line names the layout.
+add_test(NAME test_mlp_hybrid COMMAND test_mlp --ranks 4 --hybrid 2 --steps 40 --hidden 32
+  --layers 3 --batch 16 --micro-batches 3 --bucket-mb 0.004 --lr 0.01 --log-every 10 --check)
+set_tests_properties(test_mlp_hybrid PROPERTIES TIMEOUT 300 LABELS local
+  PASS_REGULAR_EXPRESSION "hybrid: 2 nodes x 2 ranks" FAIL_REGULAR_EXPRESSION "failed")
+sg_add_mpi_test(test_mlp_hybrid_mpi EXE test_mlp NP 6
+  ARGS --mpi --hybrid 3 --steps 40 --hidden 32 --layers 3 --batch 16 --micro-batches 2
+       --bucket-mb 0.004 --lr 0.01 --log-every 10 --check)
 # --trace: the Chrome trace of steps 2.. per rank and the summary line (several buckets, so
 # that there are reductions to hide behind the backward pass).
 add_test(NAME test_mlp_trace COMMAND test_mlp --ranks 2 --steps 6 --hidden 32 --layers 3
@@ -39,7 +48,10 @@ foreach(case
     "ranks_mpi|--ranks and --mpi conflict|--ranks;3;--mpi"
     "save_every|--save-every needs --save DIR|--save-every;5"
     "launched_ranks|started by mpirun \\(Open MPI\\), and --ranks 2 asks for threads|--ranks;2"
-    "offload_no_shard|--offload needs --strategy shard_grad_op or shard_opt|--offload;--strategy;no_shard")
+    "offload_no_shard|--offload needs --strategy shard_grad_op or shard_opt|--offload;--strategy;no_shard"
+    "hybrid_zero|bad value for --hybrid: '0' \\(expected a number of nodes in 1\\.\\.4096\\)|--hybrid;0"
+    "hybrid_uneven|--hybrid 2: --ranks 3 is not a multiple of the 2 nodes|--hybrid;2;--ranks;3"
+    "hybrid_no_shard|--hybrid shards inside a node: it needs --strategy shard_grad_op|--hybrid;2;--strategy;no_shard")
   string(REPLACE "|" ";" parts "${case}")
   list(GET parts 0 name)
   list(GET parts 1 pattern)
@@ -58,7 +70,7 @@ set_tests_properties(test_mlp_offload PROPERTIES TIMEOUT 300 LABELS local
 # --help: every flag with its default, on stdout, exit 0
 add_test(NAME test_mlp_help COMMAND test_mlp --help)
 set_tests_properties(test_mlp_help PROPERTIES TIMEOUT 60 LABELS unit
-  PASS_REGULAR_EXPRESSION "--steps N +optimizer steps \\(default 200\\).*--offload .*--resume DIR")
+  PASS_REGULAR_EXPRESSION "--steps N +optimizer steps \\(default 200\\).*--offload .*--hybrid N.*--resume DIR")
 # mpirun -np 2 without --mpi: one training of 2 ranks over MPI, not two of 2 threads each
 sg_add_mpi_test(test_mlp_mpi_auto EXE test_mlp NP 2
   ARGS --steps 40 --hidden 32 --layers 3 --batch 16 --bucket-mb 0.004 --lr 0.01 --log-every 10

@@ -2,13 +2,14 @@
 # ctest test_cluster: brings up a simulated cluster of 2 nodes (scripts/cluster.sh, 1 Gbit/s
 # links), runs at np 4 as 2 nodes x 2 ranks the layout check (host names, shared-memory split,
 # private /dev/shm; plus a link measurement that is printed, not checked), the MPI communicator
-# test and sg_comm_split_nodes by host (2 hosts of 2 ranks: a 2 x 2 layout), and takes the
+# test, sg_comm_split_nodes by host (2 hosts of 2 ranks: a 2 x 2 layout) and the hybrid engine's
+# MPI test (2 x 2 against flat W = 4 and one rank, across the shaped link), and takes the
 # cluster down again, also when a step fails or the test is killed.
 # Exit 77 (ctest SKIP_RETURN_CODE) where network namespaces are not permitted.
-#   usage: test_cluster.sh CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM TEST_COMM_SPLIT_NODES
+#   usage: test_cluster.sh CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM TEST_COMM_SPLIT_NODES TEST_HYBRID
 set -uo pipefail
-[ $# -eq 4 ] || { echo "usage: $0 CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM TEST_COMM_SPLIT_NODES" >&2; exit 64; }
-cluster=$1 topo=$2 comm=$3 split_nodes=$4
+[ $# -eq 5 ] || { echo "usage: $0 CLUSTER_SH TEST_CLUSTER_TOPO TEST_COMM TEST_COMM_SPLIT_NODES TEST_HYBRID" >&2; exit 64; }
+cluster=$1 topo=$2 comm=$3 split_nodes=$4 hybrid=$5
 # a name of its own (this process), so that test runs in other build trees at the same time and
 # a cluster a user has up are left alone; clusters of earlier runs that were killed are pruned
 name=t$$
@@ -38,5 +39,8 @@ echo "test_comm --mpi at np 4 (2 nodes x 2 ranks): $((SECONDS - t0))s"
 t0=$SECONDS
 run --ranks-per-node 2 "$split_nodes" --mpi --per-host 2 || rc=1
 echo "test_comm_split_nodes --mpi, nodes by host (2 x 2): $((SECONDS - t0))s"
+t0=$SECONDS
+run --ranks-per-node 2 "$hybrid" --mpi || rc=1
+echo "test_hybrid --mpi (2 nodes x 2 ranks): $((SECONDS - t0))s"
 cl counters
 exit $rc

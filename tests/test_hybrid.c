@@ -824,41 +824,11 @@ static void run_kill(void) {
          k.ms[1], k.ms[2]);
 }
 
-/* sg_broadcast_params(root) takes a global rank: every rank ends with root's parameters, the
- * master rebuilt from them. */
-static void bcast_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
-                       sg_comm *replica, void *ctx) {
-  const int root = *(const int *)ctx;
-  float *buf = malloc(k_sizes[NP - 1] * sizeof *buf), *got = malloc(k_sizes[NP - 1] * sizeof *got);
-  sg_status st = SG_OK;
-  for (int p = 0; p < NP && !st; p++) {
-    for (size_t i = 0; i < k_sizes[p]; i++) buf[i] = (float)(a->rank * 1000 + p) + (float)i / 8;
-    st = sg_set_param(e, ids[p], buf, SG_F32);
-  }
-  if (!st) st = sg_broadcast_params(e, root);
-  CHECK(!st, "broadcast from global rank %d", root);
-  for (int p = 0; p < NP && !st; p++) {
-    for (size_t i = 0; i < k_sizes[p]; i++) buf[i] = (float)(root * 1000 + p) + (float)i / 8;
-    st = sg_get_param(e, ids[p], got, SG_F32);
-    CHECK(!st && first_diff(got, buf, k_sizes[p]) == k_sizes[p], "%dx%d rank %d: param %d is "
-          "root %d's", a->n, a->l, a->rank, p, root);
-    if (!st) st = sg_get_master(e, ids[p], got);
-    CHECK(!st && first_diff(got, buf, k_sizes[p]) == k_sizes[p], "%dx%d rank %d: master %d is "
-          "root %d's", a->n, a->l, a->rank, p, root);
-  }
-  free(buf);
-  free(got);
-}
-
 static void run_errors(void) {
   run_argument_errors();
   run_layout_errors();
   tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1, 0, 0};
   run_bodies(&tc, K_HYBRID, 2, 2, extra_mb_body, NULL);
-  tcase tb = {"broadcast", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 0, 0.0f, SG_F32, 0, 0, 1, 0, 0};
-  for (int root = 0; root < 6; root += 5) run_bodies(&tb, K_HYBRID, 2, 3, bcast_body, &root);
-  int r3 = 3;
-  run_bodies(&tb, K_HYBRID, 2, 2, bcast_body, &r3);
   run_kill();
 }
 

@@ -3,6 +3,7 @@
  *   mlp --ranks 2 --strategy shard_grad_op --dtype bf16      (2 ranks as threads)
  *   mpirun -np 2 mlp --mpi                                   (one rank per process)
  *   mlp --save ck --save-every 50 ; mlp --resume ck --ranks 3   (checkpoint, resume elsewhere)
+ *   mpirun -np 4 mlp --hybrid 2 --micro-batches 8            (2 nodes of 2: hybrid sharding)
  *
  * Every rank holds the full model (working parameters), computes forward and backward on its own
  * slice of the data in plain C, writes each gradient into the engine's slot (sg_grad_ptr, in the
@@ -22,6 +23,7 @@
 typedef struct options {
   mlp_cli c; /* the flags shared with mlp_cuda */
   int mpi, no_sync;
+  int hybrid;                        /* --hybrid N: N nodes (0: flat) */
   const char *save_dir, *resume_dir; /* --save (with --save-every N, and at the end), --resume */
   const char *plot;                  /* --plot FILE: rank 0's loss curve and memory, a PNG */
   int save_every;
@@ -42,11 +44,15 @@ static int failed(int rank, const char *what, sg_status st) {
 
 static void print_memory(const options *o, const mlp_model *m, const sg_memory_stats *mem,
                          const sg_memory_stats *ddp, int world) {
+  char layout[64] = "";
+  if (o->hybrid)
+    snprintf(layout, sizeof layout, ", hybrid: %d nodes x %d ranks", o->hybrid, world / o->hybrid);
   printf(
-      "mlp: %s, W=%d (%s), %s params, %d layers x %d hidden, %zu params, batch %d x %d "
+      "mlp: %s, W=%d (%s%s), %s params, %d layers x %d hidden, %zu params, batch %d x %d "
       "micro-batch(es) per rank, lr %g%s\n",
-      mlp_cli_strategy_name(o->c.strategy), world, o->mpi ? "MPI" : "threads", mlp_cli_dtype_name(o->c.dtype),
-      m->layers, o->c.hidden, m->total_numel, o->c.batch, o->c.micro, (double)o->c.lr, o->no_sync ? " (no_sync)" : "");
+      mlp_cli_strategy_name(o->c.strategy), world, o->mpi ? "MPI" : "threads", layout,
+      mlp_cli_dtype_name(o->c.dtype), m->layers, o->c.hidden, m->total_numel, o->c.batch,
+      o->c.micro, (double)o->c.lr, o->no_sync ? " (no_sync)" : "");
   mlp_cli_print_memory(mem, ddp);
 }
 
@@ -58,11 +64,23 @@ static sg_status micro_batch(mlp_engine *me, const options *o, int step, int mb,
   return mlp_engine_micro_batch(me, loss_scale / (float)o->c.micro, loss);
 }
 
+/* Flat: one engine over all ranks. Hybrid: the world split into o->hybrid nodes of consecutive
+ * ranks, the engine sharded inside a node and replicated across nodes (after sg_finalize it is
+ * told the micro-batches per step, so the cross-node all-reduce overlaps the last backward). */
+static sg_status create_engine(const options *o, sg_comm *comm, const sg_config *cfg,
+                               sg_comm **shard, sg_comm **replica, sg_engine **e) {
+  if (!o->hybrid) return sg_engine_create(comm, cfg, e);
+  sg_status st = sg_comm_split_nodes(comm, sg_comm_size(comm) / o->hybrid, shard, replica);
+  if (st == SG_OK) st = sg_engine_create_hybrid(*shard, *replica, cfg, e);
+  return st;
+}
+
 static void *train(void *arg) {
   mlp_rank_run *r = arg;
   const options *o = r->o;
   const int rank = sg_comm_rank(r->comm), world = sg_comm_size(r->comm);
   sg_engine *e = NULL;
+  sg_comm *shard = NULL, *replica = NULL; /* --hybrid */
   float *curve = NULL; /* rank 0's loss per step, for --plot */
   mlp_model m;
   mlp_engine me;
@@ -72,12 +90,20 @@ static void *train(void *arg) {
     r->rc = 1;
     return NULL;
   }
+  if (o->hybrid && world % o->hybrid != 0) { /* under MPI: the same verdict on every rank */
+    if (rank == 0)
+      fprintf(stderr, "mlp: --hybrid %d: %d ranks are not a multiple of the %d nodes (every node "
+                      "needs the same number of ranks)\n", o->hybrid, world, o->hybrid);
+    r->rc = 1;
+    goto done;
+  }
   sg_config cfg;
   CHECK(sg_config_init(&cfg, sizeof cfg));
   mlp_cli_config(&o->c, &cfg);
-  CHECK(sg_engine_create(r->comm, &cfg, &e));
+  CHECK(create_engine(o, r->comm, &cfg, &shard, &replica, &e));
   CHECK(mlp_engine_register(&me, &m, e, &cfg));
   CHECK(sg_finalize(e));
+  if (o->hybrid) CHECK(sg_set_microbatches(e, o->c.micro));
   CHECK(mlp_engine_init_params(&me));
 
   sg_memory_stats mem = {.struct_size = sizeof mem}, ddp = {.struct_size = sizeof ddp};
@@ -85,6 +111,7 @@ static void *train(void *arg) {
   sg_config ddp_cfg = cfg;
   ddp_cfg.strategy = SG_NO_SHARD;
   ddp_cfg.offload_optimizer = 0;
+  ddp_cfg.shard_ranks = 0;
   CHECK(sg_estimate_memory(&ddp_cfg, m.numel, m.nparams, world, &ddp));
   if (rank == 0) print_memory(o, &m, &mem, &ddp, world);
 
@@ -165,6 +192,8 @@ done:
   free(curve);
   mlp_engine_free(&me);
   sg_engine_destroy(e);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(replica);
   mlp_free(&m);
   return NULL;
 }
@@ -180,6 +209,9 @@ static void usage(void) {
          "                      when mpirun or srun started mlp\n");
   mlp_cli_help_common(stdout, prog_info());
   printf("  --no-sync           with --micro-batches: no communication until the last one\n"
+         "  --hybrid N          hybrid sharding: the ranks as N nodes of consecutive ranks,\n"
+         "                      sharded inside a node, replicated across nodes (one all-reduce\n"
+         "                      across nodes per step); the rank count must be a multiple of N\n"
          "  --save DIR          checkpoint at the end (and every --save-every N steps)\n"
          "  --save-every N      with --save: also every N steps\n"
          "  --resume DIR        continue from a checkpoint (any rank count, strategy, buckets)\n"
@@ -208,6 +240,8 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
     o->plot = v;
   else if (!strcmp(flag, "--save-every"))
     *bad = mlp_cli_parse_int(v, 1, 1 << 30, &o->save_every) != 0;
+  else if (!strcmp(flag, "--hybrid"))
+    *bad = mlp_cli_parse_int(v, 1, 4096, &o->hybrid) != 0;
   else
     return 0;
   return 1;
@@ -216,7 +250,8 @@ static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
 static const mlp_cli_prog *prog_info(void) {
   static const char *const values[] = {"--save", "a directory", "--resume",
                                        "a checkpoint directory", "--save-every",
-                                       "an integer >= 1", "--plot", "a .png file name", NULL};
+                                       "an integer >= 1", "--plot", "a .png file name",
+                                       "--hybrid", "a number of nodes in 1..4096", NULL};
   static const mlp_cli_prog prog = {.name = "mlp",
                                     .max_ranks = 4096,
                                     .n_dtypes = 3,
@@ -273,6 +308,16 @@ static int parse_args(int argc, char **argv, options *o) {
   }
   if (o->save_every && !o->save_dir) {
     fprintf(stderr, "mlp: --save-every needs --save DIR\n");
+    return -1;
+  }
+  if (o->hybrid && o->c.strategy == SG_NO_SHARD) {
+    fprintf(stderr, "mlp: --hybrid shards inside a node: it needs --strategy shard_grad_op or "
+                    "shard_opt, not no_shard\n");
+    return -1;
+  }
+  if (o->hybrid && !o->mpi && o->c.ranks % o->hybrid != 0) {
+    fprintf(stderr, "mlp: --hybrid %d: --ranks %d is not a multiple of the %d nodes (every node "
+                    "needs the same number of ranks)\n", o->hybrid, o->c.ranks, o->hybrid);
     return -1;
   }
   return 0;

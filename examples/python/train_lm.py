@@ -17,6 +17,8 @@
     python3 examples/python/train_lm.py --device cuda --ranks 2
     # the loss curve and the memory per rank beside NO_SHARD's, as a PNG (matplotlib):
     python3 examples/python/train_lm.py --ranks 2 --plot /tmp/lm.png
+    # hybrid sharding: 4 ranks as 2 nodes of 2, sharded in a node, replicated across nodes:
+    mpirun -np 4 python3 examples/python/train_lm.py --hybrid 2 --micro 4
 
 The package and its library come from `pip install ./python`, or from this checkout (the
 library from build/, or SHARDGRAD_LIBRARY). `--help` lists every flag with its default; a bad
@@ -39,6 +41,12 @@ backward and step run inside `with torch.cuda.stream(s)`, and ShardedAdamW order
 work after that stream. Under mpirun each process takes GPU (local rank mod GPU count). With
 several ranks as threads ShardedAdamW hands the gradients over at step() instead of during the
 backward pass (see shardgrad/torch.py), so --trace shows no overlap there.
+
+--hybrid N: the ranks as N nodes of consecutive ranks (Comm.split_nodes); ShardedAdamW shards
+inside a node (the shard communicator) and is replicated across nodes (replica_comm): each
+micro-batch's gradients are reduced inside the node, and once per step one all-reduce of the
+shard crosses nodes, started during the last micro-batch's backward pass (Engine.
+set_microbatches). No no_sync is needed, so none is used.
 """
 
 import argparse
@@ -85,8 +93,13 @@ def check_args(args):
             fail("%s must be >= %s (got %s)" % (name, lo, v))
 
     for name in ("--steps", "--batch", "--micro", "--seq", "--d", "--heads", "--layers",
-                 "--bucket-kib", "--log-every", "--ranks", "--threads"):
+                 "--bucket-kib", "--log-every", "--ranks", "--threads", "--hybrid"):
         at_least(name, 1)
+    if args.hybrid is not None and args.strategy == "no_shard":
+        fail("--hybrid shards inside a node: it needs --strategy shard_grad_op or shard_opt")
+    if args.hybrid is not None and args.ranks is not None and args.ranks % args.hybrid:
+        fail("--hybrid %d: --ranks %d is not a multiple of the %d nodes (every node needs the "
+             "same number of ranks)" % (args.hybrid, args.ranks, args.hybrid))
     at_least("--seed", 0)
     at_least("--clip", 0.0)
     if not args.lr > 0 or not math.isfinite(args.lr):
@@ -148,6 +161,9 @@ def parse_args(argv=None):
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
     ap.add_argument("--strategy", default="shard_grad_op",
                     choices=["shard_grad_op", "shard_opt", "no_shard"])
+    ap.add_argument("--hybrid", type=int, default=None, metavar="N",
+                    help="hybrid sharding over N nodes of consecutive ranks (sharded inside a "
+                    "node, replicated across nodes); the rank count must be a multiple of N")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="model parameters, as examples/mlp spells them (f16: with the "
                     "library's dynamic loss scaling)")
@@ -379,10 +395,19 @@ def train_rank_on(comm, args, data, out, device):
     if device.type == "cuda":
         model = model.to(device)
     nparams = sum(p.numel() for p in model.parameters())
-    opt = ShardedAdamW(model, comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+    shard = replica = None
+    if args.hybrid:
+        if world % args.hybrid:  # under mpirun: every rank sees the same world and stops
+            fail("--hybrid %d: %d ranks are not a multiple of the %d nodes (every node needs "
+                 "the same number of ranks)" % (args.hybrid, world, args.hybrid))
+        shard, replica = comm.split_nodes(world // args.hybrid)
+    opt = ShardedAdamW(model, shard or comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                        no_decay="1d", strategy=args.strategy, max_grad_norm=args.clip,
                        bucket_bytes=args.bucket_kib << 10,
-                       overlap_param_gather=args.overlap_gather, offload_optimizer=args.offload)
+                       overlap_param_gather=args.overlap_gather, offload_optimizer=args.offload,
+                       replica_comm=replica)
+    if args.hybrid:  # the cross-node all-reduce starts in the last micro-batch's backward
+        opt.engine.set_microbatches(args.micro)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
@@ -392,8 +417,10 @@ def train_rank_on(comm, args, data, out, device):
         where = ""
         if device.type == "cuda":
             where = ", on %s (%s)" % (device, torch.cuda.get_device_name(device))
-        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s), %s, %s params"
-              "%s%s" % (nparams, args.layers, args.d, data.vocab, world, comm.kind,
+        layout = (", hybrid: %d nodes x %d ranks" % (args.hybrid, world // args.hybrid)
+                  if args.hybrid else "")
+        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s%s), %s, %s params"
+              "%s%s" % (nparams, args.layers, args.d, data.vocab, world, comm.kind, layout,
                  opt.engine.config.strategy.name, args.dtype, where,
                  ", all-gathers overlapping the forward pass" if args.overlap_gather else ""),
               flush=True)
@@ -407,7 +434,7 @@ def train_rank_on(comm, args, data, out, device):
             x = data.batch(gen, args.batch, args.seq)  # sampled on the CPU on every device
             if device.type == "cuda":
                 x = x.to(device)
-            if m < args.micro - 1:
+            if m < args.micro - 1 and not args.hybrid:
                 with opt.no_sync():  # accumulate locally, reduce with the last micro-batch
                     loss = model.loss(x) / args.micro
                     if args.trace and step > 1:
@@ -455,6 +482,9 @@ def train_rank_on(comm, args, data, out, device):
     out[rank] = dict(losses=losses, mem=mem, mem_ddp=mem_ddp, elapsed=elapsed, tokens=args.steps * tokens_per_step,
                      sample=sample, nparams=nparams)
     opt.close()
+    for c in (shard, replica):
+        if c is not None:
+            c.close()
     return out[rank]
 
 

@@ -481,22 +481,36 @@ class Engine:
     keep the Engine object alive, but must not be used after close(). With
     overlap_param_gather=1, step() returns while the parameters are still being all-gathered:
     call param_wait(pid) (or param_wait() for all) before reading a view after a step.
+
+    replica_comm: a hybrid engine (sg_engine_create_hybrid): sharded over `comm` (the ranks of
+    one node) and replicated over `replica_comm` (this rank's counterparts on the other nodes);
+    both from comm.split_nodes(). Both stay in use until close().
     """
 
-    def __init__(self, comm, config=None, **kwargs):
+    def __init__(self, comm, config=None, replica_comm=None, **kwargs):
         if not isinstance(comm, Comm):
             raise TypeError("Engine: comm must be a shardgrad.Comm, got %r" % (comm,))
+        if replica_comm is not None and not isinstance(replica_comm, Comm):
+            raise TypeError("Engine: replica_comm must be a shardgrad.Comm or None, got %r"
+                            % (replica_comm,))
         if config is None:
             config = Config(**kwargs)
         elif kwargs:
             config = config.copy(**kwargs)
         self.config = config
         self.comm = comm
+        self.replica_comm = replica_comm
         self._h = None
         h = ctypes.c_void_p()
-        _call("sg_engine_create", comm.handle, ctypes.byref(config.struct), ctypes.byref(h))
+        if replica_comm is None:
+            _call("sg_engine_create", comm.handle, ctypes.byref(config.struct), ctypes.byref(h))
+        else:  # hybrid: sharded over comm (one node), replicated over replica_comm
+            _call("sg_engine_create_hybrid", comm.handle, replica_comm.handle,
+                  ctypes.byref(config.struct), ctypes.byref(h))
         self._h = h.value
-        comm._users += 1
+        self._comms = (comm,) if replica_comm is None else (comm, replica_comm)
+        for c in self._comms:
+            c._users += 1
         self._names = []
         self._shapes = []
         self._numels = []
@@ -520,6 +534,18 @@ class Engine:
     def closed(self):
         return self._h is None
 
+    @property
+    def world_size(self):
+        """Ranks training this model: comm.size, times replica_comm.size for a hybrid engine."""
+        return self.comm.size * (self.replica_comm.size if self.replica_comm else 1)
+
+    @property
+    def rank(self):
+        """This rank among world_size (hybrid: replica rank x comm.size + rank in comm)."""
+        if self.replica_comm is None:
+            return self.comm.rank
+        return self.replica_comm.rank * self.comm.size + self.comm.rank
+
     def close(self):
         """Destroys the engine (waits for pending reductions). Views become invalid."""
         if self._h is None:
@@ -527,12 +553,12 @@ class Engine:
         h, self._h = self._h, None
         _live_engines.discard(self)
         _lib.load().sg_engine_destroy(h)
-        comm = self.comm
-        comm._users -= 1
-        if getattr(self, "_released_flag", False):
-            comm._released -= 1
-        if comm._users == 0 and comm._close_pending:
-            comm.close()
+        for comm in self._comms:
+            comm._users -= 1
+            if getattr(self, "_released_flag", False):
+                comm._released -= 1
+            if comm._users == 0 and comm._close_pending:
+                comm.close()
 
     def release(self):
         """For an owner that is done with the engine while zero-copy views of its memory may
@@ -541,7 +567,8 @@ class Engine:
         communicator is destroyed after it). Drop your own reference after calling this."""
         if self._h is not None and not getattr(self, "_released_flag", False):
             self._released_flag = True
-            self.comm._released += 1
+            for comm in self._comms:
+                comm._released += 1
 
     def __enter__(self):
         return self
@@ -758,8 +785,14 @@ class Engine:
 
     def set_microbatches(self, n):
         """Micro-batches per optimizer step (sg_set_microbatches; 0: not said). A hybrid engine
-        then sums each bucket across replicas during the n-th backward pass, not in step()."""
-        _call("sg_set_microbatches", self.handle, int(n))
+        then starts each bucket's all-reduce across nodes during the n-th micro-batch's
+        backward pass instead of in step(). Same value on every rank, between micro-batches."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError("Engine.set_microbatches: n must be an int, got %r" % (n,))
+        if not 0 <= n < 2**31:
+            raise InvalidArgumentError("Engine.set_microbatches: n must be >= 0 (got %d)" % n,
+                                       function="sg_set_microbatches")
+        _call("sg_set_microbatches", self.handle, n)
 
     def grad_zero(self):
         """Collective: drops every gradient accumulated since the last step (sg_grad_zero).

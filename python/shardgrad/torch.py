@@ -412,6 +412,10 @@ class ShardedAdamW(torch.optim.Optimizer):
     model: an nn.Module (names from named_parameters) or an iterable of parameters or
     (name, parameter) pairs; every rank must pass the same names and shapes.
     comm: a shardgrad.Comm (Comm.mpi() or one of Comm.local(n)).
+    replica_comm: hybrid sharding across nodes: `comm` is then this rank's node (the shard
+    communicator) and replica_comm its counterparts on the other nodes, as from
+    `shard, replica = world.split_nodes(ranks_per_node)`; gradients and optimizer state are
+    sharded inside the node, and only one all-reduce of the shard per step crosses nodes.
     lr, betas, eps, weight_decay: as torch.optim.AdamW; unset ones come from `config`, else
     the library defaults (1e-3, (0.9, 0.999), 1e-8, 0.01 as in torch.optim.AdamW).
     no_decay: None (every parameter decays, as in torch.optim.AdamW), "1d" (parameters with
@@ -435,9 +439,12 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
                  no_decay=None, broadcast=None, param_order="registration", config=None,
-                 param_groups=None, **config_kwargs):
+                 param_groups=None, replica_comm=None, **config_kwargs):
         if not isinstance(comm, Comm):
             raise TypeError("ShardedAdamW: comm must be a shardgrad.Comm, got %r" % (comm,))
+        if replica_comm is not None and not isinstance(replica_comm, Comm):
+            raise TypeError("ShardedAdamW: replica_comm must be a shardgrad.Comm or None, got %r"
+                            % (replica_comm,))
         if param_order not in ("backward", "registration"):
             raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
                              "(got %r)" % (param_order,))
@@ -501,7 +508,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise InvalidArgumentError("ShardedAdamW: overlap_param_gather needs an nn.Module "
                                        "(forward pre-hooks on its modules wait for the "
                                        "parameters)", function="python")
-        self._engine = Engine(comm, cfg)
+        self._engine = Engine(comm, cfg, replica_comm=replica_comm)
         # max_grad_norm as the caller's Python value (exact through sg_set_hparams)
         self._max_norm = (float(config_kwargs["max_grad_norm"]) if "max_grad_norm" in config_kwargs
                           else _f32_short(cfg.max_grad_norm))
@@ -509,14 +516,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
         self._version = 0  # ... at this state (steps and loads so far)
         _register_params(self)
-        if isinstance(model, torch.nn.Module) and comm.size > 1:
+        if isinstance(model, torch.nn.Module) and self._engine.world_size > 1:
             # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel,
             # which all-reduces .grad itself: this optimizer already reduces every gradient
             model._is_accelerate_prepared = True
         # CUDA engine, several ranks as threads: no library call from torch's autograd thread
         # (see the module text); the gradients wait in .grad for step().
         cuda = self._engine.config.device == Device.CUDA
-        self._defer = cuda and comm.kind == "local" and comm.size > 1
+        self._defer = cuda and comm.kind == "local" and self._engine.world_size > 1
         self._stream = None     # CUDA: the torch stream the engine works on
         self._hand_order = []   # indices into _named, in gradient arrival (= plan) order
         ref = weakref.ref(self)
@@ -641,7 +648,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 e.set_param(self._pid[i], p.detach().to("cpu"))
             broadcast = self._broadcast
             if broadcast is None:
-                broadcast = e.comm.size > 1
+                broadcast = e.world_size > 1
             if broadcast:
                 e.broadcast_params(0)
             place = contextlib.nullcontext()
@@ -1098,5 +1105,5 @@ class ShardedAdamW(torch.optim.Optimizer):
             return "ShardedAdamW(closed)"
         c = self._engine.config
         return ("ShardedAdamW(%d params, rank %d of %d, %s, lr=%g)"
-                % (len(self._named), self._engine.comm.rank, self._engine.comm.size,
+                % (len(self._named), self._engine.rank, self._engine.world_size,
                    c.strategy.name, self.lr))

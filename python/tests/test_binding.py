@@ -112,9 +112,6 @@ def test_c_argument_checks_reachable_with_null_handles():
             calls[name] = (None, None)
     if _lib.has("sg_param_wait"):
         calls["sg_param_wait"] = (None, -1)
-    if _lib.has("sg_engine_create_hybrid"):
-        calls["sg_engine_create_hybrid"] = (None, None, None, ctypes.byref(vp))
-        calls["sg_set_microbatches"] = (None, 1)
     if _lib.has("sg_set_group"):
         calls["sg_set_param_group"] = (None, 0, 0)
         calls["sg_set_group"] = (None, 0, 1e-3, 0.0)
@@ -308,27 +305,6 @@ def test_error_classes_per_status():
     assert issubclass(sg.ShardgradTimeoutError, TimeoutError)
     e = sg.InvalidStateError("sg_step: call sg_finalize first", 2, "sg_step")
     assert str(e) == "SG_ERR_INVALID_STATE: sg_step: call sg_finalize first"
-
-
-def test_set_microbatches():
-    """Engine.set_microbatches: checked on every engine (a flat one otherwise ignores it);
-    between micro-batches only."""
-    comm = sg.Comm.local(1)[0]
-    with sg.Engine(comm, **FAST) as e:
-        e.add_param("w", 8)
-        e.add_param("b", 3)
-        with pytest.raises(sg.InvalidStateError, match="sg_finalize"):
-            e.set_microbatches(2)
-        e.finalize()
-        e.set_microbatches(2)
-        with pytest.raises(sg.InvalidArgumentError, match="sg_set_microbatches: n"):
-            e.set_microbatches(-1)
-        e.grad_add(0, np.ones(8, np.float32))
-        with pytest.raises(sg.InvalidStateError, match="micro-batch is in progress"):
-            e.set_microbatches(0)
-        e.backward_end()
-        e.set_microbatches(0)
-        e.step()
 
 
 def test_real_errors_carry_last_error_text():

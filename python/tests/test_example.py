@@ -53,6 +53,17 @@ def test_train_lm_example_torchrun():
     assert r.returncode != 0 and "torchrun started this process" in r.stderr, r.stderr
 
 
+def test_train_lm_example_hybrid():
+    """--hybrid 2: 4 ranks as 2 nodes x 2, the loss falls as in the flat run."""
+    cmd = [sys.executable, TRAIN_LM, "--ranks", "4", "--hybrid", "2", "--steps", "30", "--d",
+           "64", "--layers", "2", "--batch", "4", "--seq", "32", "--micro", "2", "--log-every",
+           "10", "--threads", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hybrid: 2 nodes x 2 ranks" in r.stdout and "loss fell" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "--steps must be >= 1 (got 0)"),
     (["--steps"], "argument --steps: expected one argument"),
@@ -66,6 +77,9 @@ def test_train_lm_example_torchrun():
     (["--plot", "/nonexistent-dir/loss.png"], "--plot /nonexistent-dir/loss.png: no directory"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--offload", "--strategy", "no_shard"], "--offload needs --strategy shard_grad_op or shard_opt"),
+    (["--hybrid", "0"], "--hybrid must be >= 1 (got 0)"),
+    (["--hybrid", "2", "--ranks", "3"], "--hybrid 2: --ranks 3 is not a multiple of the 2 nodes"),
+    (["--hybrid", "2", "--strategy", "no_shard"], "--hybrid shards inside a node"),
 ])
 def test_train_lm_flag_errors(args, message):
     """Each bad flag: one line on stderr naming it, nothing on stdout, a non-zero exit, at once
