@@ -6,6 +6,14 @@
 
 #include "sg_ckpt_engine.h"
 
+sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, int need_idle,
+                            const char *fn) {
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (!path || !path[0])
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL or empty", fn, what);
+  return need_idle ? sg__grads_idle(e, fn) : SG_OK;
+}
+
 /* Every rank's vote: over the shard group, then (hybrid) the groups over the replicas, so the
  * array is in global rank order (replica x world + rank) and its first e->world entries are
  * replica 0's, the group that writes. */

@@ -15,6 +15,12 @@ typedef struct sg__ck_vote {
   char msg[SG_CK_VOTE_MSG]; /* the failure text when status != SG_OK */
 } sg__ck_vote;
 
+/* The checks of sg_save, sg_load, sg_export and sg_import: a finalized engine, the directory or
+ * file (the argument `what`) named, and with need_idle no micro-batch open on this rank (sg_save
+ * instead agrees on that in its first round). */
+sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, int need_idle,
+                            const char *fn);
+
 /* Collective: every rank contributes (local, val) and learns everybody's. Call right after the
  * local step (local's text is taken from sg_last_error()). Returns the exchange's failure
  * (the engine is then broken), or the failure of the lowest failing rank with its text (naming

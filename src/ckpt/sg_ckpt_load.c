@@ -398,10 +398,8 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
 sg_status sg_load(sg_engine *e, const char *dir) {
   SG_ENGINE_GUARD(e, "sg_load");
   static const char *fn = "sg_load";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  if (!dir || !dir[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: dir is NULL or empty", fn);
   /* As in sg_save: a rank in the middle of a micro-batch fails alone. */
-  SG_TRY(sg__grads_idle(e, fn));
+  SG_TRY(sg__ck_check_call(e, dir, "dir", 1, fn));
   load_ctx c;
   memset(&c, 0, sizeof c);
   const sg_status local = load_local(e, dir, &c);

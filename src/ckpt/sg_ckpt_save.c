@@ -393,8 +393,7 @@ static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
 sg_status sg_save(sg_engine *e, const char *dir) {
   SG_ENGINE_GUARD(e, "sg_save");
   static const char *fn = "sg_save";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  if (!dir || !dir[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: dir is NULL or empty", fn);
+  SG_TRY(sg__ck_check_call(e, dir, "dir", 0, fn));
   sg__ck_lock lock;
   memset(&lock, 0, sizeof lock);
   const sg_status st = save_rounds(e, dir, &lock);

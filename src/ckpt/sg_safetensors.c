@@ -189,9 +189,7 @@ static void export_free(sg_engine *e, exporter *x) {
 sg_status sg_export(sg_engine *e, const char *path) {
   SG_ENGINE_GUARD(e, "sg_export");
   static const char *fn = "sg_export";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  if (!path || !path[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", fn);
-  SG_TRY(sg__grads_idle(e, fn));
+  SG_TRY(sg__ck_check_call(e, path, "path", 1, fn));
   exporter x = {-1, NULL, 0, SG_OK, NULL, NULL};
   /* Round 1: everybody has its gather buffer and rank 0 its file, or nobody gathers. */
   sg_status local = SG_OK;
@@ -313,9 +311,7 @@ static sg_status import_values(sg_engine *e, importer *im) {
 sg_status sg_import(sg_engine *e, const char *path) {
   SG_ENGINE_GUARD(e, "sg_import");
   static const char *fn = "sg_import";
-  SG_TRY(sg__engine_check(e, fn, 1));
-  if (!path || !path[0]) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", fn);
-  SG_TRY(sg__grads_idle(e, fn));
+  SG_TRY(sg__ck_check_call(e, path, "path", 1, fn));
   importer im = {-1, path, 0, 0, NULL, 0, NULL};
   /* Round 1: every rank found every parameter, with the right size, inside the file. */
   sg_status local = import_check(e, &im);
