@@ -47,10 +47,7 @@ void sg__grads_free(sg_engine *e) {
   sg__grads *g = &e->g;
   if (g->slot_state) e->strat->slots_free(e, g->slot_state);
   g->slot_state = NULL;
-  if (g->nosync) {
-    e->dev->ops->free(e->dev, g->nosync);
-    sg__arenas_extra_grads(&e->ar, -(long long)(e->plan->total_numel * 4));
-  }
+  if (g->nosync) sg__arenas_extra_free(&e->ar, g->nosync, e->plan->total_numel * 4);
   g->nosync = NULL;
   if (g->norm_host) e->dev->ops->host_free(e->dev, g->norm_host);
   g->norm_host = NULL;
@@ -373,16 +370,9 @@ sg_status sg_backward_end(sg_engine *e) {
 }
 
 static sg_status alloc_nosync(sg_engine *e) {
-  const size_t bytes = e->plan->total_numel * 4;
   void *p = NULL;
-  SG_TRY(e->dev->ops->alloc(e->dev, bytes, &p));
-  sg_status st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, p, bytes);
-  if (st != SG_OK) {
-    e->dev->ops->free(e->dev, p);
-    return st;
-  }
+  SG_TRY(sg__arenas_extra_alloc(&e->ar, e->plan->total_numel * 4, &p));
   e->g.nosync = p;
-  sg__arenas_extra_grads(&e->ar, (long long)bytes);
   return SG_OK;
 }
 

@@ -143,6 +143,25 @@ void sg__arenas_extra_grads(sg__arenas *a, long long bytes) {
   sg__arenas_note(a);
 }
 
+sg_status sg__arenas_extra_alloc(sg__arenas *a, size_t bytes, void **out) {
+  void *p = NULL;
+  SG_TRY(a->dev->ops->alloc(a->dev, bytes, &p));
+  const sg_status st = a->dev->ops->zero(a->dev, SG_Q_COMPUTE, p, bytes);
+  if (st != SG_OK) {
+    a->dev->ops->free(a->dev, p);
+    return st;
+  }
+  *out = p;
+  sg__arenas_extra_grads(a, (long long)bytes);
+  return SG_OK;
+}
+
+void sg__arenas_extra_free(sg__arenas *a, void *p, size_t bytes) {
+  if (!p) return;
+  a->dev->ops->free(a->dev, p);
+  sg__arenas_extra_grads(a, -(long long)bytes);
+}
+
 void sg__memory_stats_fill(const sg__plan *p, const sg__layout *l, size_t extra_grads,
                            size_t peak, sg_memory_stats *s) {
   s->params_bytes = l->bytes[SG_MEM_PARAMS];

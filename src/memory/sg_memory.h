@@ -95,6 +95,10 @@ void sg__arenas_note(sg__arenas *a); /* update peak */
 /* Memory allocated outside the arenas but counted as gradients (no_sync buffer, extra staging):
  * +bytes when allocated, -bytes when freed; the peak follows. */
 void sg__arenas_extra_grads(sg__arenas *a, long long bytes);
+/* Such a buffer: zeroed device memory of `bytes` on the arenas' device, counted; and its free
+ * (p NULL: nothing). */
+sg_status sg__arenas_extra_alloc(sg__arenas *a, size_t bytes, void **out);
+void sg__arenas_extra_free(sg__arenas *a, void *p, size_t bytes);
 /* Fills the public stats from a layout (and extra bytes). */
 void sg__memory_stats_fill(const sg__plan *p, const sg__layout *l, size_t extra_grads,
                            size_t peak, sg_memory_stats *full);

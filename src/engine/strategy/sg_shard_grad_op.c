@@ -32,10 +32,7 @@ typedef struct {
 void sg__staging_free(sg_engine *e, void *state) {
   pool *s = state;
   if (!s) return;
-  for (int k = e->lay.nstaging; k < s->n; k++) {
-    e->dev->ops->free(e->dev, s->ptr[k]);
-    sg__arenas_extra_grads(&e->ar, -(long long)s->stride);
-  }
+  for (int k = e->lay.nstaging; k < s->n; k++) sg__arenas_extra_free(&e->ar, s->ptr[k], s->stride);
   free(s->t.bucket);
   free(s->ptr);
   free(s->owner);
@@ -81,17 +78,11 @@ static sg_status add_staging(sg_engine *e, pool *s, int *k_out) {
   if (pp) s->ptr = pp;
   if (!own || !tk || !pp) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   void *buf = NULL;
-  SG_TRY(e->dev->ops->alloc(e->dev, bytes, &buf));
-  sg_status st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, buf, bytes);
-  if (st != SG_OK) {
-    e->dev->ops->free(e->dev, buf);
-    return st;
-  }
+  SG_TRY(sg__arenas_extra_alloc(&e->ar, bytes, &buf));
   s->ptr[s->n] = buf;
   s->owner[s->n] = -1;
   s->ticket[s->n] = 0;
   *k_out = s->n++;
-  sg__arenas_extra_grads(&e->ar, (long long)bytes);
   SG_LOG(SG_LOG_WARN, e->rank, "all %d staging buckets are held by buckets that cannot be "
          "reduced yet (bucket %d, earlier in backward order, is incomplete): allocated one more "
          "(%zu bytes). Produce gradients in reverse registration order or raise staging_buckets.",
