@@ -415,9 +415,27 @@ fail:
 
 #define SG__COLL_SUM_BLOCK 1024 /* elements summed per block: the fp32 partials stay in L1 */
 
+/* Elements [b, b + m) of the sum in element type T, in k order, as plain loops over a block
+ * (the compiler vectorizes them, unlike the tiled kernel). Written once for float and double:
+ * C has no generics, and the two differ only in T. */
+#define SG__COLL_SUM_BLOCK_FN(name, T)                                                    \
+  static void name(void *dst, const void *const *src, int nsrc, size_t b, size_t m) {   \
+    T acc[SG__COLL_SUM_BLOCK];                                                          \
+    const T *s0 = (const T *)src[0] + b;                                                \
+    for (size_t i = 0; i < m; i++) acc[i] = s0[i];                                      \
+    for (int k = 1; k < nsrc; k++) {                                                    \
+      const T *restrict sk = (const T *)src[k] + b;                                     \
+      for (size_t i = 0; i < m; i++) acc[i] = acc[i] + sk[i];                           \
+    }                                                                                   \
+    memcpy((T *)dst + b, acc, m * sizeof *acc);                                         \
+  }
+SG__COLL_SUM_BLOCK_FN(sum_block_f32, float)
+SG__COLL_SUM_BLOCK_FN(sum_block_f64, double)
+#undef SG__COLL_SUM_BLOCK_FN
+
 /* dst[i] = sum over k of src[k][i] in k order, rounded once to dtype (fp32 math; f64: f64).
- * dst may be one of the sources. f32 and f64 are plain loops over a block (the compiler
- * vectorizes them, unlike the tiled kernel); bf16/f16 use the kernel the local backend uses. */
+ * dst may be one of the sources. f32 and f64 by blocks; bf16/f16 use the kernel the local
+ * backend uses. */
 static void sum_sources(void *dst, const void *const *src, int nsrc, int dtype, size_t n) {
   if (is_wide(dtype)) {
     sg__cpu_reduce_sum(dst, src, nsrc, dtype, n);
@@ -425,25 +443,10 @@ static void sum_sources(void *dst, const void *const *src, int nsrc, int dtype, 
   }
   for (size_t b = 0; b < n; b += SG__COLL_SUM_BLOCK) {
     const size_t m = n - b < SG__COLL_SUM_BLOCK ? n - b : SG__COLL_SUM_BLOCK;
-    if (dtype == SG_F32) {
-      float acc[SG__COLL_SUM_BLOCK];
-      const float *s0 = (const float *)src[0] + b;
-      for (size_t i = 0; i < m; i++) acc[i] = s0[i];
-      for (int k = 1; k < nsrc; k++) {
-        const float *restrict sk = (const float *)src[k] + b;
-        for (size_t i = 0; i < m; i++) acc[i] = acc[i] + sk[i];
-      }
-      memcpy((float *)dst + b, acc, m * sizeof *acc);
-    } else {
-      double acc[SG__COLL_SUM_BLOCK];
-      const double *s0 = (const double *)src[0] + b;
-      for (size_t i = 0; i < m; i++) acc[i] = s0[i];
-      for (int k = 1; k < nsrc; k++) {
-        const double *restrict sk = (const double *)src[k] + b;
-        for (size_t i = 0; i < m; i++) acc[i] = acc[i] + sk[i];
-      }
-      memcpy((double *)dst + b, acc, m * sizeof *acc);
-    }
+    if (dtype == SG_F32)
+      sum_block_f32(dst, src, nsrc, b, m);
+    else
+      sum_block_f64(dst, src, nsrc, b, m);
   }
 }
 
