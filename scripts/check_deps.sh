@@ -50,8 +50,8 @@ declare -A ALLOW=(
 )
 # single files allowed a header of a folder their folder may not reach: "file header" (why)
 EXCEPTIONS=(
-  # the NCCL communicator picks its GPU at creation as the CUDA device does (its stream and
-  # waits come through the device vtable's comm_attach)
+  # the NCCL communicator picks its GPU at creation and tells device from host buffers as the
+  # CUDA device does (its stream and waits come through the device vtable's comm_attach)
   "src/comm/nccl.c src/device/sg_device_cuda.h"
 )
 # system headers -> the only files (regex over the path) that may include them

@@ -61,7 +61,7 @@
 #include <mpi.h> /* bootstrap only: MPI_Bcast of the id, MPI_Comm_split_type for the local GPU */
 #endif
 
-#include "../device/sg_device_cuda.h" /* comm stream of the bound device, wait hooks */
+#include "../device/sg_device_cuda.h" /* sg__device_cuda_pick, sg__device_cuda_mem_kind */
 #include "sg_comm.h"                  /* sg_comm, sg__comm_ops, sg__comm_fail */
 #include "sg_nccl_dl.h"               /* NCCL's functions, loaded at run time */
 #include "sg_nccl_internal.h"         /* id file bootstrap */
@@ -402,17 +402,6 @@ static sg_status sg__nccl_enqueue(sg_comm *c, const sg__nccl_call *k, void *buf,
   return sg__nccl_settle(c, g, fn, "ncclGroupEnd", deadline_ms, __LINE__);
 }
 
-/* Device memory (or managed): NCCL can use it directly. Anything else is host memory. */
-static int sg__nccl_is_device(const void *p) {
-  struct cudaPointerAttributes a;
-  memset(&a, 0, sizeof a);
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-}
-
 /* Host buffers go through device memory: copy in, collective, wait (deadline), copy out. The
  * wait comes before the copy back, which would otherwise block without a deadline. */
 static sg_status sg__nccl_staged(sg_comm *c, const sg__nccl_call *k, void *buf, cudaStream_t s,
@@ -453,7 +442,7 @@ static sg_status sg__nccl_run(sg_comm *c, const sg__nccl_call *k, void *buf, con
   int bound;
   sg__nccl_stream(c, &s, &bound);
   sg_status st;
-  if (!sg__nccl_is_device(buf)) {
+  if (sg__device_cuda_mem_kind(buf) != SG__CUDA_MEM_DEVICE) { /* NCCL can use device memory */
     st = sg__nccl_staged(c, k, buf, s, fn, deadline_ms);
   } else {
     st = sg__nccl_enqueue(c, k, buf, s, fn, deadline_ms);

@@ -50,7 +50,7 @@
 
 #include "../../kernels/cuda/sg_cuda_kernels.h" /* sg__cuda_* launchers */
 #include "sg_device.h"                          /* sg__device, sg__device_ops */
-#include "sg_device_cuda.h"                     /* sg__device_cuda_pick */
+#include "sg_device_cuda.h"                     /* sg__device_cuda_pick, _mem_kind */
 #include "sg_jobq.h"                            /* the comm job queue */
 
 #define SG__CUDA_RING 1024 /* ticket events; power of two */
@@ -346,15 +346,19 @@ static void sg__cudev_host_free(sg__device *dev, void *p) {
 
 /* ---- copies and fills ------------------------------------------------------------------- */
 
-/* Host memory the runtime has pinned (cudaMallocHost, cudaHostRegister). */
-static int sg__cuda_is_pinned(const void *p) {
+int sg__device_cuda_mem_kind(const void *p) {
   struct cudaPointerAttributes a;
   memset(&a, 0, sizeof a);
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
+    (void)cudaGetLastError(); /* not sticky: an unknown pointer is pageable host memory */
+    return SG__CUDA_MEM_HOST;
   }
-  return a.type == cudaMemoryTypeHost;
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) return SG__CUDA_MEM_DEVICE;
+  return a.type == cudaMemoryTypeHost ? SG__CUDA_MEM_PINNED : SG__CUDA_MEM_HOST;
+}
+
+static int sg__cuda_is_pinned(const void *p) {
+  return sg__device_cuda_mem_kind(p) == SG__CUDA_MEM_PINNED;
 }
 
 /* A copy from or to pageable host memory. The driver would do it synchronously, blocking

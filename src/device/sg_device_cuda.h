@@ -1,5 +1,5 @@
-/* What the CUDA-specific parts of the library (the NCCL communicator's creation) need from the
- * CUDA device beyond the sg_device.h vtable. Communicators get the device's comm stream and
+/* What the CUDA-specific parts of the library (the NCCL communicator: its GPU, where a buffer
+ * lives) need from the CUDA device beyond the sg_device.h vtable. Communicators get the device's comm stream and
  * take part in its waits through comm_attach (sg_device.h). */
 #ifndef SG_DEVICE_CUDA_H
 #define SG_DEVICE_CUDA_H
@@ -10,6 +10,12 @@
 /* Checks and picks the GPU for `fn`: cuda_device, or the calling thread's current one for -1
  * (SG_ERR_CUDA "no CUDA device found", SG_ERR_INVALID_ARGUMENT out of range). */
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn);
+
+/* Where the runtime says p lives: device or managed memory (a collective or kernel can use it
+ * directly), host memory it pinned (cudaMallocHost, cudaHostRegister: async copies), or anything
+ * else, pageable host memory. */
+enum { SG__CUDA_MEM_HOST, SG__CUDA_MEM_PINNED, SG__CUDA_MEM_DEVICE };
+int sg__device_cuda_mem_kind(const void *p);
 #endif
 
 #endif /* SG_DEVICE_CUDA_H */
