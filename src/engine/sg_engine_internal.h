@@ -178,6 +178,9 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn);
 /* No micro-batch in progress (SG_ERR_INVALID_STATE otherwise) and the comm queue drained: the
  * collectives of sg_get_master and friends then line up on every rank. */
 sg_status sg__grads_idle(sg_engine *e, const char *fn);
+/* SG_ERR_INVALID_STATE while a micro-batch is open: for calls that change how the next one runs
+ * (sg_set_sync, sg_set_microbatches). */
+sg_status sg__grads_between(const sg_engine *e, const char *fn);
 /* Empties the accumulator: after a step, and a load (with the no_sync sums). Nothing is written:
  * each bucket's next reduction writes its part (DESIGN.md section 4). */
 sg_status sg__grads_clear_accum(sg_engine *e);

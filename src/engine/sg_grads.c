@@ -382,9 +382,7 @@ sg_status sg_set_sync(sg_engine *e, int enabled) {
   SG_TRY(sg__engine_check(e, fn, 1));
   if (enabled != 0 && enabled != 1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: enabled must be 0 or 1 (got %d)", fn, enabled);
-  if (e->g.touched)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call it between "
-                   "micro-batches (after sg_backward_end)", fn);
+  SG_TRY(sg__grads_between(e, fn));
   if (!enabled && !e->g.nosync) {
     sg_status st = alloc_nosync(e);
     if (st != SG_OK) return sg__err_prefix(st, fn);
@@ -402,6 +400,13 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn) {
     SG_TRY(unfold_local(e, b, slot));
     SG_TRY(submit_reduce(e, b, slot));
   }
+  return SG_OK;
+}
+
+sg_status sg__grads_between(const sg_engine *e, const char *fn) {
+  if (e->g.touched)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call it between "
+                   "micro-batches (after sg_backward_end)", fn);
   return SG_OK;
 }
 

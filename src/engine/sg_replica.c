@@ -187,9 +187,7 @@ sg_status sg_set_microbatches(sg_engine *e, int n) {
   SG_TRY(sg__engine_check(e, fn, 1));
   if (n < 0 || n > (1 << 20))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: n must be in 0..%d (got %d)", fn, 1 << 20, n);
-  if (e->g.touched)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call it between "
-                   "micro-batches (after sg_backward_end)", fn);
+  SG_TRY(sg__grads_between(e, fn));
   e->rep.microbatches = n;
   return SG_OK;
 }
