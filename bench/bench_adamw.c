@@ -166,7 +166,7 @@ static sg__adamw_args args_of(const state *s, uint64_t t) {
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
   a.param = s->param, a.param_dtype = s->bf16 ? 1 : 0, a.master = s->master;
-  a.m = s->m, a.v = s->v, a.grad = s->grad, a.grad_dtype = 0;
+  a.state[SG__ADAMW_M] = s->m, a.state[SG__ADAMW_V] = s->v, a.grad = s->grad, a.grad_dtype = 0;
   a.segs = s->segs, a.nsegs = s->nsegs;
   a.grad_scale = 0.5f;
   sg__adamw_scalars(&a, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
@@ -188,8 +188,8 @@ static int check_step(state *s) {
   for (size_t j = 0; j < ns && j * stride < s->n; j++) {
     size_t i = j * stride;
     const sg__seg *sg = &s->segs[i / SEG_MAX];
-    sg_elem_adamw_k k = sg_elem_adamw_consts(sg->decay ? a.decay_factor : 1.0f, a.one_minus_beta1,
-                                             a.beta2, a.one_minus_beta2, a.step_size, a.bc2_sqrt, a.eps);
+    sg_elem_adamw_k k = sg_elem_adamw_consts(sg->decay ? a.group_scalar[0][SG__ADAMW_DECAY_FACTOR] : 1.0f, a.scalar[SG__ADAMW_ONE_MINUS_BETA1],
+                                             a.scalar[SG__ADAMW_BETA2], a.scalar[SG__ADAMW_ONE_MINUS_BETA2], a.group_scalar[0][SG__ADAMW_STEP_SIZE], a.scalar[SG__ADAMW_BC2_SQRT], a.scalar[SG__ADAMW_EPS]);
     float m = m0[j], v = v0[j];
     float p = sg_elem_adamw(p0[j], s->grad[i] * a.grad_scale, &m, &v, k);
     float got = s->bf16 ? s->master[i] : ((float *)s->param)[i];

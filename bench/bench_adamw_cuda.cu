@@ -84,10 +84,10 @@ void state_init(state &s, size_t n, int bf16, cudaStream_t st) {
   CU(cudaMalloc((void **)&s.m, 4 * n));
   CU(cudaMalloc((void **)&s.v, 4 * n));
   CU(cudaMalloc((void **)&s.grad, 4 * n));
-  const size_t tb = sg__cuda_adamw_table_bytes((int)s.segs.size());
+  const size_t tb = sg__cuda_seg_table_bytes((int)s.segs.size());
   CU(cudaMallocHost(&s.table_host, tb));
   CU(cudaMalloc(&s.table_dev, tb));
-  sg__cuda_adamw_table_build(s.table_host, s.segs.data(), (int)s.segs.size(), &s.work);
+  sg__cuda_seg_table_build(s.table_host, s.segs.data(), (int)s.segs.size(), &s.work);
   CU(cudaMemcpyAsync(s.table_dev, s.table_host, tb, cudaMemcpyHostToDevice, st));
 }
 
@@ -101,7 +101,7 @@ sg__adamw_args args_of(const state &s, uint64_t t) {
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
   a.param = s.param, a.param_dtype = s.bf16 ? 1 : 0, a.master = s.master;
-  a.m = s.m, a.v = s.v, a.grad = s.grad, a.grad_dtype = 0;
+  a.state[SG__ADAMW_M] = s.m, a.state[SG__ADAMW_V] = s.v, a.grad = s.grad, a.grad_dtype = 0;
   a.segs = s.segs.data(), a.nsegs = (int)s.segs.size();
   a.grad_scale = 0.5f;
   sg__adamw_scalars(&a, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
@@ -149,7 +149,7 @@ size_t check(sg__cuda_launch L, cudaStream_t st, int bf16) {
   sg__adamw_args a = args_of(s, 3);
   a.param = bf16 ? (void *)pb.data() : (void *)p.data();
   a.master = bf16 ? p.data() : nullptr;
-  a.m = m.data(), a.v = v.data(), a.grad = g.data();
+  a.state[SG__ADAMW_M] = m.data(), a.state[SG__ADAMW_V] = v.data(), a.grad = g.data();
   sg__cpu_adamw(&a);
   size_t bad = 0;
   for (size_t i = 0; i < n; i++) {

@@ -189,7 +189,7 @@ static void shard_free(shard *s) {
 static sg__adamw_args args_of(const shard *s, uint64_t t, float grad_scale) {
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
-  a.param_dtype = 1, a.master = s->master, a.m = s->m, a.v = s->v;
+  a.param_dtype = 1, a.master = s->master, a.state[SG__ADAMW_M] = s->m, a.state[SG__ADAMW_V] = s->v;
   a.grad = s->acc, a.grad_dtype = 0, a.segs = s->segs, a.nsegs = s->nsegs;
   a.grad_scale = grad_scale;
   sg__adamw_scalars(&a, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
@@ -210,7 +210,7 @@ static double step_once(shard *s, uint64_t t, times *tm) {
   double t2 = now_s();
   sg__adamw_args a = args_of(s, t, scale);
   uint64_t last = 0;
-  if (sg__host_pipe_update(&s->pipe, &a, s->dparam, INT64_MAX, &last) != SG_OK) die("update");
+  if (sg__host_pipe_update(&s->pipe, sg__optim_find("adamw"), &a, s->dparam, INT64_MAX, &last) != SG_OK) die("update");
   if (sg__host_pipe_drain(&s->pipe, INT64_MAX) != SG_OK) die("drain");
   double t3 = now_s();
   if (tm) *tm = (times){t1 - t0, t2 - t1, t3 - t2};
@@ -245,9 +245,9 @@ static int check_step(shard *s) {
   for (size_t j = 0; j < ns && j * stride < s->n; j++) {
     size_t i = j * stride;
     const sg__seg *sg = &s->segs[i / SEG_MAX];
-    sg_elem_adamw_k k = sg_elem_adamw_consts(sg->decay ? a.decay_factor : 1.0f, a.one_minus_beta1,
-                                             a.beta2, a.one_minus_beta2, a.step_size, a.bc2_sqrt,
-                                             a.eps);
+    sg_elem_adamw_k k = sg_elem_adamw_consts(sg->decay ? a.group_scalar[0][SG__ADAMW_DECAY_FACTOR] : 1.0f, a.scalar[SG__ADAMW_ONE_MINUS_BETA1],
+                                             a.scalar[SG__ADAMW_BETA2], a.scalar[SG__ADAMW_ONE_MINUS_BETA2], a.group_scalar[0][SG__ADAMW_STEP_SIZE], a.scalar[SG__ADAMW_BC2_SQRT],
+                                             a.scalar[SG__ADAMW_EPS]);
     float m = m0[j], v = v0[j];
     float p = sg_elem_adamw(p0[j], s->hgrad[i] * scale, &m, &v, k);
     ok &= s->master[i] == p && s->m[i] == m && s->v[i] == v && hp[i] == sg_elem_f32_to_bf16(p);

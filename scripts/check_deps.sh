@@ -8,6 +8,10 @@
 # 2. System headers of the backends: CUDA and NCCL headers only in the files that own them,
 #    mpi.h only in the MPI communicator.
 # 3. The public header includes nothing but <stddef.h> and <stdint.h>.
+# 4. Strategy seam: no code outside src/engine/strategy/ branches on the strategy.
+# 5. Optimizer seam: in src/ only an optimizer's own file (src/optim/sg_<name>.c) and the table
+#    registering it (src/optim/sg_optimizer.c) name it (AdamW: adamw, exp_avg, m_off/v_off);
+#    everything else knows it by its descriptor (its kernels live in kernels/).
 # Prints one line per violation and exits 1 if there is any.
 # --selftest: the rules must catch a planted violation of each kind in a copy of the tree.
 set -u
@@ -20,12 +24,13 @@ if [ "${1:-}" = --selftest ]; then
   echo '#include <mpi.h>' >> "$tmp/src/engine/sg_step.c"
   echo '#include <stdio.h>' >> "$tmp/include/shardgrad.h"
   echo 'static int planted(const sg_engine *e) { return e->cfg.strategy == SG_NO_SHARD; }' >> "$tmp/src/engine/sg_grads.c"
+  echo '/* planted: sg__cpu_adamw */' >> "$tmp/src/device/cpu.c"
   out=$("$0" "$tmp")
   rc=$?
-  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\)')
+  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\|names an optimizer\)')
   echo "$out"
-  if [ $rc = 1 ] && [ "$n" = 4 ]; then echo "check_deps selftest: the 4 planted violations found"; exit 0; fi
-  echo "check_deps selftest: expected exit 1 and 4 violations, got exit $rc and $n"
+  if [ $rc = 1 ] && [ "$n" = 5 ]; then echo "check_deps selftest: the 5 planted violations found"; exit 0; fi
+  echo "check_deps selftest: expected exit 1 and 5 violations, got exit $rc and $n"
   exit 1
 fi
 root=${1:-$here}
@@ -39,14 +44,14 @@ declare -A ALLOW=(
   [kernels]="include"
   [kernels/cpu]="include kernels kernels/cuda" # sumsq's chunk size, shared with the GPU partition
   [kernels/cuda]="include kernels"
-  [src/device]="include src/core kernels kernels/cpu kernels/cuda"
+  [src/optim]="include src/core kernels kernels/cpu kernels/cuda" # descriptors over the kernels
+  [src/device]="include src/core src/optim kernels kernels/cpu kernels/cuda"
   [src/comm]="include src/core src/device kernels kernels/cpu"
-  [src/offload]="include src/core src/device kernels kernels/cpu"
+  [src/offload]="include src/core src/device src/optim kernels kernels/cpu"
   [src/memory]="include src/core src/plan src/device src/comm kernels"
-  [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload kernels kernels/cpu"
-  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/offload src/engine kernels kernels/cpu"
-  [src/engine/optim]="include src/core src/device src/engine kernels kernels/cpu"
-  [src/ckpt]="include src/core src/plan src/memory src/device src/comm src/engine kernels kernels/cpu"
+  [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload src/optim kernels kernels/cpu"
+  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/offload src/optim src/engine kernels kernels/cpu"
+  [src/ckpt]="include src/core src/plan src/memory src/device src/comm src/engine src/optim kernels kernels/cpu"
 )
 # single files allowed a header of a folder their folder may not reach: "file header" (why)
 EXCEPTIONS=(
@@ -143,6 +148,16 @@ for f in $files; do
   [[ $f =~ $strategy_files ]] && continue
   grep -nE 'strategy[[:space:]]*(==|!=|<=|>=|<|>)|[!=]=[[:space:]]*SG_(NO_SHARD|SHARD_OPT|SHARD_GRAD_OP)\b|case[[:space:]]+SG_(NO_SHARD|SHARD_OPT|SHARD_GRAD_OP)\b|switch[[:space:]]*\([^)]*strategy' "$f" |
     while IFS= read -r hit; do echo "check_deps: $f:$hit: branches on the strategy outside src/engine/strategy/"; done |
+    grep . && fail=1
+done
+# 5. Optimizer seam: the names of an optimizer only in its descriptor's file (src/optim/) and
+#    its kernels (kernels/, outside src/).
+optim_files='^src/optim/(sg_adamw\.c|sg_optimizer\.c)$' # its file, and the table registering it
+for f in $files; do
+  [[ $f =~ ^src/ ]] || continue
+  [[ $f =~ $optim_files ]] && continue
+  grep -niE 'adamw|exp_avg|\<[mv]_off\>' "$f" |
+    while IFS= read -r hit; do echo "check_deps: $f:$hit: names an optimizer outside its file (src/optim/)"; done |
     grep . && fail=1
 done
 [ $fail = 0 ] && echo "check_deps: $(echo "$files" | wc -l) files follow the dependency rules"

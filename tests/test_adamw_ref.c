@@ -126,12 +126,12 @@ static sg__adamw_args step_args(const ref_case *c, uint64_t t, float wd) {
   double bc1 = 1.0 - pow((double)c->beta1, (double)t), bc2 = 1.0 - pow((double)c->beta2, (double)t);
   a.grad_dtype = 0;
   a.grad_scale = c->coef[t - 1]; /* W = 1, loss scale 1: the clip coefficient alone */
-  a.decay_factor = (float)(1.0 - (double)c->lr * (double)wd);
-  a.beta1 = c->beta1, a.one_minus_beta1 = (float)(1.0 - (double)c->beta1);
-  a.beta2 = c->beta2, a.one_minus_beta2 = (float)(1.0 - (double)c->beta2);
-  a.step_size = (float)((double)c->lr / bc1);
-  a.bc2_sqrt = (float)sqrt(bc2);
-  a.eps = c->eps;
+  a.group_scalar[0][SG__ADAMW_DECAY_FACTOR] = (float)(1.0 - (double)c->lr * (double)wd);
+  a.scalar[SG__ADAMW_BETA1] = c->beta1, a.scalar[SG__ADAMW_ONE_MINUS_BETA1] = (float)(1.0 - (double)c->beta1);
+  a.scalar[SG__ADAMW_BETA2] = c->beta2, a.scalar[SG__ADAMW_ONE_MINUS_BETA2] = (float)(1.0 - (double)c->beta2);
+  a.group_scalar[0][SG__ADAMW_STEP_SIZE] = (float)((double)c->lr / bc1);
+  a.scalar[SG__ADAMW_BC2_SQRT] = (float)sqrt(bc2);
+  a.scalar[SG__ADAMW_EPS] = c->eps;
   a.step = t;
   return a;
 }
@@ -193,7 +193,7 @@ static errs run_f32(const ref_case *c, int replay) {
     }
     memcpy(before, p, 4 * n);
     sg__adamw_args a = step_args(c, t, c->wd);
-    a.param = p, a.param_dtype = 0, a.m = m, a.v = v, a.grad = c->grad + (t - 1) * n;
+    a.param = p, a.param_dtype = 0, a.state[SG__ADAMW_M] = m, a.state[SG__ADAMW_V] = v, a.grad = c->grad + (t - 1) * n;
     a.segs = &seg, a.nsegs = 1;
     sg__cpu_adamw(&a);
     measure(&e, before, p, m, v, c->p + (t - 1) * n, c->m + (t - 1) * n, c->v + (t - 1) * n, n);
@@ -245,7 +245,7 @@ static int run_segments(const ref_case *c, int pdt, float wd, int (*decay_of)(in
       memcpy(&grad[segs[k].shard_off], c->grad + (t - 1) * n + cuts[k], 4 * segs[k].len);
     sg__adamw_args a = step_args(c, t, wd);
     a.param = flat, a.param_dtype = pdt, a.master = pdt ? (float *)master : NULL;
-    a.m = (float *)shard_m, a.v = (float *)shard_v, a.grad = grad;
+    a.state[SG__ADAMW_M] = (float *)shard_m, a.state[SG__ADAMW_V] = (float *)shard_v, a.grad = grad;
     a.segs = segs, a.nsegs = nseg;
     sg__cpu_adamw(&a);
     for (int k = 0; k < nseg; k++)
@@ -314,7 +314,7 @@ static void check_layouts(const ref_case *c) {
     sg__seg s1 = {0, 0, n, 1, 0, 0};
     for (uint32_t t = 1; t <= c->steps; t++) {
       sg__adamw_args a = step_args(c, t, c->wd);
-      a.param = p, a.m = m, a.v = v, a.grad = c->grad + (t - 1) * n, a.segs = &s1, a.nsegs = 1;
+      a.param = p, a.state[SG__ADAMW_M] = m, a.state[SG__ADAMW_V] = v, a.grad = c->grad + (t - 1) * n, a.segs = &s1, a.nsegs = 1;
       sg__cpu_adamw(&a);
       memcpy(one + (t - 1) * n, p, 4 * n);
     }

@@ -227,21 +227,21 @@ static void adamw_args(sg__adamw_args *a, adamw_state *s, int pdt, int gdt, bool
   a->param = s->param.data();
   a->param_dtype = pdt;
   a->master = master ? s->master.data() : nullptr;
-  a->m = s->m.data();
-  a->v = s->v.data();
+  a->state[SG__ADAMW_M] = s->m.data();
+  a->state[SG__ADAMW_V] = s->v.data();
   a->grad = s->grad.data();
   a->grad_dtype = gdt;
   a->segs = segs;
   a->nsegs = nsegs;
   a->grad_scale = 0.25f;
-  a->decay_factor = (float)(1.0 - lr * wd);
-  a->beta1 = (float)b1;
-  a->one_minus_beta1 = (float)(1.0 - b1);
-  a->beta2 = (float)b2;
-  a->one_minus_beta2 = (float)(1.0 - b2);
-  a->step_size = (float)(lr / (1.0 - std::pow(b1, (double)step)));
-  a->bc2_sqrt = (float)std::sqrt(1.0 - std::pow(b2, (double)step));
-  a->eps = 1e-8f;
+  a->group_scalar[0][SG__ADAMW_DECAY_FACTOR] = (float)(1.0 - lr * wd);
+  a->scalar[SG__ADAMW_BETA1] = (float)b1;
+  a->scalar[SG__ADAMW_ONE_MINUS_BETA1] = (float)(1.0 - b1);
+  a->scalar[SG__ADAMW_BETA2] = (float)b2;
+  a->scalar[SG__ADAMW_ONE_MINUS_BETA2] = (float)(1.0 - b2);
+  a->group_scalar[0][SG__ADAMW_STEP_SIZE] = (float)(lr / (1.0 - std::pow(b1, (double)step)));
+  a->scalar[SG__ADAMW_BC2_SQRT] = (float)std::sqrt(1.0 - std::pow(b2, (double)step));
+  a->scalar[SG__ADAMW_EPS] = 1e-8f;
   a->stochastic_rounding = sr;
   a->seed = 99;
   a->step = step;
@@ -249,8 +249,8 @@ static void adamw_args(sg__adamw_args *a, adamw_state *s, int pdt, int gdt, bool
   a->ngroups = ngroups;
   for (int g = 1; g < ngroups; g++) {
     const double lr_g = lr * (g + 1), wd_g = 0.05 * g;
-    a->group_decay_factor[g] = (float)(1.0 - lr_g * wd_g);
-    a->group_step_size[g] = (float)(lr_g / (1.0 - std::pow(b1, (double)step)));
+    a->group_scalar[g][SG__ADAMW_DECAY_FACTOR] = (float)(1.0 - lr_g * wd_g);
+    a->group_scalar[g][SG__ADAMW_STEP_SIZE] = (float)(lr_g / (1.0 - std::pow(b1, (double)step)));
   }
 }
 
@@ -284,9 +284,9 @@ static void test_adamw() {
     sg__cpu_adamw(&a);
     for (int g : k_grids) {
       adamw_state s = s0;
-      std::vector<char> table(sg__cuda_adamw_table_bytes(nsegs));
+      std::vector<char> table(sg__cuda_seg_table_bytes(nsegs));
       uint64_t work = 0;
-      sg__cuda_adamw_table_build(table.data(), segs, nsegs, &work);
+      sg__cuda_seg_table_build(table.data(), segs, nsegs, &work);
       adamw_args(&a, &s, c.pdt, c.gdt, c.master, c.sr, segs, nsegs, 5, ngroups);
       sg__cuda_launch L = {nullptr, g};
       int rc = sg__cuda_adamw(L, &a, table.data(), work);

@@ -443,28 +443,28 @@ static void kernels(sg__device *d) {
   a.grad_dtype = SG_F32;
   a.segs = segs;
   a.grad_scale = 0.5f;
-  a.decay_factor = 0.9999f;
-  a.beta1 = 0.9f;
-  a.one_minus_beta1 = 0.1f;
-  a.beta2 = 0.999f;
-  a.one_minus_beta2 = 0.001f;
-  a.bc2_sqrt = 0.05f;
-  a.eps = 1e-8f;
+  a.group_scalar[0][SG__ADAMW_DECAY_FACTOR] = 0.9999f;
+  a.scalar[SG__ADAMW_BETA1] = 0.9f;
+  a.scalar[SG__ADAMW_ONE_MINUS_BETA1] = 0.1f;
+  a.scalar[SG__ADAMW_BETA2] = 0.999f;
+  a.scalar[SG__ADAMW_ONE_MINUS_BETA2] = 0.001f;
+  a.scalar[SG__ADAMW_BC2_SQRT] = 0.05f;
+  a.scalar[SG__ADAMW_EPS] = 1e-8f;
   a.stochastic_rounding = 1;
   a.seed = 5;
   int ok = 1;
   for (int step = 1; step <= 3; step++) {
     a.step = (uint64_t)step;
-    a.step_size = 0.001f * (float)step;
+    a.group_scalar[0][SG__ADAMW_STEP_SIZE] = 0.001f * (float)step;
     a.segs = step == 3 ? segs + 1 : segs; /* the third step changes the table: upload again */
     a.nsegs = step == 3 ? 2 : 3;
-    a.param = p_h, a.master = mst_h, a.m = m_h, a.v = v_h, a.grad = g_h;
+    a.param = p_h, a.master = mst_h, a.state[SG__ADAMW_M] = m_h, a.state[SG__ADAMW_V] = v_h, a.grad = g_h;
     sg__cpu_adamw(&a);
-    a.param = p, a.master = mst, a.m = m, a.v = v, a.grad = g;
+    a.param = p, a.master = mst, a.state[SG__ADAMW_M] = m, a.state[SG__ADAMW_V] = v, a.grad = g;
     /* Step 2's table is step 1's, used on the other queue; step 3 uploads another one. The
      * barriers order the data (same buffers on both queues). */
     if (step > 1) queue_barrier(d);
-    ok &= o->adamw(d, step == 2 ? SG_Q_COMM : SG_Q_COMPUTE, &a) == SG_OK;
+    ok &= o->update(d, step == 2 ? SG_Q_COMM : SG_Q_COMPUTE, sg__optim_find("adamw"), &a) == SG_OK;
   }
   static uint16_t p_got[S];
   static float f_got[S];
@@ -568,19 +568,19 @@ static void adam_args(sg__adamw_args *a, uint64_t step) {
   a->param_dtype = SG_BF16;
   a->grad_dtype = SG_F32;
   a->grad_scale = 0.25f;
-  a->decay_factor = 0.999f;
-  a->beta1 = 0.9f, a->one_minus_beta1 = 0.1f;
-  a->beta2 = 0.999f, a->one_minus_beta2 = 0.001f;
-  a->bc2_sqrt = 0.05f;
-  a->eps = 1e-8f;
+  a->group_scalar[0][SG__ADAMW_DECAY_FACTOR] = 0.999f;
+  a->scalar[SG__ADAMW_BETA1] = 0.9f, a->scalar[SG__ADAMW_ONE_MINUS_BETA1] = 0.1f;
+  a->scalar[SG__ADAMW_BETA2] = 0.999f, a->scalar[SG__ADAMW_ONE_MINUS_BETA2] = 0.001f;
+  a->scalar[SG__ADAMW_BC2_SQRT] = 0.05f;
+  a->scalar[SG__ADAMW_EPS] = 1e-8f;
   a->stochastic_rounding = 1;
   a->seed = 11;
   a->step = step;
-  a->step_size = 0.002f * (float)step;
+  a->group_scalar[0][SG__ADAMW_STEP_SIZE] = 0.002f * (float)step;
   a->ngroups = g_adam_groups;
   for (int g = 1; g < g_adam_groups; g++) {
-    a->group_decay_factor[g] = 1.0f - 0.003f * (float)g;
-    a->group_step_size[g] = 0.001f * (float)(g + 2) * (float)step;
+    a->group_scalar[g][SG__ADAMW_DECAY_FACTOR] = 1.0f - 0.003f * (float)g;
+    a->group_scalar[g][SG__ADAMW_STEP_SIZE] = 0.001f * (float)(g + 2) * (float)step;
   }
 }
 
@@ -590,10 +590,10 @@ static int adam_call(sg__device *d, sg__queue q, adam_bufs *b, const sg__seg *se
   sg__adamw_args a;
   adam_args(&a, step);
   a.segs = segs, a.nsegs = n;
-  a.param = b->hp, a.master = b->hmst, a.m = b->hm, a.v = b->hv, a.grad = b->hg;
+  a.param = b->hp, a.master = b->hmst, a.state[SG__ADAMW_M] = b->hm, a.state[SG__ADAMW_V] = b->hv, a.grad = b->hg;
   sg__cpu_adamw(&a);
-  a.param = b->p, a.master = b->mst, a.m = b->m, a.v = b->v, a.grad = b->g;
-  return d->ops->adamw(d, q, &a) == SG_OK;
+  a.param = b->p, a.master = b->mst, a.state[SG__ADAMW_M] = b->m, a.state[SG__ADAMW_V] = b->v, a.grad = b->g;
+  return d->ops->update(d, q, sg__optim_find("adamw"), &a) == SG_OK;
 }
 
 static const char *const g_counted[] = {"cudaMemcpyAsync", "cudaMallocAsync", "cudaMallocHost",

@@ -466,8 +466,8 @@ typedef struct adamw_case {
 } adamw_case;
 
 static void adamw_naive(const sg__adamw_args *a, const void *grad0) {
-  sg_elem_adamw_k k = sg_elem_adamw_consts(a->decay_factor, a->one_minus_beta1, a->beta2,
-                                           a->one_minus_beta2, a->step_size, a->bc2_sqrt, a->eps);
+  sg_elem_adamw_k k = sg_elem_adamw_consts(a->group_scalar[0][SG__ADAMW_DECAY_FACTOR], a->scalar[SG__ADAMW_ONE_MINUS_BETA1], a->scalar[SG__ADAMW_BETA2],
+                                           a->scalar[SG__ADAMW_ONE_MINUS_BETA2], a->group_scalar[0][SG__ADAMW_STEP_SIZE], a->scalar[SG__ADAMW_BC2_SQRT], a->scalar[SG__ADAMW_EPS]);
   for (int s = 0; s < a->nsegs; s++) {
     const sg__seg *sg = &a->segs[s];
     sg_elem_adamw_k ks = k;
@@ -476,7 +476,7 @@ static void adamw_naive(const sg__adamw_args *a, const void *grad0) {
       size_t so = sg->shard_off + i, fo = sg->flat_off + i;
       float g = sg_elem_load(grad0, a->grad_dtype, so) * a->grad_scale;
       float p = a->master ? a->master[so] : sg_elem_load(a->param, a->param_dtype, fo);
-      p = sg_elem_adamw(p, g, &a->m[so], &a->v[so], ks);
+      p = sg_elem_adamw(p, g, &a->state[SG__ADAMW_M][so], &a->state[SG__ADAMW_V][so], ks);
       if (a->master) a->master[so] = p;
       if (a->stochastic_rounding && a->param_dtype == 1)
         ((uint16_t *)a->param)[fo] = sg_elem_f32_to_bf16_sr(p, sg_elem_hash64(a->seed, a->step, sg->sr_index + i));
@@ -523,16 +523,16 @@ static int adamw_case_ok(adamw_case c, size_t total) {
   a.segs = segs;
   a.nsegs = ns;
   a.grad_scale = 0.5f;
-  a.decay_factor = 0.999f;
-  a.beta1 = 0.9f, a.one_minus_beta1 = (float)(1 - (double)0.9f);
-  a.beta2 = 0.999f, a.one_minus_beta2 = (float)(1 - (double)0.999f);
-  a.step_size = 1e-3f, a.bc2_sqrt = 0.05f, a.eps = 1e-8f;
+  a.group_scalar[0][SG__ADAMW_DECAY_FACTOR] = 0.999f;
+  a.scalar[SG__ADAMW_BETA1] = 0.9f, a.scalar[SG__ADAMW_ONE_MINUS_BETA1] = (float)(1 - (double)0.9f);
+  a.scalar[SG__ADAMW_BETA2] = 0.999f, a.scalar[SG__ADAMW_ONE_MINUS_BETA2] = (float)(1 - (double)0.999f);
+  a.group_scalar[0][SG__ADAMW_STEP_SIZE] = 1e-3f, a.scalar[SG__ADAMW_BC2_SQRT] = 0.05f, a.scalar[SG__ADAMW_EPS] = 1e-8f;
   a.stochastic_rounding = c.sr, a.seed = 99, a.step = 5;
   /* reference on copies */
   sg__adamw_args r = a;
   r.param = dup_buf(param, fn * esize(c.pdt));
   r.master = master ? (float *)dup_buf(master, sn * 4) : NULL;
-  r.m = (float *)dup_buf(m, sn * 4), r.v = (float *)dup_buf(v, sn * 4);
+  r.state[SG__ADAMW_M] = (float *)dup_buf(m, sn * 4), r.state[SG__ADAMW_V] = (float *)dup_buf(v, sn * 4);
   r.grad = grad;
   adamw_naive(&r, grad);
   int ok = 1;
@@ -540,17 +540,17 @@ static int adamw_case_ok(adamw_case c, size_t total) {
     set_threads(g_threads[t]);
     a.param = dup_buf(param, fn * esize(c.pdt));
     a.master = master ? (float *)dup_buf(master, sn * 4) : NULL;
-    a.m = (float *)dup_buf(m, sn * 4), a.v = (float *)dup_buf(v, sn * 4);
+    a.state[SG__ADAMW_M] = (float *)dup_buf(m, sn * 4), a.state[SG__ADAMW_V] = (float *)dup_buf(v, sn * 4);
     a.grad = grad;
     sg__cpu_adamw(&a);
     /* whole buffers compared: padding and gaps must be untouched in both */
     ok &= memcmp(a.param, r.param, fn * esize(c.pdt)) == 0;
-    ok &= memcmp(a.m, r.m, sn * 4) == 0 && memcmp(a.v, r.v, sn * 4) == 0;
+    ok &= memcmp(a.state[SG__ADAMW_M], r.state[SG__ADAMW_M], sn * 4) == 0 && memcmp(a.state[SG__ADAMW_V], r.state[SG__ADAMW_V], sn * 4) == 0;
     if (master) ok &= memcmp(a.master, r.master, sn * 4) == 0;
-    free(a.param), free(a.master), free(a.m), free(a.v);
+    free(a.param), free(a.master), free(a.state[SG__ADAMW_M]), free(a.state[SG__ADAMW_V]);
   }
   set_threads(2);
-  free(r.param), free(r.master), free(r.m), free(r.v);
+  free(r.param), free(r.master), free(r.state[SG__ADAMW_M]), free(r.state[SG__ADAMW_V]);
   free(param), free(grad), free(master), free(m), free(v);
   return ok;
 }

@@ -26,6 +26,9 @@
 #include "sg_elem.h"
 #include "sg_test_check.h"
 
+/* The optimizer under test: its state arrays and CPU update. */
+#define ADAMW sg__optim_find("adamw")
+
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float frand(void) { /* in [-1, 1) */
@@ -199,7 +202,7 @@ static void test_thread_independence(void) {
     sg__cpu_accumulate(acc, 0, h, 1, n);
     sg__adamw_args a;
     memset(&a, 0, sizeof a);
-    a.param = p, a.param_dtype = 1, a.master = master, a.m = m, a.v = v, a.grad = acc;
+    a.param = p, a.param_dtype = 1, a.master = master, a.state[SG__ADAMW_M] = m, a.state[SG__ADAMW_V] = v, a.grad = acc;
     a.segs = segs, a.nsegs = 40, a.grad_scale = 0.5f, a.ngroups = 4, a.stochastic_rounding = 1;
     a.seed = 7;
     sg__adamw_scalars(&a, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 3);
@@ -264,18 +267,18 @@ static void test_update(sg__device *d, const char *dn, upd_case uc) {
            d->ops->copy(d, SG_Q_COMPUTE, dparam, host_param, total * P, SG_COPY_H2D) == SG_OK;
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
-  a.param = host_param, a.param_dtype = uc.param_dtype, a.master = master, a.m = m, a.v = v;
+  a.param = host_param, a.param_dtype = uc.param_dtype, a.master = master, a.state[SG__ADAMW_M] = m, a.state[SG__ADAMW_V] = v;
   a.grad = grad, a.segs = segs, a.nsegs = NS, a.grad_scale = 0.25f;
   a.stochastic_rounding = uc.sr, a.seed = 99, a.ngroups = uc.ngroups;
   sg__adamw_scalars(&a, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 4);
   for (int g = 1; g < uc.ngroups; g++) sg__adamw_group_scalars(&a, g, 2e-2f * (float)g, 0.9f, 0.0f);
   sg__adamw_args b = a;
-  b.m = hm, b.v = hv, b.master = hmaster;
+  b.state[SG__ADAMW_M] = hm, b.state[SG__ADAMW_V] = hv, b.master = hmaster;
   sg__cpu_adamw(&a); /* the reference */
   sg__host_pipe p;
   uint64_t last = 0;
   ok = ok && sg__host_pipe_init(&p, d, uc.chunk, P, 0) == SG_OK;
-  ok = ok && sg__host_pipe_update(&p, &b, dparam, INT64_MAX, &last) == SG_OK && last > 0 &&
+  ok = ok && sg__host_pipe_update(&p, ADAMW, &b, dparam, INT64_MAX, &last) == SG_OK && last > 0 &&
        sg__host_pipe_drain(&p, INT64_MAX) == SG_OK;
   void *back = malloc(total * P);
   ok = ok && d->ops->copy(d, SG_Q_COMPUTE, back, dparam, total * P, SG_COPY_D2H) == SG_OK;
@@ -338,23 +341,23 @@ static void test_errors(sg__device *d, const char *dn) {
   sg__seg segs[2] = {{0, 32, 16, 1, 0, 0}, {16, 0, 16, 1, 0, 0}};
   sg__adamw_args a;
   memset(&a, 0, sizeof a);
-  a.param_dtype = 1, a.master = st, a.m = st, a.v = st, a.grad = st, a.segs = segs, a.nsegs = 2;
+  a.param_dtype = 1, a.master = st, a.state[SG__ADAMW_M] = st, a.state[SG__ADAMW_V] = st, a.grad = st, a.segs = segs, a.nsegs = 2;
   void *dp = NULL;
   d->ops->alloc(d, 256, &dp);
-  CHECK(sg__host_pipe_update(&p, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__host_pipe_update(&p, ADAMW, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
             says("segment 1 is not after segment 0"),
         "%s update: segments out of order refused", dn);
   a.nsegs = 1, a.master = NULL;
-  CHECK(sg__host_pipe_update(&p, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__host_pipe_update(&p, ADAMW, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
             says("NULL optimizer state"), "%s update: bf16 params without master refused", dn);
   a.master = st, a.param_dtype = 0;
-  CHECK(sg__host_pipe_update(&p, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__host_pipe_update(&p, ADAMW, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
             says("does not fit the pipe"), "%s update: f32 params on a bf16 pipe refused", dn);
   a.param_dtype = 1, a.ngroups = 2, segs[0].group = 3;
-  CHECK(sg__host_pipe_update(&p, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__host_pipe_update(&p, ADAMW, &a, dp, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT &&
             says("group"), "%s update: a segment outside ngroups refused", dn);
   segs[0].group = 0;
-  CHECK(sg__host_pipe_update(&p, &a, NULL, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT,
+  CHECK(sg__host_pipe_update(&p, ADAMW, &a, NULL, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT,
         "%s update: NULL device buffer refused", dn);
   CHECK(sg__host_pipe_arrive(&p, st, 2, dp, 0, 8, 0, INT64_MAX) == SG_ERR_INVALID_ARGUMENT &&
             says("bad dtype"), "%s arrive: f16 accumulator refused", dn);

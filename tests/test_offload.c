@@ -20,6 +20,9 @@
 #include "sg_elem.h"
 #include "sg_test_check.h"
 
+/* The optimizer under test: its state arrays and CPU update. */
+#define ADAMW sg__optim_find("adamw")
+
 static uint64_t rng = 0x2545f4914f6cdd1dull;
 static float frand(void) {
   rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
@@ -123,10 +126,10 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
   for (int k = 0; k < NB; k++) maxlen = l.len[k] > maxlen ? l.len[k] : maxlen;
   /* one landing buffer: every landed arrival but the last is folded when the next one takes it */
   const size_t lb = maxlen * es(c.rdt);
-  if (!CHECK(sg__offload_init(&o, d, n, c.pdt, c.adt, NB, l.off, l.len, 1500, 1, lb) == SG_OK,
+  if (!CHECK(sg__offload_init(&o, d, ADAMW, n, c.pdt, c.adt, NB, l.off, l.len, 1500, 1, lb) == SG_OK,
              "%s: init", tag))
     return;
-  CHECK(o.host_bytes == sg__offload_host_bytes(n, c.pdt, c.adt, 1500, 1, lb) &&
+  CHECK(o.host_bytes == sg__offload_host_bytes(ADAMW, n, c.pdt, c.adt, 1500, 1, lb) &&
             o.host_bytes == n * (es(c.adt) + 8 + (c.pdt ? 4 : 0)) + 3 * 1500 * P + lb,
         "%s: host bytes %zu = (A + 8 + master) x numel + the pipe's ring + landing", tag,
         o.host_bytes);
@@ -171,9 +174,9 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
     for (int k = NB - 1; k >= 0 && ok && !skip; k--) {
       sg__adamw_args a = args_for(&c, &l, k, t, (float)(clip / c.mb));
       sg__adamw_args ra = a;
-      ra.param = r.params, ra.master = r.master, ra.m = r.m, ra.v = r.v, ra.grad = r.accum;
+      ra.param = r.params, ra.master = r.master, ra.state[SG__ADAMW_M] = r.m, ra.state[SG__ADAMW_V] = r.v, ra.grad = r.accum;
       uint64_t last = 0;
-      ok = d->ops->adamw(d, SG_Q_COMPUTE, &ra) == SG_OK &&
+      ok = d->ops->update(d, SG_Q_COMPUTE, sg__optim_find("adamw"), &ra) == SG_OK &&
            sg__offload_update(&o, &a, dparams, INT64_MAX, &last) == SG_OK && last > 0;
     }
     t += !skip;
@@ -198,24 +201,24 @@ static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 static void test_errors(sg__device *d, const char *dn) {
   sg__offload o;
   size_t off[2] = {0, 100}, len[2] = {100, 50};
-  CHECK(sg__offload_init(&o, d, 120, 1, 0, 2, off, len, 0, 1, 400) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, ADAMW, 120, 1, 0, 2, off, len, 0, 1, 400) == SG_ERR_INVALID_ARGUMENT &&
             says("outside the shard"), "%s init: a slice outside the shard refused", dn);
-  CHECK(sg__offload_init(&o, d, 150, 1, 2, 2, off, len, 0, 1, 400) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, ADAMW, 150, 1, 2, 2, off, len, 0, 1, 400) == SG_ERR_INVALID_ARGUMENT &&
             says("bad dtype"), "%s init: an f16 accumulator refused", dn);
   sg__device_fail_alloc_after(2);
-  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0, 1, 400) == SG_ERR_OUT_OF_MEMORY && o.dev == NULL,
+  CHECK(sg__offload_init(&o, d, ADAMW, 150, 1, 0, 2, off, len, 0, 1, 400) == SG_ERR_OUT_OF_MEMORY && o.dev == NULL,
         "%s init: a failed pinned allocation frees the rest", dn);
   sg__device_fail_alloc_after(-1);
   sg__offload_free(&o, INT64_MAX);
   sg__offload_free(NULL, INT64_MAX);
-  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0, 1, 150) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, ADAMW, 150, 1, 0, 2, off, len, 0, 1, 150) == SG_ERR_INVALID_ARGUMENT &&
             says("landing buffers"), "%s init: landing buffers smaller than a slice refused", dn);
-  CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 0, 0, 400) == SG_ERR_INVALID_ARGUMENT &&
+  CHECK(sg__offload_init(&o, d, ADAMW, 150, 1, 0, 2, off, len, 0, 0, 400) == SG_ERR_INVALID_ARGUMENT &&
             says("landing buffers"), "%s init: no landing buffer refused", dn);
-  if (!CHECK(sg__offload_init(&o, d, 150, 1, 0, 2, off, len, 1024, 2, 200) == SG_OK, "%s init",
+  if (!CHECK(sg__offload_init(&o, d, ADAMW, 150, 1, 0, 2, off, len, 1024, 2, 200) == SG_OK, "%s init",
              dn))
     return;
-  CHECK(o.host_bytes == sg__offload_host_bytes(150, 1, 0, 1024, 2, 200) &&
+  CHECK(o.host_bytes == sg__offload_host_bytes(ADAMW, 150, 1, 0, 1024, 2, 200) &&
             o.host_bytes == 150 * 16 + 3 * 1024 * 2 + 2 * 200,
         "%s init: host bytes %zu exact", dn, o.host_bytes);
   CHECK(sg__offload_arrive_plan(&o, 2, 0, INT64_MAX) == SG_ERR_INVALID_ARGUMENT &&

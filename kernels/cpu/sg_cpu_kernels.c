@@ -24,6 +24,7 @@
 #endif
 
 #include "../cuda/sg_cuda_kernels.h" /* SG__CUDA_SUMSQ_CHUNK: the partition sumsq_gpu copies */
+#include "../sg_adamw_args.h"        /* AdamW's states, scalars and element constants */
 #include "../sg_elem.h"              /* element math and conversions */
 
 /* OpenMP threads only for large calls (a parallel region costs a few microseconds). TSan does
@@ -477,12 +478,12 @@ SG_CPU_INLINE void adamw_run(void *param, float *master, float *mom, float *var,
 /* Picks the specialised loop for one run of a segment. The common cases (f32 or bf16 grads;
  * f32 params without master, bf16/f16 params with master) get their own loops; anything else
  * (f16 grads, f32 params with a separate master) takes the fully general one. */
-SG_CPU_HOT static void adamw_span(const sg__adamw_args *a, size_t shard_off, size_t flat_off,
+SG_CPU_HOT static void adamw_span(const sg__update_args *a, size_t shard_off, size_t flat_off,
                        uint64_t sr_base, size_t n, adamw_ctx c) {
   const size_t pes = a->param_dtype == 0 ? 4u : 2u, ges = a->grad_dtype == 0 ? 4u : 2u;
   void *p = (char *)a->param + flat_off * pes;
   float *mst = a->master ? a->master + shard_off : NULL;
-  float *m = a->m + shard_off, *v = a->v + shard_off;
+  float *m = a->state[SG__ADAMW_M] + shard_off, *v = a->state[SG__ADAMW_V] + shard_off;
   const void *g = (const char *)a->grad + shard_off * ges;
   const int sr = a->stochastic_rounding && a->param_dtype == 1;
   const int key = a->param_dtype * 100 + a->grad_dtype * 10 + (mst != NULL) * 2 + sr;
@@ -515,7 +516,7 @@ SG_CPU_HOT static void adamw_span(const sg__adamw_args *a, size_t shard_off, siz
 /* The elements [lo, hi) of the concatenated segments, starting the segment walk at segment *s,
  * which begins at element *pos (a cursor: calls with increasing lo move it forward only).
  * cs[2*g] is group g's context with decay, cs[2*g+1] without (decay factor 1). */
-static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, const adamw_ctx *cs, int *s,
+static void adamw_range(const sg__update_args *a, size_t lo, size_t hi, const adamw_ctx *cs, int *s,
                         size_t *pos) {
   while (*s < a->nsegs && *pos + a->segs[*s].len <= lo) *pos += a->segs[(*s)++].len;
   size_t at = *pos;
@@ -523,7 +524,7 @@ static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, const ada
     const sg__seg *sg = &a->segs[k];
     size_t b = lo > at ? lo - at : 0;
     size_t e = hi - at < sg->len ? hi - at : sg->len;
-    const int g = a->ngroups > 1 ? sg->group : 0;
+    const int g = sg__update_group_of(a, sg);
     if (b < e)
       adamw_span(a, sg->shard_off + b, sg->flat_off + b, sg->sr_index + b, e - b,
                  cs[2 * g + (sg->decay ? 0 : 1)]);
@@ -531,21 +532,21 @@ static void adamw_range(const sg__adamw_args *a, size_t lo, size_t hi, const ada
   }
 }
 
-void sg__cpu_adamw(const sg__adamw_args *a) {
-  if (!a || !a->segs || a->nsegs <= 0 || !a->param || !a->m || !a->v || !a->grad) return;
-  if (!sg__adamw_groups_ok(a)) return;
+void sg__cpu_adamw(const sg__update_args *a) {
+  if (!a || !a->segs || a->nsegs <= 0 || !a->param || !a->state[SG__ADAMW_M] ||
+      !a->state[SG__ADAMW_V] || !a->grad)
+    return;
+  if (!sg__update_groups_ok(a)) return;
   const int ng = a->ngroups > 1 ? a->ngroups : 1;
   adamw_ctx cs[2 * SG_MAX_GROUPS];
   for (int g = 0; g < ng; g++) {
     adamw_ctx c;
-    c.k = sg_elem_adamw_consts(sg__adamw_group_decay(a, g), a->one_minus_beta1, a->beta2,
-                               a->one_minus_beta2, sg__adamw_group_step(a, g), a->bc2_sqrt,
-                               a->eps);
     c.grad_scale = a->grad_scale;
     c.seed = a->seed;
     c.step = a->step;
+    c.k = sg__adamw_consts(a, g, 1);
     cs[2 * g] = c;
-    c.k.decay_factor = 1.0f; /* p * 1.0f == p for every p: torch skips the mul_ */
+    c.k = sg__adamw_consts(a, g, 0);
     cs[2 * g + 1] = c;
   }
   size_t total = 0;

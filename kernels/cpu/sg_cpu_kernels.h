@@ -6,10 +6,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../sg_kernel_args.h" /* sg__adamw_args */
+#include "../sg_adamw_args.h" /* sg__update_args; sg__adamw_args and AdamW's indices */
 
 /* dtypes are sg_dtype values (0 f32, 1 bf16, 2 f16); 3 = f64 where stated */
-void sg__cpu_adamw(const sg__adamw_args *a);
+/* AdamW (kernels/sg_adamw_args.h: state 0 m, 1 v, and its scalars) over a->segs */
+void sg__cpu_adamw(const sg__update_args *a);
 /* acc[i] += src[i]; acc_dtype f32 or bf16 (fp32 math, rounded once) */
 void sg__cpu_accumulate(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n);
 void sg__cpu_cast(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n);

@@ -29,6 +29,7 @@
 #define SG_LAUNCH_SYNC SG_LAUNCH
 #endif
 
+#include "../sg_adamw_args.h"  // AdamW's states, scalars and element constants
 #include "../sg_elem.h"       // element math: conversions, accumulate, AdamW, hash
 #include "sg_cuda_kernels.h"  // launcher declarations, sg__cuda_launch
 
@@ -496,12 +497,12 @@ extern "C" int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_
   return launch_result();
 }
 
-extern "C" size_t sg__cuda_adamw_table_bytes(int nsegs) {
+extern "C" size_t sg__cuda_seg_table_bytes(int nsegs) {
   return (size_t)(nsegs > 0 ? nsegs : 1) * sizeof(seg_entry);
 }
 
-extern "C" void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs, int nsegs,
-                                           uint64_t *work) {
+extern "C" void sg__cuda_seg_table_build(void *host_table, const sg__seg *segs, int nsegs,
+                                         uint64_t *work) {
   seg_entry *t = (seg_entry *)host_table;
   uint64_t g = 0;
   for (int k = 0; k < nsegs; k++) {
@@ -517,26 +518,23 @@ extern "C" void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs
   if (work) *work = g;
 }
 
-extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const void *dev_table,
+extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__update_args *a, const void *dev_table,
                               uint64_t work) {
   if (!a || !dev_table || a->nsegs < 1 || a->param_dtype < 0 || a->param_dtype > 2 ||
-      a->grad_dtype < 0 || a->grad_dtype > 2 || !sg__adamw_groups_ok(a))
+      a->grad_dtype < 0 || a->grad_dtype > 2 || !sg__update_groups_ok(a))
     return (int)cudaErrorInvalidValue;
   if (work == 0) return 0;
   adamw_params p;
   p.param = a->param;
   p.master = a->master;
-  p.m = a->m;
-  p.v = a->v;
+  p.m = a->state[SG__ADAMW_M];
+  p.v = a->state[SG__ADAMW_V];
   p.grad = a->grad;
   p.ngroups = a->ngroups > 1 ? a->ngroups : 1;
   memset(p.k, 0, sizeof p.k);
   for (int g = 0; g < p.ngroups; g++) {
-    p.k[g][0] = sg_elem_adamw_consts(sg__adamw_group_decay(a, g), a->one_minus_beta1, a->beta2,
-                                     a->one_minus_beta2, sg__adamw_group_step(a, g), a->bc2_sqrt,
-                                     a->eps);
-    p.k[g][1] = p.k[g][0];
-    p.k[g][1].decay_factor = 1.0f;
+    p.k[g][0] = sg__adamw_consts(a, g, 1);
+    p.k[g][1] = sg__adamw_consts(a, g, 0);
   }
   p.grad_scale = a->grad_scale;
   p.sr = a->stochastic_rounding && a->param_dtype == 1;

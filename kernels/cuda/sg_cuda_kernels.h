@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../sg_kernel_args.h" /* sg__adamw_args, sg__seg */
+#include "../sg_kernel_args.h" /* sg__update_args, sg__seg */
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,14 +58,18 @@ size_t sg__cuda_sumsq_scratch_bytes(size_t n);
 int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n, void *scratch,
                    double *result2);
 
-/* Fused AdamW over the segments of a->segs (see kernels/sg_kernel_args.h). The segments are
- * first turned into a device table: build it on the host into host_table
- * (sg__cuda_adamw_table_bytes(nsegs) bytes; pinned memory lets the copy be asynchronous),
- * copy it to device memory, and pass the device copy and *work from the build to the launch.
- * a->segs is not read by the launch. */
-size_t sg__cuda_adamw_table_bytes(int nsegs);
-void sg__cuda_adamw_table_build(void *host_table, const sg__seg *segs, int nsegs, uint64_t *work);
-int sg__cuda_adamw(sg__cuda_launch L, const sg__adamw_args *a, const void *dev_table,
+/* The update kernels take the segments as a device table: build it on the host into
+ * host_table (sg__cuda_seg_table_bytes(nsegs) bytes; pinned memory lets the copy be
+ * asynchronous), copy it to device memory, and pass the device copy and *work from the build to
+ * the launch. a->segs is not read by a launch. Every optimizer's launcher has the signature of
+ * sg__cuda_update_fn (its descriptor's cuda_update, src/optim/sg_optimizer.h). */
+size_t sg__cuda_seg_table_bytes(int nsegs);
+void sg__cuda_seg_table_build(void *host_table, const sg__seg *segs, int nsegs, uint64_t *work);
+typedef int (*sg__cuda_update_fn)(sg__cuda_launch L, const sg__update_args *a,
+                                  const void *dev_table, uint64_t work);
+
+/* Fused AdamW (kernels/sg_adamw_args.h) over the segments of the table. */
+int sg__cuda_adamw(sg__cuda_launch L, const sg__update_args *a, const void *dev_table,
                    uint64_t work);
 
 #ifdef __cplusplus

@@ -10,8 +10,9 @@
  * A rank file holds the elements of every parameter fragment the rank owned in the saving
  * plan, concatenated (the manifest says where each fragment is), once per section: working
  * params (param dtype), fp32 master (absent for f32 params, whose working copy is the master),
- * m and v. Each section is cut into chunks of chunk_bytes, each with its own CRC-32C, so a
- * loading rank reads and verifies just the chunks that hold what its new shard needs.
+ * and each of the optimizer's state arrays. Each section is cut into chunks of chunk_bytes,
+ * each with its own CRC-32C, so a loading rank reads and verifies just the chunks that hold
+ * what its new shard needs.
  *
  * All integers are little-endian; float data are written as the host holds them (the library
  * supports little-endian hosts only, as safetensors does). Format version 1:
@@ -26,7 +27,7 @@
  *       dynamic_scale lr(f32)              nchunks x u32 CRC-32C of each chunk of each section
  *   u32 ncfg, ncfg x u64 config words      u32 CRC-32C of all header bytes before it
  *   u32 nparams                            section data, back to back (kinds ascending:
- *   world x {u16 len, name, u64 bytes,       working params, master, m, v)
+ *   world x {u16 len, name, u64 bytes,       working params, master, optimizer states)
  *            u64 numel, u32 header_crc}
  *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
  *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
@@ -42,6 +43,7 @@
 
 #include "../core/sg_core.h"          /* sg_status, sg__err */
 #include "../engine/sg_strategy.h"    /* sg__strategy_known */
+#include "../../kernels/sg_kernel_args.h" /* SG__OPTIM_MAX_STATES */
 
 #define SG_CK_VERSION 1u          /* rank files */
 #define SG_CK_MANIFEST_VERSION 2u /* 2: parameter groups' lr and weight decay appended */
@@ -56,8 +58,11 @@
 #define SG_CK_SECTION_BYTES 32u /* one section descriptor */
 #define SG_CK_NCFG SG__CONFIG_CK_WORDS /* config words recorded in the manifest (21) */
 
-/* Sections of a rank file, in file order. */
-enum { SG_CK_WORK = 0, SG_CK_MASTER = 1, SG_CK_M = 2, SG_CK_V = 3, SG_CK_KINDS = 4 };
+/* Sections of a rank file, in file order: the working params, the master, then the optimizer's
+ * state arrays in its descriptor's order (kind SG_CK_STATE0 + k for state k, named by the
+ * descriptor, src/optim; the files written so far hold kinds 2 and 3, the first optimizer's
+ * two states, which load as before). */
+enum { SG_CK_WORK = 0, SG_CK_MASTER = 1, SG_CK_STATE0 = 2, SG_CK_KINDS = 2 + SG__OPTIM_MAX_STATES };
 
 /* ---------------------------------------------------------------------------------------- */
 /* CRC-32C (Castagnoli, reflected 0x82F63B78), chainable: crc(crc(0, a), b) == crc(0, a||b). */

@@ -57,25 +57,32 @@ uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes)
     kinds[n] = SG_CK_MASTER;
     elem_bytes[n++] = 4;
   }
-  kinds[n] = SG_CK_M;
-  elem_bytes[n++] = 4;
-  kinds[n] = SG_CK_V;
-  elem_bytes[n++] = 4;
+  for (int k = 0; k < e->opt.nstates; k++) {
+    kinds[n] = SG_CK_STATE0 + (uint32_t)k;
+    elem_bytes[n++] = 4;
+  }
   return n;
 }
 
+const char *sg__ck_kind_name(const sg_engine *e, uint32_t kind) {
+  if (kind == SG_CK_WORK) return "working params";
+  if (kind == SG_CK_MASTER) return "master";
+  const uint32_t k = kind - SG_CK_STATE0;
+  return k < (uint32_t)e->opt.nstates ? e->opt.od->state_name[k] : "unknown";
+}
+
+float *sg__ck_state_array(const sg_engine *e, uint32_t kind) {
+  if (kind == SG_CK_MASTER) return e->opt.master;
+  const uint32_t k = kind - SG_CK_STATE0;
+  return kind >= SG_CK_STATE0 && k < (uint32_t)e->opt.nstates ? e->opt.state[k] : NULL;
+}
+
 char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, size_t opt_off) {
-  const size_t flat = e->plan->params[id].offset + param_off;
-  switch (kind) {
-    case SG_CK_WORK:
-      return e->params + flat * sg__dtype_size(e->cfg.param_dtype);
-    case SG_CK_MASTER:
-      return (char *)(e->opt.master + opt_off);
-    case SG_CK_M:
-      return (char *)(e->opt.state[0] + opt_off);
-    default:
-      return (char *)(e->opt.state[1] + opt_off);
+  if (kind == SG_CK_WORK) {
+    const size_t flat = e->plan->params[id].offset + param_off;
+    return e->params + flat * sg__dtype_size(e->cfg.param_dtype);
   }
+  return (char *)(sg__ck_state_array(e, (uint32_t)kind) + opt_off);
 }
 
 sg_status sg__ck_gather_params(sg_engine *e) { return sg__gathers_all(e); }

@@ -41,8 +41,12 @@ static inline size_t sg__ck_frag_end(const sg_engine *e, int id, int r) {
   return e->plan->frag_index[(size_t)id * (size_t)e->plan->world + (size_t)r + 1];
 }
 
+/* A section's name in messages: "working params", "master" or the optimizer's state name. */
+const char *sg__ck_kind_name(const sg_engine *e, uint32_t kind);
+/* The engine's fp32 array of section `kind` (master or an optimizer state; device memory). */
+float *sg__ck_state_array(const sg_engine *e, uint32_t kind);
 /* Device address of element `param_off` of parameter id in section `kind`, for an element this
- * rank holds (at shard offset `opt_off` in master/m/v). */
+ * rank holds (at shard offset `opt_off` in the master and state arrays). */
 char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, size_t opt_off);
 
 /* Host-side all-gather of the working parameters, every bucket in place (after a load). */

@@ -28,6 +28,7 @@ typedef struct {
   size_t nreq, cap;
   uint32_t nkinds, kinds[SG_CK_KINDS], esz[SG_CK_KINDS];
   uint8_t *stage[SG_CK_KINDS]; /* by section index: staging in shard coordinates */
+  const char *kind_name[SG_CK_KINDS]; /* by section index: the section's name in messages */
   size_t opt_numel;
 } load_ctx;
 
@@ -169,6 +170,7 @@ static sg_status plan_reads(sg_engine *e, load_ctx *c) {
   c->nkinds = sg__ck_kinds(e, c->kinds, c->esz);
   c->opt_numel = e->lay.opt_numel;
   for (uint32_t s = 0; s < c->nkinds; s++) {
+    c->kind_name[s] = sg__ck_kind_name(e, c->kinds[s]);
     c->stage[s] = stage_alloc(c->opt_numel * c->esz[s]);
     if (!c->stage[s])
       return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory for the staging of %zu elements",
@@ -187,14 +189,14 @@ typedef struct {
   const sg__ck_section *sec;
   uint8_t *cache;  /* one verified chunk */
   uint64_t cached; /* its index + 1; 0: none */
+  const char *sec_name; /* the section's name in messages */
 } creader;
 
 static sg_status bad_chunk(const creader *r, uint64_t k) {
-  static const char *const names[SG_CK_KINDS] = {"working params", "master", "m", "v"};
   return sg__err(SG_ERR_CORRUPT,
                  "'%s': checksum mismatch in the %s section, chunk %" PRIu64 " (bytes %" PRIu64
                  "..)",
-                 r->path, names[r->sec->kind], k, r->sec->offset + k * r->h->chunk_bytes);
+                 r->path, r->sec_name, k, r->sec->offset + k * r->h->chunk_bytes);
 }
 
 static sg_status verify(const creader *r, uint64_t k, const uint8_t *data, size_t n) {
@@ -283,6 +285,7 @@ static sg_status read_sections(load_ctx *c, creader *rd, size_t q0, size_t q1) {
   for (uint32_t s = 0; s < c->nkinds; s++) {
     rd->sec = &rd->h->sec[s];
     rd->cached = 0;
+    rd->sec_name = c->kind_name[s];
     const uint64_t es = c->esz[s];
     for (size_t q = q0; q < q1; q++) {
       const req_t *rq = &c->reqs[q];
@@ -299,7 +302,7 @@ static sg_status read_rank_file(load_ctx *c, uint32_t r, size_t q0, size_t q1) {
   int fd = -1;
   uint64_t bytes = 0;
   sg__ck_header h = {0};
-  creader rd = {-1, path, &h, NULL, NULL, 0};
+  creader rd = {-1, path, &h, NULL, NULL, 0, NULL};
   sg_status st;
   SG_TRY_GOTO(sg__ck_open_read(path, &fd, &bytes), st, done);
   rd.fd = fd;
@@ -366,16 +369,12 @@ static sg_status h2d(sg_engine *e, void *dst, const void *src, size_t bytes) {
   return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, src, bytes, SG_COPY_H2D);
 }
 
-static void *state_base(sg_engine *e, uint32_t kind) {
-  return kind == SG_CK_MASTER ? (void *)e->opt.master : kind == SG_CK_M ? (void *)e->opt.state[0] : (void *)e->opt.state[1];
-}
-
 /* State arrays whole (staging is zero where the engine keeps padding); working params: the
  * part of every bucket this rank owns (the gathers fill the rest). */
 static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   for (uint32_t s = 1; s < c->nkinds; s++)
-    SG_TRY(h2d(e, state_base(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
+    SG_TRY(h2d(e, sg__ck_state_array(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
   for (int b = 0; b < e->plan->nbuckets; b++) {
     sg__owned o;
     e->strat->owned(e->plan, e->rank, b, &o);

@@ -138,29 +138,35 @@ static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
   return SG_OK;
 }
 
-static sg_status check_adamw(const sg__adamw_args *a) {
-  if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: NULL args");
+static sg_status check_update(const sg__optim_desc *od, const sg__update_args *a) {
+  if (!od || !od->cpu_update) return sg__err(SG_ERR_INVALID_ARGUMENT, "update: NULL optimizer");
+  if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "update: NULL args");
   if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: bad segments (nsegs %d)", a->nsegs);
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "update: bad segments (nsegs %d)", a->nsegs);
   if (!sg__dtype_valid(a->param_dtype) || !sg__dtype_valid(a->grad_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: bad dtype (param %d, grad %d)",
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "update: bad dtype (param %d, grad %d)",
                    a->param_dtype, a->grad_dtype);
-  if (a->nsegs > 0 && (!a->param || !a->m || !a->v || !a->grad))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: NULL param, m, v or grad");
+  if (a->nsegs > 0 && (!a->param || !a->grad))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "update: NULL param or grad");
+  for (int k = 0; a->nsegs > 0 && k < od->nstates; k++)
+    if (!a->state[k])
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "update: NULL %s state '%s'", od->name,
+                     od->state_name[k]);
   if (a->param_dtype != SG_F32 && !a->master)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: %s params need an fp32 master",
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "update: %s params need an fp32 master",
                    sg__dtype_name((sg_dtype)a->param_dtype));
-  if (!sg__adamw_groups_ok(a))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: bad parameter groups (ngroups %d)",
+  if (!sg__update_groups_ok(a))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "update: bad parameter groups (ngroups %d)",
                    a->ngroups);
   return SG_OK;
 }
 
-static sg_status cpu_adamw(sg__device *d, sg__queue q, const sg__adamw_args *a) {
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "adamw: NULL device");
-  SG_TRY(check_adamw(a));
-  SG_TRY(enter_queue(d, q, "adamw"));
-  if (a->nsegs > 0) sg__cpu_adamw(a);
+static sg_status cpu_update(sg__device *d, sg__queue q, const sg__optim_desc *od,
+                            const sg__update_args *a) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "update: NULL device");
+  SG_TRY(check_update(od, a));
+  SG_TRY(enter_queue(d, q, "update"));
+  if (a->nsegs > 0) od->cpu_update(a);
   return SG_OK;
 }
 
@@ -288,7 +294,7 @@ static const sg__device_ops cpu_ops = {
     .host_free = cpu_free,
     .copy = cpu_copy,
     .zero = cpu_zero,
-    .adamw = cpu_adamw,
+    .update = cpu_update,
     .accumulate = cpu_accumulate,
     .cast = cpu_cast,
     .sumsq = cpu_sumsq,

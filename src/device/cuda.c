@@ -27,7 +27,7 @@
  *
  * Threads. The caller's thread issues compute work while the worker runs a job: tickets and
  * the failure live in the queue (its lock), the ring bookkeeping and the attachment under `mu`
- * (taken after the queue's lock, never before it); the sumsq scratch is per queue; the AdamW
+ * (taken after the queue's lock, never before it); the sumsq scratch is per queue; the update
  * segment-table cache is under `tab_mu`. The worker never reads d->compute (the caller may
  * switch it). SG_Q_COMM work issued outside a job first waits for every queued job, as on the
  * CPU device.
@@ -63,7 +63,7 @@
 #define SG__CUDA_STAGE_CHUNK ((size_t)64 << 10)
 #define SG__CUDA_COPY_CHUNK ((size_t)8 << 20) /* pinned staging of pageable copies, per queue */
 
-/* One cached AdamW segment table, keyed by the segments' content. */
+/* One cached update segment table, keyed by the segments' content. */
 typedef struct sg__cuda_segtab {
   uint64_t hash;
   int nsegs;
@@ -103,14 +103,14 @@ typedef struct sg__cuda_dev {
   sg__comm_attach att;  /* the attached communicator */
   int attached;
   int stream_mode; /* 1: jobs are stream-ordered (the attachment says so) */
-  pthread_mutex_t tab_mu; /* the segment-table cache and use_ev: adamw on either thread */
-  /* AdamW segment tables (see "segment tables" below) */
+  pthread_mutex_t tab_mu; /* the segment-table cache and use_ev: updates on either thread */
+  /* update segment tables (see "segment tables" below) */
   struct sg__cuda_segtab *tabs;
   int ntabs, tabs_cap;
   int tab_next;            /* where the next lookup looks first (the entry after the last hit) */
   size_t tab_bytes;        /* device bytes of all cached tables */
   struct sg__cuda_stage *stage; /* pinned staging chunks of the uploads, newest first */
-  cudaEvent_t use_ev[2];   /* per queue: after its last upload or AdamW kernel */
+  cudaEvent_t use_ev[2];   /* per queue: after its last upload or update kernel */
   uint64_t tab_uploads;    /* tables uploaded so far (log line on eviction) */
   /* sumsq: device scratch (stream-ordered allocation) and a pinned result pair, per queue */
   void *red_dev[2];
@@ -577,8 +577,8 @@ static sg_status sg__cudev_sumsq_to(sg__device *dev, sg__queue q, const void *x,
 
 /* ---- segment tables ------------------------------------------------------------------------
  *
- * The engine calls adamw once per bucket, each time with a sub-array of one stable segment
- * array, so that the all-gather of a bucket overlaps the AdamW of the next one. Each distinct
+ * The engine calls update once per bucket, each time with a sub-array of one stable segment
+ * array, so that the all-gather of a bucket overlaps the update of the next one. Each distinct
  * table is uploaded once (pinned staging, an asynchronous copy on the calling stream) and kept,
  * so a steady state of per-bucket calls neither uploads nor waits on the host. A table used on
  * another stream than the one it was uploaded on makes that stream wait for its upload once.
@@ -657,7 +657,7 @@ static sg_status sg__cuda_tabs_make_room(sg__cuda_dev *d, cudaStream_t s, size_t
                                          const char *fn) {
   if (d->ntabs < SG__CUDA_TAB_MAX && d->tab_bytes + bytes <= SG__CUDA_TAB_MAX_BYTES) return SG_OK;
   SG_LOG(SG_LOG_INFO, d->base.rank,
-         "cuda device %d: dropping %d cached AdamW tables (%zu bytes, %llu uploads so far)",
+         "cuda device %d: dropping %d cached segment tables (%zu bytes, %llu uploads so far)",
          d->ordinal, d->ntabs, d->tab_bytes, (unsigned long long)d->tab_uploads);
   for (int q = 0; q < 2; q++) SG_TRY(sg__cuda_wait(d, d->use_ev[q], NULL, INT64_MAX, fn));
   sg__cuda_tabs_release(d, s);
@@ -692,7 +692,7 @@ static sg_status sg__cuda_tab_upload(sg__cuda_dev *d, cudaStream_t s, sg__cuda_s
   SG_TRY(sg__cuda_stage_take(d, t->bytes, &stage, fn));
   SG__CU(cudaEventCreateWithFlags(&t->ready, cudaEventDisableTiming), fn);
   SG__CU(cudaMallocAsync(&t->dev, t->bytes, s), fn);
-  sg__cuda_adamw_table_build(stage, t->segs, t->nsegs, &t->work);
+  sg__cuda_seg_table_build(stage, t->segs, t->nsegs, &t->work);
   SG__CU(cudaMemcpyAsync(t->dev, stage, t->bytes, cudaMemcpyHostToDevice, s), fn);
   SG__CU(cudaEventRecord(t->ready, s), fn);
   t->synced[0] = s;
@@ -703,7 +703,7 @@ static sg_status sg__cuda_tab_upload(sg__cuda_dev *d, cudaStream_t s, sg__cuda_s
  * entry behind (a half-built one would be found again and skip the update). */
 static sg_status sg__cuda_tab_add(sg__cuda_dev *d, cudaStream_t s, uint64_t h, const sg__seg *segs,
                                   int n, int *idx, const char *fn) {
-  const size_t bytes = sg__cuda_adamw_table_bytes(n);
+  const size_t bytes = sg__cuda_seg_table_bytes(n);
   SG_TRY(sg__cuda_tabs_make_room(d, s, bytes, fn));
   if (d->ntabs == d->tabs_cap) {
     int cap = d->tabs_cap ? 2 * d->tabs_cap : 16;
@@ -750,7 +750,11 @@ static sg_status sg__cuda_tab_get(sg__cuda_dev *d, cudaStream_t s, const sg__seg
   return SG_OK;
 }
 
-static sg_status sg__cuda_adamw_check(const sg__adamw_args *a, const char *fn) {
+static sg_status sg__cuda_update_check(const sg__optim_desc *od, const sg__update_args *a,
+                                       const char *fn) {
+  if (!od) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL optimizer", fn);
+  if (!od->cuda_update)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: optimizer %s has no CUDA kernel", fn, od->name);
   if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL args", fn);
   if (!sg__cuda_dtype_ok(a->param_dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad param_dtype (%d)", fn, a->param_dtype);
@@ -758,25 +762,25 @@ static sg_status sg__cuda_adamw_check(const sg__adamw_args *a, const char *fn) {
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad grad_dtype (%d)", fn, a->grad_dtype);
   if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad segments (%d)", fn, a->nsegs);
-  if (a->nsegs > 0 && (!a->param || !a->m || !a->v || !a->grad))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
+  int bad = a->nsegs > 0 && (!a->param || !a->grad);
+  for (int k = 0; a->nsegs > 0 && k < od->nstates; k++) bad |= !a->state[k];
+  if (bad) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
   if (a->param_dtype != SG_F32 && a->nsegs > 0 && !a->master)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s params need a master copy", fn,
                    sg__dtype_name((sg_dtype)a->param_dtype));
-  if (!sg__adamw_groups_ok(a))
+  if (!sg__update_groups_ok(a))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad parameter groups (ngroups %d)", fn,
                    a->ngroups);
   return SG_OK;
 }
 
-static sg_status sg__cudev_adamw(sg__device *dev, sg__queue q, const sg__adamw_args *a) {
-  static const char fn[] = "sg__device_cuda.adamw";
+static sg_status sg__cudev_update(sg__device *dev, sg__queue q, const sg__optim_desc *od,
+                                  const sg__update_args *a) {
+  static const char fn[] = "sg__device_cuda.update";
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  SG_TRY(sg__cuda_enter_queue(d, q, fn));
-  SG_TRY(sg__cuda_adamw_check(a, fn));
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
+  SG_TRY(sg__cuda_update_check(od, a, fn));
   if (a->nsegs == 0) return SG_OK;
   SG_TRY(sg__cuda_enter(d, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
@@ -784,8 +788,8 @@ static sg_status sg__cudev_adamw(sg__device *dev, sg__queue q, const sg__adamw_a
   pthread_mutex_lock(&d->tab_mu); /* the cache is shared by both queues' threads */
   sg_status st = sg__cuda_tab_get(d, s, a->segs, a->nsegs, &t, fn);
   if (st == SG_OK && t->work > 0) {
-    int rc = sg__cuda_adamw(sg__cuda_launch_on(d, q), a, t->dev, t->work);
-    if (rc != 0) st = sg__cuda_err((cudaError_t)rc, fn, "sg__cuda_adamw", __FILE__, __LINE__);
+    int rc = od->cuda_update(sg__cuda_launch_on(d, q), a, t->dev, t->work);
+    if (rc != 0) st = sg__cuda_err((cudaError_t)rc, fn, od->name, __FILE__, __LINE__);
   }
   /* Even after a failure: an upload may have been queued, and eviction and destroy wait here. */
   cudaError_t e = cudaEventRecord(d->use_ev[q], s);
@@ -1099,7 +1103,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_host_free,
     sg__cudev_copy,
     sg__cudev_zero,
-    sg__cudev_adamw,
+    sg__cudev_update,
     sg__cudev_accumulate,
     sg__cudev_cast,
     sg__cudev_sumsq,

@@ -26,8 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../../kernels/sg_kernel_args.h" /* sg__adamw_args, sg__seg */
+#include "../../kernels/sg_kernel_args.h" /* sg__update_args, sg__seg */
 #include "../core/sg_core.h"               /* sg_status */
+#include "../optim/sg_optimizer.h"         /* sg__optim_desc: the update kernels */
 
 typedef enum { SG_Q_COMPUTE = 0, SG_Q_COMM = 1 } sg__queue;
 typedef enum { SG_COPY_H2D = 0, SG_COPY_D2H = 1, SG_COPY_D2D = 2 } sg__copy_kind;
@@ -70,7 +71,10 @@ typedef struct sg__device_ops {
                     sg__copy_kind kind);
   sg_status (*zero)(sg__device *d, sg__queue q, void *dst, size_t bytes);
   /* kernels (element math from kernels/sg_elem.h) */
-  sg_status (*adamw)(sg__device *d, sg__queue q, const sg__adamw_args *a);
+  /* optimizer od's fused update of a->segs (od->nstates state arrays in a->state); a device
+   * that has no kernel of od says SG_ERR_UNSUPPORTED */
+  sg_status (*update)(sg__device *d, sg__queue q, const sg__optim_desc *od,
+                      const sg__update_args *a);
   /* acc[i] += src[i] (acc_dtype SG_F32 or SG_BF16; src any dtype), fp32 math */
   sg_status (*accumulate)(sg__device *d, sg__queue q, void *acc, int acc_dtype, const void *src,
                           int src_dtype, size_t n);

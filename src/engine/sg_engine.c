@@ -639,7 +639,7 @@ void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_co
                       int replicas, sg__layout_shape *out) {
   memset(out, 0, sizeof *out);
   st->shape(p, cfg, out);
-  out->nstates = 2; /* AdamW: m, v */
+  out->nstates = sg__optim_default()->nstates;
   sg__replicas_shape(p, cfg, replicas, out);
 }
 
@@ -656,8 +656,7 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   SG_ENGINE_GUARD(e, "sg_get_optim_state");
   static const char *fn = "sg_get_optim_state";
   SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
-  if (which != 0 && which != 1)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: which must be 0 (m) or 1 (v), got %d", fn, which);
+  SG_TRY(sg__optim_check_state(e, which, fn));
   SG_TRY(sg__grads_idle(e, fn));
   return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.state[which], dst), fn);
 }
@@ -736,6 +735,13 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
 
 /* ---------------------------------------------------------------------------------------- */
 /* parameter groups (registration)                                                           */
+
+sg_status sg__engine_check_out(const sg_engine *e, const void *out, const char *what,
+                               const char *fn) {
+  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, what);
+  return SG_OK;
+}
 
 sg_status sg__engine_check_group(int group, const char *fn) {
   if (group < 0 || group >= SG_MAX_GROUPS)

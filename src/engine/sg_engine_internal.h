@@ -11,6 +11,7 @@
 #include "../device/sg_device.h" /* device vtable */
 #include "../memory/sg_memory.h" /* layout, arenas */
 #include "../plan/sg_plan.h"     /* plan */
+#include "../optim/sg_optimizer.h" /* optimizer descriptors */
 #include "sg_guard.h"            /* sg__guard, SG_ENGINE_GUARD */
 #include "sg_names.h"            /* sg__names */
 #include "sg_strategy.h"         /* strategy ops */
@@ -63,13 +64,14 @@ typedef struct sg__gathers {
 /* Optimizer state and hyperparameters (sg_optim.c). Hyperparameters are doubles (the config's
  * floats convert exactly); every group, 0 included, has its lr and weight decay here. */
 typedef struct sg__optim {
+  const sg__optim_desc *od; /* the optimizer: its state arrays, scalars and kernels */
   uint64_t step;
   double lr[SG_MAX_GROUPS], wd[SG_MAX_GROUPS];
   double beta1, beta2, eps, max_grad_norm; /* every group's */
   int ngroups;      /* highest group of any parameter + 1 (after finalize) */
   float *master;    /* NULL for f32 params */
-  int nstates;
-  float *state[SG__LAYOUT_MAX_STATES];
+  int nstates;      /* od->nstates once bound */
+  float *state[SG__OPTIM_MAX_STATES];
   sg__seg *segs;    /* this rank's update segments, bucket by bucket */
   int nsegs;
   int *bucket_seg;  /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
@@ -132,6 +134,9 @@ sg_status sg__engine_check_param(sg_engine *e, int id, const void *ptr, const ch
 /* dt (the argument `what`) is an sg_dtype. */
 sg_status sg__engine_check_dtype(int dt, const char *what, const char *fn);
 sg_status sg__engine_check_group(int group, const char *fn);
+/* A public getter's checks: the engine and its output pointer `what` not NULL. */
+sg_status sg__engine_check_out(const sg_engine *e, const void *out, const char *what,
+                               const char *fn);
 /* Marks the engine broken when st is the failure of a collective (ranks out of step for good)
  * and returns st; the failure text stays. */
 sg_status sg__engine_broken(sg_engine *e, sg_status st);
@@ -231,6 +236,8 @@ sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale);
 sg_status sg__optim_update_all(sg_engine *e, float grad_scale);
 /* The master from the working params, for every owned segment (after sg_broadcast_params). */
 sg_status sg__optim_master_from_working(sg_engine *e);
+/* SG_OK when `which` indexes a state array of the optimizer (message naming them otherwise). */
+sg_status sg__optim_check_state(const sg_engine *e, int which, const char *fn);
 
 /* sg_scale.c */
 void sg__scale_init(sg_engine *e);

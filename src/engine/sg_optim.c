@@ -2,6 +2,7 @@
  * state arrays and the update segments of this rank; their init, restore (sg_load) and the
  * public accessors. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,6 +14,7 @@
 void sg__optim_init(sg_engine *e) {
   sg__optim *o = &e->opt;
   const sg_config *c = &e->cfg;
+  o->od = sg__optim_default();
   for (int g = 0; g < SG_MAX_GROUPS; g++) {
     o->lr[g] = c->lr; /* a group never set takes the config's values */
     o->wd[g] = c->weight_decay;
@@ -92,6 +94,9 @@ sg_status sg__optim_bind(sg_engine *e) {
               : l->master_off == SIZE_MAX
                   ? NULL
                   : (float *)((char *)e->ar.base[SG_MEM_MASTER] + l->master_off);
+  if (l->nstates != o->od->nstates)
+    return sg__err(SG_ERR_INTERNAL, "sg_finalize: %d state arrays laid out, %s keeps %d",
+                   l->nstates, o->od->name, o->od->nstates);
   o->nstates = l->nstates;
   for (int k = 0; k < l->nstates; k++)
     o->state[k] = so ? so->array(e, 1 + k)
@@ -110,7 +115,7 @@ void sg__optim_free(sg_engine *e) {
   o->bucket_seg = NULL;
   o->nsegs = 0;
   o->master = NULL;
-  for (int k = 0; k < SG__LAYOUT_MAX_STATES; k++) o->state[k] = NULL;
+  for (int k = 0; k < SG__OPTIM_MAX_STATES; k++) o->state[k] = NULL;
   o->nstates = 0;
 }
 
@@ -128,28 +133,32 @@ void sg__optim_restore(sg_engine *e, uint64_t step, float lr0, uint32_t ngroups,
 /* ---------------------------------------------------------------------------------------- */
 /* the update                                                                                */
 
-static sg__adamw_args adamw_args(const sg_engine *e, float grad_scale) {
+/* Group g's hyperparameters as the optimizer's scalars read them. */
+static sg_hparams group_hparams(const sg__optim *o, int g) {
+  return (sg_hparams){sizeof(sg_hparams), o->lr[g], o->wd[g], o->beta1, o->beta2, o->eps,
+                      o->max_grad_norm};
+}
+
+static sg__update_args update_args(const sg_engine *e, float grad_scale) {
   const sg_config *c = &e->cfg;
   const sg__optim *o = &e->opt;
-  sg__adamw_args a;
+  sg__update_args a;
   memset(&a, 0, sizeof a);
   a.param = e->params;
   a.param_dtype = c->param_dtype;
   a.master = o->master;
-  a.m = o->state[0];
-  a.v = o->state[1];
+  for (int k = 0; k < o->nstates; k++) a.state[k] = o->state[k];
   a.grad = e->g.accum;
   a.grad_dtype = c->accum_dtype;
   a.segs = o->segs;
   a.nsegs = o->nsegs;
   a.grad_scale = grad_scale;
-  sg__adamw_scalars(&a, o->lr[0], o->beta1, o->beta2, o->eps, o->wd[0], o->step);
-  /* Groups 1..ngroups-1 by the same rule; one group leaves ngroups at 0 (as before groups). */
-  if (o->ngroups > 1) {
-    a.ngroups = o->ngroups;
-    for (int g = 1; g < o->ngroups; g++)
-      sg__adamw_group_scalars(&a, g, o->lr[g], o->beta1, o->wd[g]);
-  }
+  a.step = o->step;
+  /* one group leaves ngroups at 0 (every segment is group 0's, as before groups) */
+  a.ngroups = o->ngroups > 1 ? o->ngroups : 0;
+  sg_hparams hp[SG_MAX_GROUPS];
+  for (int g = 0; g < (o->ngroups > 1 ? o->ngroups : 1); g++) hp[g] = group_hparams(o, g);
+  o->od->scalars(&a, hp);
   a.stochastic_rounding = c->stochastic_rounding && c->param_dtype == SG_BF16;
   a.seed = c->seed;
   return a;
@@ -159,11 +168,11 @@ void sg__optim_begin(sg_engine *e) { e->opt.step++; }
 void sg__optim_undo_begin(sg_engine *e) { e->opt.step--; }
 
 static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
-  sg__adamw_args a = adamw_args(e, grad_scale);
+  sg__update_args a = update_args(e, grad_scale);
   a.segs = e->opt.segs + s0;
   a.nsegs = s1 - s0;
   if (e->strat->state) return e->strat->state->update(e, &a);
-  return e->dev->ops->adamw(e->dev, SG_Q_COMPUTE, &a);
+  return e->dev->ops->update(e->dev, SG_Q_COMPUTE, e->opt.od, &a);
 }
 
 sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
@@ -172,6 +181,16 @@ sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
 
 sg_status sg__optim_update_all(sg_engine *e, float grad_scale) {
   return update_range(e, grad_scale, 0, e->opt.nsegs);
+}
+
+sg_status sg__optim_check_state(const sg_engine *e, int which, const char *fn) {
+  const sg__optim_desc *od = e->opt.od;
+  if (which >= 0 && which < od->nstates) return SG_OK;
+  char names[128] = "";
+  for (int k = 0, n = 0; k < od->nstates && n < (int)sizeof names; k++)
+    n += snprintf(names + n, sizeof names - (size_t)n, "%s%d (%s)", k ? ", " : "", k,
+                  od->state_name[k]);
+  return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: which must be %s, got %d", fn, names, which);
 }
 
 sg_status sg__optim_master_from_working(sg_engine *e) {
@@ -211,9 +230,7 @@ sg_status sg_set_lr(sg_engine *e, float lr) {
 
 sg_status sg_get_lr(sg_engine *e, float *lr) {
   SG_ENGINE_GUARD(e, "sg_get_lr");
-  static const char *fn = "sg_get_lr";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!lr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: lr is NULL", fn);
+  SG_TRY(sg__engine_check_out(e, lr, "lr", "sg_get_lr"));
   *lr = (float)e->opt.lr[0];
   return SG_OK;
 }
@@ -271,8 +288,7 @@ sg_status sg_get_hparams(sg_engine *e, int group, sg_hparams *out) {
   SG_TRY(sg__engine_check_group(group, fn));
   SG_TRY(check_hparams_struct(fn, out, out ? out->struct_size : 0));
   const sg__optim *o = &e->opt;
-  *out = (sg_hparams){sizeof *out, o->lr[group], o->wd[group], o->beta1, o->beta2, o->eps,
-                      o->max_grad_norm};
+  *out = group_hparams(o, group);
   return SG_OK;
 }
 
@@ -300,9 +316,7 @@ sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h) {
 
 sg_status sg_get_step(sg_engine *e, uint64_t *step) {
   SG_ENGINE_GUARD(e, "sg_get_step");
-  static const char *fn = "sg_get_step";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!step) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: step is NULL", fn);
+  SG_TRY(sg__engine_check_out(e, step, "step", "sg_get_step"));
   *step = e->opt.step;
   return SG_OK;
 }

@@ -37,9 +37,7 @@ void sg__scale_restore(sg_engine *e, int saved_dynamic, float loss_scale, uint32
 
 sg_status sg_get_loss_scale(sg_engine *e, float *scale) {
   SG_ENGINE_GUARD(e, "sg_get_loss_scale");
-  static const char *fn = "sg_get_loss_scale";
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!scale) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: scale is NULL", fn);
+  SG_TRY(sg__engine_check_out(e, scale, "scale", "sg_get_loss_scale"));
   *scale = e->sc.loss_scale;
   return SG_OK;
 }

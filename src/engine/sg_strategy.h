@@ -44,9 +44,9 @@ typedef struct sg__state_ops {
   /* This rank's sum of squares and non-finite count of the accumulator, in the order of the
    * device's own sumsq (every reduction waited for). */
   sg_status (*sumsq)(sg_engine *e, double out[2]);
-  /* The update of a->segs (device path: the device's adamw on the compute queue); the new
+  /* The update of a->segs (device path: the device's update op on the compute queue); the new
    * working values reach e->params before any comm job submitted after it runs. */
-  sg_status (*update)(sg_engine *e, const sg__adamw_args *a);
+  sg_status (*update)(sg_engine *e, const sg__update_args *a);
   /* The accumulator empty again (after a step, sg_grad_zero, a load). */
   sg_status (*clear)(sg_engine *e);
   /* The master from the working parameters of every owned segment (sg_broadcast_params). */

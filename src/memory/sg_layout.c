@@ -56,9 +56,9 @@ static void host_arrays(sg__layout *l, const sg__layout_shape *sh, size_t P, siz
 sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__layout_shape *sh,
                              sg__layout *l) {
   memset(l, 0, sizeof *l);
-  if (sh->nstates < 0 || sh->nstates > SG__LAYOUT_MAX_STATES)
+  if (sh->nstates < 0 || sh->nstates > SG__OPTIM_MAX_STATES)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "optimizer with %d state arrays (at most %d)",
-                   sh->nstates, SG__LAYOUT_MAX_STATES);
+                   sh->nstates, SG__OPTIM_MAX_STATES);
   const size_t P = sg__dtype_size(cfg->param_dtype), A = sg__dtype_size(cfg->accum_dtype);
   l->opt_numel = sh->opt_numel;
   l->params_off = carve(l, SG_MEM_PARAMS, mul_sat(p->total_numel, P));

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #include "../core/sg_core.h"     /* sg_status */
-#include "../device/sg_device.h" /* sg__device */
+#include "../device/sg_device.h" /* sg__device; SG__OPTIM_MAX_STATES (kernels/sg_kernel_args.h) */
 #include "../plan/sg_plan.h"     /* sg__plan */
 
 typedef enum {
@@ -46,8 +46,6 @@ typedef struct sg__layout_shape {
   size_t replica_bytes; /* COMM: a hybrid engine's wire buffer across replicas (0: none) */
 } sg__layout_shape;
 
-#define SG__LAYOUT_MAX_STATES 4 /* = SG__OPTIM_MAX_STATES (kernels/sg_kernel_args.h) */
-
 /* Offsets (bytes) of each buffer inside its kind's arena; SIZE_MAX when absent. */
 typedef struct sg__layout {
   size_t bytes[SG_MEM_KINDS];
@@ -59,7 +57,7 @@ typedef struct sg__layout {
   size_t accum_numel;
   size_t master_off;            /* MASTER: fp32 master (absent for f32 params) */
   int nstates;                  /* OPTIM: the optimizer's fp32 state arrays, opt_numel each */
-  size_t state_off[SG__LAYOUT_MAX_STATES];
+  size_t state_off[SG__OPTIM_MAX_STATES];
   size_t opt_numel;             /* elements of master/state arrays (full or this rank's shard) */
   size_t comm_off;              /* COMM: collective scratch, comm_scratch_bytes long */
   size_t comm_scratch_bytes;
@@ -75,7 +73,7 @@ typedef struct sg__layout {
 } sg__layout;
 
 /* The layout of a plan for a strategy's and optimizer's shape. SG_ERR_INVALID_ARGUMENT for more
- * state arrays than SG__LAYOUT_MAX_STATES. */
+ * state arrays than SG__OPTIM_MAX_STATES. */
 sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__layout_shape *shape,
                              sg__layout *out);
 

@@ -4,7 +4,7 @@
 #include <stdlib.h> /* realloc, free */
 #include <string.h> /* memset */
 
-#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_adamw, sg__cpu_accumulate, sg__cpu_cast */
+#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_accumulate, sg__cpu_cast */
 
 /* ---- buffers and copy jobs ----------------------------------------------------------------- */
 
@@ -82,15 +82,16 @@ static sg_status reclaim(sg__host_pipe *p, uint64_t *ticket, int64_t deadline_ms
 
 /* ---- update -------------------------------------------------------------------------------- */
 
-static sg_status check_segs(const sg__adamw_args *a, const char *fn) {
+static sg_status check_segs(const sg__optim_desc *od, const sg__update_args *a, const char *fn) {
   if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad segments (nsegs %d)", fn, a->nsegs);
-  if (a->nsegs > 0 && (!a->m || !a->v || !a->grad || (a->param_dtype != SG_F32 && !a->master)))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL optimizer state", fn);
+  int missing = a->nsegs > 0 && (!a->grad || (a->param_dtype != SG_F32 && !a->master));
+  for (int k = 0; a->nsegs > 0 && k < od->nstates; k++) missing |= !a->state[k];
+  if (missing) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL optimizer state", fn);
   if (!sg__dtype_valid(a->param_dtype) || (a->grad_dtype != SG_F32 && a->grad_dtype != SG_BF16))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (param %d, grad %d)", fn,
                    a->param_dtype, a->grad_dtype);
-  if (!sg__adamw_groups_ok(a))
+  if (!sg__update_groups_ok(a))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: a segment's group is outside ngroups %d", fn,
                    a->ngroups);
   for (int s = 1; s < a->nsegs; s++)
@@ -112,7 +113,7 @@ static sg_status reserve_cseg(sg__host_pipe *p, int n) {
 /* The parts of segments [*cur, nsegs) inside flat [c0, c1), rebased so that flat c0 is index 0
  * of the out buffer; the gaps between them are zeroed in out (unless NULL). Advances *cur past segments that
  * end inside the chunk. Returns the number of chunk segments. */
-static int chunk_segs(sg__host_pipe *p, const sg__adamw_args *a, int *cur, size_t c0, size_t c1,
+static int chunk_segs(sg__host_pipe *p, const sg__update_args *a, int *cur, size_t c0, size_t c1,
                       void *out) {
   int n = 0;
   size_t pos = c0; /* first flat index not yet covered */
@@ -152,12 +153,14 @@ static sg_status stage_in(sg__host_pipe *p, const void *dev_param, size_t lo, si
                      (c1 - c0) * p->out_esize, SG_COPY_D2H, &p->out_ticket[k]);
 }
 
-sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__adamw_args *a, void *dev_param,
-                               int64_t deadline_ms, uint64_t *last) {
+sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__optim_desc *od,
+                               const sg__update_args *a, void *dev_param, int64_t deadline_ms,
+                               uint64_t *last) {
   static const char fn[] = "sg__host_pipe_update";
   if (last) *last = 0;
-  if (!p || !p->dev || !a) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  SG_TRY(check_segs(a, fn));
+  if (!p || !p->dev || !od || !od->cpu_update || !a)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(check_segs(od, a, fn));
   if (a->nsegs == 0) return SG_OK;
   if (!dev_param) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device buffer", fn);
   if (sg__dtype_size(a->param_dtype) != p->out_esize)
@@ -177,11 +180,11 @@ sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__adamw_args *a, void *
     if (copy_in && c + 1 < nc) SG_TRY(stage_in(p, dev_param, lo, hi, c + 1, deadline_ms));
     /* the buffer's last job: its H2D three chunks ago, or (copy_in) this chunk's D2H */
     SG_TRY(reclaim(p, &p->out_ticket[k], deadline_ms));
-    sg__adamw_args ca = *a;
+    sg__update_args ca = *a;
     ca.param = p->out[k];
     ca.segs = p->cseg;
     ca.nsegs = chunk_segs(p, a, &cur, c0, c1, copy_in ? NULL : p->out[k]);
-    sg__cpu_adamw(&ca);
+    od->cpu_update(&ca);
     SG_TRY(submit_copy(p, &p->out_job[k], (char *)dev_param + c0 * p->out_esize, p->out[k],
                        (c1 - c0) * p->out_esize, SG_COPY_H2D, &p->out_ticket[k]));
     if (last) *last = p->out_ticket[k];
@@ -215,7 +218,7 @@ sg_status sg__host_pipe_arrive(sg__host_pipe *p, void *acc, int acc_dtype, const
   const size_t es = sg__dtype_size((sg_dtype)src_dtype), as = sg__dtype_size((sg_dtype)acc_dtype);
   if (first && acc_dtype == src_dtype) {
     /* Straight into the accumulator. A -0 stays -0 where the device's 0 + x gives +0: the norm
-     * and AdamW see the same values (g - m, g * g and g * scale do not tell them apart unless
+     * and the update see the same values (g - m, g * g and g * scale do not tell them apart unless
      * m is -0, which needs beta1 <= 0.5 and a moment that underflowed). */
     uint64_t t = 0;
     sg__host_copy *c = &p->in_job[0];

@@ -7,12 +7,12 @@
  *   arrive: reduced gradients (device memory) into a host accumulator. Chunk c + 1 is copied
  *           D2H on the comm queue while the host adds chunk c; when the accumulator is empty
  *           and the dtypes agree, one D2H straight into it and no host pass at all.
- *   update: the fused AdamW of a set of segments on the host (master, m, v, grad in host
- *           memory), each chunk's new working values written to a pinned buffer and copied H2D
+ *   update: the fused optimizer update of a set of segments on the host (master, the state
+ *           arrays, grad in host memory), each chunk's new working values written to a pinned buffer and copied H2D
  *           into the device's working-parameter buffer on the comm queue while the host updates
  *           the next chunk. Comm jobs issued afterwards (the bucket's all-gather) are ordered
  *           after those copies.
- * The host work is the only pass over each array: no staging copy of master, m or v, and the
+ * The host work is the only pass over each array: no staging copy of master or state, and the
  * working values go from the update's registers to the pinned buffer the DMA reads. */
 #ifndef SG_HOST_STEP_H
 #define SG_HOST_STEP_H
@@ -20,7 +20,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../device/sg_device.h" /* sg__device, sg__adamw_args */
+#include "../device/sg_device.h"   /* sg__device, sg__update_args */
+#include "../optim/sg_optimizer.h" /* sg__optim_desc: the CPU update */
 
 #define SG__HOST_PIPE_NBUF 3
 #define SG__HOST_PIPE_CHUNK ((size_t)2 << 20) /* default elements per chunk */
@@ -58,7 +59,8 @@ void sg__host_pipe_free(sg__host_pipe *p, int64_t deadline_ms);
 /* Host waits until every copy issued by the pipe completed. */
 sg_status sg__host_pipe_drain(sg__host_pipe *p, int64_t deadline_ms);
 
-/* The AdamW of a->segs[0..a->nsegs) on the host: a's master/m/v/grad are host memory in shard
+/* Optimizer od's update (its cpu_update) of a->segs[0..a->nsegs) on the host: a's master,
+ * state arrays and grad are host memory in shard
  * coordinates, a->param is ignored; the new working values (a->param_dtype) go to dev_param,
  * the device's working-parameter buffer indexed by flat_off. Segments must be in increasing,
  * non-overlapping flat order; the elements between two segments of one chunk (layout padding)
@@ -67,8 +69,9 @@ sg_status sg__host_pipe_drain(sg__host_pipe *p, int64_t deadline_ms);
  * D2H into its buffer (the next chunk's while this one updates), updated there and copied back,
  * gaps included as they were. *last (if not NULL): the ticket of
  * the last copy job (0 when none was issued). */
-sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__adamw_args *a, void *dev_param,
-                               int64_t deadline_ms, uint64_t *last);
+sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__optim_desc *od,
+                               const sg__update_args *a, void *dev_param, int64_t deadline_ms,
+                               uint64_t *last);
 
 /* acc[0..n) (host, acc_dtype F32/BF16) += dev_src[0..n) (device, src_dtype) in fp32, or with
  * first != 0 (the accumulator holds nothing yet) acc = dev_src rounded to acc_dtype. Returns

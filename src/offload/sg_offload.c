@@ -47,11 +47,12 @@ static sg_status alloc_landing(sg__offload *o, int nland, size_t land_bytes) {
   return SG_OK;
 }
 
-sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int param_dtype,
-                           int accum_dtype, int nbuckets, const size_t *off, const size_t *len,
-                           size_t chunk, int nland, size_t land_bytes) {
+sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *od, size_t numel,
+                           int param_dtype, int accum_dtype, int nbuckets, const size_t *off,
+                           const size_t *len, size_t chunk, int nland, size_t land_bytes) {
   if (!o) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: NULL state");
   memset(o, 0, sizeof *o);
+  if (!od) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: NULL optimizer");
   SG_TRY(check_init(d, numel, param_dtype, accum_dtype, nbuckets, off, len));
   size_t maxlen = 0;
   for (int k = 0; k < nbuckets; k++) maxlen = len[k] > maxlen ? len[k] : maxlen;
@@ -59,6 +60,7 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int para
     return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: %d landing buffers of %zu bytes "
                    "(at least 1 of %zu)", nland, land_bytes, maxlen * 2);
   o->dev = d;
+  o->od = od;
   o->numel = numel;
   o->param_dtype = param_dtype;
   o->accum_dtype = accum_dtype;
@@ -68,8 +70,8 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int para
   for (int k = 0; k < nbuckets; k++) o->b[k].off = off[k], o->b[k].len = len[k], o->b[k].land = -1;
   void *p = NULL;
   sg_status st = pinned(o, numel * esz(accum_dtype), &o->accum);
-  if (st == SG_OK) st = pinned(o, numel * 4, &p), o->m = p;
-  if (st == SG_OK) st = pinned(o, numel * 4, &p), o->v = p;
+  for (int k = 0; k < od->nstates && st == SG_OK; k++)
+    st = pinned(o, numel * 4, &p), o->state[k] = p;
   if (st == SG_OK && param_dtype != SG_F32) st = pinned(o, numel * 4, &p), o->master = p;
   if (st == SG_OK) st = alloc_landing(o, nland, land_bytes);
   if (st == SG_OK) st = sg__host_pipe_init(&o->pipe, d, chunk, esz(param_dtype), 0);
@@ -99,8 +101,8 @@ void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
   if (landed) {
     if (o->accum) d->ops->host_free(d, o->accum);
     if (o->master) d->ops->host_free(d, o->master);
-    if (o->m) d->ops->host_free(d, o->m);
-    if (o->v) d->ops->host_free(d, o->v);
+    for (int k = 0; k < SG__OPTIM_MAX_STATES; k++)
+      if (o->state[k]) d->ops->host_free(d, o->state[k]);
   }
   free(o->b);
   free(o->land);
@@ -230,7 +232,7 @@ sg_status sg__offload_norm(sg__offload *o, double out[2]) {
   return SG_OK;
 }
 
-sg_status sg__offload_update(sg__offload *o, const sg__adamw_args *a, void *dev_params,
+sg_status sg__offload_update(sg__offload *o, const sg__update_args *a, void *dev_params,
                              int64_t deadline_ms, uint64_t *last) {
   if (!o || !o->dev || !a) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: NULL");
   if (a->param_dtype != o->param_dtype || a->grad_dtype != o->accum_dtype)
@@ -241,9 +243,10 @@ sg_status sg__offload_update(sg__offload *o, const sg__adamw_args *a, void *dev_
     if (a->segs[s].shard_off > o->numel || a->segs[s].len > o->numel - a->segs[s].shard_off)
       return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: segment %d is outside the "
                      "shard", s);
-  sg__adamw_args h = *a;
-  h.master = o->master, h.m = o->m, h.v = o->v, h.grad = o->accum;
-  return sg__host_pipe_update(&o->pipe, &h, dev_params, deadline_ms, last);
+  sg__update_args h = *a;
+  h.master = o->master, h.grad = o->accum;
+  for (int k = 0; k < o->od->nstates; k++) h.state[k] = o->state[k];
+  return sg__host_pipe_update(&o->pipe, o->od, &h, dev_params, deadline_ms, last);
 }
 
 sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms) {
@@ -281,12 +284,14 @@ sg_status sg__offload_master_from(sg__offload *o, const void *dev_params, const 
 
 float *sg__offload_state(sg__offload *o, int which) {
   if (!o) return NULL;
-  return which == 0 ? o->master : which == 1 ? o->m : which == 2 ? o->v : NULL;
+  if (which == 0) return o->master;
+  return o->od && which >= 1 && which <= o->od->nstates ? o->state[which - 1] : NULL;
 }
 
-size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk,
-                              int nland, size_t land_bytes) {
+size_t sg__offload_host_bytes(const sg__optim_desc *od, size_t numel, int param_dtype,
+                              int accum_dtype, size_t chunk, int nland, size_t land_bytes) {
   const size_t c = chunk ? chunk : SG__HOST_PIPE_CHUNK;
-  return numel * (esz(accum_dtype) + 8 + (param_dtype == SG_F32 ? 0 : 4)) +
+  const size_t states = od ? 4 * (size_t)od->nstates : 0;
+  return numel * (esz(accum_dtype) + states + (param_dtype == SG_F32 ? 0 : 4)) +
          (size_t)nland * land_bytes + SG__HOST_PIPE_NBUF * c * esz(param_dtype);
 }

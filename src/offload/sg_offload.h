@@ -1,6 +1,6 @@
 /* The offloaded optimizer state of one rank's shard (issue 12): fp32 master (none for f32
- * params: the working values are the master), AdamW moments and the gradient accumulator in
- * pinned host memory. This file creates, frees and restores it; a strategy that offloads calls
+ * params: the working values are the master), the optimizer's state arrays and the gradient
+ * accumulator in pinned host memory. This file creates, frees and restores it; a strategy that offloads calls
  * it at four points, and nothing else in the engine needs to know where the state lives:
  *
  *   arrival   a bucket's reduction job, once its slice is reduced in device memory:
@@ -14,7 +14,7 @@
  *             for a later bucket, when the bucket arrives again, or at the step.
  *   step      sg__offload_fold_all; sg__offload_norm (sum of squares and non-finite count in
  *             the order of the device's own sumsq, so every decision matches the device path
- *             bit for bit); sg__offload_update per bucket (the host AdamW pipeline: each chunk
+ *             bit for bit); sg__offload_update per bucket (the host update pipeline: each chunk
  *             copied H2D into the working parameters while the next one updates, then the
  *             caller queues the bucket's all-gather); sg__offload_clear (every bucket's
  *             accumulator is empty again: the next arrival overwrites it, no zeroing pass).
@@ -51,7 +51,9 @@ typedef struct sg__offload {
   sg__device *dev;
   size_t numel;            /* shard elements, padding included */
   int param_dtype, accum_dtype;
-  float *master, *m, *v;   /* pinned; master NULL for f32 params */
+  const sg__optim_desc *od; /* the optimizer: its state arrays and CPU update */
+  float *master;           /* pinned; NULL for f32 params */
+  float *state[SG__OPTIM_MAX_STATES]; /* pinned: od->nstates arrays */
   void *accum;             /* pinned, accum_dtype */
   int nbuckets;
   sg__offload_bucket *b;
@@ -64,13 +66,13 @@ typedef struct sg__offload {
   size_t host_bytes;       /* every pinned byte held (state, landing buffers, pipe) */
 } sg__offload;
 
-/* Allocates and zeroes the state for a shard of numel elements whose buckets' slices are
- * [off[k], off[k] + len[k]) (disjoint, inside the shard). chunk: the update pipeline's
- * (0: default); nland landing buffers (>= 1) of land_bytes (>= every slice in any arriving
- * dtype). On failure nothing stays allocated. */
-sg_status sg__offload_init(sg__offload *o, sg__device *d, size_t numel, int param_dtype,
-                           int accum_dtype, int nbuckets, const size_t *off, const size_t *len,
-                           size_t chunk, int nland, size_t land_bytes);
+/* Allocates and zeroes optimizer od's state for a shard of numel elements whose buckets'
+ * slices are [off[k], off[k] + len[k]) (disjoint, inside the shard). chunk: the update
+ * pipeline's (0: default); nland landing buffers (>= 1) of land_bytes (>= every slice in any
+ * arriving dtype). On failure nothing stays allocated. */
+sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *od, size_t numel,
+                           int param_dtype, int accum_dtype, int nbuckets, const size_t *off,
+                           const size_t *len, size_t chunk, int nland, size_t land_bytes);
 /* Waits (bounded) for copies in flight and frees everything; NULL or zeroed o: nothing. */
 void sg__offload_free(sg__offload *o, int64_t deadline_ms);
 
@@ -92,10 +94,10 @@ sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms);
  * the device's sumsq (CUDA: sg__cpu_sumsq_gpu; CPU: sg__cpu_sumsq). Slices no gradient arrived
  * in since the last step count as zeros (and are zeroed). Call after fold_all. */
 sg_status sg__offload_norm(sg__offload *o, double out[2]);
-/* The host AdamW of segments a->segs[0..nsegs) (one bucket's), with a's scalars and segments;
- * master, m, v and grad are this state's. New working values go to dev_params (the full
- * working-parameter buffer, device memory). *last: the ticket of its last copy. */
-sg_status sg__offload_update(sg__offload *o, const sg__adamw_args *a, void *dev_params,
+/* The host update of segments a->segs[0..nsegs) (one bucket's), with a's scalars and
+ * segments; master, the state arrays and grad are this state's. New working values go to
+ * dev_params (the full working-parameter buffer, device memory). *last: the ticket of its last copy. */
+sg_status sg__offload_update(sg__offload *o, const sg__update_args *a, void *dev_params,
                              int64_t deadline_ms, uint64_t *last);
 /* After the step (taken or skipped), sg_grad_zero or a load: every bucket's accumulator is
  * empty; arrivals not folded yet are dropped (after their jobs, waited for). */
@@ -105,13 +107,14 @@ sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms);
 sg_status sg__offload_master_from(sg__offload *o, const void *dev_params, const sg__seg *segs,
                                   int nsegs, int64_t deadline_ms);
 
-/* which: 0 master (NULL for f32 params), 1 m, 2 v: host memory in shard coordinates. Valid
- * once every copy into the working parameters finished (sg__host_pipe_drain). */
+/* which: 0 master (NULL for f32 params), 1 + k the optimizer's state k: host memory in shard
+ * coordinates. Valid once every copy into the working parameters finished
+ * (sg__host_pipe_drain). */
 float *sg__offload_state(sg__offload *o, int which);
 /* Pinned host bytes an offloaded shard of numel elements holds: accumulator + master (not for
- * f32 params) + m + v, plus the update pipeline's ring and the landing buffers (what
- * sg__offload_init allocates with these arguments, exactly). */
-size_t sg__offload_host_bytes(size_t numel, int param_dtype, int accum_dtype, size_t chunk,
-                              int nland, size_t land_bytes);
+ * f32 params) + od's state arrays, plus the update pipeline's ring and the landing buffers
+ * (what sg__offload_init allocates with these arguments, exactly). */
+size_t sg__offload_host_bytes(const sg__optim_desc *od, size_t numel, int param_dtype,
+                              int accum_dtype, size_t chunk, int nland, size_t land_bytes);
 
 #endif /* SG_OFFLOAD_H */

@@ -351,14 +351,14 @@ static sg__adamw_args adamw_consts(uint64_t step) {
   memset(&a, 0, sizeof a);
   const double lr = 1e-3, wd = 0.01, b1 = 0.9, b2 = 0.999;
   a.grad_scale = 0.5f;
-  a.decay_factor = (float)(1.0 - lr * wd);
-  a.beta1 = (float)b1;
-  a.one_minus_beta1 = (float)(1.0 - b1);
-  a.beta2 = (float)b2;
-  a.one_minus_beta2 = (float)(1.0 - b2);
-  a.step_size = (float)(lr / (1.0 - pow(b1, (double)step)));
-  a.bc2_sqrt = (float)sqrt(1.0 - pow(b2, (double)step));
-  a.eps = 1e-8f;
+  a.group_scalar[0][SG__ADAMW_DECAY_FACTOR] = (float)(1.0 - lr * wd);
+  a.scalar[SG__ADAMW_BETA1] = (float)b1;
+  a.scalar[SG__ADAMW_ONE_MINUS_BETA1] = (float)(1.0 - b1);
+  a.scalar[SG__ADAMW_BETA2] = (float)b2;
+  a.scalar[SG__ADAMW_ONE_MINUS_BETA2] = (float)(1.0 - b2);
+  a.group_scalar[0][SG__ADAMW_STEP_SIZE] = (float)(lr / (1.0 - pow(b1, (double)step)));
+  a.scalar[SG__ADAMW_BC2_SQRT] = (float)sqrt(1.0 - pow(b2, (double)step));
+  a.scalar[SG__ADAMW_EPS] = 1e-8f;
   a.seed = 1234;
   a.step = step;
   return a;
@@ -402,8 +402,8 @@ static void adamw_set(sg__adamw_args *a, const adamw_bufs *b, const adamw_case *
   a->param = b->param;
   a->param_dtype = c->pdt;
   a->master = b->master;
-  a->m = b->m;
-  a->v = b->v;
+  a->state[SG__ADAMW_M] = b->m;
+  a->state[SG__ADAMW_V] = b->v;
   a->grad = b->grad;
   a->grad_dtype = c->gdt;
   a->segs = segs;
@@ -448,15 +448,15 @@ static void adamw_shape_check(const adamw_bufs *h0, const adamw_bufs *d, const a
   adamw_to_dev(&d2, h0, c, sn, fn);
   sg__adamw_args a = adamw_consts(7);
   adamw_set(&a, &d2, c, segs, nsegs);
-  void *htab = malloc(sg__cuda_adamw_table_bytes(nsegs)), *dtab = NULL;
+  void *htab = malloc(sg__cuda_seg_table_bytes(nsegs)), *dtab = NULL;
   uint64_t work = 0;
-  sg__cuda_adamw_table_build(htab, segs, nsegs, &work);
+  sg__cuda_seg_table_build(htab, segs, nsegs, &work);
   /* The table goes up on the kernel's own stream: a plain cudaMemcpy from pageable memory runs
    * on the legacy stream and may return before its DMA lands, and g_stream (non-blocking) does
    * not wait for the legacy stream. htab stays alive until the stream is synchronized. */
-  int rc = (int)cudaMalloc(&dtab, sg__cuda_adamw_table_bytes(nsegs));
+  int rc = (int)cudaMalloc(&dtab, sg__cuda_seg_table_bytes(nsegs));
   if (rc == 0)
-    rc = (int)cudaMemcpyAsync(dtab, htab, sg__cuda_adamw_table_bytes(nsegs),
+    rc = (int)cudaMemcpyAsync(dtab, htab, sg__cuda_seg_table_bytes(nsegs),
                               cudaMemcpyHostToDevice, g_stream);
   sg__cuda_launch L = {(void *)g_stream, 2};
   if (rc == 0) rc = sg__cuda_adamw(L, &a, dtab, work);
@@ -499,7 +499,7 @@ static void test_adamw_case(const adamw_case *c) {
   adamw_set(&a, &h, c, segs, nsegs);
   sg__cpu_adamw(&a);
   adamw_set(&a, &d, c, segs, nsegs);
-  sg_status st = g_dev->ops->adamw(g_dev, SG_Q_COMPUTE, &a);
+  sg_status st = g_dev->ops->update(g_dev, SG_Q_COMPUTE, sg__optim_find("adamw"), &a);
   char what[96];
   snprintf(what, sizeof what, "adamw param %d grad %d master %d sr %d", c->pdt, c->gdt, c->master,
            c->sr);
@@ -511,7 +511,7 @@ static void test_adamw_case(const adamw_case *c) {
   adamw_set(&a, &h, c, segs, nsegs);
   sg__cpu_adamw(&a);
   adamw_set(&a, &d, c, segs, nsegs);
-  st = g_dev->ops->adamw(g_dev, SG_Q_COMPUTE, &a);
+  st = g_dev->ops->update(g_dev, SG_Q_COMPUTE, sg__optim_find("adamw"), &a);
   snprintf(what, sizeof what, "adamw step 2 param %d grad %d master %d sr %d", c->pdt, c->gdt,
            c->master, c->sr);
   check(st == SG_OK, what, "launch");
@@ -539,7 +539,7 @@ static void test_adamw(void) {
   adamw_set(&a, &h, &c, segs + 1, n - 3);
   sg__cpu_adamw(&a);
   adamw_set(&a, &d, &c, segs + 1, n - 3);
-  check(g_dev->ops->adamw(g_dev, SG_Q_COMM, &a) == SG_OK, "adamw on comm queue, fewer segments",
+  check(g_dev->ops->update(g_dev, SG_Q_COMM, sg__optim_find("adamw"), &a) == SG_OK, "adamw on comm queue, fewer segments",
         "launch");
   /* Outside a comm job, SG_Q_COMM work is only enqueued on the comm stream, and sync waits for
    * the compute stream alone: the D2H copies below (compute stream) must not start before the

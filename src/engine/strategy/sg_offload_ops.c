@@ -27,8 +27,9 @@ static size_t land_bytes(const sg__plan *p, const sg_config *cfg) {
 
 static void host_shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
   out->host_state = 1;
-  out->host_extra = sg__offload_host_bytes(0, cfg->param_dtype, cfg->accum_dtype, pipe_chunk(p),
-                                           nland(p, cfg), land_bytes(p, cfg));
+  out->host_extra = sg__offload_host_bytes(sg__optim_default(), 0, cfg->param_dtype,
+                                           cfg->accum_dtype, pipe_chunk(p), nland(p, cfg),
+                                           land_bytes(p, cfg));
 }
 static void shape_grad_op(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
   sg__strategy_shard_grad_op.shape(p, cfg, out);
@@ -44,9 +45,6 @@ static void shape_opt(const sg__plan *p, const sg_config *cfg, sg__layout_shape 
 static sg_status make_state(sg_engine *e, sg__offload *o) {
   const sg__plan *p = e->plan;
   const sg_config *c = &e->cfg;
-  if (e->lay.nstates != 2)
-    return sg__err(SG_ERR_UNSUPPORTED, "offload_optimizer runs AdamW's two moments on the host "
-                   "(this optimizer has %d state arrays)", e->lay.nstates);
   size_t *off = calloc((size_t)p->nbuckets, sizeof *off);
   size_t *len = calloc((size_t)p->nbuckets, sizeof *len);
   sg_status st = off && len ? SG_OK : sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -57,8 +55,9 @@ static sg_status make_state(sg_engine *e, sg__offload *o) {
     len[b] = ow.n;
   }
   if (st == SG_OK)
-    st = sg__offload_init(o, e->dev, e->lay.opt_numel, c->param_dtype, c->accum_dtype,
-                          p->nbuckets, off, len, pipe_chunk(p), nland(p, c), land_bytes(p, c));
+    st = sg__offload_init(o, e->dev, e->opt.od, e->lay.opt_numel, c->param_dtype,
+                          c->accum_dtype, p->nbuckets, off, len, pipe_chunk(p), nland(p, c),
+                          land_bytes(p, c));
   free(off);
   free(len);
   return st;
@@ -117,7 +116,7 @@ static sg_status sumsq(sg_engine *e, double out[2]) {
   return sg__offload_norm(e->off, out);
 }
 
-static sg_status update(sg_engine *e, const sg__adamw_args *a) {
+static sg_status update(sg_engine *e, const sg__update_args *a) {
   uint64_t last = 0;
   SG_TRY(sg__offload_update(e->off, a, e->params, sg__engine_host_deadline(e), &last));
   /* No gather follows (one rank): the caller's queue waits for the copies themselves. */
