@@ -8,18 +8,23 @@
  * ordered after the job's earlier work by construction; from any other thread they first wait
  * until every submitted job has finished, which is the order a stream would give. */
 #define _POSIX_C_SOURCE 200809L /* posix_memalign */
+#define _DEFAULT_SOURCE         /* MAP_ANONYMOUS */
 
 #include <math.h>      /* NAN, isnan */
 #include <stdatomic.h> /* allocation-failure test hook */
 #include <stdint.h>    /* INT64_MAX */
 #include <stdlib.h>    /* posix_memalign, malloc, free */
 #include <string.h>    /* memcpy, memset, strlen */
+#include <sys/mman.h>  /* mmap, munmap: large blocks */
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_* loops */
 #include "sg_device.h"                        /* sg__device, sg__device_ops */
 #include "sg_jobq.h"                          /* the comm queue */
 
 #define SG_CPU_ALIGN 64   /* bytes: a cache line, and the widest vector register */
+/* Blocks from this size on are fresh anonymous pages: already zero, and not resident until
+ * written, so an arena costs RSS only where it is used (f32 comm scratch never is). */
+#define SG_CPU_MAP_MIN ((size_t)1 << 20)
 
 /* ---- allocation-failure test hook ---------------------------------------------------------- */
 
@@ -50,25 +55,65 @@ static cpu_device *as_cpu(sg__device *d) { return (cpu_device *)d; }
 
 /* ---- memory -------------------------------------------------------------------------------- */
 
-static sg_status cpu_alloc(sg__device *d, size_t bytes, void **out) {
-  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "cpu alloc: NULL %s", d ? "out" : "device");
-  *out = NULL;
-  if (bytes > SIZE_MAX - SG_CPU_ALIGN)
-    return sg__err(SG_ERR_OUT_OF_MEMORY, "cpu alloc: %zu bytes is too large", bytes);
-  if (sg__device_should_fail_alloc())
-    return sg__err(SG_ERR_OUT_OF_MEMORY, "cpu alloc: %zu bytes (injected failure)", bytes);
+/* Every block is preceded by a header of SG_CPU_ALIGN bytes: the length of its mapping, or 0
+ * for a block from posix_memalign (free() then). */
+static sg_status cpu_alloc_block(size_t bytes, void **out, int *fresh) {
   /* a multiple of the alignment, never 0, so every allocation is a distinct non-NULL block */
   size_t rounded = bytes == 0 ? SG_CPU_ALIGN : (bytes + SG_CPU_ALIGN - 1) / SG_CPU_ALIGN * SG_CPU_ALIGN;
-  void *p = NULL;
-  int rc = posix_memalign(&p, SG_CPU_ALIGN, rounded);
-  if (rc != 0 || !p)
-    return sg__err_at(SG_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
-                      "cpu alloc: posix_memalign of %zu bytes failed (%d)", rounded, rc);
-  *out = p;
+  size_t total = rounded + SG_CPU_ALIGN;
+  char *head = NULL;
+  *fresh = rounded >= SG_CPU_MAP_MIN;
+  if (*fresh) {
+    void *m = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+      return sg__err_at(SG_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                        "cpu alloc: mmap of %zu bytes failed", total);
+    head = m;
+    *(size_t *)head = total;
+  } else {
+    void *p = NULL;
+    int rc = posix_memalign(&p, SG_CPU_ALIGN, total);
+    if (rc != 0 || !p)
+      return sg__err_at(SG_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                        "cpu alloc: posix_memalign of %zu bytes failed (%d)", total, rc);
+    head = p;
+    *(size_t *)head = 0;
+  }
+  *out = head + SG_CPU_ALIGN;
   return SG_OK;
 }
 
-static void cpu_free(sg__device *d, void *p) { free(p); }
+static sg_status cpu_alloc_fresh(sg__device *d, size_t bytes, void **out, int *fresh) {
+  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "cpu alloc: NULL %s", d ? "out" : "device");
+  *out = NULL;
+  if (bytes > SIZE_MAX - 2 * SG_CPU_ALIGN)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "cpu alloc: %zu bytes is too large", bytes);
+  if (sg__device_should_fail_alloc())
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "cpu alloc: %zu bytes (injected failure)", bytes);
+  return cpu_alloc_block(bytes, out, fresh);
+}
+
+static sg_status cpu_alloc(sg__device *d, size_t bytes, void **out) {
+  int fresh = 0;
+  return cpu_alloc_fresh(d, bytes, out, &fresh);
+}
+
+/* Fresh mappings read as zeros without being written (and stay off RSS); small blocks are
+ * cleared. */
+static sg_status cpu_alloc_zeroed(sg__device *d, size_t bytes, void **out) {
+  int fresh = 0;
+  SG_TRY(cpu_alloc_fresh(d, bytes, out, &fresh));
+  if (!fresh) sg__cpu_zero(*out, bytes);
+  return SG_OK;
+}
+
+static void cpu_free(sg__device *d, void *p) {
+  if (!p) return;
+  char *head = (char *)p - SG_CPU_ALIGN;
+  size_t mapped = *(const size_t *)head;
+  if (mapped) (void)munmap(head, mapped);
+  else free(head);
+}
 
 /* ---- comm queue ---------------------------------------------------------------------------- */
 
@@ -312,6 +357,7 @@ static const sg__device_ops cpu_ops = {
     .mark = cpu_mark,
     .mark_elapsed = cpu_mark_elapsed,
     .destroy = cpu_destroy,
+    .alloc_zeroed = cpu_alloc_zeroed,
 };
 
 /* ---- create -------------------------------------------------------------------------------- */

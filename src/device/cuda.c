@@ -1121,6 +1121,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_mark,
     sg__cudev_mark_elapsed,
     sg__cudev_destroy,
+    NULL, /* alloc_zeroed: alloc, then zero */
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

@@ -122,6 +122,9 @@ typedef struct sg__device_ops {
   sg_status (*mark)(sg__device *d, void *marks, size_t i, sg__queue q);
   sg_status (*mark_elapsed)(sg__device *d, void *marks, size_t from, size_t to, double *us);
   void (*destroy)(sg__device *d);
+  /* Optional (NULL: alloc, then zero on SG_Q_COMPUTE): memory that reads as zeros, freed with
+   * free. CPU: large blocks are fresh pages, never written, so they stay off RSS until used. */
+  sg_status (*alloc_zeroed)(sg__device *d, size_t bytes, void **out);
 } sg__device_ops;
 
 struct sg__device {
@@ -129,6 +132,19 @@ struct sg__device {
   sg_device kind;
   int rank; /* for log lines */
 };
+
+/* bytes of zeros on d (arenas, extra gradient buffers): nothing allocated on failure. */
+static inline sg_status sg__device_alloc_zeroed(sg__device *d, size_t bytes, void **out) {
+  if (d->ops->alloc_zeroed) return d->ops->alloc_zeroed(d, bytes, out);
+  sg_status st = d->ops->alloc(d, bytes, out);
+  if (st != SG_OK) return st;
+  st = d->ops->zero(d, SG_Q_COMPUTE, *out, bytes);
+  if (st != SG_OK) {
+    d->ops->free(d, *out);
+    *out = NULL;
+  }
+  return st;
+}
 
 /* cpu.c. threaded_comm = 0 runs comm jobs inline on the submitting thread (no overlap) until a
  * communicator attaches (comm_attach sets the mode from then on). */

@@ -103,8 +103,7 @@ sg_status sg__arenas_alloc(sg__arenas *a, sg__device *dev, const sg__layout *l) 
   a->dev = dev;
   for (int k = 0; k < SG_MEM_KINDS; k++) {
     if (l->bytes[k] == 0) continue;
-    sg_status st = dev->ops->alloc(dev, l->bytes[k], &a->base[k]);
-    if (st == SG_OK) st = dev->ops->zero(dev, SG_Q_COMPUTE, a->base[k], l->bytes[k]);
+    sg_status st = sg__device_alloc_zeroed(dev, l->bytes[k], &a->base[k]);
     if (st != SG_OK) {
       sg__arenas_free(a);
       if (st == SG_ERR_OUT_OF_MEMORY)
@@ -145,12 +144,7 @@ void sg__arenas_extra_grads(sg__arenas *a, long long bytes) {
 
 sg_status sg__arenas_extra_alloc(sg__arenas *a, size_t bytes, void **out) {
   void *p = NULL;
-  SG_TRY(a->dev->ops->alloc(a->dev, bytes, &p));
-  const sg_status st = a->dev->ops->zero(a->dev, SG_Q_COMPUTE, p, bytes);
-  if (st != SG_OK) {
-    a->dev->ops->free(a->dev, p);
-    return st;
-  }
+  SG_TRY(sg__device_alloc_zeroed(a->dev, bytes, &p));
   *out = p;
   sg__arenas_extra_grads(a, (long long)bytes);
   return SG_OK;
