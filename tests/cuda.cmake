@@ -81,6 +81,9 @@ if(SG_WITH_CUDA)
       add_test(NAME ${t} COMMAND ${t})
       set_tests_properties(${t} PROPERTIES TIMEOUT 300 LABELS cuda)
     endforeach()
+    # Its matrix runs every sharded case offloaded too; under TSan (SG_TEST_QUICK) it is cut down
+    # but still slow.
+    set_tests_properties(test_cuda_mock_engine PROPERTIES TIMEOUT 900)
 
     # The engine's main test (tests/test_engine.c, test_engine_w2 in engine.cmake) and the loss
     # scaling test (test_fp16_scale.c, robust.cmake) with the engines under test on the mock
