@@ -24,18 +24,9 @@
 #include "device/sg_device.h" /* the CUDA device */
 #include "shardgrad.h"
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+#include "sg_test_check.h" /* CHECK, counted under one lock across threads */
 
-static void check(int ok, const char *what) {
-  pthread_mutex_lock(&g_lock);
-  printf("%s %s%s%s\n", ok ? "ok  " : "FAIL", what, ok ? "" : " -- ", ok ? "" : sg_last_error());
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-  pthread_mutex_unlock(&g_lock);
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -294,6 +285,5 @@ int main(void) {
   destroy_with_dead_peer();
   mixed_devices();
   current_device_kept();
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

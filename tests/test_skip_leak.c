@@ -12,19 +12,11 @@
 
 #include "shardgrad.h"
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+#include "sg_test_check.h" /* CHECK, counted under one lock across threads */
+
 static pthread_barrier_t g_bar;
 
-static void check(int ok, const char *what) {
-  pthread_mutex_lock(&g_lock);
-  printf("%s %s%s%s\n", ok ? "ok  " : "FAIL", what, ok ? "" : " -- ", ok ? "" : sg_last_error());
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-  pthread_mutex_unlock(&g_lock);
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 #define NP 4
 
@@ -71,6 +63,5 @@ int main(void) {
   for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
   pthread_barrier_destroy(&g_bar);
   for (int r = 0; r < 2; r++) sg_comm_destroy(cs[r]);
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }
