@@ -22,19 +22,11 @@
 #include "device/sg_device.h" /* CUDA devices to bind */
 #include "sg_elem.h"          /* bf16/f16 values */
 
-#define W 3
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+#include "sg_test_check.h" /* CHECK, counted under one lock across threads */
 
-static void check(int ok, const char *what) {
-  pthread_mutex_lock(&g_lock);
-  printf("%s %s%s%s\n", ok ? "ok  " : "FAIL", what, ok ? "" : " -- ", ok ? "" : sg_last_error());
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-  pthread_mutex_unlock(&g_lock);
-}
+#define W 3
+
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 
@@ -317,6 +309,5 @@ int main(void) {
   run_ranks(2, id, body_async_error, "an asynchronous NCCL error");
   sg_cudamock_drain();
   check(sg_ncclmock_live() == 0, "every NCCL communicator destroyed or aborted");
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }
