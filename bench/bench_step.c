@@ -108,9 +108,18 @@ typedef struct plain {
   size_t bytes;
 } plain;
 
-static int plain_sink(void *ctx, int p, const float *g, size_t n) {
+/* The model writes each gradient straight into its place in the one buffer (as the engine
+ * glue writes into the engine's slots). */
+static int plain_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype) {
   plain *pl = ctx;
-  memcpy(pl->grad + pl->off[p], g, n * sizeof(float));
+  (void)n;
+  *dst = pl->grad + pl->off[p];
+  *dtype = SG_F32;
+  return 0;
+}
+
+static int plain_sink(void *ctx, int p, const float *g, size_t n) {
+  (void)ctx, (void)p, (void)g, (void)n;
   return 0;
 }
 
@@ -211,7 +220,7 @@ static int run_plain(rank_ctx *c, mlp_model *m, double *times, float *first, flo
     const double t0 = now_ms();
     const float l = mlp_forward(m, pl.params);
     loss_track(s, total, l, first, loss);
-    mlp_backward(m, pl.params, 1.0f, plain_sink, &pl);
+    mlp_backward(m, pl.params, 1.0f, plain_slot, plain_sink, &pl);
     if (all_reduce(c, pl.grad, m->total_numel) != 0) goto done;
     plain_average(&pl, c->world);
     plain_adamw(&pl, c->o->lr, (uint64_t)s + 1);

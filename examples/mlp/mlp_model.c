@@ -46,12 +46,52 @@ static void axpy(float a, const float *x, float *y, int n) {
   for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* out[b][o] = bias[o] + sum_i in[b][i] * W[o][i] */
+/* dot()'s partial sums s[k] over elements i0..i1-1 (multiples of 8). */
+static void dot_part(float *s, const float *a, const float *b, int i0, int i1) {
+  for (int i = i0; i < i1; i += 8)
+    for (int k = 0; k < 8; k++) s[k] += a[i + k] * b[i + k];
+}
+
+static float dot_sum(const float *s) {
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* dot(a, b) and dot(a2, b), bit for bit, in one pass over b: 64 elements of one, then of the
+ * other, so that both chains of partial sums are in flight at once. */
+static void dot2(const float *a, const float *a2, const float *b, int n, float *t1, float *t2) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0}, u[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int m = n & ~7;
+  int i = 0;
+  for (; i + 64 <= m; i += 64) {
+    dot_part(s, a, b, i, i + 64);
+    dot_part(u, a2, b, i, i + 64);
+  }
+  dot_part(s, a, b, i, m);
+  dot_part(u, a2, b, i, m);
+  float t = dot_sum(s), v = dot_sum(u);
+  for (i = m; i < n; i++) {
+    t += a[i] * b[i];
+    v += a2[i] * b[i];
+  }
+  *t1 = t;
+  *t2 = v;
+}
+
+/* out[b][o] = bias[o] + sum_i in[b][i] * W[o][i], each as dot() computes it. Weight row outer,
+ * batch rows inner (two at a time): W is read from memory once for the whole batch. */
 static void linear(const float *in, const float *w, const float *bias, float *out, int rows,
                    int nin, int nout) {
-  for (int b = 0; b < rows; b++)
-    for (int o = 0; o < nout; o++)
-      out[(size_t)b * nout + o] = bias[o] + dot(in + (size_t)b * nin, w + (size_t)o * nin, nin);
+  for (int o = 0; o < nout; o++) {
+    const float *wo = w + (size_t)o * nin;
+    int b = 0;
+    for (; b + 2 <= rows; b += 2) {
+      float t1, t2;
+      dot2(in + (size_t)b * nin, in + (size_t)(b + 1) * nin, wo, nin, &t1, &t2);
+      out[(size_t)b * nout + o] = bias[o] + t1;
+      out[(size_t)(b + 1) * nout + o] = bias[o] + t2;
+    }
+    if (b < rows) out[(size_t)b * nout + o] = bias[o] + dot(in + (size_t)b * nin, wo, nin);
+  }
 }
 
 /* ---- model -------------------------------------------------------------------------------- */
@@ -96,6 +136,7 @@ int mlp_init(mlp_model *m, int layers, int hidden, int batch, uint64_t seed) {
   ok &= (m->delta = calloc(wide, sizeof(float))) != NULL;
   ok &= (m->delta_prev = calloc(wide, sizeof(float))) != NULL;
   ok &= (m->grad = calloc(widest_param, sizeof(float))) != NULL;
+  ok &= (m->row = calloc((size_t)widest(m), sizeof(float))) != NULL;
   const size_t tn[4] = {(size_t)MLP_TEACHER_HIDDEN * MLP_IN, MLP_TEACHER_HIDDEN,
                         (size_t)MLP_OUT * MLP_TEACHER_HIDDEN, MLP_OUT};
   for (int t = 0; t < 4; t++) ok &= (m->teacher[t] = calloc(tn[t], sizeof(float))) != NULL;
@@ -114,6 +155,7 @@ void mlp_free(mlp_model *m) {
   free(m->delta);
   free(m->delta_prev);
   free(m->grad);
+  free(m->row);
   memset(m, 0, sizeof *m);
 }
 
@@ -165,45 +207,120 @@ float mlp_forward_hooked(mlp_model *m, float *const *params, mlp_layer_hook befo
   return (float)(sum / (double)n);
 }
 
-/* Gradients of layer l given m->delta (dLoss/d(pre-activation of layer l)): b first, then W. */
-static int layer_grads(mlp_model *m, int l, mlp_grad_sink sink, void *ctx) {
-  const int nin = m->dims[l], nout = m->dims[l + 1];
-  float *g = m->grad;
-  memset(g, 0, (size_t)nout * sizeof(float));
-  for (int b = 0; b < m->batch; b++) axpy(1.0f, m->delta + (size_t)b * nout, g, nout);
-  int rc = sink(ctx, 2 * l + 1, g, (size_t)nout);
-  if (rc) return rc;
-  memset(g, 0, m->numel[2 * l] * sizeof(float));
-  for (int o = 0; o < nout; o++)
-    for (int b = 0; b < m->batch; b++)
-      axpy(m->delta[(size_t)b * nout + o], m->act[l] + (size_t)b * nin, g + (size_t)o * nin, nin);
-  return sink(ctx, 2 * l, g, m->numel[2 * l]);
+/* Where the backward pass writes gradient p: the caller's slot in its dtype, or m->grad (f32). */
+typedef struct grad_dst {
+  char *ptr; /* the slot; NULL: m->grad */
+  sg_dtype dtype;
+} grad_dst;
+
+static int open_dst(const mlp_model *m, int p, mlp_grad_slot slot, void *ctx, grad_dst *d) {
+  void *ptr = NULL;
+  sg_dtype dt = SG_F32;
+  const int rc = slot ? slot(ctx, p, m->numel[p], &ptr, &dt) : 0;
+  *d = (grad_dst){ptr, ptr ? dt : SG_F32};
+  return rc;
 }
 
-/* delta_prev = (delta W) * tanh'(act[l]); then swaps delta and delta_prev. */
-static void propagate(mlp_model *m, int l, const float *w) {
+/* The f32 values for elements off.. of the gradient: in place when the destination is f32,
+ * else in m->row until put_dst converts them. */
+static float *dst_f32(const mlp_model *m, const grad_dst *d, size_t off) {
+  if (!d->ptr) return m->grad + off;
+  return d->dtype == SG_F32 ? (float *)(void *)d->ptr + off : m->row;
+}
+
+static void put_dst(const grad_dst *d, const float *g, size_t off, size_t n) {
+  if (d->ptr && d->dtype != SG_F32) mlp_from_f32(g, d->dtype, d->ptr + off * 2, n);
+}
+
+static int emit(const mlp_model *m, int p, const grad_dst *d, mlp_grad_sink sink, void *ctx) {
+  return sink(ctx, p, d->ptr ? NULL : m->grad, m->numel[p]);
+}
+
+/* Row o of W for batch rows b and b+1: g = (0 or g) + d0 a0 + d1 a1 (the weight gradient, in
+ * the order of adding the rows one by one to a zeroed buffer) and, when dp0 is given,
+ * dp0 += d0 w and dp1 += d1 w (the backward of the layer's input): one pass over w and g. */
+static void pair_row(int first, float d0, float d1, const float *a0, const float *a1,
+                     const float *w, float *g, float *dp0, float *dp1, int n) {
+  if (first)
+    for (int i = 0; i < n; i++) g[i] = 0.0f + d0 * a0[i] + d1 * a1[i];
+  else
+    for (int i = 0; i < n; i++) g[i] = g[i] + d0 * a0[i] + d1 * a1[i];
+  if (dp0)
+    for (int i = 0; i < n; i++) {
+      dp0[i] += d0 * w[i];
+      dp1[i] += d1 * w[i];
+    }
+}
+
+/* The same for one batch row b. */
+static void one_row(int first, float d0, const float *a0, const float *w, float *g, float *dp0,
+                    int n) {
+  if (first)
+    for (int i = 0; i < n; i++) g[i] = 0.0f + d0 * a0[i];
+  else
+    axpy(d0, a0, g, n);
+  if (dp0) axpy(d0, w, dp0, n);
+}
+
+/* Row o of layer l's weight gradient (sum over the batch of delta[b][o] act[l][b]) into g, and
+ * delta_prev[b] += delta[b][o] W[o] when back is set. */
+static void weight_row(mlp_model *m, int l, int o, const float *wo, float *g, int back) {
   const int nin = m->dims[l], nout = m->dims[l + 1];
-  memset(m->delta_prev, 0, (size_t)m->batch * nin * sizeof(float));
+  const float *a = m->act[l], *d = m->delta;
+  float *dp = back ? m->delta_prev : NULL;
+  int b = 0;
+  for (; b + 2 <= m->batch; b += 2) {
+    const size_t r0 = (size_t)b * nin, r1 = r0 + (size_t)nin;
+    pair_row(b == 0, d[(size_t)b * nout + o], d[(size_t)(b + 1) * nout + o], a + r0, a + r1, wo,
+             g, dp ? dp + r0 : NULL, dp ? dp + r1 : NULL, nin);
+  }
+  if (b < m->batch)
+    one_row(b == 0, d[(size_t)b * nout + o], a + (size_t)b * nin, wo, g,
+            dp ? dp + (size_t)b * nin : NULL, nin);
+}
+
+/* Layer l given m->delta (dLoss/d(pre-activation of layer l)): the gradient of b, then in one
+ * pass over W the gradient of W and (l > 0) delta_prev += delta W, which then becomes delta
+ * (times tanh'(act[l])). Each row of W and of its gradient is touched once for the whole batch. */
+static int layer_backward(mlp_model *m, int l, const float *w, mlp_grad_slot slot,
+                          mlp_grad_sink sink, void *ctx) {
+  const int nin = m->dims[l], nout = m->dims[l + 1];
+  grad_dst d;
+  int rc = open_dst(m, 2 * l + 1, slot, ctx, &d);
+  if (rc) return rc;
+  float *g = dst_f32(m, &d, 0);
+  memset(g, 0, (size_t)nout * sizeof(float));
+  for (int b = 0; b < m->batch; b++) axpy(1.0f, m->delta + (size_t)b * nout, g, nout);
+  put_dst(&d, g, 0, (size_t)nout);
+  if ((rc = emit(m, 2 * l + 1, &d, sink, ctx)) != 0) return rc;
+  if ((rc = open_dst(m, 2 * l, slot, ctx, &d)) != 0) return rc;
+  if (l > 0) memset(m->delta_prev, 0, (size_t)m->batch * nin * sizeof(float));
+  for (int o = 0; o < nout; o++) {
+    const size_t off = (size_t)o * nin;
+    g = dst_f32(m, &d, off);
+    weight_row(m, l, o, w + off, g, l > 0);
+    put_dst(&d, g, off, (size_t)nin);
+  }
+  if ((rc = emit(m, 2 * l, &d, sink, ctx)) != 0 || l == 0) return rc;
   for (int b = 0; b < m->batch; b++) {
     float *dp = m->delta_prev + (size_t)b * nin;
-    for (int o = 0; o < nout; o++)
-      axpy(m->delta[(size_t)b * nout + o], w + (size_t)o * nin, dp, nin);
     const float *a = m->act[l] + (size_t)b * nin;
     for (int i = 0; i < nin; i++) dp[i] *= 1.0f - a[i] * a[i];
   }
   float *t = m->delta;
   m->delta = m->delta_prev;
   m->delta_prev = t;
+  return 0;
 }
 
-int mlp_backward(mlp_model *m, float *const *params, float scale, mlp_grad_sink sink, void *ctx) {
+int mlp_backward(mlp_model *m, float *const *params, float scale, mlp_grad_slot slot,
+                 mlp_grad_sink sink, void *ctx) {
   const size_t n = (size_t)m->batch * MLP_OUT;
   const float k = 2.0f * scale / (float)n; /* d(mean of squares) */
   for (size_t i = 0; i < n; i++) m->delta[i] = k * (m->act[m->layers][i] - m->target[i]);
   for (int l = m->layers - 1; l >= 0; l--) {
-    const int rc = layer_grads(m, l, sink, ctx);
+    const int rc = layer_backward(m, l, params[2 * l], slot, sink, ctx);
     if (rc) return rc;
-    if (l > 0) propagate(m, l, params[2 * l]);
   }
   return 0;
 }
@@ -320,12 +437,18 @@ done:
   return st;
 }
 
-/* Writes one gradient into its engine slot, in the grad dtype, and marks it ready. */
+/* The backward pass writes each gradient straight into its engine slot, in the grad dtype. */
+static int engine_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype) {
+  mlp_engine *me = ctx;
+  (void)n;
+  *dtype = me->grad_dtype;
+  return (me->status = sg_grad_ptr(me->e, me->ids[p], dst)) == SG_OK ? 0 : -1;
+}
+
+/* Gradient p is in its slot: mark it ready. */
 static int engine_sink(void *ctx, int p, const float *grad, size_t n) {
   mlp_engine *me = ctx;
-  void *slot = NULL;
-  if ((me->status = sg_grad_ptr(me->e, me->ids[p], &slot)) != SG_OK) return -1;
-  mlp_from_f32(grad, me->grad_dtype, slot, n);
+  (void)grad, (void)n;
   return (me->status = sg_grad_ready(me->e, me->ids[p])) == SG_OK ? 0 : -1;
 }
 
@@ -348,7 +471,7 @@ sg_status mlp_engine_micro_batch(mlp_engine *me, float scale, float *loss) {
   me->status = SG_OK;
   *loss = mlp_forward_hooked(m, me->view, engine_layer, me);
   if (me->status != SG_OK) return me->status;
-  mlp_backward(m, me->view, scale, engine_sink, me);
+  mlp_backward(m, me->view, scale, engine_slot, engine_sink, me);
   return me->status;
 }
 

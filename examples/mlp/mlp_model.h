@@ -33,6 +33,7 @@ typedef struct mlp_model {
   float *target;                  /* batch x MLP_OUT */
   float *delta, *delta_prev;      /* batch x widest layer: dLoss/d(pre-activation) */
   float *grad;                    /* widest parameter: gradient being produced */
+  float *row;                     /* widest layer: a row of it before conversion to a slot */
   float *teacher[4];              /* W1, b1, W2, b2 of the teacher */
 } mlp_model;
 
@@ -56,13 +57,21 @@ typedef int (*mlp_layer_hook)(void *ctx, int layer);
 float mlp_forward_hooked(mlp_model *m, float *const *params, mlp_layer_hook before_layer,
                          void *ctx);
 
-/* Receives the gradient of parameter p (n floats, valid only during the call); non-zero stops
+/* Optional: where the backward pass writes the gradient of parameter p, *dst = n elements of
+ * *dtype (SG_F32, SG_BF16 or SG_F16: converted row by row as they are produced), or *dst =
+ * NULL (the default) for the model's f32 buffer. Non-zero stops the backward pass. */
+typedef int (*mlp_grad_slot)(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype);
+/* Receives the gradient of parameter p once it is complete: grad = the n floats in the model's
+ * buffer (valid only during the call), or NULL when it was written to the slot. Non-zero stops
  * the backward pass and is returned by mlp_backward. */
 typedef int (*mlp_grad_sink)(void *ctx, int p, const float *grad, size_t n);
 
 /* Backward of mlp_forward's loss times `scale`, emitting gradients last layer first (b then W
- * of each layer, which is reverse registration order). Uses the same params as the forward. */
-int mlp_backward(mlp_model *m, float *const *params, float scale, mlp_grad_sink sink, void *ctx);
+ * of each layer, which is reverse registration order); slot may be NULL. Uses the same params
+ * as the forward. Each weight matrix is read once per call (its gradient and the backward of
+ * the layer's input in one pass), whatever the batch. */
+int mlp_backward(mlp_model *m, float *const *params, float scale, mlp_grad_slot slot,
+                 mlp_grad_sink sink, void *ctx);
 
 /* Software dtype conversion, round-to-nearest-even. */
 void mlp_to_f32(const void *src, sg_dtype dtype, float *dst, size_t n);
