@@ -17,12 +17,10 @@
 
 #include "../src/comm/sg_comm.h" /* ops, for a sum over the new communicator */
 #include "sg_test_check.h"
+#include "sg_test_ranks.h" /* ranks as threads or processes, sg_test_train_small */
 #include "shardgrad.h"
-#ifdef SG_HAVE_MPI
-#include <mpi.h>
-#endif
 
-enum { NUMEL = 40 };
+enum { NUMEL = SG_TEST_SMALL_NUMEL };
 
 /* Reference: new rank of `rank` among ranks of the same color ordered by (key, rank). */
 static int ref_rank(const int *colors, const int *keys, int world, int rank, int *size) {
@@ -65,27 +63,6 @@ static void one_split(sg_comm *c, const int *colors, const int *keys, const char
   sg_comm_destroy(nc);
 }
 
-/* Engine steps with exactly summable gradients; the final parameters, in fp32. */
-static sg_status train(sg_comm *c, int data_rank, float *out) {
-  sg_config cfg;
-  sg_engine *e = NULL;
-  int id = -1;
-  sg_status st = sg_config_init(&cfg, sizeof cfg);
-  cfg.timeout_ms = 60000;
-  if (st == SG_OK) st = sg_engine_create(c, &cfg, &e);
-  if (st == SG_OK) st = sg_add_param(e, "w", NUMEL, 0, &id);
-  if (st == SG_OK) st = sg_finalize(e);
-  for (int s = 0; s < 3 && st == SG_OK; s++) {
-    float g[NUMEL];
-    for (int i = 0; i < NUMEL; i++) g[i] = (float)((i + s + data_rank) % 5) * 0.25f;
-    st = sg_grad_add(e, id, g, SG_F32);
-    if (st == SG_OK) st = sg_step(e, NULL);
-  }
-  if (st == SG_OK) st = sg_get_param(e, id, out, SG_F32);
-  sg_engine_destroy(e);
-  return st;
-}
-
 /* W = L * N ranks: node communicators of L, then an engine on each, against one made directly
  * with sg_comm_create_local (threads) or the same split's reference (rank order) under MPI. */
 static void engine_on_split(sg_comm *c, int l, const float *direct) {
@@ -93,7 +70,7 @@ static void engine_on_split(sg_comm *c, int l, const float *direct) {
   sg_comm *node = NULL;
   if (!CHECK(sg_comm_split(c, rank / l, rank, &node) == SG_OK, "node split for the engine")) return;
   float got[NUMEL];
-  const sg_status st = train(node, sg_comm_rank(node), got);
+  const sg_status st = sg_test_train_small(node, SG_DEVICE_CPU, sg_comm_rank(node), got);
   CHECK(st == SG_OK && memcmp(got, direct, sizeof got) == 0,
         "engine on a split communicator of %d ranks: the bits of a direct one (%s)", l,
         sg_status_string(st));
@@ -148,69 +125,52 @@ static void run_rank(sg_comm *c, const float *direct, int l) {
 
 /* ---- threads -------------------------------------------------------------------------------- */
 
+/* What the ranks of one world share: the engine reference (out of rank 0 of direct_main) and
+ * the node size. */
 typedef struct targ {
-  sg_comm *c;
-  const float *direct;
+  float direct[NUMEL];
   int l;
-  float out[NUMEL];
 } targ;
 
-static void *thread_main(void *p) {
-  targ *a = p;
-  run_rank(a->c, a->direct, a->l);
-  return NULL;
+static void thread_main(sg_comm *c, void *p) {
+  const targ *a = p;
+  run_rank(c, a->direct, a->l);
 }
 
-static void *direct_main(void *p) {
+static void direct_main(sg_comm *c, void *p) {
   targ *a = p;
-  CHECK(train(a->c, sg_comm_rank(a->c), a->out) == SG_OK, "direct engine reference");
-  return NULL;
+  float out[NUMEL];
+  CHECK(sg_test_train_small(c, SG_DEVICE_CPU, sg_comm_rank(c), out) == SG_OK,
+        "direct engine reference");
+  if (sg_comm_rank(c) == 0) memcpy(a->direct, out, sizeof out);
 }
 
-/* Runs fn on w threads over a fresh local communicator. */
-static void threads(int w, void *(*fn)(void *), targ *args, const float *direct, int l) {
-  sg_comm *comms[64];
-  pthread_t th[64];
-  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "sg_comm_create_local(%d)", w)) return;
-  for (int r = 0; r < w; r++) {
-    args[r] = (targ){.c = comms[r], .direct = direct, .l = l};
-    pthread_create(&th[r], NULL, fn, &args[r]);
-  }
-  for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
-  for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+/* fn on w threads over a fresh local communicator. */
+static void threads(int w, void (*fn)(sg_comm *, void *), targ *a) {
+  CHECK(sg_test_run_threads(w, fn, a) == SG_OK, "sg_comm_create_local(%d)", w);
 }
 
 static void run_local(int w) {
-  const int l = w % 2 == 0 ? 2 : 1;
-  targ args[64];
-  float direct[NUMEL];
-  threads(l, direct_main, args, NULL, l);
-  memcpy(direct, args[0].out, sizeof direct);
-  threads(w, thread_main, args, direct, l);
+  targ a = {.l = w % 2 == 0 ? 2 : 1};
+  threads(a.l, direct_main, &a);
+  threads(w, thread_main, &a);
 }
 
 /* ---- MPI ------------------------------------------------------------------------------------ */
 
 static void run_mpi(void) {
 #ifdef SG_HAVE_MPI
-  int provided = 0, world = 0, rank = 0;
-  MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int l = world % 2 == 0 ? 2 : 1;
+  int world = 0;
+  sg_test_mpi_init(&world, NULL);
   /* the reference: threads of this process, a communicator of l ranks made directly */
-  targ args[64];
-  float direct[NUMEL];
+  targ a = {.l = world % 2 == 0 ? 2 : 1};
   sg_test_quiet = 1;
-  threads(l, direct_main, args, NULL, l);
-  memcpy(direct, args[0].out, sizeof direct);
+  threads(a.l, direct_main, &a);
   sg_comm *c = NULL;
-  if (CHECK(sg_comm_create_mpi(NULL, &c) == SG_OK, "sg_comm_create_mpi")) run_rank(c, direct, l);
+  if (CHECK(sg_comm_create_mpi(NULL, &c) == SG_OK, "sg_comm_create_mpi"))
+    run_rank(c, a.direct, a.l);
   sg_comm_destroy(c);
-  int fails = sg_test_fail_, all = 0;
-  MPI_Allreduce(&fails, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  MPI_Finalize();
-  if (all && !fails) sg_test_fail_ = 1; /* another rank failed: fail here too */
+  sg_test_mpi_finalize();
 #else
   CHECK(0, "built without MPI");
 #endif

@@ -18,10 +18,8 @@
 
 #include "../src/comm/sg_comm.h" /* ops, to gather the members of a new communicator */
 #include "sg_test_check.h"
+#include "sg_test_ranks.h" /* ranks as threads or processes */
 #include "shardgrad.h"
-#ifdef SG_HAVE_MPI
-#include <mpi.h>
-#endif
 
 enum { MAXW = 16 };
 
@@ -128,36 +126,25 @@ static void run_rank(sg_comm *c, int per_host) {
 
 /* ---- threads -------------------------------------------------------------------------------- */
 
-static void *thread_main(void *p) {
-  sg_comm *c = p;
+static void thread_main(sg_comm *c, void *unused) {
   run_rank(c, sg_comm_size(c)); /* threads share the host */
-  return NULL;
 }
 
 static void run_local(int w) {
-  sg_comm *comms[MAXW];
-  pthread_t th[MAXW];
-  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "sg_comm_create_local(%d)", w)) return;
-  for (int r = 0; r < w; r++) pthread_create(&th[r], NULL, thread_main, comms[r]);
-  for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
-  for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+  CHECK(sg_test_run_threads(w, thread_main, NULL) == SG_OK, "sg_comm_create_local(%d)", w);
 }
 
 /* ---- MPI ------------------------------------------------------------------------------------ */
 
 static void run_mpi(int per_host) {
 #ifdef SG_HAVE_MPI
-  int provided = 0, world = 0;
-  MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  int world = 0;
+  sg_test_mpi_init(&world, NULL);
   sg_comm *c = NULL;
   if (CHECK(world <= MAXW && sg_comm_create_mpi(NULL, &c) == SG_OK, "sg_comm_create_mpi"))
     run_rank(c, per_host > 0 ? per_host : world);
   sg_comm_destroy(c);
-  int fails_here = sg_test_fail_, all = 0;
-  MPI_Allreduce(&fails_here, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  MPI_Finalize();
-  if (all && !fails_here) sg_test_fail_ = 1; /* another rank failed: fail here too */
+  sg_test_mpi_finalize();
 #else
   (void)per_host;
   CHECK(0, "built without MPI");

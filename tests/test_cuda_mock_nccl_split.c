@@ -18,9 +18,10 @@
 #include "comm/sg_comm.h"    /* collectives through the vtable */
 #include "comm/sg_nccl_dl.h" /* the loaded NCCL's table */
 #include "sg_test_check.h"
+#include "sg_test_ranks.h" /* the CPU reference's threads, sg_test_train_small */
 #include "shardgrad.h"
 
-enum { W = 4, NUMEL = 40 };
+enum { W = 4, NUMEL = SG_TEST_SMALL_NUMEL };
 
 /* nc has `size` ranks, this one `want`, and its members' old ranks sum to `sum`. */
 static void check_comm(sg_comm *nc, int old_rank, int want, int size, float sum, const char *what) {
@@ -64,25 +65,7 @@ static void splits(sg_comm *c) {
 
 /* Three AdamW steps with exactly summable gradients; the final parameters. */
 static sg_status train(sg_comm *c, sg_device dev, float *out) {
-  sg_config cfg;
-  sg_engine *e = NULL;
-  int id = -1;
-  sg_status st = sg_config_init(&cfg, sizeof cfg);
-  cfg.device = dev;
-  cfg.cuda_device = 0;
-  cfg.timeout_ms = 60000;
-  if (st == SG_OK) st = sg_engine_create(c, &cfg, &e);
-  if (st == SG_OK) st = sg_add_param(e, "w", NUMEL, 0, &id);
-  if (st == SG_OK) st = sg_finalize(e);
-  for (int s = 0; s < 3 && st == SG_OK; s++) {
-    float g[NUMEL];
-    for (int i = 0; i < NUMEL; i++) g[i] = (float)((i + s + sg_comm_rank(c)) % 5) * 0.25f;
-    st = sg_grad_add(e, id, g, SG_F32);
-    if (st == SG_OK) st = sg_step(e, NULL);
-  }
-  if (st == SG_OK) st = sg_get_param(e, id, out, SG_F32);
-  sg_engine_destroy(e);
-  return st;
+  return sg_test_train_small(c, dev, sg_comm_rank(c), out);
 }
 
 static float g_direct[NUMEL]; /* the CPU reference on a local communicator of 2 */
@@ -122,7 +105,6 @@ typedef struct targ {
   int rank;
   const unsigned char *id;
   void (*body)(sg_comm *);
-  sg_comm *local;
 } targ;
 
 static void *nccl_rank(void *p) {
@@ -136,11 +118,10 @@ static void *nccl_rank(void *p) {
   return NULL;
 }
 
-static void *cpu_rank(void *p) {
-  targ *a = p;
-  CHECK(train(a->local, SG_DEVICE_CPU, a->rank == 0 ? g_direct : (float[NUMEL]){0}) == SG_OK,
+static void cpu_rank(sg_comm *local, void *unused) {
+  CHECK(train(local, SG_DEVICE_CPU, sg_comm_rank(local) == 0 ? g_direct : (float[NUMEL]){0}) ==
+            SG_OK,
         "CPU reference");
-  return NULL;
 }
 
 static void run(void (*body)(sg_comm *)) {
@@ -149,24 +130,14 @@ static void run(void (*body)(sg_comm *)) {
   pthread_t th[W];
   targ a[W];
   for (int r = 0; r < W; r++) {
-    a[r] = (targ){r, id, body, NULL};
+    a[r] = (targ){r, id, body};
     pthread_create(&th[r], NULL, nccl_rank, &a[r]);
   }
   for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
 }
 
 int main(void) {
-  sg_comm *local[2];
-  pthread_t th[2];
-  targ a[2];
-  if (CHECK(sg_comm_create_local(2, local) == SG_OK, "local communicator for the reference")) {
-    for (int r = 0; r < 2; r++) {
-      a[r] = (targ){r, NULL, NULL, local[r]};
-      pthread_create(&th[r], NULL, cpu_rank, &a[r]);
-    }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
-    for (int r = 0; r < 2; r++) sg_comm_destroy(local[r]);
-  }
+  CHECK(sg_test_run_threads(2, cpu_rank, NULL) == SG_OK, "local communicator for the reference");
   run(splits);
   run(engine_on_node);
   const sg__nccl_lib *lib = NULL;
