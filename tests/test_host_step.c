@@ -2,6 +2,7 @@
  * on the CPU device and, in the mock build (SG_HAVE_CUDA, tests/cudamock), on the CUDA device:
  *   - sg__cpu_sumsq_gpu against a plain scalar transcription of the CUDA kernel's order, and in
  *     the mock build against the device's own sumsq (the emulated CUDA kernel), bit for bit;
+ *     its halves (chunk partials, combine) and the fold that yields the partials, against it;
  *   - every CPU kernel the host step runs gives the same bits for 1, 2 and 3 threads;
  *   - sg__cpu_threads follows omp_set_num_threads and the affinity mask;
  *   - the update pipeline (chunks, gaps, segments across chunk edges, groups, stochastic
@@ -124,6 +125,49 @@ static void test_sumsq_gpu(sg__device *cuda) {
           cuda->ops->free(cuda, dx);
         }
         free(x);
+      }
+}
+
+/* The two halves (chunk partials, combine) give sumsq_gpu's bits, and the fold that computes
+ * the partials in its own pass gives the bits of sg__cpu_cast/_accumulate followed by the
+ * partials of the result: every accumulator/source dtype pair, first or not, inf/NaN. */
+static void test_fold_sumsq(void) {
+  const size_t sizes[] = {1, 8192, 8193, 5 * 8192 + 300, 70001};
+  const int pairs[][2] = {{0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}};
+  for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++)
+    for (size_t pr = 0; pr < sizeof pairs / sizeof *pairs; pr++)
+      for (int first = 0; first < 2; first++) {
+        const size_t n = sizes[k], nq = (n + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+        const int adt = pairs[pr][0], sdt = pairs[pr][1];
+        void *src = malloc(n * 4), *a0 = malloc(n * 4), *ref = malloc(n * 4), *got = malloc(n * 4);
+        double *rss = malloc(nq * 8), *rnf = malloc(nq * 8), *gss = malloc(nq * 8),
+               *gnf = malloc(nq * 8);
+        fill_dtype(src, sdt, n, 2.0f);
+        fill_dtype(a0, adt, n, 1.0f);
+        if (n > 9000) sg_elem_store(src, sdt, 8200, NAN), sg_elem_store(src, sdt, n - 2, -INFINITY);
+        sg_elem_store(src, sdt, 0, -0.0f);
+        memcpy(ref, a0, n * esize(adt));
+        if (first)
+          sg__cpu_cast(ref, adt, src, sdt, n);
+        else
+          sg__cpu_accumulate(ref, adt, src, sdt, n);
+        sg__cpu_sumsq_gpu_chunks(ref, adt, n, 0, nq, rss, rnf);
+        double whole[2], comb[2];
+        sg__cpu_sumsq_gpu(ref, adt, n, &whole[0], &whole[1]);
+        sg__cpu_sumsq_gpu_combine(rss, rnf, nq, &comb[0], &comb[1]);
+        int same = same_double(whole[0], comb[0]) && whole[1] == comb[1];
+        for (int t = 1; t <= 3; t++) {
+          set_threads(t);
+          memcpy(got, a0, n * esize(adt));
+          sg__cpu_fold_sumsq_gpu(got, adt, src, sdt, n, first, gss, gnf);
+          same &= !memcmp(got, ref, n * esize(adt));
+          for (size_t q = 0; q < nq; q++) same &= same_double(gss[q], rss[q]) && gnf[q] == rnf[q];
+        }
+        set_threads(2);
+        CHECK(same, "fold + sumsq partials n=%zu acc %d src %d%s: the bits of the fold, then the "
+              "chunks' partials, whose combination is sumsq_gpu's (1, 2, 3 threads)", n, adt, sdt,
+              first ? " (first)" : "");
+        free(src), free(a0), free(ref), free(got), free(rss), free(rnf), free(gss), free(gnf);
       }
 }
 
@@ -395,6 +439,7 @@ int main(void) {
   if (CHECK(sg__device_cuda_create(0, 0, &cuda) == SG_OK, "cuda (mock) device")) run_device(cuda, "cuda");
 #endif
   test_sumsq_gpu(cuda);
+  test_fold_sumsq();
   if (cuda) cuda->ops->destroy(cuda);
   return sg_test_summary("");
 }

@@ -38,8 +38,10 @@ typedef struct layout {
   int bseg[NB + 1];
 } layout;
 
-/* W = 1: flat and shard coordinates agree. Bucket k: a few parameters with gaps between them. */
-static void make_layout(layout *l) {
+/* W = 1: flat and shard coordinates agree. Bucket k: a few parameters with gaps between them,
+ * scale times the base sizes (scale 9: slices that hold whole chunks of the norm's partition,
+ * whose partials the fold computes, besides the chunks across two slices). */
+static void make_layout(layout *l, size_t scale) {
   const size_t lens[NB][3] = {{1000, 37, 2100}, {64, 5000, 1}, {3333, 700, 128}};
   size_t pos = 0;
   int ns = 0;
@@ -47,9 +49,9 @@ static void make_layout(layout *l) {
     l->off[k] = pos;
     l->bseg[k] = ns;
     for (int j = 0; j < 3; j++) {
-      l->segs[ns] = (sg__seg){pos, pos, lens[k][j], j != 1, ((uint64_t)(ns + 1) << 40), 0};
+      l->segs[ns] = (sg__seg){pos, pos, lens[k][j] * scale, j != 1, ((uint64_t)(ns + 1) << 40), 0};
       ns++;
-      pos += (lens[k][j] + 63) / 64 * 64; /* parameters start at multiples of 64 */
+      pos += (lens[k][j] * scale + 63) / 64 * 64; /* parameters start at multiples of 64 */
     }
     l->len[k] = pos - l->off[k];
   }
@@ -59,6 +61,7 @@ static void make_layout(layout *l) {
 
 typedef struct tcase {
   int pdt, adt, rdt, mb, clip, nonfinite_step; /* nonfinite_step: 0 none, else the step */
+  size_t scale;                                /* of the layout's sizes */
 } tcase;
 
 typedef struct refstate { void *params, *master, *m, *v, *accum; } refstate;
@@ -112,16 +115,16 @@ static int same_state(sg__device *d, const tcase *c, const layout *l, const refs
 
 static void run_case(sg__device *d, const char *dn, tcase c) {
   layout l;
-  make_layout(&l);
+  make_layout(&l, c.scale);
   const size_t n = l.numel, P = es(c.pdt);
   refstate r = {dalloc(d, n * P), c.pdt ? dalloc(d, n * 4) : NULL, dalloc(d, n * 4),
                 dalloc(d, n * 4), dalloc(d, n * es(c.adt))};
   void *dparams = dalloc(d, n * P), *dg = dalloc(d, n * 4);
   sg__offload o;
   char tag[160];
-  snprintf(tag, sizeof tag, "%s param %d accum %d reduce %d, %d micro-batch(es)%s%s", dn, c.pdt,
-           c.adt, c.rdt, c.mb, c.clip ? ", clipped" : "",
-           c.nonfinite_step ? ", a non-finite step" : "");
+  snprintf(tag, sizeof tag, "%s param %d accum %d reduce %d, %d micro-batch(es)%s%s, %zu elements",
+           dn, c.pdt, c.adt, c.rdt, c.mb, c.clip ? ", clipped" : "",
+           c.nonfinite_step ? ", a non-finite step" : "", l.numel);
   size_t maxlen = 0;
   for (int k = 0; k < NB; k++) maxlen = l.len[k] > maxlen ? l.len[k] : maxlen;
   /* one landing buffer: every landed arrival but the last is folded when the next one takes it */
@@ -149,7 +152,7 @@ static void run_case(sg__device *d, const char *dn, tcase c) {
       for (int k = NB - 1; k >= 0 && ok; k--) { /* backward order */
         float *g = malloc(l.len[k] * 4);
         for (size_t i = 0; i < l.len[k]; i++) g[i] = frand() * (k + 1);
-        if ((int)step == c.nonfinite_step && mb == 0 && k == 1) g[7] = INFINITY;
+        if ((int)step == c.nonfinite_step && mb == 0 && k == 1) g[c.scale > 1 ? l.len[k] / 2 : 7] = INFINITY;
         g[3] = -0.0f; /* the direct arrival keeps -0 where the device's 0 + x gives +0 */
         sg__cpu_cast(hg, c.rdt, g, 0, l.len[k]);
         free(g);
@@ -243,9 +246,12 @@ static void test_errors(sg__device *d, const char *dn) {
 
 static void run_device(sg__device *d, const char *dn) {
   const tcase cases[] = {
-      {0, 0, 0, 1, 0, 0}, {0, 0, 0, 3, 1, 0}, {1, 0, 1, 1, 0, 0}, {1, 0, 1, 3, 1, 0},
-      {1, 0, 0, 1, 1, 0}, {2, 0, 0, 3, 0, 2}, {2, 0, 2, 1, 1, 0}, {1, 1, 1, 3, 0, 0},
-      {0, 0, 0, 1, 0, 3}, {1, 0, 1, 3, 1, 1}};
+      {0, 0, 0, 1, 0, 0, 1}, {0, 0, 0, 3, 1, 0, 1}, {1, 0, 1, 1, 0, 0, 1}, {1, 0, 1, 3, 1, 0, 1},
+      {1, 0, 0, 1, 1, 0, 1}, {2, 0, 0, 3, 0, 2, 1}, {2, 0, 2, 1, 1, 0, 1}, {1, 1, 1, 3, 0, 0, 1},
+      {0, 0, 0, 1, 0, 3, 1}, {1, 0, 1, 3, 1, 1, 1},
+      /* slices of whole chunks: folds with the norm's partials, direct arrivals, non-finite */
+      {1, 0, 1, 1, 1, 0, 9}, {1, 0, 1, 3, 0, 2, 9}, {0, 0, 0, 3, 1, 0, 9}, {1, 1, 1, 3, 1, 3, 9},
+      {2, 0, 0, 1, 0, 1, 9}};
   for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) run_case(d, dn, cases[k]);
   test_errors(d, dn);
 }

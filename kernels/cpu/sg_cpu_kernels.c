@@ -369,9 +369,24 @@ static void gpu_lanes(double *restrict lane, const float *restrict x, size_t n) 
   }
 }
 
-/* Chunk q: its partial sum, and its non-finite count. Only a chunk whose sum is not finite
- * can hold inf/NaN (as in sumsq_block): that chunk is counted again (a count is an exact
- * integer, so its order does not matter). */
+/* A chunk's partial from its lanes (the fixed tree), and its non-finite count: only a chunk
+ * whose sum is not finite can hold inf/NaN (as in sumsq_block), so only that chunk of x is
+ * counted again (a count is an exact integer, so its order does not matter). */
+static void gpu_chunk_end(double *lane, const void *x, int dtype, size_t lo, size_t len,
+                          double *ss, double *nf) {
+  const double s = tree_sum(lane, SG_CPU_GPU_LANES);
+  double bad = 0.0;
+  for (size_t t = 0; s - s != 0.0 && t < len; t += SG_CPU_TILE) {
+    const size_t tl = len - t < SG_CPU_TILE ? len - t : SG_CPU_TILE;
+    float tile[SG_CPU_TILE];
+    load_tile(tile, x, dtype, lo + t, tl);
+    bad = bad + count_nonfinite(tile, tl);
+  }
+  *ss = s;
+  *nf = bad;
+}
+
+/* Chunk q: its partial sum, and its non-finite count. */
 SG_CPU_HOT static void gpu_chunk(const void *x, int dtype, size_t n, size_t q, double *ss, double *nf) {
   const size_t lo = q * SG__CUDA_SUMSQ_CHUNK;
   const size_t len = n - lo < SG__CUDA_SUMSQ_CHUNK ? n - lo : SG__CUDA_SUMSQ_CHUNK;
@@ -386,26 +401,41 @@ SG_CPU_HOT static void gpu_chunk(const void *x, int dtype, size_t n, size_t q, d
     }
     gpu_lanes(lane, f, tl); /* SG_CPU_TILE is a multiple of the lane count: lanes stay aligned */
   }
-  const double s = tree_sum(lane, SG_CPU_GPU_LANES);
-  double bad = 0.0;
-  for (size_t t = 0; s - s != 0.0 && t < len; t += SG_CPU_TILE) {
-    const size_t tl = len - t < SG_CPU_TILE ? len - t : SG_CPU_TILE;
-    float tile[SG_CPU_TILE];
-    load_tile(tile, x, dtype, lo + t, tl);
-    bad = bad + count_nonfinite(tile, tl);
-  }
-  *ss = s;
-  *nf = bad;
+  gpu_chunk_end(lane, x, dtype, lo, len, ss, nf);
 }
 
 /* Chunks [q0, q0 + nq): partials into ss/nf, spread over threads as they get free. */
 static void gpu_chunks(const void *x, int dtype, size_t n, size_t q0, size_t nq, double *ss,
                        double *nf) {
 #ifdef SG_CPU_OMP
-  const int nt = SG_CPU_NT(n);
+  const int nt = SG_CPU_NT(nq * SG__CUDA_SUMSQ_CHUNK);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt) if (nt > 1)
 #endif
   for (size_t b = 0; b < nq; b++) gpu_chunk(x, dtype, n, q0 + b, &ss[b], &nf[b]);
+}
+
+/* The combine block's thread t sums partials t, t + 1024, ... in chunk order: partials of
+ * chunks [q0, q0 + nq) added into its accumulators comb. */
+static void gpu_combine_add(double *comb, double *bad, const double *ss, const double *nf,
+                            size_t q0, size_t nq) {
+  for (size_t b = 0; b < nq; b++) {
+    double *c = &comb[(q0 + b) % SG_CPU_GPU_COMBINE];
+    *c = *c + ss[b];
+    *bad = *bad + nf[b];
+  }
+}
+
+void sg__cpu_sumsq_gpu_chunks(const void *x, int dtype, size_t n, size_t q0, size_t nq,
+                              double *ss, double *nf) {
+  if (x && ss && nf && nq) gpu_chunks(x, dtype, n, q0, nq, ss, nf);
+}
+
+void sg__cpu_sumsq_gpu_combine(const double *ss, const double *nf, size_t nq, double *sumsq,
+                               double *nonfinite) {
+  double comb[SG_CPU_GPU_COMBINE] = {0}, bad = 0.0;
+  if (ss && nf) gpu_combine_add(comb, &bad, ss, nf, 0, nq);
+  if (sumsq) *sumsq = tree_sum(comb, SG_CPU_GPU_COMBINE);
+  if (nonfinite) *nonfinite = bad;
 }
 
 void sg__cpu_sumsq_gpu(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite) {
@@ -420,16 +450,55 @@ void sg__cpu_sumsq_gpu(const void *x, int dtype, size_t n, double *sumsq, double
   for (size_t g = 0; g < nq; g += group) {
     const size_t ng = nq - g < group ? nq - g : group;
     gpu_chunks(x, dtype, n, g, ng, part, part + group);
-    /* combine thread t sums partials t, t + 1024, ... in chunk order */
-    for (size_t b = 0; b < ng; b++) {
-      double *c = &comb[(g + b) % SG_CPU_GPU_COMBINE];
-      *c = *c + part[b];
-      bad = bad + part[group + b];
-    }
+    gpu_combine_add(comb, &bad, part, part + group, g, ng);
   }
   if (part != stack) free(part);
   if (sumsq) *sumsq = tree_sum(comb, SG_CPU_GPU_COMBINE);
   if (nonfinite) *nonfinite = bad;
+}
+
+/* ---- fold + sumsq partials in one pass ------------------------------------------------------ */
+
+/* Chunk q of acc[0..n): the cast (first) or the sum acc + src, tile by tile, and the chunk's
+ * partials over the values stored (re-read while the tile is in L1 where acc rounds to bf16),
+ * the lanes and tree of gpu_chunk: the bits of sg__cpu_cast/_accumulate then gpu_chunk. */
+SG_CPU_HOT static void fold_chunk(void *acc, int acc_dtype, const void *src, int src_dtype,
+                                  size_t n, int first, size_t q, double *ss, double *nf) {
+  const size_t lo = q * SG__CUDA_SUMSQ_CHUNK;
+  const size_t len = n - lo < SG__CUDA_SUMSQ_CHUNK ? n - lo : SG__CUDA_SUMSQ_CHUNK;
+  const size_t es = acc_dtype == 0 ? 4u : 2u;
+  double lane[SG_CPU_GPU_LANES] = {0};
+  for (size_t t = 0; t < len; t += SG_CPU_TILE) {
+    const size_t tl = len - t < SG_CPU_TILE ? len - t : SG_CPU_TILE, off = lo + t;
+    float tile[SG_CPU_TILE];
+    if (first && src_dtype == acc_dtype) { /* a copy, as sg__cpu_cast makes it: bits kept */
+      memcpy((char *)acc + off * es, (const char *)src + off * es, tl * es);
+      load_tile(tile, acc, acc_dtype, off, tl);
+    } else {
+      if (first)
+        load_tile(tile, src, src_dtype, off, tl);
+      else {
+        load_tile(tile, acc, acc_dtype, off, tl);
+        add_tile(tile, src, src_dtype, off, tl);
+      }
+      store_tile(acc, acc_dtype, off, tile, tl);
+      if (acc_dtype != 0) load_tile(tile, acc, acc_dtype, off, tl);
+    }
+    gpu_lanes(lane, tile, tl);
+  }
+  gpu_chunk_end(lane, acc, acc_dtype, lo, len, ss, nf);
+}
+
+void sg__cpu_fold_sumsq_gpu(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n,
+                            int first, double *ss, double *nf) {
+  if (!acc || !src || !ss || !nf || n == 0) return;
+  const size_t nq = (n + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+#ifdef SG_CPU_OMP
+  const int nt = SG_CPU_NT(n);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt) if (nt > 1)
+#endif
+  for (size_t q = 0; q < nq; q++)
+    fold_chunk(acc, acc_dtype, src, src_dtype, n, first, q, &ss[q], &nf[q]);
 }
 
 /* ---- AdamW --------------------------------------------------------------------------------- */

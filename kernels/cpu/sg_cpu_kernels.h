@@ -25,6 +25,19 @@ void sg__cpu_sumsq(const void *x, int dtype, size_t n, double *sumsq, double *no
  * that a host-side step (optimizer offload) decides and clips exactly as the device would. Also
  * independent of the thread count. */
 void sg__cpu_sumsq_gpu(const void *x, int dtype, size_t n, double *sumsq, double *nonfinite);
+/* The same in two halves, so that a caller can compute chunks when their data is final and
+ * combine at the end: the partials of chunks [q0, q0 + nq) of x[0..n) into ss/nf[0..nq), and
+ * the combination of the partials of chunks 0..nq-1 (all of an array's, in chunk order). */
+void sg__cpu_sumsq_gpu_chunks(const void *x, int dtype, size_t n, size_t q0, size_t nq,
+                              double *ss, double *nf);
+void sg__cpu_sumsq_gpu_combine(const double *ss, const double *nf, size_t nq, double *sumsq,
+                               double *nonfinite);
+/* acc[0..n) = src rounded to acc_dtype (first: sg__cpu_cast's bits) or acc + src
+ * (sg__cpu_accumulate's), and in the same pass the partials of acc's chunks as
+ * sg__cpu_sumsq_gpu_chunks(acc, acc_dtype, n, 0, nq) would give afterwards (nq = n / chunk,
+ * rounded up): the fold of a gradient that also yields its norm's share. */
+void sg__cpu_fold_sumsq_gpu(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n,
+                            int first, double *ss, double *nf);
 /* Threads of the parallel loops: OpenMP's count (OMP_NUM_THREADS, omp_set_num_threads) capped
  * by the CPUs in the calling thread's affinity mask; 1 without OpenMP. */
 int sg__cpu_threads(void);

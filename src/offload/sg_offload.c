@@ -4,7 +4,8 @@
 #include <stdlib.h> /* calloc, free */
 #include <string.h> /* memset */
 
-#include "../../kernels/cpu/sg_cpu_kernels.h" /* sumsq, accumulate, cast */
+#include "../../kernels/cpu/sg_cpu_kernels.h"   /* sumsq, accumulate, cast, fold + partials */
+#include "../../kernels/cuda/sg_cuda_kernels.h" /* SG__CUDA_SUMSQ_CHUNK: the partials' chunks */
 
 static size_t esz(int dtype) { return sg__dtype_size((sg_dtype)dtype); }
 
@@ -68,6 +69,15 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *
   o->b = calloc(nbuckets > 0 ? (size_t)nbuckets : 1, sizeof *o->b);
   if (!o->b) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
   for (int k = 0; k < nbuckets; k++) o->b[k].off = off[k], o->b[k].len = len[k], o->b[k].land = -1;
+  o->gpu_order = d->kind == SG_DEVICE_CUDA;
+  o->nq = (numel + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+  o->part_ss = calloc(o->nq, sizeof *o->part_ss);
+  o->part_nf = calloc(o->nq, sizeof *o->part_nf);
+  o->part_ok = calloc(o->nq, 1);
+  if (!o->part_ss || !o->part_nf || !o->part_ok) {
+    sg__offload_free(o, INT64_MAX);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
+  }
   void *p = NULL;
   sg_status st = pinned(o, numel * esz(accum_dtype), &o->accum);
   for (int k = 0; k < od->nstates && st == SG_OK; k++)
@@ -105,6 +115,9 @@ void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
       if (o->state[k]) d->ops->host_free(d, o->state[k]);
   }
   free(o->b);
+  free(o->part_ss);
+  free(o->part_nf);
+  free(o->part_ok);
   free(o->land);
   free(o->land_owner);
   free(o->land_ticket);
@@ -135,6 +148,12 @@ static sg_status take_landing(sg__offload *o, int64_t deadline_ms, int *out) {
   return SG_OK;
 }
 
+/* The partials of the chunks that [lo, hi) touches no longer hold. */
+static void stale(sg__offload *o, size_t lo, size_t hi) {
+  const size_t C = SG__CUDA_SUMSQ_CHUNK;
+  if (lo < hi) memset(o->part_ok + lo / C, 0, (hi + C - 1) / C - lo / C);
+}
+
 sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms) {
   static const char fn[] = "sg__offload_arrive_plan";
   SG_TRY(check_bucket(o, k, fn));
@@ -147,6 +166,7 @@ sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t 
   SG_TRY(sg__offload_fold(o, k, deadline_ms));
   if (!b->filled && src_dtype == o->accum_dtype) {
     b->mode = SG__ARRIVE_DIRECT;
+    stale(o, b->off, b->off + b->len);
   } else {
     if (b->len * esz(src_dtype) > o->land_bytes)
       return sg__err(SG_ERR_INTERNAL, "%s: bucket %d's slice does not fit a landing buffer", fn, k);
@@ -190,18 +210,44 @@ void sg__offload_arrive_submitted(sg__offload *o, int k, uint64_t ticket) {
   b->land = -1;
 }
 
+/* accum[lo, hi) of bucket b from its landed slice src: 0 + x as the device path's zeroed
+ * accumulator gives, a cast where the slice is the bucket's first since the step. */
+static void fold_plain(sg__offload *o, const sg__offload_bucket *b, const void *src, size_t lo,
+                       size_t hi) {
+  if (lo >= hi) return;
+  void *acc = (char *)o->accum + lo * esz(o->accum_dtype);
+  const void *s = (const char *)src + (lo - b->off) * esz(b->land_dtype);
+  if (b->land_first)
+    sg__cpu_cast(acc, o->accum_dtype, s, b->land_dtype, hi - lo);
+  else
+    sg__cpu_accumulate(acc, o->accum_dtype, s, b->land_dtype, hi - lo);
+  stale(o, lo, hi);
+}
+
+/* The fold of bucket b's landed slice; the chunks wholly inside the slice (the shard's last,
+ * shorter one included) get their norm partials in the same pass. */
+static void fold_slice(sg__offload *o, const sg__offload_bucket *b, const void *src) {
+  const size_t C = SG__CUDA_SUMSQ_CHUNK, lo = b->off, hi = b->off + b->len;
+  size_t a = o->gpu_order ? (lo + C - 1) / C * C : hi, z = hi == o->numel ? hi : hi / C * C;
+  if (a > hi) a = hi;
+  if (z < a) z = a;
+  fold_plain(o, b, src, lo, a);
+  if (a < z) {
+    sg__cpu_fold_sumsq_gpu((char *)o->accum + a * esz(o->accum_dtype), o->accum_dtype,
+                           (const char *)src + (a - lo) * esz(b->land_dtype), b->land_dtype,
+                           z - a, b->land_first, o->part_ss + a / C, o->part_nf + a / C);
+    memset(o->part_ok + a / C, 1, (z + C - 1) / C - a / C);
+  }
+  fold_plain(o, b, src, z, hi);
+}
+
 sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms) {
   SG_TRY(check_bucket(o, k, "sg__offload_fold"));
   sg__offload_bucket *b = &o->b[k];
   if (b->land < 0) return SG_OK;
   const int j = b->land;
   SG_TRY(o->dev->ops->comm_wait(o->dev, o->land_ticket[j], deadline_ms));
-  void *acc = (char *)o->accum + b->off * esz(o->accum_dtype);
-  /* 0 + x as the device path's zeroed accumulator gives; a cast where the slice is the first */
-  if (b->land_first)
-    sg__cpu_cast(acc, o->accum_dtype, o->land[j], b->land_dtype, b->len);
-  else
-    sg__cpu_accumulate(acc, o->accum_dtype, o->land[j], b->land_dtype, b->len);
+  fold_slice(o, b, o->land[j]);
   o->land_owner[j] = -1;
   b->land = -1;
   return SG_OK;
@@ -222,13 +268,27 @@ sg_status sg__offload_norm(sg__offload *o, double out[2]) {
       return sg__err(SG_ERR_INVALID_STATE, "sg__offload_norm: bucket %d not folded", k);
     if (!b->filled) { /* empty since the last step: zeros, as the device path's zeroed slice */
       memset((char *)o->accum + b->off * esz(o->accum_dtype), 0, b->len * esz(o->accum_dtype));
+      stale(o, b->off, b->off + b->len);
       b->filled = 1;
     }
   }
-  if (o->dev->kind == SG_DEVICE_CUDA)
-    sg__cpu_sumsq_gpu(o->accum, o->accum_dtype, o->numel, &out[0], &out[1]);
-  else
+  if (!o->gpu_order) {
     sg__cpu_sumsq(o->accum, o->accum_dtype, o->numel, &out[0], &out[1]);
+    return SG_OK;
+  }
+  /* the partials no fold gave, run by run of stale chunks */
+  for (size_t q = 0; q < o->nq;) {
+    if (o->part_ok[q]) {
+      q++;
+      continue;
+    }
+    size_t r = q;
+    while (r < o->nq && !o->part_ok[r]) r++;
+    sg__cpu_sumsq_gpu_chunks(o->accum, o->accum_dtype, o->numel, q, r - q, o->part_ss + q,
+                             o->part_nf + q);
+    q = r;
+  }
+  sg__cpu_sumsq_gpu_combine(o->part_ss, o->part_nf, o->nq, &out[0], &out[1]);
   return SG_OK;
 }
 
@@ -255,6 +315,7 @@ sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms) {
   if (last) SG_TRY(o->dev->ops->comm_wait(o->dev, last, deadline_ms));
   for (int j = 0; j < o->nland; j++) o->land_owner[j] = -1;
   for (int k = 0; k < o->nbuckets; k++) o->b[k].filled = 0, o->b[k].ticket = 0, o->b[k].land = -1;
+  memset(o->part_ok, 0, o->nq); /* a load or the caller may write the accumulator now */
   return SG_OK;
 }
 

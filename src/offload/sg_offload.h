@@ -14,7 +14,7 @@
  *             for a later bucket, when the bucket arrives again, or at the step.
  *   step      sg__offload_fold_all; sg__offload_norm (sum of squares and non-finite count in
  *             the order of the device's own sumsq, so every decision matches the device path
- *             bit for bit); sg__offload_update per bucket (the host update pipeline: each chunk
+ *             bit for bit; the partials of chunks a fold already computed are not recomputed); sg__offload_update per bucket (the host update pipeline: each chunk
  *             copied H2D into the working parameters while the next one updates, then the
  *             caller queues the bucket's all-gather); sg__offload_clear (every bucket's
  *             accumulator is empty again: the next arrival overwrites it, no zeroing pass).
@@ -64,6 +64,17 @@ typedef struct sg__offload {
   uint64_t *land_ticket;   /* [nland]: that arrival's job */
   sg__host_pipe pipe;
   size_t host_bytes;       /* every pinned byte held (state, landing buffers, pipe) */
+  /* The norm's partials, one pair per chunk of the CUDA sumsq's partition of the shard
+   * (SG__CUDA_SUMSQ_CHUNK): a fold computes those of the chunks inside its slice in the same
+   * pass (part_ok[q] = 1), the step computes only the rest (chunks across two slices, slices
+   * that arrived straight into the accumulator or not at all) and combines them in the
+   * kernel's order. gpu_order: 1 on the CUDA device; elsewhere the device's sumsq order is
+   * another one and the step sums the whole accumulator (the bench sets it to 1 to time the
+   * CUDA device's host side on the CPU device). */
+  int gpu_order;
+  size_t nq;
+  double *part_ss, *part_nf;
+  unsigned char *part_ok;
 } sg__offload;
 
 /* Allocates and zeroes optimizer od's state for a shard of numel elements whose buckets'
