@@ -145,6 +145,25 @@ if(SG_WITH_CUDA)
       set_tests_properties(${name} PROPERTIES TIMEOUT 300 LABELS cuda
         PASS_REGULAR_EXPRESSION "check: the first 3 steps match the CPU reference")
     endforeach()
+    # Hybrid engines (tests/test_hybrid.c --cuda) on the mock CUDA device against the CPU's
+    # hybrid, flat and one-rank engines: NCCL shard and replica (both on the comm stream),
+    # threads for both (host-driven), threads inside the node with NCCL across replicas, and an
+    # offloaded accumulator summed on the host over threads or NCCL (also against the same
+    # hybrid engine without offload). Under SG_TEST_QUICK (the TSan stage) a subset of each.
+    add_executable(test_hybrid_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_hybrid.c)
+    target_link_libraries(test_hybrid_cudamock PRIVATE shardgrad_cudamock)
+    target_compile_options(test_hybrid_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+      -ffp-contract=off)
+    foreach(run "test_hybrid_cudamock_nccl|--cuda;nccl;nccl"
+                "test_hybrid_cudamock_local|--cuda;local;local"
+                "test_hybrid_cudamock_mixed|--cuda;local;nccl"
+                "test_hybrid_cudamock_offload|--cuda;nccl;local;--offload"
+                "test_hybrid_cudamock_offload_nccl|--cuda;nccl;nccl;--offload;--quick")
+      string(REPLACE "|" ";" run "${run}")
+      list(POP_FRONT run name)
+      add_test(NAME ${name} COMMAND test_hybrid_cudamock ${run})
+      set_tests_properties(${name} PROPERTIES TIMEOUT 600 LABELS cuda SKIP_RETURN_CODE 77)
+    endforeach()
     # The MPI communicator with buffers on the (mock) GPU: pinned host staging around the host
     # algorithms, bitwise against the CPU reference.
     foreach(np 2 3)
@@ -168,6 +187,12 @@ if(SG_WITH_CUDA)
   target_link_libraries(test_cuda_engine PRIVATE shardgrad_internal)
   target_compile_options(test_cuda_engine PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   target_compile_definitions(test_cuda_engine PRIVATE ${_sg_cuda_defs} SG_TEST_REAL_GPU)
+  # Hybrid engines on the GPU against the CPU (test_hybrid.c --cuda local local [--offload]:
+  # ranks as threads on one GPU; the NCCL pairs need a GPU per rank).
+  add_executable(test_hybrid_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/test_hybrid.c)
+  target_link_libraries(test_hybrid_cuda PRIVATE shardgrad_internal)
+  target_compile_options(test_hybrid_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
+  target_compile_definitions(test_hybrid_cuda PRIVATE ${_sg_cuda_defs})
   # The same tests with their engines under test on the GPU (SG_TEST_DEVICE=cuda, --nccl).
   foreach(t test_engine test_fp16_scale test_trace test_groups)
     add_executable(${t}_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)

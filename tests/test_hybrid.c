@@ -12,7 +12,12 @@
  *
  * Usage: test_hybrid --local   (ranks as threads: 2x2, 3x2, 2x3, 4x1, 1x4 and the rest)
  *        test_hybrid --mpi     (under mpirun -np 4: 2x2 against flat W=4 and one rank)
- *        add --quick for fewer cases. */
+ *        test_hybrid --cuda SHARD REPLICA [--offload]   (the hybrid engines on SG_DEVICE_CUDA,
+ *                      the mock runtime in CI or a GPU: their shard and replica communicators
+ *                      split from a world of threads (local) or of NCCL ranks (nccl); every
+ *                      reference (flat W, one rank, the same hybrid layout) on the CPU device;
+ *                      --offload: cfg.offload_optimizer, also against the hybrid engine without)
+ *        add --quick (or SG_TEST_QUICK) for fewer cases. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -72,7 +77,17 @@ typedef struct {
   /* the checkpoint cases */
   const char *save_dir, *load_dir;
   int save_after; /* steps before sg_save */
+  /* --cuda: the hybrid engine of this rank on SG_DEVICE_CUDA (flat and one rank stay on the
+   * CPU), offloaded, its shard / replica communicator split from the NCCL world of nccl_id */
+  int cuda, offload, shard_nccl, rep_nccl;
+  const unsigned char *nccl_id;
 } run_arg;
+
+/* --cuda SHARD REPLICA [--offload]: what the hybrid runs under test use (run_arg's fields). */
+typedef struct {
+  int cuda, offload, shard_nccl, rep_nccl;
+} dev_opts;
+static dev_opts g_dev;
 
 static int g_quick;
 static int g_timeout_ms = 60000; /* the engines' timeout_ms */
@@ -125,6 +140,17 @@ static void fill_config(const run_arg *a, sg_config *cfg) {
   cfg->replica_reduce_dtype = tc->wire;
   cfg->loss_scale = tc->pdt == SG_F16 ? 0.0f : 1.0f; /* f16: dynamic */
   cfg->init_loss_scale = 8.0f;
+  cfg->device = a->cuda ? SG_DEVICE_CUDA : SG_DEVICE_CPU;
+  cfg->offload_optimizer = a->offload;
+}
+
+/* The device fields of rank r's run_arg for a run of `kind` (--cuda: the hybrid runs only). */
+static void device_fields(run_arg *a, const dev_opts *d, int kind, const unsigned char *id) {
+  a->cuda = d->cuda && kind == K_HYBRID;
+  a->offload = a->cuda && d->offload;
+  a->shard_nccl = a->cuda && d->shard_nccl;
+  a->rep_nccl = a->cuda && d->rep_nccl;
+  a->nccl_id = a->shard_nccl || a->rep_nccl ? id : NULL;
 }
 
 /* The engine of this rank's layout; *shard / *replica: the split communicators (hybrid). */
@@ -132,9 +158,13 @@ static sg_status make_engine(run_arg *a, sg_comm **shard, sg_comm **replica, sg_
   sg_config cfg;
   fill_config(a, &cfg);
   if (a->kind != K_HYBRID) return sg_engine_create(a->world, &cfg, e);
-  sg_status st = sg_comm_split(a->world, a->rank / a->l, a->rank, shard);
-  if (!st) st = sg_comm_split(a->world, a->rank % a->l, a->rank, replica);
+  sg_comm *nw = NULL; /* the NCCL world: its splits outlive it */
+  sg_status st = SG_OK;
+  if (a->nccl_id) st = sg_comm_create_nccl(a->rank, a->n * a->l, a->nccl_id, 0, &nw);
+  if (!st) st = sg_comm_split(a->shard_nccl ? nw : a->world, a->rank / a->l, a->rank, shard);
+  if (!st) st = sg_comm_split(a->rep_nccl ? nw : a->world, a->rank % a->l, a->rank, replica);
   if (!st) st = sg_engine_create_hybrid(*shard, *replica, &cfg, e);
+  sg_comm_destroy(nw);
   return st;
 }
 
@@ -156,14 +186,18 @@ static sg_status setup(run_arg *a, sg_engine *e, int *ids) {
   return st;
 }
 
+/* Through the device's copy: on CUDA the slot is device memory, zeroed on the compute queue. */
 static sg_status write_grad(run_arg *a, sg_engine *e, int id, int p, int step, int k) {
-  void *g = NULL;
-  sg_status st = sg_grad_ptr(e, id, &g);
-  if (st) return st;
+  void *g = NULL, *h = malloc(k_sizes[p] * 4);
+  sg_status st = h ? sg_grad_ptr(e, id, &g) : SG_ERR_OUT_OF_MEMORY;
   const int d = a->n * a->l;
-  for (size_t i = 0; i < k_sizes[p]; i++)
-    sg_elem_store(g, a->tc->pdt, i, fed_val(a, a->rank, d, step, k, p, i));
-  return sg_grad_ready(e, id);
+  for (size_t i = 0; !st && i < k_sizes[p]; i++)
+    sg_elem_store(h, a->tc->pdt, i, fed_val(a, a->rank, d, step, k, p, i));
+  if (!st)
+    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, g, h, k_sizes[p] * (a->tc->pdt == SG_F32 ? 4u : 2u),
+                           SG_COPY_H2D);
+  free(h);
+  return st ? st : sg_grad_ready(e, id);
 }
 
 static sg_status micro_batch(run_arg *a, sg_engine *e, const int *ids, int step, int k) {
@@ -251,13 +285,29 @@ static void free_result(result *r) {
 /* ---------------------------------------------------------------------------------------- */
 /* runs and comparisons                                                                      */
 
-/* Runs a layout as threads; res[w] gets every rank's result. */
-static void run_layout(const run_arg *proto, int kind, int n, int l, result *res) {
+/* The world communicators of a run of w ranks (threads) and, for NCCL splits, an id. */
+static int make_worlds(int w, const dev_opts *d, sg_comm **comms, unsigned char id[128]) {
+  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "local comm of %d", w)) return 0;
+  if (!d->shard_nccl && !d->rep_nccl) return 1;
+  return CHECK(sg_nccl_unique_id(id) == SG_OK, "NCCL id: %s", sg_last_error());
+}
+
+static const char *kind_name(const run_arg *a) {
+  if (a->kind == K_HYBRID)
+    return !a->cuda ? "hybrid" : a->offload ? "hybrid cuda+offload" : "hybrid cuda";
+  return a->kind == K_FLAT ? "flat" : "single";
+}
+
+/* Runs a layout as threads; res[w] gets every rank's result. `d`: the devices (NULL: g_dev). */
+static void run_layout_on(const run_arg *proto, const dev_opts *d, int kind, int n, int l,
+                          result *res) {
   const int w = kind == K_SINGLE ? 1 : n * l;
   sg_comm *comms[MAXW];
+  unsigned char id[128];
   run_arg a[MAXW];
   pthread_t th[MAXW];
-  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "local comm of %d", w)) return;
+  if (!d) d = &g_dev;
+  if (!make_worlds(w, d, comms, id)) return;
   for (int r = 0; r < w; r++) {
     a[r] = *proto;
     a[r].kind = kind;
@@ -267,14 +317,19 @@ static void run_layout(const run_arg *proto, int kind, int n, int l, result *res
     a[r].rank = r;
     a[r].res = &res[r];
     a[r].err[0] = 0;
+    device_fields(&a[r], d, kind, id);
     pthread_create(&th[r], NULL, run_thread, &a[r]);
   }
   for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
   for (int r = 0; r < w; r++) {
-    CHECK(res[r].ok, "%s: %s %dx%d rank %d ran (%s)", proto->tc->name,
-          kind == K_HYBRID ? "hybrid" : kind == K_FLAT ? "flat" : "single", n, l, r, a[r].err);
+    CHECK(res[r].ok, "%s: %s %dx%d rank %d ran (%s)", proto->tc->name, kind_name(&a[r]), n, l,
+          r, a[r].err);
     sg_comm_destroy(comms[r]);
   }
+}
+
+static void run_layout(const run_arg *proto, int kind, int n, int l, result *res) {
+  run_layout_on(proto, NULL, kind, n, l, res);
 }
 
 static size_t first_diff(const float *x, const float *y, size_t n) {
@@ -326,12 +381,28 @@ static void run_matrix_case(const tcase *tc, int n, int l) {
   run_layout(&proto, K_HYBRID, n, l, hy);
   run_layout(&proto, K_FLAT, n, l, fl);
   run_layout(&proto, K_SINGLE, 1, 1, one);
-  char what[160];
+  char what[200];
+  const char *dev = !g_dev.cuda ? "" : g_dev.offload ? " (cuda+offload)" : " (cuda)";
   for (int r = 0; r < w; r++) {
-    snprintf(what, sizeof what, "%s %dx%d rank %d vs flat W=%d", tc->name, n, l, r, w);
+    snprintf(what, sizeof what, "%s %dx%d%s rank %d vs flat W=%d", tc->name, n, l, dev, r, w);
     compare_bitwise(what, &hy[r], &fl[r], tc->steps);
-    snprintf(what, sizeof what, "%s %dx%d rank %d vs one rank", tc->name, n, l, r);
+    snprintf(what, sizeof what, "%s %dx%d%s rank %d vs one rank", tc->name, n, l, dev, r);
     compare_bitwise(what, &hy[r], &one[0], tc->steps);
+  }
+  /* --cuda: against the CPU's hybrid engine of the same layout, and offloaded against the
+   * same engine without offload (an NCCL replica where the host one needs offload) */
+  for (int ref = 0; g_dev.cuda && ref < 1 + g_dev.offload; ref++) {
+    dev_opts d = {0, 0, 0, 0};
+    if (ref == 1) d = (dev_opts){1, 0, g_dev.shard_nccl, g_dev.shard_nccl || g_dev.rep_nccl};
+    result other[MAXW];
+    memset(other, 0, sizeof other);
+    run_layout_on(&proto, &d, K_HYBRID, n, l, other);
+    for (int r = 0; r < w; r++) {
+      snprintf(what, sizeof what, "%s %dx%d%s rank %d vs the hybrid engine %s", tc->name, n, l,
+               dev, r, ref ? "on cuda without offload" : "on the cpu");
+      compare_bitwise(what, &hy[r], &other[r], tc->steps);
+      free_result(&other[r]);
+    }
   }
   if (tc->inject && hy[0].ok)
     for (int r = 0; r < w; r++)
@@ -365,14 +436,20 @@ static const tcase k_cases[] = {
 
 static const int k_layouts[][2] = {{2, 2}, {3, 2}, {2, 3}, {4, 1}, {1, 4}};
 
+/* --cuda: 2x2 and 3x2 (quick: the even cases), 4x1 and 1x4 (the first two cases) */
+static const int k_cuda_layouts[][2] = {{2, 2}, {3, 2}, {4, 1}, {1, 4}};
+
 static void run_matrix(void) {
-  for (int li = 0; li < 5; li++)
+  const int nl = g_dev.cuda ? (g_quick ? 2 : 4) : 5;
+  for (int li = 0; li < nl; li++)
     for (int c = 0; c < NCASES; c++) {
-      if (g_quick && c % 2 && li > 1) continue;
+      if (!g_dev.cuda && g_quick && c % 2 && li > 1) continue;
+      if (g_dev.cuda && ((g_quick && c % 2) || (li > 1 && c > 1))) continue;
+      const int *lay = g_dev.cuda ? k_cuda_layouts[li] : k_layouts[li];
       const int before = sg_test_failures();
-      run_matrix_case(&k_cases[c], k_layouts[li][0], k_layouts[li][1]);
-      printf("%s  matrix %dx%d: %s\n", sg_test_failures() == before ? "ok  " : "FAIL",
-             k_layouts[li][0], k_layouts[li][1], k_cases[c].name);
+      run_matrix_case(&k_cases[c], lay[0], lay[1]);
+      printf("%s  matrix %dx%d: %s\n", sg_test_failures() == before ? "ok  " : "FAIL", lay[0],
+             lay[1], k_cases[c].name);
       fflush(stdout);
     }
 }
@@ -413,13 +490,15 @@ static void run_bodies_res(const tcase *tc, int kind, int n, int l, body_fn fn, 
                            result *res) {
   const int w = n * l;
   sg_comm *comms[MAXW];
+  unsigned char id[128];
   body_arg b[MAXW];
   pthread_t th[MAXW];
-  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "comm of %d", w)) return;
+  if (!make_worlds(w, &g_dev, comms, id)) return;
   for (int r = 0; r < w; r++) {
     memset(&b[r], 0, sizeof b[r]);
     b[r].a = (run_arg){.tc = tc, .kind = kind, .n = n, .l = l, .vw = w, .avg = avg_for(w),
                        .world = comms[r], .rank = r, .res = &res[r]};
+    device_fields(&b[r].a, &g_dev, kind, id);
     b[r].fn = fn;
     b[r].ctx = ctx;
     pthread_create(&th[r], NULL, body_thread, &b[r]);
@@ -453,7 +532,13 @@ static void wire_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
   if (!st) st = sg_grad_norm(e, &norm);
   if (!st) st = drain(e);
   if (!CHECK(!st, "wire: micro-batches and norm")) return;
-  const float *acc = (const float *)e->g.accum;
+  float *acc = malloc(e->plan->shard_numel * 4); /* the accumulator (device memory on CUDA) */
+  if (!CHECK(acc && e->dev->ops->copy(e->dev, SG_Q_COMPUTE, acc, e->g.accum,
+                                      e->plan->shard_numel * 4, SG_COPY_D2H) == SG_OK,
+             "wire: the accumulator")) {
+    free(acc);
+    return;
+  }
   double worst = 0;
   size_t differ = 0, checked = 0;
   for (int p = 0; p < NP; p++) {
@@ -476,6 +561,7 @@ static void wire_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
       checked++;
     }
   }
+  free(acc);
   ((double *)ctx)[a->rank] = worst;
   ((double *)ctx)[MAXW + a->rank] = (double)differ;
   ((double *)ctx)[2 * MAXW + a->rank] = norm;
@@ -559,7 +645,8 @@ static void stats_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
     for (int k = 0; k < mb && !st; k++) {
       st = micro_batch(a, e, ids, step, k);
       if (!st) st = drain(e);
-      const uint64_t want = k < mb - 1 || !declare ? 0 : exact;
+      /* offloaded: the slices are summed across replicas at the step, once folded on the host */
+      const uint64_t want = k < mb - 1 || !declare || a->offload ? 0 : exact;
       const uint64_t got = traffic(replica).bytes_sent - r0.bytes_sent;
       CHECK(!st && got == want, "%dx%d rank %d %s step %d micro-batch %d: %llu replica bytes "
             "so far (expected %llu)", n, a->l, a->rank, declare ? "declared" : "not declared",
@@ -591,7 +678,8 @@ static void stats_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
 
 static void run_stats(void) {
   static const int lay[][2] = {{2, 2}, {3, 2}, {2, 3}};
-  for (int li = 0; li < 3; li++)
+  const int nl = !g_dev.cuda ? 3 : g_quick ? 1 : 2;
+  for (int li = 0; li < nl; li++)
     for (int declare = 0; declare < 2; declare++)
       for (int wi = 0; wi < 2; wi++) {
         tcase tc = {"traffic", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, wi ? SG_BF16 : SG_F32,
@@ -621,14 +709,21 @@ static void memory_body(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard
   CHECK(got.params_bytes == est.params_bytes && got.grads_bytes == est.grads_bytes &&
             got.master_bytes == est.master_bytes && got.optim_bytes == est.optim_bytes &&
             got.comm_bytes == est.comm_bytes && got.total_bytes == est.total_bytes &&
-            got.shard_numel == est.shard_numel && got.numel == est.numel,
-        "%dx%d: sg_memory equals sg_estimate_memory(shard_ranks %d, world %d) (total %zu vs %zu)",
-        a->n, a->l, a->l, a->n * a->l, got.total_bytes, est.total_bytes);
+            got.shard_numel == est.shard_numel && got.numel == est.numel &&
+            got.host_bytes == est.host_bytes,
+        "%dx%d: sg_memory equals sg_estimate_memory(shard_ranks %d, world %d) (total %zu vs %zu, "
+        "host %zu vs %zu)", a->n, a->l, a->l, a->n * a->l, got.total_bytes, est.total_bytes,
+        got.host_bytes, est.host_bytes);
+  /* the bf16 wire buffer: communication scratch, or host memory beside an offloaded accumulator */
   CHECK(est.params_bytes == flat.params_bytes && est.grads_bytes == flat.grads_bytes &&
             est.master_bytes == flat.master_bytes && est.optim_bytes == flat.optim_bytes &&
-            (extra ? est.comm_bytes > flat.comm_bytes : est.comm_bytes == flat.comm_bytes),
-        "%dx%d: the layout of a flat engine over L = %d ranks (comm + the bf16 wire buffer)",
-        a->n, a->l, a->l);
+            (extra && !a->offload ? est.comm_bytes > flat.comm_bytes
+                                  : est.comm_bytes == flat.comm_bytes) &&
+            (extra && a->offload ? est.host_bytes > flat.host_bytes
+                                 : est.host_bytes == flat.host_bytes),
+        "%dx%d: the layout of a flat engine over L = %d ranks (comm + the bf16 wire buffer, or "
+        "host + it when offloaded)", a->n, a->l, a->l);
+  if (a->offload) return; /* the shard's state is host memory: host_bytes, checked above */
   /* 2 + 16/L bytes per parameter: bf16 params, fp32 master, m, v and accumulator on the shard */
   const double per = (double)(got.params_bytes + got.master_bytes + got.optim_bytes +
                               4 * got.shard_numel) / (double)got.numel;
@@ -692,8 +787,11 @@ static void run_argument_errors(void) {
   CHECK(sg_engine_create_hybrid(a, b, &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
             strstr(sg_last_error(), "shard_ranks"), "shard_ranks 2 with a shard of 1");
   cfg.shard_ranks = 1;
-  cfg.device = SG_DEVICE_CUDA;
-  CHECK(sg_engine_create_hybrid(a, b, &cfg, &e) == SG_ERR_UNSUPPORTED, "CUDA: unsupported");
+  cfg.device = SG_DEVICE_CUDA; /* threads on the CUDA device: both channels host-driven */
+  const sg_status cst = sg_engine_create_hybrid(a, b, &cfg, &e);
+  CHECK(cst == SG_OK || (!g_dev.cuda && (cst == SG_ERR_UNSUPPORTED || cst == SG_ERR_CUDA)),
+        "CUDA: a hybrid engine, or no CUDA here (%s)", sg_status_string(cst));
+  if (cst == SG_OK) sg_engine_destroy(e);
   cfg.device = SG_DEVICE_CPU;
   CHECK(sg_engine_create_hybrid(a, b, &cfg, &e) == SG_OK, "shard_ranks = L is fine");
   CHECK(sg_set_microbatches(NULL, 1) == SG_ERR_INVALID_ARGUMENT, "set_microbatches NULL");
@@ -824,8 +922,39 @@ static void run_kill(void) {
          k.ms[1], k.ms[2]);
 }
 
+/* --cuda: an NCCL shard with a host replica needs the accumulator on the host (offload). */
+static void run_cuda_refusal(void) {
+  unsigned char id[128];
+  sg_comm *nc = NULL, *loc = NULL;
+  sg_engine *e = (sg_engine *)1;
+  if (!CHECK(sg_nccl_unique_id(id) == SG_OK && sg_comm_create_nccl(0, 1, id, 0, &nc) == SG_OK &&
+                 sg_comm_create_local(1, &loc) == SG_OK,
+             "comms: %s", sg_last_error()))
+    return;
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.device = SG_DEVICE_CUDA;
+  CHECK(sg_engine_create_hybrid(nc, loc, &cfg, &e) == SG_ERR_UNSUPPORTED && e == NULL &&
+            strstr(sg_last_error(), "offload_optimizer"),
+        "NCCL shard, host replica, no offload: refused (%s)", sg_last_error());
+  cfg.offload_optimizer = 1;
+  int id0 = 0;
+  CHECK(sg_engine_create_hybrid(nc, loc, &cfg, &e) == SG_OK && sg_add_param(e, "w", 100, 0, &id0) ==
+            SG_OK && sg_finalize(e) == SG_OK && sg_step(e, NULL) == SG_OK,
+        "NCCL shard, host replica, offloaded: runs (%s)", sg_last_error());
+  sg_engine_destroy(e);
+  sg_comm_destroy(nc);
+  sg_comm_destroy(loc);
+}
+
 static void run_errors(void) {
   run_argument_errors();
+  if (g_dev.cuda) {
+    run_cuda_refusal();
+    tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1, 0, 0};
+    run_bodies(&tc, K_HYBRID, 2, 2, extra_mb_body, NULL);
+    return; /* the layout errors and the killed rank: the CPU run's (the same replica stage) */
+  }
   run_layout_errors();
   tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1, 0, 0};
   run_bodies(&tc, K_HYBRID, 2, 2, extra_mb_body, NULL);
@@ -962,17 +1091,41 @@ static int run_mpi(void) {
 
 /* ---------------------------------------------------------------------------------------- */
 
+static int comm_kind(const char *s, int *nccl) {
+  *nccl = s && !strcmp(s, "nccl");
+  return s && (*nccl || !strcmp(s, "local"));
+}
+
 int main(int argc, char **argv) {
   int mpi = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) g_quick = 1;
     if (!strcmp(argv[i], "--mpi")) mpi = 1;
+    if (!strcmp(argv[i], "--offload")) g_dev.offload = 1;
+    if (!strcmp(argv[i], "--cuda")) {
+      g_dev.cuda = 1;
+      if (i + 2 >= argc || !comm_kind(argv[i + 1], &g_dev.shard_nccl) ||
+          !comm_kind(argv[i + 2], &g_dev.rep_nccl)) {
+        fprintf(stderr, "usage: test_hybrid --cuda local|nccl local|nccl [--offload]\n");
+        return 2;
+      }
+      i += 2;
+    }
   }
   if (getenv("SG_TEST_QUICK")) g_quick = 1;
   if (mpi) return run_mpi();
+  if (g_dev.cuda && (!sg_has_backend("cuda") || ((g_dev.shard_nccl || g_dev.rep_nccl) &&
+                                                 !sg_has_backend("nccl")))) {
+    printf("test_hybrid --cuda: built without CUDA or NCCL\n");
+    return 77;
+  }
+  if (g_dev.cuda)
+    printf("hybrid engines on cuda: shard %s, replica %s%s; references on the cpu\n",
+           g_dev.shard_nccl ? "nccl" : "threads", g_dev.rep_nccl ? "nccl" : "threads",
+           g_dev.offload ? ", offloaded" : "");
   run_matrix();
   check_bf16_wire(2, 2);
-  check_bf16_wire(3, 2);
+  if (!g_quick || !g_dev.cuda) check_bf16_wire(3, 2);
   run_stats();
   run_memory();
   run_errors();

@@ -82,6 +82,7 @@ void sg__comm_channel_init(sg_comm *chan, const sg_comm *c, const sg__comm_ops *
   chan->rank = c->rank;
   chan->world = c->world;
   chan->threaded = c->threaded;
+  chan->stream_ordered = c->stream_ordered;
   chan->parent = (sg_comm *)c;
   chan->dev = dev;
   chan->impl = impl;

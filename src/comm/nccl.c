@@ -781,6 +781,7 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
   c->rank = rank;
   c->world = world;
   c->threaded = 1;
+  c->stream_ordered = 1;
   c->impl = n;
   if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
   cudaError_t e = cudaSetDevice(ordinal);

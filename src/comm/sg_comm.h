@@ -69,6 +69,9 @@ struct sg_comm {
   int world;
   int broken;           /* set on the first failure; later calls return SG_ERR_COMM */
   int threaded;         /* 1: may be called from a worker thread (MPI: MPI_THREAD_MULTIPLE) */
+  int stream_ordered;   /* 1: a channel bound to a CUDA device attaches stream-ordered: its
+                           collectives are enqueued on the device's comm stream (NCCL); 0: it
+                           attaches host-driven (local, MPI, a caller's transport) */
   sg_comm *parent;      /* a channel: the communicator it was bound from; NULL otherwise */
   int nbound;           /* a communicator: its channels alive (comm.c, under its lock) */
   uint64_t nbinds;      /* a communicator: channels made so far, the next channel's index */

@@ -55,6 +55,8 @@
 
 #define SG__CUDA_RING 1024 /* ticket events; power of two */
 #define SG__CUDA_FAIL_CAP 512
+/* Attachments at a time: an engine's shard channel and a hybrid engine's replica channel. */
+#define SG__CUDA_MAX_ATT 2
 /* Segment table cache bounds: past either one, every cached table is dropped (after a host wait
  * for their last users) before the next upload. Far above what an engine needs: one table per
  * bucket, a few dozen bytes per segment. */
@@ -100,9 +102,9 @@ typedef struct sg__cuda_dev {
   uint64_t ring_tk[SG__CUDA_RING];        /* the ticket that last used each slot */
   unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is host-driven (queue waits) */
   uint64_t done_ticket; /* every stream-ordered ticket <= this one is known to be complete */
-  sg__comm_attach att;  /* the attached communicator */
-  int attached;
-  int stream_mode; /* 1: jobs are stream-ordered (the attachment says so) */
+  sg__comm_attach att[SG__CUDA_MAX_ATT]; /* the attached communicators, in attach order */
+  int attached;    /* how many */
+  int stream_mode; /* 1: jobs are stream-ordered (the attachments say so) */
   pthread_mutex_t tab_mu; /* the segment-table cache and use_ev: updates on either thread */
   /* update segment tables (see "segment tables" below) */
   struct sg__cuda_segtab *tabs;
@@ -157,11 +159,12 @@ static sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
 /* The recorded failure with its text in the calling thread's error; SG_OK while healthy. */
 static sg_status sg__cuda_failed(sg__cuda_dev *d) { return sg__jobq_failed(&d->q); }
 
-/* A copy of the attachment when it takes part in waits (stream-ordered); 0 otherwise. */
-static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach *h) {
+/* Copies of the attachments when they take part in waits (stream-ordered): how many; 0
+ * otherwise. */
+static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[SG__CUDA_MAX_ATT]) {
   pthread_mutex_lock(&d->mu);
-  const int have = d->attached && d->stream_mode;
-  if (h) *h = d->att;
+  const int have = d->stream_mode ? d->attached : 0;
+  for (int i = 0; i < have; i++) h[i] = d->att[i];
   pthread_mutex_unlock(&d->mu);
   return have;
 }
@@ -250,7 +253,7 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
    * timeout: the GPU work they wait for may sit behind a collective that never completes. */
   if (deadline_ms == INT64_MAX) {
     pthread_mutex_lock(&d->mu);
-    const int timeout_ms = d->attached ? d->att.timeout_ms : 0;
+    const int timeout_ms = d->attached ? d->att[0].timeout_ms : 0;
     pthread_mutex_unlock(&d->mu);
     deadline_ms = sg__deadline(timeout_ms);
   }
@@ -263,14 +266,15 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
     if (e != cudaErrorNotReady)
       return sg__cuda_record_failure(
           d, sg__cuda_err(e, fn, ev ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__));
-    sg__comm_attach h;
-    const int hooked = sg__cuda_hooks_get(d, &h);
-    if (hooked && h.poll) {
-      sg_status st = h.poll(h.arg);
+    sg__comm_attach h[SG__CUDA_MAX_ATT];
+    const int hooked = sg__cuda_hooks_get(d, h);
+    for (int i = 0; i < hooked; i++) {
+      sg_status st = h[i].poll ? h[i].poll(h[i].arg) : SG_OK;
       if (st != SG_OK) return sg__cuda_record_failure(d, sg__err_prefix(st, fn));
     }
     if (deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms) {
-      if (hooked && h.abort) h.abort(h.arg);
+      for (int i = 0; i < hooked; i++)
+        if (h[i].abort) h[i].abort(h[i].arg);
       return sg__cuda_record_failure(
           d, sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
                         "%s: deadline passed while waiting for the GPU (rank %d, device %d)", fn,
@@ -877,7 +881,10 @@ static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void (*d
   return sg__jobq_submit(&d->q, job, drop, arg, ticket);
 }
 
-/* Pending jobs finish before the mode changes. */
+/* Pending jobs finish before the mode changes. A second attachment (a hybrid engine's replica
+ * channel beside its shard channel) must run its jobs the same way as the first: both
+ * stream-ordered (their collectives share the comm stream, every wait polls both), or both
+ * host-driven (the first one's threading stays). */
 static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a,
                                        sg__comm_native *out) {
   static const char fn[] = "sg__device_cuda.comm_attach";
@@ -886,32 +893,40 @@ static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a
   if (!d || !a || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
   SG_TRY(sg__jobq_wait_all(&d->q, INT64_MAX, fn));
   pthread_mutex_lock(&d->mu);
-  const int busy = d->attached;
-  if (!busy) {
-    d->att = *a;
-    d->attached = 1;
-    d->stream_mode = a->stream_ordered != 0;
+  const int n = d->attached, stream = a->stream_ordered != 0;
+  const int fits = n == 0 || (n < SG__CUDA_MAX_ATT && stream == d->stream_mode);
+  if (fits) {
+    d->att[n] = *a;
+    d->attached = n + 1;
+    d->stream_mode = stream;
   }
   pthread_mutex_unlock(&d->mu);
-  if (busy) return sg__err(SG_ERR_INVALID_STATE, "%s: a communicator is already attached", fn);
+  if (!fits && n >= SG__CUDA_MAX_ATT)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: %d communicators are already attached", fn, n);
+  if (!fits)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: a %s communicator is attached; a %s one cannot "
+                   "share its comm queue", fn, stream ? "host-driven" : "stream-ordered",
+                   stream ? "stream-ordered" : "host-driven");
   /* stream-ordered jobs only enqueue: inline, on the caller's thread */
-  sg__jobq_set_threaded(&d->q, !a->stream_ordered && a->threaded);
+  if (n == 0) sg__jobq_set_threaded(&d->q, !a->stream_ordered && a->threaded);
   out->stream = (void *)d->comm;
   out->ordinal = d->ordinal;
   return SG_OK;
 }
 
+/* Detaches the latest attachment (channels unbind in the reverse order of their binds). */
 static void sg__cudev_comm_detach(sg__device *dev) {
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d) return;
   (void)sg__jobq_wait_all(&d->q, INT64_MAX, "sg__device_cuda.comm_detach");
   pthread_mutex_lock(&d->mu);
-  memset(&d->att, 0, sizeof d->att);
-  d->attached = 0;
-  d->stream_mode = 0;
+  const int left = d->attached > 0 ? d->attached - 1 : 0;
+  memset(&d->att[left], 0, sizeof d->att[left]);
+  d->attached = left;
+  if (left == 0) d->stream_mode = 0;
   pthread_mutex_unlock(&d->mu);
-  sg__jobq_set_threaded(&d->q, 1);
+  if (left == 0) sg__jobq_set_threaded(&d->q, 1);
 }
 
 /* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for; else

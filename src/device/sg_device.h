@@ -104,9 +104,13 @@ typedef struct sg__device_ops {
   sg_status (*comm_wait)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
   /* Compute queue waits (CUDA: stream wait on an event) for job `ticket`; CPU: host wait. */
   sg_status (*compute_wait_comm)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
-  /* One attachment at a time (SG_ERR_INVALID_STATE for a second; SG_ERR_UNSUPPORTED for a
-   * stream-ordered one on CPU). Pending jobs finish first. Detach: jobs are host-driven on the
-   * worker again; the device calls nothing of the communicator any more. */
+  /* CPU: one attachment at a time (SG_ERR_INVALID_STATE for a second; SG_ERR_UNSUPPORTED for
+   * a stream-ordered one). CUDA: up to two that run their jobs the same way (both
+   * stream-ordered, polled by every wait; or both host-driven), the second being a hybrid
+   * engine's replica channel (SG_ERR_INVALID_STATE otherwise). Pending jobs finish first.
+   * Detach takes off the latest attachment (channels unbind in reverse bind order); after the
+   * last, jobs are host-driven on the worker again and the device calls nothing of the
+   * communicator any more. */
   sg_status (*comm_attach)(sg__device *d, const sg__comm_attach *a, sg__comm_native *out);
   void (*comm_detach)(sg__device *d);
   /* All compute-queue work done (host). */

@@ -223,18 +223,12 @@ sg_status sg_engine_create(sg_comm *comm, const sg_config *cfg, sg_engine **out)
   return create(comm, NULL, cfg, fn, check_flat_options, out);
 }
 
-/* What a hybrid engine cannot honour yet. */
+/* What a hybrid engine's config must agree with (the communicators' kinds: sg_replica.c). */
 static sg_status check_hybrid_options(const sg_config *c, const sg_comm *shard, const char *fn) {
   if (c->shard_ranks != 0 && c->shard_ranks != shard->world)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->shard_ranks is %d but the shard communicator has %d ranks (0 = its "
                    "size)", fn, c->shard_ranks, shard->world);
-  if (c->device != SG_DEVICE_CPU)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: hybrid engines run on SG_DEVICE_CPU in this build "
-                   "(the replica communicator's collectives need host buffers)", fn);
-  if (c->offload_optimizer)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->offload_optimizer with a hybrid engine is not "
-                   "available in this build", fn);
   return SG_OK;
 }
 
@@ -286,9 +280,11 @@ void sg_engine_destroy(sg_engine *e) {
    * device before the device itself is destroyed. */
   if (e->dev && e->last_ticket)
     (void)e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__engine_host_deadline(e));
-  sg__comm_unbind(e->comm); /* after every queued job (bounded by their deadlines) */
-  e->comm = NULL;
+  /* after every queued job (bounded by their deadlines); the replica channel, bound last,
+   * first: a device's attachments come off in reverse order */
   sg__replicas_detach(e);
+  sg__comm_unbind(e->comm);
+  e->comm = NULL;
   sg__trace_free(e);
   free_finalized(e);
   if (e->dev) e->dev->ops->destroy(e->dev); /* joins the comm worker */

@@ -82,14 +82,18 @@ typedef struct sg__optim {
  * across replicas this step has queued. A flat engine has one replica and no channel: every
  * sg__replicas_* function then does nothing. */
 typedef struct sg__replicas {
-  sg_comm *comm;     /* channel of the replica communicator (host buffers); NULL: one replica */
+  sg_comm *comm;     /* channel of the replica communicator; NULL: one replica */
+  int on_device;     /* 1: the channel is attached to the engine's device (its collectives on
+                        the device's buffers, on its comm queue); 0: bound without a device */
   int rank, n;       /* this rank's replica and the replica count (flat: 0, 1) */
   int microbatches;  /* sg_set_microbatches (0: not said) */
   int mb;            /* micro-batches begun since the accumulator was last cleared */
   int nclaimed;      /* buckets whose all-reduce across replicas is queued this step */
-  uint8_t *claimed;  /* [nbuckets] */
-  char *wire;        /* COMM arena: one slice in replica_reduce_dtype; NULL when the
+  uint8_t *claimed;  /* [nbuckets]: CLAIM_QUEUED, CLAIM_AT_STEP (sg_replica.c), 0: not yet */
+  char *wire;        /* one slice in replica_reduce_dtype (COMM arena; pinned host memory of
+                        the replica stage when the accumulator is offloaded); NULL when the
                         accumulator itself goes on the wire (same dtype) */
+  int host_wire;     /* wire is this stage's pinned host memory (offload) */
 } sg__replicas;
 
 /* Loss scale (sg_scale.c). */

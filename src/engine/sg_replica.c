@@ -9,9 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_cast: an offloaded accumulator's wire */
 #include "sg_engine_internal.h"
 
 static int hybrid(const sg_engine *e) { return e->rep.comm != NULL; }
+
+/* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (offload). */
+enum { CLAIM_QUEUED = 1, CLAIM_AT_STEP = 2 };
 
 static size_t max_slice(const sg__plan *p) {
   size_t m = 0;
@@ -27,6 +31,30 @@ static int needs_wire(const sg_config *cfg) { return cfg->replica_reduce_dtype !
 /* ---------------------------------------------------------------------------------------- */
 /* lifecycle                                                                                 */
 
+/* Where the replica channel's collectives run (DESIGN.md section 1, "Hybrid engines"): bound
+ * without a device (host buffers, or an NCCL channel on device memory completing within the
+ * call), or attached to the engine's device beside the shard channel, the same way (both
+ * stream-ordered: NCCL beside NCCL on the comm stream; both host-driven: a host communicator
+ * sums the device buffers as the shard channel does). *dev: the device to bind to (NULL: none). */
+static sg_status replica_device(const sg_engine *e, const sg_comm *replica, const char *fn,
+                                sg__device **dev) {
+  *dev = NULL;
+  /* the CPU device's memory and an offloaded accumulator are host memory */
+  if (e->dev->kind == SG_DEVICE_CPU || e->strat->state) return SG_OK;
+  const int shard_stream = e->comm->stream_ordered, rep_stream = replica->stream_ordered;
+  if (shard_stream && !rep_stream)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: an NCCL shard communicator with a host replica "
+                   "communicator (MPI, threads, a caller's transport) on SG_DEVICE_CUDA needs "
+                   "cfg->offload_optimizer (the accumulator in host memory); without it use an "
+                   "NCCL replica communicator (sg_comm_split_nodes over an NCCL communicator)",
+                   fn);
+  /* host-driven jobs: an NCCL channel without a device completes device-memory collectives
+   * within the call, as they need */
+  if (!shard_stream && rep_stream) return SG_OK;
+  *dev = e->dev;
+  return SG_OK;
+}
+
 sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn) {
   /* Jobs of a threaded shard channel run on the comm worker: the replica's must be callable
    * there too (MPI without MPI_THREAD_MULTIPLE is not). */
@@ -34,11 +62,12 @@ sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn) {
     return sg__err(SG_ERR_UNSUPPORTED, "%s: the replica communicator cannot be called from the "
                    "engine's comm thread (MPI without MPI_THREAD_MULTIPLE) while the shard "
                    "communicator runs its collectives there", fn);
-  /* Host buffers: the CPU device's memory is host memory, and the device has one attachment
-   * (the shard channel's). */
+  sg__device *dev = NULL;
+  SG_TRY(replica_device(e, replica, fn, &dev));
   sg_comm *chan = NULL;
-  SG_TRY(sg__err_prefix(sg__comm_bind(replica, NULL, e->cfg.timeout_ms, &chan), fn));
+  SG_TRY(sg__err_prefix(sg__comm_bind(replica, dev, e->cfg.timeout_ms, &chan), fn));
   e->rep.comm = chan;
+  e->rep.on_device = dev != NULL;
   e->rep.rank = replica->rank;
   e->rep.n = replica->world;
   return SG_OK;
@@ -48,11 +77,16 @@ sg_status sg__replicas_init(sg_engine *e) {
   if (!hybrid(e)) return SG_OK;
   e->rep.claimed = calloc((size_t)e->plan->nbuckets, 1);
   if (!e->rep.claimed) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  e->rep.wire = e->lay.replica_off == SIZE_MAX
-                    ? NULL
-                    : (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
-  /* Collectives of both channels run one at a time on the comm queue: one scratch serves both. */
-  sg__comm_set_scratch(e->rep.comm, e->comm->scratch, e->comm->scratch_bytes);
+  e->rep.host_wire = e->lay.replica_host_bytes > 0;
+  if (e->rep.host_wire) {
+    SG_TRY(e->dev->ops->host_alloc(e->dev, e->lay.replica_host_bytes, (void **)&e->rep.wire));
+  } else if (e->lay.replica_off != SIZE_MAX) {
+    e->rep.wire = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
+  }
+  /* Collectives of both channels run one at a time on the comm queue: one scratch serves both
+   * (device memory: a channel without a device never uses it on device buffers). */
+  if (e->rep.on_device || e->dev->kind == SG_DEVICE_CPU)
+    sg__comm_set_scratch(e->rep.comm, e->comm->scratch, e->comm->scratch_bytes);
   sg__replicas_reset(e);
   return SG_OK;
 }
@@ -61,7 +95,9 @@ void sg__replicas_free(sg_engine *e) {
   sg__comm_set_scratch(e->rep.comm, NULL, 0);
   free(e->rep.claimed);
   e->rep.claimed = NULL;
+  if (e->rep.host_wire && e->rep.wire) e->dev->ops->host_free(e->dev, e->rep.wire);
   e->rep.wire = NULL;
+  e->rep.host_wire = 0;
 }
 
 void sg__replicas_detach(sg_engine *e) {
@@ -112,22 +148,53 @@ static sg_status round_a(sg_engine *e) {
   return st;
 }
 
+/* A host-side collective over the replica channel (finalize's round B, checkpoint votes,
+ * sg_broadcast_params). */
 typedef struct {
   sg_engine *e;
+  int bcast; /* 0: all-gather of `bytes` per replica; 1: broadcast of `bytes` from root */
   void *buf;
   size_t bytes;
-} gather_job;
+  int root;
+} rep_coll;
 
-static sg_status gather_fn(void *arg) {
-  gather_job *j = arg;
+static sg_status rep_coll_fn(void *arg) {
+  rep_coll *j = arg;
   sg_comm *c = j->e->rep.comm;
-  return c->ops->all_gather(c, j->buf, j->bytes, sg__deadline(j->e->cfg.timeout_ms));
+  const int64_t dl = sg__deadline(j->e->cfg.timeout_ms);
+  return j->bcast ? c->ops->broadcast(c, j->buf, j->bytes, j->root, dl)
+                  : c->ops->all_gather(c, j->buf, j->bytes, dl);
+}
+
+/* Runs j on a buffer of `total` bytes (device memory when on_dev) through a temporary where the
+ * channel needs the other kind: a channel attached to a CUDA device moves device memory, a host
+ * communicator bound without one (offload) host memory; NCCL without a device takes either. */
+static sg_status rep_coll_run(sg_engine *e, rep_coll *j, int on_dev, size_t total) {
+  sg__device *d = e->dev;
+  const int cuda = d->kind != SG_DEVICE_CPU;
+  const int to_dev = cuda && !on_dev && e->rep.on_device;
+  const int to_host = cuda && on_dev && !e->rep.on_device && !e->rep.comm->stream_ordered;
+  if (!to_dev && !to_host) return sg__engine_run_comm(e, rep_coll_fn, j);
+  void *orig = j->buf, *tmp = NULL;
+  SG_TRY(to_dev ? d->ops->alloc(d, total, &tmp) : d->ops->host_alloc(d, total, &tmp));
+  sg_status st = d->ops->copy(d, SG_Q_COMPUTE, tmp, orig, total,
+                              to_dev ? SG_COPY_H2D : SG_COPY_D2H);
+  j->buf = tmp;
+  if (st == SG_OK) st = sg__engine_run_comm(e, rep_coll_fn, j);
+  if (st == SG_OK)
+    st = d->ops->copy(d, SG_Q_COMPUTE, orig, tmp, total, to_dev ? SG_COPY_D2H : SG_COPY_H2D);
+  j->buf = orig;
+  if (to_dev)
+    d->ops->free(d, tmp);
+  else
+    d->ops->host_free(d, tmp);
+  return st;
 }
 
 sg_status sg__replicas_allgather_host(sg_engine *e, void *host, size_t bytes) {
   if (!hybrid(e)) return SG_OK;
-  gather_job j = {e, host, bytes};
-  return sg__engine_run_comm(e, gather_fn, &j);
+  rep_coll j = {e, 0, host, bytes, 0};
+  return rep_coll_run(e, &j, 0, bytes * (size_t)e->rep.n);
 }
 
 static sg_status check_round_b(sg_engine *e, const uint64_t *all, const uint64_t *mine) {
@@ -216,7 +283,8 @@ typedef struct {
 
 /* Bucket b's slice of the accumulator summed over the replicas, in place. Through the wire
  * buffer when the wire dtype differs: every replica rounds its own slice to it, the sum is in
- * fp32 in replica order (sg_comm.h) rounded once, and every replica casts back the same bits. */
+ * fp32 in replica order (sg_comm.h) rounded once, and every replica casts back the same bits
+ * (the host's casts for an offloaded accumulator: the same element math). */
 static sg_status replica_reduce(sg_engine *e, int b) {
   sg_comm *c = e->rep.comm;
   sg__device *d = e->dev;
@@ -225,6 +293,12 @@ static sg_status replica_reduce(sg_engine *e, int b) {
   char *acc = e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt);
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   if (!e->rep.wire) return c->ops->all_reduce(c, acc, n, adt, dl);
+  if (e->rep.host_wire) {
+    sg__cpu_cast(e->rep.wire, wdt, acc, adt, n);
+    SG_TRY(c->ops->all_reduce(c, e->rep.wire, n, wdt, dl));
+    sg__cpu_cast(acc, adt, e->rep.wire, wdt, n);
+    return SG_OK;
+  }
   SG_TRY(d->ops->cast(d, SG_Q_COMM, e->rep.wire, wdt, acc, adt, n));
   SG_TRY(c->ops->all_reduce(c, e->rep.wire, n, wdt, dl));
   return d->ops->cast(d, SG_Q_COMM, acc, adt, e->rep.wire, wdt, n);
@@ -242,16 +316,24 @@ static sg_status submit(sg_engine *e, int b) {
   replica_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   *j = (replica_job){e, b, sg__trace_new(e, SG_TRACE_REDUCE, b, "all-reduce across replicas")};
-  e->rep.claimed[b] = 1;
-  e->rep.nclaimed++;
+  e->rep.claimed[b] = CLAIM_QUEUED;
   uint64_t t = 0;
   return sg__engine_broken(e, sg__engine_submit(e, replica_job_fn, free, j, &t));
+}
+
+/* Bucket b's sum across replicas begins: queued now, or, for an offloaded accumulator (its
+ * slices land and are folded on the host), at the step once every arrival is folded. */
+static sg_status claim(sg_engine *e, int b) {
+  e->rep.nclaimed++;
+  if (!e->strat->state) return submit(e, b);
+  e->rep.claimed[b] = CLAIM_AT_STEP;
+  return SG_OK;
 }
 
 sg_status sg__replicas_after_reduce(sg_engine *e, int b) {
   if (!hybrid(e) || e->rep.claimed[b]) return SG_OK;
   if (e->rep.microbatches == 0 || e->rep.mb < e->rep.microbatches) return SG_OK;
-  return submit(e, b);
+  return claim(e, b);
 }
 
 sg_status sg__replicas_rest(sg_engine *e) {
@@ -259,28 +341,23 @@ sg_status sg__replicas_rest(sg_engine *e) {
   /* A bucket not reduced this step (no gradients at all) counts as zeros on every replica alike
    * (reductions are collective) and is zeroed before the norm: nothing to sum. */
   for (int b = 0; b < e->plan->nbuckets; b++)
-    if (!e->rep.claimed[b] && !e->g.empty[b]) SG_TRY(submit(e, b));
+    if (!e->rep.claimed[b] && !e->g.empty[b]) SG_TRY(claim(e, b));
+  if (!e->strat->state) return SG_OK;
+  int late = 0;
+  for (int b = 0; b < e->plan->nbuckets; b++) late += e->rep.claimed[b] == CLAIM_AT_STEP;
+  if (late) SG_TRY(sg__engine_broken(e, e->strat->state->settle(e)));
+  for (int b = 0; b < e->plan->nbuckets; b++)
+    if (e->rep.claimed[b] == CLAIM_AT_STEP) SG_TRY(submit(e, b));
   return SG_OK;
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* parameters                                                                                */
 
-typedef struct {
-  sg_engine *e;
-  int root;
-} bcast_job;
-
-static sg_status bcast_fn(void *arg) {
-  bcast_job *j = arg;
-  sg_engine *e = j->e;
-  const size_t bytes = e->plan->total_numel * sg__dtype_size(e->cfg.param_dtype);
-  return e->rep.comm->ops->broadcast(e->rep.comm, e->params, bytes, j->root,
-                                     sg__deadline(e->cfg.timeout_ms));
-}
-
+/* The working parameters (device memory) from replica `root`. */
 sg_status sg__replicas_broadcast_params(sg_engine *e, int root) {
   if (!hybrid(e)) return SG_OK;
-  bcast_job j = {e, root};
-  return sg__engine_run_comm(e, bcast_fn, &j);
+  const size_t bytes = e->plan->total_numel * sg__dtype_size(e->cfg.param_dtype);
+  rep_coll j = {e, 1, e->params, bytes, root};
+  return rep_coll_run(e, &j, 1, bytes);
 }

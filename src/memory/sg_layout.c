@@ -89,7 +89,14 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__
         carve(l, SG_MEM_COMM, mul_sat(p->max_bucket_numel, sg__dtype_size(cfg->reduce_dtype)));
   l->replica_off = SIZE_MAX;
   l->replica_bytes = sh->replica_bytes;
-  if (sh->replica_bytes) l->replica_off = carve(l, SG_MEM_COMM, sh->replica_bytes);
+  /* offloaded: the accumulator is on the host, so is the wire its slices are cast into */
+  if (sh->replica_bytes && sh->host_state) {
+    l->replica_host_bytes = sh->replica_bytes;
+    l->host_bytes = l->host_bytes > SG__ARENA_MAX - sh->replica_bytes ? SIZE_MAX
+                                                                      : l->host_bytes + sh->replica_bytes;
+  } else if (sh->replica_bytes) {
+    l->replica_off = carve(l, SG_MEM_COMM, sh->replica_bytes);
+  }
   return check_fits(l);
 }
 

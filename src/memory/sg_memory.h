@@ -43,7 +43,8 @@ typedef struct sg__layout_shape {
   int host_state;       /* 1: the master, the state arrays and the accumulator are pinned host
                            memory (optimizer offload), not carved from the device arenas */
   size_t host_extra;    /* host_state: pinned bytes beyond those arrays (pipeline buffers) */
-  size_t replica_bytes; /* COMM: a hybrid engine's wire buffer across replicas (0: none) */
+  size_t replica_bytes; /* a hybrid engine's wire buffer across replicas (0: none): COMM, or
+                           pinned host memory (in host_bytes) when host_state */
 } sg__layout_shape;
 
 /* Offsets (bytes) of each buffer inside its kind's arena; SIZE_MAX when absent. */
@@ -68,8 +69,11 @@ typedef struct sg__layout {
                                    offsets are SIZE_MAX and host_bytes counts them */
   size_t host_bytes;            /* pinned host bytes: (A + 4 unless f32 + 4 x nstates) x
                                    opt_numel + host_extra */
-  size_t replica_off;           /* COMM: replica wire buffer, replica_bytes (SIZE_MAX: none) */
+  size_t replica_off;           /* COMM: replica wire buffer, replica_bytes (SIZE_MAX: none or
+                                   on the host) */
   size_t replica_bytes;
+  size_t replica_host_bytes;    /* host_state: the replica wire buffer is pinned host memory of
+                                   replica_bytes, counted in host_bytes (0: none or in COMM) */
 } sg__layout;
 
 /* The layout of a plan for a strategy's and optimizer's shape. SG_ERR_INVALID_ARGUMENT for more

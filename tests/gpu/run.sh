@@ -24,7 +24,8 @@
 #     benchmark and the MLP example (80 s); test_cuda_device (2 s), test_cuda_kernels (every
 #     CUDA kernel against the CPU kernels, bitwise; 25 s), test_cuda_queues (streams, tickets,
 #     deadlines, NCCL at world 1; 15 s), test_cuda_engine (the engine on the GPU against the
-#     CPU device, W = 1..3 threads, W = 1 NCCL; 30 s), sg_bench_adamw_cuda (fused AdamW against
+#     CPU device, W = 1..3 threads, W = 1 NCCL; 30 s), test_hybrid_cuda (hybrid engines of
+#     threads on the GPU against the CPU's, with and without offload; 2 x 15 s), sg_bench_adamw_cuda (fused AdamW against
 #     a device-to-device copy; 15 s), one timeline (mlp_cuda --nccl-solo --trace: reductions on
 #     the comm stream against the cuBLAS backward; 20 s).
 #   full (~9 min): the quick steps, then the other test programs and examples (build 60 s);
@@ -256,7 +257,7 @@ T="$B/tests"
 MLP="$B/examples/mlp_cuda"
 CNN="$B/examples/cnn_cudnn"
 QUICK_TARGETS=(shardgrad test_cuda_device test_cuda_kernels test_cuda_queues test_cuda_engine
-  sg_bench_adamw_cuda example_mlp_cuda)
+  test_hybrid_cuda sg_bench_adamw_cuda example_mlp_cuda)
 FULL_TARGETS=(test_engine_cuda test_fp16_scale_cuda test_trace_cuda test_groups_cuda
   example_cnn_cudnn test_host_step_cuda test_offload_cuda sg_bench_host_step)
 if ! command -v cmake >/dev/null; then
@@ -272,6 +273,11 @@ step_if "$T/test_cuda_kernels" test_cuda_kernels 90 25 "$T/test_cuda_kernels"
 step_if "$T/test_cuda_queues" test_cuda_queues 60 15 "$T/test_cuda_queues"
 # (with optimizer offload: every sharded case again offloaded, bitwise against the run without)
 step_if "$T/test_cuda_engine" test_cuda_engine 120 45 "$T/test_cuda_engine"
+# Hybrid engines (2x2 and 3x2 ranks as threads on the GPU, quick cases) bitwise against the
+# CPU's hybrid, flat and one-rank engines, and offloaded against the same without offload.
+step_if "$T/test_hybrid_cuda" hybrid_cuda 60 15 "$T/test_hybrid_cuda" --cuda local local --quick
+step_if "$T/test_hybrid_cuda" hybrid_cuda_offload 60 15 "$T/test_hybrid_cuda" --cuda local local \
+  --offload --quick
 step_if "$B/bench/sg_bench_adamw_cuda" bench_adamw_cuda 60 15 "$B/bench/sg_bench_adamw_cuda" \
   --sizes 1,4,16,64,256 --reps 20
 copy_log bench_adamw_cuda

@@ -67,10 +67,12 @@ static sg_status state_init(sg_engine *e) {
   sg__offload *o = calloc(1, sizeof *o);
   if (!o) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   sg_status st = make_state(e, o);
-  /* sg_memory reports the layout's count: it must be what was allocated */
-  if (st == SG_OK && o->host_bytes != e->lay.host_bytes) {
+  /* sg_memory reports the layout's count: it must be what was allocated (a hybrid engine's
+   * host wire buffer is sg_replica.c's) */
+  const size_t mine = e->lay.host_bytes - e->lay.replica_host_bytes;
+  if (st == SG_OK && o->host_bytes != mine) {
     st = sg__err(SG_ERR_INTERNAL, "offload: %zu pinned bytes allocated, %zu in the layout",
-                 o->host_bytes, e->lay.host_bytes);
+                 o->host_bytes, mine);
     sg__offload_free(o, INT64_MAX);
   }
   if (st != SG_OK) {
@@ -124,6 +126,14 @@ static sg_status update(sg_engine *e, const sg__update_args *a) {
   return e->dev->ops->compute_wait_comm(e->dev, last, sg__engine_host_deadline(e));
 }
 
+/* Every arrival landed and folded: the host accumulator holds this rank's sums (hybrid: before
+ * they are summed across replicas, sg_replica.c). */
+static sg_status settle(sg_engine *e) {
+  const int64_t dl = sg__engine_host_deadline(e);
+  if (e->last_ticket) SG_TRY(e->dev->ops->comm_wait(e->dev, e->last_ticket, dl));
+  return sg__offload_fold_all(e->off, dl);
+}
+
 static sg_status clear(sg_engine *e) {
   return sg__offload_clear(e->off, sg__engine_host_deadline(e));
 }
@@ -135,7 +145,7 @@ static sg_status master_from_working(sg_engine *e) {
 
 static const sg__state_ops host_state = {
     .init = state_init, .free = state_free, .array = array, .prepare = prepare,
-    .submitted = submitted, .sumsq = sumsq, .update = update, .clear = clear,
+    .submitted = submitted, .settle = settle, .sumsq = sumsq, .update = update, .clear = clear,
     .master_from_working = master_from_working,
 };
 
