@@ -18,7 +18,14 @@
  * the timed steps. Link bytes: the first rank of every node reads its node's interface counters
  * (/sys/class/net/IFACE/statistics, eth0 inside a cluster.sh node) before the first and after
  * the last timed step; "sent" is the sum over nodes of bytes each node put on its link (TCP/IP
- * headers included), "max node" the most one node sent, both divided by the timed steps. Prints one RESULT line (key=value) on rank 0. */
+ * headers included), "max node" the most one node sent, both divided by the timed steps. Prints one RESULT line (key=value) on rank 0.
+ *
+ *   --profile        also one PROFILE line: per timed step, mean over ranks / largest, where
+ *                    the caller's thread spent the step (forward + backward with the gradient
+ *                    hand-off, sg_backward_end, sg_step), the spans of the engine's
+ *                    communication thread from its trace (reductions inside the engine's
+ *                    communicator, all-reduces across replicas, AdamW, all-gathers) and the
+ *                    CPU time of the process (all threads). */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <errno.h>
 #include <mpi.h>
@@ -32,7 +39,7 @@
 
 typedef struct options {
   const char *mode, *iface;
-  int sync_last, micro, steps, warmup, batch, hidden, layers, ranks_per_node;
+  int sync_last, micro, steps, warmup, batch, hidden, layers, ranks_per_node, profile;
   sg_dtype dtype, wire;
   double bucket_mb;
 } options;
@@ -109,9 +116,59 @@ static sg_status create_engine(const options *o, sg_comm *world_comm, const sg_c
   return st;
 }
 
+/* ---- the profile (--profile) ------------------------------------------------------------- */
+
+/* Seconds per timed step on this rank: where the caller's thread spent the step, the spans of
+ * the engine's communication thread (from its trace), and the CPU time of all its threads. */
+enum {
+  P_MICRO,   /* forward + backward + gradient hand-off (may wait for a staging bucket) */
+  P_END,     /* sg_backward_end */
+  P_STEP,    /* sg_step: the wait for the reductions, the norm, AdamW, the all-gather */
+  P_RS,      /* trace: the buckets' reductions inside the engine's communicator */
+  P_AR,      /* trace: the all-reduces across replicas (hybrid) */
+  P_OPT,     /* trace: norm + AdamW on the shard */
+  P_GATHER,  /* trace: the all-gathers */
+  P_CPU,     /* CPU time of the process (every thread) */
+  P_CPU_MAIN, /* of the caller's thread: the rest is the engine's communication thread's */
+  P_COUNT
+};
+static const char *const phase_names[P_COUNT] = {"fwd_bwd", "backward_end", "sg_step",
+                                                 "reduce_scatter", "replica_allreduce",
+                                                 "adamw", "all_gather", "cpu", "cpu_main"};
+
+static double cpu_s(clockid_t clock) {
+  struct timespec ts;
+  clock_gettime(clock, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Adds the spans of the trace recorded since sg_trace_start to ph (seconds). */
+static sg_status trace_phases(sg_engine *e, double *ph) {
+  size_t n = 0;
+  uint64_t dropped = 0;
+  sg_status st = sg_trace_events(e, NULL, 0, &n, &dropped);
+  sg_trace_event *ev = st == SG_OK ? calloc(n ? n : 1, sizeof *ev) : NULL;
+  if (st == SG_OK && !ev) st = SG_ERR_OUT_OF_MEMORY;
+  if (st == SG_OK) st = sg_trace_events(e, ev, n, &n, &dropped);
+  for (size_t i = 0; st == SG_OK && i < n; i++) {
+    const double len = 1e-6 * (ev[i].end_us - ev[i].start_us);
+    if (ev[i].kind == SG_TRACE_REDUCE)
+      ph[strstr(ev[i].label, "replica") ? P_AR : P_RS] += len;
+    else if (ev[i].kind == SG_TRACE_STEP)
+      ph[P_OPT] += len;
+    else if (ev[i].kind == SG_TRACE_GATHER)
+      ph[P_GATHER] += len;
+  }
+  if (st == SG_OK && dropped)
+    fprintf(stderr, "sg_bench_cluster: rank %d: %llu trace events dropped\n", rank,
+            (unsigned long long)dropped);
+  free(ev);
+  return st;
+}
+
 /* ---- the timed loop ----------------------------------------------------------------------- */
 
-static sg_status one_step(const options *o, mlp_engine *me, int step, float *loss) {
+static sg_status one_step(const options *o, mlp_engine *me, int step, float *loss, double *ph) {
   float scale = 1.0f, sum = 0.0f;
   sg_status st = sg_get_loss_scale(me->e, &scale);
   for (int mb = 0; mb < o->micro && st == SG_OK; mb++) {
@@ -119,13 +176,32 @@ static sg_status one_step(const options *o, mlp_engine *me, int step, float *los
     const uint64_t slot = ((uint64_t)step * (uint64_t)o->micro + (uint64_t)mb) * (uint64_t)world;
     mlp_make_batch(me->m, (slot + (uint64_t)rank) * (uint64_t)o->batch);
     float l = 0.0f;
+    double t = now_s();
     if (st == SG_OK) st = mlp_engine_micro_batch(me, scale / (float)o->micro, &l);
+    ph[P_MICRO] += now_s() - t;
+    t = now_s();
     if (st == SG_OK) st = sg_backward_end(me->e);
+    ph[P_END] += now_s() - t;
     sum += l;
   }
+  const double t = now_s();
   if (st == SG_OK) st = sg_step(me->e, NULL);
+  ph[P_STEP] += now_s() - t;
   *loss = sum / (float)o->micro;
   return st;
+}
+
+/* Rank 0 prints each phase per step: the mean over ranks and the largest. */
+static void print_profile(const options *o, const double *ph) {
+  double sum[P_COUNT], max[P_COUNT];
+  MPI_Allreduce(ph, sum, P_COUNT, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Allreduce(ph, max, P_COUNT, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  if (rank != 0) return;
+  printf("PROFILE mode=%s sync=%s micro=%d", o->mode, o->sync_last ? "last" : "every", o->micro);
+  for (int k = 0; k < P_COUNT; k++)
+    printf(" %s_ms=%.1f/%.1f", phase_names[k], 1e3 * sum[k] / world / o->steps,
+           1e3 * max[k] / o->steps);
+  printf("\n");
 }
 
 typedef struct result {
@@ -156,18 +232,28 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
   if (st == SG_OK && shard) st = sg_set_microbatches(e, o->micro);
   if (st == SG_OK) st = mlp_engine_init_params(&me);
   link_bytes start = {0, 0};
+  double ph[P_COUNT] = {0}, scratch[P_COUNT] = {0}, cpu0 = 0.0, main0 = 0.0;
   for (int s = 0; s < o->warmup + o->steps && st == SG_OK; s++) {
-    if (s == o->warmup) start = read_link(node, o->iface);
+    if (s == o->warmup) {
+      start = read_link(node, o->iface);
+      if (o->profile) st = sg_trace_start(e, 0);
+      cpu0 = cpu_s(CLOCK_PROCESS_CPUTIME_ID);
+      main0 = cpu_s(CLOCK_THREAD_CPUTIME_ID);
+    }
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = now_s();
     float loss = 0.0f;
-    st = one_step(o, &me, s, &loss);
+    if (st == SG_OK) st = one_step(o, &me, s, &loss, s >= o->warmup ? ph : scratch);
     double dt = now_s() - t0, slowest = 0.0;
     MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (s >= o->warmup) times[s - o->warmup] = slowest;
     if (s == 0) r->first_loss = loss;
     r->last_loss = loss;
   }
+  ph[P_CPU] = cpu_s(CLOCK_PROCESS_CPUTIME_ID) - cpu0;
+  ph[P_CPU_MAIN] = cpu_s(CLOCK_THREAD_CPUTIME_ID) - main0;
+  if (st == SG_OK && o->profile) st = trace_phases(e, ph);
+  if (st == SG_OK && o->profile) print_profile(o, ph);
   if (st == SG_OK) {
     const link_bytes end = read_link(node, o->iface);
     double sum = 0.0, max = 0.0;
@@ -205,8 +291,8 @@ static int usage(void) {
   fprintf(stderr,
           "usage: sg_bench_cluster [--mode flat|hybrid] [--sync every|last] [--micro N] "
           "[--steps N] [--warmup N] [--batch N] [--hidden N] [--layers N] [--dtype f32|bf16] "
-          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--ranks-per-node K]   (under "
-          "mpirun)\n");
+          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--ranks-per-node K] [--profile]   "
+          "(under mpirun)\n");
   return -1;
 }
 
@@ -217,6 +303,10 @@ static int parse_args(int argc, char **argv, options *o) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     int bad = 0;
+    if (!strcmp(a, "--profile")) {
+      o->profile = 1;
+      continue;
+    }
     if (!strcmp(a, "--mode")) {
       o->mode = v;
       bad = strcmp(v, "flat") && strcmp(v, "hybrid");
