@@ -22,10 +22,10 @@
  *
  *   --profile        also one PROFILE line: per timed step, mean over ranks / largest, where
  *                    the caller's thread spent the step (forward + backward with the gradient
- *                    hand-off, sg_backward_end, sg_step), the spans of the engine's
- *                    communication thread from its trace (reductions inside the engine's
- *                    communicator, all-reduces across replicas, AdamW, all-gathers) and the
- *                    CPU time of the process (all threads). */
+ *                    hand-off, sg_backward_end, sg_step), spans from the engine's trace
+ *                    (on its communication thread: reductions inside the engine's
+ *                    communicator, all-reduces across replicas, all-gathers; the norm + AdamW
+ *                    span) and the CPU time of the process (all threads) and its caller. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <errno.h>
 #include <mpi.h>
@@ -118,8 +118,8 @@ static sg_status create_engine(const options *o, sg_comm *world_comm, const sg_c
 
 /* ---- the profile (--profile) ------------------------------------------------------------- */
 
-/* Seconds per timed step on this rank: where the caller's thread spent the step, the spans of
- * the engine's communication thread (from its trace), and the CPU time of all its threads. */
+/* Seconds per timed step on this rank: where the caller's thread spent the step, spans from the
+ * engine's trace, and the CPU time of all its threads and of the caller's. */
 enum {
   P_MICRO,   /* forward + backward + gradient hand-off (may wait for a staging bucket) */
   P_END,     /* sg_backward_end */

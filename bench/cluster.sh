@@ -15,18 +15,26 @@
 #
 #   bench/cluster.sh [--build DIR] [--rates "1gbit 10gbit"] [--micro "1 8"] [--steps N]
 #                    [--warmup N] [--batch N] [--hidden N] [--layers N] [--python PY] [--no-torch]
-#                    [--flat-sync "every last"] [--torch-sync "every last allreduce-last"]
-# (--flat-sync / --torch-sync: which of those variants run with more than one micro-batch;
-# "every" always runs, it is the baseline)
+#                    [--flat-sync "every last"] [--wires "f32 bf16"]
+#                    [--torch-sync "every last allreduce-last"] [--profile]
+#                    [--cluster NAME] [--subnet A.B.C]
+# --flat-sync: the flat variants (with more than one micro-batch; "every" always runs, it is the
+# baseline of the ratios); --wires: the hybrid rows; --torch-sync: the PyTorch rows (those
+# listed; "last" and "allreduce-last" only with more than one micro-batch). A quick subset:
+#   bench/cluster.sh --rates 1gbit --micro 8 --flat-sync every --wires bf16 --torch-sync allreduce-last
+# --profile: a second table, where each shardgrad row's step went (sg_bench_cluster --profile:
+# forward+backward, reductions inside the engine's communicator, the all-reduce across nodes,
+# sg_step, AdamW, all-gather, CPU seconds per rank).
 #
 # Defaults: the MLP of sg_bench_cluster at 9 layers x 2048 (29.5M parameters, f32), batch 2 per
 # micro-batch per rank, 1 warm-up + 2 timed steps. Needs root (network namespaces); exits 77
-# with the reason where they are not permitted. The cluster (name sgbench, 10.79.0.0/24) is taken
-# down at the end, also after a failure.
+# with the reason where they are not permitted. The cluster (default name sgbench,
+# 10.79.0.0/24) is taken down at the end, also after a failure.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build RATES="1gbit 10gbit" MICROS="1 8" STEPS=2 WARMUP=1 BATCH=2 HIDDEN=2048
 LAYERS=9 PY="" TORCH=1 FLAT_SYNC="every last" TORCH_SYNC="every last allreduce-last"
+WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0
 while [ $# -gt 0 ]; do
   case $1 in
     --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
@@ -41,12 +49,16 @@ while [ $# -gt 0 ]; do
     --no-torch) TORCH=0; shift ;;
     --flat-sync) FLAT_SYNC=$2; shift 2 ;;
     --torch-sync) TORCH_SYNC=$2; shift 2 ;;
-    *) sed -n '2,24p' "$0" >&2; exit 64 ;;
+    --wires) WIRES=$2; shift 2 ;;
+    --profile) PROFILE=--profile; shift ;;
+    --cluster) CNAME=$2; shift 2 ;;
+    --subnet) CSUBNET=$2; shift 2 ;;
+    *) sed -n '2,32p' "$0" >&2; exit 64 ;;
   esac
 done
 BENCH=$BUILD/bench/sg_bench_cluster
 [ -x "$BENCH" ] || { echo "bench/cluster.sh: $BENCH not built (an MPI build: cmake --build $BUILD)" >&2; exit 1; }
-CL=("$ROOT/scripts/cluster.sh" --name sgbench --subnet 10.79.0)
+CL=("$ROOT/scripts/cluster.sh" --name "$CNAME" --subnet "$CSUBNET")
 "${CL[@]}" check || exit 77
 if [ "$TORCH" = 1 ]; then
   for p in "$PY" /root/.cache/shardgrad/venv/bin/python python3; do
@@ -60,7 +72,8 @@ export TORCH_CPP_LOG_LEVEL=ERROR
 trap '"${CL[@]}" down >/dev/null 2>&1' EXIT
 trap 'exit 1' INT TERM
 "${CL[@]}" down >/dev/null 2>&1
-RESULTS=()
+RESULTS=() PROFILES=()
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # one RATE MICRO LABEL COMMAND...: runs COMMAND across 2 nodes x 2 ranks, keeps its RESULT line
 one() {
@@ -69,6 +82,7 @@ one() {
   echo "== $rate, $micro micro-batch(es): $label" >&2
   out=$("${CL[@]}" run --ranks-per-node 2 -x TORCH_CPP_LOG_LEVEL "$@" 2>&1)
   line=$(grep '^RESULT ' <<<"$out" | tail -1)
+  grep -q '^PROFILE ' <<<"$out" && PROFILES+=("$rate|$micro|$label|$(grep '^PROFILE ' <<<"$out" | tail -1)")
   if [ -z "$line" ]; then
     echo "$out" | tail -20 >&2
     line="RESULT failed=1"
@@ -82,14 +96,16 @@ for rate in $RATES; do
   "${CL[@]}" down >/dev/null 2>&1
   "${CL[@]}" up --nodes 2 --rate "$rate" 2>/dev/null || exit 1
   for micro in $MICROS; do
-    one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}"
+    one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}" $PROFILE
     [ "$micro" -gt 1 ] && [[ " $FLAT_SYNC " == *" last "* ]] &&
-      one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}"
-    one "$rate" "$micro" "shardgrad hybrid, f32 wire" "$BENCH" --mode hybrid --wire f32 --micro "$micro" "${model[@]}"
-    one "$rate" "$micro" "shardgrad hybrid, bf16 wire" "$BENCH" --mode hybrid --wire bf16 --micro "$micro" "${model[@]}"
+      one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}" $PROFILE
+    for wire in $WIRES; do
+      one "$rate" "$micro" "shardgrad hybrid, $wire wire" "$BENCH" --mode hybrid --wire "$wire" --micro "$micro" "${model[@]}" $PROFILE
+    done
     if [ "$TORCH" = 1 ]; then
-      fsdp=("$PY" "$ROOT/bench/cluster_fsdp.py" --ranks-per-node 2 --master sgbench-n0 --micro "$micro" "${model[@]}")
-      one "$rate" "$micro" "torch FSDP2 HSDP ZeRO-2, sync every" "${fsdp[@]}" --sync every
+      fsdp=("$PY" "$ROOT/bench/cluster_fsdp.py" --ranks-per-node 2 --master "$CNAME-n0" --micro "$micro" "${model[@]}")
+      [[ " $TORCH_SYNC " == *" every "* ]] &&
+        one "$rate" "$micro" "torch FSDP2 HSDP ZeRO-2, sync every" "${fsdp[@]}" --sync every
       if [ "$micro" -gt 1 ]; then
         [[ " $TORCH_SYNC " == *" last "* ]] &&
           one "$rate" "$micro" "torch FSDP2 HSDP, no_sync" "${fsdp[@]}" --sync last
@@ -103,7 +119,7 @@ done
 field() { grep -o "\b$1=[^ |]*" <<<"$2" | head -1 | cut -d= -f2; }
 params=$(for r in "${RESULTS[@]}"; do field params "$r"; done | grep . | head -1)
 echo
-echo "bench/cluster.sh: 2 nodes x 2 ranks (W=4), MLP $LAYERS layers x $HIDDEN (${params:-?} params, f32), batch $BATCH per micro-batch per rank, $WARMUP warm-up + $STEPS timed steps; $(getconf _NPROCESSORS_ONLN) cores"
+echo "bench/cluster.sh: 2 nodes x 2 ranks (W=4), MLP $LAYERS layers x $HIDDEN (${params:-?} params, f32), batch $BATCH per micro-batch per rank, $WARMUP warm-up + $STEPS timed steps; $(getconf _NPROCESSORS_ONLN) cores, load average $LOAD0 at the start, $(cut -d' ' -f1-3 /proc/loadavg) at the end"
 # bits per second of a tc rate (1gbit, 100mbit, 10g)
 bps() { awk -v r="${1,,}" 'BEGIN{n=r+0; u=r; sub(/^[0-9.]+/,"",u); f=1;
   if (u ~ /^k/) f=1e3; else if (u ~ /^m/) f=1e6; else if (u ~ /^g/) f=1e9; printf "%.0f", n*f}'; }
@@ -126,3 +142,17 @@ done
 echo "step ms: median time per optimizer step, slowest rank; vs flat: / shardgrad flat ZeRO-2 (sync every) at the same link and micro-batches."
 echo "link MB/step: bytes all nodes sent on their links per step (interface counters; TCP/IP headers included). link s/step: the busiest node's bytes at the link rate, the least time the link needs per step."
 echo "Shaping: tc tbf at the rate on both ends of each node's link."
+if [ ${#PROFILES[@]} -gt 0 ]; then
+  echo
+  echo "Where the step went (sg_bench_cluster --profile; ms per optimizer step, mean over the 4 ranks):"
+  printf '%-9s %5s  %-28s %8s %8s %8s %8s %8s %8s %9s %9s\n' "link" "micro" "variant" "fwd+bwd" \
+    "rs" "x-node" "sg_step" "adamw" "gather" "cpu/rank" "cpu main"
+  for r in "${PROFILES[@]}"; do
+    IFS='|' read -r rate micro label p <<<"$r"
+    mean() { field "${1}_ms" "$p" | cut -d/ -f1; }
+    printf '%-9s %5s  %-28s %8s %8s %8s %8s %8s %8s %9s %9s\n' "$rate" "$micro" "${label#shardgrad }" "$(mean fwd_bwd)" \
+      "$(mean reduce_scatter)" "$(mean replica_allreduce)" "$(mean sg_step)" "$(mean adamw)" \
+      "$(mean all_gather)" "$(mean cpu)" "$(mean cpu_main)"
+  done
+  echo "fwd+bwd, sg_step: the caller's wall time in them (sg_step includes waiting for the reductions); rs, x-node, gather: spans of the engine's comm thread (reductions inside its communicator, all-reduce across nodes, all-gathers), which overlap the caller's; adamw: the norm + AdamW span; cpu/rank: CPU time of a rank's process (all threads), cpu main: of its caller thread."
+fi

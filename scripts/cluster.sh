@@ -33,8 +33,14 @@
 # uses TCP on the cluster subnet only (btl tcp, oob tcp), inside a node shared memory (vader).
 #
 # Options before the command: --name NAME (default sgc; several clusters can coexist under
-# different names and --subnet), --subnet A.B.C (default 10.77.0). Environment: SG_CLUSTER_NAME,
-# SG_CLUSTER_SUBNET. Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN), ip, tc, nsenter, unshare.
+# different names and --subnet), --subnet A.B.C (default 10.77.0; a private range, and only
+# inside the cluster's namespaces). Environment: SG_CLUSTER_NAME, SG_CLUSTER_SUBNET. Needs root
+# (or CAP_NET_ADMIN + CAP_SYS_ADMIN), ip, tc, nsenter, unshare.
+#
+# Clean-up: an `up` that fails or is interrupted (INT, TERM) removes what it made; a `run`
+# whose job fails or is interrupted ends the processes that job left inside the nodes (found by
+# the SG_CLUSTER_RUN tag in their environment), other jobs' untouched; `down` removes the
+# namespaces, the state, and probe namespaces of this name whose process is gone.
 set -Eeuo pipefail
 
 SELF=$(readlink -f "$0")
@@ -60,9 +66,18 @@ node_host() { echo "$NAME-n$1"; }
 node_ip() { echo "$SUBNET.$(($1 + 1))"; }
 
 valid_name() { [[ $NAME =~ ^[a-z][a-z0-9]{0,7}$ ]] || die "--name: 1-8 lowercase letters/digits, got '$NAME'"; }
+# Private addresses only (10/8, 172.16/12, 192.168/16): a node never sees an address that
+# exists outside. They live inside the cluster's own namespaces, nothing is added to the root
+# namespace, so clusters on the same subnet under different names do not see each other either.
 valid_subnet() {
   [[ $SUBNET =~ ^([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})$ ]] ||
     die "--subnet: three octets such as 10.77.0, got '$SUBNET'"
+  local a=${BASH_REMATCH[1]} b=${BASH_REMATCH[2]} c=${BASH_REMATCH[3]}
+  [ "$a" -le 255 ] && [ "$b" -le 255 ] && [ "$c" -le 255 ] ||
+    die "--subnet: octets are 0..255, got '$SUBNET'"
+  [ "$a" = 10 ] || { [ "$a" = 172 ] && [ "$b" -ge 16 ] && [ "$b" -le 31 ]; } ||
+    { [ "$a" = 192 ] && [ "$b" = 168 ]; } ||
+    die "--subnet: a private range (10.x.y, 172.16-31.y, 192.168.y), got '$SUBNET'"
 }
 
 # ---- probing ----------------------------------------------------------------------------------
@@ -79,6 +94,7 @@ check() {
   fi
   if [ -z "$why" ]; then
     local probe="$NAME-probe$$"
+    trap 'ip netns del "'"$probe"'" 2>/dev/null; exit 1' INT TERM
     if ! ip netns add "$probe" 2>/dev/null; then
       why="'ip netns add' not permitted (needs root or CAP_SYS_ADMIN)"
     else
@@ -91,6 +107,7 @@ check() {
         2>/dev/null || why="tc tbf (token bucket shaping) not available in this kernel"
       ip netns del "$probe" 2>/dev/null || true
     fi
+    trap - INT TERM
   fi
   if [ -n "$why" ]; then
     echo "cluster.sh: cannot simulate a cluster: $why" >&2
@@ -101,10 +118,12 @@ check() {
 
 have_netem() {
   local probe="$NAME-nprobe$$" ok=1
-  ip netns add "$probe" 2>/dev/null || return 1
+  trap 'ip netns del "'"$probe"'" 2>/dev/null; exit 1' INT TERM
+  ip netns add "$probe" 2>/dev/null || { trap - INT TERM; return 1; }
   ip -n "$probe" link set lo up && tc -n "$probe" qdisc add dev lo root netem delay 1ms \
     2>/dev/null && ok=0
   ip netns del "$probe" 2>/dev/null || true
+  trap - INT TERM
   return $ok
 }
 
@@ -203,10 +222,11 @@ cmd_up() {
 
   mkdir -p "$sd" 2>/dev/null || mkdir -p "$sd" # a second try: another cluster's down may rmdir the root in between
   trap 'note "up failed; removing what it created"; teardown; exit 1' ERR
+  trap 'trap - ERR; note "up interrupted; removing what it created"; teardown; exit 130' INT TERM
   build_cluster "$nodes"
   reshape "$nodes" "$bps" "$dus"
   write_state "$nodes" "$bps" "$dus"
-  trap - ERR
+  trap - ERR INT TERM
   note "cluster '$NAME' up: $nodes nodes ($(node_host 0)..$(node_host $((nodes - 1))), $SUBNET.0/24), links $(describe "$bps" "$dus")"
 }
 
@@ -260,27 +280,55 @@ write_state() {
 leftovers_list() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAME-(n[0-9]+|sw)$" || true; }
 leftovers() { [ -n "$(leftovers_list)" ]; }
 
-# Ends the processes still inside the namespaces (the cluster's own: mpirun, orted, ranks),
-# then deletes the namespaces (their veth ends and the bridge go with them) and the state.
-teardown() {
-  local ns pids round
+# Probe namespaces of check/have_netem (<name>-probe<pid>, <name>-nprobe<pid>) whose process is
+# gone: one killed at the wrong moment (SIGKILL skips its trap) leaves its probe behind.
+stale_probes() {
+  local ns pid
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAME-n?probe[0-9]+$"); do
+    pid=${ns##*probe}
+    kill -0 "$pid" 2>/dev/null || echo "$ns"
+  done
+}
+
+# of_run PID TAG: 0 when process PID was started by the run tagged TAG (SG_CLUSTER_RUN in its
+# environment, which mpirun, its daemons and the ranks inherit, orphaned or not)
+of_run() { tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qx "SG_CLUSTER_RUN=$2"; }
+
+# end_processes [TAG]: ends the processes still inside the node namespaces (the cluster's own:
+# mpirun, orted, ranks), or only those of the run tagged TAG.
+end_processes() {
+  local ns pids round p mine
   for round in TERM KILL; do
     pids=""
     for ns in $(leftovers_list); do pids="$pids $(ip netns pids "$ns" 2>/dev/null || true)"; done
+    if [ -n "${1:-}" ]; then
+      mine=""
+      for p in $pids; do ! of_run "$p" "$1" || mine="$mine $p"; done
+      pids=$mine
+    fi
     pids=$(echo $pids)
     [ -n "$pids" ] || break
     # shellcheck disable=SC2086
     kill -s "$round" $pids 2>/dev/null || true
     [ "$round" = KILL ] || sleep 1
   done
-  for ns in $(leftovers_list); do ip netns del "$ns" 2>/dev/null || note "could not delete namespace $ns"; done
+}
+
+# Ends the processes, then deletes the namespaces (their veth ends and the bridge go with them),
+# stale probes and the state.
+teardown() {
+  local ns
+  end_processes
+  for ns in $(leftovers_list) $(stale_probes); do
+    ip netns del "$ns" 2>/dev/null || note "could not delete namespace $ns"
+  done
   rm -rf "$(state_dir)"
   rmdir "$STATE_ROOT" 2>/dev/null || true
 }
 
 cmd_down() {
   [ $# -eq 0 ] || die "down: no options expected"
-  if ! leftovers && [ ! -d "$(state_dir)" ]; then
+  if ! leftovers && [ ! -d "$(state_dir)" ] && [ -z "$(stale_probes)" ]; then
     note "cluster '$NAME' is not up"
     return 0
   fi
@@ -396,8 +444,14 @@ cmd_run() {
   [ "$(id -u)" -ne 0 ] || mpi+=(--allow-run-as-root)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
   local rc=0
+  export SG_CLUSTER_RUN="$NAME.$$"
+  trap 'rm -f "$hostfile"; end_processes "$SG_CLUSTER_RUN"; exit 130' INT TERM
   (enter 0 "${mpi[@]}" "$@") || rc=$?
+  trap - INT TERM
   rm -f "$hostfile"
+  # a failed or killed job can leave its ranks or daemons inside the nodes (holding ports,
+  # shared memory, CPU): end those (this run's only), so that the next run starts clean
+  [ "$rc" -eq 0 ] || end_processes "$SG_CLUSTER_RUN"
   return $rc
 }
 
