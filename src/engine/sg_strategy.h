@@ -41,8 +41,8 @@ typedef struct sg__state_ops {
   /* Around the submit of bucket b's reduction job (sg_grads.c). */
   sg_status (*prepare)(sg_engine *e, int b);
   void (*submitted)(sg_engine *e, int b, uint64_t ticket);
-  /* Host wait: every reduction landed in the accumulator (a hybrid engine sums it across
-   * replicas next, on the host). */
+  /* Host wait: every reduction landed in the accumulator, which the caller rewrites next (a
+   * hybrid engine sums it across replicas, on the host). */
   sg_status (*settle)(sg_engine *e);
   /* This rank's sum of squares and non-finite count of the accumulator, in the order of the
    * device's own sumsq (every reduction waited for). */

@@ -258,6 +258,10 @@ sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms) {
   return SG_OK;
 }
 
+void sg__offload_accum_rewritten(sg__offload *o) {
+  if (o && o->part_ok) memset(o->part_ok, 0, o->nq);
+}
+
 /* ---- step ---------------------------------------------------------------------------------- */
 
 sg_status sg__offload_norm(sg__offload *o, double out[2]) {

@@ -100,6 +100,9 @@ void sg__offload_arrive_submitted(sg__offload *o, int k, uint64_t ticket);
  * nothing. */
 sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms);
 sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms);
+/* The accumulator is rewritten outside the folds (a hybrid engine sums it across replicas):
+ * no partial a fold computed holds any more, the norm computes them all. */
+void sg__offload_accum_rewritten(sg__offload *o);
 
 /* Sum of squares (double) and non-finite count over the whole accumulator, in the order of
  * the device's sumsq (CUDA: sg__cpu_sumsq_gpu; CPU: sg__cpu_sumsq). Slices no gradient arrived

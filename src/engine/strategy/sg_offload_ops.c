@@ -126,12 +126,14 @@ static sg_status update(sg_engine *e, const sg__update_args *a) {
   return e->dev->ops->compute_wait_comm(e->dev, last, sg__engine_host_deadline(e));
 }
 
-/* Every arrival landed and folded: the host accumulator holds this rank's sums (hybrid: before
- * they are summed across replicas, sg_replica.c). */
+/* Every arrival landed and folded: the host accumulator holds this rank's sums, which the
+ * hybrid engine's replica stage now rewrites (the norm partials of the folds no longer hold). */
 static sg_status settle(sg_engine *e) {
   const int64_t dl = sg__engine_host_deadline(e);
   if (e->last_ticket) SG_TRY(e->dev->ops->comm_wait(e->dev, e->last_ticket, dl));
-  return sg__offload_fold_all(e->off, dl);
+  SG_TRY(sg__offload_fold_all(e->off, dl));
+  sg__offload_accum_rewritten(e->off);
+  return SG_OK;
 }
 
 static sg_status clear(sg_engine *e) {
