@@ -489,7 +489,7 @@ int main(int argc, char **argv) {
     printf("  torch fused ms / whole ms at best  %6.2f   (the whole step's %.0f B at the f32 kernel's GB/s)\n",
            median(r_bound, o.reps), B.whole);
     printf("  torch fused ms / host passes ms    %6.2f   (a GPU's copies by DMA: the CPU's %.0f B alone, %s + AdamW bf16 kernel)\n",
-           median(r_host, o.reps), B.cpu_gpu, o.rdt ? "arrive's fold + norm" : "norm");
+           median(r_host, o.reps), B.cpu_gpu, o.rdt ? "arrive (its memcpy too: an upper bound) + norm" : "norm");
     printf("  torch foreach ms / whole ms        %6.2f\n", median(r_foreach, o.reps));
     printf("  torch fused ms / kernel ms         %6.2f   (the same work: f32 AdamW alone)\n",
            median(r_kernel, o.reps));

@@ -130,9 +130,10 @@ static void test_sumsq_gpu(sg__device *cuda) {
 
 /* The two halves (chunk partials, combine) give sumsq_gpu's bits, and the fold that computes
  * the partials in its own pass gives the bits of sg__cpu_cast/_accumulate followed by the
- * partials of the result: every accumulator/source dtype pair, first or not, inf/NaN. */
+ * partials of the result: every accumulator/source dtype pair, first or not, inf/NaN, and a
+ * size past SG_CPU_STREAM_MIN (streamed stores). */
 static void test_fold_sumsq(void) {
-  const size_t sizes[] = {1, 8192, 8193, 5 * 8192 + 300, 70001};
+  const size_t sizes[] = {1, 8192, 8193, 5 * 8192 + 300, 70001, ((size_t)1 << 20) + 77};
   const int pairs[][2] = {{0, 0}, {0, 1}, {0, 2}, {1, 0}, {1, 1}};
   for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++)
     for (size_t pr = 0; pr < sizeof pairs / sizeof *pairs; pr++)
