@@ -1,6 +1,9 @@
 # sg_comm_split: threads (W = 1, 2, 3, 4, 6 in one run) and MPI at np 3 and 4.
 sg_add_test(test_comm_split SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_split.c LABELS local
   TIMEOUT 120)
+# The same cases over the caller's transport (sg_comm_create_xport, an in-process mailbox).
+add_test(NAME test_comm_split_xport COMMAND test_comm_split --xport)
+set_tests_properties(test_comm_split_xport PROPERTIES TIMEOUT 120 LABELS local)
 sg_add_mpi_test(test_comm_split_mpi_np3 EXE test_comm_split NP 3 ARGS --mpi TIMEOUT 120)
 sg_add_mpi_test(test_comm_split_mpi_np4 EXE test_comm_split NP 4 ARGS --mpi TIMEOUT 120)
 # sg_comm_stats: the bus-byte counts of every collective, threads W = 1..4 and MPI at np 2 and 3.
@@ -12,5 +15,7 @@ sg_add_mpi_test(test_comm_stats_mpi_np3 EXE test_comm_stats NP 3 ARGS --mpi TIME
 # argument errors) and MPI at np 4 (2 x 2, 4 x 1, 1 x 4; by host: one node under plain mpirun).
 sg_add_test(test_comm_split_nodes SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_split_nodes.c
   LABELS local TIMEOUT 120)
+add_test(NAME test_comm_split_nodes_xport COMMAND test_comm_split_nodes --xport)
+set_tests_properties(test_comm_split_nodes_xport PROPERTIES TIMEOUT 120 LABELS local)
 sg_add_mpi_test(test_comm_split_nodes_mpi_np4 EXE test_comm_split_nodes NP 4 ARGS --mpi
   TIMEOUT 120)

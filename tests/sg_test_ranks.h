@@ -3,6 +3,8 @@
  *
  *   sg_test_run_threads(w, fn, arg)   fn(comm, arg) on w threads, one per rank of a fresh local
  *                                     communicator of w ranks (destroyed afterwards);
+ *   sg_test_run_threads_xport(...)    the same over w communicators of the caller's transport
+ *                                     (sg_comm_create_xport over an in-process mailbox);
  *   sg_test_mpi_init / _finalize      one rank per process under mpirun (SG_HAVE_MPI builds):
  *                                     MPI with threads, and a failure on any process fails all;
  *   sg_test_train_small(c, dev, ...)  three AdamW steps on one parameter of SG_TEST_SMALL_NUMEL
@@ -13,6 +15,7 @@
 
 #include <pthread.h>
 
+#include "sg_test_mailbox.h" /* sg_test_run_threads_xport */
 #include "shardgrad.h"
 #ifdef SG_HAVE_MPI
 #include <mpi.h>
@@ -32,23 +35,51 @@ static inline void *sg_test_thread_main_(void *p) {
   return NULL;
 }
 
-/* fn(comm of rank r, arg) on a thread per rank of a new local communicator of w ranks; arg is
- * shared (fn tells the ranks apart by sg_comm_rank). Returns once every thread has ended and the
- * communicators are destroyed: SG_OK, or the status of sg_comm_create_local (nothing ran). */
-static inline sg_status sg_test_run_threads(int w, void (*fn)(sg_comm *, void *), void *arg) {
-  sg_comm *comms[SG_TEST_MAX_THREADS];
+/* fn(comms[r], arg) on a thread per rank; returns once every thread has ended. */
+static inline void sg_test_run_on_(int w, sg_comm **comms, void (*fn)(sg_comm *, void *),
+                                   void *arg) {
   pthread_t th[SG_TEST_MAX_THREADS];
   sg_test_thread_ t[SG_TEST_MAX_THREADS];
-  if (w > SG_TEST_MAX_THREADS) return SG_ERR_INVALID_ARGUMENT;
-  const sg_status st = sg_comm_create_local(w, comms);
-  if (st != SG_OK) return st;
   for (int r = 0; r < w; r++) {
     t[r] = (sg_test_thread_){fn, comms[r], arg};
     pthread_create(&th[r], NULL, sg_test_thread_main_, &t[r]);
   }
   for (int r = 0; r < w; r++) pthread_join(th[r], NULL);
+}
+
+/* fn(comm of rank r, arg) on a thread per rank of a new local communicator of w ranks; arg is
+ * shared (fn tells the ranks apart by sg_comm_rank). Returns once every thread has ended and the
+ * communicators are destroyed: SG_OK, or the status of sg_comm_create_local (nothing ran). */
+static inline sg_status sg_test_run_threads(int w, void (*fn)(sg_comm *, void *), void *arg) {
+  sg_comm *comms[SG_TEST_MAX_THREADS];
+  if (w > SG_TEST_MAX_THREADS) return SG_ERR_INVALID_ARGUMENT;
+  const sg_status st = sg_comm_create_local(w, comms);
+  if (st != SG_OK) return st;
+  sg_test_run_on_(w, comms, fn, arg);
   for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
   return SG_OK;
+}
+
+/* As sg_test_run_threads over w communicators of the caller's transport sharing one new
+ * mailbox (fn's splits are communicators over the same transport). SG_OK once every rank's
+ * transport was released exactly once by the destroys (its family's last communicator, fn's
+ * splits included); SG_ERR_INTERNAL otherwise, or the status of sg_comm_create_xport. */
+static inline sg_status sg_test_run_threads_xport(int w, void (*fn)(sg_comm *, void *),
+                                                  void *arg) {
+  sg_comm *comms[SG_TEST_MAX_THREADS];
+  xuser us[SG_TEST_MAX_THREADS];
+  mailbox mb;
+  if (w > SG_TEST_MAX_THREADS) return SG_ERR_INVALID_ARGUMENT;
+  mb_init(&mb);
+  sg_status st = mb_group(&mb, us, w, comms);
+  if (st == SG_OK) {
+    sg_test_run_on_(w, comms, fn, arg);
+    for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+    for (int r = 0; r < w; r++)
+      if (__atomic_load_n(&us[r].released, __ATOMIC_SEQ_CST) != 1) st = SG_ERR_INTERNAL;
+  }
+  mb_free(&mb);
+  return st;
 }
 
 #ifdef SG_HAVE_MPI

@@ -1,5 +1,7 @@
-/* test_comm_split: sg_comm_split with ranks as threads (--local W) and one rank per process
- * (--mpi, under mpirun).
+/* test_comm_split: sg_comm_split with ranks as threads (local communicators), one rank per
+ * process (--mpi, under mpirun), and ranks as threads over the caller's transport (--xport:
+ * sg_comm_create_xport over an in-process mailbox; the engine reference stays on threads, whose
+ * bits a transport's splits give).
  *
  * For each world size, every rank splits its communicator three ways: by node (blocks of L
  * consecutive ranks, key = rank), by index within a node (key = -rank, so the order reverses)
@@ -145,15 +147,17 @@ static void direct_main(sg_comm *c, void *p) {
   if (sg_comm_rank(c) == 0) memcpy(a->direct, out, sizeof out);
 }
 
-/* fn on w threads over a fresh local communicator. */
-static void threads(int w, void (*fn)(sg_comm *, void *), targ *a) {
-  CHECK(sg_test_run_threads(w, fn, a) == SG_OK, "sg_comm_create_local(%d)", w);
+/* fn on w threads over fresh local communicators, or over the caller's transport (each
+ * transport released once at the end). */
+static void threads(int w, void (*fn)(sg_comm *, void *), targ *a, int xport) {
+  const sg_status st = xport ? sg_test_run_threads_xport(w, fn, a) : sg_test_run_threads(w, fn, a);
+  CHECK(st == SG_OK, "%d %s ranks, each transport released once", w, xport ? "xport" : "local");
 }
 
-static void run_local(int w) {
+static void run_threads(int w, int xport) {
   targ a = {.l = w % 2 == 0 ? 2 : 1};
-  threads(a.l, direct_main, &a);
-  threads(w, thread_main, &a);
+  threads(a.l, direct_main, &a, 0);
+  threads(w, thread_main, &a, xport);
 }
 
 /* ---- MPI ------------------------------------------------------------------------------------ */
@@ -165,7 +169,7 @@ static void run_mpi(void) {
   /* the reference: threads of this process, a communicator of l ranks made directly */
   targ a = {.l = world % 2 == 0 ? 2 : 1};
   sg_test_quiet = 1;
-  threads(a.l, direct_main, &a);
+  threads(a.l, direct_main, &a, 0);
   sg_comm *c = NULL;
   if (CHECK(sg_comm_create_mpi(NULL, &c) == SG_OK, "sg_comm_create_mpi"))
     run_rank(c, a.direct, a.l);
@@ -180,8 +184,9 @@ int main(int argc, char **argv) {
   if (argc >= 2 && !strcmp(argv[1], "--mpi")) {
     run_mpi();
   } else {
+    const int xport = argc >= 2 && !strcmp(argv[1], "--xport");
     const int sizes[] = {1, 2, 3, 4, 6};
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) run_local(sizes[i]);
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) run_threads(sizes[i], xport);
   }
   return sg_test_summary("");
 }

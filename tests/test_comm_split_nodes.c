@@ -1,5 +1,6 @@
 /* test_comm_split_nodes: sg_comm_split_nodes with ranks as threads (every W and ranks_per_node
- * of the table below) and one rank per process (--mpi, under mpirun).
+ * of the table below; local communicators, or with --xport the caller's transport over an
+ * in-process mailbox) and one rank per process (--mpi, under mpirun).
  *
  * For each layout every rank checks both communicators it gets: its rank and size, and the old
  * ranks of their members in new-rank order (all-gathered over the new communicator), against the
@@ -130,8 +131,10 @@ static void thread_main(sg_comm *c, void *unused) {
   run_rank(c, sg_comm_size(c)); /* threads share the host */
 }
 
-static void run_local(int w) {
-  CHECK(sg_test_run_threads(w, thread_main, NULL) == SG_OK, "sg_comm_create_local(%d)", w);
+static void run_threads(int w, int xport) {
+  const sg_status st = xport ? sg_test_run_threads_xport(w, thread_main, NULL)
+                             : sg_test_run_threads(w, thread_main, NULL);
+  CHECK(st == SG_OK, "%d %s ranks, each transport released once", w, xport ? "xport" : "local");
 }
 
 /* ---- MPI ------------------------------------------------------------------------------------ */
@@ -155,8 +158,9 @@ int main(int argc, char **argv) {
   if (argc >= 2 && !strcmp(argv[1], "--mpi")) {
     run_mpi(argc >= 4 && !strcmp(argv[2], "--per-host") ? atoi(argv[3]) : 0);
   } else {
+    const int xport = argc >= 2 && !strcmp(argv[1], "--xport");
     const int sizes[] = {1, 2, 3, 4, 5, 6, 8};
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) run_local(sizes[i]);
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) run_threads(sizes[i], xport);
   }
   return sg_test_summary("");
 }

@@ -275,6 +275,7 @@ static sg_status mpi_split(sg_comm *chan, const int *colors, const int *keys, in
   if (nc == MPI_COMM_NULL) return SG_OK;
   const sg_status st = sg_comm_create_mpi(&nc, out);
   MPI_Comm_free(&nc);
+  if (st != SG_OK) chan->broken = 1; /* the others may have theirs */
   return st;
 }
 

@@ -698,6 +698,7 @@ static sg_status sg__nccl_split_by_ids(sg_comm *chan, const int *colors, const i
     } else {
       memcpy(id.internal, theirs + 8, SG__NCCL_ID_BYTES);
       st = sg__nccl_new(n->nc, nr, size, &id, NULL, n->ordinal, out, fn);
+      if (st != SG_OK) chan->broken = 1; /* the others may have theirs */
     }
   }
   free(slots);
@@ -722,7 +723,9 @@ static sg_status sg__nccl_split_op(sg_comm *chan, const int *colors, const int *
                                 deadline_ms, &made, fn);
   if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
   if (st != SG_OK || nr < 0) return st;
-  return sg__nccl_new(n->nc, nr, size, NULL, made, n->ordinal, out, fn);
+  st = sg__nccl_new(n->nc, nr, size, NULL, made, n->ordinal, out, fn);
+  if (st != SG_OK) chan->broken = 1; /* the others have theirs */
+  return st;
 }
 
 /* ---- creation ------------------------------------------------------------------------------- */

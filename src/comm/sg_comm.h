@@ -54,7 +54,9 @@ typedef struct sg__comm_ops {
   /* sg_comm_split's backend part, called on a fresh host channel of the communicator being
    * split once every rank has arrived: color/key of every rank in rank order (colors[r] < 0:
    * rank r takes no part). Makes this rank's new communicator (NULL for a negative color).
-   * Collective over the channel. NULL: the backend cannot split. */
+   * Collective over the channel. A failure that every rank of the channel reaches alike (from
+   * what they all gathered) leaves chan unbroken, and c stays usable; any other failure marks
+   * chan broken (sg__comm_fail), which breaks c. NULL: the backend cannot split. */
   sg_status (*split)(sg_comm *chan, const int *colors, const int *keys, int64_t deadline_ms,
                      sg_comm **out);
   /* sg_comm_split_nodes with ranks_per_node 0, on the same kind of channel once every rank has

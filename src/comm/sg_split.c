@@ -117,6 +117,7 @@ sg_status sg_comm_split(sg_comm *c, int color, int key, sg_comm **out) {
   const int world = c->world;
   int *tab = calloc((size_t)world * 4u, sizeof *tab); /* (color, key) per rank, then colors, keys */
   sg_status st = tab ? SG_OK : sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  int broke = 1;
   if (st == SG_OK) {
     tab[2 * c->rank] = color;
     tab[2 * c->rank + 1] = key;
@@ -129,9 +130,10 @@ sg_status sg_comm_split(sg_comm *c, int color, int key, sg_comm **out) {
       keys[r] = tab[2 * r + 1];
     }
     st = chan->ops->split(chan, colors, keys, dl, out);
+    broke = chan->broken; /* unbroken: a verdict every rank reached */
   }
   free(tab);
-  return close_channel(c, chan, st, 1, out, 1);
+  return close_channel(c, chan, st, broke, out, 1);
 }
 
 /* ---- sg_comm_split_nodes ------------------------------------------------------------------ */
@@ -277,8 +279,11 @@ sg_status sg_comm_split_nodes(sg_comm *c, int ranks_per_node, sg_comm **shard,
     if (st == SG_OK) st = chan->ops->all_gather(chan, tab, REC_INTS * sizeof *tab, dl);
     if (st == SG_OK && (st = check_sizes(&l, fn)) != SG_OK) broke = 0;
   }
-  if (st == SG_OK) st = split_both(chan, &l, tab + (size_t)world * REC_INTS,
-                                   tab + (size_t)world * (REC_INTS + 1), dl, outs);
+  if (st == SG_OK) {
+    st = split_both(chan, &l, tab + (size_t)world * REC_INTS,
+                    tab + (size_t)world * (REC_INTS + 1), dl, outs);
+    broke = chan->broken;
+  }
   free(tab);
   st = close_channel(c, chan, st, broke, outs, 2);
   if (st == SG_OK) *shard = outs[0], *replica = outs[1];

@@ -8,10 +8,21 @@
  * is freed by the poll that sees it done, or after cancel, which ends the transport's right to
  * complete it.
  *
- * Channels: every channel is the same transport with a tag space of its own (the channel
- * index in the tag's upper bits), so binding is not collective and engines never see each
- * other's messages. The transport and its user pointer belong to the communicator; channels
- * borrow them (a communicator with channels is never destroyed, comm.c). */
+ * Families. sg_comm_split and sg_comm_split_nodes of such a communicator make communicators
+ * over the same transport: a family (this process's communicators of one sg_xport) shares the
+ * transport, which is released when the family's last communicator is destroyed, so parents
+ * and children may be destroyed in any order. A child keeps the transport rank of each of its
+ * ranks (its rank map). Each communicator of a family has a context (0 for the one made by
+ * sg_comm_create_xport) that no other live communicator with a process in common has: a split
+ * all-gathers every rank's free contexts and takes the lowest one free on all of them.
+ *
+ * Tags: context (6 bits) | channel slot (9 bits: the channel index mod 512) | the call's tag
+ * (16 bits), below 2^31. Every channel of a communicator is the same transport with a tag
+ * space of its own, so binding is not collective and engines never see each other's messages;
+ * a channel whose slot is still held by a live channel of the same communicator is refused.
+ * The transport belongs to the family; communicators and channels borrow it (a communicator
+ * with channels is never destroyed, comm.c). */
+#include <pthread.h>   /* the family's lock */
 #include <stdatomic.h> /* the records' state */
 #include <stdio.h>     /* snprintf */
 #include <stdlib.h>    /* calloc, free */
@@ -21,8 +32,11 @@
 #include "sg_comm.h" /* sg_comm, sg__comm_ops, sg__comm_channel_init */
 #include "sg_stage.h" /* sg__stage_needed: buffers the host cannot address */
 
-#define SG__XPORT_TAG_BITS 20 /* tags of one channel: 0 .. 2^20-1 */
-#define SG__XPORT_CHANNELS 2048u /* channel index mod this goes above them (tag < 2^31) */
+#define SG__XPORT_CALL_BITS 16 /* tags of one call space: 0 .. 2^16-1 */
+#define SG__XPORT_SLOT_BITS 9  /* channel index mod 512 */
+#define SG__XPORT_CTX_BITS 6   /* communicators of one family alive with a process in common */
+#define SG__XPORT_SLOTS (1u << SG__XPORT_SLOT_BITS)
+#define SG__XPORT_CTXS (1u << SG__XPORT_CTX_BITS) /* = the bits of a uint64_t */
 #define SG__XPORT_MSG 512 /* longest message kept from the transport */
 
 enum { REC_PENDING = 0, REC_DONE = 1, REC_FAILED = 2, REC_WRITING = 3 };
@@ -34,11 +48,23 @@ typedef struct xrec {
   char msg[SG__XPORT_MSG];
 } xrec;
 
+/* The communicators of one sg_xport on this process (see "Families" above). */
+typedef struct xfam {
+  sg_xport t;         /* the copy of the caller's */
+  pthread_mutex_t mu; /* the fields below */
+  int refs;           /* communicators of the family alive */
+  uint64_t ctx_used;  /* bit k: context k is a live communicator's */
+  int splitting;      /* a split of a family member is agreeing on a context */
+} xfam;
+
 typedef struct xcomm {
   sg_comm c; /* first: the sg_comm pointer is the allocation */
-  sg_xport t;       /* a communicator: the copy of the caller's; a channel: its parent's */
+  xfam *fam;
+  int *peer;        /* rank -> transport rank (NULL: the same); a channel borrows its parent's */
   char name[32];
-  int tag_base;     /* channel index << SG__XPORT_TAG_BITS */
+  int ctx;
+  int tag_base;     /* a channel: (ctx, slot) in the tag's upper bits */
+  uint64_t slots[SG__XPORT_SLOTS / 64]; /* a communicator: slots of its live channels */
   sg__coll coll;
 } xcomm;
 
@@ -64,9 +90,10 @@ static sg_status start(xcomm *x, int recv, void *buf, size_t bytes, int peer, in
   if (!r) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(%s): out of memory", x->name);
   atomic_init(&r->state, REC_PENDING);
   char msg[SG__XPORT_MSG] = "";
-  const int wire_tag = x->tag_base | tag;
-  const int rc = recv ? x->t.irecv(x->t.user, buf, bytes, peer, wire_tag, r, msg, sizeof msg)
-                      : x->t.isend(x->t.user, buf, bytes, peer, wire_tag, r, msg, sizeof msg);
+  const sg_xport *t = &x->fam->t;
+  const int wire_tag = x->tag_base | tag, to = x->peer ? x->peer[peer] : peer;
+  const int rc = recv ? t->irecv(t->user, buf, bytes, to, wire_tag, r, msg, sizeof msg)
+                      : t->isend(t->user, buf, bytes, to, wire_tag, r, msg, sizeof msg);
   if (rc != 0) {
     msg[sizeof msg - 1] = '\0';
     free(r);
@@ -117,7 +144,7 @@ static int x_abandon(void *tp, sg__xreq *sends, size_t nsend, sg__xreq *recvs, s
     for (size_t i = 0; i < n; i++) {
       if (!rq[i].active) continue;
       xrec *r = rec_of(&rq[i]);
-      const int still = x->t.cancel(x->t.user, r);
+      const int still = x->fam->t.cancel(x->fam->t.user, r);
       if (still && pass) lost = 1;
       rq[i].active = 0;
       free(r);
@@ -176,34 +203,58 @@ static sg_status x_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int6
 
 /* ---- lifetime ------------------------------------------------------------------------------- */
 
+static void fam_lock(xfam *f) { pthread_mutex_lock(&f->mu); }
+static void fam_unlock(xfam *f) { pthread_mutex_unlock(&f->mu); }
+
+/* The channel's tag slot back to its communicator. */
+static void give_slot(xcomm *chan) {
+  xcomm *base = xc(chan->c.parent);
+  const unsigned slot =
+      ((unsigned)chan->tag_base >> SG__XPORT_CALL_BITS) & (SG__XPORT_SLOTS - 1u);
+  fam_lock(base->fam);
+  base->slots[slot / 64] &= ~(1ull << (slot % 64));
+  fam_unlock(base->fam);
+}
+
 static void x_unbind(sg_comm *chan) {
   if (chan->dev) chan->dev->ops->comm_detach(chan->dev);
+  give_slot(xc(chan));
   sg__coll_free(&xc(chan)->coll);
   free(chan);
 }
 
+/* The family's last communicator takes the transport with it. */
 static void x_destroy(sg_comm *c) {
   xcomm *x = xc(c);
-  void (*release)(void *) = x->t.release;
-  void *user = x->t.user;
+  xfam *f = x->fam;
+  fam_lock(f);
+  f->ctx_used &= ~(1ull << x->ctx);
+  const int last = --f->refs == 0;
+  fam_unlock(f);
   sg__coll_free(&x->coll);
+  free(x->peer);
   free(x);
-  if (release) release(user);
+  if (!last) return;
+  pthread_mutex_destroy(&f->mu);
+  if (f->t.release) f->t.release(f->t.user);
+  free(f);
 }
 
 static sg_status x_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                         sg_comm **chan);
 
-/* No split yet (sg_comm_split: SG_ERR_UNSUPPORTED): it would need a rank map over the
- * transport. Node leaders from host names. */
+static sg_status x_split(sg_comm *chan, const int *colors, const int *keys, int64_t dl,
+                         sg_comm **out);
+
+/* Node leaders from host names. */
 static const sg__comm_ops xcomm_ops = {
     "xport", x_all_reduce, x_reduce_scatter, x_all_gather, x_broadcast,
-    x_bind,  x_unbind,     x_destroy,        NULL,         NULL,
+    x_bind,  x_unbind,     x_destroy,        x_split,      NULL,
 };
 
 /* The algorithms' state for x, named after the transport in messages. */
 static sg_status coll_init(xcomm *x) {
-  SG_TRY(sg__coll_init(&x->coll, &x->c, &xport_ops, x, (1 << SG__XPORT_TAG_BITS) - 1));
+  SG_TRY(sg__coll_init(&x->coll, &x->c, &xport_ops, x, (1 << SG__XPORT_CALL_BITS) - 1));
   static const char *const ops[] = {"", "all_reduce", "reduce_scatter", "all_gather",
                                     "broadcast"};
   for (int op = 1; op <= 4; op++)
@@ -211,22 +262,49 @@ static sg_status coll_init(xcomm *x) {
   return SG_OK;
 }
 
+/* The channel's slot, unless a live channel of c holds it (a channel made SG__XPORT_SLOTS
+ * binds earlier and still alive would share its tags). */
+static sg_status take_slot(xcomm *base, uint64_t index, int *tag_base) {
+  const unsigned slot = (unsigned)(index % SG__XPORT_SLOTS);
+  const uint64_t bit = 1ull << (slot % 64);
+  fam_lock(base->fam);
+  const int held = (base->slots[slot / 64] & bit) != 0;
+  if (!held) base->slots[slot / 64] |= bit;
+  fam_unlock(base->fam);
+  if (held)
+    return sg__err(SG_ERR_UNSUPPORTED,
+                   "sg_comm(%s) bind: channel %llu would share the tags of channel %llu, which "
+                   "is still alive (a transport communicator keeps at most %u channels apart; "
+                   "destroy older engines first)",
+                   base->name, (unsigned long long)index,
+                   (unsigned long long)(index - SG__XPORT_SLOTS), SG__XPORT_SLOTS);
+  *tag_base = (base->ctx << (SG__XPORT_SLOT_BITS + SG__XPORT_CALL_BITS)) |
+              (int)(slot << SG__XPORT_CALL_BITS);
+  return SG_OK;
+}
+
 static sg_status x_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout_ms,
                         sg_comm **chan) {
-  const xcomm *base = xc(c);
+  xcomm *base = xc(c);
   xcomm *x = calloc(1, sizeof *x);
   if (!x) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(%s) bind: out of memory", base->name);
   sg__comm_channel_init(&x->c, c, &xcomm_ops, dev, x);
-  x->t = base->t;
+  x->fam = base->fam;
+  x->peer = base->peer;
+  x->ctx = base->ctx;
   memcpy(x->name, base->name, sizeof x->name);
-  x->tag_base = (int)((index % SG__XPORT_CHANNELS) << SG__XPORT_TAG_BITS);
   sg_status st = SG_OK;
   if (sg__stage_needed(&x->c))
     st = sg__err(SG_ERR_UNSUPPORTED,
                  "sg_comm(%s): buffers on a GPU are not supported by a transport communicator "
                  "(use an NCCL communicator, e.g. Comm.from_torch on an NCCL process group)",
                  x->name);
-  if (st == SG_OK) st = coll_init(x);
+  if (st == SG_OK) st = take_slot(base, index, &x->tag_base);
+  if (st != SG_OK) {
+    free(x);
+    return st;
+  }
+  st = coll_init(x);
   if (st == SG_OK && dev) {
     /* host-driven, on the device's worker where the transport allows any thread */
     const sg__comm_attach a = {0, c->threaded, NULL, NULL, NULL, timeout_ms};
@@ -234,12 +312,134 @@ static sg_status x_bind(sg_comm *c, uint64_t index, sg__device *dev, int timeout
     st = dev->ops->comm_attach(dev, &a, &native);
   }
   if (st != SG_OK) {
+    give_slot(x);
     sg__coll_free(&x->coll);
     free(x);
     return st;
   }
   *chan = &x->c;
   return SG_OK;
+}
+
+/* A communicator of family f with context ctx (already marked used) and rank map peer (owned;
+ * NULL: the transport's ranks). On failure peer is freed and ctx given back. */
+static sg_status new_comm(xfam *f, int rank, int world, int ctx, int *peer, const char *name,
+                          sg_comm **out) {
+  xcomm *x = calloc(1, sizeof *x);
+  sg_status st = x ? SG_OK : sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(%s): out of memory", name);
+  if (st == SG_OK) {
+    x->c.ops = &xcomm_ops;
+    x->c.impl = x;
+    x->c.rank = rank;
+    x->c.world = world;
+    x->c.threaded = f->t.threaded != 0;
+    x->fam = f;
+    x->peer = peer;
+    x->ctx = ctx;
+    memcpy(x->name, name, strlen(name) + 1);
+    st = coll_init(x);
+  }
+  if (st != SG_OK) {
+    free(x);
+    free(peer);
+    fam_lock(f);
+    f->ctx_used &= ~(1ull << ctx);
+    fam_unlock(f);
+    return st;
+  }
+  fam_lock(f);
+  f->refs++;
+  fam_unlock(f);
+  *out = &x->c;
+  return SG_OK;
+}
+
+/* ---- sg_comm_split -------------------------------------------------------------------------- */
+
+/* This rank's offer in the context agreement: the contexts free on its process, or a split of
+ * another member of the family running on it right now (its offer would race that one's). */
+typedef struct offer {
+  uint64_t free_ctx;
+  uint64_t busy;
+} offer;
+
+/* The context every rank of a color can use: the lowest free on all ranks taking part (colors
+ * are disjoint, so one context serves all of them). Every rank reaches the same verdict from
+ * the same table; a failure leaves chan as it was. */
+static sg_status agree_ctx(const sg_comm *chan, const offer *tab, const int *colors, int *ctx) {
+  static const char fn[] = "sg_comm_split(xport)";
+  uint64_t common = ~0ull;
+  for (int r = 0; r < chan->world; r++) {
+    if (colors[r] < 0) continue;
+    if (tab[r].busy)
+      return sg__err(SG_ERR_INVALID_STATE,
+                     "%s: rank %d was splitting another communicator over the same transport "
+                     "at the same time (splits of one transport's communicators run one at a "
+                     "time per process)",
+                     fn, r);
+    common &= tab[r].free_ctx;
+  }
+  if (!common)
+    return sg__err(SG_ERR_UNSUPPORTED,
+                   "%s: no tag context is free on every rank (at most %u communicators over one "
+                   "transport may be alive on a process; destroy unused splits)",
+                   fn, SG__XPORT_CTXS);
+  int k = 0;
+  while (!(common & (1ull << k))) k++;
+  *ctx = k;
+  return SG_OK;
+}
+
+/* The transport ranks of this rank's new communicator, in its rank order. */
+static int *child_peers(const xcomm *x, const int *colors, const int *keys, int world, int size) {
+  int *peer = calloc((size_t)size, sizeof *peer);
+  if (!peer) return NULL;
+  const int me = x->c.rank;
+  for (int s = 0, n = 0; s < world; s++) {
+    if (colors[s] != colors[me]) continue;
+    const int nr = sg__comm_split_rank(colors, keys, world, s, &n);
+    peer[nr] = x->peer ? x->peer[s] : s;
+  }
+  return peer;
+}
+
+/* Every rank has arrived (sg_comm_split gathered the colors over chan). One all-gather of the
+ * offers, then each member makes its part of the new communicator: same family, the agreed
+ * context, its rank map. Collective over chan. */
+static sg_status x_split(sg_comm *chan, const int *colors, const int *keys, int64_t dl,
+                         sg_comm **out) {
+  static const char fn[] = "sg_comm_split(xport)";
+  xcomm *x = xc(chan);
+  xfam *f = x->fam;
+  const int world = chan->world, me = chan->rank;
+  offer *tab = calloc((size_t)world, sizeof *tab);
+  if (!tab) return sg__comm_fail(chan, SG_ERR_OUT_OF_MEMORY, fn, "out of memory (world %d)", world);
+  fam_lock(f);
+  const int busy = f->splitting;
+  f->splitting = 1;
+  tab[me].free_ctx = busy ? 0 : ~f->ctx_used;
+  fam_unlock(f);
+  tab[me].busy = (uint64_t)busy;
+  sg_status st = chan->ops->all_gather(chan, tab, sizeof *tab, dl);
+  int ctx = -1, size = 0;
+  const int nr = sg__comm_split_rank(colors, keys, world, me, &size);
+  if (st == SG_OK) st = agree_ctx(chan, tab, colors, &ctx);
+  if (st == SG_OK && nr >= 0) {
+    fam_lock(f);
+    f->ctx_used |= 1ull << ctx;
+    fam_unlock(f);
+    int *peer = child_peers(x, colors, keys, world, size);
+    st = peer ? new_comm(f, nr, size, ctx, peer, x->name, out)
+              : sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory (%d ranks)", fn, size);
+    if (st != SG_OK) chan->broken = 1; /* the other members have theirs: out of step */
+  }
+  if (!busy) {
+    fam_lock(f);
+    f->splitting = 0;
+    fam_unlock(f);
+  }
+  free(tab);
+  return st;
 }
 
 sg_status sg_comm_create_xport(const sg_xport *t, int rank, int world, sg_comm **out) {
@@ -260,22 +460,24 @@ sg_status sg_comm_create_xport(const sg_xport *t, int rank, int world, sg_comm *
   const char *name = t->name && t->name[0] ? t->name : "xport";
   if (strlen(name) >= sizeof(((xcomm *)0)->name))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: t->name longer than 31 characters", fn);
-  xcomm *x = calloc(1, sizeof *x);
-  if (!x) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  x->c.ops = &xcomm_ops;
-  x->c.impl = x;
-  x->c.rank = rank;
-  x->c.world = world;
-  x->c.threaded = t->threaded != 0;
-  x->t = *t;
-  memcpy(x->name, name, strlen(name) + 1);
-  const sg_status st = coll_init(x);
+  xfam *f = calloc(1, sizeof *f);
+  if (!f || pthread_mutex_init(&f->mu, NULL) != 0) {
+    free(f);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  f->t = *t;
+  f->t.release = NULL; /* until the communicator exists: a failure here releases nothing */
+  f->ctx_used = 1u;    /* context 0: this communicator */
+  sg_comm *c = NULL;
+  const sg_status st = new_comm(f, rank, world, 0, NULL, name, &c);
   if (st != SG_OK) {
-    free(x);
+    pthread_mutex_destroy(&f->mu);
+    free(f);
     return sg__err_prefix(st, fn);
   }
-  SG_LOG(SG_LOG_DEBUG, rank, "%s: rank %d of %d over '%s'%s", fn, rank, world, x->name,
-         x->c.threaded ? "" : " (calling thread only)");
-  *out = &x->c;
+  f->t.release = t->release;
+  SG_LOG(SG_LOG_DEBUG, rank, "%s: rank %d of %d over '%s'%s", fn, rank, world, name,
+         c->threaded ? "" : " (calling thread only)");
+  *out = c;
   return SG_OK;
 }
