@@ -139,8 +139,15 @@ typedef struct sg_xport {
 } sg_xport;
 
 /* A communicator of `world` ranks (1..65536) in which this process is rank `rank`, over the
- * transport *t (copied; isend, irecv and cancel must be set). Not collective. sg_comm_split is
- * not supported on it (SG_ERR_UNSUPPORTED). */
+ * transport *t (copied; isend, irecv and cancel must be set). Not collective.
+ * sg_comm_split and sg_comm_split_nodes of it (and of its splits) make communicators over the
+ * same transport: their messages go to the transport's ranks (`peer` is always a rank of this
+ * first communicator) under tags of their own, so one transport serves a hybrid layout. The
+ * transport is released (t->release) once, when the last of these communicators on this process
+ * is destroyed, in whatever order they are. At most 64 of them may be alive on a process (a
+ * split beyond: SG_ERR_UNSUPPORTED on every rank), and a process splits them one at a time (a
+ * split while another of the same transport runs on another thread of a rank: SG_ERR_INVALID_STATE
+ * on every rank of that split; the communicators stay usable). */
 SG_API sg_status sg_comm_create_xport(const sg_xport *t, int rank, int world, sg_comm **out);
 
 /* The transfer of `token` has completed (error = 0; for a receive, bytes = the bytes received)
@@ -160,7 +167,8 @@ SG_API void sg_comm_destroy(sg_comm *c);
  * The new communicator is independent of c (either may be destroyed first) and of c's engines;
  * every rank calls it in the same order relative to its other collective calls on c (engine
  * creation included), from one thread per rank. Local: a group of threads of its own; MPI:
- * MPI_Comm_split; NCCL: ncclCommSplit (on the same GPU), or with an NCCL before 2.18 a fresh
+ * MPI_Comm_split; the caller's transport (sg_comm_create_xport): the same transport, with a rank
+ * map; NCCL: ncclCommSplit (on the same GPU), or with an NCCL before 2.18 a fresh
  * unique id per part handed out over c, which works only as the first use of c (no engine on it
  * before: later engines and splits of c then need ncclCommSplit, SG_ERR_UNSUPPORTED). Waits at
  * most 10 minutes for every rank of c (SG_ERR_TIMEOUT, c broken). */

@@ -19,3 +19,10 @@ add_test(NAME test_comm_split_nodes_xport COMMAND test_comm_split_nodes --xport)
 set_tests_properties(test_comm_split_nodes_xport PROPERTIES TIMEOUT 120 LABELS local)
 sg_add_mpi_test(test_comm_split_nodes_mpi_np4 EXE test_comm_split_nodes NP 4 ARGS --mpi
   TIMEOUT 120)
+# Splits of the caller's transport against the same splits of threads (bitwise), a hybrid
+# engine on them, timeouts, callback failures, concurrent splits, contexts running out, and the
+# parent destroyed first: W = 4 (2 x 2, and a split of a split) and W = 3 (2 + 1).
+sg_add_test(test_comm_xport_split SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_xport_split.c
+  ARGS 4 LABELS local TIMEOUT 120)
+add_test(NAME test_comm_xport_split_w3 COMMAND test_comm_xport_split 3)
+set_tests_properties(test_comm_xport_split_w3 PROPERTIES TIMEOUT 120 LABELS local)

@@ -33,6 +33,7 @@ typedef struct mailbox {
 typedef struct xuser {
   mailbox *mb;
   int rank;
+  int released; /* this rank's transport released (atomic builtins) */
 } xuser;
 
 static inline int mb_post(void *user, int recv, void *buf, size_t bytes, int peer, int tag, void *token,
@@ -96,7 +97,11 @@ static inline int mb_cancel(void *user, void *token) {
   return 0;
 }
 
-static inline void mb_release(void *user) { atomic_fetch_add(&((xuser *)user)->mb->released, 1); }
+static inline void mb_release(void *user) {
+  xuser *u = user;
+  __atomic_fetch_add(&u->released, 1, __ATOMIC_SEQ_CST);
+  atomic_fetch_add(&u->mb->released, 1);
+}
 
 static inline void mb_init(mailbox *mb) {
   memset(mb, 0, sizeof *mb);
@@ -113,7 +118,7 @@ static inline void mb_free(mailbox *mb) {
 }
 
 static inline sg_status xport_comm(mailbox *mb, xuser *u, int rank, int world, sg_comm **out) {
-  *u = (xuser){mb, rank};
+  *u = (xuser){mb, rank, 0};
   sg_xport t = {sizeof t, "mailbox", u, 1, mb_isend, mb_irecv, mb_cancel, mb_release};
   return sg_comm_create_xport(&t, rank, world, out);
 }

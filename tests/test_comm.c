@@ -601,7 +601,7 @@ static int run_mpi(int timeout_test) {
 static void xport_api(void) {
   mailbox mb;
   mb_init(&mb);
-  xuser u = {&mb, 0};
+  xuser u = {&mb, 0, 0};
   sg_comm *c = (sg_comm *)1;
   sg_xport t = {sizeof t, "mailbox", &u, 1, mb_isend, mb_irecv, mb_cancel, mb_release};
   check(0, sg_comm_create_xport(&t, 0, 2, NULL) == SG_ERR_INVALID_ARGUMENT, "xport: out NULL");

@@ -71,11 +71,14 @@ def model():
                                    torch.nn.Linear(64, 4))
 
 
-def train(comm, steps=4):
+def train(comm, steps=4, replica=None, rank=None, world=None):
+    """rank, world: the global ones where comm is a node's (hybrid: replica_comm=replica)."""
     m = model()
     # small buckets: several reductions per backward, overlapping it on the comm worker
-    opt = ShardedAdamW(m, comm, lr=1e-2, weight_decay=0.1, bucket_bytes=1024, timeout_ms=30000)
-    r, w = comm.rank, comm.size
+    opt = ShardedAdamW(m, comm, replica_comm=replica, lr=1e-2, weight_decay=0.1,
+                       bucket_bytes=1024, timeout_ms=30000)
+    r = comm.rank if rank is None else rank
+    w = comm.size if world is None else world
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8 * w, 16, generator=g), torch.randn(8 * w, 4, generator=g)
     losses = []
@@ -104,6 +107,52 @@ def test_training_equals_the_threads_backend_bitwise(world):
         assert torch.equal(got[r][0], ref[r][0]), (got[r][0] - ref[r][0]).abs().max()
     assert got[0][1][-1] < got[0][1][0]
     assert not _torch_xport._transports  # every communicator released
+
+
+def hybrid(comm, close_parent_first):
+    """2 nodes x 2 ranks from comm.split_nodes(2), ShardedAdamW(shard, replica_comm=replica)."""
+    shard, replica = comm.split_nodes(2)
+    if close_parent_first:  # the parts keep the transport
+        comm.close()
+    try:
+        return train(shard, replica=replica, rank=shard.rank + 2 * replica.rank, world=4)
+    finally:
+        shard.close()
+        replica.close()
+
+
+def test_hybrid_over_splits_of_a_torch_comm_equals_the_threads_backend_bitwise():
+    """W = 4 as 2 x 2 over one gloo group per rank (sg_comm_split_nodes of the transport's
+    communicator: the parts send through the same group); the parent closed before its parts
+    on the transport side. Bitwise equal to the same hybrid layout on the threads backend."""
+    comms = torch_comms(4)
+    got = in_threads(4, lambda r: hybrid(comms[r], True))
+    ref = sg.run_threads(4, hybrid, False)
+    for r in range(4):
+        assert torch.equal(got[r][0], got[0][0])  # every rank holds the same parameters
+        assert torch.equal(got[r][0], ref[r][0]), (got[r][0] - ref[r][0]).abs().max()
+        assert got[r][1] == ref[r][1]
+    assert got[0][1][-1] < got[0][1][0]
+    assert not _torch_xport._transports  # released with the last of each rank's family
+
+
+def test_split_and_split_nodes_of_a_torch_comm():
+    comms = torch_comms(4)
+
+    def body(r):
+        c = comms[r]
+        half = c.split(r % 2, -r)  # ranks {0, 2} and {1, 3}, ranked backwards
+        shard, replica = c.split_nodes(0)  # by host name: one host here
+        out = ((half.kind, half.rank, half.size), (shard.size, replica.size, replica.rank))
+        for x in (half, shard, replica, c):
+            x.close()
+        return out
+
+    got = in_threads(4, body)
+    for r in range(4):
+        assert got[r][0] == ("torch", 1 - r // 2, 2), got[r]
+        assert got[r][1] == (4, 1, 0), got[r]
+    assert not _torch_xport._transports
 
 
 def test_a_peer_that_never_calls_times_out():
@@ -240,10 +289,14 @@ def test_create_xport_checks_its_arguments():
         assert "sg_comm_create_xport" in err and text in err, (text, err)
     st, h, _ = _create(_xport())
     assert st == sg.Status.OK and L.sg_comm_rank(h) == 0 and L.sg_comm_size(h) == 2
+    sg.Comm(h, "fake").close()
+    st, h, _ = _create(_xport(), 0, 1)
     c = sg.Comm(h, "fake")
-    with pytest.raises(sg.UnsupportedError):
-        c.split(0)
+    part = c.split(0)  # splits are communicators over the same transport
+    assert (part.kind, part.rank, part.size) == ("fake", 0, 1)
+    assert c.split(-1) is None
     c.close()
+    part.close()
 
 
 def test_xport_done_checks_token_and_double_completion():

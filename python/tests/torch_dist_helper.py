@@ -12,7 +12,13 @@ next step must fail (CommError: gloo reports the closed connection, or TimeoutEr
 optimizer's timeout_ms) instead of hanging; rank 0 writes the error class, its text and how long
 the step took, then closes everything.
 
-usage: torch_dist_helper.py OUT_JSON [dead]
+With a second argument `hybrid` (4 ranks), the same script trains three ways side by side:
+ShardedAdamW over the whole group (flat ZeRO-2), ShardedAdamW(node, replica_comm=replica) with
+node, replica = Comm.from_torch().split_nodes(2) (2 nodes x 2 ranks, as a torchrun job on two
+machines would lay them out with --nproc_per_node 2), and DDP + torch.optim.AdamW; rank 0 writes
+the largest differences between them and the splits by host name (split_nodes(0)).
+
+usage: torch_dist_helper.py OUT_JSON [dead|hybrid]
 """
 
 import json
@@ -53,6 +59,8 @@ def main():
     m = model()
     if sys.argv[2:] == ["dead"]:
         return peer_dies(out, comm, m, rank)
+    if sys.argv[2:] == ["hybrid"]:
+        return hybrid(out, comm, m, rank, world)
     opt = ShardedAdamW(m, comm, lr=1e-2, weight_decay=0.1, timeout_ms=60000)
     ref = torch.nn.parallel.DistributedDataParallel(model())
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -83,6 +91,55 @@ def main():
         with open(out, "w") as f:
             json.dump(dict(kind=kind, world=world, losses=losses, ranks_equal=same,
                            max_diff_vs_torch=diff, tol=TOL), f)
+
+
+def flat_params(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def hybrid(out, comm, m, rank, world):
+    node, replica = comm.split_nodes(2)  # ranks {0, 1} and {2, 3}
+    by_host = comm.split_nodes(0)  # one machine: one node of every rank
+    host_sizes = [c.size for c in by_host]
+    for c in by_host:
+        c.close()
+    hyb = model()
+    opts = [ShardedAdamW(m, comm, lr=1e-2, weight_decay=0.1, timeout_ms=60000),
+            ShardedAdamW(hyb, node, replica_comm=replica, lr=1e-2, weight_decay=0.1,
+                         timeout_ms=60000)]
+    ref = torch.nn.parallel.DistributedDataParallel(model())
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    x, y = batch(0, world)
+    part = slice(rank * 8, (rank + 1) * 8)
+    for s in range(STEPS):
+        for mod, opt in ((m, opts[0]), (hyb, opts[1])):
+            loss = torch.nn.functional.mse_loss(mod(x[part]), y[part])
+            loss.backward()
+            opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        torch.nn.functional.mse_loss(ref(x[part]), y[part]).backward()
+        ropt.step()
+        ropt.zero_grad()
+    flat, hy, dd = flat_params(m), flat_params(hyb), flat_params(ref.module)
+    everyone = [torch.empty_like(hy) for _ in range(world)]
+    dist.all_gather(everyone, hy)
+    same = all(torch.equal(everyone[0], e) for e in everyone)
+    res = dict(kind=replica.kind, world=world, sizes=[node.size, replica.size],
+               host_sizes=host_sizes, losses=losses, ranks_equal=same, tol=TOL,
+               hybrid_vs_flat=(hy - flat).abs().max().item(),
+               hybrid_vs_torch=(hy - dd).abs().max().item(),
+               flat_vs_torch=(flat - dd).abs().max().item())
+    for o in opts:
+        o.close()
+    for c in (comm, node, replica):  # the parent first: its parts were already closed above
+        c.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
 
 
 def peer_dies(out, comm, m, rank):
