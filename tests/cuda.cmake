@@ -147,9 +147,10 @@ if(SG_WITH_CUDA)
     endforeach()
     # Hybrid engines (tests/test_hybrid.c --cuda) on the mock CUDA device against the CPU's
     # hybrid, flat and one-rank engines: NCCL shard and replica (both on the comm stream),
-    # threads for both (host-driven), threads inside the node with NCCL across replicas, and an
-    # offloaded accumulator summed on the host over threads or NCCL (also against the same
-    # hybrid engine without offload). Under SG_TEST_QUICK (the TSan stage) a subset of each.
+    # threads for both (host-driven), threads inside the node with NCCL across replicas, NCCL
+    # inside with threads across (staged through pinned host memory), and an offloaded
+    # accumulator summed on the host over threads or NCCL (also against the same hybrid engine
+    # without offload). Under SG_TEST_QUICK (the sanitizer stages) a subset of each.
     add_executable(test_hybrid_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_hybrid.c)
     target_link_libraries(test_hybrid_cudamock PRIVATE shardgrad_cudamock)
     target_compile_options(test_hybrid_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
@@ -157,6 +158,7 @@ if(SG_WITH_CUDA)
     foreach(run "test_hybrid_cudamock_nccl|--cuda;nccl;nccl"
                 "test_hybrid_cudamock_local|--cuda;local;local"
                 "test_hybrid_cudamock_mixed|--cuda;local;nccl"
+                "test_hybrid_cudamock_staged|--cuda;nccl;local"
                 "test_hybrid_cudamock_offload|--cuda;nccl;local;--offload"
                 "test_hybrid_cudamock_offload_nccl|--cuda;nccl;nccl;--offload;--quick")
       string(REPLACE "|" ";" run "${run}")

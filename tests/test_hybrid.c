@@ -390,10 +390,10 @@ static void run_matrix_case(const tcase *tc, int n, int l) {
     compare_bitwise(what, &hy[r], &one[0], tc->steps);
   }
   /* --cuda: against the CPU's hybrid engine of the same layout, and offloaded against the
-   * same engine without offload (an NCCL replica where the host one needs offload) */
+   * same engine (the same communicators) without offload */
   for (int ref = 0; g_dev.cuda && ref < 1 + g_dev.offload; ref++) {
     dev_opts d = {0, 0, 0, 0};
-    if (ref == 1) d = (dev_opts){1, 0, g_dev.shard_nccl, g_dev.shard_nccl || g_dev.rep_nccl};
+    if (ref == 1) d = (dev_opts){1, 0, g_dev.shard_nccl, g_dev.rep_nccl};
     result other[MAXW];
     memset(other, 0, sizeof other);
     run_layout_on(&proto, &d, K_HYBRID, n, l, other);
@@ -458,8 +458,12 @@ static void run_matrix(void) {
 /* ---------------------------------------------------------------------------------------- */
 /* a body per rank on a finalized engine                                                     */
 
+/* The engine's comm queue, and a staged replica stage's host queue (its all-reduces). */
 static sg_status drain(sg_engine *e) {
-  return e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__now_ms() + 60000);
+  sg_status st = e->dev->ops->comm_wait(e->dev, e->last_ticket, sg__now_ms() + 60000);
+  sg__device *h = e->rep.host_dev;
+  if (!st && h && e->rep.host_last) st = h->ops->comm_wait(h, e->rep.host_last, sg__now_ms() + 60000);
+  return st;
 }
 
 typedef void (*body_fn)(run_arg *a, sg_engine *e, const int *ids, sg_comm *shard,
@@ -922,8 +926,8 @@ static void run_kill(void) {
          k.ms[1], k.ms[2]);
 }
 
-/* --cuda: an NCCL shard with a host replica needs the accumulator on the host (offload). */
-static void run_cuda_refusal(void) {
+/* --cuda: an NCCL shard with a host replica, staged through host memory or offloaded. */
+static void run_cuda_staged(void) {
   unsigned char id[128];
   sg_comm *nc = NULL, *loc = NULL;
   sg_engine *e = (sg_engine *)1;
@@ -934,15 +938,17 @@ static void run_cuda_refusal(void) {
   sg_config cfg;
   sg_config_init(&cfg, sizeof cfg);
   cfg.device = SG_DEVICE_CUDA;
-  CHECK(sg_engine_create_hybrid(nc, loc, &cfg, &e) == SG_ERR_UNSUPPORTED && e == NULL &&
-            strstr(sg_last_error(), "offload_optimizer"),
-        "NCCL shard, host replica, no offload: refused (%s)", sg_last_error());
-  cfg.offload_optimizer = 1;
-  int id0 = 0;
-  CHECK(sg_engine_create_hybrid(nc, loc, &cfg, &e) == SG_OK && sg_add_param(e, "w", 100, 0, &id0) ==
-            SG_OK && sg_finalize(e) == SG_OK && sg_step(e, NULL) == SG_OK,
-        "NCCL shard, host replica, offloaded: runs (%s)", sg_last_error());
-  sg_engine_destroy(e);
+  for (int off = 0; off < 2; off++) {
+    cfg.offload_optimizer = off;
+    int id0 = 0;
+    CHECK(sg_engine_create_hybrid(nc, loc, &cfg, &e) == SG_OK &&
+              sg_add_param(e, "w", 100, 0, &id0) == SG_OK && sg_finalize(e) == SG_OK &&
+              sg_step(e, NULL) == SG_OK,
+          "NCCL shard, host replica, %s: runs (%s)", off ? "offloaded" : "staged",
+          sg_last_error());
+    sg_engine_destroy(e);
+    e = NULL;
+  }
   sg_comm_destroy(nc);
   sg_comm_destroy(loc);
 }
@@ -950,7 +956,7 @@ static void run_cuda_refusal(void) {
 static void run_errors(void) {
   run_argument_errors();
   if (g_dev.cuda) {
-    run_cuda_refusal();
+    run_cuda_staged();
     tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1, 0, 0};
     run_bodies(&tc, K_HYBRID, 2, 2, extra_mb_body, NULL);
     return; /* the layout errors and the killed rank: the CPU run's (the same replica stage) */

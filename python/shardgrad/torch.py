@@ -416,8 +416,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     communicator) and replica_comm its counterparts on the other nodes, as from
     `shard, replica = world.split_nodes(ranks_per_node)`; gradients and optimizer state are
     sharded inside the node, and only one all-reduce of the shard per step crosses nodes.
-    On CUDA tensors: NCCL inside and across nodes (split_nodes of an NCCL Comm) is the fast
-    path; an NCCL comm with a host replica_comm (MPI, threads) needs offload_optimizer=True.
+    On CUDA tensors NCCL inside and across nodes (split_nodes of an NCCL Comm) is the fast
+    path; a host replica_comm (MPI) beside an NCCL comm goes through pinned host memory.
     lr, betas, eps, weight_decay: as torch.optim.AdamW; unset ones come from `config`, else
     the library defaults (1e-3, (0.9, 0.999), 1e-8, 0.01 as in torch.optim.AdamW).
     no_decay: None (every parameter decays, as in torch.optim.AdamW), "1d" (parameters with

@@ -94,6 +94,12 @@ typedef struct sg__replicas {
                         the replica stage when the accumulator is offloaded); NULL when the
                         accumulator itself goes on the wire (same dtype) */
   int host_wire;     /* wire is this stage's pinned host memory (offload) */
+  /* Staged (an NCCL shard, a host replica communicator, the accumulator on the GPU): the
+   * channel's own host queue (a CPU device), the shard's slices in replica_reduce_dtype in
+   * pinned host memory (shard offsets), and that queue's last job. */
+  sg__device *host_dev;
+  char *stage;
+  uint64_t host_last;
 } sg__replicas;
 
 /* Loss scale (sg_scale.c). */

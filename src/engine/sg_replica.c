@@ -14,8 +14,11 @@
 
 static int hybrid(const sg_engine *e) { return e->rep.comm != NULL; }
 
-/* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (offload). */
-enum { CLAIM_QUEUED = 1, CLAIM_AT_STEP = 2 };
+/* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (offload);
+ * staged: summed on the host and copied back. */
+enum { CLAIM_QUEUED = 1, CLAIM_AT_STEP = 2, CLAIM_BACK = 3 };
+
+static int staged(const sg_engine *e) { return e->rep.host_dev != NULL; }
 
 static size_t max_slice(const sg__plan *p) {
   size_t m = 0;
@@ -33,26 +36,39 @@ static int needs_wire(const sg_config *cfg) { return cfg->replica_reduce_dtype !
 
 /* Where the replica channel's collectives run (DESIGN.md section 1, "Hybrid engines"): bound
  * without a device (host buffers, or an NCCL channel on device memory completing within the
- * call), or attached to the engine's device beside the shard channel, the same way (both
+ * call), attached to the engine's device beside the shard channel, the same way (both
  * stream-ordered: NCCL beside NCCL on the comm stream; both host-driven: a host communicator
- * sums the device buffers as the shard channel does). *dev: the device to bind to (NULL: none). */
-static sg_status replica_device(const sg_engine *e, const sg_comm *replica, const char *fn,
-                                sg__device **dev) {
+ * sums the device buffers as the shard channel does), or staged: a host communicator beside an
+ * NCCL shard runs on a host queue of its own (a CPU device, rep.host_dev), on slices copied
+ * down on the comm stream. *dev: the device to bind to (NULL: none). */
+static sg_status replica_device(sg_engine *e, const sg_comm *replica, sg__device **dev) {
   *dev = NULL;
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU || e->strat->state) return SG_OK;
   const int shard_stream = e->comm->stream_ordered, rep_stream = replica->stream_ordered;
-  if (shard_stream && !rep_stream)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: an NCCL shard communicator with a host replica "
-                   "communicator (MPI, threads, a caller's transport) on SG_DEVICE_CUDA needs "
-                   "cfg->offload_optimizer (the accumulator in host memory); without it use an "
-                   "NCCL replica communicator (sg_comm_split_nodes over an NCCL communicator)",
-                   fn);
+  if (shard_stream && !rep_stream) {
+    SG_TRY(sg__device_cpu_create(e->rank, replica->threaded, &e->rep.host_dev));
+    *dev = e->rep.host_dev;
+    return SG_OK;
+  }
   /* host-driven jobs: an NCCL channel without a device completes device-memory collectives
    * within the call, as they need */
   if (!shard_stream && rep_stream) return SG_OK;
   *dev = e->dev;
   return SG_OK;
+}
+
+static void host_dev_free(sg_engine *e) {
+  if (!e->rep.host_dev) return;
+  e->rep.host_dev->ops->destroy(e->rep.host_dev); /* joins its worker */
+  e->rep.host_dev = NULL;
+}
+
+/* Staged: the host queue's jobs so far finished (their failure, if any). */
+static sg_status host_wait(sg_engine *e) {
+  if (!staged(e) || !e->rep.host_last) return SG_OK;
+  sg__device *h = e->rep.host_dev;
+  return h->ops->comm_wait(h, e->rep.host_last, sg__engine_host_deadline(e));
 }
 
 sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn) {
@@ -63,11 +79,15 @@ sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn) {
                    "engine's comm thread (MPI without MPI_THREAD_MULTIPLE) while the shard "
                    "communicator runs its collectives there", fn);
   sg__device *dev = NULL;
-  SG_TRY(replica_device(e, replica, fn, &dev));
+  SG_TRY(sg__err_prefix(replica_device(e, replica, &dev), fn));
   sg_comm *chan = NULL;
-  SG_TRY(sg__err_prefix(sg__comm_bind(replica, dev, e->cfg.timeout_ms, &chan), fn));
+  const sg_status st = sg__comm_bind(replica, dev, e->cfg.timeout_ms, &chan);
+  if (st != SG_OK) {
+    host_dev_free(e);
+    return sg__err_prefix(st, fn);
+  }
   e->rep.comm = chan;
-  e->rep.on_device = dev != NULL;
+  e->rep.on_device = dev != NULL && dev == e->dev;
   e->rep.rank = replica->rank;
   e->rep.n = replica->world;
   return SG_OK;
@@ -78,6 +98,9 @@ sg_status sg__replicas_init(sg_engine *e) {
   e->rep.claimed = calloc((size_t)e->plan->nbuckets, 1);
   if (!e->rep.claimed) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   e->rep.host_wire = e->lay.replica_host_bytes > 0;
+  if (staged(e)) /* communication staging, not counted in sg_memory (as MPI's) */
+    SG_TRY(e->dev->ops->host_alloc(e->dev, e->plan->shard_numel * sg__dtype_size(wire_dtype(e)),
+                                   (void **)&e->rep.stage));
   if (e->rep.host_wire) {
     SG_TRY(e->dev->ops->host_alloc(e->dev, e->lay.replica_host_bytes, (void **)&e->rep.wire));
   } else if (e->lay.replica_off != SIZE_MAX) {
@@ -98,11 +121,16 @@ void sg__replicas_free(sg_engine *e) {
   if (e->rep.host_wire && e->rep.wire) e->dev->ops->host_free(e->dev, e->rep.wire);
   e->rep.wire = NULL;
   e->rep.host_wire = 0;
+  if (e->rep.stage) e->dev->ops->host_free(e->dev, e->rep.stage);
+  e->rep.stage = NULL;
 }
 
+/* The host queue drains first (its jobs use the channel and the stage; each has a deadline). */
 void sg__replicas_detach(sg_engine *e) {
+  (void)host_wait(e);
   sg__comm_unbind(e->rep.comm);
   e->rep.comm = NULL;
+  host_dev_free(e);
 }
 
 int sg__replicas_world(const sg_engine *e) { return e->world * (e->rep.n > 0 ? e->rep.n : 1); }
@@ -166,21 +194,31 @@ static sg_status rep_coll_fn(void *arg) {
                   : c->ops->all_gather(c, j->buf, j->bytes, dl);
 }
 
+/* fn(arg) on the queue of the channel's collectives, waited for: the engine's comm queue, or
+ * staged the channel's host queue (after its all-reduces). */
+static sg_status run_on_channel(sg_engine *e, sg__job_fn fn, void *arg) {
+  if (!staged(e)) return sg__engine_run_comm(e, fn, arg);
+  sg__device *h = e->rep.host_dev;
+  SG_TRY(sg__engine_broken(e, h->ops->comm_submit(h, fn, NULL, arg, &e->rep.host_last)));
+  return sg__engine_broken(e, host_wait(e));
+}
+
 /* Runs j on a buffer of `total` bytes (device memory when on_dev) through a temporary where the
  * channel needs the other kind: a channel attached to a CUDA device moves device memory, a host
- * communicator bound without one (offload) host memory; NCCL without a device takes either. */
+ * communicator bound without one (offload, staged) host memory; NCCL without a device takes
+ * either. */
 static sg_status rep_coll_run(sg_engine *e, rep_coll *j, int on_dev, size_t total) {
   sg__device *d = e->dev;
   const int cuda = d->kind != SG_DEVICE_CPU;
   const int to_dev = cuda && !on_dev && e->rep.on_device;
   const int to_host = cuda && on_dev && !e->rep.on_device && !e->rep.comm->stream_ordered;
-  if (!to_dev && !to_host) return sg__engine_run_comm(e, rep_coll_fn, j);
+  if (!to_dev && !to_host) return run_on_channel(e, rep_coll_fn, j);
   void *orig = j->buf, *tmp = NULL;
   SG_TRY(to_dev ? d->ops->alloc(d, total, &tmp) : d->ops->host_alloc(d, total, &tmp));
   sg_status st = d->ops->copy(d, SG_Q_COMPUTE, tmp, orig, total,
                               to_dev ? SG_COPY_H2D : SG_COPY_D2H);
   j->buf = tmp;
-  if (st == SG_OK) st = sg__engine_run_comm(e, rep_coll_fn, j);
+  if (st == SG_OK) st = run_on_channel(e, rep_coll_fn, j);
   if (st == SG_OK)
     st = d->ops->copy(d, SG_Q_COMPUTE, orig, tmp, total, to_dev ? SG_COPY_D2H : SG_COPY_H2D);
   j->buf = orig;
@@ -321,10 +359,101 @@ static sg_status submit(sg_engine *e, int b) {
   return sg__engine_broken(e, sg__engine_submit(e, replica_job_fn, free, j, &t));
 }
 
-/* Bucket b's sum across replicas begins: queued now, or, for an offloaded accumulator (its
- * slices land and are folded on the host), at the step once every arrival is folded. */
+/* ---- staged: slices down to pinned host memory, summed on the channel's host queue -------- */
+
+typedef struct {
+  sg_engine *e;
+  int bucket;
+  uint64_t after; /* staged_sum: the engine's job that copied the slice down */
+} staged_job;
+
+static char *stage_of(const sg_engine *e, int b) {
+  return e->rep.stage + e->plan->buckets[b].shard_offset * sg__dtype_size(wire_dtype(e));
+}
+
+/* Engine comm queue (stream-ordered, behind the bucket's reduction): the slice, in the wire
+ * dtype through the wire buffer, copied into the stage. */
+static sg_status staged_down_fn(void *arg) {
+  const staged_job *j = arg;
+  sg_engine *e = j->e;
+  sg__device *d = e->dev;
+  const int adt = e->cfg.accum_dtype, wdt = wire_dtype(e);
+  const size_t n = sg__plan_slice_numel(e->plan, j->bucket);
+  const char *src = e->g.accum + e->plan->buckets[j->bucket].shard_offset * sg__dtype_size(adt);
+  if (e->rep.wire) {
+    SG_TRY(d->ops->cast(d, SG_Q_COMM, e->rep.wire, wdt, src, adt, n));
+    src = e->rep.wire;
+  }
+  return d->ops->copy(d, SG_Q_COMM, stage_of(e, j->bucket), src, n * sg__dtype_size(wdt),
+                      SG_COPY_D2H);
+}
+
+/* Host queue: once the copy landed, the slice summed over the replicas in the stage. */
+static sg_status staged_sum_fn(void *arg) {
+  const staged_job *j = arg;
+  sg_engine *e = j->e;
+  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  SG_TRY(e->dev->ops->comm_wait(e->dev, j->after, dl));
+  sg_comm *c = e->rep.comm;
+  return c->ops->all_reduce(c, stage_of(e, j->bucket), sg__plan_slice_numel(e->plan, j->bucket),
+                            wire_dtype(e), dl);
+}
+
+/* Engine comm queue, at the step: the summed slice back (and cast back from the wire). */
+static sg_status staged_up_fn(void *arg) {
+  const staged_job *j = arg;
+  sg_engine *e = j->e;
+  sg__device *d = e->dev;
+  const int adt = e->cfg.accum_dtype, wdt = wire_dtype(e);
+  const size_t n = sg__plan_slice_numel(e->plan, j->bucket);
+  char *acc = e->g.accum + e->plan->buckets[j->bucket].shard_offset * sg__dtype_size(adt);
+  char *dst = e->rep.wire ? e->rep.wire : acc;
+  SG_TRY(d->ops->copy(d, SG_Q_COMM, dst, stage_of(e, j->bucket), n * sg__dtype_size(wdt),
+                      SG_COPY_H2D));
+  return e->rep.wire ? d->ops->cast(d, SG_Q_COMM, acc, adt, e->rep.wire, wdt, n) : SG_OK;
+}
+
+static sg_status staged_job_new(sg_engine *e, int b, staged_job **out) {
+  *out = malloc(sizeof **out);
+  if (!*out) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  **out = (staged_job){e, b, 0};
+  return SG_OK;
+}
+
+static sg_status submit_staged(sg_engine *e, int b) {
+  /* the stage is reused: the previous round's sums (sg_grad_zero after them) are done */
+  if (e->rep.nclaimed == 1) SG_TRY(sg__engine_broken(e, host_wait(e)));
+  staged_job *down = NULL, *sum = NULL;
+  SG_TRY(staged_job_new(e, b, &down));
+  uint64_t t = 0;
+  e->rep.claimed[b] = CLAIM_QUEUED;
+  SG_TRY(sg__engine_broken(e, sg__engine_submit(e, staged_down_fn, free, down, &t)));
+  SG_TRY(staged_job_new(e, b, &sum));
+  sum->after = t;
+  sg__device *h = e->rep.host_dev;
+  return sg__engine_broken(e, h->ops->comm_submit(h, staged_sum_fn, free, sum, &e->rep.host_last));
+}
+
+/* At the step: every staged sum done, then copied back on the engine's comm queue. */
+static sg_status staged_back(sg_engine *e) {
+  SG_TRY(sg__engine_broken(e, host_wait(e)));
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    if (e->rep.claimed[b] != CLAIM_QUEUED) continue;
+    staged_job *up = NULL;
+    SG_TRY(staged_job_new(e, b, &up));
+    e->rep.claimed[b] = CLAIM_BACK;
+    uint64_t t = 0;
+    SG_TRY(sg__engine_broken(e, sg__engine_submit(e, staged_up_fn, free, up, &t)));
+  }
+  return SG_OK;
+}
+
+/* Bucket b's sum across replicas begins: queued now (staged: copied down and summed on the
+ * host queue), or, for an offloaded accumulator (its slices land and are folded on the host),
+ * at the step once every arrival is folded. */
 static sg_status claim(sg_engine *e, int b) {
   e->rep.nclaimed++;
+  if (staged(e)) return submit_staged(e, b);
   if (!e->strat->state) return submit(e, b);
   e->rep.claimed[b] = CLAIM_AT_STEP;
   return SG_OK;
@@ -342,6 +471,7 @@ sg_status sg__replicas_rest(sg_engine *e) {
    * (reductions are collective) and is zeroed before the norm: nothing to sum. */
   for (int b = 0; b < e->plan->nbuckets; b++)
     if (!e->rep.claimed[b] && !e->g.empty[b]) SG_TRY(claim(e, b));
+  if (staged(e)) return staged_back(e);
   if (!e->strat->state) return SG_OK;
   int late = 0;
   for (int b = 0; b < e->plan->nbuckets; b++) late += e->rep.claimed[b] == CLAIM_AT_STEP;
