@@ -19,6 +19,7 @@
     python3 examples/python/train_lm.py --ranks 2 --plot /tmp/lm.png
     # hybrid sharding: 4 ranks as 2 nodes of 2, sharded in a node, replicated across nodes:
     mpirun -np 4 python3 examples/python/train_lm.py --hybrid 2 --micro 4
+    torchrun --nproc_per_node 4 examples/python/train_lm.py --hybrid 2 --micro 4
 
 The package and its library come from `pip install ./python`, or from this checkout (the
 library from build/, or SHARDGRAD_LIBRARY). `--help` lists every flag with its default; a bad

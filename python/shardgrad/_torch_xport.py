@@ -21,8 +21,13 @@ status and a message. The callbacks are module-level ctypes objects that live as
 process, and each communicator's state is found through an integer key, so no callback can run
 after its function object was freed, whatever is closed or collected first.
 
-Tags: the library's tags (channel and call) are below 2^31; the application's own point-to-point
-messages on the same group should use other tags or another group.
+Splits: Comm.split and Comm.split_nodes of such a communicator give communicators over the same
+group (the library maps their ranks to the group's and gives each its own tags), so one gloo
+group serves a hybrid layout; the transport is released when the last of them is closed,
+whatever the order.
+
+Tags: the library's tags (communicator, channel and call) are below 2^31; the application's own
+point-to-point messages on the same group should use other tags or another group.
 """
 
 import ctypes
