@@ -19,7 +19,10 @@
  * runs during the backward pass in training). On the CPU device "device memory" is host memory
  * and the copies are memcpy on its comm thread, so they load this machine's memory (and cores)
  * as a GPU's DMA engine would load its host's memory, and more: they also take CPU time. The
- * offloaded state keeps the CUDA device's norm order here too (gpu_order).
+ * offloaded state keeps the CUDA device's norm order here too (gpu_order). --fold-norm 0: the
+ * folds compute no partials and the norm reads the whole accumulator in a pass of its own (the
+ * step before 2066bcc; in the CPU device's order, which costs the same), to compare; "ab": each
+ * rep also runs that step, and the arrive + norm times are compared rep by rep.
  *
  * Host memory bytes per parameter (read + written; count_bytes):
  *   f32:  arrive 8 (memcpy 4 + 4; --device cuda: the DMA's write, 4); norm 4
@@ -41,7 +44,8 @@
  * the norm against sg__cpu_sumsq_gpu over the gradient's values.
  *
  *   sg_bench_host_step [--size 16] [--bucket 4] [--reps 9] [--warmup 2] [--chunk 2]
- *                      [--reduce f32|bf16] [--python PATH|none] [--device cpu|cuda]
+ *                      [--reduce f32|bf16] [--fold-norm 1|0|ab] [--python PATH|none]
+ *                      [--device cpu|cuda]
  *   (size, bucket and chunk in Mi parameters; --python: an interpreter with torch, default
  *   python3; "none" skips torch; --device cuda: the shard's device buffers on GPU 0, pinned host
  *   memory from cudaMallocHost and real DMA copies, in a CUDA build) */
@@ -73,7 +77,7 @@
 
 typedef struct options {
   size_t n, chunk, bucket;
-  int reps, warmup, cuda, rdt;
+  int reps, warmup, cuda, rdt, fold_norm;
   const char *python;
 } options;
 
@@ -180,7 +184,8 @@ static void shard_init(shard *s, const options *o) {
   if (sg__offload_init(&s->off, s->dev, sg__optim_find("adamw"), n, SG_BF16, SG_F32, s->nsegs, off,
                        len, o->chunk, 2, bucket * G) != SG_OK)
     die("offload state");
-  s->off.gpu_order = 1; /* the CUDA device's norm order, on whichever device stands in for it */
+  /* the CUDA device's norm order, on whichever device stands in for it */
+  s->off.gpu_order = o->fold_norm != 0;
   free(off), free(len);
   void *p = NULL;
   if (s->dev->ops->alloc(s->dev, 2 * n, &p) != SG_OK) die("alloc");
@@ -291,7 +296,10 @@ static int check_step(shard *s) {
   for (size_t j = 0; j < ns && j * stride < s->n; j++)
     p0[j] = master[j * stride], m0[j] = mm[j * stride], v0[j] = vv[j * stride];
   double ss1 = 0, nf1 = 0;
-  sg__cpu_sumsq_gpu(s->hgrad, 0, s->n, &ss1, &nf1);
+  if (s->off.gpu_order)
+    sg__cpu_sumsq_gpu(s->hgrad, 0, s->n, &ss1, &nf1);
+  else
+    sg__cpu_sumsq(s->hgrad, 0, s->n, &ss1, &nf1);
   const double norm = step_once(s, 1, NULL);
   int ok = norm == sqrt(ss1) && nf1 == 0;
   const float scale = (float)fmin(1.0, 1.0 / (norm + 1e-6));
@@ -364,7 +372,7 @@ static void torch_stop(torch_child *c) {
 /* ---- main ------------------------------------------------------------------------------------ */
 
 static int parse(int argc, char **argv, options *o) {
-  *o = (options){(size_t)16 << 20, (size_t)2 << 20, (size_t)4 << 20, 9, 2, 0, 0, "python3"};
+  *o = (options){(size_t)16 << 20, (size_t)2 << 20, (size_t)4 << 20, 9, 2, 0, 0, 1, "python3"};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--size")) o->n = (size_t)(atof(argv[i + 1]) * (1 << 20));
     else if (!strcmp(argv[i], "--chunk")) o->chunk = (size_t)(atof(argv[i + 1]) * (1 << 20));
@@ -374,6 +382,10 @@ static int parse(int argc, char **argv, options *o) {
     else if (!strcmp(argv[i], "--python")) o->python = argv[i + 1];
     else if (!strcmp(argv[i], "--device") && (!strcmp(argv[i + 1], "cpu") || !strcmp(argv[i + 1], "cuda")))
       o->cuda = !strcmp(argv[i + 1], "cuda");
+    else if (!strcmp(argv[i], "--fold-norm") && (!strcmp(argv[i + 1], "0") || !strcmp(argv[i + 1], "1")))
+      o->fold_norm = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--fold-norm") && !strcmp(argv[i + 1], "ab"))
+      o->fold_norm = 2;
     else if (!strcmp(argv[i], "--reduce") && (!strcmp(argv[i + 1], "f32") || !strcmp(argv[i + 1], "bf16")))
       o->rdt = !strcmp(argv[i + 1], "bf16");
     else return 0;
@@ -393,7 +405,8 @@ static bytes count_bytes(const options *o) {
    * reads 4); bf16 into a landing buffer (D2H 2, memcpy 2 + 2) and the fold, which reads it and
    * writes the fp32 accumulator with the norm's partials in the same pass (2 + 4) */
   b.arrive = o->rdt ? (o->cuda ? 2 : 4) + 6 : o->cuda ? 4 : 8;
-  b.norm = o->rdt ? 0 : 4; /* bf16: the partials came with the fold (only chunks across buckets) */
+  /* bf16: the partials came with the fold (only chunks across buckets), unless --fold-norm 0 */
+  b.norm = o->rdt && o->fold_norm ? 0 : 4;
   /* AdamW 30 (grad 4, master, m, v r/w 24, bf16 out 2), copy-out (DMA reads 2; memcpy 2 + 2) */
   b.update = 30 + (o->cuda ? 2 : 4);
   b.whole = b.arrive + b.norm + b.update;
@@ -405,7 +418,7 @@ static bytes count_bytes(const options *o) {
 int main(int argc, char **argv) {
   options o;
   if (!parse(argc, argv, &o)) {
-    fprintf(stderr, "usage: %s [--size 16] [--bucket 4] [--reps 9] [--warmup 2] [--chunk 2] [--reduce f32|bf16]\n"
+    fprintf(stderr, "usage: %s [--size 16] [--bucket 4] [--reps 9] [--warmup 2] [--chunk 2] [--reduce f32|bf16] [--fold-norm 1|0|ab]\n"
                     "          [--python PATH|none] [--device cpu|cuda]\n"
                     "  (size, bucket and chunk in Mi parameters)\n", argv[0]);
     return 2;
@@ -417,9 +430,10 @@ int main(int argc, char **argv) {
   const char *wp = getenv("OMP_WAIT_POLICY");
   printf("OMP_WAIT_POLICY=%s\n", wp ? wp : "(unset: libgomp spins at barriers)");
   printf("sg_bench_host_step: offloaded host step on the %s device, %.2fM params (bf16 working, "
-         "fp32 state), %s gradients in buckets of %.2fM, chunks of %.2fM, %d thread(s), median of %d after %d warm-up, "
+         "fp32 state), %s gradients in buckets of %.2fM%s, chunks of %.2fM, %d thread(s), median of %d after %d warm-up, "
          "load average %.2f %.2f %.2f on %ld CPUs\n",
          o.cuda ? "CUDA" : "CPU", o.n / 1048576.0, o.rdt ? "bf16" : "f32", o.bucket / 1048576.0,
+         o.fold_norm ? "" : " (--fold-norm 0: a norm pass of its own)",
          o.chunk / 1048576.0, threads, o.reps, o.warmup, load[0], load[1], load[2],
          sysconf(_SC_NPROCESSORS_ONLN));
   shard s;
@@ -433,6 +447,7 @@ int main(int argc, char **argv) {
   double ta[MAXREPS], tn[MAXREPS], tu[MAXREPS], tt[MAXREPS], tf[MAXREPS], te[MAXREPS];
   double tk[MAXREPS], tk16[MAXREPS], r_triad[MAXREPS], r_fused[MAXREPS], r_foreach[MAXREPS];
   double r_kernel[MAXREPS], r_host[MAXREPS], r_bound[MAXREPS];
+  double t_old[MAXREPS], t_oldw[MAXREPS], r_ab[MAXREPS];
   uint64_t t = 2;
   const bytes B = count_bytes(&o);
   for (int r = -o.warmup; r < o.reps; r++) {
@@ -440,11 +455,19 @@ int main(int argc, char **argv) {
     const double tri = triad_once(&tb);
     step_once(&s, t++, &tm);
     const double ker = kernel_once(&s, t++, 0), ker16 = kernel_once(&s, t++, 1);
+    times old = {NAN, NAN, NAN};
+    if (o.fold_norm == 2) { /* the same step with the norm in a pass of its own */
+      s.off.gpu_order = 0;
+      step_once(&s, t++, &old);
+      s.off.gpu_order = 1;
+    }
     const double fu = have_torch ? torch_step(&tc, "fused") : NAN;
     const double fe = have_torch ? torch_step(&tc, "foreach") : NAN;
     if (r < 0) continue;
     ta[r] = tm.arrive, tn[r] = tm.norm, tu[r] = tm.update, tt[r] = tri, tf[r] = fu, te[r] = fe;
     tk[r] = ker, tk16[r] = ker16;
+    t_old[r] = old.arrive + old.norm, r_ab[r] = (tm.arrive + tm.norm) / t_old[r];
+    t_oldw[r] = old.arrive + old.norm + old.update;
     const double whole = tm.arrive + tm.norm + tm.update;
     r_triad[r] = (B.whole / whole) / (24.0 / tri);
     r_fused[r] = fu / whole, r_foreach[r] = fe / whole, r_kernel[r] = fu / ker;
@@ -481,7 +504,16 @@ int main(int argc, char **argv) {
     printf("%-34s %9.2f %9.2f\n", "torch fused (28 B)", mf * 1e3, 28 * n / mf / 1e9);
     printf("%-34s %9.2f %9.2f\n", "torch foreach (28 B)", me * 1e3, 28 * n / me / 1e9);
   }
+  if (o.fold_norm == 2) {
+    snprintf(lab, sizeof lab, "arrive + norm, own pass (%.0f B)", B.arrive + 4);
+    printf("%-34s %9.2f %9.2f\n", lab, median(t_old, o.reps) * 1e3,
+           (B.arrive + 4) * n / median(t_old, o.reps) / 1e9);
+    printf("%-34s %9.2f\n", "whole, norm in its own pass", median(t_oldw, o.reps) * 1e3);
+  }
   printf("\nratios (medians of per-rep ratios):\n");
+  if (o.fold_norm == 2)
+    printf("  arrive + norm: fold-norm / own pass %5.2f   (same rep; the step before 2066bcc = own pass)\n",
+           median(r_ab, o.reps));
   printf("  whole GB/s / triad GB/s            %6.2f   (goal >= 0.8)\n", median(r_triad, o.reps));
   if (have_torch) {
     printf("  torch fused ms / whole ms          %6.2f   (issue 12's goal >= 1.5: the whole host step, copies included)\n",
