@@ -33,7 +33,7 @@ static void test_crc(void) {
   CHECK(sg__crc32c(0, zeros, 32) == 0x8A9136AAu, "crc32c of 32 zero bytes (RFC 3720): %08x",
         sg__crc32c(0, zeros, 32));
   CHECK(sg__crc32c(0, "", 0) == 0, "crc32c of nothing");
-  for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)mix64(i);
+  for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)sg_test_mix(i);
   int same = 1, chain = 1;
   for (size_t off = 0; off < 8; off++)
     for (size_t n = 0; n + off <= sizeof buf; n += 1 + n / 5) {

@@ -27,7 +27,9 @@ static const model_cfg k_m = {6,   {1, 63, 64, 65, 300, 700}, SG_SHARD_GRAD_OP, 
                               NULL};
 static uint64_t g_rng = 0x1234567;
 
-static uint64_t rnd(void) { return g_rng = mix64(g_rng + 0x9E3779B97F4A7C15ull); }
+static uint64_t rnd(void) {
+  return g_rng = sg_test_mix(g_rng + 0x9E3779B97F4A7C15ull);
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* files                                                                                     */

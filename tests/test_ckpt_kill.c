@@ -70,7 +70,9 @@ static int child_main(const char *dir, int world, int fd) {
 /* parent                                                                                    */
 
 static uint64_t g_rng = 0xC0FFEE;
-static uint64_t rnd(void) { return g_rng = mix64(g_rng + 0x9E3779B97F4A7C15ull); }
+static uint64_t rnd(void) {
+  return g_rng = sg_test_mix(g_rng + 0x9E3779B97F4A7C15ull);
+}
 
 static int64_t now_us(void) {
   struct timespec t;

@@ -120,9 +120,9 @@ int main(void) {
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     if (system(cmd) != 0) printf("could not remove %s\n", dir);
   }
-  int fails = g_fail, all = 0;
+  int fails = sg_test_failures(), all = 0;
   MPI_Allreduce(&fails, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  if (rank == 0 || g_fail) printf("%d passed, %d failed\n", g_pass, g_fail);
+  if (rank == 0 || fails) sg_test_summary("");
   sg_comm_destroy(comm);
   return all != 0;
 }

@@ -14,28 +14,12 @@
 #include "../kernels/sg_elem.h" /* sg_elem_store: the test writes gradients in any dtype */
 #include "shardgrad.h"
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+#define SG_TEST_PRINT_PASSES 0
+#include "sg_test_check.h" /* CHECK (failures printed), counted under one lock across threads */
+#include "sg_test_state.h" /* sg_test_mix, reading and freeing the engine's state */
 
-#define CHECK(cond, ...)                          \
-  do {                                            \
-    const int ok_ = (cond) ? 1 : 0;               \
-    pthread_mutex_lock(&g_lock);                  \
-    if (ok_)                                      \
-      g_pass++;                                   \
-    else {                                        \
-      g_fail++;                                   \
-      printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      printf(__VA_ARGS__);                        \
-      printf("\n");                               \
-    }                                             \
-    pthread_mutex_unlock(&g_lock);                \
-  } while (0)
-
-static inline int finish(void) {
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail != 0;
-}
+/* Prints the "N passed, M failed" line; the exit code. */
+static inline int finish(void) { return sg_test_summary(""); }
 
 /* ---------------------------------------------------------------------------------------- */
 /* ranks as threads                                                                          */
@@ -103,18 +87,10 @@ static inline void param_name(const model_cfg *m, int p, char *buf, size_t n) {
     snprintf(buf, n, "layer%d.%s", p, p % 3 == 1 ? "bias" : "weight");
 }
 
-static inline uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 /* Gradient of element i of param p at optimizer step `step`: k/8, k in -2..2. */
 static inline float grad_val(int step, int p, size_t i) {
-  const uint64_t h = mix64(((uint64_t)step << 48) ^ ((uint64_t)p << 40) ^ (uint64_t)i ^ 0x5eed);
+  const uint64_t h =
+      sg_test_mix(((uint64_t)step << 48) ^ ((uint64_t)p << 40) ^ (uint64_t)i ^ 0x5eed);
   return (float)((int)(h % 5) - 2) * 0.125f;
 }
 
@@ -186,26 +162,19 @@ typedef struct {
   float loss_scale;
   int ok;
 } snap;
+#define SNAP_STATE(s) ((float **[4]){(s)->v[0], (s)->v[1], (s)->v[2], (s)->v[3]})
 
 /* Collective (sg_get_master / sg_get_optim_state). */
 static inline sg_status take_snap(sg_engine *e, const model_cfg *m, const int *ids, snap *s) {
   memset(s, 0, sizeof *s);
-  sg_status st = SG_OK;
-  for (int p = 0; p < m->nparams && !st; p++) {
-    for (int k = 0; k < 4; k++) s->v[k][p] = malloc(m->sizes[p] * 4);
-    st = sg_get_param(e, ids[p], s->v[0][p], SG_F32);
-    if (!st) st = sg_get_master(e, ids[p], s->v[1][p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 0, s->v[2][p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 1, s->v[3][p]);
-  }
+  sg_status st = sg_test_read_state(e, ids, m->sizes, m->nparams, SNAP_STATE(s));
   if (!st) st = sg_get_loss_scale(e, &s->loss_scale);
   s->ok = st == SG_OK;
   return st;
 }
 
 static inline void free_snap(snap *s) {
-  for (int k = 0; k < 4; k++)
-    for (int p = 0; p < MAXP; p++) free(s->v[k][p]);
+  sg_test_free_state(MAXP, SNAP_STATE(s));
   memset(s, 0, sizeof *s);
 }
 
@@ -218,8 +187,7 @@ static inline int same_snap(const char *label, const model_cfg *m, const snap *a
   for (int k = 0; k < 4; k++)
     for (int p = 0; p < m->nparams; p++)
       if (memcmp(a->v[k][p], b->v[k][p], m->sizes[p] * 4) != 0) {
-        size_t i = 0;
-        while (memcmp(&a->v[k][p][i], &b->v[k][p][i], 4) == 0) i++;
+        const size_t i = sg_test_first_diff(a->v[k][p], b->v[k][p], m->sizes[p]);
         static const char *const what[4] = {"param", "master", "m", "v"};
         printf("  %s: %s of param %d differs at %zu: %.9g vs %.9g\n", label, what[k], p, i,
                a->v[k][p][i], b->v[k][p][i]);

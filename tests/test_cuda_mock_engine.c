@@ -44,25 +44,16 @@
 #endif
 
 #include "shardgrad.h"
-#include "sg_elem.h" /* sg_elem_store: gradients in their dtype */
+#include "sg_elem.h"       /* sg_elem_store: gradients in their dtype */
+#include "sg_test_check.h" /* CHECK, counted under one lock across threads */
+#include "sg_test_state.h" /* reading and freeing the engine's state */
 
 #define NP 6
 #define MAXW 3
 #define STEPS 3
 static const size_t k_sizes[NP] = {1, 63, 1000, 4097, 100, 30011};
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static void check(int ok, const char *what) {
-  pthread_mutex_lock(&g_lock);
-  printf("%s %s\n", ok ? "ok  " : "FAIL", what);
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-  pthread_mutex_unlock(&g_lock);
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 typedef struct tcase {
   const char *name;
@@ -241,16 +232,7 @@ static sg_status forward_read(rank_arg *a, sg_engine *e, const int *ids, cudaStr
 }
 
 static sg_status collect(sg_engine *e, const int *ids, result *r) {
-  sg_status st = SG_OK;
-  for (int p = 0; p < NP && !st; p++) {
-    const size_t n = k_sizes[p] * sizeof(float);
-    r->param[p] = malloc(n), r->master[p] = malloc(n), r->m[p] = malloc(n), r->v[p] = malloc(n);
-    st = sg_get_param(e, ids[p], r->param[p], SG_F32);
-    if (!st) st = sg_get_master(e, ids[p], r->master[p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 0, r->m[p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 1, r->v[p]);
-  }
-  return st;
+  return sg_test_read_state(e, ids, k_sizes, NP, SG_TEST_STATE_OF(r));
 }
 
 static size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
@@ -293,12 +275,7 @@ static void check_memory(rank_arg *a, sg_engine *e, const sg_config *cfg) {
   check(ok, what);
 }
 
-static void free_result(result *r) {
-  for (int p = 0; p < NP; p++) {
-    free(r->param[p]), free(r->master[p]), free(r->m[p]), free(r->v[p]);
-    r->param[p] = r->master[p] = r->m[p] = r->v[p] = NULL;
-  }
-}
+static void free_result(result *r) { sg_test_free_state(NP, SG_TEST_STATE_OF(r)); }
 
 static int same_result(const result *x, const result *y) {
   for (int p = 0; p < NP; p++) {
@@ -572,6 +549,5 @@ int main(void) {
   sg_cudamock_drain();
   check(sg_ncclmock_live() == 0, "every NCCL communicator destroyed");
 #endif
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

@@ -33,6 +33,7 @@
 
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
+#include "sg_test_state.h" /* sg_test_mix, reading and freeing the engine's state */
 
 static const size_t k_sizes[] = {1, 63, 64, 65, 1000, 4097, 100003, 300000};
 #define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
@@ -61,19 +62,10 @@ typedef struct {
 
 /* ---------------------------------------------------------------------------------------- */
 
-static uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 /* Gradient of element i of param p for (rank, step, micro-batch). */
 static float grad_val(const tcase *tc, int rank, int step, int k, int p, size_t i) {
-  uint64_t h = mix(((uint64_t)rank << 56) ^ ((uint64_t)step << 48) ^ ((uint64_t)k << 40) ^
-                   ((uint64_t)p << 32) ^ i);
+  uint64_t h = sg_test_mix(((uint64_t)rank << 56) ^ ((uint64_t)step << 48) ^
+                           ((uint64_t)k << 40) ^ ((uint64_t)p << 32) ^ i);
   if (tc->random) return (float)((double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0) * 0.01f;
   return (float)((int)(h % 5) - 2) * 0.125f;
 }
@@ -164,9 +156,9 @@ static sg_status write_grad(run_arg *a, sg_engine *e, int id, int p, int step, i
 static void order_for(const tcase *tc, int step, int k, int rank, int *order) {
   for (int p = 0; p < NP; p++) order[p] = NP - 1 - p; /* backward order */
   if (!tc->shuffle) return;
-  uint64_t s = mix((uint64_t)step * 131 + (uint64_t)k * 7 + (uint64_t)rank);
+  uint64_t s = sg_test_mix((uint64_t)step * 131 + (uint64_t)k * 7 + (uint64_t)rank);
   for (int p = NP - 1; p > 0; p--) {
-    s = mix(s);
+    s = sg_test_mix(s);
     int q = (int)(s % (uint64_t)(p + 1));
     int t = order[p];
     order[p] = order[q];
@@ -186,7 +178,8 @@ static sg_status forward_read(run_arg *a, sg_engine *e, const int *ids, int step
   int order[NP];
   for (int p = 0; p < NP; p++) order[p] = p;
   for (int p = NP - 1; step % 2 && p > 0; p--) { /* a fixed shuffle, the same on every rank */
-    const int q = (int)(mix((uint64_t)step * 31 + (uint64_t)p) % (uint64_t)(p + 1)), t = order[p];
+    const int q = (int)(sg_test_mix((uint64_t)step * 31 + (uint64_t)p) % (uint64_t)(p + 1));
+    const int t = order[p];
     order[p] = order[q];
     order[q] = t;
   }
@@ -197,10 +190,10 @@ static sg_status forward_read(run_arg *a, sg_engine *e, const int *ids, int step
     if (!st) st = sg_param_ptr(e, ids[p], &dev);
     if (!st) st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, h, dev, k_sizes[p] * psz, SG_COPY_D2H);
     x[p] = 0x9e3779b97f4a7c15ull;
-    for (size_t i = 0; !st && i < k_sizes[p] * psz; i++) x[p] = mix(x[p] ^ h[i]);
+    for (size_t i = 0; !st && i < k_sizes[p] * psz; i++) x[p] = sg_test_mix(x[p] ^ h[i]);
   }
   free(h);
-  for (int p = 0; p < NP; p++) all = mix(all ^ x[p]);
+  for (int p = 0; p < NP; p++) all = sg_test_mix(all ^ x[p]);
   *hash = all;
   return st;
 }
@@ -226,20 +219,7 @@ static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
 }
 
 static sg_status collect(run_arg *a, sg_engine *e, const int *ids) {
-  sg_status st = SG_OK;
-  for (int p = 0; p < NP && !st; p++) {
-    const size_t n = k_sizes[p];
-    result *r = a->res;
-    r->param[p] = malloc(n * 4);
-    r->master[p] = malloc(n * 4);
-    r->m[p] = malloc(n * 4);
-    r->v[p] = malloc(n * 4);
-    st = sg_get_param(e, ids[p], r->param[p], SG_F32);
-    if (!st) st = sg_get_master(e, ids[p], r->master[p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 0, r->m[p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 1, r->v[p]);
-  }
-  return st;
+  return sg_test_read_state(e, ids, k_sizes, NP, SG_TEST_STATE_OF(a->res));
 }
 
 static void *run_thread(void *arg) {
@@ -256,23 +236,12 @@ static void *run_thread(void *arg) {
 }
 
 static void free_result(result *r) {
-  for (int p = 0; p < NP; p++) {
-    free(r->param[p]);
-    free(r->master[p]);
-    free(r->m[p]);
-    free(r->v[p]);
-  }
+  sg_test_free_state(NP, SG_TEST_STATE_OF(r));
   memset(r, 0, sizeof *r);
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* comparison                                                                                */
-
-static size_t first_diff(const float *a, const float *b, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    if (memcmp(&a[i], &b[i], 4) != 0) return i;
-  return 0;
-}
 
 /* Root-mean-square of (got - ref) over the root-mean-square of (ref - base): how large the
  * disagreement is against the size of what training changed (base NULL: against ref itself). */
@@ -299,7 +268,7 @@ static void compare(const char *what, const tcase *tc, int w, int rank, float *c
     const size_t n = k_sizes[p];
     if (exact) {
       const int same = memcmp(got[p], ref[p], n * 4) == 0;
-      const size_t bad = same ? 0 : first_diff(got[p], ref[p], n);
+      const size_t bad = same ? 0 : sg_test_first_diff(got[p], ref[p], n);
       CHECK(same, "%s W=%d rank %d p%s g%s r%s mb%d%s%s%s%s: %s of param %d (numel %zu) differs "
             "at %zu: %.9g vs %.9g", sname(tc->strategy), w, rank, dname(tc->pdt), dname(tc->gdt),
             dname(tc->rdt), tc->mb, tc->nosync ? " nosync" : "", tc->shuffle ? " shuffled" : "",
@@ -455,7 +424,7 @@ typedef struct {
 } wire_arg;
 
 static float wire_grad(int rank, int k, int p, size_t i) {
-  const uint64_t h = mix(0x5157ull ^ ((uint64_t)rank << 56) ^ ((uint64_t)k << 48) ^
+  const uint64_t h = sg_test_mix(0x5157ull ^ ((uint64_t)rank << 56) ^ ((uint64_t)k << 48) ^
                          ((uint64_t)p << 40) ^ i);
   return (float)((int)(h % 131073u) - 65536) / 65536.0f;
 }

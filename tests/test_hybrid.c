@@ -32,6 +32,7 @@
 
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
+#include "sg_test_state.h" /* sg_test_mix, reading and freeing the engine's state */
 
 static const size_t k_sizes[] = {1, 63, 65, 1000, 4097, 30000};
 #define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
@@ -95,20 +96,11 @@ static int g_timeout_ms = 60000; /* the engines' timeout_ms */
 /* ---------------------------------------------------------------------------------------- */
 /* data                                                                                      */
 
-static uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-
 static float grad_val(const tcase *tc, int v, int step, int k, int p, size_t i) {
   if (tc->inject && v == MAXW - 1 && step == 1 && k == tc->mb - 1 && p == 0 && i == 0)
     return INFINITY;
-  const uint64_t h = mix(((uint64_t)v << 56) ^ ((uint64_t)step << 48) ^ ((uint64_t)k << 40) ^
-                         ((uint64_t)p << 32) ^ i);
+  const uint64_t h = sg_test_mix(((uint64_t)v << 56) ^ ((uint64_t)step << 48) ^
+                                 ((uint64_t)k << 40) ^ ((uint64_t)p << 32) ^ i);
   if (tc->random) return (float)((double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0) * 0.01f;
   return (float)((int)(h % 5) - 2) * 0.125f;
 }
@@ -229,20 +221,7 @@ static sg_status one_step(run_arg *a, sg_engine *e, const int *ids, int s) {
 }
 
 static sg_status collect(run_arg *a, sg_engine *e, const int *ids) {
-  sg_status st = SG_OK;
-  result *r = a->res;
-  for (int p = 0; p < NP && !st; p++) {
-    const size_t n = k_sizes[p];
-    r->param[p] = malloc(n * 4);
-    r->master[p] = malloc(n * 4);
-    r->m[p] = malloc(n * 4);
-    r->v[p] = malloc(n * 4);
-    st = sg_get_param(e, ids[p], r->param[p], SG_F32);
-    if (!st) st = sg_get_master(e, ids[p], r->master[p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 0, r->m[p]);
-    if (!st) st = sg_get_optim_state(e, ids[p], 1, r->v[p]);
-  }
-  return st;
+  return sg_test_read_state(e, ids, k_sizes, NP, SG_TEST_STATE_OF(a->res));
 }
 
 static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
@@ -273,12 +252,7 @@ static void *run_thread(void *arg) {
 }
 
 static void free_result(result *r) {
-  for (int p = 0; p < NP; p++) {
-    free(r->param[p]);
-    free(r->master[p]);
-    free(r->m[p]);
-    free(r->v[p]);
-  }
+  sg_test_free_state(NP, SG_TEST_STATE_OF(r));
   memset(r, 0, sizeof *r);
 }
 
@@ -332,12 +306,6 @@ static void run_layout(const run_arg *proto, int kind, int n, int l, result *res
   run_layout_on(proto, NULL, kind, n, l, res);
 }
 
-static size_t first_diff(const float *x, const float *y, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    if (memcmp(&x[i], &y[i], 4) != 0) return i;
-  return n;
-}
-
 static void compare_steps(const char *what, const result *got, const result *ref, int steps,
                           int ref0) {
   if (!got->ok || !ref->ok) return;
@@ -346,7 +314,7 @@ static void compare_steps(const char *what, const result *got, const result *ref
     float *const g4[4] = {got->param[p], got->master[p], got->m[p], got->v[p]};
     float *const r4[4] = {ref->param[p], ref->master[p], ref->m[p], ref->v[p]};
     for (int k = 0; k < 4; k++) {
-      const size_t i = first_diff(g4[k], r4[k], k_sizes[p]);
+      const size_t i = sg_test_first_diff(g4[k], r4[k], k_sizes[p]);
       CHECK(i == k_sizes[p], "%s: %s of param %d bitwise (first difference at %zu: %.9g vs %.9g)",
             what, names[k], p, i, i < k_sizes[p] ? g4[k][i] : 0.0, i < k_sizes[p] ? r4[k][i] : 0.0);
     }
