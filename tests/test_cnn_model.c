@@ -8,13 +8,9 @@
 #include <string.h> /* memcpy */
 
 #include "cnn_model.h"
+#include "sg_test_check.h" /* CHECK */
 
-static int g_fail, g_pass;
-
-static void check(int ok, const char *what) {
-  printf("%s %s\n", ok ? "ok  " : "FAIL", what);
-  ok ? g_pass++ : g_fail++;
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 typedef struct net {
   cnn_dims d;
@@ -163,6 +159,5 @@ int main(void) {
   test_finite_differences();
   test_scale();
   test_learnable();
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

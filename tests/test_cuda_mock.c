@@ -26,16 +26,9 @@
 
 #include "cpu/sg_cpu_kernels.h"    /* references */
 #include "device/sg_device.h"      /* the vtable, sg__device_cuda_create */
+#include "sg_test_check.h"         /* CHECK */
 
-static int g_pass, g_fail;
-
-static void check(int ok, const char *what) {
-  printf("%s %s%s%s\n", ok ? "ok  " : "FAIL", what, ok ? "" : " -- ", ok ? "" : sg_last_error());
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 
@@ -742,6 +735,5 @@ int main(void) {
   group_tables();
   sg_cudamock_drain();
   check(sg_cudamock_live_allocations() == live1, "group tables: destroy frees every table");
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

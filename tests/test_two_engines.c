@@ -19,24 +19,14 @@
 
 #include "engine/sg_engine_internal.h" /* e->dev: gradients into device slots (CUDA) */
 #include "shardgrad.h"
+#include "sg_test_check.h" /* CHECK, counted under one lock across threads */
 
 #define MAXW 8
 #define STEPS 4
 
-static int g_pass, g_fail;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_cuda;
 
-static void check(int ok, const char *what, int rank) {
-  pthread_mutex_lock(&g_lock);
-  printf("%s rank %d: %s%s%s\n", ok ? "ok  " : "FAIL", rank, what, ok ? "" : " -- ",
-         ok ? "" : sg_last_error());
-  if (ok)
-    g_pass++;
-  else
-    g_fail++;
-  pthread_mutex_unlock(&g_lock);
-}
+static void check(int ok, const char *what, int rank) { CHECK(ok, "rank %d: %s", rank, what); }
 
 /* ---- two models ------------------------------------------------------------------------------ */
 
@@ -276,8 +266,9 @@ int main(int argc, char **argv) {
     rank_body(c);
     const int rank = sg_comm_rank(c);
     sg_comm_destroy(c);
-    printf("rank %d: %d passed, %d failed\n", rank, g_pass, g_fail);
-    return g_fail ? 1 : 0;
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "rank %d: ", rank);
+    return sg_test_summary(prefix);
   }
   if (nccl) {
 #ifdef SG_TEST_NCCL
@@ -306,6 +297,5 @@ int main(int argc, char **argv) {
     }
     run_threads(cs, w);
   }
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }
