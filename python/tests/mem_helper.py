@@ -22,23 +22,16 @@ import torch
 import shardgrad as sg
 from shardgrad.torch import ShardedAdamW
 from sg_models import lm_loss, make_batches, make_model
+from sg_rss import reset_peak, status_kib
 
 STEPS = 3
 SHAPE = dict(vocab=2048, d=256, heads=8, layers=4, seq=32)
 
 
-def status_kib(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def reset_peak():
+def try_reset_peak():
+    """True when the high-water mark could be reset (the result records it)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_peak()
         return True
     except OSError:
         return False
@@ -49,7 +42,7 @@ def run_torch(models, batches, world):
     reset_ok = None
     for s in range(STEPS + 1):
         if s == 1:
-            reset_ok = reset_peak()
+            reset_ok = try_reset_peak()
         # every replica holds its full gradient at the same time, as W ranks would
         for r in range(world):
             lm_loss(models[r], batches[s][0][r]).backward()
@@ -73,7 +66,7 @@ def run_sharded(models, batches, world):
             if s == 1:
                 barrier.wait()
                 if r == 0:
-                    flags["reset"] = reset_peak()
+                    flags["reset"] = try_reset_peak()
                 barrier.wait()
             lm_loss(models[r], batches[s][0][r]).backward()
             opt.step()

@@ -18,22 +18,10 @@ import torch
 
 import shardgrad as sg
 from shardgrad.torch import ShardedAdamW
+from sg_rss import reset_peak, status_kib
 
 STEPS = 4
 WIDTH, DEPTH, BATCH = 768, 6, 8
-
-
-def status_kib(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def main():
