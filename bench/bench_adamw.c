@@ -37,6 +37,7 @@
 #include <omp.h>
 #endif
 
+#include "bench_util.h"         /* bench_now_s */
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_adamw */
 #include "sg_elem.h"            /* sg_elem_adamw: the reference of the untimed check */
 #include "shardgrad.h"          /* --lean-report: the engine */
@@ -47,12 +48,6 @@ typedef struct options {
   size_t sizes[16];
   int nsizes, reps, warmup, lean;
 } options;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int threads(void) {
 #ifdef _OPENMP
@@ -116,9 +111,9 @@ static void triad_init(triad_bufs *t, size_t n) {
 }
 
 static double triad_once(triad_bufs *t) {
-  double t0 = now_s();
+  double t0 = bench_now_s();
   triad(t->a, t->b, t->c, 3.0, t->n);
-  return now_s() - t0;
+  return bench_now_s() - t0;
 }
 
 static void triad_free(triad_bufs *t) {
@@ -202,9 +197,9 @@ static int check_step(state *s) {
 
 static double adamw_once(state *s, uint64_t step) {
   sg__adamw_args a = args_of(s, step);
-  double t0 = now_s();
+  double t0 = bench_now_s();
   sg__cpu_adamw(&a);
-  return now_s() - t0;
+  return bench_now_s() - t0;
 }
 
 /* Triad and AdamW alternate, rep by rep, so that both see the same load from anything else
@@ -291,11 +286,11 @@ static double lean_once(lean *l, int *ok) {
     const size_t len = l->n - (size_t)p * SEG_MAX < SEG_MAX ? l->n - (size_t)p * SEG_MAX : SEG_MAX;
     if (!st) fill(g, len, -1e-3f, 2e-3f);
   }
-  const double t0 = now_s();
+  const double t0 = bench_now_s();
   for (int p = l->nparams - 1; p >= 0 && !st; p--) st = sg_grad_ready(l->e, p);
   sg_step_info info = {sizeof info, 0, 0, 0, 0, 0};
   if (!st) st = sg_step(l->e, &info);
-  const double t = now_s() - t0;
+  const double t = bench_now_s() - t0;
   if (st || info.skipped || !(info.grad_norm > 0)) *ok = st ? lean_fail("step", st) : 0;
   return t;
 }

@@ -22,6 +22,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "bench_util.h" /* bench_now_s */
 #include "shardgrad.h"
 
 typedef struct {
@@ -47,12 +48,6 @@ typedef struct {
   sg_comm *comm;
   int rank;
 } rank_arg;
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static sg_status make(const options *o, sg_comm *c, sg_engine **e, int *ids) {
   sg_config cfg;
@@ -88,18 +83,18 @@ static void *rank_main(void *p) {
     double t0 = 0;
     if (s->do_save) {
       pthread_barrier_wait(&s->bar);
-      t0 = now();
+      t0 = bench_now_s();
       st = sg_save(e, s->dir);
       pthread_barrier_wait(&s->bar);
-      const double dt = now() - t0;
+      const double dt = bench_now_s() - t0;
       if (a->rank == 0 && (s->t_save == 0 || dt < s->t_save)) s->t_save = dt;
     }
     if (st) break;
     pthread_barrier_wait(&s->bar);
-    t0 = now();
+    t0 = bench_now_s();
     st = sg_load(e, s->dir);
     pthread_barrier_wait(&s->bar);
-    const double dt = now() - t0;
+    const double dt = bench_now_s() - t0;
     if (a->rank == 0 && (s->t_load == 0 || dt < s->t_load)) s->t_load = dt;
   }
   /* untimed check: param 0's master survives a save/load round trip */
@@ -143,9 +138,9 @@ static int run(shared *s) {
 static double time_cmd(const char *cmd, int reps) {
   double best = 0;
   for (int r = 0; r < reps; r++) {
-    const double t0 = now();
+    const double t0 = bench_now_s();
     if (system(cmd) != 0) return -1;
-    const double dt = now() - t0;
+    const double dt = bench_now_s() - t0;
     if (best == 0 || dt < best) best = dt;
   }
   return best;

@@ -27,13 +27,13 @@
  *                    communicator, all-reduces across replicas, all-gathers; the norm + AdamW
  *                    span) and the CPU time of the process (all threads) and its caller. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
-#include <errno.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "mlp_cli.h" /* mlp_cli_now_s, integer flags */
 #include "mlp_model.h"
 #include "shardgrad.h"
 
@@ -45,12 +45,6 @@ typedef struct options {
 } options;
 
 static int rank, world;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int cmp_double(const void *a, const void *b) {
   const double x = *(const double *)a, y = *(const double *)b;
@@ -176,17 +170,17 @@ static sg_status one_step(const options *o, mlp_engine *me, int step, float *los
     const uint64_t slot = ((uint64_t)step * (uint64_t)o->micro + (uint64_t)mb) * (uint64_t)world;
     mlp_make_batch(me->m, (slot + (uint64_t)rank) * (uint64_t)o->batch);
     float l = 0.0f;
-    double t = now_s();
+    double t = mlp_cli_now_s();
     if (st == SG_OK) st = mlp_engine_micro_batch(me, scale / (float)o->micro, &l);
-    ph[P_MICRO] += now_s() - t;
-    t = now_s();
+    ph[P_MICRO] += mlp_cli_now_s() - t;
+    t = mlp_cli_now_s();
     if (st == SG_OK) st = sg_backward_end(me->e);
-    ph[P_END] += now_s() - t;
+    ph[P_END] += mlp_cli_now_s() - t;
     sum += l;
   }
-  const double t = now_s();
+  const double t = mlp_cli_now_s();
   if (st == SG_OK) st = sg_step(me->e, NULL);
-  ph[P_STEP] += now_s() - t;
+  ph[P_STEP] += mlp_cli_now_s() - t;
   *loss = sum / (float)o->micro;
   return st;
 }
@@ -241,10 +235,10 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
       main0 = cpu_s(CLOCK_THREAD_CPUTIME_ID);
     }
     MPI_Barrier(MPI_COMM_WORLD);
-    const double t0 = now_s();
+    const double t0 = mlp_cli_now_s();
     float loss = 0.0f;
     if (st == SG_OK) st = one_step(o, &me, s, &loss, s >= o->warmup ? ph : scratch);
-    double dt = now_s() - t0, slowest = 0.0;
+    double dt = mlp_cli_now_s() - t0, slowest = 0.0;
     MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (s >= o->warmup) times[s - o->warmup] = slowest;
     if (s == 0) r->first_loss = loss;
@@ -278,15 +272,6 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
 
 /* ---- main --------------------------------------------------------------------------------- */
 
-static int parse_int(const char *s, int lo, int *out) {
-  char *end = NULL;
-  errno = 0;
-  const long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > (1L << 30)) return -1;
-  *out = (int)v;
-  return 0;
-}
-
 static int usage(void) {
   fprintf(stderr,
           "usage: sg_bench_cluster [--mode flat|hybrid] [--sync every|last] [--micro N] "
@@ -296,10 +281,38 @@ static int usage(void) {
   return -1;
 }
 
+/* The flags with other than integer values: 1 for a bad value or an unknown flag, else 0. */
+static int other_flag(options *o, const char *a, const char *v) {
+  if (!strcmp(a, "--mode")) {
+    o->mode = v;
+    return strcmp(v, "flat") && strcmp(v, "hybrid");
+  }
+  if (!strcmp(a, "--sync")) {
+    o->sync_last = !strcmp(v, "last");
+    return !o->sync_last && strcmp(v, "every");
+  }
+  if (!strcmp(a, "--iface")) {
+    o->iface = v;
+    return 0;
+  }
+  if (!strcmp(a, "--bucket-mb")) return (o->bucket_mb = atof(v)) <= 0.0;
+  sg_dtype *dt = !strcmp(a, "--dtype") ? &o->dtype : !strcmp(a, "--wire") ? &o->wire : NULL;
+  if (!dt) return 1;
+  *dt = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
+  return strcmp(v, "bf16") && strcmp(v, "f32");
+}
+
 static int parse_args(int argc, char **argv, options *o) {
   *o = (options){.mode = "flat", .iface = "eth0", .micro = 1, .steps = 3, .warmup = 1,
                  .batch = 2, .hidden = 2048, .layers = 9, .dtype = SG_F32, .wire = SG_F32,
                  .bucket_mb = 32.0};
+  const mlp_cli_int_flag ints[] = {{"--micro", 1, 1 << 30, &o->micro},
+                                 {"--steps", 1, 1 << 30, &o->steps},
+                                 {"--warmup", 0, 1 << 30, &o->warmup},
+                                 {"--batch", 1, 1 << 30, &o->batch},
+                                 {"--hidden", 1, 1 << 30, &o->hidden},
+                                 {"--layers", 1, MLP_MAX_LAYERS, &o->layers},
+                                 {"--ranks-per-node", 0, 1 << 30, &o->ranks_per_node}};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     int bad = 0;
@@ -307,38 +320,8 @@ static int parse_args(int argc, char **argv, options *o) {
       o->profile = 1;
       continue;
     }
-    if (!strcmp(a, "--mode")) {
-      o->mode = v;
-      bad = strcmp(v, "flat") && strcmp(v, "hybrid");
-    } else if (!strcmp(a, "--sync")) {
-      o->sync_last = !strcmp(v, "last");
-      bad = !o->sync_last && strcmp(v, "every");
-    } else if (!strcmp(a, "--iface"))
-      o->iface = v;
-    else if (!strcmp(a, "--micro"))
-      bad = parse_int(v, 1, &o->micro);
-    else if (!strcmp(a, "--steps"))
-      bad = parse_int(v, 1, &o->steps);
-    else if (!strcmp(a, "--warmup"))
-      bad = parse_int(v, 0, &o->warmup);
-    else if (!strcmp(a, "--batch"))
-      bad = parse_int(v, 1, &o->batch);
-    else if (!strcmp(a, "--hidden"))
-      bad = parse_int(v, 1, &o->hidden);
-    else if (!strcmp(a, "--layers"))
-      bad = parse_int(v, 1, &o->layers) || o->layers > MLP_MAX_LAYERS;
-    else if (!strcmp(a, "--bucket-mb"))
-      bad = (o->bucket_mb = atof(v)) <= 0.0;
-    else if (!strcmp(a, "--dtype")) {
-      o->dtype = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
-      bad = strcmp(v, "bf16") && strcmp(v, "f32");
-    } else if (!strcmp(a, "--wire")) {
-      o->wire = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
-      bad = strcmp(v, "bf16") && strcmp(v, "f32");
-    } else if (!strcmp(a, "--ranks-per-node"))
-      bad = parse_int(v, 0, &o->ranks_per_node);
-    else
-      bad = 1;
+    if (!mlp_cli_int_flags(ints, sizeof ints / sizeof *ints, a, v, &bad))
+      bad = other_flag(o, a, v);
     if (bad) return usage();
     i++;
   }

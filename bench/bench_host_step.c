@@ -64,6 +64,7 @@
 #include <omp.h>
 #endif
 
+#include "bench_util.h"             /* bench_now_s */
 #include "cpu/sg_cpu_kernels.h"     /* sg__cpu_sumsq_gpu, sg__cpu_threads */
 #include "device/sg_device.h"       /* the CPU device */
 #include "offload/sg_offload.h"     /* the offloaded state and its pipelines, under test */
@@ -80,12 +81,6 @@ typedef struct options {
   int reps, warmup, cuda, rdt, fold_norm;
   const char *python;
 } options;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void die(const char *what) {
   fprintf(stderr, "sg_bench_host_step: %s: %s\n", what, sg_last_error());
@@ -129,12 +124,12 @@ static double triad_once(triad_bufs *t) {
   double *restrict a = t->a;
   const double *restrict b = t->b, *restrict c = t->c;
   const size_t n = t->n;
-  double t0 = now_s();
+  double t0 = bench_now_s();
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(sg__cpu_threads())
 #endif
   for (size_t i = 0; i < n; i++) a[i] = b[i] + 3.0 * c[i];
-  return now_s() - t0;
+  return bench_now_s() - t0;
 }
 
 /* ---- the offloaded shard ------------------------------------------------------------------- */
@@ -248,21 +243,21 @@ static void arrive_all(shard *s) {
 
 /* One step as sg_step runs it on the host (sg_offload_ops.c); returns the norm. */
 static double step_once(shard *s, uint64_t t, times *tm) {
-  double t0 = now_s();
+  double t0 = bench_now_s();
   arrive_all(s);
-  double t1 = now_s(), ss[2];
+  double t1 = bench_now_s(), ss[2];
   if (sg__offload_fold_all(&s->off, INT64_MAX) != SG_OK || sg__offload_norm(&s->off, ss) != SG_OK)
     die("norm");
   const double norm = sqrt(ss[0]);
   const float scale = ss[1] > 0 ? 0.0f : (float)fmin(1.0, 1.0 / (norm + 1e-6)); /* clip to 1 */
-  double t2 = now_s();
+  double t2 = bench_now_s();
   for (int k = s->nsegs - 1; k >= 0; k--) { /* last bucket first, as sg_step */
     sg__adamw_args a = args_of(s, k, t, scale);
     uint64_t last = 0;
     if (sg__offload_update(&s->off, &a, s->dparam, INT64_MAX, &last) != SG_OK) die("update");
   }
   if (sg__host_pipe_drain(&s->off.pipe, INT64_MAX) != SG_OK) die("drain");
-  double t3 = now_s();
+  double t3 = bench_now_s();
   if (sg__offload_clear(&s->off, INT64_MAX) != SG_OK) die("clear");
   if (tm) *tm = (times){t1 - t0, t2 - t1, t3 - t2};
   return norm;
@@ -282,9 +277,9 @@ static double kernel_once(shard *s, uint64_t t, int bf16) {
     a.param = s->kernel_out;
   else
     a.param = a.master, a.param_dtype = SG_F32, a.master = NULL;
-  double t0 = now_s();
+  double t0 = bench_now_s();
   sg__cpu_adamw(&a);
-  return now_s() - t0;
+  return bench_now_s() - t0;
 }
 
 /* One untimed step; every 4099th element recomputed with the element function. */

@@ -12,7 +12,6 @@
  * (sg_memory for the engine; what the loop allocates for plain) beside DESIGN.md section 3's
  * formula. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_barrier */
-#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -20,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "mlp_cli.h" /* mlp_cli_now_s, integer flags */
 #include "mlp_model.h"
 #include "shardgrad.h"
 #ifdef SG_HAVE_MPI
@@ -66,11 +66,7 @@ typedef struct rank_ctx {
   int rc;
 } rank_ctx;
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
-}
+static double now_ms(void) { return 1e3 * mlp_cli_now_s(); }
 
 static double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 
@@ -399,12 +395,19 @@ static void print_table(const options *o, const rank_ctx *c0) {
 
 /* ---- main ---------------------------------------------------------------------------------- */
 
-static int parse_int(const char *s, int lo, int *out) {
-  char *end = NULL;
-  errno = 0;
-  const long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > (1L << 30)) return -1;
-  *out = (int)v;
+/* The flags with other than integer values: 0, or -1 for a bad value or an unknown flag. */
+static int other_flag(options *o, const char *a, const char *v) {
+  if (!strcmp(a, "--bucket-mb")) return (o->bucket_mb = atof(v)) <= 0.0 ? -1 : 0;
+  if (!strcmp(a, "--lr")) return (o->lr = (float)atof(v)) <= 0.0f ? -1 : 0;
+  if (strcmp(a, "--dtype")) return -1;
+  if (!strcmp(v, "f32"))
+    o->dtype = SG_F32;
+  else if (!strcmp(v, "bf16"))
+    o->dtype = SG_BF16;
+  else if (!strcmp(v, "f16"))
+    o->dtype = SG_F16;
+  else
+    return -1;
   return 0;
 }
 
@@ -418,6 +421,12 @@ static int parse_args(int argc, char **argv, options *o) {
                  .dtype = SG_F32,
                  .bucket_mb = 8.0,
                  .lr = 0.0f}; /* 0: after the flags, 3e-3 x min(1, 128 / hidden) as examples/mlp */
+  const mlp_cli_int_flag ints[] = {{"--ranks", 1, 1 << 30, &o->ranks},
+                                 {"--steps", 1, 1 << 30, &o->steps},
+                                 {"--warmup", 0, 1 << 30, &o->warmup},
+                                 {"--batch", 1, 1 << 30, &o->batch},
+                                 {"--hidden", 1, 1 << 30, &o->hidden},
+                                 {"--layers", 1, MLP_MAX_LAYERS, &o->layers}};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     int rc = 0;
@@ -425,33 +434,8 @@ static int parse_args(int argc, char **argv, options *o) {
       o->mpi = 1;
       continue;
     }
-    if (!strcmp(a, "--ranks"))
-      rc = parse_int(v, 1, &o->ranks);
-    else if (!strcmp(a, "--steps"))
-      rc = parse_int(v, 1, &o->steps);
-    else if (!strcmp(a, "--warmup"))
-      rc = parse_int(v, 0, &o->warmup);
-    else if (!strcmp(a, "--batch"))
-      rc = parse_int(v, 1, &o->batch);
-    else if (!strcmp(a, "--hidden"))
-      rc = parse_int(v, 1, &o->hidden);
-    else if (!strcmp(a, "--layers"))
-      rc = parse_int(v, 1, &o->layers) || o->layers > MLP_MAX_LAYERS;
-    else if (!strcmp(a, "--bucket-mb"))
-      rc = (o->bucket_mb = atof(v)) <= 0.0;
-    else if (!strcmp(a, "--lr"))
-      rc = (o->lr = (float)atof(v)) <= 0.0f;
-    else if (!strcmp(a, "--dtype")) {
-      if (!strcmp(v, "f32"))
-        o->dtype = SG_F32;
-      else if (!strcmp(v, "bf16"))
-        o->dtype = SG_BF16;
-      else if (!strcmp(v, "f16"))
-        o->dtype = SG_F16;
-      else
-        rc = -1;
-    } else
-      rc = -1;
+    if (!mlp_cli_int_flags(ints, sizeof ints / sizeof *ints, a, v, &rc))
+      rc = other_flag(o, a, v);
     if (rc) {
       fprintf(stderr,
               "usage: sg_bench_step [--ranks N | --mpi] [--steps N] [--warmup N] "

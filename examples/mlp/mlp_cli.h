@@ -231,6 +231,25 @@ static inline int mlp_cli_parse_int(const char *s, int lo, int hi, int *out) {
   return 0;
 }
 
+/* An integer flag of a program's command line: its name, its range and where it goes. */
+typedef struct mlp_cli_int_flag {
+  const char *name;
+  int lo, hi;
+  int *out;
+} mlp_cli_int_flag;
+
+/* 1 when `flag` is one of flags[0..n), its value v parsed into place (*bad = 1 when v is not a
+ * whole number in its range); 0 when it is none of them. */
+static inline int mlp_cli_int_flags(const mlp_cli_int_flag *flags, int n, const char *flag,
+                                    const char *v, int *bad) {
+  for (int k = 0; k < n; k++)
+    if (!strcmp(flag, flags[k].name)) {
+      *bad = mlp_cli_parse_int(v, flags[k].lo, flags[k].hi, flags[k].out) != 0;
+      return 1;
+    }
+  return 0;
+}
+
 static inline int mlp_cli_parse_num(const char *s, double lo, double *out) {
   char *end = NULL;
   errno = 0;
