@@ -23,11 +23,13 @@
 #include <string.h>
 #ifdef CNN_CUDNN_HAVE_MPI
 #include <mpi.h>
+#define MLP_GPU_HAVE_MPI
 #endif
 
 #include "cnn_cudnn_kernels.h" /* softmax cross-entropy */
 #include "cnn_model.h"         /* shapes, data, initial values, the CPU reference */
 #include "mlp_cli.h"           /* flags, ranks as threads, result lines, --trace */
+#include "mlp_gpu.h"           /* --nccl, --nccl-solo, --gpu */
 #include "shardgrad.h"
 
 #define CHECK_STEPS 3       /* --check compares the first 3 steps with the CPU */
@@ -36,7 +38,8 @@
 
 typedef struct options {
   mlp_cli c; /* the flags shared with examples/mlp; --hidden and --layers are refused */
-  int nccl, nccl_solo, gpu, channels;
+  mlp_gpu_flags g;
+  int channels;
 } options;
 
 /* One convolution layer's descriptors and the algorithms picked for it. */
@@ -521,7 +524,7 @@ static void print_header(const options *o, const gpu_net *g, const sg_memory_sta
       "cnn_cudnn: %s, W=%d (%s), conv %d-%d channels + linear, %zu params, batch %d x %d "
       "micro-batch(es) per rank, GPU %d (%s), cuDNN %zu, workspace %zu bytes\n",
       mlp_cli_strategy_name(o->c.strategy), world,
-      o->nccl || o->nccl_solo ? "NCCL" : "threads on one GPU", g->d.c1, g->d.c2, total, o->c.batch,
+      o->g.nccl || o->g.nccl_solo ? "NCCL" : "threads on one GPU", g->d.c1, g->d.c2, total, o->c.batch,
       o->c.micro, gpu, have_prop ? prop.name : "?", cudnnGetVersion(), g->ws_bytes);
   mlp_cli_print_memory(mem, ddp);
 }
@@ -653,20 +656,13 @@ static void usage(void) {
 }
 
 static int switch_flag(void *opts, const char *flag) {
-  options *o = opts;
-  if (!strcmp(flag, "--nccl"))
-    o->nccl = 1;
-  else if (!strcmp(flag, "--nccl-solo"))
-    o->nccl_solo = 1;
-  else
-    return 0;
-  return 1;
+  return mlp_gpu_switch_flag(&((options *)opts)->g, flag);
 }
 
 static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
   options *o = opts;
   if (!strcmp(flag, "--gpu"))
-    *bad = mlp_cli_parse_int(v, 0, 1023, &o->gpu) != 0;
+    *bad = mlp_cli_parse_int(v, 0, 1023, &o->g.gpu) != 0;
   else if (!strcmp(flag, "--channels"))
     *bad = mlp_cli_parse_int(v, 1, 256, &o->channels) != 0;
   else
@@ -699,83 +695,12 @@ static int parse_args(int argc, char **argv, options *o) {
   memset(o, 0, sizeof *o);
   o->channels = 8;
   if (mlp_cli_parse(prog_info(), argc, argv, &o->c, o) != 0) return -1;
-  int nprocs = 0;
-  const char *launcher = mlp_cli_launcher(&nprocs);
-  if (o->nccl && o->c.ranks_given) {
-    fprintf(stderr,
-            "cnn_cudnn: --ranks and --nccl conflict: with --nccl the ranks are the "
-            "processes (mpirun -np N cnn_cudnn --nccl)\n");
-    return -1;
-  }
-  if (launcher && !o->nccl && nprocs != 1) {
-    fprintf(stderr,
-            "cnn_cudnn: started by %s (%d processes) without --nccl: each process "
-            "would train alone; add --nccl (one rank per process and GPU)\n",
-            launcher, nprocs);
-    return -1;
-  }
-  return 0;
-}
-
-#ifdef CNN_CUDNN_HAVE_MPI
-/* The GPU of this rank: (rank within its node) mod (GPUs on the node). */
-static int node_local_gpu(void) {
-  MPI_Comm node;
-  int local = 0, count = 0;
-  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
-      MPI_SUCCESS) {
-    MPI_Comm_rank(node, &local);
-    MPI_Comm_free(&node);
-  }
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) count = 1;
-  return local % count;
-}
-
-static int run_nccl(const options *o) {
-  int provided = 0, rc = 1;
-  if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
-    fprintf(stderr, "cnn_cudnn: MPI_Init_thread failed\n");
-    return 1;
-  }
-  mlp_rank_run run = {.o = o};
-  const sg_status st = sg_comm_create_nccl_mpi(NULL, &run.comm);
-  if (st != SG_OK) {
-    rc = failed(-1, "sg_comm_create_nccl_mpi", st);
-  } else {
-    run.gpu = node_local_gpu();
-    train(&run);
-    rc = run.rc;
-  }
-  sg_comm_destroy(run.comm);
-  MPI_Finalize();
-  return rc;
-}
-#else
-static int run_nccl(const options *o) {
-  (void)o;
-  fprintf(stderr, "cnn_cudnn: --nccl needs MPI: this example was built without it\n");
-  return 1;
-}
-#endif
-
-/* One rank over an NCCL communicator of world 1: stream-ordered reductions, as on several GPUs. */
-static int run_nccl_solo(const options *o) {
-  unsigned char id[128];
-  mlp_rank_run run = {.o = o, .gpu = o->gpu};
-  sg_status st = sg_nccl_unique_id(id);
-  if (st == SG_OK) st = sg_comm_create_nccl(0, 1, id, o->gpu, &run.comm);
-  if (st != SG_OK)
-    run.rc = failed(0, "sg_comm_create_nccl (world 1)", st);
-  else
-    train(&run);
-  sg_comm_destroy(run.comm);
-  return run.rc;
+  return mlp_gpu_check_launch("cnn_cudnn", &o->g, &o->c);
 }
 
 int main(int argc, char **argv) {
   options o;
   if (parse_args(argc, argv, &o) != 0) return 64;
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (o.nccl_solo) return run_nccl_solo(&o);
-  return o.nccl ? run_nccl(&o) : mlp_cli_run_threads("cnn_cudnn", &o, o.c.ranks, o.gpu, train);
+  return mlp_gpu_run("cnn_cudnn", &o, &o.g, o.c.ranks, train);
 }

@@ -20,16 +20,18 @@
 #include <string.h>
 #ifdef MLP_CUDA_HAVE_MPI
 #include <mpi.h>
+#define MLP_GPU_HAVE_MPI
 #endif
 
 #include "mlp_cli.h"
+#include "mlp_gpu.h" /* --nccl, --nccl-solo, --gpu */
 #include "mlp_cuda_kernels.h"
 #include "mlp_model.h"
 #include "shardgrad.h"
 
 typedef struct options {
   mlp_cli c; /* the flags shared with examples/mlp; dtype SG_F32 or SG_BF16 */
-  int nccl, nccl_solo, gpu;
+  mlp_gpu_flags g;
 } options;
 
 /* The GPU side of one rank's model: f32 activations and deltas, their bf16 mirrors in bf16
@@ -272,7 +274,7 @@ static void print_memory(const options *o, const mlp_model *m, const sg_memory_s
   const int have_prop = cudaGetDeviceProperties(&prop, gpu) == cudaSuccess;
   printf("mlp_cuda: %s, W=%d (%s), %s params, %d layers x %d hidden, %zu params, batch %d x %d "
          "micro-batch(es) per rank, GPU %d (%s)\n",
-         mlp_cli_strategy_name(o->c.strategy), world, o->nccl || o->nccl_solo ? "NCCL" : "threads on one GPU",
+         mlp_cli_strategy_name(o->c.strategy), world, o->g.nccl || o->g.nccl_solo ? "NCCL" : "threads on one GPU",
          o->c.dtype == SG_BF16 ? "bf16" : "f32", m->layers, o->c.hidden, m->total_numel, o->c.batch,
          o->c.micro, gpu, have_prop ? prop.name : "?");
   mlp_cli_print_memory(mem, ddp);
@@ -384,20 +386,13 @@ static void usage(void) {
 }
 
 static int switch_flag(void *opts, const char *flag) {
-  options *o = opts;
-  if (!strcmp(flag, "--nccl"))
-    o->nccl = 1;
-  else if (!strcmp(flag, "--nccl-solo"))
-    o->nccl_solo = 1;
-  else
-    return 0;
-  return 1;
+  return mlp_gpu_switch_flag(&((options *)opts)->g, flag);
 }
 
 static int value_flag(void *opts, const char *flag, const char *v, int *bad) {
   options *o = opts;
   if (strcmp(flag, "--gpu")) return 0;
-  *bad = mlp_cli_parse_int(v, 0, 1023, &o->gpu) != 0;
+  *bad = mlp_cli_parse_int(v, 0, 1023, &o->g.gpu) != 0;
   return 1;
 }
 
@@ -418,78 +413,7 @@ static const mlp_cli_prog *prog_info(void) {
 static int parse_args(int argc, char **argv, options *o) {
   memset(o, 0, sizeof *o);
   if (mlp_cli_parse(prog_info(), argc, argv, &o->c, o) != 0) return -1;
-  int nprocs = 0;
-  const char *launcher = mlp_cli_launcher(&nprocs);
-  if (o->nccl && o->c.ranks_given) {
-    fprintf(stderr, "mlp_cuda: --ranks and --nccl conflict: with --nccl the ranks are the "
-                    "processes (mpirun -np N mlp_cuda --nccl)\n");
-    return -1;
-  }
-  if (launcher && !o->nccl && nprocs != 1) {
-    fprintf(stderr, "mlp_cuda: started by %s (%d processes) without --nccl: each process "
-                    "would train alone; add --nccl (one rank per process and GPU)\n",
-            launcher, nprocs);
-    return -1;
-  }
-  return 0;
-}
-
-#ifdef MLP_CUDA_HAVE_MPI
-/* The GPU the library gives this rank: (rank within its node) mod (GPUs on the node). */
-static int node_local_gpu(void) {
-  MPI_Comm node;
-  int local = 0, count = 0;
-  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) ==
-      MPI_SUCCESS) {
-    MPI_Comm_rank(node, &local);
-    MPI_Comm_free(&node);
-  }
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count < 1) count = 1;
-  return local % count;
-}
-
-static int run_nccl(const options *o) {
-  int provided = 0, rc = 1;
-  if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
-    fprintf(stderr, "mlp_cuda: MPI_Init_thread failed\n");
-    return 1;
-  }
-  mlp_rank_run run = {.o = o};
-  const sg_status st = sg_comm_create_nccl_mpi(NULL, &run.comm);
-  if (st != SG_OK) {
-    rc = failed(-1, "sg_comm_create_nccl_mpi", st);
-    goto done;
-  }
-  run.gpu = node_local_gpu();
-  train(&run);
-  rc = run.rc;
-done:
-  sg_comm_destroy(run.comm);
-  MPI_Finalize(); /* we initialized MPI; the NCCL communicator used it only to start */
-  return rc;
-}
-#else
-static int run_nccl(const options *o) {
-  (void)o;
-  fprintf(stderr, "mlp_cuda: --nccl needs MPI: this example was built without it\n");
-  return 1;
-}
-#endif
-
-/* One rank on one GPU over an NCCL communicator of world 1, without MPI: the engine's
- * reductions are stream-ordered as they are on several GPUs, so --trace shows them overlapping
- * the backward GEMMs (ranks as threads use the host-driven local communicator instead). */
-static int run_nccl_solo(const options *o) {
-  unsigned char id[128];
-  mlp_rank_run run = {.o = o, .gpu = o->gpu};
-  sg_status st = sg_nccl_unique_id(id);
-  if (st == SG_OK) st = sg_comm_create_nccl(0, 1, id, o->gpu, &run.comm);
-  if (st != SG_OK)
-    run.rc = failed(0, "sg_comm_create_nccl (world 1)", st);
-  else
-    train(&run);
-  sg_comm_destroy(run.comm);
-  return run.rc;
+  return mlp_gpu_check_launch("mlp_cuda", &o->g, &o->c);
 }
 
 int main(int argc, char **argv) {
@@ -498,6 +422,5 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   /* Ranks as threads on one GPU: NCCL refuses two ranks on one device, the local communicator
    * does not. */
-  if (o.nccl_solo) return run_nccl_solo(&o);
-  return o.nccl ? run_nccl(&o) : mlp_cli_run_threads("mlp_cuda", &o, o.c.ranks, o.gpu, train);
+  return mlp_gpu_run("mlp_cuda", &o, &o.g, o.c.ranks, train);
 }
