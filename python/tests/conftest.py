@@ -8,6 +8,8 @@ import glob
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYDIR = os.path.dirname(HERE)
 REPO = os.path.dirname(PYDIR)
@@ -35,6 +37,19 @@ if not os.environ.get("SHARDGRAD_LIBRARY"):
 # Subprocesses (mpirun helpers) import the package the same way.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [PYDIR, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one intra-op thread for a module's tests, restored after it: rank threads on two
+    cores, one intra-op thread each, keep the runs predictable. A torch test module asks for it
+    with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def pytest_report_header(config):

@@ -18,14 +18,7 @@ TOL = 5e-5
 STEPS = 10
 FAST = dict(timeout_ms=60000)
 LAMBDAS = [lambda s: 0.5 ** (s // 3), lambda s: 1.0 / (1 + s)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def two_groups(model):

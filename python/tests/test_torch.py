@@ -36,15 +36,7 @@ TOL_DDP = 2e-6
 STEPS = 20
 HP = dict(lr=3e-3, weight_decay=0.1)
 FAST = dict(timeout_ms=60000)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Two rank threads on two cores: one intra-op thread each keeps the runs predictable.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @functools.lru_cache(maxsize=None)
