@@ -624,7 +624,26 @@ static void xport_api(void) {
   float v = 2;
   check(0, chan->ops->all_reduce(chan, &v, 1, SG_F32, sg__deadline(1000)) == SG_OK && v == 2,
         "xport: W=1 all_reduce");
+  /* channel 512 would share channel 0's tags (slot = index mod 512) while 0 is alive */
+  int binds_ok = 1;
+  for (int i = 1; i < 512; i++) {
+    sg_comm *other = NULL;
+    binds_ok &= sg__comm_bind(c, NULL, 0, &other) == SG_OK;
+    sg__comm_unbind(other);
+  }
+  sg_comm *late = NULL;
+  check(0, binds_ok && sg__comm_bind(c, NULL, 0, &late) == SG_ERR_UNSUPPORTED && !late &&
+               strstr(sg_last_error(), "would share the tags of channel 0"),
+        "xport: a bind whose tag slot a live channel holds is refused (%s)", sg_last_error());
   sg__comm_unbind(chan);
+  for (int i = 513; i < 1024; i++) { /* on to channel 1024: slot 0 again */
+    sg_comm *other = NULL;
+    binds_ok &= sg__comm_bind(c, NULL, 0, &other) == SG_OK;
+    sg__comm_unbind(other);
+  }
+  check(0, binds_ok && sg__comm_bind(c, NULL, 0, &late) == SG_OK,
+        "xport: channel 1024 takes slot 0 once channel 0 is gone");
+  sg__comm_unbind(late);
   sg_comm_destroy(c);
   check(0, atomic_load(&mb.released) == 1, "xport: released once, at destroy");
   mb_free(&mb);
