@@ -16,18 +16,9 @@
 #include "comm/sg_comm.h"          /* sg_comm */
 #include "comm/sg_nccl_internal.h" /* id file helpers */
 #include "device/sg_device.h"      /* sg__device_cuda_create */
+#include "sg_test_check.h"         /* CHECK */
 
-static int g_pass, g_fail;
-
-static void check(int ok, const char *what) {
-  if (ok) {
-    g_pass++;
-    printf("ok   %s\n", what);
-  } else {
-    g_fail++;
-    printf("FAIL %s (last error: %s)\n", what, sg_last_error());
-  }
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 static int says(const char *needle) { return strstr(sg_last_error(), needle) != NULL; }
 
@@ -230,6 +221,5 @@ int main(void) {
 #ifdef SG_HAVE_NCCL
   test_id_file();
 #endif
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

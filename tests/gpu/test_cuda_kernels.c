@@ -18,19 +18,14 @@
 #include "cuda/sg_cuda_kernels.h"   /* launchers, for launch-shape checks */
 #include "device/sg_device.h"      /* sg__device_cuda_create */
 #include "sg_elem.h"               /* conversions, for NaN tests */
+#include "../sg_test_check.h"      /* CHECK */
 
-static int g_pass, g_fail, g_quick;
+static int g_quick;
 static sg__device *g_dev;
 static cudaStream_t g_stream;
 
 static void check(int ok, const char *fmt_what, const char *detail) {
-  if (ok) {
-    g_pass++;
-    printf("ok   %s %s\n", fmt_what, detail ? detail : "");
-  } else {
-    g_fail++;
-    printf("FAIL %s %s (last error: %s)\n", fmt_what, detail ? detail : "", sg_last_error());
-  }
+  CHECK(ok, "%s %s", fmt_what, detail ? detail : "");
 }
 
 /* ---- helpers ------------------------------------------------------------------------------ */
@@ -574,6 +569,5 @@ int main(int argc, char **argv) {
   check(g_dev->ops->sync(g_dev, sg__deadline(60000)) == SG_OK, "final sync", NULL);
   cudaStreamDestroy(g_stream);
   g_dev->ops->destroy(g_dev);
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }

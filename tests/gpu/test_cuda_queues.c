@@ -21,18 +21,9 @@
 
 #include "comm/sg_comm.h"          /* sg_comm internals: dev, ops */
 #include "device/sg_device.h"      /* sg__device_cuda_create */
+#include "../sg_test_check.h"      /* CHECK */
 
-static int g_pass, g_fail;
-
-static void check(int ok, const char *what) {
-  if (ok) {
-    g_pass++;
-    printf("ok   %s\n", what);
-  } else {
-    g_fail++;
-    printf("FAIL %s (last error: %s)\n", what, sg_last_error());
-  }
-}
+static void check(int ok, const char *what) { CHECK(ok, "%s", what); }
 
 static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 
@@ -308,6 +299,5 @@ int main(void) {
 #endif
   d->ops->destroy(d);
   test_timeout();
-  printf("%d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return sg_test_summary("");
 }
