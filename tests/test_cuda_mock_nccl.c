@@ -207,16 +207,24 @@ static sg_status allreduce_job(void *arg) {
   return j->c->ops->all_reduce(j->c, j->buf, 256, SG_F32, sg__deadline(10000));
 }
 
+/* Rank 0's communicator bound to a CUDA device of its own (the job's c: the bound channel) and a
+ * device buffer for allreduce_job. */
+static coll_job bind_to_device(rank_ctx *x, sg__device **d) {
+  coll_job j = {NULL, NULL};
+  *d = NULL;
+  sg__device_cuda_create(0, 0, d);
+  sg__comm_bind(x->c, *d, 0, &j.c);
+  cudaMalloc((void **)&j.buf, 1024);
+  return j;
+}
+
 /* Rank 0 reduces alone (rank 1 never joins): its device wait passes the deadline. */
 static void body_stuck(rank_ctx *x) {
   if (x->rank != 0) return;
   sg__device *d = NULL;
-  sg__device_cuda_create(0, 0, &d);
-  sg_comm *c = NULL;
-  sg__comm_bind(x->c, d, 0, &c);
-  float *buf = NULL;
-  cudaMalloc((void **)&buf, 1024);
-  coll_job j = {c, buf};
+  coll_job j = bind_to_device(x, &d);
+  sg_comm *c = j.c;
+  float *buf = j.buf;
   uint64_t t = 0;
   const int live = sg_ncclmock_live();
   check(d->ops->comm_submit(d, allreduce_job, NULL, &j, &t) == SG_OK, "stuck: the job is queued");
@@ -234,12 +242,9 @@ static void body_stuck(rank_ctx *x) {
 static void body_async_error(rank_ctx *x) {
   if (x->rank != 0) return;
   sg__device *d = NULL;
-  sg__device_cuda_create(0, 0, &d);
-  sg_comm *c = NULL;
-  sg__comm_bind(x->c, d, 0, &c);
-  float *buf = NULL;
-  cudaMalloc((void **)&buf, 1024);
-  coll_job j = {c, buf};
+  coll_job j = bind_to_device(x, &d);
+  sg_comm *c = j.c;
+  float *buf = j.buf;
   uint64_t t = 0;
   check(d->ops->comm_submit(d, allreduce_job, NULL, &j, &t) == SG_OK, "async error: the job is queued");
   sg_ncclmock_fail_all(ncclRemoteError);
