@@ -9,8 +9,10 @@
  *    of OpenMP threads;
  *  - the CPU device (src/device/cpu.c): aligned allocation and the failure hook, the comm
  *    queue's FIFO order, deadlines, failure propagation and skipping, inline mode, ordering of
- *    SG_Q_COMM work, and destroy with jobs pending. */
+ *    SG_Q_COMM work, and destroy with jobs pending; zero_release zeroes exactly its range and
+ *    gives its whole pages back (mincore). */
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
+#define _DEFAULT_SOURCE         /* mincore */
 
 #include <math.h>
 #include <stdarg.h>
@@ -19,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h> /* mincore */
+#include <unistd.h>   /* sysconf */
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -642,6 +646,69 @@ static void test_device_memory(void) {
   d->ops->destroy(d);
 }
 
+/* Resident pages of [p, p + bytes) (p page-aligned), by mincore; -1 when it fails. */
+static long resident_pages(void *p, size_t bytes, size_t page) {
+  size_t n = (bytes + page - 1) / page;
+  unsigned char *v = malloc(n ? n : 1);
+  long k = 0;
+  if (!v || mincore(p, bytes, v) != 0) k = -1;
+  for (size_t i = 0; k >= 0 && i < n; i++) k += v[i] & 1;
+  free(v);
+  return k;
+}
+
+/* zero_release: zeros from byte `off` for `len` bytes of a written block, every other byte
+ * kept, and the whole pages inside off RSS until written again (when len is large). */
+static void test_device_zero_release(void) {
+  sg__device *d = NULL;
+  if (sg__device_cpu_create(0, 1, &d) != SG_OK) {
+    CHECK(0, "cpu device: create");
+    return;
+  }
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = (size_t)4 << 20;
+  unsigned char *blk = NULL;
+  CHECK(d->ops->alloc(d, bytes, (void **)&blk) == SG_OK && blk, "zero_release: 4 MiB block");
+  if (!blk) {
+    d->ops->destroy(d);
+    return;
+  }
+  const size_t cases[][2] = {{100, 300000}, {0, bytes}, {8 * page, 16 * page}, {5, 1000},
+                             {page - 1, 64 << 10}};
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    const size_t off = cases[c][0], len = cases[c][1];
+    memset(blk, 0xA5, bytes);
+    sg_status st = d->ops->zero_release(d, SG_Q_COMPUTE, blk + off, len);
+    size_t bad = 0;
+    for (size_t i = 0; i < bytes; i++) bad += blk[i] != ((i >= off && i < off + len) ? 0 : 0xA5);
+    CHECK(st == SG_OK && bad == 0, "zero_release(%zu, %zu): zeros inside, 0xA5 outside (%zu bytes "
+          "wrong)", off, len, bad);
+  }
+  /* page-aligned block (the mapping's data starts one header into its first page) */
+  unsigned char *first = (unsigned char *)(((uintptr_t)blk + page - 1) / page * page);
+  const size_t span = 512 * page;
+  memset(blk, 1, bytes);
+  long before = resident_pages(first, span, page);
+  sg_status st = d->ops->zero_release(d, SG_Q_COMPUTE, first, span);
+  long after = resident_pages(first, span, page);
+  first[3 * page] = 7; /* written again: resident again, the rest still zero */
+  long again = resident_pages(first, span, page);
+  CHECK(st == SG_OK && before == 512 && after == 0 && again == 1 && first[0] == 0 &&
+            first[span - 1] == 0 && first[span] == 1,
+        "zero_release: 512 written pages resident, none after, one once written (%ld, %ld, %ld)",
+        before, after, again);
+  memset(blk, 1, bytes);
+  st = d->ops->zero_release(d, SG_Q_COMPUTE, first, 8 * page);
+  CHECK(st == SG_OK && resident_pages(first, 8 * page, page) == 8 && first[0] == 0,
+        "zero_release: a range below 64 KiB is written with zeros (stays resident)");
+  CHECK(d->ops->zero_release(NULL, SG_Q_COMPUTE, blk, 4) == SG_ERR_INVALID_ARGUMENT &&
+            d->ops->zero_release(d, SG_Q_COMPUTE, NULL, 4) == SG_ERR_INVALID_ARGUMENT &&
+            d->ops->zero_release(d, (sg__queue)5, blk, 4) == SG_ERR_INVALID_ARGUMENT &&
+            d->ops->zero_release(d, SG_Q_COMM, blk, 0) == SG_OK,
+        "zero_release: NULL device, NULL dst, bad queue refused; 0 bytes on SG_Q_COMM ok");
+  d->ops->free(d, blk);
+  d->ops->destroy(d);
+}
+
 static void test_device_queue(void) {
   sg__device *d = NULL;
   if (sg__device_cpu_create(1, 1, &d) != SG_OK) {
@@ -751,6 +818,7 @@ int main(void) {
   test_sumsq();
   test_adamw_loop();
   test_device_memory();
+  test_device_zero_release();
   test_device_queue();
   test_device_inline_and_destroy();
   return sg_test_summary("");

@@ -15,7 +15,8 @@
 #include <stdint.h>    /* INT64_MAX */
 #include <stdlib.h>    /* posix_memalign, malloc, free */
 #include <string.h>    /* memcpy, memset, strlen */
-#include <sys/mman.h>  /* mmap, munmap: large blocks */
+#include <sys/mman.h>  /* mmap, munmap: large blocks; madvise: zero_release */
+#include <unistd.h>    /* sysconf: the page size */
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_* loops */
 #include "sg_device.h"                        /* sg__device, sg__device_ops */
@@ -175,11 +176,38 @@ static sg_status cpu_copy(sg__device *d, sg__queue q, void *dst, const void *src
   return SG_OK;
 }
 
+/* The checks of zero and zero_release, and the queue's order before them. */
+static sg_status enter_zero(sg__device *d, sg__queue q, const void *dst, size_t bytes,
+                            const char *fn) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  if (bytes && !dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL dst with %zu bytes", fn, bytes);
+  return enter_queue(d, q, fn);
+}
+
 static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "zero: NULL device");
-  if (bytes && !dst) return sg__err(SG_ERR_INVALID_ARGUMENT, "zero: NULL dst with %zu bytes", bytes);
-  SG_TRY(enter_queue(d, q, "zero"));
+  SG_TRY(enter_zero(d, q, dst, bytes, "zero"));
   sg__cpu_zero(dst, bytes);
+  return SG_OK;
+}
+
+/* Ranges from this size on give their whole pages back (madvise) instead of writing zeros:
+ * below it the system calls and the page faults of the next write cost more than memset. */
+#define SG_CPU_RELEASE_MIN ((size_t)64 << 10)
+
+/* Device memory is private anonymous (mmap or the heap), so pages dropped with MADV_DONTNEED
+ * read as zeros when next touched. The partial pages at either end are cleared. */
+static sg_status cpu_zero_release(sg__device *d, sg__queue q, void *dst, size_t bytes) {
+  SG_TRY(enter_zero(d, q, dst, bytes, "zero_release"));
+  const long ps = sysconf(_SC_PAGESIZE);
+  const uintptr_t page = ps > 0 ? (uintptr_t)ps : 4096;
+  const uintptr_t a = (uintptr_t)dst, end = a + bytes;
+  const uintptr_t lo = (a + page - 1) / page * page, hi = end / page * page;
+  if (bytes < SG_CPU_RELEASE_MIN || hi <= lo || madvise((void *)lo, hi - lo, MADV_DONTNEED) != 0) {
+    sg__cpu_zero(dst, bytes);
+    return SG_OK;
+  }
+  sg__cpu_zero(dst, lo - a);
+  sg__cpu_zero((void *)hi, end - hi);
   return SG_OK;
 }
 
@@ -358,6 +386,7 @@ static const sg__device_ops cpu_ops = {
     .mark_elapsed = cpu_mark_elapsed,
     .destroy = cpu_destroy,
     .alloc_zeroed = cpu_alloc_zeroed,
+    .zero_release = cpu_zero_release,
 };
 
 /* ---- create -------------------------------------------------------------------------------- */

@@ -1137,6 +1137,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_mark_elapsed,
     sg__cudev_destroy,
     NULL, /* alloc_zeroed: alloc, then zero */
+    NULL, /* zero_release: zero (device memory stays allocated) */
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

@@ -129,6 +129,11 @@ typedef struct sg__device_ops {
   /* Optional (NULL: alloc, then zero on SG_Q_COMPUTE): memory that reads as zeros, freed with
    * free. CPU: large blocks are fresh pages, never written, so they stay off RSS until used. */
   sg_status (*alloc_zeroed)(sg__device *d, size_t bytes, void **out);
+  /* Optional (NULL: zero): as zero, for memory from alloc or alloc_zeroed, and the device may
+   * give the whole pages inside back to the system until they are written again (they then
+   * read as zeros). CPU: madvise(MADV_DONTNEED), so staging buffers and the gradient
+   * accumulator between steps cost no RSS. */
+  sg_status (*zero_release)(sg__device *d, sg__queue q, void *dst, size_t bytes);
 } sg__device_ops;
 
 struct sg__device {
@@ -148,6 +153,13 @@ static inline sg_status sg__device_alloc_zeroed(sg__device *d, size_t bytes, voi
     *out = NULL;
   }
   return st;
+}
+
+/* Zeroes bytes at dst (memory of d's alloc) on queue q, returning whole pages where d can. */
+static inline sg_status sg__device_zero_release(sg__device *d, sg__queue q, void *dst,
+                                                size_t bytes) {
+  if (d->ops->zero_release) return d->ops->zero_release(d, q, dst, bytes);
+  return d->ops->zero(d, q, dst, bytes);
 }
 
 /* cpu.c. threaded_comm = 0 runs comm jobs inline on the submitting thread (no overlap) until a

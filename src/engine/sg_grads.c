@@ -81,7 +81,12 @@ sg_status sg__grads_clear_accum(sg_engine *e) {
   memset(e->g.empty, 1, (size_t)e->plan->nbuckets);
   sg__replicas_reset(e);
   if (e->strat->state) return e->strat->state->clear(e);
-  return SG_OK;
+  /* Empty, it is never read before the next reduction writes it (the first one is a copy):
+   * its pages go back to the system between steps where the device can (not a zeroing pass
+   * where it cannot). */
+  sg__device *d = e->dev;
+  if (!d->ops->zero_release) return SG_OK;
+  return d->ops->zero_release(d, SG_Q_COMPUTE, e->g.accum, e->lay.accum_numel * asize(e));
 }
 
 sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
@@ -152,7 +157,7 @@ sg_status sg__grads_sumsq(sg_engine *e, double out[2]) {
 sg_status sg__grads_clear(sg_engine *e) {
   SG_TRY(sg__grads_clear_accum(e));
   if (e->g.nosync)
-    SG_TRY(e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->g.nosync, e->plan->total_numel * 4));
+    SG_TRY(sg__device_zero_release(e->dev, SG_Q_COMPUTE, e->g.nosync, e->plan->total_numel * 4));
   memset(e->g.nosync_dirty, 0, (size_t)e->plan->nbuckets);
   return SG_OK;
 }
@@ -181,8 +186,10 @@ static sg_status reduce_bucket(const sg__reduce_job *jp) {
   char *wire = NULL;
   SG_TRY(wire_of(e, &j, e->plan->buckets[j.bucket].numel, &wire));
   SG_TRY(e->strat->reduce(e, j.bucket, wire, j.first));
-  /* The slot is handed out again for the next micro-batch and must read as zeros. */
-  return e->dev->ops->zero(e->dev, SG_Q_COMM, j.slot, e->plan->buckets[j.bucket].numel * gsize(e));
+  /* The slot is handed out again for the next micro-batch and must read as zeros; until then
+   * its pages need not be resident. */
+  return sg__device_zero_release(e->dev, SG_Q_COMM, j.slot,
+                                 e->plan->buckets[j.bucket].numel * gsize(e));
 }
 
 static sg_status reduce_job_fn(void *arg) {
@@ -222,7 +229,7 @@ static sg_status fold_local(sg_engine *e, int b, char *slot) {
   sg__device *d = e->dev;
   SG_TRY(d->ops->accumulate(d, SG_Q_COMPUTE, e->g.nosync + bk->start, SG_F32, slot,
                             e->cfg.grad_dtype, bk->numel));
-  SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, slot, bk->numel * gsize(e)));
+  SG_TRY(sg__device_zero_release(d, SG_Q_COMPUTE, slot, bk->numel * gsize(e)));
   e->g.nosync_dirty[b] = 1;
   release_slot(e, b, 0);
   return SG_OK;
@@ -235,7 +242,7 @@ static sg_status unfold_local(sg_engine *e, int b, char *slot) {
   float *acc = e->g.nosync + bk->start;
   SG_TRY(d->ops->accumulate(d, SG_Q_COMPUTE, acc, SG_F32, slot, e->cfg.grad_dtype, bk->numel));
   SG_TRY(d->ops->cast(d, SG_Q_COMPUTE, slot, e->cfg.grad_dtype, acc, SG_F32, bk->numel));
-  SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, acc, bk->numel * 4));
+  SG_TRY(sg__device_zero_release(d, SG_Q_COMPUTE, acc, bk->numel * 4));
   e->g.nosync_dirty[b] = 0;
   return SG_OK;
 }
