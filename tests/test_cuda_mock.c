@@ -234,8 +234,16 @@ static void timeouts(void) {
   const sg__comm_attach inline_comm = {0, 0, NULL, NULL, NULL, 0};
   sg__comm_native nat;
   check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_OK, "attach host-driven, not threaded");
-  check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_ERR_INVALID_STATE,
-        "a second attachment is refused");
+  /* a hybrid engine's replica channel attaches beside its shard channel, the same way only */
+  const sg__comm_attach stream_comm = {1, 0, NULL, NULL, NULL, 0};
+  check(d->ops->comm_attach(d, &stream_comm, &nat) == SG_ERR_INVALID_STATE &&
+            says("host-driven communicator is attached"),
+        "a stream-ordered attachment beside a host-driven one is refused");
+  check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_OK,
+        "a second host-driven attachment is accepted");
+  check(d->ops->comm_attach(d, &inline_comm, &nat) == SG_ERR_INVALID_STATE &&
+            says("already attached"),
+        "a third attachment is refused");
   const int ran = nj.ran;
   check(d->ops->comm_submit(d, nothing_fn, NULL, &nj, &t) == SG_OK && nj.ran == ran + 1,
         "not threaded: the job ran inline in comm_submit");
