@@ -207,48 +207,54 @@ static sg_status allreduce_job(void *arg) {
   return j->c->ops->all_reduce(j->c, j->buf, 256, SG_F32, sg__deadline(10000));
 }
 
-/* Rank 0's communicator bound to a CUDA device of its own (the job's c: the bound channel) and a
- * device buffer for allreduce_job. */
-static coll_job bind_to_device(rank_ctx *x, sg__device **d) {
-  coll_job j = {NULL, NULL};
-  *d = NULL;
-  sg__device_cuda_create(0, 0, d);
-  sg__comm_bind(x->c, *d, 0, &j.c);
-  cudaMalloc((void **)&j.buf, 1024);
-  return j;
+/* Rank 0's communicator bound to a CUDA device of its own: the channel and a device buffer for
+ * allreduce_job, and the job's ticket. */
+typedef struct bound {
+  sg__device *d;
+  coll_job j;
+  uint64_t t;
+} bound;
+
+/* 0 on the other ranks (nothing made). */
+static int bind_rank0(rank_ctx *x, bound *b) {
+  if (x->rank != 0) return 0;
+  *b = (bound){NULL, {NULL, NULL}, 0};
+  sg__device_cuda_create(0, 0, &b->d);
+  sg__comm_bind(x->c, b->d, 0, &b->j.c);
+  cudaMalloc((void **)&b->j.buf, 1024);
+  return 1;
 }
 
 /* Rank 0 reduces alone (rank 1 never joins): its device wait passes the deadline. */
 static void body_stuck(rank_ctx *x) {
-  if (x->rank != 0) return;
-  sg__device *d = NULL;
-  coll_job j = bind_to_device(x, &d);
-  sg_comm *c = j.c;
-  float *buf = j.buf;
-  uint64_t t = 0;
+  bound b;
+  if (!bind_rank0(x, &b)) return;
+  sg__device *d = b.d;
+  sg_comm *c = b.j.c;
   const int live = sg_ncclmock_live();
-  check(d->ops->comm_submit(d, allreduce_job, NULL, &j, &t) == SG_OK, "stuck: the job is queued");
-  check(d->ops->comm_wait(d, t, sg__now_ms() + 100) == SG_ERR_TIMEOUT, "stuck: SG_ERR_TIMEOUT");
+  check(d->ops->comm_submit(d, allreduce_job, NULL, &b.j, &b.t) == SG_OK,
+        "stuck: the job is queued");
+  check(d->ops->comm_wait(d, b.t, sg__now_ms() + 100) == SG_ERR_TIMEOUT, "stuck: SG_ERR_TIMEOUT");
   check(c->broken && sg_ncclmock_live() == live - 1, "stuck: communicator aborted and broken");
-  check(c->ops->all_reduce(c, buf, 4, SG_F32, sg__deadline(1000)) == SG_ERR_COMM && says("broken"),
+  check(c->ops->all_reduce(c, b.j.buf, 4, SG_F32, sg__deadline(1000)) == SG_ERR_COMM &&
+            says("broken"),
         "stuck: later collectives refused");
   sg__comm_unbind(c); /* detached; the comm is destroyed after the device */
   check(x->c->broken, "stuck: the channel's failure leaves its communicator broken");
   d->ops->destroy(d);
-  cudaFree(buf);
+  cudaFree(b.j.buf);
 }
 
 /* An asynchronous NCCL error while rank 0 waits: SG_ERR_COMM from the device's wait. */
 static void body_async_error(rank_ctx *x) {
-  if (x->rank != 0) return;
-  sg__device *d = NULL;
-  coll_job j = bind_to_device(x, &d);
-  sg_comm *c = j.c;
-  float *buf = j.buf;
-  uint64_t t = 0;
-  check(d->ops->comm_submit(d, allreduce_job, NULL, &j, &t) == SG_OK, "async error: the job is queued");
+  bound b;
+  if (!bind_rank0(x, &b)) return;
+  sg__device *d = b.d;
+  sg_comm *c = b.j.c;
+  check(d->ops->comm_submit(d, allreduce_job, NULL, &b.j, &b.t) == SG_OK,
+        "async error: the job is queued");
   sg_ncclmock_fail_all(ncclRemoteError);
-  check(d->ops->comm_wait(d, t, sg__deadline(10000)) == SG_ERR_COMM && says("remote process"),
+  check(d->ops->comm_wait(d, b.t, sg__deadline(10000)) == SG_ERR_COMM && says("remote process"),
         "async error: SG_ERR_COMM with NCCL's text");
   check(c->broken, "async error: communicator broken");
   /* the communicator goes first this time: the device must not call it afterwards */
@@ -260,7 +266,7 @@ static void body_async_error(rank_ctx *x) {
   check(d->ops->sync(d, sg__deadline(1000)) == SG_ERR_COMM,
         "the device stays broken after its communicator is destroyed");
   d->ops->destroy(d);
-  cudaFree(buf);
+  cudaFree(b.j.buf);
 }
 
 static void *lone_rank0(void *arg) {
