@@ -150,7 +150,8 @@ if(SG_WITH_CUDA)
     # threads for both (host-driven), threads inside the node with NCCL across replicas, NCCL
     # inside with threads across (staged through pinned host memory), and an offloaded
     # accumulator summed on the host over threads or NCCL (also against the same hybrid engine
-    # without offload). Under SG_TEST_QUICK (the sanitizer stages) a subset of each.
+    # without offload). Under SG_TEST_QUICK (the sanitizer stages) a subset of each; the TSan stage
+    # runs only the --smoke ones (two 2x2 cases and a traffic check: the worker threads).
     add_executable(test_hybrid_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_hybrid.c)
     target_link_libraries(test_hybrid_cudamock PRIVATE shardgrad_cudamock)
     target_compile_options(test_hybrid_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
@@ -160,7 +161,9 @@ if(SG_WITH_CUDA)
                 "test_hybrid_cudamock_mixed|--cuda;local;nccl"
                 "test_hybrid_cudamock_staged|--cuda;nccl;local"
                 "test_hybrid_cudamock_offload|--cuda;nccl;local;--offload"
-                "test_hybrid_cudamock_offload_nccl|--cuda;nccl;nccl;--offload;--quick")
+                "test_hybrid_cudamock_offload_nccl|--cuda;nccl;nccl;--offload;--quick"
+                "test_hybrid_cudamock_smoke_local|--cuda;local;local;--smoke"
+                "test_hybrid_cudamock_smoke_staged|--cuda;nccl;local;--smoke")
       string(REPLACE "|" ";" run "${run}")
       list(POP_FRONT run name)
       add_test(NAME ${name} COMMAND test_hybrid_cudamock ${run})

@@ -17,7 +17,8 @@
  *                      split from a world of threads (local) or of NCCL ranks (nccl); every
  *                      reference (flat W, one rank, the same hybrid layout) on the CPU device;
  *                      --offload: cfg.offload_optimizer, also against the hybrid engine without)
- *        add --quick (or SG_TEST_QUICK) for fewer cases. */
+ *        add --quick (or SG_TEST_QUICK) for fewer cases, --smoke for two 2x2 cases and one
+ *        traffic check (the TSan stage). */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -91,6 +92,7 @@ typedef struct {
 static dev_opts g_dev;
 
 static int g_quick;
+static int g_smoke; /* --smoke (the TSan stage): 2x2, two cases, one traffic check */
 static int g_timeout_ms = 60000; /* the engines' timeout_ms */
 
 /* ---------------------------------------------------------------------------------------- */
@@ -359,7 +361,7 @@ static void run_matrix_case(const tcase *tc, int n, int l) {
   }
   /* --cuda: against the CPU's hybrid engine of the same layout, and offloaded against the
    * same engine (the same communicators) without offload */
-  for (int ref = 0; g_dev.cuda && ref < 1 + g_dev.offload; ref++) {
+  for (int ref = 0; g_dev.cuda && !g_smoke && ref < 1 + g_dev.offload; ref++) {
     dev_opts d = {0, 0, 0, 0};
     if (ref == 1) d = (dev_opts){1, 0, g_dev.shard_nccl, g_dev.rep_nccl};
     result other[MAXW];
@@ -413,6 +415,7 @@ static void run_matrix(void) {
     for (int c = 0; c < NCASES; c++) {
       if (!g_dev.cuda && g_quick && c % 2 && li > 1) continue;
       if (g_dev.cuda && ((g_quick && c % 2) || (li > 1 && c > 1))) continue;
+      if (g_smoke && (li > 0 || (c != 6 && c != 8))) continue;
       const int *lay = g_dev.cuda ? k_cuda_layouts[li] : k_layouts[li];
       const int before = sg_test_failures();
       run_matrix_case(&k_cases[c], lay[0], lay[1]);
@@ -924,7 +927,7 @@ static void run_cuda_staged(void) {
 static void run_errors(void) {
   run_argument_errors();
   if (g_dev.cuda) {
-    run_cuda_staged();
+    if (g_dev.shard_nccl || g_dev.rep_nccl) run_cuda_staged(); /* NCCL of one rank */
     tcase tc = {"extra micro-batch", SG_SHARD_GRAD_OP, SG_F32, 1, 0, 1, 0.0f, SG_F32, 0, 0, 1, 0, 0};
     run_bodies(&tc, K_HYBRID, 2, 2, extra_mb_body, NULL);
     return; /* the layout errors and the killed rank: the CPU run's (the same replica stage) */
@@ -1076,6 +1079,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--quick")) g_quick = 1;
     if (!strcmp(argv[i], "--mpi")) mpi = 1;
     if (!strcmp(argv[i], "--offload")) g_dev.offload = 1;
+    if (!strcmp(argv[i], "--smoke")) g_smoke = g_quick = 1;
     if (!strcmp(argv[i], "--cuda")) {
       g_dev.cuda = 1;
       if (i + 2 >= argc || !comm_kind(argv[i + 1], &g_dev.shard_nccl) ||
@@ -1098,6 +1102,12 @@ int main(int argc, char **argv) {
            g_dev.shard_nccl ? "nccl" : "threads", g_dev.rep_nccl ? "nccl" : "threads",
            g_dev.offload ? ", offloaded" : "");
   run_matrix();
+  if (g_smoke) { /* the worker threads' interleavings: a step with traffic across replicas */
+    int declare = 1;
+    tcase tc = {"traffic", SG_SHARD_GRAD_OP, SG_F32, 3, 0, 1, 0.0f, SG_F32, 0, 0, 2, 0, 0};
+    run_bodies(&tc, K_HYBRID, 2, 2, stats_body, &declare);
+    return sg_test_summary("test_hybrid --smoke: ");
+  }
   check_bf16_wire(2, 2);
   if (!g_quick || !g_dev.cuda) check_bf16_wire(3, 2);
   run_stats();
