@@ -73,4 +73,10 @@ static inline int sg__update_group_of(const sg__update_args *a, const sg__seg *s
   return a->ngroups > 1 ? s->group : 0;
 }
 
+/* The partition of the one reduction (sum of squares and non-finite count): fixed chunks of this
+ * many elements, one partial per chunk, combined in chunk order. The CUDA kernel, the CPU copy of
+ * its order and the offloaded accumulator's per-chunk partials all use it, so that the norm has
+ * the same bits wherever it is computed. */
+#define SG__SUMSQ_CHUNK 8192
+
 #endif /* SG_KERNEL_ARGS_H */

@@ -53,7 +53,7 @@ int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, double valu
  * fixed order, then one block combining the partials in a fixed order. No atomics. The two
  * results (sumsq, nonfinite) are written to result2[0..1] (device memory). scratch is device
  * memory of sg__cuda_sumsq_scratch_bytes(n) bytes. */
-#define SG__CUDA_SUMSQ_CHUNK 8192
+#define SG__CUDA_SUMSQ_CHUNK SG__SUMSQ_CHUNK /* sg_kernel_args.h */
 size_t sg__cuda_sumsq_scratch_bytes(size_t n);
 int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n, void *scratch,
                    double *result2);

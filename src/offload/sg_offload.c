@@ -5,7 +5,7 @@
 #include <string.h> /* memset */
 
 #include "../../kernels/cpu/sg_cpu_kernels.h"   /* sumsq, accumulate, cast, fold + partials */
-#include "../../kernels/cuda/sg_cuda_kernels.h" /* SG__CUDA_SUMSQ_CHUNK: the partials' chunks */
+#include "../../kernels/sg_kernel_args.h"       /* SG__SUMSQ_CHUNK: the partials' chunks */
 
 static size_t esz(int dtype) { return sg__dtype_size((sg_dtype)dtype); }
 
@@ -70,7 +70,7 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *
   if (!o->b) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
   for (int k = 0; k < nbuckets; k++) o->b[k].off = off[k], o->b[k].len = len[k], o->b[k].land = -1;
   o->gpu_order = d->kind == SG_DEVICE_CUDA;
-  o->nq = (numel + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
+  o->nq = (numel + SG__SUMSQ_CHUNK - 1) / SG__SUMSQ_CHUNK;
   o->part_ss = calloc(o->nq, sizeof *o->part_ss);
   o->part_nf = calloc(o->nq, sizeof *o->part_nf);
   o->part_ok = calloc(o->nq, 1);
@@ -150,7 +150,7 @@ static sg_status take_landing(sg__offload *o, int64_t deadline_ms, int *out) {
 
 /* The partials of the chunks that [lo, hi) touches no longer hold. */
 static void stale(sg__offload *o, size_t lo, size_t hi) {
-  const size_t C = SG__CUDA_SUMSQ_CHUNK;
+  const size_t C = SG__SUMSQ_CHUNK;
   if (lo < hi) memset(o->part_ok + lo / C, 0, (hi + C - 1) / C - lo / C);
 }
 
@@ -227,7 +227,7 @@ static void fold_plain(sg__offload *o, const sg__offload_bucket *b, const void *
 /* The fold of bucket b's landed slice; the chunks wholly inside the slice (the shard's last,
  * shorter one included) get their norm partials in the same pass. */
 static void fold_slice(sg__offload *o, const sg__offload_bucket *b, const void *src) {
-  const size_t C = SG__CUDA_SUMSQ_CHUNK, lo = b->off, hi = b->off + b->len;
+  const size_t C = SG__SUMSQ_CHUNK, lo = b->off, hi = b->off + b->len;
   size_t a = o->gpu_order ? (lo + C - 1) / C * C : hi, z = hi == o->numel ? hi : hi / C * C;
   if (a > hi) a = hi;
   if (z < a) z = a;
