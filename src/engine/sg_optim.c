@@ -169,7 +169,7 @@ void sg__optim_undo_begin(sg_engine *e) { e->opt.step--; }
 
 static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
   sg__update_args a = update_args(e, grad_scale);
-  a.segs = e->opt.segs + s0;
+  a.segs = e->opt.segs ? e->opt.segs + s0 : NULL; /* no segments: a shard with no elements */
   a.nsegs = s1 - s0;
   if (e->strat->state) return e->strat->state->update(e, &a);
   return e->dev->ops->update(e->dev, SG_Q_COMPUTE, e->opt.od, &a);
