@@ -169,6 +169,10 @@ if(SG_WITH_CUDA)
       add_test(NAME ${name} COMMAND test_hybrid_cudamock ${run})
       set_tests_properties(${name} PROPERTIES TIMEOUT 600 LABELS cuda SKIP_RETURN_CODE 77)
     endforeach()
+    # MPI inside and across the nodes of a hybrid engine on the (mock) GPU (both channels
+    # host-driven, pinned staging), 2x2 against the CPU's flat and one-rank engines.
+    sg_add_mpi_test(test_hybrid_cudamock_mpi_np4 EXE test_hybrid_cudamock NP 4
+      ARGS --mpi --cuda local local TIMEOUT 300)
     # The MPI communicator with buffers on the (mock) GPU: pinned host staging around the host
     # algorithms, bitwise against the CPU reference.
     foreach(np 2 3)

@@ -11,7 +11,8 @@
  * Random gradients with a bf16 replica wire: the tolerance is stated in check_bf16_wire.
  *
  * Usage: test_hybrid --local   (ranks as threads: 2x2, 3x2, 2x3, 4x1, 1x4 and the rest)
- *        test_hybrid --mpi     (under mpirun -np 4: 2x2 against flat W=4 and one rank)
+ *        test_hybrid --mpi     (under mpirun -np 4: 2x2 against flat W=4 and one rank; with
+ *                      --cuda local local [--offload] the hybrid engine on the (mock) GPU)
  *        test_hybrid --cuda SHARD REPLICA [--offload]   (the hybrid engines on SG_DEVICE_CUDA,
  *                      the mock runtime in CI or a GPU: their shard and replica communicators
  *                      split from a world of threads (local) or of NCCL ranks (nccl); every
@@ -1013,7 +1014,9 @@ static void run_mpi_case(const tcase *tc, sg_comm *world, int rank) {
   memset(&one, 0, sizeof one);
   run_arg a = {.tc = tc, .kind = K_HYBRID, .n = 2, .l = 2, .vw = 4, .avg = 1, .world = world,
                .rank = rank, .res = &hy};
+  device_fields(&a, &g_dev, K_HYBRID, NULL); /* --cuda local local: MPI on the (mock) GPU */
   run_thread(&a);
+  a.cuda = a.offload = 0;
   CHECK(hy.ok, "%s: hybrid 2x2 ran (%s)", tc->name, a.err);
   a.kind = K_FLAT;
   a.res = &fl;
@@ -1057,6 +1060,7 @@ static int run_mpi(void) {
       body_arg b = {{.tc = &tc, .kind = K_HYBRID, .n = 2, .l = 2, .vw = 4, .avg = 1,
                      .world = world, .rank = rank, .res = &res},
                     stats_body, &declare};
+      device_fields(&b.a, &g_dev, K_HYBRID, NULL);
       body_thread(&b);
     }
   }
@@ -1091,6 +1095,10 @@ int main(int argc, char **argv) {
     }
   }
   if (getenv("SG_TEST_QUICK")) g_quick = 1;
+  if (mpi && (g_dev.shard_nccl || g_dev.rep_nccl)) {
+    fprintf(stderr, "test_hybrid --mpi --cuda: MPI communicators only (local local)\n");
+    return 2;
+  }
   if (mpi) return run_mpi();
   if (g_dev.cuda && (!sg_has_backend("cuda") || ((g_dev.shard_nccl || g_dev.rep_nccl) &&
                                                  !sg_has_backend("nccl")))) {
