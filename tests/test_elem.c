@@ -573,6 +573,28 @@ static void test_adamw_loop(void) {
   }
 }
 
+/* The AdamW threads' segment cursor, moved to elements in any order (libomp's default dynamic
+ * schedule steals blocks, so a thread's next block may lie before its last one): always the
+ * first segment holding the element, as a scan from the start finds it. Empty segments too. */
+static void test_seg_seek(void) {
+  sg__seg segs[40];
+  size_t total = 0;
+  memset(segs, 0, sizeof segs);
+  for (int k = 0; k < 40; k++) total += segs[k].len = rnd32() % 4 == 0 ? 0 : 1 + rnd32() % 50000;
+  int ok = 1, s = 0;
+  size_t pos = 0;
+  for (int q = 0; q < 3000; q++) {
+    /* a random element, then a sweep down from the end */
+    const size_t lo = q < 2000 ? rnd64() % (total + 10) : (total + 10) * (size_t)(2999 - q) / 1000;
+    int ref = 0;
+    size_t at = 0;
+    while (ref < 40 && at + segs[ref].len <= lo) at += segs[ref++].len;
+    sg__cpu_seg_seek(segs, 40, lo, &s, &pos);
+    ok &= s == ref && pos == at;
+  }
+  CHECK(ok, "segment cursor: first segment holding any element, moved back or forward (%zu elements)", total);
+}
+
 /* ---- CPU device ---------------------------------------------------------------------------- */
 
 static void sleep_ms(int ms) {
@@ -817,6 +839,7 @@ int main(void) {
   test_reduce();
   test_sumsq();
   test_adamw_loop();
+  test_seg_seek();
   test_device_memory();
   test_device_zero_release();
   test_device_queue();

@@ -615,12 +615,19 @@ SG_CPU_HOT static void adamw_span(const sg__update_args *a, size_t shard_off, si
   }
 }
 
-/* The elements [lo, hi) of the concatenated segments, starting the segment walk at segment *s,
- * which begins at element *pos (a cursor: calls with increasing lo move it forward only).
+/* Back while the cursor's segment begins after lo, then forward past the segments that end
+ * at or before it: from any consistent cursor, the first segment that holds lo. */
+void sg__cpu_seg_seek(const sg__seg *segs, int nsegs, size_t lo, int *s, size_t *pos) {
+  while (*s > 0 && lo < *pos) *pos -= segs[--*s].len;
+  while (*s < nsegs && *pos + segs[*s].len <= lo) *pos += segs[(*s)++].len;
+}
+
+/* The elements [lo, hi) of the concatenated segments, starting the segment walk at the cursor
+ * (segment *s, which begins at element *pos), moved to lo first.
  * cs[2*g] is group g's context with decay, cs[2*g+1] without (decay factor 1). */
 static void adamw_range(const sg__update_args *a, size_t lo, size_t hi, const adamw_ctx *cs, int *s,
                         size_t *pos) {
-  while (*s < a->nsegs && *pos + a->segs[*s].len <= lo) *pos += a->segs[(*s)++].len;
+  sg__cpu_seg_seek(a->segs, a->nsegs, lo, s, pos);
   size_t at = *pos;
   for (int k = *s; k < a->nsegs && at < hi; k++) {
     const sg__seg *sg = &a->segs[k];
@@ -659,12 +666,15 @@ void sg__cpu_adamw(const sg__update_args *a) {
   const int nt = SG_CPU_NT(total);
   if (nt > 1) {
     /* One region for the whole shard, blocks handed out as threads get free: a thread that the
-     * OS preempts (the host busy with other work) delays nobody. Each thread's blocks increase,
-     * so its own segment cursor only moves forward. Elementwise: any schedule, same bits. */
+     * OS preempts (the host busy with other work) delays nobody. Elementwise: any schedule,
+     * same bits. Each thread keeps its own segment cursor. monotonic: each thread's blocks
+     * increase, so its cursor only moves forward (OpenMP 5's default for dynamic is
+     * nonmonotonic, and libomp steals: a thread may get a block below its last one; the seek
+     * handles that too, by walking back). */
     const size_t nb = (total + SG_CPU_ADAMW_BLOCK - 1) / SG_CPU_ADAMW_BLOCK;
 #pragma omp parallel num_threads(nt) firstprivate(s, pos)
     {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(monotonic : dynamic, 1)
       for (size_t b = 0; b < nb; b++) {
         const size_t lo = b * SG_CPU_ADAMW_BLOCK;
         adamw_range(a, lo, total - lo < SG_CPU_ADAMW_BLOCK ? total : lo + SG_CPU_ADAMW_BLOCK, cs, &s,

@@ -11,6 +11,11 @@
 /* dtypes are sg_dtype values (0 f32, 1 bf16, 2 f16); 3 = f64 where stated */
 /* AdamW (kernels/sg_adamw_args.h: state 0 m, 1 v, and its scalars) over a->segs */
 void sg__cpu_adamw(const sg__update_args *a);
+/* A cursor into the concatenation of segs[0..nsegs): segment *s begins at element *pos
+ * (0, 0 to start). Moves it, back or forward, to the first segment holding element lo
+ * (*s = nsegs, *pos = the total when lo is past the end). sg__cpu_adamw's threads each keep
+ * one; their blocks may come in any order. */
+void sg__cpu_seg_seek(const sg__seg *segs, int nsegs, size_t lo, int *s, size_t *pos);
 /* acc[i] += src[i]; acc_dtype f32 or bf16 (fp32 math, rounded once) */
 void sg__cpu_accumulate(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n);
 void sg__cpu_cast(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n);
