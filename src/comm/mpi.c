@@ -160,7 +160,8 @@ static sg_status x_iallgather(void *tp, void *buf, size_t bytes, sg__xreq *rq) {
 }
 
 static const sg__xport_ops mpi_xport = {"mpi",    x_isend,  x_irecv,     x_test,
-                                        x_abandon, x_ibcast, x_iallgather};
+                                        x_abandon, x_ibcast, x_iallgather,
+                                        0 /* release_rx: faults cost as much as a transfer */};
 
 /* ---- collectives: host memory through the algorithms, device memory staged ------------------ */
 

@@ -25,6 +25,7 @@
  * forwards, and measured >= MPI_Allgather here, where the ring fell behind with ranks sharing
  * cores. Wire data is bytes (MPI has no bf16). */
 #define _POSIX_C_SOURCE 200809L /* sched_yield */
+#define _DEFAULT_SOURCE         /* MAP_ANONYMOUS, madvise */
 
 #include "sg_coll.h"
 
@@ -33,6 +34,9 @@
 #include <stdio.h>  /* snprintf */
 #include <stdlib.h> /* malloc, realloc, free, getenv */
 #include <string.h> /* memcpy, memset, strcmp */
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h> /* mmap, madvise, munmap: receive buffers that leave RSS when idle */
+#endif
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_add, _accumulate, _cast */
 
@@ -82,6 +86,64 @@ static int grow(void **p, size_t *cap, size_t n, size_t es) {
   *p = q;
   *cap = n;
   return 1;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Receive buffers                                                                           */
+
+/* Touched once, a channel's receive buffers (4 MiB) stay resident for good, yet they are only
+ * needed while a reduction runs, and the engine's peak comes while it reduces buckets, mostly
+ * outside those reductions' receives. Where the transport asks for it (xport: torch's gloo
+ * through Python, whose per-byte cost hides the faults) they are an anonymous mapping of
+ * their own whose pages are given back after every reduction (1-2 MiB less peak RSS per rank
+ * in bench/torch_side_by_side.py). The next reduction then faults in fresh zeroed pages:
+ * about 0.4 ms per MiB received here, as much as a shared-memory MPI transfer, so MPI keeps
+ * them resident. Huge pages would make the faults cheap but make 2 MiB resident at a
+ * reduction's first byte, and measured no gain. Without mmap: malloc, kept resident. */
+#if defined(MAP_ANONYMOUS) && defined(MADV_DONTNEED)
+#define SG__COLL_RX_MAP 1
+#else
+#define SG__COLL_RX_MAP 0
+#endif
+
+static int release_wanted(const sg__xport_ops *xp) {
+  const char *e = getenv("SG_COMM_RX_RELEASE");
+  return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : xp->release_rx;
+}
+
+static unsigned char *rx_alloc(sg__coll *k, size_t bytes) {
+#if SG__COLL_RX_MAP
+  if (release_wanted(k->xp)) {
+    void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m != MAP_FAILED) {
+      k->rx_mapped = 1;
+      return m;
+    }
+  }
+#endif
+  return malloc(bytes);
+}
+
+/* After a reduction: no receive of this channel is pending (or rx_lost is set), so the pages
+ * can go. A failed madvise keeps them. */
+static void rx_release(sg__coll *k) {
+#if SG__COLL_RX_MAP
+  if (k->rx_mapped && !k->rx_lost)
+    (void)madvise(k->rx, SG__COLL_NRX * SG__COLL_PIECE, MADV_DONTNEED);
+#else
+  (void)k;
+#endif
+}
+
+static void rx_free(sg__coll *k) {
+  if (k->rx_lost || !k->rx) return; /* a receive may still write it */
+#if SG__COLL_RX_MAP
+  if (k->rx_mapped) {
+    (void)munmap(k->rx, SG__COLL_NRX * SG__COLL_PIECE);
+    return;
+  }
+#endif
+  free(k->rx);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -652,6 +714,18 @@ static ring make_ring(sg__coll *k, const char *fn, void *buf, size_t count, int 
   return R;
 }
 
+/* The reduction (reduce-scatter, or all-reduce's first half) by the channel's algorithm, on a
+ * copy of R: the direct one sets its own piece size, and all-reduce's all-gather keeps the
+ * ring's. Its receive buffers are given back once it is over, failed or not. */
+static sg_status reduce(const ring *R) {
+  ring D = *R;
+  const int direct = R->k->rs_algo == RS_DIRECT;
+  sg_status st = direct ? prepare_direct(&D) : prepare(&D, 1);
+  if (st == SG_OK) st = direct ? direct_reduce_scatter(&D) : ring_reduce_scatter(&D);
+  rx_release(R->k);
+  return st;
+}
+
 sg_status sg__coll_reduce_scatter(sg__coll *k, void *buf, size_t count, int dtype,
                                   int64_t deadline_ms) {
   const char *fn = k->fn[OP_REDUCE_SCATTER];
@@ -660,12 +734,7 @@ sg_status sg__coll_reduce_scatter(sg__coll *k, void *buf, size_t count, int dtyp
   ring R = make_ring(k, fn, buf, count, dtype, 0, deadline_ms);
   R.tag = call_tag(k, OP_REDUCE_SCATTER, count, dtype);
   if (c->world == 1 || count == 0) return SG_OK;
-  if (k->rs_algo == RS_DIRECT) {
-    SG_TRY(prepare_direct(&R));
-    return direct_reduce_scatter(&R);
-  }
-  SG_TRY(prepare(&R, 1));
-  return ring_reduce_scatter(&R);
+  return reduce(&R);
 }
 
 sg_status sg__coll_all_reduce(sg__coll *k, void *buf, size_t count, int dtype,
@@ -676,14 +745,7 @@ sg_status sg__coll_all_reduce(sg__coll *k, void *buf, size_t count, int dtype,
   ring R = make_ring(k, fn, buf, count, dtype, 1, deadline_ms);
   R.tag = call_tag(k, OP_ALL_REDUCE, count, dtype);
   if (c->world == 1 || count == 0) return SG_OK;
-  if (k->rs_algo == RS_DIRECT) {
-    ring D = R; /* its own piece size; the all-gather below keeps the ring's */
-    SG_TRY(prepare_direct(&D));
-    SG_TRY(direct_reduce_scatter(&D));
-  } else {
-    SG_TRY(prepare(&R, 1));
-    SG_TRY(ring_reduce_scatter(&R));
-  }
+  SG_TRY(reduce(&R));
   SG_TRY(prepare(&R, 0));
   R.tag += 1;
   return k->ag_algo == AG_RING ? ring_all_gather(&R) : direct_all_gather(&R);
@@ -779,7 +841,7 @@ sg_status sg__coll_init(sg__coll *k, sg_comm *c, const sg__xport_ops *xp, void *
                                       "broadcast"};
   for (int op = OP_ALL_REDUCE; op <= OP_BROADCAST; op++)
     snprintf(k->fn[op], sizeof k->fn[op], "sg_comm(%s) %s", xp->name, names[op]);
-  k->rx = malloc(SG__COLL_NRX * SG__COLL_PIECE);
+  k->rx = rx_alloc(k, SG__COLL_NRX * SG__COLL_PIECE);
   if (!k->rx)
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(%s): out of memory for receive buffers",
                    xp->name);
@@ -800,7 +862,7 @@ sg_status sg__coll_init(sg__coll *k, sg_comm *c, const sg__xport_ops *xp, void *
 }
 
 void sg__coll_free(sg__coll *k) {
-  if (!k->rx_lost) free(k->rx);
+  rx_free(k);
   free(k->sends);
   free(k->recvs);
   free(k->slot_send);

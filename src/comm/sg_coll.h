@@ -53,6 +53,10 @@ typedef struct sg__xport_ops {
    * test (NULL: the algorithms). */
   sg_status (*ibcast)(void *tp, void *buf, size_t bytes, int root, sg__xreq *rq);
   sg_status (*iallgather)(void *tp, void *buf, size_t bytes_per_rank, sg__xreq *rq);
+  /* 1: the receive buffers give their pages back after each reduction (sg_coll.c, rx_release):
+   * for transports whose own cost per byte hides the page faults of the next reduction.
+   * SG_COMM_RX_RELEASE=0|1 overrides it. */
+  int release_rx;
 } sg__xport_ops;
 
 /* Per-channel state of the algorithms (request arrays, receive buffers, call counter). */
@@ -64,6 +68,7 @@ typedef struct sg__coll {
   uint64_t seq;      /* collectives called so far (same on every healthy rank) */
   unsigned char *rx; /* receive buffers of the reductions */
   int rx_lost;       /* a receive into rx could not be stopped: rx is never freed */
+  int rx_mapped;     /* rx is its own mapping, whose pages go back after each reduction */
   int ag_algo, rs_algo;
   sg__xreq *sends, *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */

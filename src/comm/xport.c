@@ -156,7 +156,8 @@ static int x_abandon(void *tp, sg__xreq *sends, size_t nsend, sg__xreq *recvs, s
   return lost;
 }
 
-static const sg__xport_ops xport_ops = {"xport", x_isend, x_irecv, x_test, x_abandon, NULL, NULL};
+static const sg__xport_ops xport_ops = {"xport", x_isend, x_irecv, x_test, x_abandon, NULL, NULL,
+                                        1 /* release_rx: the per-byte cost hides the faults */};
 
 sg_status sg_xport_done(void *token, int error, size_t bytes, const char *msg) {
   static const char fn[] = "sg_xport_done";
