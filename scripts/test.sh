@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole check, as CI runs it (.ci/run):
-#   1. installs what is missing (apt: cmake, Open MPI, clang's sanitizer runtimes, pip; pip:
-#      numpy, pytest)
+#   1. installs what is missing (apt: cmake, Open MPI, clang, its sanitizer runtimes and libomp,
+#      pip; pip: numpy, pytest)
 #   2. Release build in build/ (CUDA compiled when nvcc exists), all ctest labels:
 #      unit, local, mpi, install; then label cluster (MPI at np 4 across a simulated 2-node
 #      cluster, scripts/cluster.sh; skipped where network namespaces are not permitted)
+#   2b. clang Release build in build-clang/ (clang's OpenMP runtime, libomp, whose schedules differ
+#      from gcc's libgomp; no CUDA, MPI as found): labels unit and local
 #   3. ASan+UBSan build in build-asan/ (no MPI, -O1; CUDA when nvcc exists): labels unit, local
 #      and cuda (the mock CUDA runtime)
 #   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local; and in
@@ -68,6 +70,7 @@ install_deps() {
   command -v mpicc >/dev/null || apt+=(libopenmpi-dev)
   command -v clang >/dev/null || apt+=(clang)
   dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || apt+=(libclang-rt-14-dev)
+  dpkg -s libomp-14-dev >/dev/null 2>&1 || apt+=(libomp-14-dev) # the clang stage's OpenMP
   python3 -m pip --version >/dev/null 2>&1 || apt+=(python3-pip)
   if [ "${#apt[@]}" -gt 0 ]; then
     echo "installing: ${apt[*]}"
@@ -104,6 +107,15 @@ torch_venv() {
 
 configure_release() {
   cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release
+}
+
+# A second compiler and OpenMP runtime: libomp hands out dynamic schedules out of order where
+# libgomp does not (a272a1a fixed a loop that assumed order; only a clang build showed it).
+configure_clang() {
+  cmake -S "$ROOT" -B "$B-clang" -DCMAKE_C_COMPILER=clang \
+    -DCMAKE_BUILD_TYPE=Release -DSG_WITH_CUDA=OFF -DSG_BUILD_EXAMPLES=OFF || return 1
+  grep -q '^OpenMP_C_FLAGS:.*=.*fopenmp' "$B-clang/CMakeCache.txt" ||
+    { echo "clang build without OpenMP (libomp missing): the stage would test nothing new" >&2; return 1; }
 }
 
 # CUDA as the Release build has it (on when nvcc is found): the host side of src/device/cuda.c,
@@ -230,6 +242,14 @@ if stage "configure $N/ (Release)" configure_release && stage "build $N/" build 
   fi
 else
   skip "ctest $N/" "build failed"
+fi
+
+if ! command -v clang >/dev/null; then
+  skip "$N-clang/" "no clang"
+elif stage "configure $N-clang/ (clang, libomp)" configure_clang && stage "build $N-clang/" build "$B-clang"; then
+  stage "ctest $N-clang/ (unit, local)" run_ctest "$B-clang" -L "unit|local"
+else
+  skip "ctest $N-clang/" "build failed"
 fi
 
 if stage "configure $N-asan/ (ASan+UBSan)" configure_asan && stage "build $N-asan/" build "$B-asan"; then
