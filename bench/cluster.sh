@@ -26,6 +26,7 @@
 # forward+backward, reductions inside the engine's communicator, the all-reduce across nodes,
 # sg_step, AdamW, all-gather, CPU seconds per rank).
 #
+# Environment variables named SG_* (the library's knobs, e.g. SG_COMM_WAIT) are passed to every rank.
 # Defaults: the MLP of sg_bench_cluster at 9 layers x 2048 (29.5M parameters, f32), batch 2 per
 # micro-batch per rank, 1 warm-up + 2 timed steps. Needs root (network namespaces); exits 77
 # with the reason where they are not permitted. The cluster (default name sgbench,
@@ -72,7 +73,8 @@ export TORCH_CPP_LOG_LEVEL=ERROR
 trap '"${CL[@]}" down >/dev/null 2>&1' EXIT
 trap 'exit 1' INT TERM
 "${CL[@]}" down >/dev/null 2>&1
-RESULTS=() PROFILES=()
+RESULTS=() PROFILES=() SGENV=()
+for v in $(compgen -e); do [[ $v == SG_* ]] && SGENV+=(-x "$v"); done # the library's knobs reach every rank
 LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # one RATE MICRO LABEL COMMAND...: runs COMMAND across 2 nodes x 2 ranks, keeps its RESULT line
@@ -80,7 +82,7 @@ one() {
   local rate=$1 micro=$2 label=$3 out line
   shift 3
   echo "== $rate, $micro micro-batch(es): $label" >&2
-  out=$("${CL[@]}" run --ranks-per-node 2 -x TORCH_CPP_LOG_LEVEL "$@" 2>&1)
+  out=$("${CL[@]}" run --ranks-per-node 2 -x TORCH_CPP_LOG_LEVEL "${SGENV[@]}" "$@" 2>&1)
   line=$(grep '^RESULT ' <<<"$out" | tail -1)
   grep -q '^PROFILE ' <<<"$out" && PROFILES+=("$rate|$micro|$label|$(grep '^PROFILE ' <<<"$out" | tail -1)")
   if [ -z "$line" ]; then

@@ -6,7 +6,8 @@
  *    and within a stated tolerance of a double reference (which a per-hop rounding would miss);
  *  - all-reduce results identical on every rank;
  * and the failure paths: a rank that never arrives (timeout, no hang), mismatched calls, invalid
- * arguments on one rank, a broken communicator staying broken, destroy while in use.
+ * arguments on one rank, a broken communicator staying broken, destroy while in use; and a
+ * rank waiting for a late peer sleeps instead of spinning (its thread's CPU time).
  *
  *   test_comm --local W          W ranks as threads (local backend)
  *   test_comm --mpi              one rank per process, under mpirun
@@ -24,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h> /* nanosleep, clock_gettime: the late peer */
 
 #include "comm/sg_comm.h" /* sg_comm, ops, SG__F64 */
 #include "core/sg_core.h" /* sg__now_ms, sg__deadline */
@@ -430,6 +432,38 @@ static void test_invalid(int rank, int world, sg_comm *c) {
           "invalid arguments on a peer: fails at once (got %s)", sg_status_string(st));
 }
 
+/* A rank whose peer comes late sleeps while it waits (spin, yield, then nap or, for a transport
+ * that signals completion, block): its own thread's CPU time stays a small part of the wait.
+ * Waits that only spun and yielded (SG_COMM_WAIT=yield, or before) cost the whole wait on an
+ * idle machine, and took that CPU from ranks sharing a core. */
+static double thread_cpu_ms(void) {
+  struct timespec ts;
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0.0;
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static void test_late_peer(rank_ctx *x) {
+  if (x->world < 2) return;
+  float v[1000] = {0};
+  sg_comm *c = x->c;
+  check(x->rank, c->ops->all_reduce(c, v, 1000, SG_F32, sg__deadline(60000)) == SG_OK,
+        "late peer: a first all_reduce lines the ranks up");
+  if (x->rank == x->world - 1) {
+    struct timespec late = {0, 400 * 1000000L};
+    nanosleep(&late, NULL);
+  }
+  const int64_t t0 = sg__now_ms();
+  const double cpu0 = thread_cpu_ms();
+  const sg_status st = c->ops->all_reduce(c, v, 1000, SG_F32, sg__deadline(60000));
+  const double cpu = thread_cpu_ms() - cpu0, wall = (double)(sg__now_ms() - t0);
+  check(x->rank, st == SG_OK, "late peer: the all_reduce completes (%s)", sg_status_string(st));
+  const char *wt = getenv("SG_COMM_WAIT");
+  if (x->rank == x->world - 1 || wall < 200.0 || (wt && !strcmp(wt, "yield"))) return;
+  check(x->rank, cpu < 0.5 * wall,
+        "late peer: waiting %.0f ms cost %.1f ms of this thread's CPU (sleeps, not spins)", wall,
+        cpu);
+}
+
 /* ---- drivers ---------------------------------------------------------------------------- */
 
 typedef struct thread_arg {
@@ -440,6 +474,7 @@ typedef struct thread_arg {
 static void *rank_main(void *p) {
   thread_arg *a = p;
   run_collectives(&a->x);
+  test_late_peer(&a->x);
   if (a->x.world > 1) {
     pthread_barrier_wait(a->f.bar);
     test_timeout(a->x.rank, a->x.world, a->f.to[a->x.rank], a->f.bar);
@@ -582,6 +617,7 @@ static int run_mpi(int timeout_test) {
   } else {
     if (c->rank == 0) test_api();
     run_collectives(&x);
+    test_late_peer(&x);
   }
   int mine[2] = {atomic_load(&g_pass), atomic_load(&g_fail)}, tot[2] = {0, 0};
   MPI_Allreduce(mine, tot, 2, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
@@ -679,6 +715,7 @@ static void xport_timeout(xport_arg *a, size_t n) {
 static void *xport_rank(void *p) {
   xport_arg *a = p;
   run_collectives(&a->x);
+  test_late_peer(&a->x);
   if (a->x.world < 2) return NULL;
   pthread_barrier_wait(a->bar);
   xport_timeout(a, 64);

@@ -161,7 +161,8 @@ static sg_status x_iallgather(void *tp, void *buf, size_t bytes, sg__xreq *rq) {
 
 static const sg__xport_ops mpi_xport = {"mpi",    x_isend,  x_irecv,     x_test,
                                         x_abandon, x_ibcast, x_iallgather,
-                                        0 /* release_rx: faults cost as much as a transfer */};
+                                        0 /* release_rx: faults cost as much as a transfer */,
+                                        NULL /* block: MPI progresses only inside its calls */};
 
 /* ---- collectives: host memory through the algorithms, device memory staged ------------------ */
 

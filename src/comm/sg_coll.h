@@ -57,6 +57,10 @@ typedef struct sg__xport_ops {
    * for transports whose own cost per byte hides the page faults of the next reduction.
    * SG_COMM_RX_RELEASE=0|1 overrides it. */
   int release_rx;
+  /* Optional: sleeps until rq may have completed (the transport signals it) or `us`
+   * microseconds pass, whichever is first; a waiting rank then costs no CPU (NULL: the waits
+   * here nap with a growing interval instead). Never reports: the next test does. */
+  void (*block)(void *tp, sg__xreq *rq, unsigned us);
 } sg__xport_ops;
 
 /* Per-channel state of the algorithms (request arrays, receive buffers, call counter). */
@@ -70,6 +74,7 @@ typedef struct sg__coll {
   int rx_lost;       /* a receive into rx could not be stopped: rx is never freed */
   int rx_mapped;     /* rx is its own mapping, whose pages go back after each reduction */
   int ag_algo, rs_algo;
+  int nap; /* waits sleep once spinning and yielding found nothing (SG_COMM_WAIT) */
   sg__xreq *sends, *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */
   size_t cap_sends, cap_recvs, cap_slots;

@@ -22,11 +22,14 @@
  * a channel whose slot is still held by a live channel of the same communicator is refused.
  * The transport belongs to the family; communicators and channels borrow it (a communicator
  * with channels is never destroyed, comm.c). */
-#include <pthread.h>   /* the family's lock */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_condattr_setclock */
+
+#include <pthread.h>   /* the family's lock, the bell */
 #include <stdatomic.h> /* the records' state */
 #include <stdio.h>     /* snprintf */
 #include <stdlib.h>    /* calloc, free */
 #include <string.h>    /* memcpy, strlen */
+#include <time.h>      /* clock_gettime */
 
 #include "sg_coll.h" /* the algorithms, the transport interface */
 #include "sg_comm.h" /* sg_comm, sg__comm_ops, sg__comm_channel_init */
@@ -156,8 +159,52 @@ static int x_abandon(void *tp, sg__xreq *sends, size_t nsend, sg__xreq *recvs, s
   return lost;
 }
 
+/* The bell: sg_xport_done wakes the algorithms' waits that sleep on it (block). One for the
+ * process, since a wakeup for another record only costs a re-check; `sleepers` spares the
+ * completing thread the lock when nobody sleeps. Both sides use sequentially consistent
+ * operations on state and sleepers, so a sleeper either sees its record done or is woken. */
+static pthread_mutex_t g_bell_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_bell_cv;
+static pthread_once_t g_bell_once = PTHREAD_ONCE_INIT;
+static int g_bell_ok;
+static _Atomic int g_bell_sleepers;
+
+static void bell_init(void) {
+  pthread_condattr_t ca;
+  if (pthread_condattr_init(&ca) != 0) return;
+  g_bell_ok = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) == 0 &&
+              pthread_cond_init(&g_bell_cv, &ca) == 0;
+  pthread_condattr_destroy(&ca);
+}
+
+static void bell_ring(void) {
+  if (atomic_load(&g_bell_sleepers) == 0) return;
+  pthread_mutex_lock(&g_bell_mu);
+  pthread_cond_broadcast(&g_bell_cv);
+  pthread_mutex_unlock(&g_bell_mu);
+}
+
+static void x_block(void *tp, sg__xreq *rq, unsigned us) {
+  (void)tp;
+  if (pthread_once(&g_bell_once, bell_init) != 0 || !g_bell_ok || !rq->active) return;
+  const xrec *r = rec_of(rq);
+  struct timespec until;
+  if (clock_gettime(CLOCK_MONOTONIC, &until) != 0) return;
+  until.tv_nsec += (long)us * 1000L;
+  until.tv_sec += until.tv_nsec / 1000000000L;
+  until.tv_nsec %= 1000000000L;
+  atomic_fetch_add(&g_bell_sleepers, 1);
+  pthread_mutex_lock(&g_bell_mu);
+  int rc = 0;
+  while (rc == 0 && atomic_load(&r->state) == REC_PENDING)
+    rc = pthread_cond_timedwait(&g_bell_cv, &g_bell_mu, &until);
+  pthread_mutex_unlock(&g_bell_mu);
+  atomic_fetch_sub(&g_bell_sleepers, 1);
+}
+
 static const sg__xport_ops xport_ops = {"xport", x_isend, x_irecv, x_test, x_abandon, NULL, NULL,
-                                        1 /* release_rx: the per-byte cost hides the faults */};
+                                        1 /* release_rx: the per-byte cost hides the faults */,
+                                        x_block};
 
 sg_status sg_xport_done(void *token, int error, size_t bytes, const char *msg) {
   static const char fn[] = "sg_xport_done";
@@ -174,7 +221,8 @@ sg_status sg_xport_done(void *token, int error, size_t bytes, const char *msg) {
     if (k) memcpy(r->msg, msg, k);
     r->msg[k] = '\0';
   }
-  atomic_store_explicit(&r->state, error ? REC_FAILED : REC_DONE, memory_order_release);
+  atomic_store(&r->state, error ? REC_FAILED : REC_DONE); /* r may be freed from here on */
+  bell_ring();
   return SG_OK;
 }
 
