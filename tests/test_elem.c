@@ -731,6 +731,58 @@ static void test_device_zero_release(void) {
   d->ops->destroy(d);
 }
 
+/* Whether the system gives transparent huge pages to regions marked MADV_HUGEPAGE: its
+ * setting is "always" or "madvise" (not "never", and not absent). */
+static int thp_for_madvise(void) {
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  char buf[128] = "";
+  if (!f) return 0;
+  const int ok = fgets(buf, sizeof buf, f) != NULL;
+  fclose(f);
+  return ok && (strstr(buf, "[always]") || strstr(buf, "[madvise]"));
+}
+
+/* zero_release marks the 2 MiB-aligned interior of a released range for huge pages: one write
+ * there brings back the whole 2 MiB (one fault instead of 512), and pages outside the interior
+ * still come back one by one. Skipped where the system has no transparent huge pages or
+ * SG_CPU_HUGEPAGES=0 turns the hint off. */
+static void test_device_zero_release_huge(void) {
+  const char *e = getenv("SG_CPU_HUGEPAGES");
+  if (!thp_for_madvise() || (e && e[0] == '0')) {
+    printf("skip zero_release huge pages: no transparent huge pages for madvise, or "
+           "SG_CPU_HUGEPAGES=0\n");
+    return;
+  }
+  sg__device *d = NULL;
+  if (sg__device_cpu_create(0, 1, &d) != SG_OK) {
+    CHECK(0, "cpu device: create");
+    return;
+  }
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE), huge = (size_t)2 << 20, bytes = 4 * huge;
+  unsigned char *blk = NULL;
+  if (d->ops->alloc(d, bytes, (void **)&blk) != SG_OK || !blk) {
+    CHECK(0, "zero_release huge: 8 MiB block");
+    d->ops->destroy(d);
+    return;
+  }
+  memset(blk, 3, bytes);
+  unsigned char *h = (unsigned char *)(((uintptr_t)blk + huge - 1) / huge * huge); /* interior */
+  unsigned char *p0 = (unsigned char *)(((uintptr_t)blk + page - 1) / page * page);
+  sg_status st = d->ops->zero_release(d, SG_Q_COMPUTE, blk, bytes);
+  const long none = resident_pages(h, huge, page);
+  h[5] = 1;
+  const long whole = resident_pages(h, huge, page);
+  const int edge = p0 < h; /* a page before the interior (the block is rarely 2 MiB-aligned) */
+  if (edge) p0[1] = 1;
+  const long one = edge ? resident_pages(p0, page * 2 <= (size_t)(h - p0) ? 2 * page : page, page) : 1;
+  CHECK(st == SG_OK && none == 0 && whole == 512 && one == 1 && h[0] == 0 && h[5] == 1,
+        "zero_release: the 2 MiB-aligned interior refills as one huge page (%ld -> %ld pages "
+        "after one write), a page outside it alone (%ld)",
+        none, whole, one);
+  d->ops->free(d, blk);
+  d->ops->destroy(d);
+}
+
 static void test_device_queue(void) {
   sg__device *d = NULL;
   if (sg__device_cpu_create(1, 1, &d) != SG_OK) {
@@ -842,6 +894,7 @@ int main(void) {
   test_seg_seek();
   test_device_memory();
   test_device_zero_release();
+  test_device_zero_release_huge();
   test_device_queue();
   test_device_inline_and_destroy();
   return sg_test_summary("");

@@ -194,6 +194,32 @@ static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
  * below it the system calls and the page faults of the next write cost more than memset. */
 #define SG_CPU_RELEASE_MIN ((size_t)64 << 10)
 
+#define SG_CPU_HUGE ((uintptr_t)2 << 20) /* a transparent huge page on x86-64 and arm64 */
+
+/* A released range is refilled by the next micro-batch or step (slots, the accumulator), and
+ * 4 KiB faults made that refill the larger part of a backward pass here (2 us a page:
+ * refilling 8 MiB took 4.2 ms against 0.9 ms of memset). Marked for transparent huge pages,
+ * its 2 MiB-aligned interior comes back with one fault per 2 MiB (0.8 ms for 8 MiB). Only the
+ * interior, which its next use rewrites whole: RSS then grows 2 MiB at a time, never by pages
+ * nobody writes. SG_CPU_HUGEPAGES=0 keeps 4 KiB pages (read once). */
+static void hint_huge(uintptr_t a, uintptr_t end) {
+#ifdef MADV_HUGEPAGE
+  static _Atomic int want = -1;
+  int w = atomic_load_explicit(&want, memory_order_relaxed);
+  if (w < 0) {
+    const char *e = getenv("SG_CPU_HUGEPAGES");
+    w = !(e && e[0] == '0');
+    atomic_store_explicit(&want, w, memory_order_relaxed);
+  }
+  const uintptr_t lo = (a + SG_CPU_HUGE - 1) / SG_CPU_HUGE * SG_CPU_HUGE;
+  const uintptr_t hi = end / SG_CPU_HUGE * SG_CPU_HUGE;
+  if (w && hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE); /* a hint: may fail */
+#else
+  (void)a;
+  (void)end;
+#endif
+}
+
 /* Device memory is private anonymous (mmap or the heap), so pages dropped with MADV_DONTNEED
  * read as zeros when next touched. The partial pages at either end are cleared. */
 static sg_status cpu_zero_release(sg__device *d, sg__queue q, void *dst, size_t bytes) {
@@ -206,6 +232,7 @@ static sg_status cpu_zero_release(sg__device *d, sg__queue q, void *dst, size_t 
     sg__cpu_zero(dst, bytes);
     return SG_OK;
   }
+  hint_huge(a, end);
   sg__cpu_zero(dst, lo - a);
   sg__cpu_zero((void *)hi, end - hi);
   return SG_OK;
