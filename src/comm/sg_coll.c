@@ -59,14 +59,10 @@
 #ifndef SG__COLL_NRX
 #define SG__COLL_NRX 4 /* receives in flight per reduction */
 #endif
-#ifndef SG__COLL_SPINS
-#define SG__COLL_SPINS 2000u
-#endif /* polls before a waiting rank starts yielding its core */
-#ifndef SG__COLL_YIELDS
-#define SG__COLL_YIELDS 64u /* polls with a yield between them before a waiting rank sleeps */
-#endif
-#define SG__COLL_NAP_MIN_US 8u   /* the first sleep of a wait */
-#define SG__COLL_NAP_MAX_US 128u /* the longest: a message waits at most this past its arrival */
+#define SG__COLL_SPIN_US 20.0    /* a wait polls flat out this long, */
+#define SG__COLL_YIELD_US 100.0  /* then with a yield between polls until this long, */
+#define SG__COLL_NAP_MIN_US 8u   /* then sleeps, first this long, */
+#define SG__COLL_NAP_MAX_US 128u /* doubling up to this: a message waits at most this past its arrival */
 #define SG__COLL_BLOCK_US 2000u  /* one blocking sleep of a transport that signals completion */
 
 enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
@@ -173,7 +169,7 @@ static sg_status timed_out(sg_comm *c, const char *fn, const char *what) {
 
 /* A wait's progress from spinning to sleeping. */
 typedef struct backoff {
-  unsigned polls;
+  double t0_us; /* when the wait began (0: not yet read) */
   unsigned nap_us;
 } backoff;
 
@@ -181,14 +177,18 @@ typedef struct backoff {
  * ruins small messages), then yield a while so that ranks sharing a core let the peer they
  * wait for run, then sleep. A yielding thread stays runnable and the scheduler still gives it
  * its share of the core: with ranks (and their comm workers) sharing cores, every waiter
- * spinning on yields took CPU from the backward passes the messages wait for. A transport that
- * signals completion (block) wakes the sleeper when rq is done; the others (MPI, which only
- * progresses inside its calls) are polled again after 8, 16, ... up to 128 microseconds, short
- * against a socket's buffer at 10 Gbit/s and against any piece of a reduction. */
+ * spinning on yields took CPU from the backward passes the messages wait for. The phases are
+ * timed, not counted: one MPI poll over TCP is a poll() system call, and 2000 of them before
+ * the first yield cost milliseconds per message. A transport that signals completion (block)
+ * wakes the sleeper when rq is done; the others (MPI, which only progresses inside its calls)
+ * are polled again after 8, 16, ... up to 128 microseconds, short against a socket's buffer at
+ * 10 Gbit/s and against any piece of a reduction. */
 static void idle(const sg__coll *k, sg__xreq *rq, backoff *b) {
-  const unsigned n = b->polls++;
-  if (n < SG__COLL_SPINS) return;
-  if (!k->nap || n < SG__COLL_SPINS + SG__COLL_YIELDS) {
+  const double now = sg__now_us();
+  if (b->t0_us == 0.0) b->t0_us = now;
+  const double waited = now - b->t0_us;
+  if (waited < SG__COLL_SPIN_US) return;
+  if (!k->nap || waited < SG__COLL_YIELD_US) {
     sched_yield();
     return;
   }
@@ -210,7 +210,7 @@ static sg_status wait_one(sg__coll *k, const char *fn, sg__xreq *rq, long long e
   sg_comm *c = k->c;
   int done = 0;
   size_t got = 0;
-  backoff b = {0, 0};
+  backoff b = {0.0, 0};
   while (rq->active) {
     const sg_status st = k->xp->test(k->tp, rq, &done, &got);
     if (st != SG_OK) return xfail(c, fn, st);
@@ -790,7 +790,7 @@ static sg_status wait_native(sg__coll *k, const char *fn, const char *what, sg__
                              int64_t deadline_ms) {
   int done = 0;
   size_t got = 0;
-  for (backoff b = {0, 0};;) {
+  for (backoff b = {0.0, 0};;) {
     const sg_status st = k->xp->test(k->tp, rq, &done, &got);
     if (st != SG_OK) return xfail(k->c, fn, st);
     if (done) return SG_OK;
