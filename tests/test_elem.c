@@ -742,9 +742,9 @@ static int thp_for_madvise(void) {
   return ok && (strstr(buf, "[always]") || strstr(buf, "[madvise]"));
 }
 
-/* zero_release marks the 2 MiB-aligned interior of a released range for huge pages: one write
- * there brings back the whole 2 MiB (one fault instead of 512), and pages outside the interior
- * still come back one by one. Skipped where the system has no transparent huge pages or
+/* zero_release marks the 2 MiB-aligned interior of a released range of 16 MiB or more for huge
+ * pages: one write there brings back the whole 2 MiB (one fault instead of 512), and pages
+ * outside the interior, or of smaller ranges, still come back one by one. Skipped where the system has no transparent huge pages or
  * SG_CPU_HUGEPAGES=0 turns the hint off. */
 static void test_device_zero_release_huge(void) {
   const char *e = getenv("SG_CPU_HUGEPAGES");
@@ -758,10 +758,10 @@ static void test_device_zero_release_huge(void) {
     CHECK(0, "cpu device: create");
     return;
   }
-  const size_t page = (size_t)sysconf(_SC_PAGESIZE), huge = (size_t)2 << 20, bytes = 4 * huge;
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE), huge = (size_t)2 << 20, bytes = 10 * huge;
   unsigned char *blk = NULL;
   if (d->ops->alloc(d, bytes, (void **)&blk) != SG_OK || !blk) {
-    CHECK(0, "zero_release huge: 8 MiB block");
+    CHECK(0, "zero_release huge: 20 MiB block");
     d->ops->destroy(d);
     return;
   }
@@ -779,6 +779,21 @@ static void test_device_zero_release_huge(void) {
         "zero_release: the 2 MiB-aligned interior refills as one huge page (%ld -> %ld pages "
         "after one write), a page outside it alone (%ld)",
         none, whole, one);
+  /* a range under 16 MiB (of a block never marked: the mark stays with the memory) is not
+   * marked: its pages come back one by one */
+  unsigned char *b2 = NULL;
+  if (d->ops->alloc(d, bytes, (void **)&b2) == SG_OK && b2) {
+    memset(b2, 3, bytes);
+    unsigned char *h2 = (unsigned char *)(((uintptr_t)b2 + huge - 1) / huge * huge);
+    st = d->ops->zero_release(d, SG_Q_COMPUTE, h2, 8 * huge - 1);
+    h2[huge + 5] = 1;
+    const long small = resident_pages(h2 + huge, huge, page);
+    CHECK(st == SG_OK && small == 1,
+          "zero_release: a range under 16 MiB refills page by page (%ld)", small);
+    d->ops->free(d, b2);
+  } else {
+    CHECK(0, "zero_release huge: a second 20 MiB block");
+  }
   d->ops->free(d, blk);
   d->ops->destroy(d);
 }

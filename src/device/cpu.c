@@ -194,14 +194,18 @@ static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
  * below it the system calls and the page faults of the next write cost more than memset. */
 #define SG_CPU_RELEASE_MIN ((size_t)64 << 10)
 
-#define SG_CPU_HUGE ((uintptr_t)2 << 20) /* a transparent huge page on x86-64 and arm64 */
+#define SG_CPU_HUGE ((uintptr_t)2 << 20)      /* a transparent huge page on x86-64 and arm64 */
+#define SG_CPU_HUGE_MIN ((uintptr_t)16 << 20) /* the smallest range marked for them */
 
 /* A released range is refilled by the next micro-batch or step (slots, the accumulator), and
  * 4 KiB faults made that refill the larger part of a backward pass here (2 us a page:
  * refilling 8 MiB took 4.2 ms against 0.9 ms of memset). Marked for transparent huge pages,
- * its 2 MiB-aligned interior comes back with one fault per 2 MiB (0.8 ms for 8 MiB). Only the
- * interior, which its next use rewrites whole: RSS then grows 2 MiB at a time, never by pages
- * nobody writes. SG_CPU_HUGEPAGES=0 keeps 4 KiB pages (read once). */
+ * its 2 MiB-aligned interior comes back with one fault per 2 MiB (0.8 ms for 8 MiB). But a
+ * huge page is resident from its first written byte: an accumulator filling bucket by bucket,
+ * or a staging buffer next used by a smaller bucket, then holds up to 2 MiB per range that is
+ * not written yet, which raised the peak RSS of bench/torch_side_by_side.py (2 and 4 MiB
+ * buffers) by 3 MiB. So only ranges from 16 MiB on, where that is at most 1/8 more.
+ * SG_CPU_HUGEPAGES=0 keeps 4 KiB pages everywhere (read once). */
 static void hint_huge(uintptr_t a, uintptr_t end) {
 #ifdef MADV_HUGEPAGE
   static _Atomic int want = -1;
@@ -213,7 +217,8 @@ static void hint_huge(uintptr_t a, uintptr_t end) {
   }
   const uintptr_t lo = (a + SG_CPU_HUGE - 1) / SG_CPU_HUGE * SG_CPU_HUGE;
   const uintptr_t hi = end / SG_CPU_HUGE * SG_CPU_HUGE;
-  if (w && hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE); /* a hint: may fail */
+  if (w && end - a >= SG_CPU_HUGE_MIN && hi > lo)
+    (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE); /* a hint: may fail */
 #else
   (void)a;
   (void)end;
