@@ -9,3 +9,5 @@ foreach(np 2 3 4)
 endforeach()
 # sg_memory == sg_estimate_memory == the DESIGN.md section 3 formulas
 sg_add_test(test_memory SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_memory.c LABELS local TIMEOUT 300)
+# Which gradient slots give their pages back: staging reused in the same micro-batch is zeroed
+sg_add_test(test_slot_release SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_slot_release.c LABELS local TIMEOUT 120)

@@ -21,7 +21,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h> /* mincore */
 #include <unistd.h>   /* sysconf */
 
 #ifdef _OPENMP
@@ -33,6 +32,7 @@
 #include "sg_elem.h"            /* element math */
 
 #include "sg_test_check.h"
+#include "sg_test_mem.h" /* sg_test_resident_pages */
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
 static uint64_t rnd64(void) { /* xorshift64* */
@@ -668,17 +668,6 @@ static void test_device_memory(void) {
   d->ops->destroy(d);
 }
 
-/* Resident pages of [p, p + bytes) (p page-aligned), by mincore; -1 when it fails. */
-static long resident_pages(void *p, size_t bytes, size_t page) {
-  size_t n = (bytes + page - 1) / page;
-  unsigned char *v = malloc(n ? n : 1);
-  long k = 0;
-  if (!v || mincore(p, bytes, v) != 0) k = -1;
-  for (size_t i = 0; k >= 0 && i < n; i++) k += v[i] & 1;
-  free(v);
-  return k;
-}
-
 /* zero_release: zeros from byte `off` for `len` bytes of a written block, every other byte
  * kept, and the whole pages inside off RSS until written again (when len is large). */
 static void test_device_zero_release(void) {
@@ -709,18 +698,18 @@ static void test_device_zero_release(void) {
   unsigned char *first = (unsigned char *)(((uintptr_t)blk + page - 1) / page * page);
   const size_t span = 512 * page;
   memset(blk, 1, bytes);
-  long before = resident_pages(first, span, page);
+  long before = sg_test_resident_pages(first, span, page);
   sg_status st = d->ops->zero_release(d, SG_Q_COMPUTE, first, span);
-  long after = resident_pages(first, span, page);
+  long after = sg_test_resident_pages(first, span, page);
   first[3 * page] = 7; /* written again: resident again, the rest still zero */
-  long again = resident_pages(first, span, page);
+  long again = sg_test_resident_pages(first, span, page);
   CHECK(st == SG_OK && before == 512 && after == 0 && again == 1 && first[0] == 0 &&
             first[span - 1] == 0 && first[span] == 1,
         "zero_release: 512 written pages resident, none after, one once written (%ld, %ld, %ld)",
         before, after, again);
   memset(blk, 1, bytes);
   st = d->ops->zero_release(d, SG_Q_COMPUTE, first, 8 * page);
-  CHECK(st == SG_OK && resident_pages(first, 8 * page, page) == 8 && first[0] == 0,
+  CHECK(st == SG_OK && sg_test_resident_pages(first, 8 * page, page) == 8 && first[0] == 0,
         "zero_release: a range below 64 KiB is written with zeros (stays resident)");
   CHECK(d->ops->zero_release(NULL, SG_Q_COMPUTE, blk, 4) == SG_ERR_INVALID_ARGUMENT &&
             d->ops->zero_release(d, SG_Q_COMPUTE, NULL, 4) == SG_ERR_INVALID_ARGUMENT &&
@@ -769,12 +758,12 @@ static void test_device_zero_release_huge(void) {
   unsigned char *h = (unsigned char *)(((uintptr_t)blk + huge - 1) / huge * huge); /* interior */
   unsigned char *p0 = (unsigned char *)(((uintptr_t)blk + page - 1) / page * page);
   sg_status st = d->ops->zero_release(d, SG_Q_COMPUTE, blk, bytes);
-  const long none = resident_pages(h, huge, page);
+  const long none = sg_test_resident_pages(h, huge, page);
   h[5] = 1;
-  const long whole = resident_pages(h, huge, page);
+  const long whole = sg_test_resident_pages(h, huge, page);
   const int edge = p0 < h; /* a page before the interior (the block is rarely 2 MiB-aligned) */
   if (edge) p0[1] = 1;
-  const long one = edge ? resident_pages(p0, page * 2 <= (size_t)(h - p0) ? 2 * page : page, page) : 1;
+  const long one = edge ? sg_test_resident_pages(p0, page * 2 <= (size_t)(h - p0) ? 2 * page : page, page) : 1;
   CHECK(st == SG_OK && none == 0 && whole == 512 && one == 1 && h[0] == 0 && h[5] == 1,
         "zero_release: the 2 MiB-aligned interior refills as one huge page (%ld -> %ld pages "
         "after one write), a page outside it alone (%ld)",
@@ -787,7 +776,7 @@ static void test_device_zero_release_huge(void) {
     unsigned char *h2 = (unsigned char *)(((uintptr_t)b2 + huge - 1) / huge * huge);
     st = d->ops->zero_release(d, SG_Q_COMPUTE, h2, 8 * huge - 1);
     h2[huge + 5] = 1;
-    const long small = resident_pages(h2 + huge, huge, page);
+    const long small = sg_test_resident_pages(h2 + huge, huge, page);
     CHECK(st == SG_OK && small == 1,
           "zero_release: a range under 16 MiB refills page by page (%ld)", small);
     d->ops->free(d, b2);

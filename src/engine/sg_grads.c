@@ -10,6 +10,7 @@ typedef struct {
   int bucket;
   int first;  /* the bucket's first reduction since the accumulator was emptied */
   char *slot; /* the bucket's gradients, grad dtype, bucket numel elements */
+  size_t idle; /* bytes of the slot to give back once zeroed (slot_idle); 0: keep it */
   int64_t trace; /* trace record, -1 none */
 } sg__reduce_job;
 
@@ -178,6 +179,22 @@ static sg_status wire_of(sg_engine *e, const sg__reduce_job *j, size_t numel, ch
   return e->dev->ops->cast(e->dev, SG_Q_COMM, *wire, rdt, j->slot, gdt, numel);
 }
 
+/* What of bucket b's slot, about to be released, gives its pages back once zeroed: nothing
+ * when a later bucket of this micro-batch is handed it (the strategy's slot_idle_bytes), since
+ * its pages would be faulted in again at once. Otherwise its next use is behind a forward
+ * pass, whose activations can then have the pages (DESIGN.md section 3). */
+static size_t slot_idle(sg_engine *e, int b) {
+  return e->strat->slot_idle_bytes(e, e->g.slot_state, b);
+}
+
+/* Bucket b's slot zeroed on queue q for its next holder. A device that cannot give pages back
+ * zeroes the bucket's part only: the rest of an idle slot is zero already. */
+static sg_status zero_slot(sg_engine *e, sg__queue q, char *slot, int b, size_t idle) {
+  sg__device *d = e->dev;
+  if (idle && d->ops->zero_release) return d->ops->zero_release(d, q, slot, idle);
+  return d->ops->zero(d, q, slot, e->plan->buckets[b].numel * gsize(e));
+}
+
 /* The bucket summed over the ranks into the accumulator (the strategy's reduce), from the wire
  * buffer in reduce_dtype. */
 static sg_status reduce_bucket(const sg__reduce_job *jp) {
@@ -186,10 +203,7 @@ static sg_status reduce_bucket(const sg__reduce_job *jp) {
   char *wire = NULL;
   SG_TRY(wire_of(e, &j, e->plan->buckets[j.bucket].numel, &wire));
   SG_TRY(e->strat->reduce(e, j.bucket, wire, j.first));
-  /* The slot is handed out again for the next micro-batch and must read as zeros; until then
-   * its pages need not be resident. */
-  return sg__device_zero_release(e->dev, SG_Q_COMM, j.slot,
-                                 e->plan->buckets[j.bucket].numel * gsize(e));
+  return zero_slot(e, SG_Q_COMM, j.slot, j.bucket, j.idle);
 }
 
 static sg_status reduce_job_fn(void *arg) {
@@ -229,7 +243,7 @@ static sg_status fold_local(sg_engine *e, int b, char *slot) {
   sg__device *d = e->dev;
   SG_TRY(d->ops->accumulate(d, SG_Q_COMPUTE, e->g.nosync + bk->start, SG_F32, slot,
                             e->cfg.grad_dtype, bk->numel));
-  SG_TRY(sg__device_zero_release(d, SG_Q_COMPUTE, slot, bk->numel * gsize(e)));
+  SG_TRY(zero_slot(e, SG_Q_COMPUTE, slot, b, slot_idle(e, b)));
   e->g.nosync_dirty[b] = 1;
   release_slot(e, b, 0);
   return SG_OK;
@@ -250,7 +264,8 @@ static sg_status unfold_local(sg_engine *e, int b, char *slot) {
 static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   sg__reduce_job *j = malloc(sizeof *j);
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  *j = (sg__reduce_job){e, b, e->g.empty[b], slot, sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
+  *j = (sg__reduce_job){e, b, e->g.empty[b], slot, slot_idle(e, b),
+                        sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
   const sg__state_ops *so = e->strat->state;
   sg_status st = so ? so->prepare(e, b) : SG_OK;
   if (st != SG_OK) {

@@ -77,6 +77,15 @@ typedef struct sg__strategy_ops {
   /* Bucket b is done with its slot until the next micro-batch: comm job `ticket` zeroes it
    * (0: no new job; it was zeroed on the compute queue). */
   void (*release)(sg_engine *e, void *state, int b, uint64_t ticket);
+  /* Asked just before bucket b's release(): 0 when its slot will be handed out again before
+   * this micro-batch ends (a later bucket of the same backward pass writes into it), so it is
+   * zeroed and stays resident; otherwise its next use is behind a forward pass, and this is
+   * how many bytes from the slot's base then sit idle, all zero once the bucket's part is
+   * zeroed (at least the bucket's; also what earlier holders of the same buffer wrote), which
+   * may give their pages back meanwhile (the device's zero_release). Either kind of answer is
+   * correct; a wrong 0 keeps pages resident while the activations grow, a wrong nonzero costs
+   * page faults, so answer nonzero when unsure. */
+  size_t (*slot_idle_bytes)(const sg_engine *e, const void *state, int b);
 
   /* On the comm queue: sums bucket b over the ranks from `wire` (reduce_dtype, the whole
    * bucket, may be used as scratch) and puts this rank's owned part into the accumulator with

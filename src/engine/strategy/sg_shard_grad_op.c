@@ -124,6 +124,43 @@ void sg__staging_release(sg_engine *e, void *state, int b, uint64_t ticket) {
   }
 }
 
+/* acquire()'s order: the free buffer with the oldest ticket, the lowest index among equals. */
+static int acquired_before(uint64_t t1, int k1, uint64_t t2, int k2) {
+  return t1 < t2 || (t1 == t2 && k1 < k2);
+}
+
+/* Bucket b is about to release buffer k. The later buckets of the micro-batch that hold no
+ * buffer yet will each acquire one (at the latest when sg_backward_end completes them); k is
+ * handed out again iff they outnumber the buffers that can be taken before it: the free ones
+ * acquire() orders first, and one more for each later bucket whose release can order before k.
+ * Not handed out again, the whole buffer is idle: a larger bucket that held it before b may
+ * have written (and left resident, zeroed) more of it than b's part.
+ * With sync on, b's release ticket (its new reduction's) is newer than every ticket so far,
+ * and so are those of the later buckets' releases (sg_set_sync holds for a whole micro-batch):
+ * every other free buffer is taken first, no later release is, and the answer is exact. With
+ * sync off every release keeps the bucket's last ticket, so equal tickets of later buckets
+ * whose buffer is not known yet count as before k (the answer may then be a needless 0). */
+static int handed_again(const sg_engine *e, const pool *s, int b) {
+  const int k = s->bucket_staging[b], sync = e->g.sync;
+  if (k < 0 || !e->g.touched) return 0; /* sg__grads_flush: the step follows */
+  const uint64_t tk = s->t.bucket[b];
+  int ahead = 0, later = 0;
+  for (int j = 0; j < s->n; j++)
+    if (j != k && s->owner[j] < 0 && (sync || acquired_before(s->ticket[j], j, tk, k))) ahead++;
+  for (int c = b + 1; c < e->plan->nbuckets; c++) {
+    const int held = s->bucket_staging[c];
+    later += held < 0;
+    if (!sync && (held < 0 ? s->t.bucket[c] <= tk : acquired_before(s->t.bucket[c], held, tk, k)))
+      ahead++;
+  }
+  return later > ahead;
+}
+
+size_t sg__staging_idle_bytes(const sg_engine *e, const void *state, int b) {
+  const pool *s = state;
+  return handed_again(e, s, b) ? 0 : s->stride;
+}
+
 const sg__strategy_ops sg__strategy_shard_grad_op = {
     .name = "SHARD_GRAD_OP", .reduce_label = "reduce-scatter", .shape = shape,
     SG__STAGING_OPS, SG__SHARDED_OPS,

@@ -41,6 +41,11 @@ void sg__slots_full_release(sg_engine *e, void *state, int b, uint64_t ticket) {
   if (ticket) t->bucket[b] = ticket;
 }
 
+/* Bucket b's region is its own: written once per micro-batch, next by the next backward pass. */
+size_t sg__slots_full_idle_bytes(const sg_engine *e, const void *state, int b) {
+  return e->plan->buckets[b].numel * gsize(e);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* sharded optimizer state                                                                   */
 

@@ -12,6 +12,7 @@ sg_status sg__slots_full_init(sg_engine *e, void **state);
 void sg__slots_full_free(sg_engine *e, void *state);
 sg_status sg__slots_full_slot(sg_engine *e, void *state, int b, char **base, const char *fn);
 void sg__slots_full_release(sg_engine *e, void *state, int b, uint64_t ticket);
+size_t sg__slots_full_idle_bytes(const sg_engine *e, const void *state, int b);
 
 /* a pool of staging buffers (SHARD_GRAD_OP, sg_shard_grad_op.c): bucket b's slot is a
  * buffer of the pool while its gradients are written and reduced */
@@ -19,6 +20,7 @@ sg_status sg__staging_init(sg_engine *e, void **state);
 void sg__staging_free(sg_engine *e, void *state);
 sg_status sg__staging_slot(sg_engine *e, void *state, int b, char **base, const char *fn);
 void sg__staging_release(sg_engine *e, void *state, int b, uint64_t ticket);
+size_t sg__staging_idle_bytes(const sg_engine *e, const void *state, int b);
 
 /* sharded state: this rank owns slice `rank` of every bucket (DESIGN.md section 2) */
 void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out);
@@ -34,10 +36,11 @@ sg_status sg__sharded_gather_state(sg_engine *e, int b, const float *state, floa
 /* Table entries of the shared pieces (designated initializers of sg__strategy_ops). */
 #define SG__STAGING_OPS                                                                           \
   .slots_init = sg__staging_init, .slots_free = sg__staging_free, .slot = sg__staging_slot,      \
-  .release = sg__staging_release
+  .release = sg__staging_release, .slot_idle_bytes = sg__staging_idle_bytes
 #define SG__SLOTS_FULL_OPS                                                                        \
   .slots_init = sg__slots_full_init, .slots_free = sg__slots_full_free,                          \
-  .slot = sg__slots_full_slot, .release = sg__slots_full_release
+  .slot = sg__slots_full_slot, .release = sg__slots_full_release,                               \
+  .slot_idle_bytes = sg__slots_full_idle_bytes
 #define SG__SHARDED_OPS                                                                           \
   .owned = sg__sharded_owned, .reduce = sg__sharded_reduce, .sum_norm = sg__sharded_sum_norm,    \
   .gather = sg__sharded_gather, .gather_state = sg__sharded_gather_state
