@@ -14,7 +14,8 @@
 # put on their links per step (from the node interfaces' counters; TCP/IP headers included).
 #
 #   bench/cluster.sh [--build DIR] [--rates "1gbit 10gbit"] [--micro "1 8"] [--steps N]
-#                    [--warmup N] [--batch N] [--hidden N] [--layers N] [--python PY] [--no-torch]
+#                    [--warmup N] [--batch N] [--hidden N] [--layers N] [--bucket-mb X]
+#                    [--python PY] [--no-torch]
 #                    [--flat-sync "every last"] [--wires "f32 bf16"]
 #                    [--torch-sync "every last allreduce-last"] [--profile]
 #                    [--cluster NAME] [--subnet A.B.C]
@@ -28,14 +29,14 @@
 #
 # Environment variables named SG_* (the library's knobs, e.g. SG_COMM_WAIT) are passed to every rank.
 # Defaults: the MLP of sg_bench_cluster at 9 layers x 2048 (29.5M parameters, f32), batch 2 per
-# micro-batch per rank, 1 warm-up + 2 timed steps. Needs root (network namespaces); exits 77
+# micro-batch per rank, buckets of 32 MiB (--bucket-mb: the shardgrad rows), 1 warm-up + 2 timed steps. Needs root (network namespaces); exits 77
 # with the reason where they are not permitted. The cluster (default name sgbench,
 # 10.79.0.0/24) is taken down at the end, also after a failure.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build RATES="1gbit 10gbit" MICROS="1 8" STEPS=2 WARMUP=1 BATCH=2 HIDDEN=2048
 LAYERS=9 PY="" TORCH=1 FLAT_SYNC="every last" TORCH_SYNC="every last allreduce-last"
-WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0
+WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0 BUCKET=32
 while [ $# -gt 0 ]; do
   case $1 in
     --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
@@ -44,6 +45,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; shift 2 ;;
     --warmup) WARMUP=$2; shift 2 ;;
     --batch) BATCH=$2; shift 2 ;;
+    --bucket-mb) BUCKET=$2; shift 2 ;;
     --hidden) HIDDEN=$2; shift 2 ;;
     --layers) LAYERS=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
@@ -98,11 +100,11 @@ for rate in $RATES; do
   "${CL[@]}" down >/dev/null 2>&1
   "${CL[@]}" up --nodes 2 --rate "$rate" 2>/dev/null || exit 1
   for micro in $MICROS; do
-    one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}" $PROFILE
+    one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     [ "$micro" -gt 1 ] && [[ " $FLAT_SYNC " == *" last "* ]] &&
-      one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}" $PROFILE
+      one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     for wire in $WIRES; do
-      one "$rate" "$micro" "shardgrad hybrid, $wire wire" "$BENCH" --mode hybrid --wire "$wire" --micro "$micro" "${model[@]}" $PROFILE
+      one "$rate" "$micro" "shardgrad hybrid, $wire wire" "$BENCH" --mode hybrid --wire "$wire" --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     done
     if [ "$TORCH" = 1 ]; then
       fsdp=("$PY" "$ROOT/bench/cluster_fsdp.py" --ranks-per-node 2 --master "$CNAME-n0" --micro "$micro" "${model[@]}")
