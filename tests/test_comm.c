@@ -5,6 +5,7 @@
  *    to the dtype (local: rank order; mpi: around the ring, starting after the chunk's owner),
  *    and within a stated tolerance of a double reference (which a per-hop rounding would miss);
  *  - all-reduce results identical on every rank;
+ *  - reduce_scatter_fold bit for bit what reduce_scatter and then the fold give;
  * and the failure paths: a rank that never arrives (timeout, no hang), mismatched calls, invalid
  * arguments on one rank, a broken communicator staying broken, destroy while in use; and a
  * rank waiting for a late peer sleeps instead of spinning (its thread's CPU time).
@@ -313,6 +314,36 @@ static void test_reduce_scatter(rank_ctx *x, int dt, size_t n, int random) {
   free(buf);
 }
 
+/* reduce_scatter_fold against reduce_scatter of the same inputs followed by the fold written
+ * here (acc = the slice rounded to adt, or acc + it in fp32 rounded to adt): bit for bit. */
+static void test_reduce_scatter_fold(rank_ctx *x, int dt, size_t n, int adt, int first) {
+  if (!x->c->ops->reduce_scatter_fold) return;
+  const uint64_t seed = 7000 + n * 4 + (uint64_t)dt;
+  const size_t total = n * (size_t)x->world;
+  void *buf = malloc(total * esize(dt) + 8), *ref = malloc(total * esize(dt) + 8);
+  void *acc = malloc(n * esize(adt) + 8), *want = malloc(n * esize(adt) + 8);
+  for (size_t i = 0; i < total; i++) set_elem(buf, dt, i, rand_val(dt, seed, x->rank, i));
+  memcpy(ref, buf, total * esize(dt));
+  for (size_t i = 0; i < n; i++) set_elem(acc, adt, i, rand_val(adt, seed + 1, x->rank, i));
+  memcpy(want, acc, n * esize(adt));
+  const int64_t dl = sg__deadline((int)x->timeout_ms);
+  const sg_status st0 = x->c->ops->reduce_scatter(x->c, ref, n, dt, dl);
+  const sg__fold f = {acc, adt, first};
+  const sg_status st = x->c->ops->reduce_scatter_fold(x->c, buf, n, dt, &f, dl);
+  for (size_t i = 0; i < n; i++) {
+    const float v = (float)get_elem(ref, dt, (size_t)x->rank * n + i);
+    set_elem(want, adt, i, first ? v : (float)get_elem(want, adt, i) + v);
+  }
+  const int ok = st0 == SG_OK && st == SG_OK && memcmp(acc, want, n * esize(adt)) == 0;
+  check(x->rank, ok, "reduce_scatter_fold %-4s into %-4s n=%-7zu %s: the bits of reduce_scatter "
+        "then the fold (status %s)", dname(dt), dname(adt), n, first ? "first" : "added",
+        sg_status_string(st));
+  free(buf);
+  free(ref);
+  free(acc);
+  free(want);
+}
+
 static unsigned char gather_byte(int k, size_t i) { return (unsigned char)(k * 31 + i * 7 + 1); }
 
 static void test_all_gather(rank_ctx *x, size_t bytes) {
@@ -364,6 +395,9 @@ static void run_collectives(rank_ctx *x) {
         test_all_reduce(x, dt, n, 1);
         test_reduce_scatter(x, dt, per_rank(n, x->world), 1);
       }
+      if (dt != SG__F64 && (n == 1 || n == 1000 || n == 3000000))
+        for (int adt = SG_F32; adt <= SG_BF16; adt++)
+          test_reduce_scatter_fold(x, dt, per_rank(n, x->world), adt, n != 1000);
     }
   }
   for (size_t ci = 0; ci < N_COUNTS; ci++) {

@@ -52,6 +52,13 @@ static void direct_collectives(sg_comm *c) {
   t0 = stats(c);
   CHECK(c->ops->reduce_scatter(c, buf, N, SG_BF16, dl) == SG_OK, "reduce_scatter bf16");
   expect(c, &t0, (w - 1) * N * 2, (w - 1) * N * 2, 1, "reduce_scatter of 1001 bf16 per rank");
+  if (c->ops->reduce_scatter_fold) { /* the same messages: counted alike */
+    float acc[N];
+    const sg__fold f = {acc, SG_F32, 1};
+    t0 = stats(c);
+    CHECK(c->ops->reduce_scatter_fold(c, buf, N, SG_BF16, &f, dl) == SG_OK, "reduce_scatter_fold");
+    expect(c, &t0, (w - 1) * N * 2, (w - 1) * N * 2, 1, "reduce_scatter_fold of 1001 bf16 per rank");
+  }
   t0 = stats(c);
   CHECK(c->ops->all_gather(c, buf, 333, dl) == SG_OK, "all_gather");
   expect(c, &t0, (w - 1) * 333, (w - 1) * 333, 1, "all_gather of 333 bytes per rank");

@@ -6,7 +6,7 @@
  *  - stochastic rounding: deterministic, one of the two neighbours, unbiased on average;
  *  - the CPU loops against naive loops over the same element functions, for every dtype and
  *    sizes around the vector widths and the threading threshold, bitwise equal for any number
- *    of OpenMP threads;
+ *    of OpenMP threads; the fused reduce-and-fold against the two passes it replaces;
  *  - the CPU device (src/device/cpu.c): aligned allocation and the failure hook, the comm
  *    queue's FIFO order, deadlines, failure propagation and skipping, inline mode, ordering of
  *    SG_Q_COMM work, and destroy with jobs pending; zero_release zeroes exactly its range and
@@ -425,6 +425,74 @@ static void test_reduce(void) {
   CHECK(ok_sum, "reduce_sum: f32/bf16/f16/f64, 1-4 sources, sums in source order, any thread count");
   CHECK(ok_alias, "reduce_sum: dst may be one of the sources");
   CHECK(ok_add, "reduce_add: dst + src rounded once, all dtypes");
+}
+
+/* One element of a fold by the element functions: the sum over the sources in order, rounded to
+ * sd, then copied into (first) or added to the accumulator's value. */
+static float fold_ref(const void *const *src, const int *dts, int nsrc, int sd, const void *acc,
+                      int ad, int first, size_t i) {
+  float t = sg_elem_load(src[0], dts[0], i);
+  for (int k = 1; k < nsrc; k++) t = sg_elem_accumulate(t, sg_elem_load(src[k], dts[k], i));
+  uint16_t h[2];
+  if (sd != 0) {
+    sg_elem_store(h, sd, 0, t);
+    t = sg_elem_load(h, sd, 0);
+  }
+  return first ? t : sg_elem_accumulate(sg_elem_load(acc, ad, i), t);
+}
+
+/* One fold case: n elements of nsrc sources in sd (the first an fp32 partial when mixed) into an
+ * ad accumulator; against the element functions for every thread count, and (not mixed)
+ * against reduce_sum into a buffer followed by cast or accumulate. */
+static int fold_case(size_t n, int ad, int sd, int nsrc, int mixed, int first) {
+  void *src[4];
+  int dts[4];
+  for (int k = 0; k < nsrc; k++) {
+    dts[k] = mixed && k == 0 ? 0 : sd;
+    src[k] = rand_buf(dts[k], n, 1);
+  }
+  void *acc0 = rand_buf(ad, n, 1), *want = malloc(n * esize(ad) + 8);
+  for (size_t i = 0; i < n; i++)
+    sg_elem_store(want, ad, i, fold_ref((const void *const *)src, dts, nsrc, sd, acc0, ad, first, i));
+  int ok = 1;
+  for (size_t t = 0; t < NTHREADS; t++) {
+    set_threads(g_threads[t]);
+    void *acc = dup_buf(acc0, n * esize(ad));
+    sg__cpu_reduce_fold(acc, ad, (const void *const *)src, mixed ? dts : NULL, nsrc, sd, n, first);
+    ok &= same_values(acc, want, ad, n);
+    free(acc);
+  }
+  set_threads(2);
+  if (!mixed) {
+    void *sum = malloc(n * esize(sd) + 8), *acc = dup_buf(acc0, n * esize(ad));
+    sg__cpu_reduce_sum(sum, (const void *const *)src, nsrc, sd, n);
+    if (first)
+      sg__cpu_cast(acc, ad, sum, sd, n);
+    else
+      sg__cpu_accumulate(acc, ad, sum, sd, n);
+    ok &= same_values(acc, want, ad, n);
+    free(sum);
+    free(acc);
+  }
+  for (int k = 0; k < nsrc; k++) free(src[k]);
+  free(acc0);
+  free(want);
+  return ok;
+}
+
+static void test_reduce_fold(void) {
+  int ok = 1, ok_mixed = 1;
+  for (size_t s = 0; s < NSIZES; s++)
+    for (int ad = 0; ad <= 1; ad++)
+      for (int sd = 0; sd <= 2; sd++)
+        for (int nsrc = 1; nsrc <= 4; nsrc++)
+          for (int first = 0; first <= 1; first++) {
+            ok &= fold_case(g_sizes[s], ad, sd, nsrc, 0, first);
+            if (nsrc >= 2) ok_mixed &= fold_case(g_sizes[s], ad, sd, nsrc, 1, first);
+          }
+  CHECK(ok, "reduce_fold: f32/bf16 accumulator, f32/bf16/f16 sums of 1-4 sources, first or not: "
+            "the bits of reduce_sum then cast/accumulate, any thread count");
+  CHECK(ok_mixed, "reduce_fold: an fp32 partial first, then sources in the sum's dtype");
 }
 
 static void test_sumsq(void) {
@@ -893,6 +961,7 @@ int main(void) {
   test_cast();
   test_accumulate();
   test_reduce();
+  test_reduce_fold();
   test_sumsq();
   test_adamw_loop();
   test_seg_seek();

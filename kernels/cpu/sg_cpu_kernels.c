@@ -279,6 +279,70 @@ void sg__cpu_reduce_add(void *dst, const void *src, int dtype, size_t n) {
   sg__cpu_reduce_sum(dst, srcs, 2, dtype, n);
 }
 
+/* ---- reduce_fold ------------------------------------------------------------------------- */
+
+/* t[i] rounded to dtype and widened again: what storing the sum and loading it gives */
+static void round_tile(float *restrict t, int dtype, size_t n) {
+  if (dtype == 1)
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_bf16_to_f32(sg_elem_f32_to_bf16(t[i]));
+  else if (dtype == 2)
+    for (size_t i = 0; i < n; i++) t[i] = sg_elem_f16_to_f32(sg_elem_f32_to_f16(t[i]));
+}
+
+/* acc = t rounded (first) or acc + t, for tile k */
+static void fold_into(void *acc, int acc_dtype, float *restrict t, int first, size_t off,
+                      size_t n) {
+  if (first) {
+    store_tile(acc, acc_dtype, off, t, n);
+  } else if (acc_dtype == 0) {
+    float *restrict a = (float *)acc + off;
+    for (size_t i = 0; i < n; i++) a[i] = sg_elem_accumulate(a[i], t[i]);
+  } else {
+    float u[SG_CPU_TILE];
+    load_tile(u, acc, acc_dtype, off, n);
+    for (size_t i = 0; i < n; i++) u[i] = sg_elem_accumulate(u[i], t[i]);
+    store_tile(acc, acc_dtype, off, u, n);
+  }
+}
+
+/* Two f32 sources into an f32 accumulator, the shape of a two-rank reduction: no tile. */
+static void fold2_f32(float *restrict acc, const float *restrict a, const float *restrict b,
+                      int first, size_t n) {
+  if (first)
+    for (size_t i = 0; i < n; i++) acc[i] = a[i] + b[i];
+  else
+    for (size_t i = 0; i < n; i++) acc[i] = sg_elem_accumulate(acc[i], a[i] + b[i]);
+}
+
+SG_CPU_HOT static void fold_tile(void *acc, int acc_dtype, const void *const *srcs,
+                                 const int *dtypes, int nsrc, int sum_dtype, int first, size_t n,
+                                 size_t k) {
+  const size_t off = k * SG_CPU_TILE, len = tile_len(n, k);
+  const int d0 = dtypes ? dtypes[0] : sum_dtype, d1 = dtypes && nsrc > 1 ? dtypes[1] : sum_dtype;
+  if (nsrc == 2 && acc_dtype == 0 && sum_dtype == 0 && d0 == 0 && d1 == 0) {
+    fold2_f32((float *)acc + off, (const float *)srcs[0] + off, (const float *)srcs[1] + off,
+              first, len);
+    return;
+  }
+  float t[SG_CPU_TILE];
+  load_tile(t, srcs[0], d0, off, len);
+  for (int s = 1; s < nsrc; s++) add_tile(t, srcs[s], dtypes ? dtypes[s] : sum_dtype, off, len);
+  round_tile(t, sum_dtype, len);
+  fold_into(acc, acc_dtype, t, first, off, len);
+}
+
+void sg__cpu_reduce_fold(void *acc, int acc_dtype, const void *const *srcs, const int *dtypes,
+                         int nsrc, int sum_dtype, size_t n, int first) {
+  if (!acc || !srcs || nsrc <= 0 || n == 0) return;
+  const size_t tiles = ntiles(n);
+#ifdef SG_CPU_OMP
+  const int nt = SG_CPU_NT(n);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+#endif
+  for (size_t k = 0; k < tiles; k++)
+    fold_tile(acc, acc_dtype, srcs, dtypes, nsrc, sum_dtype, first, n, k);
+}
+
 /* ---- sumsq --------------------------------------------------------------------------------- */
 
 /* Lane j of the block sums elements j, j+8, j+16...; lanes are added in a fixed tree. Each

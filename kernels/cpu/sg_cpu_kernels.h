@@ -51,5 +51,13 @@ int sg__cpu_threads(void);
 void sg__cpu_reduce_sum(void *dst, const void *const *srcs, int nsrc, int dtype, size_t n);
 /* dst[i] = round(dst[i] + src[i]) in dtype, fp32 math (f64 dtype 3: double) */
 void sg__cpu_reduce_add(void *dst, const void *src, int dtype, size_t n);
+/* A reduction folded straight into an accumulator, in one pass: per element the fp32 sum of
+ * srcs[0..nsrc) in k order (source k in dtypes[k], f32/bf16/f16; dtypes NULL: all in
+ * sum_dtype), rounded once to sum_dtype,
+ * then acc = that value rounded to acc_dtype (first) or acc + it. The bits of
+ * sg__cpu_reduce_sum into a buffer followed by sg__cpu_cast (first) or sg__cpu_accumulate,
+ * without writing and reading that buffer. acc aliases no source. */
+void sg__cpu_reduce_fold(void *acc, int acc_dtype, const void *const *srcs, const int *dtypes,
+                         int nsrc, int sum_dtype, size_t n, int first);
 
 #endif /* SG_CPU_KERNELS_H */

@@ -362,6 +362,28 @@ static sg_status local_reduce_scatter(sg_comm *c, void *buf, size_t count, int d
   return barrier(c, fn, deadline_ms, 1, 0);
 }
 
+/* Slice r of every rank's buffer summed straight into the accumulator: nobody writes a buffer. */
+static sg_status local_reduce_scatter_fold(sg_comm *c, void *buf, size_t count, int dtype,
+                                           const sg__fold *f, int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(local) reduce_scatter_fold";
+  const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1, -1};
+  if (c && (!host_path(c) || dtype < 0 || dtype == SG__F64 || !f || (count && !f->acc) ||
+            !(f->acc_dtype == SG_F32 || f->acc_dtype == SG_BF16))) {
+    SG_TRY(sg__comm_usable(c, fn));
+    sg__err(SG_ERR_INVALID_ARGUMENT,
+            "%s: a fold takes f32/bf16/f16 values and an f32 or bf16 accumulator in host memory",
+            fn);
+    return fail_args(c, "passed invalid arguments");
+  }
+  SG_TRY(enter(c, fn, &mine, deadline_ms));
+  const lgroup *g = group_of(c);
+  const size_t es = elem_size(dtype), off = (size_t)c->rank * count;
+  const void **srcs = ((lcomm *)c)->srcs;
+  for (int k = 0; k < g->world; k++) srcs[k] = (const char *)g->posts[k].buf + off * es;
+  sg__cpu_reduce_fold(f->acc, f->acc_dtype, srcs, NULL, g->world, dtype, count, f->first);
+  return barrier(c, fn, deadline_ms, 1, 0);
+}
+
 static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_gather";
   const lpost mine = {buf, bytes, OP_ALL_GATHER, 0, -1, -1};
@@ -470,6 +492,7 @@ static const sg__comm_ops local_ops = {
     "local",         local_all_reduce, local_reduce_scatter, local_all_gather,
     local_broadcast, local_bind,       local_unbind,         local_destroy,
     sg__comm_split_threads, NULL, /* node_leader: by host name (all threads share one) */
+    local_reduce_scatter_fold,
 };
 
 static sg_status group_create(int world, lgroup **out) {

@@ -185,7 +185,7 @@ static sg_status host_broadcast(sg_comm *c, void *buf, size_t bytes, int root, i
 /* The host-memory collectives, for the staging wrapper. */
 static const sg__comm_ops mpi_host_ops = {"mpi", host_all_reduce, host_reduce_scatter,
                                           host_all_gather, host_broadcast, NULL, NULL, NULL, NULL,
-                                          NULL};
+                                          NULL, NULL};
 
 static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
   if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
@@ -198,6 +198,17 @@ static sg_status mpi_reduce_scatter(sg_comm *c, void *buf, size_t count, int dty
                  (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
   if (!sg__stage_needed(c)) return host_reduce_scatter(c, buf, count, dtype, dl);
   return sg__stage_reduce_scatter(c, &mc(c)->stage, &mpi_host_ops, buf, count, dtype, dl);
+}
+
+/* Host memory only: a staged channel's sums land in pinned memory, not in an accumulator. */
+static sg_status mpi_reduce_scatter_fold(sg_comm *c, void *buf, size_t count, int dtype,
+                                         const sg__fold *f, int64_t dl) {
+  if (c) sg__comm_count(c, SG__COUNT_REDUCE_SCATTER,
+                 (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
+  if (sg__stage_needed(c))
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "sg_comm(mpi) reduce_scatter_fold: device memory (host memory only)");
+  return sg__coll_reduce_scatter_fold(&mc(c)->coll, buf, count, dtype, f, dl);
 }
 
 static sg_status mpi_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t dl) {
@@ -260,6 +271,7 @@ static sg_status mpi_node_leader(sg_comm *chan, int64_t dl, int *leader);
 static const sg__comm_ops mpi_ops = {
     "mpi",    mpi_all_reduce, mpi_reduce_scatter, mpi_all_gather, mpi_broadcast,
     mpi_bind, mpi_unbind,     mpi_destroy,        mpi_split,      mpi_node_leader,
+    mpi_reduce_scatter_fold,
 };
 
 /* Every rank has arrived (sg_comm_split gathered the colors over this channel), so the blocking

@@ -247,6 +247,7 @@ typedef struct ring {
   size_t pe;    /* elements per piece */
   int tag;
   int64_t deadline_ms;
+  const sg__fold *fold; /* reduce_scatter_fold: this rank's sums go there, not into buf */
 } ring;
 
 static void chunk(const ring *R, int k, size_t *off, size_t *len) {
@@ -363,6 +364,27 @@ static void add_native(void *dst, const void *src, int dtype, size_t n) {
   }
 }
 
+/* Elements [po, po + pl) of this rank's chunk, summed over srcs (in their order, source k in
+ * dts[k]; NULL: all in the call's dtype), folded into their place in the accumulator. */
+static void fold_sum(const ring *R, size_t po, size_t pl, const void *const *srcs, const int *dts,
+                     int nsrc) {
+  size_t off, len;
+  chunk(R, R->c->rank, &off, &len);
+  const sg__fold *f = R->fold;
+  unsigned char *acc = (unsigned char *)f->acc + (po - off) * elem_size(f->acc_dtype);
+  sg__cpu_reduce_fold(acc, f->acc_dtype, srcs, dts, nsrc, R->dtype, pl, f->first);
+}
+
+/* The last hop of the ring with a fold: the sum consume would store over our piece, folded
+ * instead (after the first hop of bf16/f16 rx holds an fp32 partial, which comes first). */
+static void fold_last(const ring *R, int step, size_t po, size_t pl, const void *own,
+                      const void *rx) {
+  const int partial = is_wide(R->dtype) && step > 0;
+  const void *srcs[2] = {partial ? rx : own, partial ? own : rx};
+  const int dts[2] = {partial ? SG_F32 : R->dtype, R->dtype};
+  fold_sum(R, po, pl, srcs, dts, 2);
+}
+
 /* Combines the partial that arrived in rx with this rank's piece. */
 static sg_status consume(const ring *R, const cursor *cu, const void *rx, size_t *nsend) {
   sg__coll *m = R->k;
@@ -370,6 +392,10 @@ static sg_status consume(const ring *R, const cursor *cu, const void *rx, size_t
   size_t po, pl;
   piece(R, cu->k, cu->j, &po, &pl);
   unsigned char *own = R->buf + po * R->es;
+  if (last && R->fold) {
+    fold_last(R, cu->step, po, pl, own, rx);
+    return SG_OK;
+  }
   if (!is_wide(R->dtype)) {
     add_native(own, rx, R->dtype, pl); /* partial stored in place of our slice */
     return last ? SG_OK : isend(R, own, pl * R->es, &m->sends[(*nsend)++]);
@@ -625,7 +651,10 @@ static sg_status sum_piece(const ring *R, unsigned char *region, size_t j) {
                   R->deadline_ms);
     if (st != SG_OK) goto done;
   }
-  sum_sources(R->buf + po * R->es, srcs, w, R->dtype, pl);
+  if (R->fold)
+    fold_sum(R, po, pl, srcs, NULL, w);
+  else
+    sum_sources(R->buf + po * R->es, srcs, w, R->dtype, pl);
 done:
   if (srcs != src) free(srcs);
   return st;
@@ -744,6 +773,7 @@ static ring make_ring(sg__coll *k, const char *fn, void *buf, size_t count, int 
   R.pe = dtype >= 0 ? SG__COLL_PIECE / (dtype == SG__F64 ? 8u : 4u) : SG__COLL_AG_PIECE;
   R.tag = 0;
   R.deadline_ms = deadline_ms;
+  R.fold = NULL;
   return R;
 }
 
@@ -767,6 +797,29 @@ sg_status sg__coll_reduce_scatter(sg__coll *k, void *buf, size_t count, int dtyp
   ring R = make_ring(k, fn, buf, count, dtype, 0, deadline_ms);
   R.tag = call_tag(k, OP_REDUCE_SCATTER, count, dtype);
   if (c->world == 1 || count == 0) return SG_OK;
+  return reduce(&R);
+}
+
+/* The messages of a plain reduce-scatter (same tag, same bytes: ranks may differ in whether
+ * they fold); only what this rank does with its sums differs. */
+sg_status sg__coll_reduce_scatter_fold(sg__coll *k, void *buf, size_t count, int dtype,
+                                       const sg__fold *f, int64_t deadline_ms) {
+  const char *fn = k->fn[OP_REDUCE_SCATTER];
+  sg_comm *c = k->c;
+  SG_TRY(sg__coll_check(c, fn, buf, count, dtype, (size_t)c->world));
+  if (dtype < 0 || dtype == SG__F64 || !f || (count > 0 && !f->acc) ||
+      !(f->acc_dtype == SG_F32 || f->acc_dtype == SG_BF16))
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: a fold takes f32/bf16/f16 values and an f32 or bf16 accumulator", fn);
+  ring R = make_ring(k, fn, buf, count, dtype, 0, deadline_ms);
+  R.tag = call_tag(k, OP_REDUCE_SCATTER, count, dtype);
+  R.fold = f;
+  if (count == 0) return SG_OK;
+  if (c->world == 1) { /* the sum of one buffer: folded as it is */
+    const void *own = buf;
+    fold_sum(&R, 0, count, &own, NULL, 1);
+    return SG_OK;
+  }
   return reduce(&R);
 }
 

@@ -90,6 +90,9 @@ void sg__coll_free(sg__coll *k);
 sg_status sg__coll_all_reduce(sg__coll *k, void *buf, size_t count, int dtype, int64_t deadline);
 sg_status sg__coll_reduce_scatter(sg__coll *k, void *buf, size_t count, int dtype,
                                   int64_t deadline);
+/* reduce_scatter_fold (sg_comm.h) */
+sg_status sg__coll_reduce_scatter_fold(sg__coll *k, void *buf, size_t count, int dtype,
+                                       const sg__fold *f, int64_t deadline);
 sg_status sg__coll_all_gather(sg__coll *k, void *buf, size_t bytes, int64_t deadline);
 sg_status sg__coll_broadcast(sg__coll *k, void *buf, size_t bytes, int root, int64_t deadline);
 

@@ -31,6 +31,15 @@
  * so the device knows how to run its jobs before the first one. The engine gives it scratch
  * (sg__comm_set_scratch) and unbinds it (sg__comm_unbind) once its comm queue is drained and
  * before the device goes away. A communicator with channels alive is not destroyed. */
+/* Where reduce_scatter_fold puts this rank's reduced slice: folded into the accumulator acc
+ * (host memory, acc_dtype) as the engine's fold of a reduced bucket does, a copy when first
+ * (sg__cpu_cast's bits), else acc + slice (sg__cpu_accumulate's). */
+typedef struct sg__fold {
+  void *acc;
+  int acc_dtype;
+  int first;
+} sg__fold;
+
 typedef struct sg__comm_ops {
   const char *name;
   /* In place: buf[count] becomes the elementwise sum over ranks on every rank. */
@@ -63,6 +72,13 @@ typedef struct sg__comm_ops {
    * arrived: *leader = the lowest rank of the channel on this rank's node (MPI: the ranks that
    * share memory). Collective over the channel. NULL: nodes by host name. */
   sg_status (*node_leader)(sg_comm *chan, int64_t deadline_ms, int *leader);
+  /* Optional (NULL: not offered): reduce_scatter of buf (f32/bf16/f16) on a channel of host
+   * memory, whose slice for this rank is folded into f->acc (acc[i] = the slice rounded to
+   * acc_dtype, or acc + it) instead of being written into buf: the same bits as
+   * reduce_scatter followed by that fold, without a pass that writes the slice and one that
+   * reads it again. buf's contents afterwards are unspecified. Counted as a reduce_scatter. */
+  sg_status (*reduce_scatter_fold)(sg_comm *c, void *buf, size_t count, int dtype,
+                                   const sg__fold *f, int64_t deadline_ms);
 } sg__comm_ops;
 
 struct sg_comm {

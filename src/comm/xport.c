@@ -240,6 +240,14 @@ static sg_status x_reduce_scatter(sg_comm *c, void *buf, size_t count, int dtype
   return sg__coll_reduce_scatter(&xc(c)->coll, buf, count, dtype, dl);
 }
 
+static sg_status x_reduce_scatter_fold(sg_comm *c, void *buf, size_t count, int dtype,
+                                       const sg__fold *f, int64_t dl) {
+  if (c)
+    sg__comm_count(c, SG__COUNT_REDUCE_SCATTER,
+                   (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
+  return sg__coll_reduce_scatter_fold(&xc(c)->coll, buf, count, dtype, f, dl);
+}
+
 static sg_status x_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t dl) {
   if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
   return sg__coll_all_gather(&xc(c)->coll, buf, bytes, dl);
@@ -299,6 +307,7 @@ static sg_status x_split(sg_comm *chan, const int *colors, const int *keys, int6
 static const sg__comm_ops xcomm_ops = {
     "xport", x_all_reduce, x_reduce_scatter, x_all_gather, x_broadcast,
     x_bind,  x_unbind,     x_destroy,        x_split,      NULL,
+    x_reduce_scatter_fold,
 };
 
 /* The algorithms' state for x, named after the transport in messages. */

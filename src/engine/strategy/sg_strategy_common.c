@@ -1,4 +1,5 @@
 /* Pieces that several strategies share: see sg_strategy_common.h. */
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "sg_strategy_common.h"
@@ -70,7 +71,30 @@ sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char
   return SG_OK;
 }
 
+/* On a CPU engine whose channel offers it, the channel folds its sums into the accumulator
+ * (reduce_scatter_fold): the bits of reduce-scatter + sg__grads_into_accum without the pass
+ * that writes the reduced slice and the one that reads it back (DESIGN.md section 6).
+ * SG_COMM_FOLD=0 turns it off (read once). */
+static int fold_in_comm(const sg_engine *e) {
+  static _Atomic int want = -1;
+  int w = atomic_load_explicit(&want, memory_order_relaxed);
+  if (w < 0) {
+    const char *v = getenv("SG_COMM_FOLD");
+    w = !(v && v[0] == '0');
+    atomic_store_explicit(&want, w, memory_order_relaxed);
+  }
+  return w && e->dev->kind == SG_DEVICE_CPU && e->comm->ops->reduce_scatter_fold;
+}
+
 sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
+  if (fold_in_comm(e)) {
+    const int adt = e->cfg.accum_dtype;
+    const sg__fold f = {e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt), adt,
+                        first};
+    return e->comm->ops->reduce_scatter_fold(e->comm, wire, sg__plan_slice_numel(e->plan, b),
+                                             e->cfg.reduce_dtype, &f,
+                                             sg__deadline(e->cfg.timeout_ms));
+  }
   const char *mine = NULL;
   SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
   return sg__grads_into_accum(e, e->plan->buckets[b].shard_offset, mine,
