@@ -64,6 +64,9 @@ static inline int64_t sg__deadline(int timeout_ms) {
 
 /* Monotonic clock in microseconds (tracing on the CPU device). */
 double sg__now_us(void);
+/* A switch that is on unless the environment variable name starts with '0', read once into
+ * *cache (start it at -1; a race only reads the variable twice). */
+int sg__env_on(_Atomic int *cache, const char *name);
 
 /* `pattern` with every "%r" replaced by the rank ("x" for rank < 0) into out[cap]; 0 when it
  * does not fit. File names of SG_LOG_FILE, SG_TRACE and sg_trace_write. */

@@ -209,12 +209,7 @@ static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
 static void hint_huge(uintptr_t a, uintptr_t end) {
 #ifdef MADV_HUGEPAGE
   static _Atomic int want = -1;
-  int w = atomic_load_explicit(&want, memory_order_relaxed);
-  if (w < 0) {
-    const char *e = getenv("SG_CPU_HUGEPAGES");
-    w = !(e && e[0] == '0');
-    atomic_store_explicit(&want, w, memory_order_relaxed);
-  }
+  const int w = sg__env_on(&want, "SG_CPU_HUGEPAGES");
   const uintptr_t lo = (a + SG_CPU_HUGE - 1) / SG_CPU_HUGE * SG_CPU_HUGE;
   const uintptr_t hi = end / SG_CPU_HUGE * SG_CPU_HUGE;
   if (w && end - a >= SG_CPU_HUGE_MIN && hi > lo)

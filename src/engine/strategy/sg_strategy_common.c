@@ -77,13 +77,8 @@ sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char
  * SG_COMM_FOLD=0 turns it off (read once). */
 static int fold_in_comm(const sg_engine *e) {
   static _Atomic int want = -1;
-  int w = atomic_load_explicit(&want, memory_order_relaxed);
-  if (w < 0) {
-    const char *v = getenv("SG_COMM_FOLD");
-    w = !(v && v[0] == '0');
-    atomic_store_explicit(&want, w, memory_order_relaxed);
-  }
-  return w && e->dev->kind == SG_DEVICE_CPU && e->comm->ops->reduce_scatter_fold;
+  return e->dev->kind == SG_DEVICE_CPU && e->comm->ops->reduce_scatter_fold &&
+         sg__env_on(&want, "SG_COMM_FOLD");
 }
 
 sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
