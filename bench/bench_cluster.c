@@ -9,6 +9,10 @@
  *                    sg_engine_create_hybrid, told the micro-batches per step
  *                    (sg_set_microbatches), so each bucket's all-reduce across nodes starts in
  *                    the last backward pass; --wire f32|bf16: replica_reduce_dtype
+ *   --mode compute   the model alone, no library and no communication: each rank's forward
+ *                    and backward passes, its gradients written into a buffer of its own (as
+ *                    they are into the engine's), no optimizer: the least a step can take on
+ *                    these cores, whatever the link
  *   --sync every     every micro-batch's gradients are reduce-scattered (the engine's default)
  *   --sync last      sg_set_sync(0) before all but the last micro-batch (no_sync: local fp32
  *                    accumulation, one reduction per optimizer step)
@@ -162,6 +166,59 @@ static sg_status trace_phases(sg_engine *e, double *ph) {
 
 /* ---- the timed loop ----------------------------------------------------------------------- */
 
+/* --mode compute: the parameters and a gradient buffer of the rank's own. */
+typedef struct compute {
+  float *params[2 * MLP_MAX_LAYERS];
+  float *grads;
+  size_t off[2 * MLP_MAX_LAYERS];
+} compute;
+
+static int compute_init(compute *c, const mlp_model *m) {
+  memset(c, 0, sizeof *c);
+  c->grads = malloc(m->total_numel * sizeof(float));
+  size_t off = 0;
+  for (int p = 0; p < 2 * m->layers; p++) {
+    c->params[p] = malloc(m->numel[p] * sizeof(float));
+    if (!c->params[p]) return -1;
+    mlp_init_param(m, p, c->params[p]);
+    c->off[p] = off;
+    off += m->numel[p];
+  }
+  return c->grads ? 0 : -1;
+}
+
+static void compute_free(compute *c) {
+  for (int p = 0; p < 2 * MLP_MAX_LAYERS; p++) free(c->params[p]);
+  free(c->grads);
+}
+
+static int compute_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype) {
+  compute *c = ctx;
+  (void)n;
+  *dst = c->grads + c->off[p];
+  *dtype = SG_F32;
+  return 0;
+}
+
+static int compute_sink(void *ctx, int p, const float *grad, size_t n) {
+  (void)ctx, (void)p, (void)grad, (void)n;
+  return 0;
+}
+
+static void compute_step(const options *o, mlp_model *m, compute *c, int step, float *loss,
+                         double *ph) {
+  float sum = 0.0f;
+  for (int mb = 0; mb < o->micro; mb++) {
+    const uint64_t slot = ((uint64_t)step * (uint64_t)o->micro + (uint64_t)mb) * (uint64_t)world;
+    mlp_make_batch(m, (slot + (uint64_t)rank) * (uint64_t)o->batch);
+    const double t = mlp_cli_now_s();
+    sum += mlp_forward(m, c->params);
+    mlp_backward(m, c->params, 1.0f / (float)o->micro, compute_slot, compute_sink, c);
+    ph[P_MICRO] += mlp_cli_now_s() - t;
+  }
+  *loss = sum / (float)o->micro;
+}
+
 static sg_status one_step(const options *o, mlp_engine *me, int step, float *loss, double *ph) {
   float scale = 1.0f, sum = 0.0f;
   sg_status st = sg_get_loss_scale(me->e, &scale);
@@ -217,27 +274,36 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
     return SG_ERR_OUT_OF_MEMORY;
   }
   r->params = m.total_numel;
+  const int alone = !strcmp(o->mode, "compute");
+  compute cs;
   sg_config cfg;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
-  if (st == SG_OK) fill_config(o, &cfg);
-  if (st == SG_OK) st = create_engine(o, comm, &cfg, &shard, &replica, &e);
-  if (st == SG_OK) st = mlp_engine_register(&me, &m, e, &cfg);
-  if (st == SG_OK) st = sg_finalize(e);
-  if (st == SG_OK && shard) st = sg_set_microbatches(e, o->micro);
-  if (st == SG_OK) st = mlp_engine_init_params(&me);
+  if (alone) {
+    if (compute_init(&cs, &m) != 0) st = SG_ERR_OUT_OF_MEMORY;
+  } else {
+    if (st == SG_OK) fill_config(o, &cfg);
+    if (st == SG_OK) st = create_engine(o, comm, &cfg, &shard, &replica, &e);
+    if (st == SG_OK) st = mlp_engine_register(&me, &m, e, &cfg);
+    if (st == SG_OK) st = sg_finalize(e);
+    if (st == SG_OK && shard) st = sg_set_microbatches(e, o->micro);
+    if (st == SG_OK) st = mlp_engine_init_params(&me);
+  }
   link_bytes start = {0, 0};
   double ph[P_COUNT] = {0}, scratch[P_COUNT] = {0}, cpu0 = 0.0, main0 = 0.0;
   for (int s = 0; s < o->warmup + o->steps && st == SG_OK; s++) {
     if (s == o->warmup) {
       start = read_link(node, o->iface);
-      if (o->profile) st = sg_trace_start(e, 0);
+      if (o->profile && e) st = sg_trace_start(e, 0);
       cpu0 = cpu_s(CLOCK_PROCESS_CPUTIME_ID);
       main0 = cpu_s(CLOCK_THREAD_CPUTIME_ID);
     }
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = mlp_cli_now_s();
     float loss = 0.0f;
-    if (st == SG_OK) st = one_step(o, &me, s, &loss, s >= o->warmup ? ph : scratch);
+    if (alone)
+      compute_step(o, &m, &cs, s, &loss, s >= o->warmup ? ph : scratch);
+    else if (st == SG_OK)
+      st = one_step(o, &me, s, &loss, s >= o->warmup ? ph : scratch);
     double dt = mlp_cli_now_s() - t0, slowest = 0.0;
     MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (s >= o->warmup) times[s - o->warmup] = slowest;
@@ -246,7 +312,7 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
   }
   ph[P_CPU] = cpu_s(CLOCK_PROCESS_CPUTIME_ID) - cpu0;
   ph[P_CPU_MAIN] = cpu_s(CLOCK_THREAD_CPUTIME_ID) - main0;
-  if (st == SG_OK && o->profile) st = trace_phases(e, ph);
+  if (st == SG_OK && o->profile && e) st = trace_phases(e, ph);
   if (st == SG_OK && o->profile) print_profile(o, ph);
   if (st == SG_OK) {
     const link_bytes end = read_link(node, o->iface);
@@ -261,6 +327,7 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
     fprintf(stderr, "sg_bench_cluster: rank %d: %s: %s\n", rank, sg_status_string(st),
             sg_last_error());
   }
+  if (alone) compute_free(&cs);
   mlp_engine_free(&me);
   sg_engine_destroy(e);
   sg_comm_destroy(shard);
@@ -274,7 +341,7 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
 
 static int usage(void) {
   fprintf(stderr,
-          "usage: sg_bench_cluster [--mode flat|hybrid] [--sync every|last] [--micro N] "
+          "usage: sg_bench_cluster [--mode flat|hybrid|compute] [--sync every|last] [--micro N] "
           "[--steps N] [--warmup N] [--batch N] [--hidden N] [--layers N] [--dtype f32|bf16] "
           "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--ranks-per-node K] [--profile]   "
           "(under mpirun)\n");
@@ -285,7 +352,7 @@ static int usage(void) {
 static int other_flag(options *o, const char *a, const char *v) {
   if (!strcmp(a, "--mode")) {
     o->mode = v;
-    return strcmp(v, "flat") && strcmp(v, "hybrid");
+    return strcmp(v, "flat") && strcmp(v, "hybrid") && strcmp(v, "compute");
   }
   if (!strcmp(a, "--sync")) {
     o->sync_last = !strcmp(v, "last");

@@ -6,6 +6,9 @@
 #     (the default) and with sg_set_sync(0) on all but the last (no_sync)
 #   shardgrad hybrid (sharded in a node, replicated across nodes: sg_bench_cluster --mode hybrid,
 #     nodes by host), with f32 and with bf16 on the cross-node wire (replica_reduce_dtype)
+#   the model alone (sg_bench_cluster --mode compute: the same forward and backward passes on
+#     the same 4 processes with no library, no communication, no optimizer; --no-alone leaves it
+#     out): the least a step takes on these cores, whatever the link
 #   PyTorch FSDP2 hybrid ZeRO-2 (bench/cluster_fsdp.py: fully_shard on a 2-D mesh,
 #     reshard_after_forward=False, gloo), as a user runs it: nothing disabled, no_sync
 #     (set_requires_gradient_sync), and the cross-node all-reduce once per step
@@ -15,7 +18,7 @@
 #
 #   bench/cluster.sh [--build DIR] [--rates "1gbit 10gbit"] [--micro "1 8"] [--steps N]
 #                    [--warmup N] [--batch N] [--hidden N] [--layers N] [--bucket-mb X]
-#                    [--python PY] [--no-torch]
+#                    [--python PY] [--no-torch] [--no-alone]
 #                    [--flat-sync "every last"] [--wires "f32 bf16"]
 #                    [--torch-sync "every last allreduce-last"] [--profile]
 #                    [--cluster NAME] [--subnet A.B.C]
@@ -36,7 +39,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build RATES="1gbit 10gbit" MICROS="1 8" STEPS=2 WARMUP=1 BATCH=2 HIDDEN=2048
 LAYERS=9 PY="" TORCH=1 FLAT_SYNC="every last" TORCH_SYNC="every last allreduce-last"
-WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0 BUCKET=32
+WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0 BUCKET=32 ALONE=1
 while [ $# -gt 0 ]; do
   case $1 in
     --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
@@ -50,6 +53,7 @@ while [ $# -gt 0 ]; do
     --layers) LAYERS=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
     --no-torch) TORCH=0; shift ;;
+    --no-alone) ALONE=0; shift ;;
     --flat-sync) FLAT_SYNC=$2; shift 2 ;;
     --torch-sync) TORCH_SYNC=$2; shift 2 ;;
     --wires) WIRES=$2; shift 2 ;;
@@ -103,6 +107,8 @@ for rate in $RATES; do
     one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     [ "$micro" -gt 1 ] && [[ " $FLAT_SYNC " == *" last "* ]] &&
       one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
+    [ "$ALONE" = 1 ] &&
+      one "$rate" "$micro" "the model alone (no library)" "$BENCH" --mode compute --micro "$micro" "${model[@]}" $PROFILE
     for wire in $WIRES; do
       one "$rate" "$micro" "shardgrad hybrid, $wire wire" "$BENCH" --mode hybrid --wire "$wire" --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     done
