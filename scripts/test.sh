@@ -3,7 +3,7 @@
 #   1. installs what is missing (apt: cmake, Open MPI, clang, its sanitizer runtimes and libomp,
 #      pip; pip: numpy, pytest)
 #   2. Release build in build/ (CUDA compiled when nvcc exists), all ctest labels:
-#      unit, local, mpi, install; then label cluster (MPI at np 4 across a simulated 2-node
+#      unit, local, mpi, install, nofold; then label cluster (MPI at np 4 across a simulated 2-node
 #      cluster, scripts/cluster.sh; skipped where network namespaces are not permitted)
 #   2b. clang Release build in build-clang/ (clang's OpenMP runtime, libomp, whose schedules differ
 #      from gcc's libgomp; no CUDA, MPI as found): labels unit and local

@@ -5,4 +5,4 @@ sg_add_test(test_hybrid SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_hybrid.c ARGS -
 sg_add_mpi_test(test_hybrid_mpi_np4 EXE test_hybrid NP 4 ARGS --mpi TIMEOUT 300)
 # Without the channel's fold into the accumulator (SG_COMM_FOLD=0), as in engine.cmake.
 add_test(NAME test_hybrid_nofold COMMAND test_hybrid --local)
-set_tests_properties(test_hybrid_nofold PROPERTIES TIMEOUT 300 LABELS local ENVIRONMENT SG_COMM_FOLD=0)
+set_tests_properties(test_hybrid_nofold PROPERTIES TIMEOUT 300 LABELS nofold ENVIRONMENT SG_COMM_FOLD=0)
