@@ -169,40 +169,22 @@ static sg_status trace_phases(sg_engine *e, double *ph) {
 /* --mode compute: the parameters and a gradient buffer of the rank's own. */
 typedef struct compute {
   float *params[2 * MLP_MAX_LAYERS];
-  float *grads;
-  size_t off[2 * MLP_MAX_LAYERS];
+  mlp_grads g;
 } compute;
 
 static int compute_init(compute *c, const mlp_model *m) {
   memset(c, 0, sizeof *c);
-  c->grads = malloc(m->total_numel * sizeof(float));
-  size_t off = 0;
   for (int p = 0; p < 2 * m->layers; p++) {
     c->params[p] = malloc(m->numel[p] * sizeof(float));
     if (!c->params[p]) return -1;
     mlp_init_param(m, p, c->params[p]);
-    c->off[p] = off;
-    off += m->numel[p];
   }
-  return c->grads ? 0 : -1;
+  return mlp_grads_init(&c->g, m);
 }
 
 static void compute_free(compute *c) {
   for (int p = 0; p < 2 * MLP_MAX_LAYERS; p++) free(c->params[p]);
-  free(c->grads);
-}
-
-static int compute_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype) {
-  compute *c = ctx;
-  (void)n;
-  *dst = c->grads + c->off[p];
-  *dtype = SG_F32;
-  return 0;
-}
-
-static int compute_sink(void *ctx, int p, const float *grad, size_t n) {
-  (void)ctx, (void)p, (void)grad, (void)n;
-  return 0;
+  mlp_grads_free(&c->g);
 }
 
 static void compute_step(const options *o, mlp_model *m, compute *c, int step, float *loss,
@@ -213,7 +195,7 @@ static void compute_step(const options *o, mlp_model *m, compute *c, int step, f
     mlp_make_batch(m, (slot + (uint64_t)rank) * (uint64_t)o->batch);
     const double t = mlp_cli_now_s();
     sum += mlp_forward(m, c->params);
-    mlp_backward(m, c->params, 1.0f / (float)o->micro, compute_slot, compute_sink, c);
+    mlp_backward(m, c->params, 1.0f / (float)o->micro, mlp_grads_slot, mlp_grads_sink, &c->g);
     ph[P_MICRO] += mlp_cli_now_s() - t;
   }
   *loss = sum / (float)o->micro;

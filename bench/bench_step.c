@@ -99,25 +99,9 @@ static void make_batch(mlp_model *m, const rank_ctx *c, int step) {
 typedef struct plain {
   mlp_model *m;
   float *params[2 * MLP_MAX_LAYERS], *m1[2 * MLP_MAX_LAYERS], *m2[2 * MLP_MAX_LAYERS];
-  float *grad;                    /* all gradients, contiguous: one all-reduce */
-  size_t off[2 * MLP_MAX_LAYERS]; /* offset of each parameter in grad */
+  mlp_grads g; /* all gradients, contiguous: one all-reduce */
   size_t bytes;
 } plain;
-
-/* The model writes each gradient straight into its place in the one buffer (as the engine
- * glue writes into the engine's slots). */
-static int plain_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype) {
-  plain *pl = ctx;
-  (void)n;
-  *dst = pl->grad + pl->off[p];
-  *dtype = SG_F32;
-  return 0;
-}
-
-static int plain_sink(void *ctx, int p, const float *g, size_t n) {
-  (void)ctx, (void)p, (void)g, (void)n;
-  return 0;
-}
 
 static void *xcalloc(plain *pl, size_t n) {
   pl->bytes += n * sizeof(float);
@@ -127,11 +111,10 @@ static void *xcalloc(plain *pl, size_t n) {
 static int plain_init(plain *pl, mlp_model *m) {
   memset(pl, 0, sizeof *pl);
   pl->m = m;
-  int ok = (pl->grad = xcalloc(pl, m->total_numel)) != NULL;
-  size_t off = 0;
+  /* the model writes each gradient straight into its place (as the engine glue into slots) */
+  int ok = mlp_grads_init(&pl->g, m) == 0;
+  pl->bytes += m->total_numel * sizeof(float);
   for (int p = 0; p < m->nparams; p++) {
-    pl->off[p] = off;
-    off += m->numel[p];
     ok &= (pl->params[p] = xcalloc(pl, m->numel[p])) != NULL;
     ok &= (pl->m1[p] = xcalloc(pl, m->numel[p])) != NULL;
     ok &= (pl->m2[p] = xcalloc(pl, m->numel[p])) != NULL;
@@ -146,7 +129,7 @@ static void plain_free(plain *pl) {
     free(pl->m1[p]);
     free(pl->m2[p]);
   }
-  free(pl->grad);
+  mlp_grads_free(&pl->g);
 }
 
 /* Naive all-reduce across threads: every thread adds its gradient into one shared buffer under a
@@ -182,7 +165,7 @@ static void plain_adamw(plain *pl, float lr, uint64_t t) {
   for (int p = 0; p < pl->m->nparams; p++) {
     const size_t n = pl->m->numel[p];
     float *w = pl->params[p], *m = pl->m1[p], *v = pl->m2[p];
-    const float *g = pl->grad + pl->off[p];
+    const float *g = pl->g.grad + pl->g.off[p];
     if (p % 2 == 0)
       for (size_t i = 0; i < n; i++) w[i] *= 1.0f - lr * wd;
     for (size_t i = 0; i < n; i++) m[i] += (g[i] - m[i]) * (1.0f - b1);
@@ -193,7 +176,7 @@ static void plain_adamw(plain *pl, float lr, uint64_t t) {
 
 static void plain_average(plain *pl, int world) {
   const float inv = 1.0f / (float)world;
-  for (size_t i = 0; i < pl->m->total_numel; i++) pl->grad[i] *= inv;
+  for (size_t i = 0; i < pl->m->total_numel; i++) pl->g.grad[i] *= inv;
 }
 
 /* The mean loss of the first and of the last LOSS_MEAN steps (a batch of a few rows is noisy). */
@@ -216,8 +199,8 @@ static int run_plain(rank_ctx *c, mlp_model *m, double *times, float *first, flo
     const double t0 = now_ms();
     const float l = mlp_forward(m, pl.params);
     loss_track(s, total, l, first, loss);
-    mlp_backward(m, pl.params, 1.0f, plain_slot, plain_sink, &pl);
-    if (all_reduce(c, pl.grad, m->total_numel) != 0) goto done;
+    mlp_backward(m, pl.params, 1.0f, mlp_grads_slot, mlp_grads_sink, &pl.g);
+    if (all_reduce(c, pl.g.grad, m->total_numel) != 0) goto done;
     plain_average(&pl, c->world);
     plain_adamw(&pl, c->o->lr, (uint64_t)s + 1);
     if (s >= c->o->warmup) times[s - c->o->warmup] = now_ms() - t0;

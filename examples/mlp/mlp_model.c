@@ -325,6 +325,38 @@ int mlp_backward(mlp_model *m, float *const *params, float scale, mlp_grad_slot 
   return 0;
 }
 
+/* ---- one gradient buffer ------------------------------------------------------------------- */
+
+int mlp_grads_init(mlp_grads *g, const mlp_model *m) {
+  memset(g, 0, sizeof *g);
+  size_t off = 0;
+  for (int p = 0; p < m->nparams; p++) {
+    g->off[p] = off;
+    off += m->numel[p];
+  }
+  g->grad = calloc(m->total_numel ? m->total_numel : 1, sizeof(float));
+  return g->grad ? 0 : -1;
+}
+
+void mlp_grads_free(mlp_grads *g) {
+  free(g->grad);
+  g->grad = NULL;
+}
+
+int mlp_grads_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype) {
+  mlp_grads *g = ctx;
+  (void)n;
+  *dst = g->grad + g->off[p];
+  *dtype = SG_F32;
+  return 0;
+}
+
+/* The gradient is in its place already. */
+int mlp_grads_sink(void *ctx, int p, const float *grad, size_t n) {
+  (void)ctx, (void)p, (void)grad, (void)n;
+  return 0;
+}
+
 /* ---- dtype conversion ---------------------------------------------------------------------- */
 
 static float bits_f32(uint32_t u) {

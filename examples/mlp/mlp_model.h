@@ -73,6 +73,18 @@ typedef int (*mlp_grad_sink)(void *ctx, int p, const float *grad, size_t n);
 int mlp_backward(mlp_model *m, float *const *params, float scale, mlp_grad_slot slot,
                  mlp_grad_sink sink, void *ctx);
 
+/* All of a model's gradients in one zeroed f32 buffer (one all-reduce covers them), for loops
+ * without the engine: the backward pass writes each into its place, with mlp_grads_slot and
+ * mlp_grads_sink as its callbacks and the mlp_grads as ctx. */
+typedef struct mlp_grads {
+  float *grad;
+  size_t off[2 * MLP_MAX_LAYERS]; /* offset of each parameter's gradient in grad */
+} mlp_grads;
+int mlp_grads_init(mlp_grads *g, const mlp_model *m); /* 0 on success */
+void mlp_grads_free(mlp_grads *g);
+int mlp_grads_slot(void *ctx, int p, size_t n, void **dst, sg_dtype *dtype);
+int mlp_grads_sink(void *ctx, int p, const float *grad, size_t n);
+
 /* Software dtype conversion, round-to-nearest-even. */
 void mlp_to_f32(const void *src, sg_dtype dtype, float *dst, size_t n);
 void mlp_from_f32(const float *src, sg_dtype dtype, void *dst, size_t n);
