@@ -114,6 +114,14 @@ sg_status sg__comm_usable(sg_comm *c, const char *fn) {
   return SG_OK;
 }
 
+sg_status sg__comm_fold_check(const char *fn, int dtype, size_t count, const sg__fold *f) {
+  if (dtype < 0 || dtype == SG__F64 || !f || (count > 0 && !f->acc) ||
+      !(f->acc_dtype == SG_F32 || f->acc_dtype == SG_BF16))
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: a fold takes f32/bf16/f16 values and an f32 or bf16 accumulator", fn);
+  return SG_OK;
+}
+
 #ifndef SG_HAVE_MPI
 sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
   (void)mpi_comm;

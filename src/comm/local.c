@@ -367,12 +367,9 @@ static sg_status local_reduce_scatter_fold(sg_comm *c, void *buf, size_t count, 
                                            const sg__fold *f, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) reduce_scatter_fold";
   const lpost mine = {buf, count, OP_REDUCE_SCATTER, dtype, -1, -1};
-  if (c && (!host_path(c) || dtype < 0 || dtype == SG__F64 || !f || (count && !f->acc) ||
-            !(f->acc_dtype == SG_F32 || f->acc_dtype == SG_BF16))) {
+  if (c && (!host_path(c) || sg__comm_fold_check(fn, dtype, count, f) != SG_OK)) {
     SG_TRY(sg__comm_usable(c, fn));
-    sg__err(SG_ERR_INVALID_ARGUMENT,
-            "%s: a fold takes f32/bf16/f16 values and an f32 or bf16 accumulator in host memory",
-            fn);
+    if (!host_path(c)) sg__err(SG_ERR_INVALID_ARGUMENT, "%s: device memory (host memory only)", fn);
     return fail_args(c, "passed invalid arguments");
   }
   SG_TRY(enter(c, fn, &mine, deadline_ms));

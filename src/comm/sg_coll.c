@@ -789,38 +789,35 @@ static sg_status reduce(const ring *R) {
   return st;
 }
 
-sg_status sg__coll_reduce_scatter(sg__coll *k, void *buf, size_t count, int dtype,
-                                  int64_t deadline_ms) {
+/* Both reduce-scatters: the same messages (tag, bytes), so ranks may differ in whether they
+ * fold (f); only what this rank does with its sums differs. */
+static sg_status reduce_scatter(sg__coll *k, void *buf, size_t count, int dtype, const sg__fold *f,
+                                int64_t deadline_ms) {
   const char *fn = k->fn[OP_REDUCE_SCATTER];
   sg_comm *c = k->c;
   SG_TRY(sg__coll_check(c, fn, buf, count, dtype, (size_t)c->world));
-  ring R = make_ring(k, fn, buf, count, dtype, 0, deadline_ms);
-  R.tag = call_tag(k, OP_REDUCE_SCATTER, count, dtype);
-  if (c->world == 1 || count == 0) return SG_OK;
-  return reduce(&R);
-}
-
-/* The messages of a plain reduce-scatter (same tag, same bytes: ranks may differ in whether
- * they fold); only what this rank does with its sums differs. */
-sg_status sg__coll_reduce_scatter_fold(sg__coll *k, void *buf, size_t count, int dtype,
-                                       const sg__fold *f, int64_t deadline_ms) {
-  const char *fn = k->fn[OP_REDUCE_SCATTER];
-  sg_comm *c = k->c;
-  SG_TRY(sg__coll_check(c, fn, buf, count, dtype, (size_t)c->world));
-  if (dtype < 0 || dtype == SG__F64 || !f || (count > 0 && !f->acc) ||
-      !(f->acc_dtype == SG_F32 || f->acc_dtype == SG_BF16))
-    return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "%s: a fold takes f32/bf16/f16 values and an f32 or bf16 accumulator", fn);
+  if (f) SG_TRY(sg__comm_fold_check(fn, dtype, count, f));
   ring R = make_ring(k, fn, buf, count, dtype, 0, deadline_ms);
   R.tag = call_tag(k, OP_REDUCE_SCATTER, count, dtype);
   R.fold = f;
   if (count == 0) return SG_OK;
-  if (c->world == 1) { /* the sum of one buffer: folded as it is */
+  if (c->world == 1) { /* the sum of one buffer is that buffer: folded as it is, if at all */
     const void *own = buf;
-    fold_sum(&R, 0, count, &own, NULL, 1);
+    if (f) fold_sum(&R, 0, count, &own, NULL, 1);
     return SG_OK;
   }
   return reduce(&R);
+}
+
+sg_status sg__coll_reduce_scatter(sg__coll *k, void *buf, size_t count, int dtype,
+                                  int64_t deadline_ms) {
+  return reduce_scatter(k, buf, count, dtype, NULL, deadline_ms);
+}
+
+sg_status sg__coll_reduce_scatter_fold(sg__coll *k, void *buf, size_t count, int dtype,
+                                       const sg__fold *f, int64_t deadline_ms) {
+  if (!f) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: no fold", k->fn[OP_REDUCE_SCATTER]);
+  return reduce_scatter(k, buf, count, dtype, f, deadline_ms);
 }
 
 sg_status sg__coll_all_reduce(sg__coll *k, void *buf, size_t count, int dtype,

@@ -148,5 +148,8 @@ sg_status sg__comm_fail(sg_comm *c, sg_status st, const char *fn, const char *fm
     ;
 /* Check run at the top of every collective: NULL, broken. */
 sg_status sg__comm_usable(sg_comm *c, const char *fn);
+/* reduce_scatter_fold's own arguments: f32/bf16/f16 values, an f32 or bf16 accumulator (SG_OK,
+ * or SG_ERR_INVALID_ARGUMENT with the text set). */
+sg_status sg__comm_fold_check(const char *fn, int dtype, size_t count, const sg__fold *f);
 
 #endif /* SG_COMM_H */

@@ -200,6 +200,8 @@ sg_status sg__grads_between(const sg_engine *e, const char *fn);
  * each bucket's next reduction writes its part (DESIGN.md section 4). */
 sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
+/* Bucket b's slice of the accumulator (this rank's part, accum_dtype). */
+char *sg__grads_accum_of(const sg_engine *e, int b);
 /* On the comm queue, from a strategy's reduce: n reduced elements (reduce_dtype) into the
  * accumulator at state index state_off, written when `first`, else added. */
 sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,

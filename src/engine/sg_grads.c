@@ -90,6 +90,10 @@ sg_status sg__grads_clear_accum(sg_engine *e) {
   return d->ops->zero_release(d, SG_Q_COMPUTE, e->g.accum, e->lay.accum_numel * asize(e));
 }
 
+char *sg__grads_accum_of(const sg_engine *e, int b) {
+  return e->g.accum + e->plan->buckets[b].shard_offset * asize(e);
+}
+
 sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
                                int first) {
   sg__device *d = e->dev;

@@ -27,11 +27,6 @@ static size_t max_slice(const sg__plan *p) {
   return m;
 }
 
-/* Bucket b's slice of the accumulator. */
-static char *accum_of(const sg_engine *e, int b) {
-  return e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(e->cfg.accum_dtype);
-}
-
 /* Where the accumulator's slice goes on the wire: itself when its dtype is the wire's. */
 static int wire_dtype(const sg_engine *e) { return e->cfg.replica_reduce_dtype; }
 static int needs_wire(const sg_config *cfg) { return cfg->replica_reduce_dtype != cfg->accum_dtype; }
@@ -333,7 +328,7 @@ static sg_status replica_reduce(sg_engine *e, int b) {
   sg__device *d = e->dev;
   const int adt = e->cfg.accum_dtype, wdt = wire_dtype(e);
   const size_t n = sg__plan_slice_numel(e->plan, b);
-  char *acc = accum_of(e, b);
+  char *acc = sg__grads_accum_of(e, b);
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   if (!e->rep.wire) return c->ops->all_reduce(c, acc, n, adt, dl);
   if (e->rep.host_wire) {
@@ -384,7 +379,7 @@ static sg_status staged_down_fn(void *arg) {
   sg__device *d = e->dev;
   const int adt = e->cfg.accum_dtype, wdt = wire_dtype(e);
   const size_t n = sg__plan_slice_numel(e->plan, j->bucket);
-  const char *src = accum_of(e, j->bucket);
+  const char *src = sg__grads_accum_of(e, j->bucket);
   if (e->rep.wire) {
     SG_TRY(d->ops->cast(d, SG_Q_COMM, e->rep.wire, wdt, src, adt, n));
     src = e->rep.wire;
@@ -411,7 +406,7 @@ static sg_status staged_up_fn(void *arg) {
   sg__device *d = e->dev;
   const int adt = e->cfg.accum_dtype, wdt = wire_dtype(e);
   const size_t n = sg__plan_slice_numel(e->plan, j->bucket);
-  char *acc = accum_of(e, j->bucket);
+  char *acc = sg__grads_accum_of(e, j->bucket);
   char *dst = e->rep.wire ? e->rep.wire : acc;
   SG_TRY(d->ops->copy(d, SG_Q_COMM, dst, stage_of(e, j->bucket), n * sg__dtype_size(wdt),
                       SG_COPY_H2D));

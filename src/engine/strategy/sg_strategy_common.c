@@ -83,9 +83,7 @@ static int fold_in_comm(const sg_engine *e) {
 
 sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
   if (fold_in_comm(e)) {
-    const int adt = e->cfg.accum_dtype;
-    const sg__fold f = {e->g.accum + e->plan->buckets[b].shard_offset * sg__dtype_size(adt), adt,
-                        first};
+    const sg__fold f = {sg__grads_accum_of(e, b), e->cfg.accum_dtype, first};
     return e->comm->ops->reduce_scatter_fold(e->comm, wire, sg__plan_slice_numel(e->plan, b),
                                              e->cfg.reduce_dtype, &f,
                                              sg__deadline(e->cfg.timeout_ms));
