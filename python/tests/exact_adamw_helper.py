@@ -40,6 +40,32 @@ class Linear(torch.nn.Module):
         return (self.w * c).sum() + (self.b * d).sum()
 
 
+def ieee_adamw_step(p, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW's _single_tensor_adam (decoupled weight decay, CPU, not capturable),
+    operation for operation, with a correctly rounded sqrt: torch's CPU sqrt (MKL's vsSqrt in
+    the pip wheel) misrounds a CPU-dependent fraction of its inputs; numpy's float32 sqrt is the
+    IEEE operation on every CPU."""
+    beta1, beta2 = betas
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    sqrt = torch.from_numpy(np.sqrt(exp_avg_sq.numpy()))
+    denom = (sqrt / bias_correction2_sqrt).add_(eps)
+    update = torch.addcdiv(torch.zeros_like(p), exp_avg, denom, value=-step_size)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+    return update
+
+
+def spacing(t):
+    return torch.from_numpy(np.spacing(np.abs(t.numpy())).astype(np.float64))
+
+
+def over(a, ref, bnd):
+    return int(((a.double() - ref.double()).abs() > bnd).sum())
+
+
 def ulps(a, b):
     ia = a.numpy().view(np.int32).astype(np.int64)
     ib = b.numpy().view(np.int32).astype(np.int64)
@@ -55,10 +81,21 @@ def run(world, hp, steps):
     ref = Linear()
     ref.load_state_dict(base.state_dict())
     ropt = torch.optim.AdamW(ref.parameters(), **hp)
+    ieee = [base.w.detach().clone(), base.b.detach().clone()]
+    ieee_m = [torch.zeros(N), torch.zeros(5)]
+    ieee_v = [torch.zeros(N), torch.zeros(5)]
+    ieee_states, bounds = [], []
+    bound = [torch.zeros(N, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)]
     ref_states = []
     for s in range(steps):
         c = sum(x[0] for x in grads[s]) / world if world > 1 else grads[s][0][0]
         d = sum(x[1] for x in grads[s]) / world if world > 1 else grads[s][0][1]
+        upd = [ieee_adamw_step(ieee[k], (c, d)[k], ieee_m[k], ieee_v[k], s + 1, **hp)
+               for k in range(2)]
+        for k in range(2):  # torch_bound's reason, per element and step
+            bound[k] += 2.0 ** -22 * upd[k].double().abs() + spacing(ieee[k])
+        bounds.append((bound[0].clone(), bound[1].clone()))
+        ieee_states.append((ieee[0].clone(), ieee[1].clone()))
         ref(c, d).backward()
         ropt.step()
         ropt.zero_grad()
@@ -81,14 +118,17 @@ def run(world, hp, steps):
         return out
 
     mine = sg.run_threads(world, body)[0]
-    res = dict(world=world, hp=hp, m_diff=[], v_diff=[], p_diff=[], p_ulp=0, p_absdiff=0.0)
-    for (w, b, m_, v), (rw, rb, rm, rv) in zip(mine, ref_states):
+    res = dict(world=world, hp=hp, m_diff=[], v_diff=[], p_diff=[], p_ulp=0, p_absdiff=[],
+               p_ieee_diff=[], p_over_bound=[])
+    for (w, b, m_, v), (rw, rb, rm, rv), (iw, ib), (bw, bb) in zip(mine, ref_states,
+                                                                  ieee_states, bounds):
         res["m_diff"].append(int((m_ != rm).sum()))
         res["v_diff"].append(int((v != rv).sum()))
         res["p_diff"].append(int((w != rw).sum()) + int((b != rb).sum()))
+        res["p_ieee_diff"].append(int((w != iw).sum()) + int((b != ib).sum()))
+        res["p_over_bound"].append(over(w, rw, bw) + over(b, rb, bb))
         res["p_ulp"] = max(res["p_ulp"], ulps(w, rw), ulps(b, rb))
-        res["p_absdiff"] = max(res["p_absdiff"], (w - rw).abs().max().item(),
-                               (b - rb).abs().max().item())
+        res["p_absdiff"].append(max((w - rw).abs().max().item(), (b - rb).abs().max().item()))
     return res
 
 
