@@ -68,7 +68,7 @@ BENCH=$BUILD/bench/sg_bench_cluster
 CL=("$ROOT/scripts/cluster.sh" --name "$CNAME" --subnet "$CSUBNET")
 "${CL[@]}" check || exit 77
 if [ "$TORCH" = 1 ]; then
-  for p in "$PY" /root/.cache/shardgrad/venv/bin/python python3; do
+  for p in "$PY" "$ROOT/build-venv/bin/python" python3; do
     [ -n "$p" ] && "$p" -c "import torch.distributed.fsdp" 2>/dev/null && { PY=$p; break; }
     PY=""
   done

@@ -8,7 +8,7 @@
 #      wheel holding shardgrad/lib/libshardgrad.so, installed into a second fresh venv, where the
 #      quick start runs again.
 # The quick start needs torch: the venvs see the torch of SG_TORCH_PYTHON (default
-# $HOME/.cache/shardgrad/venv/bin/python, which scripts/test.sh creates) through a .pth file
+# build-venv/bin/python, the venv scripts/test.sh creates) through a .pth file
 # appended after their own site-packages, so shardgrad itself still comes from the venv. Without
 # that torch the torch steps are reported as SKIP and a NumPy-only engine step runs instead.
 # CUDA is off (-C cmake.define.SG_WITH_CUDA=OFF; nvcc would add minutes): SG_PIP_ARGS replaces
@@ -16,7 +16,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$(mktemp -d /tmp/shardgrad-pip-check.XXXXXX)}
-torch_py=${SG_TORCH_PYTHON:-$HOME/.cache/shardgrad/venv/bin/python}
+torch_py=${SG_TORCH_PYTHON:-$ROOT/build-venv/bin/python}
 read -r -a pip_args <<<"${SG_PIP_ARGS:--C cmake.define.SG_WITH_CUDA=OFF}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The whole check, as CI runs it (.ci/run):
-#   1. installs what is missing (apt: cmake, Open MPI, clang, its sanitizer runtimes and libomp,
-#      pip; pip: numpy, pytest)
+#   1. installs what is missing from Debian (apt: cmake, Open MPI, clang, its sanitizer runtimes
+#      and libomp, python3-venv); nothing is installed into the system's Python
+#   1b. its own Python venv, $N-venv/ (build-venv/ by default; SG_TEST_VENV=DIR elsewhere), with
+#      scripts/pydeps/requirements-test.txt at the versions of constraints-test.txt (the ones CI
+#      passed with: torch, numpy, pytest, safetensors, transformers, accelerate, lightning,
+#      matplotlib; ~6 GB, ~4 min on the first run, reused while the constraints are unchanged),
+#      and on CUDA builds requirements-cuda-tools.txt (cuobjdump). Its bin/ goes first on PATH for
+#      everything below, so every python3 the tests start is this venv's
 #   2. Release build in build/ (CUDA compiled when nvcc exists), all ctest labels:
 #      unit, local, mpi, install, nofold; then label cluster (MPI at np 4 across a simulated 2-node
 #      cluster, scripts/cluster.sh; skipped where network namespaces are not permitted)
@@ -11,26 +17,33 @@
 #      and cuda (the mock CUDA runtime)
 #   4. TSan build in build-tsan/ (no MPI, no CUDA, no OpenMP): label local; and in
 #      build-tsan-cuda/ the mock CUDA tests of the CUDA device's worker thread
-#   5. pytest over python/tests when it exists, with the python of the torch venv
-#      ($SG_TORCH_VENV, default $HOME/.cache/shardgrad/venv: torch, numpy, pytest, safetensors,
-#      transformers, accelerate (transformers.Trainer needs it), matplotlib), created on the first run (~4 min, 5.7 GB here) and reused by
-#      later ones, so that the torch tests run; SG_TEST_NO_TORCH=1 uses python3 instead (the
-#      torch tests then skip themselves)
+#   5. pytest over python/tests with the venv's python; SG_TEST_NO_TORCH=1 installs numpy and
+#      pytest only (the torch tests then skip themselves)
 #   6. pip check (scripts/pip_check.sh): fresh venvs, pip install ./python and pip wheel, the
 #      README's Python quick start with no environment variable (~2 min)
+#   --newest (or SG_TEST_NEWEST=1): one more stage at the end, pytest in a second venv
+#      ($N-venv-newest/) with the newest releases of the same requirements, printing which
+#      versions differ from the constraints; what breaks there is what the next update of
+#      constraints-test.txt must fix first
 # Every stage runs even when an earlier one failed (except those that need its build); the
-# summary at the end lists them all, and the exit status is non-zero when any failed.
-# Environment: JOBS (default 2), SG_TEST_SKIP_DEPS=1 to skip step 1, SG_TEST_BUILD=name to build
-# into name/, name-asan/, name-tsan/ instead of build/, build-asan/, build-tsan/.
+# summary at the end lists them all with their times, and the exit status is non-zero when any
+# failed. Environment: JOBS (default 2), SG_TEST_SKIP_DEPS=1 to skip step 1, SG_TEST_BUILD=name
+# to build into name/, name-asan/, name-tsan/ ... instead of build/, build-asan/, build-tsan/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 JOBS=${JOBS:-2}
 N=${SG_TEST_BUILD:-build}
 B=$ROOT/$N
-TORCH_VENV=${SG_TORCH_VENV:-$HOME/.cache/shardgrad/venv}
-TORCH_PKGS=(torch numpy pytest safetensors transformers accelerate matplotlib)
-PYTEST_PY=python3
+VENV=${SG_TEST_VENV:-$B-venv}
+PYDEPS=$ROOT/scripts/pydeps
+NEWEST=${SG_TEST_NEWEST:-0}
+for arg in "$@"; do
+  case $arg in
+    --newest) NEWEST=1 ;;
+    *) echo "usage: scripts/test.sh [--newest]" >&2; exit 2 ;;
+  esac
+done
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export CTEST_OUTPUT_ON_FAILURE=1
@@ -71,42 +84,70 @@ install_deps() {
   command -v clang >/dev/null || apt+=(clang)
   dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || apt+=(libclang-rt-14-dev)
   dpkg -s libomp-14-dev >/dev/null 2>&1 || apt+=(libomp-14-dev) # the clang stage's OpenMP
-  python3 -m pip --version >/dev/null 2>&1 || apt+=(python3-pip)
+  python3 -c 'import ensurepip, venv' 2>/dev/null || apt+=(python3-venv)
   if [ "${#apt[@]}" -gt 0 ]; then
     echo "installing: ${apt[*]}"
     as_root apt-get update -q || return 1
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
       "${apt[@]}" || return 1
   fi
-  local -a pip=()
-  python3 -c "import numpy" 2>/dev/null || pip+=(numpy)
-  python3 -c "import pytest" 2>/dev/null || pip+=(pytest)
-  if [ "${#pip[@]}" -gt 0 ]; then
-    echo "pip installing: ${pip[*]}"
-    python3 -m pip install -q "${pip[@]}" ||
-      python3 -m pip install -q --break-system-packages "${pip[@]}" || return 1
-  fi
   echo "dependencies present"
 }
 
-# The torch venv: reused when it imports everything, else created or completed (pip prints
-# nothing; the stage's time in the summary is the install time).
-torch_venv() {
-  local t0=$SECONDS
-  local mods="torch, numpy, pytest, safetensors, transformers, accelerate, matplotlib"
-  if "$TORCH_VENV/bin/python" -c "import $mods" 2>/dev/null; then
-    echo "reusing $TORCH_VENV (torch $("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
-  else
-    echo "installing ${TORCH_PKGS[*]} into $TORCH_VENV (several GB, a few minutes)"
-    { [ -x "$TORCH_VENV/bin/python" ] || python3 -m venv "$TORCH_VENV"; } || return 1
-    "$TORCH_VENV/bin/python" -m pip install -q "${TORCH_PKGS[@]}" || return 1
-    echo "installed in $((SECONDS - t0))s"
+have_nvcc() { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }
+
+# make_venv DIR PIN REQUIREMENTS...: a venv at DIR with the requirements, pinned to the
+# constraints when PIN=1, else the newest releases (always upgraded); a pinned one is reused
+# while its stamp (the requirement and constraint files' contents) matches.
+make_venv() {
+  local dir=$1 pin=$2 t0=$SECONDS stamp
+  shift 2
+  local -a req=() con=()
+  local f
+  for f in "$@"; do req+=(-r "$f"); done
+  [ "$pin" = 1 ] && con=(-c "$PYDEPS/constraints-test.txt")
+  stamp=$(cat "$@" "${con[@]:1}" 2>/dev/null | cksum)
+  if [ "$pin" = 1 ] && [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.sg-stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "reusing $dir (torch $("$dir/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none))"
+    return 0
   fi
-  PYTEST_PY=$TORCH_VENV/bin/python
+  echo "installing $(grep -hv '^#' "$@" | awk 'NF{print $1}' | tr '\n' ' ')into $dir" \
+    "$([ "$pin" = 1 ] && echo "(pinned: scripts/pydeps/constraints-test.txt)" || echo "(newest)")"
+  rm -f "$dir/.sg-stamp"
+  { [ -x "$dir/bin/python" ] || python3 -m venv "$dir"; } || return 1
+  local -a upgrade=()
+  [ "$pin" = 1 ] || upgrade=(--upgrade)
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "${upgrade[@]}" \
+    "${req[@]}" "${con[@]}" || return 1
+  echo "$stamp" >"$dir/.sg-stamp"
+  echo "installed in $((SECONDS - t0))s"
+}
+
+venv_requirements() {
+  if [ "${SG_TEST_NO_TORCH:-0}" = 1 ]; then
+    local f
+    f=$(mktemp /tmp/shardgrad-req-no-torch.XXXXXX)
+    grep -E '^(numpy|pytest)\b' "$PYDEPS/requirements-test.txt" >"$f"
+    echo "$f"
+  else
+    echo "$PYDEPS/requirements-test.txt"
+  fi
+  have_nvcc && echo "$PYDEPS/requirements-cuda-tools.txt"
+}
+
+# newest_check: pytest against the newest releases, and which versions moved
+newest_check() {
+  local new=$B-venv-newest
+  # shellcheck disable=SC2046
+  make_venv "$new" 0 $(venv_requirements) || return 1
+  echo "versions that differ from scripts/pydeps/constraints-test.txt:"
+  "$new/bin/python" -m pip freeze --exclude shardgrad |
+    grep -vxF -f <(grep -v '^#' "$PYDEPS/constraints-test.txt") | sed 's/^/  /'
+  PYTEST_PY=$new/bin/python run_pytest
 }
 
 configure_release() {
-  cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release
+  cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$(command -v python3)"
 }
 
 # A second compiler and OpenMP runtime: libomp hands out dynamic schedules out of order where
@@ -199,37 +240,14 @@ else
   stage dependencies install_deps
 fi
 
-# CUDA builds only: cuobjdump (test_sass_wide_stores reads the update kernels' SASS) and the
-# cuDNN headers and library (examples/cnn_cudnn is compiled whenever cuDNN is found), from PyPI
-# when the toolkit lacks them.
-have_nvcc() { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }
-pip_user() { python3 -m pip install -q "$@" || python3 -m pip install -q --break-system-packages "$@"; }
-install_cuda_extras() {
-  local -a pip=()
-  local f cudnn=0
-  command -v cuobjdump >/dev/null || [ -x /usr/local/cuda/bin/cuobjdump ] ||
-    python3 -c 'import nvidia, glob, sys; sys.exit(not any(glob.glob(p + "/*/bin/cuobjdump") for p in nvidia.__path__))' 2>/dev/null ||
-    pip+=(nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)
-  for f in /usr/local/cuda/include/cudnn.h /usr/include/cudnn.h /usr/include/*/cudnn.h; do
-    [ -f "$f" ] && cudnn=1
-  done
-  [ "$cudnn" = 1 ] ||
-    python3 -c 'import nvidia.cudnn, os, sys; sys.exit(not os.path.exists(nvidia.cudnn.__path__[0] + "/include/cudnn.h"))' 2>/dev/null ||
-    pip+=(nvidia-cudnn-cu13)
-  if [ "${#pip[@]}" -gt 0 ]; then
-    echo "pip installing: ${pip[*]}"
-    pip_user "${pip[@]}" || return 1
-  fi
-  echo "cuobjdump and cuDNN present"
-}
-if [ "${SG_TEST_SKIP_DEPS:-0}" != 1 ] && have_nvcc; then
-  stage "CUDA extras (cuobjdump, cuDNN)" install_cuda_extras
-fi
-
-if [ "${SG_TEST_NO_TORCH:-0}" = 1 ]; then
-  skip "torch venv" "SG_TEST_NO_TORCH=1: the torch tests skip themselves"
+# The venv (and on CUDA builds cuobjdump in it, for the SASS check). cuDNN's headers come with
+# the CUDA toolkit here; examples/cnn_cudnn is built only where CMake finds them.
+# shellcheck disable=SC2046
+if stage "venv $VENV" make_venv "$VENV" 1 $(venv_requirements); then
+  export PATH=$VENV/bin:$PATH VIRTUAL_ENV=$VENV
+  PYTEST_PY=$VENV/bin/python
 else
-  stage "torch venv ($TORCH_VENV)" torch_venv
+  PYTEST_PY=python3
 fi
 
 if stage "configure $N/ (Release)" configure_release && stage "build $N/" build "$B"; then
@@ -291,8 +309,12 @@ fi
 
 # pip install ./python and pip wheel in fresh venvs, the README's Python quick start in each
 # (torch from the torch venv; scikit-build-core from PyPI or pip's cache)
-SG_TORCH_PYTHON=$TORCH_VENV/bin/python stage "pip install ./python, pip wheel (scripts/pip_check.sh)" \
+SG_TORCH_PYTHON=$PYTEST_PY stage "pip install ./python, pip wheel (scripts/pip_check.sh)" \
   "$ROOT/scripts/pip_check.sh" "$B-pip-check"
+
+if [ "$NEWEST" = 1 ]; then
+  stage "pytest against the newest releases ($B-venv-newest)" newest_check
+fi
 
 echo
 echo "==== summary ($((SECONDS - T_START))s) ===="
