@@ -3,6 +3,7 @@
  *
  *   mpirun -np 2 sg_bench_comm [--min BYTES] [--max BYTES] [--dtype f32|bf16] [--iters N]
  *                              [--ops rs,ag,ar]
+ *   (Open MPI as root: add --allow-run-as-root; more ranks than cores: --oversubscribe)
  *
  * For each size S (64 KiB .. 256 MiB, powers of 4), S is the whole buffer: reduce-scatter
  * reduces S into S/W per rank, all-gather fills S from S/W per rank, all-reduce reduces S.

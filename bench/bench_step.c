@@ -229,8 +229,8 @@ static double formula(const sg_config *cfg, const sg_memory_stats *s, size_t max
                                                                           a bucket of its own */
   const int lowp = P < 4;
   switch (cfg->strategy) {
-    /* NO_SHARD and SHARD_OPT also keep the accumulator that sums micro-batches (README,
-     * "Memory per rank"): A*psi replicated, A*psi/W sharded. */
+    /* NO_SHARD and SHARD_OPT also keep the accumulator that sums micro-batches
+     * (docs/memory.md): A*psi replicated, A*psi/W sharded. */
     case SG_NO_SHARD:
       return P * psi + G * psi + A * psi + (lowp ? 4 * psi : 0) + 8 * psi;
     case SG_SHARD_OPT:
@@ -369,7 +369,7 @@ static void print_table(const options *o, const rank_ctx *c0) {
   printf(
       "step ms: median; vs plain: step time / plain loop's (lower is faster). MiB/rank: "
       "measured (sg_memory total, comm scratch included; plain: its own allocations, f32).\n"
-      "formula: DESIGN.md section 3 (with the README's accumulator for NO_SHARD/SHARD_OPT) on "
+      "formula: DESIGN.md section 3 (with docs/memory.md's accumulator for NO_SHARD/SHARD_OPT) on "
       "the padded plan size, without comm scratch, staging S*B with B at least "
       "the largest parameter (which gets a bucket of its own) and at most the model.%s\n",
       o->mpi ? "" : " The threads' shared sum buffer of the plain loop is not counted.");

@@ -35,6 +35,8 @@ extern "C" {
 #define SG_API
 #endif
 
+/* The one place of the version: CMakeLists.txt, the pyproject.toml files and the Python package
+ * (shardgrad.__version__) read these three lines. */
 #define SG_VERSION_MAJOR 0
 #define SG_VERSION_MINOR 2
 #define SG_VERSION_PATCH 0

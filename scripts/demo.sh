@@ -34,7 +34,8 @@ exe=$b/examples/mlp
 args=(--strategy shard_grad_op --steps 200 --log-every 20 ${extra[@]+"${extra[@]}"})
 
 if command -v mpirun >/dev/null && grep -q '^SG_WITH_MPI:BOOL=ON' "$b/CMakeCache.txt"; then
-  echo "\$ mpirun -np $ranks $exe --mpi ${args[*]}"
+  # the command as it runs (as root and on fewer cores than ranks too), for a user to copy
+  echo "\$ mpirun -np $ranks --oversubscribe --allow-run-as-root $exe --mpi ${args[*]}"
   mpirun -np "$ranks" --oversubscribe --allow-run-as-root "$exe" --mpi "${args[@]}"
 else
   echo "(mpirun or MPI support missing: $ranks ranks as threads)"

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Generates README.md's memory tables (and docs/memory.png) from sg_estimate_memory.
+"""Regenerates the memory tables of README.md and docs/memory.md from sg_estimate_memory.
 
     python3 scripts/gen_memory_tables.py            # rewrites the tables between the markers
-    python3 scripts/gen_memory_tables.py --check    # exit 1 (and a diff) when README.md differs
+    python3 scripts/gen_memory_tables.py --check    # exit 1 (and a diff) when a file differs
     python3 scripts/gen_memory_tables.py --png docs/memory.png   # the picture (needs matplotlib)
 
-Every number comes from the library itself (through the Python binding), so the README says
-what sg_memory reports. The library is found as the binding finds it (SHARDGRAD_LIBRARY, the
-package, a build/ of this checkout) or through --library PATH.
+Every number comes from the library itself (through the Python binding), so the documents say
+what sg_memory reports. Each file may hold any of the tables (between their markers); every
+table must be in at least one of them. The library is found as the binding finds it
+(SHARDGRAD_LIBRARY, the package, a build/ of this checkout) or through --library PATH.
 
 Bytes per parameter are the slope of the per-rank total between two model sizes: what grows
 with the model, leaving out what does not (the S x B staging buckets of SHARD_GRAD_OP and the
@@ -88,6 +89,19 @@ def table_per_param(sg):
     return lines
 
 
+def table_summary(sg):
+    """The README's short table: bf16 parameters, fp32 accumulator, each strategy."""
+    lines = ["| bytes per parameter per rank (bf16 params, fp32 accumulator) | " +
+             " | ".join("W=%d" % w for w in WORLDS) + " |", "|---|" + "---|" * len(WORLDS)]
+    names = {"`SG_NO_SHARD`": "`SG_NO_SHARD` (plain data parallel)",
+             "`SG_SHARD_OPT`": "`SG_SHARD_OPT` (ZeRO-1)",
+             "`SG_SHARD_GRAD_OP`": "`SG_SHARD_GRAD_OP` (ZeRO-2, the default)"}
+    for label, pdt, acc, vals in rows_per_param(sg):
+        if pdt == "bf16" and acc == "f32":
+            lines.append("| %s | %s |" % (names[label], " | ".join(fmt(v) for v in vals)))
+    return lines
+
+
 def table_offload(sg):
     """Bytes per parameter per rank with offload_optimizer, on the GPU and in host memory."""
     lines = ["| strategy + offload | params | accumulator | memory | " +
@@ -142,13 +156,53 @@ def table_fit(sg):
     return lines
 
 
-def replace_block(text, name, lines):
+TABLES = (("summary", table_summary), ("bytes-per-param", table_per_param),
+          ("largest-model", table_fit), ("offload-per-param", table_offload),
+          ("offload-fits", table_fits_offload))
+DEFAULT_DOCS = ("README.md", os.path.join("docs", "memory.md"))
+
+
+def replace_block(text, name, lines, path):
+    """text with the table between each pair of `name`'s markers replaced; None when it has
+    none."""
     begin, end = BEGIN % name, END % name
-    i, j = text.find(begin), text.find(end)
-    if i < 0 or j < i:
-        raise SystemExit("gen_memory_tables: README.md lacks the markers of table '%s':\n%s\n...\n%s"
-                         % (name, begin, end))
-    return text[:i + len(begin)] + "\n" + "\n".join(lines) + "\n" + text[j:]
+    if begin not in text and end not in text:
+        return None
+    out, pos = [], 0
+    while True:
+        i = text.find(begin, pos)
+        if i < 0:
+            break
+        j = text.find(end, i)
+        if j < 0:
+            raise SystemExit("gen_memory_tables: %s: table '%s' has no end marker:\n%s"
+                             % (path, name, end))
+        out.append(text[pos:i + len(begin)] + "\n" + "\n".join(lines) + "\n")
+        pos = j
+    if not out:
+        raise SystemExit("gen_memory_tables: %s: table '%s' has an end marker but no begin:\n%s"
+                         % (path, name, begin))
+    return "".join(out) + text[pos:]
+
+
+def regenerate(sg, texts):
+    """{path: new text} for {path: old text}: every table wherever its markers are."""
+    new, found = dict(texts), {}
+    for name, make in TABLES:
+        lines = None
+        for path in texts:
+            if BEGIN % name in new[path] or END % name in new[path]:
+                lines = lines or make(sg)
+                new[path] = replace_block(new[path], name, lines, path)
+                found.setdefault(name, []).append(path)
+    missing = [name for name, _ in TABLES if name not in found]
+    if missing:
+        raise SystemExit("gen_memory_tables: no file of %s has the markers of table(s) %s, e.g.\n%s"
+                         % (", ".join(texts), ", ".join(missing), BEGIN % missing[0]))
+    for path in texts:
+        if not any(path in paths for paths in found.values()):
+            raise SystemExit("gen_memory_tables: %s has no table markers" % path)
+    return new
 
 
 def draw(sg, path):
@@ -192,9 +246,11 @@ def draw(sg, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--doc", action="append", metavar="FILE",
+                    help="a Markdown file with tables to regenerate (repeatable; default: %s)"
+                    % " and ".join(DEFAULT_DOCS))
     ap.add_argument("--check", action="store_true",
-                    help="do not write: exit 1 with a diff when the README's tables differ")
+                    help="do not write: exit 1 with a diff when a file's tables differ")
     ap.add_argument("--png", metavar="FILE", help="also draw the picture to FILE")
     ap.add_argument("--library", metavar="PATH", help="libshardgrad.so to use")
     args = ap.parse_args()
@@ -202,24 +258,29 @@ def main():
         os.environ["SHARDGRAD_LIBRARY"] = args.library
     import shardgrad as sg
 
-    with open(args.readme, encoding="utf-8") as f:
-        old = f.read()
-    new = replace_block(old, "bytes-per-param", table_per_param(sg))
-    new = replace_block(new, "largest-model", table_fit(sg))
-    new = replace_block(new, "offload-per-param", table_offload(sg))
-    new = replace_block(new, "offload-fits", table_fits_offload(sg))
+    paths = args.doc or [os.path.join(ROOT, p) for p in DEFAULT_DOCS]
+    old = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            old[path] = f.read()
+    new = regenerate(sg, old)
+    changed = [p for p in paths if new[p] != old[p]]
+    names = ", ".join(os.path.relpath(p, ROOT) for p in paths)
     if args.check:
-        if new != old:
+        for path in changed:
+            rel = os.path.relpath(path, ROOT)
             sys.stdout.writelines(difflib.unified_diff(
-                old.splitlines(True), new.splitlines(True), "README.md", "generated"))
-            print("gen_memory_tables: README.md's memory tables differ from sg_estimate_memory "
-                  "(%s); run python3 scripts/gen_memory_tables.py" % sg.library_path())
+                old[path].splitlines(True), new[path].splitlines(True), rel, "generated"))
+        if changed:
+            print("gen_memory_tables: the memory tables of %s differ from sg_estimate_memory "
+                  "(%s); run python3 scripts/gen_memory_tables.py"
+                  % (", ".join(os.path.relpath(p, ROOT) for p in changed), sg.library_path()))
             return 1
-        print("gen_memory_tables: README.md's memory tables match sg_estimate_memory")
-    elif new != old:
-        with open(args.readme, "w", encoding="utf-8") as f:
-            f.write(new)
-        print("updated %s" % args.readme)
+        print("gen_memory_tables: the memory tables of %s match sg_estimate_memory" % names)
+    for path in [] if args.check else changed:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new[path])
+        print("updated %s" % path)
     if args.png:
         draw(sg, args.png)
     return 0

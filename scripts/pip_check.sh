@@ -61,13 +61,16 @@ new_venv() { # new_venv DIR: a fresh venv, with the torch venv's packages after 
   fi
 }
 
-# The library the venv's shardgrad loads must be the one inside its own site-packages.
+# The library the venv's shardgrad loads must be the one inside its own site-packages, and the
+# package's version (from include/shardgrad.h at build time) the library's.
 lib_in_venv() { # lib_in_venv VENV
   (cd "$work/run" && "$1/bin/python" -c "
 import os, sys, shardgrad
+from importlib.metadata import version
 p = os.path.realpath(shardgrad.library_path())
-print(p, shardgrad.version(), 'mpi' if shardgrad.has_backend('mpi') else 'no mpi')
-sys.exit(0 if p.startswith(os.path.realpath(sys.prefix) + os.sep) else 1)")
+print(p, shardgrad.__version__, version('shardgrad'), 'mpi' if shardgrad.has_backend('mpi') else 'no mpi')
+sys.exit(0 if p.startswith(os.path.realpath(sys.prefix) + os.sep) and
+         version('shardgrad') == shardgrad.__version__ else 1)")
 }
 
 # The printed losses ("step N loss X") must fall: the last below half the first.

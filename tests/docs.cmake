@@ -1,5 +1,6 @@
-# The README's memory tables against sg_estimate_memory: scripts/gen_memory_tables.py --check
-# regenerates them through the Python binding and fails (with a diff) when README.md differs.
+# The memory tables of README.md and docs/memory.md against sg_estimate_memory:
+# scripts/gen_memory_tables.py --check regenerates them through the Python binding and fails
+# (with a diff) when a file differs.
 # Needs python3 with numpy, as the binding does; not in sanitizer builds (see python.cmake).
 if(NOT SG_SANITIZE)
   find_package(Python3 COMPONENTS Interpreter QUIET)
@@ -7,12 +8,12 @@ if(NOT SG_SANITIZE)
     execute_process(COMMAND ${Python3_EXECUTABLE} -c "import numpy"
       RESULT_VARIABLE _sg_docs_rc OUTPUT_QUIET ERROR_QUIET)
     if(_sg_docs_rc EQUAL 0)
-      add_test(NAME test_readme_memory
+      add_test(NAME test_docs_memory
         COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/scripts/gen_memory_tables.py --check
                 --library $<TARGET_FILE:shardgrad>)
-      set_tests_properties(test_readme_memory PROPERTIES TIMEOUT 120 LABELS unit)
+      set_tests_properties(test_docs_memory PROPERTIES TIMEOUT 120 LABELS unit)
     else()
-      message(STATUS "test_readme_memory skipped: python3 lacks numpy")
+      message(STATUS "test_docs_memory skipped: python3 lacks numpy")
     endif()
   endif()
 endif()

@@ -77,6 +77,14 @@ sg_add_mpi_test(test_mlp_mpi_auto EXE test_mlp NP 2
        --check)
 if(SG_WITH_MPI)
   set_tests_properties(test_mlp_mpi_auto PROPERTIES PASS_REGULAR_EXPRESSION "W=2 \\(MPI\\)")
+  # A launcher's processes that MPI makes worlds of one (another MPI's mpiexec, here only its
+  # environment variable): each would train alone as "rank 0"; mlp says so and exits non-zero.
+  add_test(NAME test_mlp_cli_launcher_mismatch
+    COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/cli_error_check.sh
+            "started 2 processes, but MPI made this one a world of 1: libshardgrad's MPI is not the launcher's"
+            $<TARGET_FILE:test_mlp> --steps 2)
+  set_tests_properties(test_mlp_cli_launcher_mismatch PROPERTIES TIMEOUT 60 LABELS unit
+    ENVIRONMENT "PMI_SIZE=2")
 endif()
 # --plot: a PNG the example writes itself (no library); tests/png_check.py checks its chunks,
 # CRCs, zlib stream and that the loss curve was drawn (>= 520 pixels: 2 px thick over 520).

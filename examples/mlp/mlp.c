@@ -1,7 +1,8 @@
 /* mlp: trains a multi-layer perceptron with shardgrad on data from a fixed random teacher network.
  *
  *   mlp --ranks 2 --strategy shard_grad_op --dtype bf16      (2 ranks as threads)
- *   mpirun -np 2 mlp --mpi                                   (one rank per process)
+ *   mpirun -np 2 mlp                                         (one rank per process; as root
+ *                                   add --allow-run-as-root, on fewer cores --oversubscribe)
  *   mlp --save ck --save-every 50 ; mlp --resume ck --ranks 3   (checkpoint, resume elsewhere)
  *   mpirun -np 4 mlp --hybrid 2 --micro-batches 8            (2 nodes of 2: hybrid sharding)
  *
@@ -27,6 +28,8 @@ typedef struct options {
   const char *save_dir, *resume_dir; /* --save (with --save-every N, and at the end), --resume */
   const char *plot;                  /* --plot FILE: rank 0's loss curve and memory, a PNG */
   int save_every;
+  const char *launcher; /* mpirun, srun, ... that started this process (NULL: none) */
+  int launched;         /* the number of processes it started (0: unknown) */
 } options;
 
 static int failed(int rank, const char *what, sg_status st) {
@@ -204,7 +207,11 @@ static const mlp_cli_prog *prog_info(void);
 
 static void usage(void) {
   printf("usage: mlp [options]: trains an MLP on data from a random teacher network with\n"
-         "shardgrad, on --ranks N threads or one rank per process under mpirun\n"
+         "shardgrad, on --ranks N threads or one rank per process under mpirun or srun:\n"
+         "  mlp --ranks 2                 2 ranks as threads of this process\n"
+         "  mpirun -np 2 mlp              2 processes (Open MPI as root: add --allow-run-as-root;\n"
+         "                                more ranks than cores: add --oversubscribe)\n"
+         "  srun -N 2 --ntasks-per-node=2 mlp   4 processes on 2 nodes of a Slurm cluster\n"
          "  --mpi               one rank per process (mpirun -np N mlp); used without the flag\n"
          "                      when mpirun or srun started mlp\n");
   mlp_cli_help_common(stdout, prog_info());
@@ -281,7 +288,9 @@ static int parse_args(int argc, char **argv, options *o) {
   memset(o, 0, sizeof *o);
   if (mlp_cli_parse(prog_info(), argc, argv, &o->c, o) != 0) return -1;
   int nprocs = 0;
-  const char *launcher = mlp_cli_launcher(&nprocs);
+  const char *launcher = mlp_cli_launcher(&nprocs); /* before MPI_Init, which sets them too */
+  o->launcher = launcher;
+  o->launched = nprocs;
   if (o->mpi && o->c.ranks_given) {
     fprintf(stderr, "mlp: --ranks and --mpi conflict: with --mpi the ranks are the processes "
                     "(mpirun -np N mlp --mpi); --ranks N runs N threads without MPI\n");
@@ -323,11 +332,31 @@ static int parse_args(int argc, char **argv, options *o) {
   return 0;
 }
 
+/* 0 when MPI's world is the launcher's job. A launcher of another MPI than the one libshardgrad
+ * was built with starts processes that each MPI_Init as a world of one: every one would train
+ * alone and print as rank 0, so say so and stop. Without a launcher, --mpi is one rank. */
+static int check_mpi_world(const options *o, int world) {
+  if (o->launcher && o->launched > 0 && o->launched != world) {
+    fprintf(stderr, "mlp: %s started %d processes, but MPI made this one a world of %d: "
+                    "libshardgrad's MPI is not the launcher's; start mlp with the mpirun (or "
+                    "srun --mpi=...) of the MPI that libshardgrad was built with\n",
+            o->launcher, o->launched, world);
+    return -1;
+  }
+  if (!o->launcher && world == 1)
+    printf("mlp: --mpi without a launcher: 1 rank (for N ranks: mpirun -np N mlp, or mlp "
+           "--ranks N for threads)\n");
+  return 0;
+}
+
 static int run_mpi(const options *o) {
   mlp_rank_run run = {.o = o};
   const sg_status st = sg_comm_create_mpi(NULL, &run.comm);
   if (st != SG_OK) return failed(-1, "sg_comm_create_mpi", st);
-  train(&run);
+  if (check_mpi_world(o, sg_comm_size(run.comm)) != 0)
+    run.rc = 1;
+  else
+    train(&run);
   sg_comm_destroy(run.comm); /* the last destroy finalizes MPI, which the library initialized */
   return run.rc;
 }

@@ -522,7 +522,10 @@ static inline int mlp_cli_run_threads(const char *prog, const void *o, int ranks
   mlp_rank_run *runs = calloc((size_t)ranks, sizeof *runs);
   pthread_t *th = calloc((size_t)ranks, sizeof *th);
   int rc = 1, started = 0;
-  if (!comms || !runs || !th) goto done;
+  if (!comms || !runs || !th) {
+    fprintf(stderr, "%s: out of memory for %d ranks\n", prog, ranks);
+    goto done;
+  }
   const sg_status st = sg_comm_create_local(ranks, comms);
   if (st != SG_OK) {
     mlp_cli_failed(prog, 0, "sg_comm_create_local", st);
@@ -533,6 +536,8 @@ static inline int mlp_cli_run_threads(const char *prog, const void *o, int ranks
     if (pthread_create(&th[started], NULL, train, &runs[started]) != 0) break;
   }
   rc = started == ranks ? 0 : 1;
+  if (rc) /* the started ranks fail their first collective after the engine's timeout_ms */
+    fprintf(stderr, "%s: could not start the thread of rank %d of %d\n", prog, started, ranks);
   for (int i = 0; i < started; i++) {
     pthread_join(th[i], NULL);
     if (runs[i].rc > rc) rc = runs[i].rc;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Train a small character-level transformer language model with shardgrad's ShardedAdamW.
 
-    # W ranks as processes (one rank per process, Comm.mpi):
+    # W ranks as processes (one rank per process, Comm.mpi; Open MPI as root needs
+    # --allow-run-as-root, and more ranks than cores --oversubscribe; on Slurm: srun -n 2 ...):
     mpirun -np 2 python3 examples/python/train_lm.py
     # W ranks as processes started by torchrun (gloo process group, Comm.from_torch):
     torchrun --nproc_per_node 2 examples/python/train_lm.py
@@ -86,6 +87,21 @@ class OneLineParser(argparse.ArgumentParser):
         fail("%s (%s --help lists the flags)" % (message, PROG))
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help only where the help does not say its default
+    itself and there is one to show (not None, not a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
+def plural(n, word):
+    return "%d %s%s" % (n, word, "" if n == 1 else "s")
+
+
 def check_args(args):
     """Every flag's range, and the combinations that cannot work; fail() on the first."""
     def at_least(name, lo):
@@ -146,9 +162,10 @@ def read_text(path):
 def parse_args(argv=None):
     """The command line, checked: fail() on the first bad flag."""
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n")[1],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsFormatter)
     ap.add_argument("--ranks", type=int, default=None,
-                    help="ranks as threads of this process (default: MPI under mpirun, else 1)")
+                    help="ranks as threads of this process (default: one rank per process under "
+                    "mpirun, srun or torchrun, else 1)")
     ap.add_argument("--text", help="train on this UTF-8 text file instead of a generated corpus")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
@@ -161,7 +178,10 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (0: off)")
     ap.add_argument("--strategy", default="shard_grad_op",
-                    choices=["shard_grad_op", "shard_opt", "no_shard"])
+                    choices=["shard_grad_op", "shard_opt", "no_shard"],
+                    help="what is sharded across ranks: shard_grad_op (ZeRO-2: gradients and "
+                    "optimizer state), shard_opt (ZeRO-1: optimizer state), no_shard (plain "
+                    "data parallel)")
     ap.add_argument("--hybrid", type=int, default=None, metavar="N",
                     help="hybrid sharding over N nodes of consecutive ranks (sharded inside a "
                     "node, replicated across nodes); the rank count must be a multiple of N")
@@ -418,10 +438,12 @@ def train_rank_on(comm, args, data, out, device):
         where = ""
         if device.type == "cuda":
             where = ", on %s (%s)" % (device, torch.cuda.get_device_name(device))
-        layout = (", hybrid: %d nodes x %d ranks" % (args.hybrid, world // args.hybrid)
+        layout = (", hybrid: %s x %s" % (plural(args.hybrid, "node"),
+                                          plural(world // args.hybrid, "rank"))
                   if args.hybrid else "")
-        print("model: %d parameters (%d layers, d=%d), vocab %d, %d ranks (%s%s), %s, %s params"
-              "%s%s" % (nparams, args.layers, args.d, data.vocab, world, comm.kind, layout,
+        print("model: %d parameters (%s, d=%d), vocab %d, %s (%s%s), %s, %s params"
+              "%s%s" % (nparams, plural(args.layers, "layer"), args.d, data.vocab, plural(world, "rank"),
+                        comm.kind, layout,
                  opt.engine.config.strategy.name, args.dtype, where,
                  ", all-gathers overlapping the forward pass" if args.overlap_gather else ""),
               flush=True)
@@ -531,7 +553,7 @@ def plot(path, results, kind, strategy):
         a.plot(range(1, len(res["losses"]) + 1), res["losses"], label="rank %d" % r, lw=1)
     a.set_xlabel("step")
     a.set_ylabel("loss (each rank's own batches)")
-    a.set_title("training loss, %d ranks (%s)" % (len(results), kind))
+    a.set_title("training loss, %s (%s)" % (plural(len(results), "rank"), kind))
     a.grid(True, alpha=0.3)
     if len(results) <= 8:
         a.legend()
@@ -621,8 +643,8 @@ def main(args):
             print_memory(r, out[r])
     first, last, n = loss_trend(results)
     r0 = results[0]
-    print("%d ranks (%s): %d steps in %.1f s, %.0f tokens/s overall" % (
-        world, kind, len(r0["losses"]), r0["elapsed"], r0["tokens"] / r0["elapsed"]))
+    print("%s (%s): %d steps in %.1f s, %.0f tokens/s overall" % (
+        plural(world, "rank"), kind, len(r0["losses"]), r0["elapsed"], r0["tokens"] / r0["elapsed"]))
     print("sample: %r" % r0["sample"])
     if args.plot:
         plot(args.plot, results, kind, args.strategy)

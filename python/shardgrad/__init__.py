@@ -19,7 +19,15 @@ from .errors import (CommError, CorruptError, CudaError, InternalError, InvalidA
                      ShardgradIOError, ShardgradTimeoutError, UnsupportedError)
 from .tracing import trace_overlap
 
-__version__ = "0.2.0"
+
+
+def __getattr__(name):
+    # __version__ is the loaded library's (sg_version(): include/shardgrad.h, the one place the
+    # version is written), read on first use so that importing the package needs no library.
+    if name == "__version__":
+        return "%d.%d.%d" % version()
+    raise AttributeError("module 'shardgrad' has no attribute %r" % name)
+
 
 __all__ = [
     "LibraryNotFoundError", "library_path", "MAX_GROUPS",

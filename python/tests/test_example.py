@@ -1,5 +1,5 @@
 """examples/python/train_lm.py runs (2 ranks as threads, a short run; 2 processes under
-torchrun, the README's command) and its loss falls."""
+torchrun, the command in docs/torch.md) and its loss falls."""
 
 import os
 import subprocess
