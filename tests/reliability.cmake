@@ -12,3 +12,10 @@ sg_add_test(test_worker_start SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_worker_st
 sg_add_test(test_comm_order SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_comm_order.c LABELS local
             TIMEOUT 120)
 sg_add_mpi_test(test_comm_order_mpi_np2 EXE test_comm_order NP 2 ARGS --mpi TIMEOUT 120)
+# One rank of the fault matrix on the simulated cluster (tests/fault_matrix.sh runs it; not a
+# ctest test: it needs root and takes minutes).
+if(SG_WITH_MPI)
+  add_executable(fault_run ${CMAKE_CURRENT_SOURCE_DIR}/fault_run.c)
+  target_link_libraries(fault_run PRIVATE shardgrad_internal)
+  target_compile_options(fault_run PRIVATE -Wall -Wextra -Wno-unused-parameter)
+endif()

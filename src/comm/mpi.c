@@ -225,13 +225,24 @@ static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, in
 
 /* ---- lifetime ------------------------------------------------------------------------------- */
 
-/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet. */
-static void release_mpi(void) {
+/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet,
+ * unless a communicator failed: MPI_Finalize then waits for the peers (Open MPI's fence
+ * through its runtime), and a peer that is gone, or a link that is down, would hold the caller
+ * in it for good (measured on the simulated cluster, tests/fault_matrix.sh: until the link came
+ * back). The process has an error to report anyway; mpirun will say it did not finalize. */
+static int g_mpi_failed; /* under g_mpi_mu: a destroyed communicator was broken */
+
+static void release_mpi(int broken) {
   pthread_mutex_lock(&g_mpi_mu);
+  if (broken) g_mpi_failed = 1;
   if (--g_mpi_live == 0 && g_mpi_we_init) {
     int fin = 1;
     MPI_Finalized(&fin);
-    if (!fin) MPI_Finalize();
+    if (!fin && g_mpi_failed)
+      SG_LOG(SG_LOG_WARN, -1, "sg_comm_destroy: MPI_Finalize not called after a communication "
+             "failure (it would wait for peers that may be gone)");
+    else if (!fin)
+      MPI_Finalize();
     g_mpi_we_init = 0;
   }
   pthread_mutex_unlock(&g_mpi_mu);
@@ -248,8 +259,9 @@ static void free_mcomm(mcomm *m) {
 }
 
 static void mpi_destroy(sg_comm *c) {
+  const int broken = c->broken;
   free_mcomm(mc(c));
-  release_mpi();
+  release_mpi(broken);
 }
 
 /* The bound device is going away: its pinned memory goes back first. */
@@ -412,7 +424,7 @@ sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
   SG_TRY(acquire_mpi(&provided));
   mcomm *m = calloc(1, sizeof *m);
   if (!m) {
-    release_mpi();
+    release_mpi(0);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
   m->c.ops = &mpi_ops;
@@ -427,7 +439,7 @@ sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
     if (m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
     sg__coll_free(&m->coll);
     free(m);
-    release_mpi();
+    release_mpi(0);
     return st;
   }
   if (!m->c.threaded)
