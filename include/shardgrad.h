@@ -96,10 +96,10 @@ SG_API sg_status sg_comm_create_local(int world, sg_comm **comms);
 
 /* One rank per process over MPI. `mpi_comm` points to an MPI_Comm (NULL: MPI_COMM_WORLD); the
  * library duplicates it. Initializes MPI (MPI_THREAD_MULTIPLE requested) when the caller has not;
- * then the last sg_comm_destroy finalizes it, unless one of its communicators failed (a peer
- * gone, a link down past the deadline): MPI_Finalize would wait for those peers, so it is left
- * out (a warning says so) and the process can exit with its error. Collective over the MPI
- * communicator.
+ * then the last sg_comm_destroy finalizes it. After a communication failure it does so only if
+ * every peer reaches that point within 10 s (MPI_Finalize would wait for a peer that is gone);
+ * otherwise it is left out with a warning and the process can exit with its error. Collective
+ * over the MPI communicator.
  * SG_ERR_UNSUPPORTED when built without MPI. */
 SG_API sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out);
 

@@ -23,6 +23,7 @@
 #include <sched.h>   /* sched_yield */
 #include <stdlib.h>  /* calloc, free */
 #include <string.h>  /* memcpy */
+#include <time.h>    /* nanosleep: polling the exit barrier */
 
 #include "sg_coll.h"  /* the algorithms, the transport interface */
 #include "sg_comm.h"  /* sg_comm, sg__comm_ops, sg__comm_fail */
@@ -225,12 +226,32 @@ static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, in
 
 /* ---- lifetime ------------------------------------------------------------------------------- */
 
-/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet,
- * unless a communicator failed: MPI_Finalize then waits for the peers (Open MPI's fence
- * through its runtime), and a peer that is gone, or a link that is down, would hold the caller
- * in it for good (measured on the simulated cluster, tests/fault_matrix.sh: until the link came
- * back). The process has an error to report anyway; mpirun will say it did not finalize. */
-static int g_mpi_failed; /* under g_mpi_mu: a destroyed communicator was broken */
+/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet.
+ * After a communicator failed, MPI_Finalize may never return: it waits for every peer (Open
+ * MPI's fence through its runtime), and a peer that is gone or a link that is down would hold
+ * the caller there (measured on the simulated cluster, tests/fault_matrix.sh: until the link
+ * came back; forever after a kill -9). So a process that saw a failure first asks whether
+ * every peer got here too: a nonblocking barrier on a communicator of our own that no failure
+ * touched, polled for SG__MPI_FINALIZE_WAIT_MS. Completed (every rank failed the same way and
+ * is shutting down, as after a timeout with all peers alive): finalize as usual. Not
+ * completed: leave MPI_Finalize out with a warning; the process exits with its error and mpirun
+ * reports it. */
+#define SG__MPI_FINALIZE_WAIT_MS 10000
+static int g_mpi_failed;                   /* under g_mpi_mu: a destroyed communicator was broken */
+static MPI_Comm g_mpi_exit = MPI_COMM_NULL; /* under g_mpi_mu: for the barrier above */
+
+static int peers_at_exit(void) {
+  MPI_Request rq = MPI_REQUEST_NULL;
+  if (g_mpi_exit == MPI_COMM_NULL || MPI_Ibarrier(g_mpi_exit, &rq) != MPI_SUCCESS) return 0;
+  const int64_t dl = sg__deadline(SG__MPI_FINALIZE_WAIT_MS);
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return 0;
+    if (done) return 1;
+    if (sg__now_ms() > dl) return 0;
+    nanosleep(&(struct timespec){0, 1000000L}, NULL);
+  }
+}
 
 static void release_mpi(int broken) {
   pthread_mutex_lock(&g_mpi_mu);
@@ -238,11 +259,15 @@ static void release_mpi(int broken) {
   if (--g_mpi_live == 0 && g_mpi_we_init) {
     int fin = 1;
     MPI_Finalized(&fin);
-    if (!fin && g_mpi_failed)
-      SG_LOG(SG_LOG_WARN, -1, "sg_comm_destroy: MPI_Finalize not called after a communication "
-             "failure (it would wait for peers that may be gone)");
-    else if (!fin)
+    if (!fin && g_mpi_failed && !peers_at_exit()) {
+      SG_LOG(SG_LOG_WARN, -1, "sg_comm_destroy: MPI_Finalize left out: after a communication "
+             "failure not every peer reached it within %d s (it would wait for them)",
+             SG__MPI_FINALIZE_WAIT_MS / 1000);
+    } else if (!fin) {
+      if (g_mpi_exit != MPI_COMM_NULL) MPI_Comm_free(&g_mpi_exit);
       MPI_Finalize();
+    }
+    g_mpi_exit = MPI_COMM_NULL;
     g_mpi_we_init = 0;
   }
   pthread_mutex_unlock(&g_mpi_mu);
@@ -394,6 +419,9 @@ static sg_status acquire_mpi(int *provided) {
       st = sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: MPI_Init_thread failed (%d)", fn, rc);
     else
       g_mpi_we_init = 1;
+    /* collective like this call: the communicator of release_mpi's exit barrier */
+    if (rc == MPI_SUCCESS && MPI_Comm_dup(MPI_COMM_WORLD, &g_mpi_exit) != MPI_SUCCESS)
+      g_mpi_exit = MPI_COMM_NULL;
   } else {
     MPI_Query_thread(provided);
   }
