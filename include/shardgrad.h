@@ -98,7 +98,10 @@ SG_API sg_status sg_comm_create_local(int world, sg_comm **comms);
 
 /* One rank per process over MPI. `mpi_comm` points to an MPI_Comm (NULL: MPI_COMM_WORLD); the
  * library duplicates it. Initializes MPI (MPI_THREAD_MULTIPLE requested) when the caller has not;
- * then the last sg_comm_destroy finalizes it. Collective over the MPI communicator.
+ * then the last sg_comm_destroy finalizes it. After a communication failure it does so only if
+ * every peer reaches that point within 10 s (MPI_Finalize would wait for a peer that is gone);
+ * otherwise it is left out with a warning and the process can exit with its error. Collective
+ * over the MPI communicator.
  * SG_ERR_UNSUPPORTED when built without MPI. */
 SG_API sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out);
 
@@ -161,7 +164,10 @@ SG_API sg_status sg_xport_done(void *token, int error, size_t bytes, const char 
 /* Rank and size, or -1 for NULL. */
 SG_API int sg_comm_rank(const sg_comm *c);
 SG_API int sg_comm_size(const sg_comm *c);
-/* NULL is fine. Must not be called while an engine still uses the communicator. */
+/* NULL is fine. Engines and their communicators may be destroyed in either order: a
+ * communicator that engines still use is freed with the last of them (sg_engine_destroy; for
+ * MPI that is where the library's MPI_Finalize then happens). The handle is dead for the
+ * caller from this call on: a new engine or split on it is SG_ERR_INVALID_STATE. */
 SG_API void sg_comm_destroy(sg_comm *c);
 
 /* Collective over c, like MPI_Comm_split: the ranks passing the same color >= 0 form a new
@@ -313,7 +319,11 @@ SG_API sg_status sg_engine_create_hybrid(sg_comm *shard, sg_comm *replica, const
                                          sg_engine **out);
 
 /* Registers a parameter before sg_finalize. Names are unique, 1..255 bytes; numel >= 1.
- * *id receives the dense id 0..n-1 in registration order. */
+ * *id receives the dense id 0..n-1 in registration order. Each parameter starts at a multiple
+ * of 64 elements in the flat buffers, so one of n elements costs what ceil(n/64)*64 do in every
+ * buffer (a one-element parameter as much as 64: 10^6 of them take ~1.1 GB at W=1, f32, where
+ * 10^6 elements in one parameter take 24 MB); sg_estimate_memory counts it. Concatenate many
+ * tiny tensors into one parameter where that matters. */
 SG_API sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t flags,
                               int *id);
 

@@ -14,6 +14,12 @@ if(NOT SG_SANITIZE)
                 ${CMAKE_SOURCE_DIR}/python/tests/test_binding.py)
       set_tests_properties(python_binding PROPERTIES TIMEOUT 300 LABELS python
         ENVIRONMENT "SHARDGRAD_LIBRARY=$<TARGET_FILE:shardgrad>;PYTHONPATH=${CMAKE_SOURCE_DIR}/python")
+      # multiprocessing (fork) after training: children must not hang in OpenMP (issue 30)
+      add_test(NAME python_fork
+        COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider
+                ${CMAKE_SOURCE_DIR}/python/tests/test_fork.py)
+      set_tests_properties(python_fork PROPERTIES TIMEOUT 180 LABELS python
+        ENVIRONMENT "SHARDGRAD_LIBRARY=$<TARGET_FILE:shardgrad>;PYTHONPATH=${CMAKE_SOURCE_DIR}/python")
     else()
       message(STATUS "python_binding test skipped: python3 lacks numpy or pytest")
     endif()

@@ -42,6 +42,8 @@
 #endif
 #if defined(_OPENMP) && !defined(SG_CPU_TSAN)
 #include <omp.h>
+#include <pthread.h>     /* pthread_atfork, pthread_once: fork safety */
+#include <stdatomic.h>   /* the forked mark */
 #define SG_CPU_OMP 1
 #endif
 #define SG_CPU_PAR_MIN ((size_t)65536)
@@ -87,12 +89,34 @@
 
 /* ---- threads ----------------------------------------------------------------------------- */
 
+#ifdef SG_CPU_OMP
+/* Fork safety. libgomp's worker threads are not copied by fork(), but its pool records them,
+ * so a forked child's first parallel region waits for them forever (a child that saves a
+ * checkpoint, a multiprocessing or DataLoader worker). A child handler marks the process, and
+ * from then on every loop runs on the calling thread alone (the `if (nt > 1)` of each region:
+ * a region with one thread never touches the pool). Same bits: no result depends on the thread
+ * count. Registered when the library is loaded, and again (once) at the first loop, for
+ * toolchains without constructors. */
+static atomic_int g_forked;
+static pthread_once_t g_fork_once = PTHREAD_ONCE_INIT;
+
+static void on_fork_child(void) { atomic_store_explicit(&g_forked, 1, memory_order_relaxed); }
+static void register_fork_handler(void) { (void)pthread_atfork(NULL, NULL, on_fork_child); }
+#if defined(__GNUC__)
+__attribute__((constructor)) static void fork_handler_at_load(void) {
+  pthread_once(&g_fork_once, register_fork_handler);
+}
+#endif
+#endif
+
 /* OpenMP's own count (OMP_NUM_THREADS, omp_set_num_threads, or the CPUs it saw at start-up),
  * capped by the CPUs the calling thread may run on now: a launcher (mpirun, taskset, a
  * framework) may narrow the mask after OpenMP started, and a memory-bound loop split over
- * more threads than CPUs only waits for its slowest share. */
+ * more threads than CPUs only waits for its slowest share. 1 in a forked child (above). */
 int sg__cpu_threads(void) {
 #ifdef SG_CPU_OMP
+  pthread_once(&g_fork_once, register_fork_handler);
+  if (atomic_load_explicit(&g_forked, memory_order_relaxed)) return 1;
   int n = omp_get_max_threads();
 #ifdef __linux__
   cpu_set_t set;

@@ -44,7 +44,7 @@ void sg__cpu_sumsq_gpu_combine(const double *ss, const double *nf, size_t nq, do
 void sg__cpu_fold_sumsq_gpu(void *acc, int acc_dtype, const void *src, int src_dtype, size_t n,
                             int first, double *ss, double *nf);
 /* Threads of the parallel loops: OpenMP's count (OMP_NUM_THREADS, omp_set_num_threads) capped
- * by the CPUs in the calling thread's affinity mask; 1 without OpenMP. */
+ * by the CPUs in the calling thread's affinity mask; 1 without OpenMP and in a forked child. */
 int sg__cpu_threads(void);
 /* dst[i] = round(sum_k srcs[k][i]) with fp32 sums in k order (f64 dtype 3: double sums);
  * dst may alias any src */

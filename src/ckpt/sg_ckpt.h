@@ -183,17 +183,21 @@ sg_status sg__ck_write_at(int fd, const void *buf, size_t n, uint64_t off, const
 /* Reads exactly n bytes at off; a short file is SG_ERR_CORRUPT ("truncated"). */
 sg_status sg__ck_read_at(int fd, void *buf, size_t n, uint64_t off, const char *path);
 /* Opens a regular file for reading (anything else is refused without blocking: a FIFO's
- * open would wait for a writer). */
-sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes);
-/* Creates or truncates a regular file for writing (O_CREAT | O_TRUNC, 0644); a FIFO or device
- * under that name is refused without blocking. */
+ * open would wait for a writer). follow 0: a symbolic link is refused too (files inside a
+ * checkpoint directory); 1: the caller's own path (sg_import), followed as given. */
+sg_status sg__ck_open_read(const char *path, int follow, int *fd, uint64_t *bytes);
+/* Creates a temporary as a new regular file (0644) through sg__file_create: never through a
+ * symbolic link; a stale regular file under the name is replaced, anything else there refused
+ * (SG_ERR_IO saying what it is). */
 sg_status sg__ck_open_write(const char *path, int *fd);
 sg_status sg__ck_fsync_close(int fd, const char *path);
 sg_status sg__ck_fsync_dir(const char *dir);
 sg_status sg__ck_rename(const char *from, const char *to);
-/* Whole small file (manifest, safetensors header) into memory, at most max bytes. */
+/* Whole small file of a checkpoint directory (the manifest) into memory, at most max bytes;
+ * a symbolic link is refused. */
 sg_status sg__ck_read_file(const char *path, size_t max, uint8_t **out, size_t *len);
-/* Writes a whole buffer to path via path.tmp, fsync, rename, directory fsync. */
+/* Writes a whole buffer to dir/name via dir/tmp_name (a new file), fsync, rename, directory
+ * fsync. */
 sg_status sg__ck_write_atomic(const char *dir, const char *name, const char *tmp_name,
                               const uint8_t *buf, size_t len);
 /* mkdir if missing; SG_ERR_IO if it is not a directory or cannot be made. */

@@ -76,9 +76,16 @@ sg_status sg__ck_read_at(int fd, void *buf, size_t n, uint64_t off, const char *
 }
 
 /* O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer before the regular-file
- * check below has refused it; for regular files the flag changes nothing, and it is cleared. */
-sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes) {
-  *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+ * check below has refused it; for regular files the flag changes nothing, and it is cleared.
+ * O_NOFOLLOW inside a checkpoint directory: a link planted there must not make a load read
+ * (and report about) a file the checkpoint never had. */
+sg_status sg__ck_open_read(const char *path, int follow, int *fd, uint64_t *bytes) {
+  *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | (follow ? 0 : O_NOFOLLOW));
+  if (*fd < 0 && errno == ELOOP && !follow)
+    return sg__err(SG_ERR_IO,
+                   "'%s' is a symbolic link: links inside a checkpoint directory are never "
+                   "followed (copy the file there instead)",
+                   path);
   if (*fd < 0) return IO_FAIL("cannot open", path);
   struct stat s;
   if (fstat(*fd, &s) != 0) {
@@ -98,24 +105,19 @@ sg_status sg__ck_open_read(const char *path, int *fd, uint64_t *bytes) {
   return SG_OK;
 }
 
-/* As for reading: a FIFO planted under a temporary name fails at once (ENXIO without a reader)
- * or at the regular-file check, instead of blocking or feeding the file to another process. */
+/* A new file (sg__file_create): whatever is planted under a temporary's name is never written
+ * through, and a FIFO there fails at once instead of blocking. */
 sg_status sg__ck_open_write(const char *path, int *fd) {
-  *fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
-  if (*fd < 0) return IO_FAIL("cannot create", path);
-  struct stat s;
-  sg_status st = SG_OK;
-  if (fstat(*fd, &s) != 0)
-    st = IO_FAIL("cannot stat", path);
-  else if (!S_ISREG(s.st_mode))
-    st = sg__err(SG_ERR_IO, "cannot create '%s': it exists and is not a regular file", path);
-  if (st != SG_OK) {
-    close(*fd);
-    *fd = -1;
-    return st;
+  int stale = 0;
+  const int err = sg__file_create(path, 0644, fd, &stale);
+  if (stale) SG_LOG(SG_LOG_INFO, -1, "removed the stale temporary '%s' (an interrupted write)", path);
+  if (err == EEXIST)
+    return sg__err(SG_ERR_IO, "cannot create the temporary '%s': %s", path,
+                   sg__file_exists_why(path));
+  if (err) {
+    errno = err;
+    return IO_FAIL("cannot create", path);
   }
-  const int fl = fcntl(*fd, F_GETFL);
-  if (fl != -1) (void)fcntl(*fd, F_SETFL, fl & ~O_NONBLOCK);
   return SG_OK;
 }
 
@@ -153,7 +155,7 @@ sg_status sg__ck_read_file(const char *path, size_t max, uint8_t **out, size_t *
   *len = 0;
   int fd = -1;
   uint64_t bytes = 0;
-  SG_TRY(sg__ck_open_read(path, &fd, &bytes));
+  SG_TRY(sg__ck_open_read(path, 0, &fd, &bytes));
   sg_status st = SG_OK;
   if (bytes > max) {
     st = sg__err(SG_ERR_CORRUPT,

@@ -304,7 +304,7 @@ static sg_status read_rank_file(load_ctx *c, uint32_t r, size_t q0, size_t q1) {
   sg__ck_header h = {0};
   creader rd = {-1, path, &h, NULL, NULL, 0, NULL};
   sg_status st;
-  SG_TRY_GOTO(sg__ck_open_read(path, &fd, &bytes), st, done);
+  SG_TRY_GOTO(sg__ck_open_read(path, 0, &fd, &bytes), st, done);
   rd.fd = fd;
   if (bytes != f->bytes) {
     st =

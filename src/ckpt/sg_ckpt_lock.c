@@ -144,7 +144,8 @@ static int owner_gone(const owner *o, const owner *self) {
  * or -1 with errno when it cannot be read. Sets no error text (release must keep a failed
  * save's message). */
 static int read_lock(const char *path, char *buf, size_t n) {
-  const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  /* O_NOFOLLOW: a link planted as the lock must not show another file's text in our message */
+  const int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return errno == ENOENT ? 0 : -1;
   struct stat s;
   ssize_t len = -1;
@@ -246,7 +247,8 @@ sg_status sg__ck_lock_acquire(const char *dir, sg__ck_lock *l) {
     const int got = read_lock(l->path, seen, sizeof seen);
     if (got < 0)
       return sg__err(SG_ERR_IO, "cannot read the lock '%s': %s", l->path,
-                     sg__ck_errstr(errno, eb, sizeof eb));
+                     errno == ELOOP ? "it is a symbolic link (never followed); remove it"
+                                    : sg__ck_errstr(errno, eb, sizeof eb));
     if (got == 0) continue; /* released meanwhile */
     owner o;
     const int parsed = parse_owner(seen, &o);

@@ -33,7 +33,7 @@ static uint64_t manifest_generation(const char *dir) {
   uint8_t buf[32];
   uint64_t gen = 0, bytes = 0;
   int fd = -1;
-  if (sg__ck_open_read(path, &fd, &bytes) == SG_OK) {
+  if (sg__ck_open_read(path, 0, &fd, &bytes) == SG_OK) {
     if (bytes >= sizeof buf && sg__ck_read_at(fd, buf, sizeof buf, 0, path) == SG_OK)
       gen = sg__ck_manifest_peek_generation(buf, sizeof buf);
     close(fd);

@@ -234,7 +234,7 @@ static void import_free(importer *im) {
 
 static sg_status import_header(importer *im) {
   uint64_t bytes = 0;
-  SG_TRY(sg__ck_open_read(im->path, &im->fd, &bytes));
+  SG_TRY(sg__ck_open_read(im->path, 1, &im->fd, &bytes));
   uint8_t n8[8];
   if (bytes < 8) return sg__err(SG_ERR_CORRUPT, "'%s' is too short for safetensors", im->path);
   SG_TRY(sg__ck_read_at(im->fd, n8, 8, 0, im->path));

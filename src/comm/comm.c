@@ -13,20 +13,32 @@ int sg_comm_size(const sg_comm *c) { return c ? c->world : -1; }
 /* Channel counts of every communicator: engines may be created and destroyed on any thread. */
 static pthread_mutex_t g_bind_mu = PTHREAD_MUTEX_INITIALIZER;
 
-/* Destroying a communicator that an engine still holds would leave the engine with a dangling
- * channel (its comm worker may be inside a collective right now). We choose to refuse: log a
- * warning and leave the communicator alive (a leak, never a use-after-free). The caller can
- * destroy it again after sg_engine_destroy. */
+/* Destroying a communicator that an engine still holds cannot free it at once (the engine's
+ * channel, maybe inside a collective on its comm worker right now, refers to it). So the free
+ * is deferred: the communicator is marked destroyed (no new engine or split may use it) and
+ * the last sg__comm_unbind, in the last such engine's sg_engine_destroy, frees it. Either
+ * order of destroying engines and communicators then frees everything, and for MPI the last
+ * free still finalizes MPI (an MPI program that destroyed its communicator first no longer
+ * leaks it and exits without MPI_Finalize). */
 void sg_comm_destroy(sg_comm *c) {
   if (!c) return;
+  if (c->parent) {
+    SG_LOG(SG_LOG_WARN, c->rank, "sg_comm_destroy: an engine's channel, not a communicator: "
+           "not destroyed");
+    return;
+  }
   pthread_mutex_lock(&g_bind_mu);
-  const int bound = c->nbound;
+  const int bound = c->nbound, again = c->destroyed;
+  c->destroyed = 1;
   pthread_mutex_unlock(&g_bind_mu);
-  if (bound > 0 || c->parent) {
-    SG_LOG(SG_LOG_WARN, c->rank,
-           "sg_comm_destroy: communicator (rank %d of %d) is still used by %d engine(s); not "
-           "destroyed (destroy the engines first)",
-           c->rank, c->world, bound > 0 ? bound : 1);
+  if (again) {
+    SG_LOG(SG_LOG_WARN, c->rank, "sg_comm_destroy: communicator already destroyed (its free "
+           "waits for %d engine(s))", bound);
+    return;
+  }
+  if (bound > 0) {
+    SG_LOG(SG_LOG_INFO, c->rank, "sg_comm_destroy: communicator (rank %d of %d) still used by "
+           "%d engine(s): freed with the last of them", c->rank, c->world, bound);
     return;
   }
   if (c->ops && c->ops->destroy) c->ops->destroy(c);
@@ -43,7 +55,7 @@ sg_status sg__comm_bind(sg_comm *c, sg__device *dev, int timeout_ms, sg_comm **c
     return sg__err(SG_ERR_UNSUPPORTED, "%s: the %s communicator has no channels", fn, c->ops->name);
   /* Indices advance even when a bind fails, so that ranks keep meeting at the same index. */
   pthread_mutex_lock(&g_bind_mu);
-  const int broken = c->broken;
+  const int broken = c->broken || c->destroyed;
   const uint64_t index = broken ? 0 : c->nbinds++;
   pthread_mutex_unlock(&g_bind_mu);
   if (broken) return sg__comm_usable(c, fn);
@@ -67,7 +79,9 @@ void sg__comm_unbind(sg_comm *chan) {
   pthread_mutex_lock(&g_bind_mu);
   c->nbound--;
   if (broken) c->broken = 1;
+  const int last = c->nbound == 0 && c->destroyed;
   pthread_mutex_unlock(&g_bind_mu);
+  if (last && c->ops && c->ops->destroy) c->ops->destroy(c); /* sg_comm_destroy came first */
 }
 
 void sg__comm_set_scratch(sg_comm *chan, void *scratch, size_t bytes) {
@@ -106,6 +120,11 @@ sg_status sg__comm_fail(sg_comm *c, sg_status st, const char *fn, const char *fm
 sg_status sg__comm_usable(sg_comm *c, const char *fn) {
   if (!c) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm is NULL", fn);
   if (!c->ops) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: comm has no backend", fn);
+  if (c->destroyed)
+    return sg__err(SG_ERR_INVALID_STATE,
+                   "%s: communicator (rank %d of %d) was destroyed (sg_comm_destroy); the engines "
+                   "that use it keep it until they are destroyed, nothing new may",
+                   fn, c->rank, c->world);
   if (c->broken)
     return sg__err(SG_ERR_COMM,
                    "%s: communicator (rank %d of %d) is broken by an earlier failure; create a "

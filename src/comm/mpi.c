@@ -23,6 +23,7 @@
 #include <sched.h>   /* sched_yield */
 #include <stdlib.h>  /* calloc, free */
 #include <string.h>  /* memcpy */
+#include <time.h>    /* nanosleep: polling the exit barrier */
 
 #include "sg_coll.h"  /* the algorithms, the transport interface */
 #include "sg_comm.h"  /* sg_comm, sg__comm_ops, sg__comm_fail */
@@ -225,13 +226,48 @@ static sg_status mpi_broadcast(sg_comm *c, void *buf, size_t bytes, int root, in
 
 /* ---- lifetime ------------------------------------------------------------------------------- */
 
-/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet. */
-static void release_mpi(void) {
+/* The last destroy finalizes MPI if this library initialized it and nobody finalized it yet.
+ * After a communicator failed, MPI_Finalize may never return: it waits for every peer (Open
+ * MPI's fence through its runtime), and a peer that is gone or a link that is down would hold
+ * the caller there (measured on the simulated cluster, tests/fault_matrix.sh: until the link
+ * came back; forever after a kill -9). So a process that saw a failure first asks whether
+ * every peer got here too: a nonblocking barrier on a communicator of our own that no failure
+ * touched, polled for SG__MPI_FINALIZE_WAIT_MS. Completed (every rank failed the same way and
+ * is shutting down, as after a timeout with all peers alive): finalize as usual. Not
+ * completed: leave MPI_Finalize out with a warning; the process exits with its error and mpirun
+ * reports it. */
+#define SG__MPI_FINALIZE_WAIT_MS 10000
+static int g_mpi_failed;                   /* under g_mpi_mu: a destroyed communicator was broken */
+static MPI_Comm g_mpi_exit = MPI_COMM_NULL; /* under g_mpi_mu: for the barrier above */
+
+static int peers_at_exit(void) {
+  MPI_Request rq = MPI_REQUEST_NULL;
+  if (g_mpi_exit == MPI_COMM_NULL || MPI_Ibarrier(g_mpi_exit, &rq) != MPI_SUCCESS) return 0;
+  const int64_t dl = sg__deadline(SG__MPI_FINALIZE_WAIT_MS);
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(&rq, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return 0;
+    if (done) return 1;
+    if (sg__now_ms() > dl) return 0;
+    nanosleep(&(struct timespec){0, 1000000L}, NULL);
+  }
+}
+
+static void release_mpi(int broken) {
   pthread_mutex_lock(&g_mpi_mu);
+  if (broken) g_mpi_failed = 1;
   if (--g_mpi_live == 0 && g_mpi_we_init) {
     int fin = 1;
     MPI_Finalized(&fin);
-    if (!fin) MPI_Finalize();
+    if (!fin && g_mpi_failed && !peers_at_exit()) {
+      SG_LOG(SG_LOG_WARN, -1, "sg_comm_destroy: MPI_Finalize left out: after a communication "
+             "failure not every peer reached it within %d s (it would wait for them)",
+             SG__MPI_FINALIZE_WAIT_MS / 1000);
+    } else if (!fin) {
+      if (g_mpi_exit != MPI_COMM_NULL) MPI_Comm_free(&g_mpi_exit);
+      MPI_Finalize();
+    }
+    g_mpi_exit = MPI_COMM_NULL;
     g_mpi_we_init = 0;
   }
   pthread_mutex_unlock(&g_mpi_mu);
@@ -248,8 +284,9 @@ static void free_mcomm(mcomm *m) {
 }
 
 static void mpi_destroy(sg_comm *c) {
+  const int broken = c->broken;
   free_mcomm(mc(c));
-  release_mpi();
+  release_mpi(broken);
 }
 
 /* The bound device is going away: its pinned memory goes back first. */
@@ -382,6 +419,9 @@ static sg_status acquire_mpi(int *provided) {
       st = sg__err_at(SG_ERR_COMM, __FILE__, __LINE__, "%s: MPI_Init_thread failed (%d)", fn, rc);
     else
       g_mpi_we_init = 1;
+    /* collective like this call: the communicator of release_mpi's exit barrier */
+    if (rc == MPI_SUCCESS && MPI_Comm_dup(MPI_COMM_WORLD, &g_mpi_exit) != MPI_SUCCESS)
+      g_mpi_exit = MPI_COMM_NULL;
   } else {
     MPI_Query_thread(provided);
   }
@@ -412,7 +452,7 @@ sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
   SG_TRY(acquire_mpi(&provided));
   mcomm *m = calloc(1, sizeof *m);
   if (!m) {
-    release_mpi();
+    release_mpi(0);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
   m->c.ops = &mpi_ops;
@@ -427,7 +467,7 @@ sg_status sg_comm_create_mpi(const void *mpi_comm, sg_comm **out) {
     if (m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
     sg__coll_free(&m->coll);
     free(m);
-    release_mpi();
+    release_mpi(0);
     return st;
   }
   if (!m->c.threaded)

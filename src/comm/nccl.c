@@ -156,10 +156,12 @@ sg_status sg__nccl_id_file_write(const char *path, const void *id128, int world)
   if (!tmp) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: path buffer", fn);
   snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
   sg_status st = SG_OK;
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) {
+  /* A new file: never written through a link planted on the shared file system. */
+  int fd = -1;
+  const int cerr = sg__file_create(tmp, 0600, &fd, NULL);
+  if (cerr) {
     st = sg__err_at(SG_ERR_IO, __FILE__, __LINE__, "%s: cannot create %s: %s", fn, tmp,
-                    strerror(errno));
+                    cerr == EEXIST ? sg__file_exists_why(tmp) : strerror(cerr));
     goto done;
   }
   int bad = sg__nccl_write_all(fd, rec, sizeof rec) != 0 || fsync(fd) != 0;

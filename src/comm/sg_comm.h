@@ -30,7 +30,8 @@
  * memory) and attached to that device's comm queue (sg__device_ops.comm_attach) at bind time,
  * so the device knows how to run its jobs before the first one. The engine gives it scratch
  * (sg__comm_set_scratch) and unbinds it (sg__comm_unbind) once its comm queue is drained and
- * before the device goes away. A communicator with channels alive is not destroyed. */
+ * before the device goes away. sg_comm_destroy of a communicator with channels alive marks it
+ * destroyed (nothing new binds or splits it) and the last unbind frees it. */
 /* Where reduce_scatter_fold puts this rank's reduced slice: folded into the accumulator acc
  * (host memory, acc_dtype) as the engine's fold of a reduced bucket does, a copy when first
  * (sg__cpu_cast's bits), else acc + slice (sg__cpu_accumulate's). */
@@ -92,6 +93,8 @@ struct sg_comm {
                            attaches host-driven (local, MPI, a caller's transport) */
   sg_comm *parent;      /* a channel: the communicator it was bound from; NULL otherwise */
   int nbound;           /* a communicator: its channels alive (comm.c, under its lock) */
+  int destroyed;        /* a communicator: sg_comm_destroy was called; freed when nbound is 0
+                           (comm.c, under its lock) */
   uint64_t nbinds;      /* a communicator: channels made so far, the next channel's index */
   sg__device *dev;      /* a channel: its device; NULL: host buffers */
   void *scratch;        /* a channel: engine-provided scratch (device memory), scratch_bytes */

@@ -72,6 +72,14 @@ int sg__env_on(_Atomic int *cache, const char *name);
  * does not fit. File names of SG_LOG_FILE, SG_TRACE and sg_trace_write. */
 int sg__path_for_rank(const char *pattern, int rank, char *out, size_t cap);
 
+/* Creates path as a new regular file for writing (sg_file.c): never through a symbolic link
+ * or onto anything that exists. A regular file already under the name (a crashed writer's
+ * temporary) is removed first (*removed_stale = 1; may be NULL); anything else is refused.
+ * 0 with *fd open, or an errno value: EEXIST when something other than a stale regular file
+ * holds the name (sg__file_exists_why(path) says what). */
+int sg__file_create(const char *path, int mode, int *fd, int *removed_stale);
+const char *sg__file_exists_why(const char *path);
+
 /* Hashing (FNV-1a 64) for plan and config agreement across ranks. */
 uint64_t sg__hash_bytes(uint64_t h, const void *p, size_t n);
 #define SG__HASH_INIT 0xcbf29ce484222325ull

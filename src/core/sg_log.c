@@ -43,7 +43,13 @@ static int sg__log_parse_level(const char *s) {
   return SG_LOG_WARN; /* "warn" and anything unknown: the quiet default */
 }
 
+/* fork() while another thread writes a line: the child gets the mutex locked by a thread it
+ * does not have. Held across the fork, released on both sides. */
+static void sg__log_fork_lock(void) { pthread_mutex_lock(&sg__log_mu); }
+static void sg__log_fork_unlock(void) { pthread_mutex_unlock(&sg__log_mu); }
+
 static void sg__log_init(void) {
+  (void)pthread_atfork(sg__log_fork_lock, sg__log_fork_unlock, sg__log_fork_unlock);
   sg__log_level_cur = sg__log_parse_level(getenv("SG_LOG"));
   const char *path = getenv("SG_LOG_FILE");
   if (path && path[0] && strlen(path) < sizeof sg__log_pattern) {

@@ -154,6 +154,11 @@ static void cpu_comm_detach(sg__device *d) {
   cd->attached = 0;
 }
 
+static sg_status cpu_comm_start(sg__device *d) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "comm_start: NULL device");
+  return sg__jobq_start(&as_cpu(d)->q, "comm_start");
+}
+
 /* Before SG_Q_COMM work issued outside a job: let every submitted job finish first. */
 static sg_status enter_queue(sg__device *d, sg__queue q, const char *fn) {
   if (q != SG_Q_COMPUTE && q != SG_Q_COMM)
@@ -405,6 +410,7 @@ static const sg__device_ops cpu_ops = {
     .compute_wait_comm = cpu_compute_wait_comm,
     .comm_attach = cpu_comm_attach,
     .comm_detach = cpu_comm_detach,
+    .comm_start = cpu_comm_start,
     .sync = cpu_sync,
     .set_stream = cpu_set_stream,
     .marks_create = cpu_marks_create,

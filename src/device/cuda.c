@@ -929,6 +929,12 @@ static void sg__cudev_comm_detach(sg__device *dev) {
   if (left == 0) sg__jobq_set_threaded(&d->q, 1);
 }
 
+static sg_status sg__cudev_comm_start(sg__device *dev) {
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda.comm_start: NULL device");
+  return sg__jobq_start(&d->q, "sg__device_cuda.comm_start");
+}
+
 /* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for; else
  * *wait_for is the ticket to wait for (the one now in the ticket's ring slot: a later one waits
  * longer, since jobs complete in ticket order) and *host says whether it is host-driven. */
@@ -1138,6 +1144,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_destroy,
     NULL, /* alloc_zeroed: alloc, then zero */
     NULL, /* zero_release: zero (device memory stays allocated) */
+    sg__cudev_comm_start,
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

@@ -134,6 +134,11 @@ typedef struct sg__device_ops {
    * read as zeros). CPU: madvise(MADV_DONTNEED), so staging buffers and the gradient
    * accumulator between steps cost no RSS. */
   sg_status (*zero_release)(sg__device *d, sg__queue q, void *dst, size_t bytes);
+  /* Starts the thread that runs host-driven comm jobs now rather than with the first job
+   * (sg__jobq_start): SG_ERR_OUT_OF_MEMORY when it cannot start, and the jobs then run inline
+   * on the caller, so that the caller still reaches the collective that tells every rank.
+   * SG_OK where jobs run inline anyway (stream-ordered, or not threaded). */
+  sg_status (*comm_start)(sg__device *d);
 } sg__device_ops;
 
 struct sg__device {

@@ -3,9 +3,11 @@
 
 #include "sg_jobq.h"
 
-#include <errno.h>  /* ETIMEDOUT */
-#include <stdlib.h> /* malloc, free */
-#include <string.h> /* memcpy, strlen */
+#include <errno.h>     /* ETIMEDOUT, EAGAIN */
+#include <stdatomic.h> /* the test hook's counter */
+#include <stdio.h>     /* snprintf */
+#include <stdlib.h>    /* malloc, free */
+#include <string.h>    /* memcpy, strlen, strerror_r */
 #include <time.h>   /* struct timespec */
 
 /* The queue whose job the calling thread is running (worker or inline); NULL outside jobs. */
@@ -162,18 +164,52 @@ void sg__jobq_set_threaded(sg__jobq *q, int threaded) {
   if (!threaded && q->completed < q->submitted && sg__jobq_cur != q)
     (void)wait_locked(q, q->submitted, INT64_MAX, "sg__jobq_set_threaded");
   q->threaded = threaded != 0;
+  q->start_failed = 0;
   pthread_mutex_unlock(&q->mu);
 }
 
-/* Starts the worker on first use; lock held. */
-static sg_status start_worker_locked(sg__jobq *q) {
+/* Test hook (sg__jobq_fail_start_after): starts left before one fails; -1: none. */
+static atomic_int g_fail_start_left = -1;
+
+void sg__jobq_fail_start_after(int n) { atomic_store(&g_fail_start_left, n < 0 ? -1 : n); }
+
+static int create_worker(sg__jobq *q) {
+  int left = atomic_load(&g_fail_start_left);
+  while (left >= 0)
+    if (atomic_compare_exchange_weak(&g_fail_start_left, &left, left - 1)) {
+      if (left == 0) return EAGAIN;
+      break;
+    }
+  return pthread_create(&q->worker, NULL, worker_main, q);
+}
+
+/* Starts the worker if it is not running; lock held. A thread that cannot start is the
+ * process's thread or address-space limit (EAGAIN; ulimit -u, -v) or memory: out of memory,
+ * not a bug. */
+static sg_status start_worker_locked(sg__jobq *q, const char *fn) {
   if (q->worker_started) return SG_OK;
-  const int rc = pthread_create(&q->worker, NULL, worker_main, q);
-  if (rc != 0)
-    return sg__err_at(SG_ERR_INTERNAL, __FILE__, __LINE__,
-                      "comm_submit: cannot start the comm worker thread (%d)", rc);
+  const int rc = create_worker(q);
+  if (rc != 0) {
+    char why[128];
+    if (strerror_r(rc, why, sizeof why) != 0) snprintf(why, sizeof why, "errno %d", rc);
+    return sg__err_at(SG_ERR_OUT_OF_MEMORY, __FILE__, __LINE__,
+                      "%s: cannot start the comm worker thread: %s (the process's limit on "
+                      "threads or address space, ulimit -u / -v, or memory)",
+                      fn, why);
+  }
   q->worker_started = 1;
   return SG_OK;
+}
+
+sg_status sg__jobq_start(sg__jobq *q, const char *fn) {
+  pthread_mutex_lock(&q->mu);
+  if (q->start_failed) q->threaded = 1; /* the mode asked for before the last failure */
+  sg_status st = q->threaded ? start_worker_locked(q, fn) : SG_OK;
+  q->start_failed = st != SG_OK;
+  /* nothing can be queued on a worker that never started: inline from here on is safe */
+  if (st != SG_OK) q->threaded = 0;
+  pthread_mutex_unlock(&q->mu);
+  return st;
 }
 
 static sg_status submit_inline(sg__jobq *q, sg__jobq_fn fn, void (*drop)(void *), void *arg,
@@ -199,7 +235,7 @@ static sg_status submit_inline(sg__jobq *q, sg__jobq_fn fn, void (*drop)(void *)
 
 static sg_status submit_worker(sg__jobq *q, sg__jobq_item *j, uint64_t *ticket) {
   const uint64_t t = q->submitted + 1;
-  sg_status st = start_worker_locked(q);
+  sg_status st = start_worker_locked(q, "comm_submit");
   if (st == SG_OK && q->ops && q->ops->mark) st = q->ops->mark(q->ctx, t, 1);
   if (st == SG_OK) {
     j->ticket = q->submitted = t;

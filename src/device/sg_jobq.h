@@ -50,6 +50,7 @@ typedef struct sg__jobq {
   int threaded;     /* 1: jobs go to the worker (started by the first one) */
   pthread_t worker;
   int worker_started, stopping;
+  int start_failed; /* sg__jobq_start could not start the worker: inline until it can */
   sg__jobq_item *head, *tail;
   uint64_t submitted, completed; /* job t is done when completed >= t */
   sg_status failed;              /* first failure; SG_OK while healthy */
@@ -58,6 +59,13 @@ typedef struct sg__jobq {
 
 /* 0 or an errno value. threaded: the initial mode (sg__jobq_set_threaded changes it). */
 int sg__jobq_init(sg__jobq *q, const sg__jobq_ops *ops, void *ctx, int threaded);
+/* Starts a threaded queue's worker now (it otherwise starts with the first job), so that a
+ * thread that cannot start is found before any collective: SG_ERR_OUT_OF_MEMORY with the
+ * reason, and the queue runs its jobs inline until a later call succeeds, so the caller can
+ * still take part in the collective that tells the other ranks. SG_OK for an inline queue. */
+sg_status sg__jobq_start(sg__jobq *q, const char *fn);
+/* Test hook: the n-th next worker start (any queue) fails as EAGAIN would; n < 0 disables. */
+void sg__jobq_fail_start_after(int n);
 /* Runs (or skips, after a failure) every queued job, joins the worker, frees the queue's
  * resources. A running job is bounded by its own deadline, so this ends. */
 void sg__jobq_destroy(sg__jobq *q);

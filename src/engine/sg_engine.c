@@ -491,7 +491,10 @@ sg_status sg_finalize(sg_engine *e) {
   SG_ENGINE_GUARD(e, "sg_finalize");
   static const char *fn = "sg_finalize";
   SG_TRY(sg__engine_check(e, fn, 0));
-  sg_status local = finalize_local(e);
+  /* The comm worker first: a thread that cannot start fails this rank here, and its jobs run
+   * inline, so the agreement below still tells every rank at once (not at their timeout). */
+  sg_status local = sg__err_prefix(e->dev->ops->comm_start(e->dev), fn);
+  if (local == SG_OK) local = finalize_local(e);
   char local_msg[512] = "";
   if (local != SG_OK) snprintf(local_msg, sizeof local_msg, "%s", sg_last_error());
   uint64_t *all = NULL;
