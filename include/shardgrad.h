@@ -454,6 +454,14 @@ SG_API sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h);
  * returns: the norm before clipping; inf or NaN for non-finite gradients). sg_step reuses it
  * unless gradients arrive in between. */
 SG_API sg_status sg_grad_norm(sg_engine *e, float *norm);
+/* Multiplies the gradient of the coming sg_step by `factor` (finite; any sign; 0 allowed), as
+ * torch's clip_grads_with_norm_ or grad.mul_(c) scale every .grad in place: sg_grad_norm after it
+ * returns |product of the factors| x the norm, and sg_step clips (max_grad_norm) and updates with
+ * the scaled gradient. Factors multiply until the accumulator is cleared (sg_step, skipped or
+ * not, sg_grad_zero, sg_load). The factor applies to the step's whole gradient, micro-batches
+ * added after the call included (a caller that wants torch's "only what is there now" adds no
+ * gradient after it). Local: give every rank the same factors. */
+SG_API sg_status sg_grad_scale(sg_engine *e, double factor);
 
 typedef struct sg_memory_stats {
   size_t struct_size;
