@@ -103,15 +103,35 @@ import weakref
 import numpy as np
 import torch
 
-from . import _lib
-from ._structs import MAX_GROUPS, DType, Device
-from .config import Config
-from .core import Comm, Engine, has_backend
-from .errors import (InvalidArgumentError, InvalidStateError, MismatchError, ShardgradError,
-                     UnsupportedError)
 
-__all__ = ["ShardedAdamW", "comm_from_torch", "default_bucket_bytes", "torch_dtype",
-           "sg_dtype"]
+def _require_torch(version):
+    """ImportError unless `version` (a torch version string) is 2.1 or newer: ShardedAdamW hands
+    each gradient over in a post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook,
+    new in torch 2.1)."""
+    parts = []
+    for x in str(version).split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in x if c.isdigit()) if x else ""
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 2:
+        parts.append(0)
+    if tuple(parts) < (2, 1):
+        raise ImportError("shardgrad.torch needs torch >= 2.1 (it hands gradients over with "
+                          "Tensor.register_post_accumulate_grad_hook, added in 2.1); this is "
+                          "torch %s: upgrade torch (pip install 'torch>=2.1')" % (version,))
+
+
+_require_torch(torch.__version__)
+
+from . import _lib  # noqa: E402
+from ._structs import MAX_GROUPS, DType, Device
+from ._torch_grad import GradNorm, GradState, ShardGrad  # noqa: E402
+from .config import Config  # noqa: E402
+from .core import Comm, Engine, has_backend  # noqa: E402
+from .errors import (InvalidArgumentError, InvalidStateError, MismatchError,  # noqa: E402
+                     ShardgradError, UnsupportedError)
+
+__all__ = ["ShardedAdamW", "ShardGrad", "GradNorm", "comm_from_torch", "default_bucket_bytes",
+           "torch_dtype", "sg_dtype", "patch_clip_grad_norm"]
 
 _TO_SG = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
 _TO_TORCH = {v: k for k, v in _TO_SG.items()}
@@ -272,16 +292,28 @@ def _grouped_params(model, param_groups):
 
 
 # ------------------------------------------------------------------------------------------
-# torch.nn.utils.clip_grad_norm_ on the parameters of a ShardedAdamW
+# which ShardedAdamW holds a parameter; torch.nn.utils.clip_grad_norm_ routed to it (opt-in)
 
 _OWNER = {}  # id(parameter) -> weakref to the ShardedAdamW holding its gradient
+
+
+def _check_unowned(named):
+    """A parameter re-pointed to one engine's memory and hooked to hand its gradient there
+    cannot serve a second one (it would step with a norm of 0 and overwrite the first's
+    updates): refused before anything is built."""
+    for name, p in named:
+        opt = _owner_of(p)
+        if opt is not None:
+            raise InvalidArgumentError(
+                "ShardedAdamW: parameter '%s' already belongs to another ShardedAdamW (%r); "
+                "one optimizer per parameter: close() the other first, or give each optimizer "
+                "its own parameters" % (name, opt), function="python")
 
 
 def _register_params(opt):
     ref = weakref.ref(opt)
     for _, p in opt._named:
         _OWNER[id(p)] = ref
-    _install_clip_hook()
 
 
 def _unregister_params(opt):
@@ -312,8 +344,8 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
                                       error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     if len(owners) > 1:
         raise RuntimeError("torch.nn.utils.clip_grad_norm_: these parameters belong to %d "
-                           "ShardedAdamW optimizers; their gradients live in the library "
-                           "(.grad is None): call opt.clip_grad_norm_(max_norm) on each"
+                           "ShardedAdamW optimizers; their gradients live in the library: "
+                           "call opt.clip_grad_norm_(max_norm) on each"
                            % len(owners))
     opt = next(iter(owners.values()))
     mine = {id(q) for _, q in opt._named}
@@ -322,7 +354,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     if strays or mine - given:
         raise RuntimeError("torch.nn.utils.clip_grad_norm_: the parameters given are %s a "
                            "ShardedAdamW's; it clips the global norm of all of its gradients "
-                           "(which live in the library: .grad is None), so pass exactly its "
+                           "(which live in the library), so pass exactly its "
                            "parameters, or call opt.clip_grad_norm_(max_norm)"
                            % ("more than" if strays else "only part of"))
     return opt.clip_grad_norm_(max_norm, norm_type=norm_type,
@@ -332,11 +364,13 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
 _torch_clip_grad_norm_ = None
 
 
-def _install_clip_hook():
-    """torch.nn.utils.clip_grad_norm_ (and torch.nn.utils.clip_grad's) are wrapped once, on the
-    first ShardedAdamW: for parameters of a live ShardedAdamW, .grad is None after backward and
-    torch would silently clip nothing, so the call goes to opt.clip_grad_norm_ (Hugging Face
-    Trainer and accelerate call it every step); any other call is torch's, unchanged."""
+def patch_clip_grad_norm():
+    """Opt-in: torch.nn.utils.clip_grad_norm_ (and torch.nn.utils.clip_grad's) are replaced,
+    process-wide, by a function that sends a call on exactly the parameters of a live
+    ShardedAdamW to opt.clip_grad_norm_ (the library computes the clip coefficient itself) and
+    any other call to torch's, unchanged. Not needed for correct clipping: torch's own
+    clip_grad_norm_ on the parameters reads the true global norm through p.grad (ShardGrad,
+    docs/torch-grads.md) and clips. Idempotent."""
     global _torch_clip_grad_norm_
     import torch.nn.utils as nnu
     import torch.nn.utils.clip_grad as cg
@@ -392,6 +426,17 @@ def _grad_hook(opt_ref, pid, param):
     opt = opt_ref()
     if opt is not None:
         opt._take_grad(pid, param)
+
+
+def _drop_view_hook(opt_ref, i, grad):
+    """Before autograd accumulates a new gradient into p.grad: a ShardGrad there stands for
+    what the library holds already, so it leaves and the new gradient lands in .grad alone
+    (then _take_grad hands it over)."""
+    opt = opt_ref()
+    if opt is not None:
+        p = opt._named[i][1]
+        if isinstance(p.grad, ShardGrad):
+            p.grad = None
 
 
 def _order_hook(opt_ref, indices, module, args):
@@ -465,6 +510,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if len({id(p) for _, p in named}) != len(named):
             raise InvalidArgumentError("ShardedAdamW: a parameter is listed twice",
                                        function="python")
+        _check_unowned(named)
         self._named = named
         self._engine = None
         self._hooks = []
@@ -529,9 +575,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._stream = None     # CUDA: the torch stream the engine works on
         self._hand_order = []   # indices into _named, in gradient arrival (= plan) order
         ref = weakref.ref(self)
+        self._grads = GradState(ref, len(named))  # what the p.grad ShardGrads stand for
         for i, (_, p) in enumerate(named):
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 functools.partial(_grad_hook, ref, i)))
+            self._hooks.append(p.register_hook(functools.partial(_drop_view_hook, ref, i)))
         self._wait_hooks = []   # forward pre-hooks (overlap_param_gather)
         self._unwaited = set()  # indices into _named whose all-gather may still be pending
         if self._engine.overlap_param_gather:
@@ -715,8 +763,12 @@ class ShardedAdamW(torch.optim.Optimizer):
     # -- gradients ------------------------------------------------------------------------
     def _take_grad(self, i, p):
         g = p.grad
-        if g is None or self._closed:
+        if g is None or self._closed or isinstance(g, ShardGrad):
             return
+        if self._grads.scaled or any(f != 1.0 for f in self._grads.pending):
+            raise RuntimeError("ShardedAdamW: a gradient arrived after the step's gradients "
+                               "were scaled in place (p.grad.mul_, clip_grad_norm_): clip "
+                               "after the last backward of the step, or call zero_grad()")
         if g.is_sparse:
             raise UnsupportedError("ShardedAdamW: sparse gradients are not supported",
                                    function="python")
@@ -786,6 +838,57 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._callback_queued = False
         if not self._closed:
             self._engine.backward_end()
+            self._show_grads()
+
+    def _show_grads(self):
+        """Every parameter's p.grad becomes a ShardGrad of the gradients the library now holds
+        (docs/torch-grads.md); those of an earlier backward go stale."""
+        st = self._grads
+        st.gen += 1
+        st.usable = None if self._sync else (
+            "inside no_sync() the micro-batches are accumulated locally, not reduced yet: "
+            "the step's gradients can be read after its last backward, outside no_sync()")
+        for i, (name, p) in enumerate(self._named):
+            p.grad = ShardGrad(p, st, i, name)
+
+    def _drop_grads(self):
+        """The gradients the ShardGrads stood for are gone (step, zero_grad, load, close)."""
+        st = getattr(self, "_grads", None)
+        if st is None:  # the constructor failed before
+            return
+        st.gen += 1
+        st.pending = [1.0] * st.n
+        st.scaled = False
+
+    def _scale_grads(self, factor):
+        """Every parameter's p.grad was scaled in place by `factor`: the library's gradients
+        are (sg_grad_scale; a factor of 0 drops them, as sg_grad_zero does)."""
+        self._live()
+        if factor == 0.0:
+            if self._handed and _lib.has("sg_grad_zero"):
+                self._engine.grad_zero()
+            self._grads.pending = [1.0] * self._grads.n
+            return
+        if not _lib.has("sg_grad_scale"):
+            raise UnsupportedError("ShardedAdamW: this libshardgrad has no sg_grad_scale, so "
+                                   "p.grad cannot be scaled; use opt.clip_grad_norm_(max_norm)",
+                                   function="python")
+        self._engine.grad_scale(factor)
+        self._grads.scaled = True
+
+    def grad_norm(self):
+        """Collective, after the last backward of a step and before step(): the global L2 norm
+        of the reduced gradient (after any in-place scaling of p.grad, before the step's own
+        clipping), as a float; NaN or inf when it is not finite."""
+        self._live()
+        if self._defer:
+            self._hand_over_deferred()
+        self._ensure_ready()
+        if not _lib.has("sg_grad_norm"):
+            raise UnsupportedError("ShardedAdamW.grad_norm: this libshardgrad has no "
+                                   "sg_grad_norm", function="python")
+        self._engine_waits()
+        return self._engine.grad_norm()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -811,6 +914,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._handed and self._ready and not self._closed and _lib.has("sg_grad_zero"):
             self._engine.grad_zero()
             self._clip_once = None  # it was for the gradients just dropped
+        self._drop_grads()
         self._handed = False
         # a backward that raised never ran its queued _backward_end
         self._callback_queued = False
@@ -888,8 +992,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._readopt()
         self._apply_hparams()
+        self._grads.check_uniform("step()")
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
+        self._drop_grads()
         self._handed = False
         self._callback_queued = False  # the step completed any micro-batch left open
         self._version += 1
@@ -922,11 +1028,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._defer:
             self._hand_over_deferred()
         self._ensure_ready()
+        self._grads.check_uniform("clip_grad_norm_")
         if max_norm != float("inf"):
             self._clip_once = max_norm
         self._apply_hparams()
-        self._engine_waits()
-        norm = self._engine.grad_norm()
+        norm = self.grad_norm()
         if error_if_nonfinite and not np.isfinite(norm):
             raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and "
@@ -1043,6 +1149,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._engine_waits()
         self._engine.load(directory)
+        self._drop_grads()
         self._version += 1
         self._torch_waits()
         self._sent = [None] * len(self.param_groups)  # lr and weight decay apply again
@@ -1072,6 +1179,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             return
         self._closed = True
         _unregister_params(self)
+        self._drop_grads()
+        for _, p in self._named:
+            if isinstance(p.grad, ShardGrad):
+                p.grad = None
         for h in (self._hooks + getattr(self, "_wait_hooks", [])
                   + getattr(self, "_order_hooks", [])):
             h.remove()
