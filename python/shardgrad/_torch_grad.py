@@ -113,6 +113,12 @@ class ShardGrad(torch.Tensor):
     def __reduce_ex__(self, protocol):
         raise TypeError("ShardedAdamW's p.grad cannot be pickled: " + _HELP)
 
+    def numpy(self, *args, **kwargs):
+        raise RuntimeError("ShardedAdamW: p.grad.numpy(): " + _HELP)
+
+    def tolist(self):
+        raise RuntimeError("ShardedAdamW: p.grad.tolist(): " + _HELP)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod

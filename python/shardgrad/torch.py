@@ -1207,6 +1207,20 @@ class ShardedAdamW(torch.optim.Optimizer):
         # was the last reference and the engine is destroyed here.
         e.release()
 
+    def __reduce_ex__(self, protocol):
+        # The default would copy the Python fields without the engine behind them (an object
+        # that fails at step()): refused, for pickle, copy.copy and copy.deepcopy alike.
+        raise TypeError("ShardedAdamW cannot be pickled or copied (its state lives in the "
+                        "library, sharded over the ranks): use opt.state_dict() for a "
+                        "gathered copy of the state, or opt.save(dir) / opt.load(dir) for "
+                        "checkpoints")
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
+
+    def __copy__(self):
+        self.__reduce_ex__(2)
+
     def __del__(self):
         try:
             self.close()
