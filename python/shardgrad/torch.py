@@ -154,6 +154,11 @@ def torch_dtype(dt):
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 
 
+def _dist_initialized():
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
 def _started_by_mpirun():
     return any(k in os.environ for k in _MPI_ENV)
 
@@ -564,9 +569,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
         self._version = 0  # ... at this state (steps and loads so far)
         _register_params(self)
-        if isinstance(model, torch.nn.Module) and self._engine.world_size > 1:
-            # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel,
-            # which all-reduces .grad itself: this optimizer already reduces every gradient
+        if isinstance(model, torch.nn.Module) and (self._engine.world_size > 1
+                                                   or _dist_initialized()):
+            # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel
+            # (with any process group, even of one rank), which all-reduces .grad itself: this
+            # optimizer already reduces every gradient
             model._is_accelerate_prepared = True
         # CUDA engine, several ranks as threads: no library call from torch's autograd thread
         # (see the module text); the gradients wait in .grad for step().

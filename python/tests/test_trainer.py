@@ -92,3 +92,32 @@ def test_trainer_under_mpirun_matches_ddp(tmp_path):
                         str(STEPS)], env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     _check(out)
+
+
+HF_TRAINER = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "python",
+                          "hf_trainer.py")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_hf_trainer_example_runs_and_prints_a_nonzero_grad_norm(nproc):
+    """examples/python/hf_trainer.py as its docstring says to run it: plain python (a process
+    group of one) and torchrun --nproc_per_node 2."""
+    if nproc == 1:
+        cmd = [sys.executable, HF_TRAINER, "--steps", "3"]
+    else:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        if not os.path.exists(torchrun):
+            pytest.skip("torchrun not installed beside %s" % sys.executable)
+        if not _lib.has("sg_comm_create_xport"):
+            pytest.skip("libshardgrad without the torch.distributed transport")
+        cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+               HF_TRAINER, "--steps", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "%d rank%s, GPT2LMHeadModel" % (nproc, "" if nproc == 1 else "s") in r.stdout
+    norms = [float(line.split()[-1]) for line in r.stdout.splitlines()
+             if line.startswith("step ")]
+    assert len(norms) == 3 and min(norms) > 0
