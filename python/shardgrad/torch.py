@@ -1229,6 +1229,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.__reduce_ex__(2)
 
     def __del__(self):
+        if "_named" not in self.__dict__:
+            return  # a wrapper sharing this class (see _on_real): the optimizer is not its own
         try:
             self.close()
         except Exception:
@@ -1241,3 +1243,25 @@ class ShardedAdamW(torch.optim.Optimizer):
         return ("ShardedAdamW(%d params, rank %d of %d, %s, lr=%g)"
                 % (len(self._named), self._engine.rank, self._engine.world_size,
                    c.strategy.name, self.lr))
+
+
+def _on_real(fn):
+    """Lightning's LightningOptimizer wraps an optimizer in an object whose class derives from
+    the optimizer's own (so isinstance holds) and whose attributes come from it through
+    __getattr__: ShardedAdamW's methods, called on that wrapper, would set their state on the
+    wrapper instead (and its __del__ would close the optimizer). They run on the wrapped
+    ShardedAdamW instead."""
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        d = self.__dict__
+        if "_named" not in d and isinstance(d.get("_optimizer"), ShardedAdamW):
+            self = d["_optimizer"]
+        return fn(self, *args, **kwargs)
+    return method
+
+
+for _name in ("step", "zero_grad", "close", "clip_grad_norm_", "grad_norm", "no_sync", "load",
+              "save", "state_dict", "load_state_dict", "export", "import_", "wait_params",
+              "param_state", "master_weights", "memory", "param_id", "scale_loss"):
+    setattr(ShardedAdamW, _name, _on_real(getattr(ShardedAdamW, _name)))
+del _name
