@@ -28,9 +28,13 @@ What it does
    has passed them. Parameters used by no module's own forward go last in the backward order;
    without an nn.Module the order is the iterable's.
  - A post-accumulate-grad hook hands each gradient to the library (sg_grad_add) as soon as
-   autograd has produced it, then drops `.grad`, so under SHARD_GRAD_OP the full gradient never
-   sits in memory. At the end of each backward sg_backward_end completes the micro-batch
-   (parameters that got no gradient count as zeros).
+   autograd has produced it, then drops it from `.grad`, so under SHARD_GRAD_OP the full
+   gradient never sits in memory. At the end of each backward sg_backward_end completes the
+   micro-batch (parameters that got no gradient count as zeros) and every parameter's `.grad`
+   becomes a ShardGrad: a tensor standing for the reduced gradient held in the library, whose
+   norm (torch.nn.utils.clip_grad_norm_, get_total_norm, accelerate's and Lightning's clipping)
+   is the true global norm and whose in-place scaling scales the library's gradient; any other
+   use raises (docs/torch-grads.md).
  - Several backward passes before step() accumulate (each is a micro-batch that is reduced
    right away); inside `with opt.no_sync():` micro-batches accumulate locally without
    communication.
