@@ -321,7 +321,10 @@ SG_API sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint
 SG_API sg_status sg_finalize(sg_engine *e);
 
 /* Working parameter `id`, full replica, param_dtype, on the engine's device. Valid until the
- * engine is destroyed; updated in place by sg_step. */
+ * engine is destroyed; updated in place by sg_step. The step computes from the fp32 master (for
+ * bf16/f16 params; f32 params are their own master): a caller that writes the working values
+ * through this pointer must then give them to sg_set_param (same values on every rank), or the
+ * next sg_step overwrites the write with the master's update. */
 SG_API sg_status sg_param_ptr(sg_engine *e, int id, void **ptr);
 
 /* With overlap_param_gather = 1: orders the caller's work after the all-gather, started by the

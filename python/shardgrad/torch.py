@@ -725,6 +725,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             with place, torch.no_grad():
                 for i, (_, p) in enumerate(self._named):
                     p.data = e.param_tensor(self._pid[i])
+            self._note_versions()
             if not self._sync and not self._defer:
                 e.set_sync(False)
         except BaseException:
@@ -932,6 +933,40 @@ class ShardedAdamW(torch.optim.Optimizer):
         for _, p in self._named:
             p.grad = None
 
+    def _note_versions(self):
+        """torch's version counter of every parameter now that the library wrote it: the
+        library's own writes (steps, loads) do not count, torch's in-place writes do."""
+        self._pver = [p._version for _, p in self._named]
+
+    def _sync_written(self):
+        """bf16/f16 parameters written in place by torch since the library last wrote them
+        (model.load_state_dict, p.copy_, p.fill_, clamping under no_grad: anything that bumps
+        p._version) would be put back from the fp32 master at the next step: their written
+        values become the master (sg_set_param, this rank's fragments). f32 parameters are
+        their own master. Writes through p.data (a tensor with a version counter of its own)
+        are not seen: call opt.params_written() after them."""
+        e = self._engine
+        if e is None or not self._ready or e.param_dtype == DType.F32:
+            return
+        for i, (_, p) in enumerate(self._named):
+            if p._version != self._pver[i]:
+                self._set_from_torch(i)
+
+    def _set_from_torch(self, i):
+        p = self._named[i][1]
+        self._engine_waits()
+        self._engine.set_param(self._pid[i], p.detach().to("cpu", copy=True))
+        self._pver[i] = p._version
+
+    def params_written(self):
+        """After writing parameters in a way their version counter does not show (p.data.copy_,
+        writes through a NumPy view): every parameter's current value becomes its master
+        weight (sg_set_param; give every rank the same values). Writes through the parameter
+        itself (load_state_dict, p.copy_ under no_grad) are noticed without it."""
+        self._ensure_ready()
+        for i in range(len(self._named)):
+            self._set_from_torch(i)
+
     def _readopt(self):
         """Parameters whose storage was replaced since they were re-pointed to the library (a
         model.to("cpu:0"), as transformers.Trainer does, copies them; so does load_state_dict
@@ -950,6 +985,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             e.set_param(self._pid[i], p.detach().to("cpu"))
             with torch.no_grad():
                 p.data = e.param_tensor(self._pid[i])
+            self._pver[i] = p._version
 
     # -- step -----------------------------------------------------------------------------
     def _group_hparams(self):
@@ -1002,6 +1038,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._hand_over_deferred()
         self._ensure_ready()
         self._readopt()
+        self._sync_written()
         self._apply_hparams()
         self._grads.check_uniform("step()")
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
@@ -1100,6 +1137,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def master_weights(self):
         """Collective: {name: fp32 tensor} of the full master weights."""
         self._ensure_ready()
+        self._sync_written()
         e = self._engine
         return {n: torch.from_numpy(e.get_master(self._pid[i]))
                 for i, (n, _) in enumerate(self._named)}
@@ -1107,6 +1145,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def param_state(self, p):
         """Collective: {'step', 'exp_avg', 'exp_avg_sq', 'master'} of parameter p (fp32)."""
         e, pid = self._engine, self.param_id(p)
+        self._sync_written()
         if _lib.has("sg_get_step"):
             step = e.step_count
         else:
@@ -1151,6 +1190,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Collective: sharded checkpoint of parameters, masters, moments, step, lr and loss
         scale (sg_save); crash-safe. Call between steps."""
         self._ensure_ready()
+        self._sync_written()
         self._engine.save(directory)
 
     def load(self, directory):
@@ -1160,6 +1200,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._engine_waits()
         self._engine.load(directory)
+        self._note_versions()  # the library's write: the loaded masters stand
         self._drop_grads()
         self._version += 1
         self._torch_waits()
@@ -1169,6 +1210,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def export(self, path):
         """Collective (rank 0 writes): fp32 master weights by parameter name, safetensors."""
         self._ensure_ready()
+        self._sync_written()
         self._engine.export(path)
 
     def import_(self, path):
@@ -1177,6 +1219,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._engine_waits()
         self._engine.import_(path)
+        self._note_versions()  # the library's write: the loaded masters stand
         self._torch_waits()
 
     # -- teardown -------------------------------------------------------------------------
@@ -1266,6 +1309,7 @@ def _on_real(fn):
 
 for _name in ("step", "zero_grad", "close", "clip_grad_norm_", "grad_norm", "no_sync", "load",
               "save", "state_dict", "load_state_dict", "export", "import_", "wait_params",
+              "params_written",
               "param_state", "master_weights", "memory", "param_id", "scale_loss"):
     setattr(ShardedAdamW, _name, _on_real(getattr(ShardedAdamW, _name)))
 del _name
