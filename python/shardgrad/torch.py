@@ -100,7 +100,9 @@ CUDA parameters (the engine runs on the parameters' GPU):
 
 import contextlib
 import functools
+import json
 import os
+import tempfile
 import uuid
 import weakref
 
@@ -1192,12 +1194,51 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._sync_written()
         self._engine.save(directory)
+        if self._engine.rank == 0:
+            self._write_shapes(directory)
+
+    _SHAPES = "torch_shapes.json"  # beside sg_save's files: the shapes the library lacks
+
+    def _write_shapes(self, directory):
+        """The parameters' torch shapes, by name, for load() to check (the library's manifest
+        has numels only). A new file in the directory (O_EXCL), renamed into place."""
+        shapes = {n: list(p.shape) for n, p in self._named}
+        fd, tmp = tempfile.mkstemp(prefix=".torch_shapes.", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(shapes, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(directory, self._SHAPES))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _check_shapes(self, directory):
+        """load() refuses a checkpoint whose parameter of the same name has another shape (the
+        same numel would load silently reshaped), as torch's load_state_dict does. Checkpoints
+        without the shapes (made by C callers) are checked by the library for numels only."""
+        path = os.path.join(directory, self._SHAPES)
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        bad = ["'%s': %s in the checkpoint, %s here" % (n, saved[n], list(p.shape))
+               for n, p in self._named if n in saved and list(saved[n]) != list(p.shape)]
+        if bad:
+            raise MismatchError("ShardedAdamW.load(%r): parameter shapes differ: %s (torch's "
+                                "load_state_dict refuses this too)"
+                                % (directory, "; ".join(bad[:5]) + (" ..." if len(bad) > 5
+                                                                    else "")),
+                                function="python")
 
     def load(self, directory):
         """Collective: restores a save() made at any world size, bucket size or strategy; the
         model's parameters change in place. The learning rate stays param_groups' (the
         scheduler's): it is applied again at the next step."""
         self._ensure_ready()
+        self._check_shapes(directory)
         self._engine_waits()
         self._engine.load(directory)
         self._note_versions()  # the library's write: the loaded masters stand

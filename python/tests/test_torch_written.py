@@ -87,3 +87,29 @@ def test_writes_into_parameters_persist_through_a_step(dtype, how, world):
             tol = 1e-3 + 2 * torch.finfo(dtype).eps * w.float().abs().max().item()
             assert (g - w.float()).abs().max().item() <= tol, how
             assert (mw - w.float()).abs().max().item() <= 2e-4, how
+
+
+def test_load_refuses_other_shapes_of_the_same_numel(tmp_path):
+    """Issue 30 item 5: Linear(6, 4)'s weight [4, 6] saved, loaded into a [6, 4] weight of the
+    same name: refused, nothing changed (before: silently reshaped)."""
+    comm = sg.Comm.local(1)[0]
+    a = torch.nn.Linear(6, 4)
+    opt = ShardedAdamW(a, comm, **FAST)
+    opt.save(str(tmp_path / "ck"))
+    opt.close()
+    b = torch.nn.Module()
+    torch.manual_seed(5)
+    b.weight = torch.nn.Parameter(torch.randn(6, 4))
+    b.bias = torch.nn.Parameter(torch.randn(4))
+    before = b.weight.detach().clone()
+    opt = ShardedAdamW(b, comm, **FAST)
+    with pytest.raises(sg.MismatchError, match=r"'weight': \[4, 6\] in the checkpoint, \[6, 4\]"):
+        opt.load(str(tmp_path / "ck"))
+    assert torch.equal(b.weight.detach(), before)
+    opt.close()
+    c = torch.nn.Linear(6, 4)  # the same shapes load
+    opt = ShardedAdamW(c, comm, **FAST)
+    opt.load(str(tmp_path / "ck"))
+    assert torch.equal(c.weight.detach(), a.weight.detach())
+    opt.close()
+    comm.close()
