@@ -879,8 +879,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         are (sg_grad_scale; a factor of 0 drops them, as sg_grad_zero does)."""
         self._live()
         if factor == 0.0:
-            if self._handed and _lib.has("sg_grad_zero"):
+            if self._handed:
+                if not _lib.has("sg_grad_zero"):
+                    raise UnsupportedError("ShardedAdamW: this libshardgrad has no "
+                                           "sg_grad_zero, so p.grad cannot be zeroed; use "
+                                           "opt.zero_grad()", function="python")
                 self._engine.grad_zero()
+                self._clip_once = None  # it was for the gradients just dropped
+            self._handed = False
             self._grads.pending = [1.0] * self._grads.n
             return
         if not _lib.has("sg_grad_scale"):
