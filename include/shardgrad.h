@@ -333,7 +333,10 @@ SG_API sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint
 SG_API sg_status sg_finalize(sg_engine *e);
 
 /* Working parameter `id`, full replica, param_dtype, on the engine's device. Valid until the
- * engine is destroyed; updated in place by sg_step. */
+ * engine is destroyed; updated in place by sg_step. The step computes from the fp32 master (for
+ * bf16/f16 params; f32 params are their own master): a caller that writes the working values
+ * through this pointer must then give them to sg_set_param (same values on every rank), or the
+ * next sg_step overwrites the write with the master's update. */
 SG_API sg_status sg_param_ptr(sg_engine *e, int id, void **ptr);
 
 /* With overlap_param_gather = 1: orders the caller's work after the all-gather, started by the
@@ -466,6 +469,14 @@ SG_API sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h);
  * returns: the norm before clipping; inf or NaN for non-finite gradients). sg_step reuses it
  * unless gradients arrive in between. */
 SG_API sg_status sg_grad_norm(sg_engine *e, float *norm);
+/* Multiplies the gradient of the coming sg_step by `factor` (finite; any sign; 0 allowed), as
+ * torch's clip_grads_with_norm_ or grad.mul_(c) scale every .grad in place: sg_grad_norm after it
+ * returns |product of the factors| x the norm, and sg_step clips (max_grad_norm) and updates with
+ * the scaled gradient. Factors multiply until the accumulator is cleared (sg_step, skipped or
+ * not, sg_grad_zero, sg_load). The factor applies to the step's whole gradient, micro-batches
+ * added after the call included (a caller that wants torch's "only what is there now" adds no
+ * gradient after it). Local: give every rank the same factors. */
+SG_API sg_status sg_grad_scale(sg_engine *e, double factor);
 
 typedef struct sg_memory_stats {
   size_t struct_size;

@@ -19,6 +19,10 @@ endif()
 sg_add_test(test_grad_zero SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_grad_zero.c LABELS local
             TIMEOUT 300)
 sg_add_mpi_test(test_grad_zero_mpi_np2 EXE test_grad_zero NP 2 ARGS --mpi TIMEOUT 300)
+# sg_grad_scale (issue 24: p.grad.mul_ of ShardedAdamW's gradients): every strategy, f32/bf16,
+# with and without clipping, W=1..3 threads, against gradients scaled before they were given.
+sg_add_test(test_grad_scale SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_grad_scale.c LABELS local
+            TIMEOUT 120)
 sg_add_test(test_engine_guard SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_engine_guard.c
             LABELS local TIMEOUT 120)
 # Every public engine function enters the guard first (a new one without it fails here).

@@ -106,6 +106,7 @@ PROTOTYPES = {
     "sg_get_hparams": (_status, [_vp, _c_int, ctypes.POINTER(SgHparams)]),
     "sg_set_hparams": (_status, [_vp, _c_int, ctypes.POINTER(SgHparams)]),
     "sg_grad_norm": (_status, [_vp, _fp]),
+    "sg_grad_scale": (_status, [_vp, ctypes.c_double]),
     # a communicator over the caller's transport (torch.distributed: Comm.from_torch)
     "sg_comm_create_xport": (_status, [ctypes.POINTER(SgXport), _c_int, _c_int, _pp]),
     "sg_xport_done": (_status, [_vp, _c_int, _c_size, _c_char_p]),
@@ -119,7 +120,7 @@ OPTIONAL = frozenset({
     "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group", "sg_comm_split",
     "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
     "sg_comm_create_xport", "sg_xport_done",
-    "sg_engine_create_hybrid", "sg_set_microbatches",
+    "sg_engine_create_hybrid", "sg_set_microbatches", "sg_grad_scale",
 })
 
 

@@ -881,6 +881,12 @@ class Engine:
         _call("sg_grad_norm", self.handle, ctypes.byref(v))
         return float(v.value)
 
+    def grad_scale(self, factor):
+        """Multiplies the gradient of the coming step by factor (sg_grad_scale): the norm and
+        the step see the scaled gradient; factors multiply until the step (or grad_zero, load).
+        Give every rank the same factors."""
+        _call("sg_grad_scale", self.handle, ctypes.c_double(float(factor)))
+
     @property
     def step_count(self):
         """Optimizer steps taken so far (skipped steps do not count; restored by load())."""

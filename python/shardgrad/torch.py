@@ -28,9 +28,13 @@ What it does
    has passed them. Parameters used by no module's own forward go last in the backward order;
    without an nn.Module the order is the iterable's.
  - A post-accumulate-grad hook hands each gradient to the library (sg_grad_add) as soon as
-   autograd has produced it, then drops `.grad`, so under SHARD_GRAD_OP the full gradient never
-   sits in memory. At the end of each backward sg_backward_end completes the micro-batch
-   (parameters that got no gradient count as zeros).
+   autograd has produced it, then drops it from `.grad`, so under SHARD_GRAD_OP the full
+   gradient never sits in memory. At the end of each backward sg_backward_end completes the
+   micro-batch (parameters that got no gradient count as zeros) and every parameter's `.grad`
+   becomes a ShardGrad: a tensor standing for the reduced gradient held in the library, whose
+   norm (torch.nn.utils.clip_grad_norm_, get_total_norm, accelerate's and Lightning's clipping)
+   is the true global norm and whose in-place scaling scales the library's gradient; any other
+   use raises (docs/torch-grads.md).
  - Several backward passes before step() accumulate (each is a micro-batch that is reduced
    right away); inside `with opt.no_sync():` micro-batches accumulate locally without
    communication.
@@ -96,22 +100,44 @@ CUDA parameters (the engine runs on the parameters' GPU):
 
 import contextlib
 import functools
+import json
 import os
+import tempfile
 import uuid
 import weakref
 
 import numpy as np
 import torch
 
-from . import _lib
-from ._structs import MAX_GROUPS, DType, Device
-from .config import Config
-from .core import Comm, Engine, has_backend
-from .errors import (InvalidArgumentError, InvalidStateError, MismatchError, ShardgradError,
-                     UnsupportedError)
 
-__all__ = ["ShardedAdamW", "comm_from_torch", "default_bucket_bytes", "torch_dtype",
-           "sg_dtype"]
+def _require_torch(version):
+    """ImportError unless `version` (a torch version string) is 2.1 or newer: ShardedAdamW hands
+    each gradient over in a post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook,
+    new in torch 2.1)."""
+    parts = []
+    for x in str(version).split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in x if c.isdigit()) if x else ""
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 2:
+        parts.append(0)
+    if tuple(parts) < (2, 1):
+        raise ImportError("shardgrad.torch needs torch >= 2.1 (it hands gradients over with "
+                          "Tensor.register_post_accumulate_grad_hook, added in 2.1); this is "
+                          "torch %s: upgrade torch (pip install 'torch>=2.1')" % (version,))
+
+
+_require_torch(torch.__version__)
+
+from . import _lib  # noqa: E402
+from ._structs import MAX_GROUPS, DType, Device
+from ._torch_grad import GradNorm, GradState, ShardGrad  # noqa: E402
+from .config import Config  # noqa: E402
+from .core import Comm, Engine, has_backend  # noqa: E402
+from .errors import (InvalidArgumentError, InvalidStateError, MismatchError,  # noqa: E402
+                     ShardgradError, UnsupportedError)
+
+__all__ = ["ShardedAdamW", "ShardGrad", "GradNorm", "comm_from_torch", "default_bucket_bytes",
+           "torch_dtype", "sg_dtype", "patch_clip_grad_norm"]
 
 _TO_SG = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
 _TO_TORCH = {v: k for k, v in _TO_SG.items()}
@@ -132,6 +158,11 @@ def torch_dtype(dt):
 # communicators from torch.distributed
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def _dist_initialized():
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 def _started_by_mpirun():
@@ -272,16 +303,28 @@ def _grouped_params(model, param_groups):
 
 
 # ------------------------------------------------------------------------------------------
-# torch.nn.utils.clip_grad_norm_ on the parameters of a ShardedAdamW
+# which ShardedAdamW holds a parameter; torch.nn.utils.clip_grad_norm_ routed to it (opt-in)
 
 _OWNER = {}  # id(parameter) -> weakref to the ShardedAdamW holding its gradient
+
+
+def _check_unowned(named):
+    """A parameter re-pointed to one engine's memory and hooked to hand its gradient there
+    cannot serve a second one (it would step with a norm of 0 and overwrite the first's
+    updates): refused before anything is built."""
+    for name, p in named:
+        opt = _owner_of(p)
+        if opt is not None:
+            raise InvalidArgumentError(
+                "ShardedAdamW: parameter '%s' already belongs to another ShardedAdamW (%r); "
+                "one optimizer per parameter: close() the other first, or give each optimizer "
+                "its own parameters" % (name, opt), function="python")
 
 
 def _register_params(opt):
     ref = weakref.ref(opt)
     for _, p in opt._named:
         _OWNER[id(p)] = ref
-    _install_clip_hook()
 
 
 def _unregister_params(opt):
@@ -312,8 +355,8 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
                                       error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     if len(owners) > 1:
         raise RuntimeError("torch.nn.utils.clip_grad_norm_: these parameters belong to %d "
-                           "ShardedAdamW optimizers; their gradients live in the library "
-                           "(.grad is None): call opt.clip_grad_norm_(max_norm) on each"
+                           "ShardedAdamW optimizers; their gradients live in the library: "
+                           "call opt.clip_grad_norm_(max_norm) on each"
                            % len(owners))
     opt = next(iter(owners.values()))
     mine = {id(q) for _, q in opt._named}
@@ -322,7 +365,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     if strays or mine - given:
         raise RuntimeError("torch.nn.utils.clip_grad_norm_: the parameters given are %s a "
                            "ShardedAdamW's; it clips the global norm of all of its gradients "
-                           "(which live in the library: .grad is None), so pass exactly its "
+                           "(which live in the library), so pass exactly its "
                            "parameters, or call opt.clip_grad_norm_(max_norm)"
                            % ("more than" if strays else "only part of"))
     return opt.clip_grad_norm_(max_norm, norm_type=norm_type,
@@ -332,11 +375,13 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
 _torch_clip_grad_norm_ = None
 
 
-def _install_clip_hook():
-    """torch.nn.utils.clip_grad_norm_ (and torch.nn.utils.clip_grad's) are wrapped once, on the
-    first ShardedAdamW: for parameters of a live ShardedAdamW, .grad is None after backward and
-    torch would silently clip nothing, so the call goes to opt.clip_grad_norm_ (Hugging Face
-    Trainer and accelerate call it every step); any other call is torch's, unchanged."""
+def patch_clip_grad_norm():
+    """Opt-in: torch.nn.utils.clip_grad_norm_ (and torch.nn.utils.clip_grad's) are replaced,
+    process-wide, by a function that sends a call on exactly the parameters of a live
+    ShardedAdamW to opt.clip_grad_norm_ (the library computes the clip coefficient itself) and
+    any other call to torch's, unchanged. Not needed for correct clipping: torch's own
+    clip_grad_norm_ on the parameters reads the true global norm through p.grad (ShardGrad,
+    docs/torch-grads.md) and clips. Idempotent."""
     global _torch_clip_grad_norm_
     import torch.nn.utils as nnu
     import torch.nn.utils.clip_grad as cg
@@ -392,6 +437,17 @@ def _grad_hook(opt_ref, pid, param):
     opt = opt_ref()
     if opt is not None:
         opt._take_grad(pid, param)
+
+
+def _drop_view_hook(opt_ref, i, grad):
+    """Before autograd accumulates a new gradient into p.grad: a ShardGrad there stands for
+    what the library holds already, so it leaves and the new gradient lands in .grad alone
+    (then _take_grad hands it over)."""
+    opt = opt_ref()
+    if opt is not None:
+        p = opt._named[i][1]
+        if isinstance(p.grad, ShardGrad):
+            p.grad = None
 
 
 def _order_hook(opt_ref, indices, module, args):
@@ -465,6 +521,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if len({id(p) for _, p in named}) != len(named):
             raise InvalidArgumentError("ShardedAdamW: a parameter is listed twice",
                                        function="python")
+        _check_unowned(named)
         self._named = named
         self._engine = None
         self._hooks = []
@@ -518,9 +575,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
         self._version = 0  # ... at this state (steps and loads so far)
         _register_params(self)
-        if isinstance(model, torch.nn.Module) and self._engine.world_size > 1:
-            # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel,
-            # which all-reduces .grad itself: this optimizer already reduces every gradient
+        if isinstance(model, torch.nn.Module) and (self._engine.world_size > 1
+                                                   or _dist_initialized()):
+            # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel
+            # (with any process group, even of one rank), which all-reduces .grad itself: this
+            # optimizer already reduces every gradient
             model._is_accelerate_prepared = True
         # CUDA engine, several ranks as threads: no library call from torch's autograd thread
         # (see the module text); the gradients wait in .grad for step().
@@ -529,9 +588,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._stream = None     # CUDA: the torch stream the engine works on
         self._hand_order = []   # indices into _named, in gradient arrival (= plan) order
         ref = weakref.ref(self)
+        self._grads = GradState(ref, len(named))  # what the p.grad ShardGrads stand for
         for i, (_, p) in enumerate(named):
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 functools.partial(_grad_hook, ref, i)))
+            self._hooks.append(p.register_hook(functools.partial(_drop_view_hook, ref, i)))
         self._wait_hooks = []   # forward pre-hooks (overlap_param_gather)
         self._unwaited = set()  # indices into _named whose all-gather may still be pending
         if self._engine.overlap_param_gather:
@@ -666,6 +727,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             with place, torch.no_grad():
                 for i, (_, p) in enumerate(self._named):
                     p.data = e.param_tensor(self._pid[i])
+            self._note_versions()
             if not self._sync and not self._defer:
                 e.set_sync(False)
         except BaseException:
@@ -715,8 +777,12 @@ class ShardedAdamW(torch.optim.Optimizer):
     # -- gradients ------------------------------------------------------------------------
     def _take_grad(self, i, p):
         g = p.grad
-        if g is None or self._closed:
+        if g is None or self._closed or isinstance(g, ShardGrad):
             return
+        if self._grads.scaled or any(f != 1.0 for f in self._grads.pending):
+            raise RuntimeError("ShardedAdamW: a gradient arrived after the step's gradients "
+                               "were scaled in place (p.grad.mul_, clip_grad_norm_): clip "
+                               "after the last backward of the step, or call zero_grad()")
         if g.is_sparse:
             raise UnsupportedError("ShardedAdamW: sparse gradients are not supported",
                                    function="python")
@@ -786,6 +852,63 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._callback_queued = False
         if not self._closed:
             self._engine.backward_end()
+            self._show_grads()
+
+    def _show_grads(self):
+        """Every parameter's p.grad becomes a ShardGrad of the gradients the library now holds
+        (docs/torch-grads.md); those of an earlier backward go stale."""
+        st = self._grads
+        st.gen += 1
+        st.usable = None if self._sync else (
+            "inside no_sync() the micro-batches are accumulated locally, not reduced yet: "
+            "the step's gradients can be read after its last backward, outside no_sync()")
+        for i, (name, p) in enumerate(self._named):
+            p.grad = ShardGrad(p, st, i, name)
+
+    def _drop_grads(self):
+        """The gradients the ShardGrads stood for are gone (step, zero_grad, load, close)."""
+        st = getattr(self, "_grads", None)
+        if st is None:  # the constructor failed before
+            return
+        st.gen += 1
+        st.pending = [1.0] * st.n
+        st.scaled = False
+
+    def _scale_grads(self, factor):
+        """Every parameter's p.grad was scaled in place by `factor`: the library's gradients
+        are (sg_grad_scale; a factor of 0 drops them, as sg_grad_zero does)."""
+        self._live()
+        if factor == 0.0:
+            if self._handed:
+                if not _lib.has("sg_grad_zero"):
+                    raise UnsupportedError("ShardedAdamW: this libshardgrad has no "
+                                           "sg_grad_zero, so p.grad cannot be zeroed; use "
+                                           "opt.zero_grad()", function="python")
+                self._engine.grad_zero()
+                self._clip_once = None  # it was for the gradients just dropped
+            self._handed = False
+            self._grads.pending = [1.0] * self._grads.n
+            return
+        if not _lib.has("sg_grad_scale"):
+            raise UnsupportedError("ShardedAdamW: this libshardgrad has no sg_grad_scale, so "
+                                   "p.grad cannot be scaled; use opt.clip_grad_norm_(max_norm)",
+                                   function="python")
+        self._engine.grad_scale(factor)
+        self._grads.scaled = True
+
+    def grad_norm(self):
+        """Collective, after the last backward of a step and before step(): the global L2 norm
+        of the reduced gradient (after any in-place scaling of p.grad, before the step's own
+        clipping), as a float; NaN or inf when it is not finite."""
+        self._live()
+        if self._defer:
+            self._hand_over_deferred()
+        self._ensure_ready()
+        if not _lib.has("sg_grad_norm"):
+            raise UnsupportedError("ShardedAdamW.grad_norm: this libshardgrad has no "
+                                   "sg_grad_norm", function="python")
+        self._engine_waits()
+        return self._engine.grad_norm()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -811,11 +934,46 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._handed and self._ready and not self._closed and _lib.has("sg_grad_zero"):
             self._engine.grad_zero()
             self._clip_once = None  # it was for the gradients just dropped
+        self._drop_grads()
         self._handed = False
         # a backward that raised never ran its queued _backward_end
         self._callback_queued = False
         for _, p in self._named:
             p.grad = None
+
+    def _note_versions(self):
+        """torch's version counter of every parameter now that the library wrote it: the
+        library's own writes (steps, loads) do not count, torch's in-place writes do."""
+        self._pver = [p._version for _, p in self._named]
+
+    def _sync_written(self):
+        """bf16/f16 parameters written in place by torch since the library last wrote them
+        (model.load_state_dict, p.copy_, p.fill_, clamping under no_grad: anything that bumps
+        p._version) would be put back from the fp32 master at the next step: their written
+        values become the master (sg_set_param, this rank's fragments). f32 parameters are
+        their own master. Writes through p.data (a tensor with a version counter of its own)
+        are not seen: call opt.params_written() after them."""
+        e = self._engine
+        if e is None or not self._ready or e.param_dtype == DType.F32:
+            return
+        for i, (_, p) in enumerate(self._named):
+            if p._version != self._pver[i]:
+                self._set_from_torch(i)
+
+    def _set_from_torch(self, i):
+        p = self._named[i][1]
+        self._engine_waits()
+        self._engine.set_param(self._pid[i], p.detach().to("cpu", copy=True))
+        self._pver[i] = p._version
+
+    def params_written(self):
+        """After writing parameters in a way their version counter does not show (p.data.copy_,
+        writes through a NumPy view): every parameter's current value becomes its master
+        weight (sg_set_param; give every rank the same values). Writes through the parameter
+        itself (load_state_dict, p.copy_ under no_grad) are noticed without it."""
+        self._ensure_ready()
+        for i in range(len(self._named)):
+            self._set_from_torch(i)
 
     def _readopt(self):
         """Parameters whose storage was replaced since they were re-pointed to the library (a
@@ -835,6 +993,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             e.set_param(self._pid[i], p.detach().to("cpu"))
             with torch.no_grad():
                 p.data = e.param_tensor(self._pid[i])
+            self._pver[i] = p._version
 
     # -- step -----------------------------------------------------------------------------
     def _group_hparams(self):
@@ -887,9 +1046,12 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._hand_over_deferred()
         self._ensure_ready()
         self._readopt()
+        self._sync_written()
         self._apply_hparams()
+        self._grads.check_uniform("step()")
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
         self.last_step_info = self._engine.step()
+        self._drop_grads()
         self._handed = False
         self._callback_queued = False  # the step completed any micro-batch left open
         self._version += 1
@@ -922,11 +1084,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._defer:
             self._hand_over_deferred()
         self._ensure_ready()
+        self._grads.check_uniform("clip_grad_norm_")
         if max_norm != float("inf"):
             self._clip_once = max_norm
         self._apply_hparams()
-        self._engine_waits()
-        norm = self._engine.grad_norm()
+        norm = self.grad_norm()
         if error_if_nonfinite and not np.isfinite(norm):
             raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and "
@@ -983,6 +1145,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def master_weights(self):
         """Collective: {name: fp32 tensor} of the full master weights."""
         self._ensure_ready()
+        self._sync_written()
         e = self._engine
         return {n: torch.from_numpy(e.get_master(self._pid[i]))
                 for i, (n, _) in enumerate(self._named)}
@@ -990,6 +1153,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def param_state(self, p):
         """Collective: {'step', 'exp_avg', 'exp_avg_sq', 'master'} of parameter p (fp32)."""
         e, pid = self._engine, self.param_id(p)
+        self._sync_written()
         if _lib.has("sg_get_step"):
             step = e.step_count
         else:
@@ -1034,15 +1198,57 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Collective: sharded checkpoint of parameters, masters, moments, step, lr and loss
         scale (sg_save); crash-safe. Call between steps."""
         self._ensure_ready()
+        self._sync_written()
         self._engine.save(directory)
+        if self._engine.rank == 0:
+            self._write_shapes(directory)
+
+    _SHAPES = "torch_shapes.json"  # beside sg_save's files: the shapes the library lacks
+
+    def _write_shapes(self, directory):
+        """The parameters' torch shapes, by name, for load() to check (the library's manifest
+        has numels only). A new file in the directory (O_EXCL), renamed into place."""
+        shapes = {n: list(p.shape) for n, p in self._named}
+        fd, tmp = tempfile.mkstemp(prefix=".torch_shapes.", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(shapes, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(directory, self._SHAPES))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _check_shapes(self, directory):
+        """load() refuses a checkpoint whose parameter of the same name has another shape (the
+        same numel would load silently reshaped), as torch's load_state_dict does. Checkpoints
+        without the shapes (made by C callers) are checked by the library for numels only."""
+        path = os.path.join(directory, self._SHAPES)
+        if not os.path.isfile(path):
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        bad = ["'%s': %s in the checkpoint, %s here" % (n, saved[n], list(p.shape))
+               for n, p in self._named if n in saved and list(saved[n]) != list(p.shape)]
+        if bad:
+            raise MismatchError("ShardedAdamW.load(%r): parameter shapes differ: %s (torch's "
+                                "load_state_dict refuses this too)"
+                                % (directory, "; ".join(bad[:5]) + (" ..." if len(bad) > 5
+                                                                    else "")),
+                                function="python")
 
     def load(self, directory):
         """Collective: restores a save() made at any world size, bucket size or strategy; the
         model's parameters change in place. The learning rate stays param_groups' (the
         scheduler's): it is applied again at the next step."""
         self._ensure_ready()
+        self._check_shapes(directory)
         self._engine_waits()
         self._engine.load(directory)
+        self._note_versions()  # the library's write: the loaded masters stand
+        self._drop_grads()
         self._version += 1
         self._torch_waits()
         self._sent = [None] * len(self.param_groups)  # lr and weight decay apply again
@@ -1051,6 +1257,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def export(self, path):
         """Collective (rank 0 writes): fp32 master weights by parameter name, safetensors."""
         self._ensure_ready()
+        self._sync_written()
         self._engine.export(path)
 
     def import_(self, path):
@@ -1059,6 +1266,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._ensure_ready()
         self._engine_waits()
         self._engine.import_(path)
+        self._note_versions()  # the library's write: the loaded masters stand
         self._torch_waits()
 
     # -- teardown -------------------------------------------------------------------------
@@ -1072,6 +1280,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             return
         self._closed = True
         _unregister_params(self)
+        self._drop_grads()
+        for _, p in self._named:
+            if isinstance(p.grad, ShardGrad):
+                p.grad = None
         for h in (self._hooks + getattr(self, "_wait_hooks", [])
                   + getattr(self, "_order_hooks", [])):
             h.remove()
@@ -1096,7 +1308,23 @@ class ShardedAdamW(torch.optim.Optimizer):
         # was the last reference and the engine is destroyed here.
         e.release()
 
+    def __reduce_ex__(self, protocol):
+        # The default would copy the Python fields without the engine behind them (an object
+        # that fails at step()): refused, for pickle, copy.copy and copy.deepcopy alike.
+        raise TypeError("ShardedAdamW cannot be pickled or copied (its state lives in the "
+                        "library, sharded over the ranks): use opt.state_dict() for a "
+                        "gathered copy of the state, or opt.save(dir) / opt.load(dir) for "
+                        "checkpoints")
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
+
+    def __copy__(self):
+        self.__reduce_ex__(2)
+
     def __del__(self):
+        if "_named" not in self.__dict__:
+            return  # a wrapper sharing this class (see _on_real): the optimizer is not its own
         try:
             self.close()
         except Exception:
@@ -1109,3 +1337,26 @@ class ShardedAdamW(torch.optim.Optimizer):
         return ("ShardedAdamW(%d params, rank %d of %d, %s, lr=%g)"
                 % (len(self._named), self._engine.rank, self._engine.world_size,
                    c.strategy.name, self.lr))
+
+
+def _on_real(fn):
+    """Lightning's LightningOptimizer wraps an optimizer in an object whose class derives from
+    the optimizer's own (so isinstance holds) and whose attributes come from it through
+    __getattr__: ShardedAdamW's methods, called on that wrapper, would set their state on the
+    wrapper instead (and its __del__ would close the optimizer). They run on the wrapped
+    ShardedAdamW instead."""
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        d = self.__dict__
+        if "_named" not in d and isinstance(d.get("_optimizer"), ShardedAdamW):
+            self = d["_optimizer"]
+        return fn(self, *args, **kwargs)
+    return method
+
+
+for _name in ("step", "zero_grad", "close", "clip_grad_norm_", "grad_norm", "no_sync", "load",
+              "save", "state_dict", "load_state_dict", "export", "import_", "wait_params",
+              "params_written",
+              "param_state", "master_weights", "memory", "param_id", "scale_loss"):
+    setattr(ShardedAdamW, _name, _on_real(getattr(ShardedAdamW, _name)))
+del _name

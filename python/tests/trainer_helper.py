@@ -1,9 +1,11 @@
-"""Run by test_trainer.py under mpirun -np 2: transformers.Trainer on a 2-layer GPT-2 built from a
-config (nothing downloaded), twice on the same data: with torch.optim.AdamW under DDP (what
-Trainer does by itself with several processes: accelerate wraps the model in
-DistributedDataParallel) and with shardgrad's ShardedAdamW passed as optimizers=(opt,
-scheduler). max_grad_norm (Trainer's default 1.0) clips through torch.nn.utils.clip_grad_norm_
-in both. Rank 0 writes the per-step losses and gradient norms Trainer logged.
+"""Run by test_trainer.py under torchrun --nproc_per_node 2 (gloo; or mpirun -np 2):
+transformers.Trainer on a 2-layer GPT-2 built from a config (nothing downloaded), twice on the
+same data: with torch.optim.AdamW under DDP (what Trainer does by itself with several
+processes: accelerate wraps the model in DistributedDataParallel) and with shardgrad's
+ShardedAdamW passed as optimizers=(opt, scheduler). max_grad_norm (Trainer's default 1.0)
+clips in both through accelerate's clip_grad_norm_, which (accelerate >= 1.16) computes the norm
+from p.grad itself: for ShardedAdamW, the ShardGrads (docs/torch-grads.md). Rank 0 writes the
+per-step losses and gradient norms Trainer logged.
 
 usage: trainer_helper.py OUT_JSON STEPS
 """
@@ -77,6 +79,8 @@ def train(which, steps, outdir, data):
 def main():
     out, steps = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)
+    if not dist.is_initialized():  # Comm.from_torch needs the process group first
+        dist.init_process_group("gloo")
     hf_logging.set_verbosity_error()
     data = Tokens(4 * 2 * steps, 32, 64)
     res = {w: train(w, steps, os.path.dirname(out), data) for w in ("torch", "sharded")}

@@ -47,6 +47,7 @@ typedef struct sg__grads {
   int norm_valid;        /* norm_ss holds the sum of squares of `accum` (sg_grad_norm); 0 once
                             gradients arrive or accum is cleared */
   double norm_ss[2];
+  double user_scale;     /* sg_grad_scale's product since the accumulator was last cleared */
   uint8_t *empty;        /* [nbuckets]: no reduction of the bucket since accum was emptied, so
                             its part holds stale values: the next reduction writes it instead of
                             adding, and a norm or step before that zeroes it */
@@ -209,6 +210,8 @@ sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, 
 /* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks,
  * once every reduction of the step was submitted: the step's one host synchronization. */
 sg_status sg__grads_sumsq(sg_engine *e, double out[2]);
+/* sg_grad_scale: the step's gradient is multiplied by factor (reset to 1 with the accumulator). */
+void sg__grads_scale_by(sg_engine *e, double factor);
 /* The sum of squares of the reduced gradient kept by sg_grad_norm for the step's sg_step (its
  * norm_ss, valid until gradients arrive or the accumulator is cleared). */
 void sg__grads_norm_keep(sg_engine *e, const double ss[2]);

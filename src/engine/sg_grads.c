@@ -28,6 +28,7 @@ sg_status sg__grads_init(sg_engine *e) {
   g->nosync_dirty = calloc((size_t)nb, 1);
   g->empty = malloc((size_t)nb);
   g->sync = 1;
+  g->user_scale = 1.0;
   if (!g->ready || !g->pending || !g->nosync_dirty || !g->empty) {
     sg__grads_free(e);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
@@ -77,8 +78,11 @@ void sg__grads_norm_keep(sg_engine *e, const double ss[2]) {
 
 void sg__grads_norm_drop(sg_engine *e) { e->g.norm_valid = 0; }
 
+void sg__grads_scale_by(sg_engine *e, double factor) { e->g.user_scale *= factor; }
+
 sg_status sg__grads_clear_accum(sg_engine *e) {
   e->g.norm_valid = 0;
+  e->g.user_scale = 1.0;
   memset(e->g.empty, 1, (size_t)e->plan->nbuckets);
   sg__replicas_reset(e);
   if (e->strat->state) return e->strat->state->clear(e);

@@ -74,7 +74,7 @@ static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
 
 static double global_norm(const sg_engine *e, const double ss[2]) {
   const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_world(e) : 1.0;
-  return sqrt(ss[0]) * avg * (1.0 / (double)e->sc.loss_scale);
+  return sqrt(ss[0]) * avg * (1.0 / (double)e->sc.loss_scale) * fabs(e->g.user_scale);
 }
 
 sg_status sg_grad_norm(sg_engine *e, float *norm) {
@@ -85,6 +85,21 @@ sg_status sg_grad_norm(sg_engine *e, float *norm) {
   double ss[2];
   SG_TRY(sg__err_prefix(step_sumsq(e, fn, ss), fn));
   *norm = ss[1] > 0 ? NAN : (float)global_norm(e, ss);
+  return SG_OK;
+}
+
+sg_status sg_grad_scale(sg_engine *e, double factor) {
+  SG_ENGINE_GUARD(e, "sg_grad_scale");
+  static const char *fn = "sg_grad_scale";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (!isfinite(factor))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: factor must be finite (got %g)", fn, factor);
+  /* A product that overflows or underflows to 0 from nonzero factors would be silently wrong. */
+  const double next = e->g.user_scale * factor;
+  if (!isfinite(next) || (next == 0 && factor != 0 && e->g.user_scale != 0))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: the step's gradient scale %g times %g is out of "
+                   "double range", fn, e->g.user_scale, factor);
+  sg__grads_scale_by(e, factor);
   return SG_OK;
 }
 
@@ -111,7 +126,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   if (skip)
     sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
   else
-    st = apply(e, (float)(avg * inv_scale * clip), trace);
+    st = apply(e, (float)(avg * inv_scale * clip * e->g.user_scale), trace);
   if (st == SG_OK) st = sg__grads_clear_accum(e);
   if (st != SG_OK) return st;
   v.step = e->opt.step;
