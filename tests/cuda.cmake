@@ -12,12 +12,21 @@ if(SG_WITH_CUDA)
     LABELS cuda TIMEOUT 120)
   target_compile_definitions(test_cuda_device PRIVATE ${_sg_cuda_defs})
 
-  # The optimizer update kernels' machine code stores fp32 state 128 bits at a time
-  # (sass_wide_stores.sh, cuobjdump); skipped (exit 77) where no cuobjdump is found.
+  # The AdamW kernels' machine code loads and stores fp32 state 128 bits at a time
+  # (sass_wide_stores.sh, cuobjdump); also run after each build where cuobjdump was found at
+  # configure time (cuda_sass.cmake); skipped (exit 77) where no cuobjdump is found.
   add_test(NAME test_sass_wide_stores COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/sass_wide_stores.sh
     $<TARGET_FILE:shardgrad_static> ${CUDAToolkit_BIN_DIR})
   set_tests_properties(test_sass_wide_stores PROPERTIES TIMEOUT 120 LABELS cuda
     SKIP_RETURN_CODE 77)
+
+  # tests/gpu/run.sh's plan on a simulated clock (--dry-run: nothing built or run): the quick
+  # profile fits its budget, also when any one step hangs for its whole limit (every later step
+  # still gets its estimate).
+  add_test(NAME test_gpu_run_dry COMMAND bash -c
+    "for h in none configure build bench_adamw_cuda timeline_nccl_solo test_cuda_device test_cuda_kernels test_cuda_queues test_cuda_engine hybrid_cuda hybrid_cuda_offload; do OUT=\"$1/out\" SG_GPU_BUILD=\"$1/build\" SG_GPU_DRY_HANG=$h bash \"$0\" --quick --dry-run | tail -1 | grep -q 'every step got' || { echo \"budget broken with a hang in $h\"; exit 1; }; done; echo 'dry runs: the quick plan holds with any one step hung'"
+    ${CMAKE_CURRENT_SOURCE_DIR}/gpu/run.sh ${CMAKE_CURRENT_BINARY_DIR}/gpu_dry)
+  set_tests_properties(test_gpu_run_dry PROPERTIES TIMEOUT 60 LABELS cuda)
 
   # The CUDA kernels on the host (kernels/cuda/sg_cuda_emu.h) against the CPU kernels: their
   # indexing, vector paths, segment lookup and reduction order, checked without a GPU.
@@ -73,8 +82,10 @@ if(SG_WITH_CUDA)
     set_tests_properties(test_two_engines_cudamock PROPERTIES TIMEOUT 300 LABELS cuda)
 
     # test_cuda_mock_lean: host syncs and kernel launches of one step, counted by the mock.
+    # test_cuda_mock_unkind: what the mocks hid while kinder than CUDA >= 12 and NCCL >= 2.18
+    # (contexts created by a restore, an abort under a call in flight, cudaFree's device sync).
     foreach(t test_cuda_mock test_cuda_mock_engine test_cuda_mock_nccl test_cuda_mock_nccl_split
-              test_cuda_mock_waits test_cuda_mock_lean)
+              test_cuda_mock_waits test_cuda_mock_lean test_cuda_mock_unkind)
       add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
       target_link_libraries(${t} PRIVATE shardgrad_cudamock)
       target_compile_options(${t} PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)

@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # tests/sass_wide_stores.sh LIBRARY [CUDA_BIN_DIR]
 #
-# The fused optimizer update kernels (kernels/cuda/sg_cuda_kernels.cu) are bound by memory
-# traffic: their fp32 state (m, v, the master weights) must leave each thread as one 128-bit
-# store per group of 4, not four 32-bit ones (a plain `*(float4 *)p = v` was compiled to scalar
-# STG.E in every instantiation; __stcg gives STG.E.128). This reads the machine code in LIBRARY
-# with cuobjdump and fails when an update kernel of any architecture has no STG.E.128.
+# The fused AdamW update kernels (kernels/cuda/sg_cuda_kernels.cu, adamw_kernel<P, G>: P the
+# parameter dtype, G the gradient dtype, 0 f32, 1 bf16, 2 f16) are bound by memory traffic:
+# every full group of 4 must move its fp32 arrays as one 128-bit access per array, not four
+# 32-bit ones (a plain `*(float4 *)p = v` was compiled to scalar STG.E in every instantiation;
+# __stcg gives STG.E.128). This reads the machine code in LIBRARY with cuobjdump and fails
+# unless, for every variant and architecture:
+#   LDG.E.128 >= 3 + (G == 0)   master or f32 parameter, m, v (+ an f32 gradient)
+#   STG.E.128 >= 3              the same three written back
+#   STG.E.64  >= 1 when P != 0  the 16-bit parameter's group of 4
+# (16-bit gradients are LDG.E.64, which the segment table's loads also are: not counted.)
+# Run after each build where cuobjdump is found (tests/cuda_sass.cmake), else by ctest.
 #
-# The update kernels are found by their mangled names (SG_SASS_KERNEL_RE, an extended regular
-# expression; the default matches adamw/update/optim kernels and anything taking the segment
-# table), so that renaming the kernel keeps the check. cuobjdump: $SG_CUOBJDUMP, PATH,
-# CUDA_BIN_DIR, or PyPI's nvidia-cuda-cuobjdump (pip install nvidia-cuda-cuobjdump
-# nvidia-cuda-nvdisasm; scripts/test.sh installs it). Without it the check is skipped (exit 77).
+# The kernels are found by their mangled names (SG_SASS_KERNEL_RE, an extended regular
+# expression, default adamw_kernel; the template arguments are read from ILi<P>ELi<G>E), so that
+# a variant added later is checked too. cuobjdump: $SG_CUOBJDUMP, PATH, CUDA_BIN_DIR, or PyPI's
+# nvidia-cuda-cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm; scripts/test.sh
+# installs it). Without it the check is skipped (exit 77).
 set -uo pipefail
 lib=${1:?usage: sass_wide_stores.sh LIBRARY [CUDA_BIN_DIR]}
 cuda_bin=${2:-}
-re=${SG_SASS_KERNEL_RE:-'adamw|update|optim|seg_entry'}
+re=${SG_SASS_KERNEL_RE:-'adamw_kernel'}
 
 find_cuobjdump() {
   local c d
@@ -53,14 +59,26 @@ if ! grep -q 'Function :' "$sass"; then
   exit 77
 fi
 
-# One line per (architecture, update kernel): arch, wide stores, 64-bit, 32-bit, name.
+# One line per (architecture, update kernel): arch, LDG.E.128, STG.E.128, STG.E.64, STG.E (32),
+# P, G, name.
 report=$(awk -v re="$re" '
   /arch = sm_/ { arch = $3 }
-  /Function :/ { fn = $3; if (fn ~ re) { key = arch " " fn; seen[key] = 1; w[key] += 0 } else key = "" }
+  /Function :/ { fn = $3; if (fn ~ re) { key = arch " " fn; seen[key] = 1 } else key = "" }
+  key != "" && /LDG\.E\.128/ { l[key]++ }
   key != "" && /STG\.E\.128/ { w[key]++ }
   key != "" && /STG\.E\.64/ { d[key]++ }
   key != "" && /STG\.E[ .]/ && !/STG\.E\.(128|64|U16|U8|S16|S8)/ { s[key]++ }
-  END { for (k in seen) { split(k, a, " "); printf "%s %d %d %d %s\n", a[1], w[k], d[k], s[k], a[2] } }
+  END {
+    for (k in seen) {
+      split(k, a, " ")
+      p = g = "?"
+      if (match(a[2], /ILi[0-9]ELi[0-9]E/)) {
+        p = substr(a[2], RSTART + 3, 1)
+        g = substr(a[2], RSTART + 7, 1)
+      }
+      printf "%s %d %d %d %d %s %s %s\n", a[1], l[k], w[k], d[k], s[k], p, g, a[2]
+    }
+  }
 ' "$sass" | sort)
 
 if [ -z "$report" ]; then
@@ -69,14 +87,19 @@ if [ -z "$report" ]; then
   grep 'Function :' "$sass" | sed 's/^[[:space:]]*/  /' | sort -u | head -20
   exit 1
 fi
+# The verdict per line (see the top of the file); a name without ILi<P>ELi<G>E fails.
+table=$(printf '%s\n' "$report" | awk '{
+  ok = $6 != "?" && $2 >= 3 + ($7 == "0") && $3 >= 3 && ($6 == "0" || $4 >= 1)
+  printf "%-6s %s %s %9d %9d %8d %9d %-6s %s\n", $1, $6, $7, $2, $3, $4, $5, ok ? "ok" : "NARROW", $8
+}')
 echo "cuobjdump: $cuo"
-echo "arch   STG.E.128 STG.E.64 STG.E(32) kernel"
-printf '%s\n' "$report" | awk '{ printf "%-6s %9d %8d %9d %s\n", $1, $2, $3, $4, $5 }'
-bad=$(printf '%s\n' "$report" | awk '$2 == 0' | wc -l)
-total=$(printf '%s\n' "$report" | wc -l)
+echo "arch   P G LDG.E.128 STG.E.128 STG.E.64 STG.E(32) verdict kernel"
+printf '%s\n' "$table"
+total=$(printf '%s\n' "$table" | wc -l)
+bad=$(printf '%s\n' "$table" | awk '$8 != "ok"' | wc -l)
 if [ "$bad" -gt 0 ]; then
-  echo "FAIL: $bad of $total update kernels store their fp32 state without 128-bit stores" \
-    "(STG.E.128): see vstore in kernels/cuda/sg_cuda_kernels.cu"
+  echo "FAIL: $bad of $total AdamW kernels lack 128-bit loads or stores on a full-vector path" \
+    "(see vload/vstore in kernels/cuda/sg_cuda_kernels.cu)"
   exit 1
 fi
-echo "PASS: all $total update kernels have 128-bit stores"
+echo "PASS: all $total AdamW kernels use 128-bit loads and stores on their full-vector paths"

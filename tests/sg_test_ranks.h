@@ -108,16 +108,17 @@ static inline void sg_test_mpi_finalize(void) {
 
 enum { SG_TEST_SMALL_NUMEL = 40 };
 
-/* Three AdamW steps on communicator c and device dev; data_rank picks the gradients (k/4, k in
- * 0..4: their sums and averages over up to 4 ranks are exact). The final parameter, in f32,
- * into out[SG_TEST_SMALL_NUMEL]. */
-static inline sg_status sg_test_train_small(sg_comm *c, sg_device dev, int data_rank, float *out) {
+/* Three AdamW steps on communicator c and device dev (GPU cuda_device); data_rank picks the
+ * gradients (k/4, k in 0..4: their sums and averages over up to 4 ranks are exact). The final
+ * parameter, in f32, into out[SG_TEST_SMALL_NUMEL]. */
+static inline sg_status sg_test_train_small_on(sg_comm *c, sg_device dev, int cuda_device,
+                                               int data_rank, float *out) {
   sg_config cfg;
   sg_engine *e = NULL;
   int id = -1;
   sg_status st = sg_config_init(&cfg, sizeof cfg);
   cfg.device = dev;
-  cfg.cuda_device = 0;
+  cfg.cuda_device = cuda_device;
   cfg.timeout_ms = 60000;
   if (st == SG_OK) st = sg_engine_create(c, &cfg, &e);
   if (st == SG_OK) st = sg_add_param(e, "w", SG_TEST_SMALL_NUMEL, 0, &id);
@@ -131,6 +132,10 @@ static inline sg_status sg_test_train_small(sg_comm *c, sg_device dev, int data_
   if (st == SG_OK) st = sg_get_param(e, id, out, SG_F32);
   sg_engine_destroy(e);
   return st;
+}
+
+static inline sg_status sg_test_train_small(sg_comm *c, sg_device dev, int data_rank, float *out) {
+  return sg_test_train_small_on(c, dev, 0, data_rank, out);
 }
 
 #endif /* SG_TEST_RANKS_H */

@@ -8,12 +8,18 @@
  *  - without ncclCommSplit (the loaded table's entry cleared, as an NCCL before 2.18 has it):
  *    the first split of a fresh communicator hands out new ids over it and works the same; a
  *    second one on that communicator is SG_ERR_UNSUPPORTED naming ncclCommSplit, on every rank,
- *    and leaves it usable. */
+ *    and leaves it usable.
+ * The mock NCCL splits and initializes as NCCL >= 2.18 does in non-blocking mode (ncclInProgress,
+ * the handle NULL until its background thread writes it, the parent in progress meanwhile): the
+ * splits must wait for the parent, then the child, and leave the parent usable (issue 28,
+ * defect 1: the wait ended at once and every split failed with "operation in progress"). */
 #define _POSIX_C_SOURCE 200809L
 
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+
+#include <nccl.h> /* the mock's controls */
 
 #include "comm/sg_comm.h"    /* collectives through the vtable */
 #include "comm/sg_nccl_dl.h" /* the loaded NCCL's table */
@@ -61,6 +67,7 @@ static void splits(sg_comm *c) {
   check_comm(b, r, 0, 1, (float)r, "by host (one host): replica");
   sg_comm_destroy(a);
   sg_comm_destroy(b);
+  check_comm(c, r, r, 4, 6.0f, "the parent after its splits");
 }
 
 /* Three AdamW steps with exactly summable gradients; the final parameters. */
@@ -139,6 +146,8 @@ static void run(void (*body)(sg_comm *)) {
 int main(void) {
   CHECK(sg_test_run_threads(2, cpu_rank, NULL) == SG_OK, "local communicator for the reference");
   run(splits);
+  CHECK(sg_ncclmock_background() == 0, "no NCCL thread left to write a handle after the splits");
+  CHECK(sg_ncclmock_dead_calls() == 0, "no call on a destroyed or aborted NCCL handle");
   run(engine_on_node);
   const sg__nccl_lib *lib = NULL;
   if (CHECK(sg__nccl_lib_load("test", &lib) == SG_OK && lib->CommSplit, "NCCL with ncclCommSplit")) {

@@ -70,7 +70,8 @@ __device__ __forceinline__ V vload(const void *p) {
 
 // __stcg, not `*(V *)p = v`: nvcc splits the plain vector store into 32-bit STG.E (the scalar
 // tail path of the same group shares it), while __stcg stays one STG.E.128 / STG.E.64
-// (tests/sass_check.cmake checks the AdamW kernels' SASS for it).
+// (tests/sass_wide_stores.sh checks every AdamW variant's SASS for it after each build where
+// cuobjdump is found, tests/cuda_sass.cmake; else ctest's test_sass_wide_stores).
 template <typename V>
 __device__ __forceinline__ void vstore(void *p, V v) {
 #ifdef SG_CUDA_EMULATE

@@ -110,7 +110,7 @@ sg_status sg__comm_fail(sg_comm *c, sg_status st, const char *fn, const char *fm
   va_end(ap);
   if (c) {
     /* Broken for good: a collective that failed half-way leaves peers at unknown points. */
-    c->broken = 1;
+    __atomic_store_n(&c->broken, 1, __ATOMIC_RELAXED); /* an abort may come from another thread */
     /* info, not warn: the caller gets the status and the text; warn is for what it cannot see */
     SG_LOG(SG_LOG_INFO, c->rank, "%s: %s (communicator now broken)", fn ? fn : "comm", msg);
   }
@@ -125,7 +125,7 @@ sg_status sg__comm_usable(sg_comm *c, const char *fn) {
                    "%s: communicator (rank %d of %d) was destroyed (sg_comm_destroy); the engines "
                    "that use it keep it until they are destroyed, nothing new may",
                    fn, c->rank, c->world);
-  if (c->broken)
+  if (__atomic_load_n(&c->broken, __ATOMIC_RELAXED))
     return sg__err(SG_ERR_COMM,
                    "%s: communicator (rank %d of %d) is broken by an earlier failure; create a "
                    "new one",

@@ -47,8 +47,9 @@
 
 #define _POSIX_C_SOURCE 200809L /* fsync, nanosleep, O_CLOEXEC under -std=c11 */
 
-#include <errno.h>  /* errno, ENOENT, EINTR */
-#include <fcntl.h>  /* open */
+#include <errno.h>   /* errno, ENOENT, EINTR */
+#include <fcntl.h>   /* open */
+#include <pthread.h> /* the lock around the NCCL handle */
 #include <stdio.h>  /* snprintf, rename */
 #include <stdlib.h> /* calloc, free, getenv, strtol */
 #include <string.h> /* memcpy, memcmp, strerror, strlen, strrchr */
@@ -71,7 +72,11 @@
 /* One NCCL communicator. */
 typedef struct sg__nccl {
   const sg__nccl_lib *nc; /* NCCL's functions */
-  ncclComm_t comm;        /* NULL once aborted; only base->comm is used */
+  /* NULL once aborted; only base->comm is used, under base->mu: an abort from another thread
+   * (a device wait's deadline, the staged hybrid's worker failing) must not free the handle
+   * while a call is inside NCCL with it. */
+  ncclComm_t comm;
+  pthread_mutex_t mu;
   struct sg__nccl *base;  /* the one whose comm the collectives use (itself, or a channel's
                              communicator) */
   int ordinal;            /* its GPU */
@@ -86,12 +91,27 @@ static const char *sg__nccl_base(const char *file) {
   return s ? s + 1 : file;
 }
 
-/* Spin a little, then sleep with a growing pause up to 1 ms. */
+/* Spin a little, then sleep with a growing pause up to 50 us (a longer nap would leave the GPU
+ * idle after the collective it waits for). */
 static void sg__nccl_backoff(unsigned iter) {
   if (iter < 64) return;
-  long ns = 1000L << (iter < 74 ? iter - 64 : 10);
-  struct timespec ts = {0, ns > 1000000L ? 1000000L : ns};
+  long ns = 1000L << (iter < 70 ? iter - 64 : 6);
+  struct timespec ts = {0, ns > 50000L ? 50000L : ns};
   nanosleep(&ts, NULL);
+}
+
+/* Makes `ordinal` current on the calling thread; returns the device to restore afterwards (-1:
+ * none, sg__device_cuda_current: the thread had no context, and "restoring" device 0 would
+ * create one there). */
+static int sg__nccl_enter(int ordinal, cudaError_t *e) {
+  const int prev = sg__device_cuda_current();
+  cudaError_t r = prev == ordinal ? cudaSuccess : cudaSetDevice(ordinal);
+  if (e) *e = r;
+  return prev;
+}
+
+static void sg__nccl_leave(int prev, int ordinal) {
+  if (prev >= 0 && prev != ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
 }
 
 static int sg__nccl_expired(int64_t deadline_ms) {
@@ -236,20 +256,33 @@ sg_status sg__nccl_id_file_read(const char *path, int world, int64_t deadline_ms
 
 /* ---- failures ------------------------------------------------------------------------------ */
 
+/* NCCL calls on the handle run under the base's lock (non-blocking mode: each one returns
+ * soon), so that the abort waits for a call in progress instead of freeing under it. */
 static void sg__nccl_abort(sg__nccl *n) {
   n = n->base;
-  if (!n->comm) return;
-  (void)n->nc->CommAbort(n->comm);
+  pthread_mutex_lock(&n->mu);
+  if (n->comm) (void)n->nc->CommAbort(n->comm);
   n->comm = NULL;
+  pthread_mutex_unlock(&n->mu);
+}
+
+static int sg__nccl_alive(sg__nccl *n) {
+  n = n->base;
+  pthread_mutex_lock(&n->mu);
+  const int alive = n->comm != NULL;
+  pthread_mutex_unlock(&n->mu);
+  return alive;
 }
 
 /* An NCCL failure: its text (and NCCL's last error) with file:line, then abort. */
 static sg_status sg__nccl_fail(sg_comm *c, sg_status st, const char *fn, const char *what,
                                ncclResult_t r, int line) {
   sg__nccl *n = (sg__nccl *)c->impl;
-  const char *last = n->nc->GetLastError(n->base->comm);
   char detail[256];
+  pthread_mutex_lock(&n->base->mu);
+  const char *last = n->nc->GetLastError(n->base->comm);
   snprintf(detail, sizeof detail, "%s", last ? last : "");
+  pthread_mutex_unlock(&n->base->mu);
   sg__nccl_abort(n);
   return sg__comm_fail(c, st, fn, "%s failed: %s%s%s (rank %d of %d) (%s:%d)", what,
                        n->nc->GetErrorString(r), detail[0] ? ": " : "", detail, c->rank, c->world,
@@ -271,10 +304,14 @@ static sg_status sg__nccl_timeout(sg_comm *c, const char *fn, const char *what, 
                        what, c->rank, c->world, sg__nccl_base(__FILE__), line);
 }
 
-/* The communicator's asynchronous state: ncclSuccess, ncclInProgress or an error. */
-static ncclResult_t sg__nccl_async(const sg__nccl *n) {
-  ncclResult_t r = ncclSuccess;
-  ncclResult_t e = n->nc->CommGetAsyncError(n->base->comm, &r);
+/* The communicator's asynchronous state: ncclSuccess, ncclInProgress or an error
+ * (ncclInvalidUsage once aborted). */
+static ncclResult_t sg__nccl_async(sg__nccl *n) {
+  n = n->base;
+  ncclResult_t r = ncclInvalidUsage;
+  pthread_mutex_lock(&n->mu);
+  ncclResult_t e = n->comm ? n->nc->CommGetAsyncError(n->comm, &r) : ncclSuccess;
+  pthread_mutex_unlock(&n->mu);
   return e != ncclSuccess ? e : r;
 }
 
@@ -313,7 +350,7 @@ static sg_status sg__nccl_wait_stream(sg_comm *c, cudaStream_t s, const char *fn
 static sg_status sg__nccl_hook_poll(void *arg) {
   sg_comm *c = (sg_comm *)arg;
   sg__nccl *n = (sg__nccl *)c->impl;
-  if (!n->base->comm)
+  if (!sg__nccl_alive(n))
     return sg__err(SG_ERR_COMM, "sg_comm(nccl): communicator (rank %d of %d) was aborted", c->rank,
                    c->world);
   ncclResult_t r = sg__nccl_async(n);
@@ -324,7 +361,7 @@ static sg_status sg__nccl_hook_poll(void *arg) {
 static void sg__nccl_hook_abort(void *arg) {
   sg_comm *c = (sg_comm *)arg;
   sg__nccl_abort((sg__nccl *)c->impl);
-  c->broken = 1;
+  __atomic_store_n(&c->broken, 1, __ATOMIC_RELAXED); /* the thread of a device wait */
 }
 
 /* The stream to use: the bound CUDA device's comm stream (*bound = 1), or our own stream. */
@@ -374,31 +411,41 @@ static size_t sg__nccl_total(const sg_comm *c, const sg__nccl_call *k) {
                                                                             : b;
 }
 
-static ncclResult_t sg__nccl_issue(sg_comm *c, const sg__nccl_call *k, char *buf, cudaStream_t s) {
-  sg__nccl *n = (sg__nccl *)c->impl;
+/* Under the base's lock, comm its live handle. */
+static ncclResult_t sg__nccl_issue(sg_comm *c, ncclComm_t comm, const sg__nccl_call *k, char *buf,
+                                   cudaStream_t s) {
+  const sg__nccl_lib *nc = ((sg__nccl *)c->impl)->nc;
   const ncclDataType_t t = sg__nccl_type(k->dtype);
   const size_t slice = k->count * sg__nccl_esize(k->dtype) * (size_t)c->rank;
   switch (k->kind) {
-    case SG__NC_ALL_REDUCE:
-      return n->nc->AllReduce(buf, buf, k->count, t, ncclSum, n->base->comm, s);
+    case SG__NC_ALL_REDUCE: return nc->AllReduce(buf, buf, k->count, t, ncclSum, comm, s);
     case SG__NC_REDUCE_SCATTER: /* in place: NCCL wants recvbuff = sendbuff + rank*count */
-      return n->nc->ReduceScatter(buf, buf + slice, k->count, t, ncclSum, n->base->comm, s);
+      return nc->ReduceScatter(buf, buf + slice, k->count, t, ncclSum, comm, s);
     case SG__NC_ALL_GATHER: /* in place: sendbuff = recvbuff + rank*count */
-      return n->nc->AllGather(buf + slice, buf, k->count, ncclInt8, n->base->comm, s);
+      return nc->AllGather(buf + slice, buf, k->count, ncclInt8, comm, s);
     case SG__NC_BROADCAST:
-      return n->nc->Broadcast(buf, buf, k->count, ncclInt8, k->root, n->base->comm, s);
+      return nc->Broadcast(buf, buf, k->count, ncclInt8, k->root, comm, s);
   }
   return ncclInvalidArgument;
 }
 
-/* Enqueues one collective as a group on stream s and waits until NCCL has enqueued it. */
+/* Enqueues one collective as a group on stream s and waits until NCCL has enqueued it. The
+ * group runs under the base's lock (an abort on another thread waits for it). */
 static sg_status sg__nccl_enqueue(sg_comm *c, const sg__nccl_call *k, void *buf, cudaStream_t s,
                                   const char *fn, int64_t deadline_ms) {
-  const sg__nccl_lib *nc = ((sg__nccl *)c->impl)->nc;
-  ncclResult_t r = nc->GroupStart();
-  if (r != ncclSuccess) return sg__nccl_fail(c, SG_ERR_COMM, fn, "ncclGroupStart", r, __LINE__);
-  r = sg__nccl_issue(c, k, (char *)buf, s);
-  ncclResult_t g = nc->GroupEnd();
+  sg__nccl *b = ((sg__nccl *)c->impl)->base;
+  pthread_mutex_lock(&b->mu);
+  if (!b->comm) {
+    pthread_mutex_unlock(&b->mu);
+    return sg__comm_fail(c, SG_ERR_COMM, fn, "the NCCL communicator (rank %d of %d) was aborted",
+                         c->rank, c->world);
+  }
+  ncclResult_t r = b->nc->GroupStart(), g = ncclSuccess;
+  if (r == ncclSuccess) {
+    r = sg__nccl_issue(c, b->comm, k, (char *)buf, s);
+    g = b->nc->GroupEnd();
+  }
+  pthread_mutex_unlock(&b->mu);
   if (r != ncclSuccess && r != ncclInProgress)
     return sg__nccl_fail(c, SG_ERR_COMM, fn, "collective", r, __LINE__);
   return sg__nccl_settle(c, g, fn, "ncclGroupEnd", deadline_ms, __LINE__);
@@ -436,9 +483,8 @@ static sg_status sg__nccl_run(sg_comm *c, const sg__nccl_call *k, void *buf, con
   if (!buf) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: buf is NULL (count %zu)", fn, k->count);
   if (k->count > SIZE_MAX / 8u / (size_t)c->world)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: count too large (%zu)", fn, k->count);
-  int prev = -1;
-  cudaError_t e = cudaGetDevice(&prev);
-  if (e == cudaSuccess && prev != n->ordinal) e = cudaSetDevice(n->ordinal);
+  cudaError_t e;
+  const int prev = sg__nccl_enter(n->ordinal, &e);
   if (e != cudaSuccess) return sg__nccl_cuda_fail(c, fn, "cudaSetDevice", e, __LINE__);
   cudaStream_t s;
   int bound;
@@ -451,7 +497,7 @@ static sg_status sg__nccl_run(sg_comm *c, const sg__nccl_call *k, void *buf, con
     /* Bound: stream-ordered, the device's ticket covers it. Otherwise complete it here. */
     if (st == SG_OK && !bound) st = sg__nccl_wait_stream(c, s, fn, deadline_ms);
   }
-  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
+  sg__nccl_leave(prev, n->ordinal);
   return st;
 }
 
@@ -501,32 +547,50 @@ static sg_status sg__nccl_broadcast(sg_comm *c, void *buf, size_t bytes, int roo
 /* Flushes (ncclCommFinalize, bounded by the init timeout) and frees; aborts when a peer does not
  * let it finish. */
 static void sg__nccl_finalize(sg__nccl *n) {
-  if (!n->comm) return;
+  if (n->base != n || !sg__nccl_alive(n)) return; /* not ours, or aborted */
   int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
+  pthread_mutex_lock(&n->mu);
   ncclResult_t r = n->nc->CommFinalize(n->comm);
+  pthread_mutex_unlock(&n->mu);
   for (unsigned iter = 0; r == ncclInProgress && !sg__nccl_expired(deadline); iter++) {
     sg__nccl_backoff(iter);
     r = sg__nccl_async(n);
   }
-  if (r == ncclSuccess)
+  pthread_mutex_lock(&n->mu);
+  if (n->comm && r == ncclSuccess)
     (void)n->nc->CommDestroy(n->comm);
-  else
+  else if (n->comm)
     (void)n->nc->CommAbort(n->comm);
   n->comm = NULL;
+  pthread_mutex_unlock(&n->mu);
+}
+
+/* A zeroed sg__nccl with its lock, or NULL. */
+static sg__nccl *sg__nccl_alloc(void) {
+  sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
+  if (n && pthread_mutex_init(&n->mu, NULL) != 0) {
+    free(n);
+    n = NULL;
+  }
+  return n;
+}
+
+static void sg__nccl_free(sg__nccl *n) {
+  if (!n) return;
+  pthread_mutex_destroy(&n->mu);
+  free(n);
 }
 
 static void sg__nccl_destroy(sg_comm *c) {
   if (!c) return;
   sg__nccl *n = (sg__nccl *)c->impl;
   if (n) {
-    int prev = -1;
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    (void)cudaSetDevice(n->ordinal);
+    const int prev = sg__nccl_enter(n->ordinal, NULL);
     sg__nccl_finalize(n);
     if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
     if (n->own) (void)cudaStreamDestroy(n->own);
-    if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
-    free(n);
+    sg__nccl_leave(prev, n->ordinal);
+    sg__nccl_free(n);
   }
   free(c);
 }
@@ -574,34 +638,100 @@ static sg_status sg__nccl_attach(sg_comm *chan, sg__device *dev, int timeout_ms,
   return SG_OK;
 }
 
+/* ---- non-blocking creation ------------------------------------------------------------------
+ *
+ * NCCL >= 2.18 in non-blocking mode: ncclCommSplit returns ncclInProgress with *newcomm still
+ * NULL, its own thread writes the child handle later and keeps the parent in progress until
+ * then (the parent's next call fails before that). ncclCommInitRankConfig may do the same. So
+ * the handle's cell is on the heap (a call that gives up at its deadline leaks it: NCCL may still
+ * write it), read atomically, and a split waits for the parent to leave in-progress first, then
+ * for the child. */
+
+#ifndef NCCL_SPLIT_NOCOLOR
+#define NCCL_SPLIT_NOCOLOR -1 /* <nccl.h> before 2.18 */
+#endif
+
+static ncclComm_t sg__nccl_cell_get(ncclComm_t *cell) {
+  return __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+}
+
+static ncclResult_t sg__nccl_query(const sg__nccl_lib *nc, ncclComm_t comm) {
+  ncclResult_t r = ncclSuccess;
+  ncclResult_t e = nc->CommGetAsyncError(comm, &r);
+  return e != ncclSuccess ? e : r;
+}
+
+/* Waits for a creation call that returned r (parent: the parent of a split, else NULL; child
+ * expected unless the split was NCCL_SPLIT_NOCOLOR). *expired: the deadline passed. */
+static ncclResult_t sg__nccl_await(const sg__nccl_lib *nc, sg__nccl *parent, ncclComm_t *cell,
+                                   int want_child, ncclResult_t r, int64_t deadline_ms,
+                                   int *expired) {
+  int parent_busy = parent != NULL && r == ncclInProgress;
+  *expired = 0;
+  for (unsigned iter = 0; r == ncclInProgress; iter++) {
+    if (sg__nccl_expired(deadline_ms)) {
+      *expired = 1;
+      return r;
+    }
+    sg__nccl_backoff(iter);
+    if (parent_busy) {
+      r = sg__nccl_async(parent);
+      if (r != ncclSuccess) continue; /* still in progress, or failed */
+      parent_busy = 0;
+    }
+    ncclComm_t child = sg__nccl_cell_get(cell);
+    if (child)
+      r = sg__nccl_query(nc, child);
+    else if (parent)
+      r = want_child ? ncclInternalError : ncclSuccess; /* the parent is done: no child */
+    else
+      r = ncclInProgress; /* init: NCCL has not written the handle yet */
+  }
+  if (r == ncclSuccess && want_child && !sg__nccl_cell_get(cell)) r = ncclInternalError;
+  return r;
+}
+
+/* After a wait that failed: aborts what NCCL wrote into the cell and frees the cell, unless
+ * NCCL may still write it (nothing written, the deadline passed). */
+static void sg__nccl_cell_drop(const sg__nccl_lib *nc, ncclComm_t *cell, int expired) {
+  ncclComm_t child = sg__nccl_cell_get(cell);
+  if (child) (void)nc->CommAbort(child);
+  if (child || !expired) free(cell);
+}
+
 /* ncclCommSplit of p (NCCL_SPLIT_NOCOLOR: *out = NULL), non-blocking, waited for until the
  * deadline (the init timeout when there is none). A failure breaks c: ranks that split and
- * ranks that did not are out of step. */
+ * ranks that did not are out of step; a passed deadline aborts p too (NCCL keeps it in
+ * progress). */
 static sg_status sg__nccl_split(sg_comm *c, sg__nccl *p, int color, int key, int64_t deadline_ms,
                                 ncclComm_t *out, const char *fn) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
-  ncclComm_t comm = NULL;
+  ncclComm_t *cell = (ncclComm_t *)calloc(1, sizeof *cell);
+  if (!cell) return sg__comm_fail(c, SG_ERR_OUT_OF_MEMORY, fn, "out of memory");
   if (deadline_ms == INT64_MAX) deadline_ms = sg__deadline(sg__nccl_init_timeout_ms());
-  ncclResult_t r = p->nc->CommSplit(p->comm, color, key, &comm, &cfg);
-  for (unsigned iter = 0; r == ncclInProgress && comm; iter++) {
-    if (sg__nccl_expired(deadline_ms)) {
-      (void)p->nc->CommAbort(comm);
+  ncclResult_t r = ncclInvalidUsage;
+  pthread_mutex_lock(&p->mu);
+  if (p->comm) r = p->nc->CommSplit(p->comm, color, key, cell, &cfg);
+  pthread_mutex_unlock(&p->mu);
+  int expired = 0;
+  if (r == ncclSuccess || r == ncclInProgress)
+    r = sg__nccl_await(p->nc, p, cell, color != NCCL_SPLIT_NOCOLOR, r, deadline_ms, &expired);
+  if (r != ncclSuccess) {
+    sg__nccl_cell_drop(p->nc, cell, expired);
+    if (expired) {
+      sg__nccl_abort(p);
       return sg__comm_fail(c, SG_ERR_TIMEOUT, fn,
                            "ncclCommSplit did not complete before the deadline (rank %d of %d; "
-                           "do all ranks create their engines and split in the same order?)",
+                           "do all ranks create their engines and split in the same order?); "
+                           "communicator aborted",
                            c->rank, c->world);
     }
-    sg__nccl_backoff(iter);
-    ncclResult_t e = p->nc->CommGetAsyncError(comm, &r);
-    if (e != ncclSuccess) r = e;
-  }
-  if (r != ncclSuccess) {
-    if (comm) (void)p->nc->CommAbort(comm);
     return sg__comm_fail(c, SG_ERR_COMM, fn, "ncclCommSplit failed: %s",
                          p->nc->GetErrorString(r));
   }
-  *out = comm;
+  *out = sg__nccl_cell_get(cell);
+  free(cell);
   return SG_OK;
 }
 
@@ -616,9 +746,9 @@ static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int 
                    "communicator for it (without ncclCommSplit only the first use, an engine or "
                    "one sg_comm_split or sg_comm_split_nodes, has the communicator to itself)",
                    fn, p->nc->version);
-  if (!p->comm) return sg__err(SG_ERR_COMM, "%s: the NCCL communicator was aborted", fn);
+  if (!sg__nccl_alive(p)) return sg__err(SG_ERR_COMM, "%s: the NCCL communicator was aborted", fn);
   sg_comm *ch = (sg_comm *)calloc(1, sizeof *ch);
-  sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
+  sg__nccl *n = sg__nccl_alloc();
   sg_status st = SG_OK;
   int prev = -1;
   if (!ch || !n) {
@@ -629,8 +759,8 @@ static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int 
   n->base = index == 0 ? p : n;
   n->ordinal = p->ordinal;
   sg__comm_channel_init(ch, c, &sg__nccl_ops, dev, n);
-  cudaError_t e = cudaGetDevice(&prev);
-  if (e == cudaSuccess && prev != n->ordinal) e = cudaSetDevice(n->ordinal);
+  cudaError_t e;
+  prev = sg__nccl_enter(n->ordinal, &e);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&n->own, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
     st = sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: cannot set up GPU %d: %s", fn,
@@ -640,14 +770,14 @@ static sg_status sg__nccl_bind(sg_comm *c, uint64_t index, sg__device *dev, int 
   if (index > 0)
     SG_TRY_GOTO(sg__nccl_split(c, p, 0, c->rank, sg__deadline(timeout_ms), &n->comm, fn), st, fail);
   if (dev) SG_TRY_GOTO(sg__nccl_attach(ch, dev, timeout_ms, fn), st, fail);
-  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
+  sg__nccl_leave(prev, n->ordinal);
   *chan = ch;
   return SG_OK;
 fail:
   if (n) sg__nccl_finalize(n);
   if (n && n->own) (void)cudaStreamDestroy(n->own);
-  if (prev >= 0 && n && prev != n->ordinal) (void)cudaSetDevice(prev);
-  free(n);
+  if (n) sg__nccl_leave(prev, n->ordinal);
+  sg__nccl_free(n);
   free(ch);
   return st;
 }
@@ -657,22 +787,16 @@ fail:
 static void sg__nccl_unbind(sg_comm *chan) {
   sg__nccl *n = (sg__nccl *)chan->impl;
   if (chan->dev) chan->dev->ops->comm_detach(chan->dev);
-  int prev = -1;
-  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-  (void)cudaSetDevice(n->ordinal);
-  if (n->base == n) sg__nccl_finalize(n); /* a split of its own */
+  const int prev = sg__nccl_enter(n->ordinal, NULL);
+  sg__nccl_finalize(n); /* a split of its own only */
   if (n->stage && n->own) (void)cudaFreeAsync(n->stage, n->own);
   if (n->own) (void)cudaStreamDestroy(n->own);
-  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
-  free(n);
+  sg__nccl_leave(prev, n->ordinal);
+  sg__nccl_free(n);
   free(chan);
 }
 
 /* ---- sg_comm_split ---------------------------------------------------------------------------- */
-
-#ifndef NCCL_SPLIT_NOCOLOR
-#define NCCL_SPLIT_NOCOLOR -1 /* <nccl.h> before 2.18 */
-#endif
 
 /* Without ncclCommSplit: the new rank 0 of each color makes an id, every rank takes its
  * leader's from an all-gather over chan ([made flag, pad, id] per rank) and joins with it. */
@@ -717,14 +841,13 @@ static sg_status sg__nccl_split_op(sg_comm *chan, const int *colors, const int *
   sg__nccl *n = (sg__nccl *)chan->impl;
   if (!n->nc->CommSplit) return sg__nccl_split_by_ids(chan, colors, keys, deadline_ms, out, fn);
   const int me = chan->rank;
-  int size = 0, prev = -1;
+  int size = 0;
   const int nr = sg__comm_split_rank(colors, keys, chan->world, me, &size);
-  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-  (void)cudaSetDevice(n->ordinal);
+  const int prev = sg__nccl_enter(n->ordinal, NULL);
   ncclComm_t made = NULL;
   sg_status st = sg__nccl_split(chan, n->base, nr < 0 ? NCCL_SPLIT_NOCOLOR : colors[me], keys[me],
                                 deadline_ms, &made, fn);
-  if (prev >= 0 && prev != n->ordinal) (void)cudaSetDevice(prev);
+  sg__nccl_leave(prev, n->ordinal);
   if (st != SG_OK || nr < 0) return st;
   st = sg__nccl_new(n->nc, nr, size, NULL, made, n->ordinal, out, fn);
   if (st != SG_OK) chan->broken = 1; /* the others have theirs */
@@ -733,37 +856,36 @@ static sg_status sg__nccl_split_op(sg_comm *chan, const int *colors, const int *
 
 /* ---- creation ------------------------------------------------------------------------------- */
 
-/* NCCL's non-blocking initialization, waited for with the init timeout. */
+/* NCCL's non-blocking initialization, waited for with the init timeout (see "non-blocking
+ * creation" above: the handle may come later than the call's return). */
 static sg_status sg__nccl_init_comm(const sg__nccl_lib *nc, int rank, int world,
                                     const ncclUniqueId *id, ncclComm_t *out, const char *fn) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
-  ncclComm_t comm = NULL;
+  ncclComm_t *cell = (ncclComm_t *)calloc(1, sizeof *cell);
+  if (!cell) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   int64_t deadline = sg__deadline(sg__nccl_init_timeout_ms());
-  ncclResult_t r = nc->CommInitRankConfig(&comm, world, *id, rank, &cfg);
-  for (unsigned iter = 0; r == ncclInProgress && comm; iter++) {
-    if (sg__nccl_expired(deadline)) {
-      (void)nc->CommAbort(comm);
-      return sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
-                        "%s: NCCL initialization (rank %d of %d) did not complete within "
-                        "SG_NCCL_INIT_TIMEOUT_MS=%d ms (do all ranks use the same id?)",
-                        fn, rank, world, sg__nccl_init_timeout_ms());
-    }
-    sg__nccl_backoff(iter);
-    ncclResult_t e = nc->CommGetAsyncError(comm, &r);
-    if (e != ncclSuccess) r = e;
+  ncclResult_t r = nc->CommInitRankConfig(cell, world, *id, rank, &cfg);
+  int expired = 0;
+  if (r == ncclSuccess || r == ncclInProgress)
+    r = sg__nccl_await(nc, NULL, cell, 1, r, deadline, &expired);
+  if (r == ncclSuccess) {
+    *out = sg__nccl_cell_get(cell);
+    free(cell);
+    return SG_OK;
   }
-  if (r != ncclSuccess) {
-    char detail[256];
-    const char *last = nc->GetLastError(comm);
-    snprintf(detail, sizeof detail, "%s", last ? last : "");
-    if (comm) (void)nc->CommAbort(comm);
-    return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__,
-                      "%s: NCCL initialization (rank %d of %d) failed: %s%s%s", fn, rank, world,
-                      nc->GetErrorString(r), detail[0] ? ": " : "", detail);
-  }
-  *out = comm;
-  return SG_OK;
+  char detail[256];
+  const char *last = nc->GetLastError(sg__nccl_cell_get(cell));
+  snprintf(detail, sizeof detail, "%s", last ? last : "");
+  sg__nccl_cell_drop(nc, cell, expired);
+  if (expired)
+    return sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
+                      "%s: NCCL initialization (rank %d of %d) did not complete within "
+                      "SG_NCCL_INIT_TIMEOUT_MS=%d ms (do all ranks use the same id?)",
+                      fn, rank, world, sg__nccl_init_timeout_ms());
+  return sg__err_at(SG_ERR_COMM, __FILE__, __LINE__,
+                    "%s: NCCL initialization (rank %d of %d) failed: %s%s%s", fn, rank, world,
+                    nc->GetErrorString(r), detail[0] ? ": " : "", detail);
 }
 
 /* A communicator over `made` (an NCCL communicator of world ranks, e.g. from ncclCommSplit; it
@@ -771,7 +893,7 @@ static sg_status sg__nccl_init_comm(const sg__nccl_lib *nc, int rank, int world,
 static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const ncclUniqueId *id,
                               ncclComm_t made, int ordinal, sg_comm **out, const char *fn) {
   sg_comm *c = (sg_comm *)calloc(1, sizeof *c);
-  sg__nccl *n = (sg__nccl *)calloc(1, sizeof *n);
+  sg__nccl *n = sg__nccl_alloc();
   sg_status st = SG_OK;
   int prev = -1;
   if (!c || !n) {
@@ -789,8 +911,8 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
   c->threaded = 1;
   c->stream_ordered = 1;
   c->impl = n;
-  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-  cudaError_t e = cudaSetDevice(ordinal);
+  cudaError_t e;
+  prev = sg__nccl_enter(ordinal, &e);
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&n->own, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
     st = sg__err_at(SG_ERR_CUDA, __FILE__, __LINE__, "%s: cannot set up GPU %d: %s", fn, ordinal,
@@ -799,16 +921,16 @@ static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const
   }
   if (!made) SG_TRY_GOTO(sg__nccl_init_comm(nc, rank, world, id, &n->comm, fn), st, fail);
   SG_LOG(SG_LOG_INFO, rank, "nccl communicator: rank %d of %d on GPU %d", rank, world, ordinal);
-  if (prev >= 0 && prev != ordinal) (void)cudaSetDevice(prev); /* the caller's, as it was */
+  sg__nccl_leave(prev, ordinal);
   *out = c;
   return SG_OK;
 fail:
-  if (prev >= 0 && prev != ordinal) (void)cudaSetDevice(prev);
+  sg__nccl_leave(prev, ordinal);
   if (c && n) {
     sg__nccl_destroy(c);
   } else {
     free(c);
-    free(n);
+    sg__nccl_free(n);
   }
   return st;
 }

@@ -64,6 +64,9 @@
 #define SG__CUDA_TAB_MAX_BYTES ((size_t)64 << 20)
 #define SG__CUDA_STAGE_CHUNK ((size_t)64 << 10)
 #define SG__CUDA_COPY_CHUNK ((size_t)8 << 20) /* pinned staging of pageable copies, per queue */
+/* A free after a failure waits this long past the attachment's deadline for the aborted
+ * collectives' kernels to leave before it gives the memory up as lost. */
+#define SG__CUDA_FREE_GRACE_MS 2000
 
 /* One cached update segment table, keyed by the segments' content. */
 typedef struct sg__cuda_segtab {
@@ -78,7 +81,9 @@ typedef struct sg__cuda_segtab {
 } sg__cuda_segtab;
 
 /* Pinned staging for table uploads: chunks handed out front to back, never reused while the
- * cache lives (an upload may still read its slice), all freed together. */
+ * cache lives (an upload may still read its slice), all freed together. Also the outgrown
+ * staging buffers of pageable copies, kept until destroy (cudaFreeHost waits for the whole
+ * device, with no deadline). */
 typedef struct sg__cuda_stage {
   struct sg__cuda_stage *next;
   char *base;
@@ -121,6 +126,8 @@ typedef struct sg__cuda_dev {
   /* per queue: pinned staging of copies from and to pageable host memory */
   void *cstage[2];
   size_t cstage_cap[2];
+  struct sg__cuda_stage *cretired; /* outgrown cstage buffers (base only), freed at destroy */
+  int leaking; /* a free could not wait for the GPU: memory is given up from then on */
 } sg__cuda_dev;
 
 /* ---- errors ---------------------------------------------------------------------------- */
@@ -150,9 +157,22 @@ static sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, c
 
 static sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
 
+static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[]);
+
+/* Aborts every stream-ordered communicator attached (a hybrid engine's shard and replica
+ * channels): after one failed, the other's collectives may wait forever for peers that gave
+ * up, and every cudaFree/cudaFreeHost would then block behind their kernels. */
+static void sg__cuda_abort_all(sg__cuda_dev *d) {
+  sg__comm_attach h[SG__CUDA_MAX_ATT];
+  const int hooked = sg__cuda_hooks_get(d, h);
+  for (int i = 0; i < hooked; i++)
+    if (h[i].abort) h[i].abort(h[i].arg);
+}
+
 /* Keeps the first failure; the engine is broken from then on and every wait returns it. The
  * text is the calling thread's last error (the thread that saw the failure). */
 static sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
+  sg__cuda_abort_all(d);
   return sg__jobq_fail(&d->q, st, NULL);
 }
 
@@ -161,7 +181,7 @@ static sg_status sg__cuda_failed(sg__cuda_dev *d) { return sg__jobq_failed(&d->q
 
 /* Copies of the attachments when they take part in waits (stream-ordered): how many; 0
  * otherwise. */
-static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[SG__CUDA_MAX_ATT]) {
+static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[]) {
   pthread_mutex_lock(&d->mu);
   const int have = d->stream_mode ? d->attached : 0;
   for (int i = 0; i < have; i++) h[i] = d->att[i];
@@ -181,8 +201,7 @@ static int sg__cuda_in_host_job(sg__cuda_dev *d) {
 /* Binds the calling thread to our GPU: the engine may run on another thread than the one that
  * created the device, and the runtime's current device is per thread. */
 static sg_status sg__cuda_enter(sg__cuda_dev *d, const char *fn) {
-  int cur = -1;
-  if (cudaGetDevice(&cur) == cudaSuccess && cur == d->ordinal) return SG_OK;
+  if (sg__device_cuda_current() == d->ordinal) return SG_OK;
   SG__CU(cudaSetDevice(d->ordinal), fn);
   return SG_OK;
 }
@@ -194,13 +213,47 @@ typedef struct sg__cuda_scope {
   int prev; /* -1: unknown, nothing to restore */
 } sg__cuda_scope;
 
+/* The driver's cuCtxGetCurrent, found through the runtime (no link to libcuda); NULL where the
+ * runtime cannot give it. */
+typedef int (*sg__cu_ctx_get_fn)(void **ctx);
+static sg__cu_ctx_get_fn sg__cuda_ctx_get;
+static pthread_once_t sg__cuda_ctx_once = PTHREAD_ONCE_INIT;
+
+static void sg__cuda_ctx_resolve(void) {
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  cudaError_t e = cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000,
+                                                   cudaEnableDefault, &q);
+#else
+  cudaError_t e = cudaGetDriverEntryPoint("cuCtxGetCurrent", &fn, cudaEnableDefault, &q);
+#endif
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    fn = NULL;
+  }
+  sg__cuda_ctx_get = (sg__cu_ctx_get_fn)fn;
+}
+
+/* cudaGetDevice answers 0 on a thread that never chose a device, and cudaSetDevice(0) to
+ * "restore" that would create GPU 0's primary context (hundreds of MB, refused under
+ * EXCLUSIVE_PROCESS) in every rank's process: -1 unless a context is current on the thread.
+ * Without cuCtxGetCurrent, cudaGetDevice's answer. */
+int sg__device_cuda_current(void) {
+  (void)pthread_once(&sg__cuda_ctx_once, sg__cuda_ctx_resolve);
+  void *ctx = NULL;
+  if (sg__cuda_ctx_get && sg__cuda_ctx_get(&ctx) == 0 && !ctx) return -1;
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return cur;
+}
+
 static sg__cuda_scope sg__cuda_scope_begin(const sg__cuda_dev *d) {
   (void)d;
-  sg__cuda_scope sc = {-1};
-  if (cudaGetDevice(&sc.prev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    sc.prev = -1;
-  }
+  sg__cuda_scope sc = {sg__device_cuda_current()};
   return sc;
 }
 
@@ -237,11 +290,13 @@ static sg__cuda_launch sg__cuda_launch_on(sg__cuda_dev *d, sg__queue q) {
 /* ---- polling waits ------------------------------------------------------------------------ */
 
 /* Spin briefly (collectives of small buckets finish in microseconds), then sleep with a growing
- * pause up to 1 ms so that a long wait does not burn a core. */
+ * pause up to SG__CUDA_NAP_MAX_NS: a wait sits between GPU phases (the norm, then AdamW), so a
+ * nap of a millisecond would leave the GPU idle that long; 50 us still frees the core. */
+#define SG__CUDA_NAP_MAX_NS 50000L
 static void sg__cuda_backoff(unsigned iter) {
   if (iter < 64) return;
-  long ns = 1000L << (iter < 74 ? iter - 64 : 10);
-  struct timespec ts = {0, ns > 1000000L ? 1000000L : ns};
+  long ns = 1000L << (iter < 70 ? iter - 64 : 6);
+  struct timespec ts = {0, ns > SG__CUDA_NAP_MAX_NS ? SG__CUDA_NAP_MAX_NS : ns};
   nanosleep(&ts, NULL);
 }
 
@@ -273,9 +328,7 @@ static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, 
       if (st != SG_OK) return sg__cuda_record_failure(d, sg__err_prefix(st, fn));
     }
     if (deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms) {
-      for (int i = 0; i < hooked; i++)
-        if (h[i].abort) h[i].abort(h[i].arg);
-      return sg__cuda_record_failure(
+      return sg__cuda_record_failure( /* which aborts the attached communicators */
           d, sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
                         "%s: deadline passed while waiting for the GPU (rank %d, device %d)", fn,
                         d->base.rank, d->ordinal));
@@ -334,19 +387,59 @@ static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out)
   return sg__cuda_alloc_any(dev, bytes, out, 1);
 }
 
-static void sg__cudev_free(sg__device *dev, void *p) {
-  if (!dev || !p) return;
-  SG__CUDA_SCOPE(sg__cuda(dev));
-  (void)sg__cuda_enter(sg__cuda(dev), "sg__device_cuda.free");
-  (void)cudaFree(p);
+/* Whether streams `first` and d->comm ran everything queued before `deadline_ms` (polled, no
+ * hooks). */
+static int sg__cuda_drained_by(sg__cuda_dev *d, cudaStream_t first, int64_t deadline_ms) {
+  for (unsigned iter = 0;; iter++) {
+    int busy = 0;
+    cudaStream_t s[2] = {first, d->comm};
+    for (int i = 0; i < 2; i++) {
+      const cudaError_t e = s[i] ? cudaStreamQuery(s[i]) : cudaSuccess;
+      if (e == cudaErrorNotReady) (void)cudaGetLastError();
+      if (e == cudaErrorNotReady) busy = 1;
+      else if (e != cudaSuccess) return 0; /* a sticky error: the device is gone */
+    }
+    if (!busy) return 1;
+    if (deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms) return 0;
+    sg__cuda_backoff(iter);
+  }
 }
 
-static void sg__cudev_host_free(sg__device *dev, void *p) {
-  if (!dev || !p) return;
-  SG__CUDA_SCOPE(sg__cuda(dev));
-  (void)sg__cuda_enter(sg__cuda(dev), "sg__device_cuda.host_free");
-  (void)cudaFreeHost(p);
+/* cudaFree and cudaFreeHost synchronize the whole device, with no deadline: behind a collective
+ * whose peer died they never return. So a free first waits for our streams itself, until the
+ * attached communicator's timeout; past it, it aborts every communicator (their kernels then
+ * leave) and waits a grace period more. 0 when the device may be freed; otherwise the memory is
+ * given up (logged once) rather than hang. `first`: the compute stream to wait for besides the
+ * comm stream. */
+static int sg__cuda_quiesce(sg__cuda_dev *d, cudaStream_t first, const char *fn) {
+  if (d->leaking) return -1;
+  pthread_mutex_lock(&d->mu);
+  const int timeout_ms = d->attached ? d->att[0].timeout_ms : 0;
+  pthread_mutex_unlock(&d->mu);
+  if (sg__cuda_drained_by(d, first, sg__deadline(timeout_ms))) return 0;
+  sg__cuda_abort_all(d);
+  if (sg__cuda_drained_by(d, first, sg__deadline(SG__CUDA_FREE_GRACE_MS))) return 0;
+  d->leaking = 1;
+  SG_LOG(SG_LOG_WARN, d->base.rank,
+         "%s: GPU %d still busy after its communicators were aborted; its memory is not freed "
+         "(cudaFree would wait for the stuck work forever)",
+         fn, d->ordinal);
+  return -1;
 }
+
+static void sg__cuda_free_any(sg__device *dev, void *p, int pinned_host) {
+  const char *fn = pinned_host ? "sg__device_cuda.host_free" : "sg__device_cuda.free";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !p) return;
+  SG__CUDA_SCOPE(d);
+  (void)sg__cuda_enter(d, fn);
+  if (sg__cuda_quiesce(d, d->compute, fn) != 0) return;
+  (void)(pinned_host ? cudaFreeHost(p) : cudaFree(p));
+}
+
+static void sg__cudev_free(sg__device *dev, void *p) { sg__cuda_free_any(dev, p, 0); }
+
+static void sg__cudev_host_free(sg__device *dev, void *p) { sg__cuda_free_any(dev, p, 1); }
 
 /* ---- copies and fills ------------------------------------------------------------------- */
 
@@ -365,6 +458,34 @@ static int sg__cuda_is_pinned(const void *p) {
   return sg__device_cuda_mem_kind(p) == SG__CUDA_MEM_PINNED;
 }
 
+/* Grows queue q's pageable-copy staging to at least `chunk` bytes (doubling, up to
+ * SG__CUDA_COPY_CHUNK). The old buffer is retired until destroy, not freed: cudaFreeHost would
+ * wait for the whole device, the other queue's stuck collective included, with no deadline. */
+static sg_status sg__cuda_cstage_grow(sg__cuda_dev *d, sg__queue q, size_t chunk, const char *fn) {
+  size_t cap = 2 * d->cstage_cap[q];
+  if (cap > SG__CUDA_COPY_CHUNK) cap = SG__CUDA_COPY_CHUNK;
+  if (cap < chunk) cap = chunk;
+  sg__cuda_stage *old = NULL;
+  if (d->cstage[q]) {
+    old = (sg__cuda_stage *)calloc(1, sizeof *old);
+    if (!old) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: staging record", fn);
+  }
+  void *p = NULL;
+  cudaError_t e = cudaMallocHost(&p, cap);
+  if (e != cudaSuccess) {
+    free(old);
+    return sg__cuda_err(e, fn, "cudaMallocHost(copy staging)", __FILE__, __LINE__);
+  }
+  if (old) {
+    old->base = (char *)d->cstage[q];
+    old->next = d->cretired;
+    d->cretired = old;
+  }
+  d->cstage[q] = p;
+  d->cstage_cap[q] = cap;
+  return SG_OK;
+}
+
 /* A copy from or to pageable host memory. The driver would do it synchronously, blocking
  * before any deadline poll while the stream sits behind a stuck collective (sg_get_param after
  * a gather whose peer died). Through pinned staging, chunk by chunk, every wait is one of ours,
@@ -372,13 +493,7 @@ static int sg__cuda_is_pinned(const void *p) {
 static sg_status sg__cuda_copy_staged(sg__cuda_dev *d, sg__queue q, void *dst, const void *src,
                                       size_t bytes, sg__copy_kind kind, const char *fn) {
   const size_t chunk = bytes < SG__CUDA_COPY_CHUNK ? bytes : SG__CUDA_COPY_CHUNK;
-  if (d->cstage_cap[q] < chunk) {
-    if (d->cstage[q]) (void)cudaFreeHost(d->cstage[q]); /* its last copy was waited for */
-    d->cstage[q] = NULL;
-    d->cstage_cap[q] = 0;
-    SG__CU(cudaMallocHost(&d->cstage[q], chunk), fn);
-    d->cstage_cap[q] = chunk;
-  }
+  if (d->cstage_cap[q] < chunk) SG_TRY(sg__cuda_cstage_grow(d, q, chunk, fn));
   cudaStream_t s = sg__cuda_stream(d, q);
   char *stage = (char *)d->cstage[q];
   for (size_t off = 0; off < bytes; off += chunk) {
@@ -857,8 +972,10 @@ static sg_status sg__cuda_job_run(void *ctx, sg__jobq_fn job, void *arg, uint64_
   pthread_mutex_lock(&d->mu);
   const int stream = d->stream_mode;
   pthread_mutex_unlock(&d->mu);
-  return stream ? sg__cuda_run_stream_job(d, job, arg, t, fn)
-                : sg__cuda_run_host_job(d, job, arg, t, fn);
+  const sg_status st = stream ? sg__cuda_run_stream_job(d, job, arg, t, fn)
+                              : sg__cuda_run_host_job(d, job, arg, t, fn);
+  if (st != SG_OK) sg__cuda_abort_all(d); /* the queue records it: the engine is broken */
+  return st;
 }
 
 static const sg__jobq_ops sg__cuda_jobq_ops = {sg__cuda_job_mark, sg__cuda_job_run};
@@ -1088,19 +1205,31 @@ static void sg__cudev_destroy(sg__device *dev) {
    * collective is bounded by that communicator's own deadline, so the join ends. */
   if (d->q_ready) sg__jobq_stop(&d->q);
   (void)cudaSetDevice(d->ordinal);
-  /* Stream-ordered frees on the comm stream after the table's last use. The caller's compute
-   * stream is not touched: it may already be gone. The sumsq scratch has no pending use. */
-  if (d->comm) {
+  /* The frees below synchronize the device without a deadline: first our own streams, bounded
+   * (sg__cuda_quiesce); a device still stuck after that keeps its memory. The caller's compute
+   * stream is not touched: it may already be gone. */
+  const int can_free = !d->comm || sg__cuda_quiesce(d, d->own_compute, "sg__device_cuda.destroy") == 0;
+  /* Stream-ordered frees on the comm stream after the table's last use. The sumsq scratch has
+   * no pending use. */
+  if (d->comm && can_free) {
     for (int q = 0; q < 2; q++)
       if (d->use_ev[q]) (void)cudaStreamWaitEvent(d->comm, d->use_ev[q], 0);
     for (int q = 0; q < 2; q++)
       if (d->red_dev[q]) (void)cudaFreeAsync(d->red_dev[q], d->comm);
   }
-  sg__cuda_tabs_release(d, d->comm);
+  if (can_free) {
+    sg__cuda_tabs_release(d, d->comm);
+    if (d->red_host) (void)cudaFreeHost(d->red_host);
+    for (int q = 0; q < 2; q++)
+      if (d->cstage[q]) (void)cudaFreeHost(d->cstage[q]);
+  }
+  while (d->cretired) {
+    sg__cuda_stage *c = d->cretired;
+    d->cretired = c->next;
+    if (can_free) (void)cudaFreeHost(c->base);
+    free(c);
+  }
   free(d->tabs);
-  if (d->red_host) (void)cudaFreeHost(d->red_host);
-  for (int q = 0; q < 2; q++)
-    if (d->cstage[q]) (void)cudaFreeHost(d->cstage[q]);
   for (int i = 0; i < SG__CUDA_RING; i++)
     if (d->ring[i]) (void)cudaEventDestroy(d->ring[i]);
   if (d->order_ev) (void)cudaEventDestroy(d->order_ev);

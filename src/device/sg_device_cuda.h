@@ -16,6 +16,10 @@ sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn);
  * else, pageable host memory. */
 enum { SG__CUDA_MEM_HOST, SG__CUDA_MEM_PINNED, SG__CUDA_MEM_DEVICE };
 int sg__device_cuda_mem_kind(const void *p);
+
+/* The calling thread's current device, or -1 when no context is current on it (a thread that
+ * never chose a device: nothing to restore, and cudaSetDevice(0) would create a context). */
+int sg__device_cuda_current(void);
 #endif
 
 #endif /* SG_DEVICE_CUDA_H */

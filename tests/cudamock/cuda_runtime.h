@@ -54,6 +54,16 @@ struct cudaPointerAttributes {
   void *hostPointer;
 };
 
+/* the CUDA runtime version the mock follows (contexts as CUDA >= 12 makes them) */
+#define CUDART_VERSION 13000
+
+enum cudaDriverEntryPointQueryResult {
+  cudaDriverEntryPointSuccess = 0,
+  cudaDriverEntryPointSymbolNotFound = 1,
+  cudaDriverEntryPointVersionNotSufficent = 2
+};
+#define cudaEnableDefault 0x0
+
 #define cudaStreamNonBlocking 0x01
 #define cudaEventDisableTiming 0x02
 #define CUDART_CB
@@ -63,8 +73,18 @@ const char *cudaGetErrorName(cudaError_t e);
 cudaError_t cudaGetLastError(void);
 
 cudaError_t cudaGetDeviceCount(int *count);
+/* The thread's current device: 0 on a thread that never chose one (as CUDA answers), though no
+ * context is current there. */
 cudaError_t cudaGetDevice(int *device);
+/* Makes the device's primary context current on the thread, creating it the first time in the
+ * process (counted: sg_cudamock_contexts). Allocations, streams and events on a thread without
+ * a context create device 0's (its current device), as the runtime does. */
 cudaError_t cudaSetDevice(int device);
+/* Knows one driver symbol: cuCtxGetCurrent (int (*)(void **ctx)), which gives NULL on a thread
+ * without a current context. */
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int version,
+                                             unsigned long long flags,
+                                             enum cudaDriverEntryPointQueryResult *status);
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device);
 cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest);
 struct cudaDeviceProp {
@@ -75,6 +95,8 @@ struct cudaDeviceProp {
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device);
 
 cudaError_t cudaMalloc(void **p, size_t bytes);
+/* cudaFree and cudaFreeHost synchronize the device first: they block while a stream created by
+ * the calling thread (a rank's "GPU") cannot finish, at most 60 s (then cudaErrorNotReady). */
 cudaError_t cudaFree(void *p);
 cudaError_t cudaMallocHost(void **p, size_t bytes);
 cudaError_t cudaFreeHost(void *p);
@@ -119,6 +141,8 @@ void sg_cudamock_stall(cudaStream_t s, int on);
 size_t sg_cudamock_pending(cudaStream_t s);
 /* Runs everything that can run (all streams), as time passing on a real GPU would. */
 void sg_cudamock_drain(void);
+/* Primary contexts created on `device` so far in the process (0 or 1; -1 for a bad device). */
+int sg_cudamock_contexts(int device);
 /* Allocations made with cudaMalloc / cudaMallocAsync / cudaMallocHost and not freed. */
 size_t sg_cudamock_live_allocations(void);
 /* Calls so far (all threads) of the runtime function `name`, one of: cudaMemcpyAsync,
@@ -135,6 +159,10 @@ long long sg_cudamock_calls(const char *name);
  *                    cudaStreamQuery) of an object other than the one this thread's previous
  *                    poll found not ready (a poll loop counts once), a copy from or to
  *                    pageable memory, a cudaMemcpy, a cudaFree/cudaFreeHost (a device sync)
+ *   free_block       cudaFree/cudaFreeHost calls that blocked: a stream created by the calling
+ *                    thread (a rank's "GPU") could not finish its work, stalled or behind a
+ *                    collective that never completes; they wait (at most 60 s here) as the
+ *                    driver would, past any deadline of the caller's
  * cudaMemcpyAsync also counts the emulated kernels' device-to-device copies here. */
 long long sg_cudamock_thread_calls(const char *name);
 

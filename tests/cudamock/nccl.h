@@ -72,8 +72,12 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
 /* As NCCL's: every rank of comm calls it (the k-th split of each rank meets); the ranks of one
- * color >= 0 form a communicator, ranked by (key, rank); NCCL_SPLIT_NOCOLOR gives NULL. The mock
- * blocks until every rank has called (at most 60 s), then joins like ncclCommInitRankConfig. */
+ * color >= 0 form a communicator, ranked by (key, rank); NCCL_SPLIT_NOCOLOR gives NULL. On a
+ * blocking parent the mock blocks until every rank has called (at most 60 s); on a non-blocking
+ * one it returns ncclInProgress with *newcomm NULL, as NCCL >= 2.18 does: a background thread
+ * writes *newcomm once every rank has split, and the parent says ncclInProgress (and refuses
+ * collectives) until then. ncclCommInitRankConfig in non-blocking mode also returns with the
+ * handle NULL and writes it from a thread a little later. */
 #define NCCL_SPLIT_NOCOLOR -1
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                            ncclConfig_t *config);
@@ -96,8 +100,19 @@ ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
 void sg_ncclmock_fail(ncclComm_t comm, ncclResult_t r);
 /* The same for every live communicator. */
 void sg_ncclmock_fail_all(ncclResult_t r);
+/* The same for every live communicator of `world` ranks. */
+void sg_ncclmock_fail_world(int world, ncclResult_t r);
 /* Communicators created and not destroyed or aborted. */
 int sg_ncclmock_live(void);
+/* Calls that passed the handle of a destroyed or aborted communicator (NCCL: use after free). */
+long long sg_ncclmock_dead_calls(void);
+/* From now on every collective call stays `ms` inside the mock before it looks at its
+ * communicator (0: off), so that a test can act while a thread is inside NCCL. */
+void sg_ncclmock_hold(int ms);
+/* Collective calls now held inside the mock. */
+int sg_ncclmock_inside(void);
+/* Background threads of non-blocking init/split that have not written their handle yet. */
+int sg_ncclmock_background(void);
 
 #ifdef __cplusplus
 }

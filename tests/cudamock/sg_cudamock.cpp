@@ -34,6 +34,7 @@ struct Item {
 
 struct CUstream_st {
   std::deque<Item> q;
+  int owner = 0;  // the creating thread's stand-in for a GPU context (see cudaFree)
   uint64_t enq = 0;   // items ever queued
   uint64_t done = 0;  // items run
   bool stalled = false;
@@ -55,6 +56,15 @@ namespace {
 std::recursive_mutex g_mu;
 int g_devices = 1;
 thread_local int g_current = 0;
+// Contexts, as CUDA >= 12 has them: a thread has none until cudaSetDevice (or a call that needs
+// one, on device g_current = 0) makes a device's primary context current; the first time that
+// happens for a device creates the context (hundreds of MB of GPU memory, and refused under
+// EXCLUSIVE_PROCESS), counted per device (sg_cudamock_contexts).
+const int kMaxDevices = 16;
+thread_local bool t_has_ctx = false;
+bool g_primary[kMaxDevices];
+int g_primary_made[kMaxDevices];
+char g_ctx_handle[kMaxDevices];  // what cuCtxGetCurrent answers: &g_ctx_handle[device]
 thread_local cudaError_t g_last = cudaSuccess;
 // Objects live until exit so that a late wait on a destroyed stream stays safe.
 std::vector<std::unique_ptr<CUstream_st>> g_streams;
@@ -67,10 +77,10 @@ const char *const kCounted[] = {"cudaMemcpyAsync", "cudaMallocAsync",     "cudaM
                                 "cudaEventQuery",  "cudaStreamQuery",     "cudaStreamWaitEvent",
                                 "cudaEventRecord", "cudaFree",            "cudaSetDevice",
                                 "pageable_block",  "kernel",              "cudaMemsetAsync",
-                                "collective",      "host_sync"};
+                                "collective",      "host_sync",           "free_block"};
 enum { kMemcpyAsync, kMallocAsync, kMallocHost, kEventQuery, kStreamQuery, kStreamWaitEvent,
        kEventRecord, kFree, kSetDevice, kPageableBlock, kKernel, kMemsetAsync, kCollective,
-       kHostSync, kNumCounted };
+       kHostSync, kFreeBlock, kNumCounted };
 long long g_calls[kNumCounted];
 thread_local long long t_calls[kNumCounted];
 void counted(int which) {  // under g_mu
@@ -90,6 +100,27 @@ const size_t kTooLarge = (size_t)1 << 40;  // "more than the GPU has"
 cudaError_t fail(cudaError_t e) {
   g_last = e;
   return e;
+}
+
+void make_current(int device) {  // under g_mu
+  if (!g_primary[device]) g_primary[device] = true, g_primary_made[device]++;
+  t_has_ctx = true;
+  g_current = device;
+}
+
+// A call that needs a context: a thread without one gets its current device's (0 on a fresh
+// thread), as the runtime does implicitly.
+void need_ctx() {  // under g_mu
+  if (!t_has_ctx) make_current(g_current);
+}
+
+// The driver's cuCtxGetCurrent (through cudaGetDriverEntryPointByVersion): NULL on a thread
+// without a current context.
+int mock_ctx_get_current(void **ctx) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!ctx) return 1;  // CUDA_ERROR_INVALID_VALUE
+  *ctx = t_has_ctx ? (void *)&g_ctx_handle[g_current] : nullptr;
+  return 0;
 }
 
 // Runs s up to `target` items; false if it cannot get there (stalled, or a wait that cannot).
@@ -135,9 +166,40 @@ void push_fn(CUstream_st *s, std::function<void()> fn) {
 bool valid_stream(CUstream_st *s) { return s && s->alive; }
 bool valid_event(CUevent_st *e) { return e && e->alive; }
 
-// Device-wide synchronization (what cudaFree implies).
 void drain_all() {
   for (auto &s : g_streams) advance(s.get(), s->enq);
+}
+
+// Ranks as threads stand for ranks on GPUs of their own: a thread's streams (those it created)
+// are its "device". Thread ids start at 1.
+int g_threads = 0;
+thread_local int t_owner = 0;
+int owner_id() {  // under g_mu
+  if (!t_owner) t_owner = ++g_threads;
+  return t_owner;
+}
+
+// Whether a stream of the calling thread's "device" still has work it cannot run now.
+bool own_work_stuck() {  // under g_mu
+  const int me = owner_id();
+  for (auto &s : g_streams)
+    if (s->owner == me && !advance(s.get(), s->enq)) return true;
+  return false;
+}
+
+// cudaFree and cudaFreeHost synchronize the device: they return once every stream of it has
+// run everything queued, blocking (for at most 60 s here, then cudaErrorNotReady) while one is
+// stalled or behind a collective that never completes, before any deadline of the caller's.
+cudaError_t device_sync_for_free(std::unique_lock<std::recursive_mutex> &lk) {
+  for (int i = 0; own_work_stuck(); i++) {
+    if (i == 0) counted(kFreeBlock);
+    if (i >= 60000) return fail(cudaErrorNotReady);
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lk.lock();
+  }
+  drain_all();  // what other threads' streams can run now runs too (the old, kind behaviour)
+  return cudaSuccess;
 }
 
 // Exactly `bytes` (aligned like cudaMalloc), so that a sanitizer sees overruns of "device" memory.
@@ -282,11 +344,24 @@ cudaError_t cudaGetDevice(int *device) {
   return cudaSuccess;
 }
 
+// As CUDA >= 12: makes the device's primary context current, creating it if needed.
 cudaError_t cudaSetDevice(int device) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (device < 0 || device >= g_devices) return fail(cudaErrorInvalidDevice);
+  if (device < 0 || device >= g_devices || device >= kMaxDevices)
+    return fail(cudaErrorInvalidDevice);
   if (device != g_current) counted(kSetDevice);  // changes of this thread's current device
-  g_current = device;
+  make_current(device);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned int version,
+                                             unsigned long long flags,
+                                             enum cudaDriverEntryPointQueryResult *status) {
+  (void)version, (void)flags;
+  if (!symbol || !fn) return fail(cudaErrorInvalidValue);
+  const bool known = strcmp(symbol, "cuCtxGetCurrent") == 0;
+  *fn = known ? (void *)mock_ctx_get_current : nullptr;
+  if (status) *status = known ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
 
@@ -316,15 +391,18 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
   if (!p) return fail(cudaErrorInvalidValue);
   *p = nullptr;
   if (bytes >= kTooLarge) return fail(cudaErrorMemoryAllocation);
+  need_ctx();
   *p = alloc_aligned(bytes);
   return *p ? cudaSuccess : fail(cudaErrorMemoryAllocation);
 }
 
 cudaError_t cudaFree(void *p) {
-  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  std::unique_lock<std::recursive_mutex> lk(g_mu);
   counted(kFree);
   counted(kHostSync);
-  drain_all();  // cudaFree synchronizes the device
+  if (p && !g_allocs.count(p)) return fail(cudaErrorInvalidValue);  // double or foreign free
+  const cudaError_t e = device_sync_for_free(lk);
+  if (e != cudaSuccess) return e;
   return free_tracked(p);
 }
 
@@ -454,7 +532,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!s) return fail(cudaErrorInvalidValue);
   (void)flags;
+  need_ctx();
   g_streams.push_back(std::make_unique<CUstream_st>());
+  g_streams.back()->owner = owner_id();
   *s = g_streams.back().get();
   return cudaSuccess;
 }
@@ -502,6 +582,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flag
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!e) return fail(cudaErrorInvalidValue);
+  need_ctx();
   g_events.push_back(std::make_unique<CUevent_st>());
   g_events.back()->timing = !(flags & cudaEventDisableTiming);
   *e = g_events.back().get();
@@ -572,6 +653,11 @@ size_t sg_cudamock_pending(cudaStream_t s) {
 void sg_cudamock_drain(void) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   drain_all();
+}
+
+int sg_cudamock_contexts(int device) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return device >= 0 && device < kMaxDevices ? g_primary_made[device] : -1;
 }
 
 size_t sg_cudamock_live_allocations(void) {

@@ -3,6 +3,13 @@
 // rank's call queues a gated item on its (mock CUDA) stream, and the data moves when the first
 // of those items is forced and every rank's stream has reached its own item. Everything runs
 // under the CUDA mock's global lock.
+//
+// As unkind as NCCL >= 2.18 in non-blocking mode: ncclCommInitRankConfig and ncclCommSplit
+// return ncclInProgress with the handle still NULL, and a background thread writes it later
+// (a split's after every rank has split; meanwhile the parent reports ncclInProgress and refuses
+// collectives). A destroyed or aborted communicator's memory stays (poisoned): a call that
+// still uses its handle is counted (sg_ncclmock_dead_calls) and refused, where NCCL would read
+// freed memory.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -61,6 +68,8 @@ struct ncclComm {
   std::shared_ptr<Group> g;
   int rank = 0;
   bool blocking = true;
+  bool dead = false;    // destroyed or aborted: its handle must not be used again
+  int splitting = 0;    // non-blocking splits of this parent still in the background
   bool initializing = false;
   bool settling = false;  // a non-blocking call returned ncclInProgress; done at the next query
   ncclResult_t async = ncclSuccess;
@@ -74,6 +83,11 @@ std::map<std::string, std::shared_ptr<Group>> g_groups;  // ids still accepting 
 uint64_t g_ids = 0;
 int g_live = 0;
 std::vector<ncclComm *> g_all;  // live communicators
+std::vector<std::unique_ptr<ncclComm>> g_dead;  // destroyed or aborted, kept poisoned
+long long g_dead_calls = 0;  // calls that passed a dead handle
+int g_hold_ms = 0;           // collectives sleep this long on entry (sg_ncclmock_hold)
+int g_inside = 0;            // collective calls now inside the mock
+int g_background = 0;        // background writers of handles still running
 thread_local int t_depth = 0;
 thread_local std::vector<std::function<void()>> t_pending;
 thread_local std::vector<ncclComm *> t_touched;
@@ -156,8 +170,17 @@ bool gate(const std::shared_ptr<Coll> &c, int rank) {
   return true;
 }
 
+// A handle of a destroyed or aborted communicator (counted).
+bool dead(ncclComm_t comm) {
+  if (!comm || !comm->dead) return false;
+  g_dead_calls++;
+  return true;
+}
+
 ncclResult_t usable(ncclComm_t comm) {
   if (!comm) return ncclInvalidArgument;
+  if (dead(comm)) return ncclInvalidUsage;
+  if (comm->splitting) return ncclInvalidUsage;  // a split of it is still in progress
   if (comm->initializing || comm->settling) return ncclInvalidUsage;  // not ready for calls
   return comm->async == ncclSuccess ? ncclSuccess : ncclInvalidUsage;
 }
@@ -222,9 +245,22 @@ bool buffers_ok(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t
   return false;
 }
 
+// sg_ncclmock_hold: the call stays inside the mock for a while before it looks at comm, as a
+// real enqueue takes time; a thread that frees the handle meanwhile is caught by dead().
+void hold(std::unique_lock<std::recursive_mutex> &lk) {
+  if (g_hold_ms <= 0) return;
+  g_inside++;
+  const int ms = g_hold_ms;
+  lk.unlock();
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  lk.lock();
+  g_inside--;
+}
+
 ncclResult_t call(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count,
                   ncclDataType_t dt, int root, cudaStream_t s) {
-  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  std::unique_lock<std::recursive_mutex> lk(sg_cudamock_lock());
+  hold(lk);
   ncclResult_t r = usable(comm);
   if (r != ncclSuccess) return r;
   if (!sg_cudamock_valid_stream(s) || (count && (!send || !recv))) return ncclInvalidArgument;
@@ -246,7 +282,50 @@ void forget(ncclComm_t comm) {
   g_live--;
   for (size_t i = 0; i < g_all.size(); i++)
     if (g_all[i] == comm) g_all.erase(g_all.begin() + (long)i);
-  delete comm;
+  comm->dead = true;
+  g_dead.emplace_back(comm);
+}
+
+// A new member `rank` of the group of `key` (under the lock); nullptr when the group cannot take
+// it. *mine: the group.
+ncclComm_t join_group(const std::string &key, int nranks, int rank, bool blocking,
+                      std::shared_ptr<Group> *mine) {
+  std::shared_ptr<Group> &g = g_groups[key];
+  if (!g) {
+    g = std::make_shared<Group>();
+    g->world = nranks;
+    g->members.assign(nranks, nullptr);
+  }
+  if (g->world != nranks || g->members[rank]) return nullptr;
+  ncclComm_t c = new ncclComm;
+  c->g = g;
+  c->rank = rank;
+  c->blocking = blocking;
+  g->members[rank] = c;
+  g->joined++;
+  g_live++;
+  g_all.push_back(c);
+  *mine = g;
+  if (g->joined == g->world) g_groups.erase(key);  // an id makes one communicator
+  return c;
+}
+
+// Sleeps (lock released) until pred() or 60 s; pred()'s last answer.
+template <class Pred>
+bool wait_for(std::unique_lock<std::recursive_mutex> &lk, Pred pred) {
+  for (int i = 0; i < 60000 && !pred(); i++) {
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lk.lock();
+  }
+  return pred();
+}
+
+// Where NCCL's background thread writes a handle: *out, as an atomic store (the caller polls it).
+void publish(ncclComm_t *out, ncclComm_t c) { __atomic_store_n(out, c, __ATOMIC_RELEASE); }
+
+bool config_blocking(const ncclConfig_t *config) {
+  return !config || config->blocking != 0;  // NCCL's default is blocking
 }
 
 }  // namespace
@@ -293,77 +372,106 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   if (!out || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
   *out = nullptr;
   const std::string key(id.internal, sizeof id.internal);
-  std::shared_ptr<Group> &g = g_groups[key];
-  if (!g) {
-    g = std::make_shared<Group>();
-    g->world = nranks;
-    g->members.assign(nranks, nullptr);
+  std::shared_ptr<Group> mine;
+  ncclComm_t c = join_group(key, nranks, rank, config_blocking(config), &mine);
+  if (!c) return ncclInvalidUsage;
+  if (!c->blocking) {  // NCCL >= 2.18: in progress, the handle written later by its thread
+    c->initializing = true;
+    c->async = ncclInProgress;
+    g_background++;
+    std::thread([out, c] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::lock_guard<std::recursive_mutex> lk2(sg_cudamock_lock());
+      publish(out, c);
+      g_background--;
+    }).detach();
+    return ncclInProgress;
   }
-  if (g->world != nranks || g->members[rank]) return ncclInvalidUsage;
-  ncclComm_t c = new ncclComm;
-  c->g = g;
-  c->rank = rank;
-  c->blocking = !config || config->blocking != 0;  // NCCL's default is blocking
-  g->members[rank] = c;
-  g->joined++;
-  g_live++;
-  g_all.push_back(c);
-  std::shared_ptr<Group> mine = g;
-  if (g->joined == g->world) g_groups.erase(key);  // an id makes one communicator
   *out = c;
-  if (!c->blocking) {
-    c->initializing = mine->joined < mine->world;
-    c->async = c->initializing ? ncclInProgress : ncclSuccess;
-    return c->initializing ? ncclInProgress : ncclSuccess;
-  }
-  for (int i = 0; i < 60000 && mine->joined < mine->world; i++) {
-    lk.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    lk.lock();
-  }
-  return mine->joined == mine->world ? ncclSuccess : ncclSystemError;
+  return wait_for(lk, [&] { return mine->joined == mine->world; }) ? ncclSuccess : ncclSystemError;
 }
 
-// The k-th split of every rank of a group: once all have come, the ranks of each color join a
-// new group through an id of (group, k, color), ranked by (key, rank), as an id would.
+namespace {
+
+// The k-th split of every rank of comm's group, rank `comm->rank` with (color, key): waits until
+// every rank has come, then joins this rank to its color's new group (through an id of
+// (group, k, color), ranked by (key, rank), as an id would) and waits for its peers there.
+// Under the lock; *child stays NULL for NCCL_SPLIT_NOCOLOR.
+ncclResult_t split_round(std::unique_lock<std::recursive_mutex> &lk, ncclComm_t comm, uint64_t k,
+                         int color, int key, bool blocking, ncclComm_t *child) {
+  std::shared_ptr<Group> g = comm->g;
+  SplitRound &s = g->splits[k];  // std::map: the reference survives other inserts
+  if (!wait_for(lk, [&] { return s.arrived >= g->world || comm->dead; }) || comm->dead)
+    return ncclSystemError;  // a peer never split (left in the table), or comm was aborted
+  int size = 0, rank = 0;
+  for (int r = 0; r < g->world; r++)
+    if (s.color[r] == color) {
+      size++;
+      rank += s.key[r] < key || (s.key[r] == key && r < comm->rank);
+    }
+  if (++s.left == g->world) g->splits.erase(k);
+  if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
+  char id[128];
+  memset(id, 0, sizeof id);
+  snprintf(id, sizeof id, "sg-ncclmock-split-%p-%llu-%d", (void *)g.get(), (unsigned long long)k,
+           color);
+  std::shared_ptr<Group> mine;
+  ncclComm_t c = join_group(std::string(id, sizeof id), size, rank, blocking, &mine);
+  if (!c) return ncclInvalidUsage;
+  if (!wait_for(lk, [&] { return mine->joined == mine->world; })) return ncclSystemError;
+  *child = c;
+  return ncclSuccess;
+}
+
+}  // namespace
+
+// The k-th split of every rank of a group meets. On a blocking parent the call returns once the
+// child is made; on a non-blocking one (NCCL >= 2.18) it returns ncclInProgress at once, *newcomm
+// NULL: a background thread waits for the other ranks, makes the child, writes *newcomm and then
+// lets the parent leave ncclInProgress (ncclCommGetAsyncError on the parent).
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                            ncclConfig_t *config) {
-  ncclUniqueId id;
-  int size = 0, rank = 0;
-  {
-    std::unique_lock<std::recursive_mutex> lk(sg_cudamock_lock());
-    if (!comm || !newcomm || color < NCCL_SPLIT_NOCOLOR) return ncclInvalidArgument;
-    *newcomm = nullptr;
-    std::shared_ptr<Group> g = comm->g;
-    const uint64_t k = comm->splits++;
-    SplitRound &s = g->splits[k];  // std::map: the reference survives other inserts
-    if (s.color.empty()) s.color.assign(g->world, 0), s.key.assign(g->world, 0);
-    s.color[comm->rank] = color;
-    s.key[comm->rank] = key;
-    s.arrived++;
-    for (int i = 0; i < 60000 && s.arrived < g->world; i++) {
-      lk.unlock();
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      lk.lock();
-    }
-    if (s.arrived < g->world) return ncclSystemError;  // a peer never split: left in the table
-    for (int r = 0; r < g->world; r++)
-      if (s.color[r] == color) {
-        size++;
-        rank += s.key[r] < key || (s.key[r] == key && r < comm->rank);
-      }
-    if (++s.left == g->world) g->splits.erase(k);
-    if (color == NCCL_SPLIT_NOCOLOR) return ncclSuccess;
-    memset(id.internal, 0, sizeof id.internal);
-    snprintf(id.internal, sizeof id.internal, "sg-ncclmock-split-%p-%llu-%d", (void *)g.get(),
-             (unsigned long long)k, color);
+  std::unique_lock<std::recursive_mutex> lk(sg_cudamock_lock());
+  if (!comm || !newcomm || color < NCCL_SPLIT_NOCOLOR) return ncclInvalidArgument;
+  const ncclResult_t u = usable(comm);
+  if (u != ncclSuccess) return u;
+  *newcomm = nullptr;
+  std::shared_ptr<Group> g = comm->g;
+  const uint64_t k = comm->splits++;
+  SplitRound &s = g->splits[k];
+  if (s.color.empty()) s.color.assign(g->world, 0), s.key.assign(g->world, 0);
+  s.color[comm->rank] = color;
+  s.key[comm->rank] = key;
+  s.arrived++;
+  const bool child_blocking = config_blocking(config);
+  if (comm->blocking) {
+    ncclComm_t child = nullptr;
+    const ncclResult_t r = split_round(lk, comm, k, color, key, child_blocking, &child);
+    *newcomm = child;
+    return r;
   }
-  return ncclCommInitRankConfig(newcomm, size, id, rank, config);
+  comm->splitting++;
+  g_background++;
+  std::thread([comm, k, color, key, child_blocking, newcomm] {
+    std::unique_lock<std::recursive_mutex> lk2(sg_cudamock_lock());
+    ncclComm_t child = nullptr;
+    const ncclResult_t r = split_round(lk2, comm, k, color, key, child_blocking, &child);
+    if (child) publish(newcomm, child);
+    comm->splitting--;
+    if (r != ncclSuccess && !comm->dead) comm->async = r;
+    g_background--;
+  }).detach();
+  return ncclInProgress;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   if (!comm || !async_error) return ncclInvalidArgument;
+  if (dead(comm)) return ncclInvalidUsage;
+  if (comm->splitting) {
+    *async_error = ncclInProgress;
+    return ncclSuccess;
+  }
   if (comm->initializing && comm->g->joined == comm->g->world) {
     comm->initializing = false;
     comm->async = ncclSuccess;
@@ -380,6 +488,7 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error) {
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   if (!comm) return ncclInvalidArgument;
+  if (dead(comm)) return ncclInvalidUsage;
   if (comm->blocking) return ncclSuccess;
   comm->settling = true;
   return ncclInProgress;
@@ -388,6 +497,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   if (!comm) return ncclInvalidArgument;
+  if (dead(comm)) return ncclInvalidUsage;
   forget(comm);
   return ncclSuccess;
 }
@@ -397,6 +507,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   if (!comm) return ncclInvalidArgument;
+  if (dead(comm)) return ncclInvalidUsage;
   for (auto &kv : comm->g->colls)
     if (!kv.second->done && kv.second->parts[comm->rank].joined) kv.second->aborted = true;
   forget(comm);
@@ -457,9 +568,35 @@ void sg_ncclmock_fail_all(ncclResult_t r) {
   for (ncclComm *c : g_all) c->async = r;
 }
 
+void sg_ncclmock_fail_world(int world, ncclResult_t r) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  for (ncclComm *c : g_all)
+    if (c->g->world == world) c->async = r;
+}
+
 int sg_ncclmock_live(void) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   return g_live;
+}
+
+long long sg_ncclmock_dead_calls(void) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  return g_dead_calls;
+}
+
+void sg_ncclmock_hold(int ms) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  g_hold_ms = ms;
+}
+
+int sg_ncclmock_inside(void) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  return g_inside;
+}
+
+int sg_ncclmock_background(void) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  return g_background;
 }
 
 }  // extern "C"

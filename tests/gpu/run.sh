@@ -2,7 +2,7 @@
 # GPU checks of shardgrad, for a machine with (at least) one NVIDIA GPU. Not part of ctest: CI
 # has no GPU. Usage, from anywhere:
 #
-#   bash tests/gpu/run.sh [--quick | --full]     (default --quick; or SG_GPU_PROFILE=quick|full)
+#   bash tests/gpu/run.sh [--quick | --full] [--dry-run]   (default --quick; or SG_GPU_PROFILE)
 #
 # It is sized for the device machine the project's checks get (one H200, 16 cores, about 15
 # minutes in all, start-up included, at most 10 per command, and at most 8 files back from
@@ -14,20 +14,28 @@
 #
 # Time. Every step and every probe (nvidia-smi, torch and pytest imports, nccl.h in Python's
 # wheel) runs under `timeout -k`, with its limit cut to what is left of the budget
-# (SG_GPU_BUDGET_S; quick 285 s, full 570 s); a step that no longer fits is reported SKIP.
+# (SG_GPU_BUDGET_S; quick 285 s, full 570 s) less the estimates of the quick steps still to come
+# (EST below): a step that hangs uses its own share and never the time of the steps after it,
+# and one that no longer fits is reported SKIP. The benchmark and the timeline come right after
+# the build, before the tests, so that their numbers come back even when a test hangs.
+#
+# --dry-run (no GPU, no build, nothing run): walks the same steps on a simulated clock, each one
+# taking its estimate (SG_GPU_DRY_HANG=NAME: that one takes its whole limit, as a hang would),
+# prints each step's limit, and exits 1 unless every step still got at least its estimate within
+# the budget. ctest runs it (tests/cuda.cmake, test_gpu_run_dry).
 # SG_GPU_STEPS (a bash regex) runs only the steps whose names match, besides configure and the
 # builds, which are quick on a second call in the same build directory.
 #
 # Profiles (estimates on 16 cores from a bare checkout; the build for the GPU's own
 # architecture only, SG_GPU_ARCHS overrides, e.g. "80;90"):
 #   quick (~3.5 min): configure (15 s), build of the library, the kernel/engine tests, the AdamW
-#     benchmark and the MLP example (80 s); test_cuda_device (2 s), test_cuda_kernels (every
+#     benchmark and the MLP example (80 s); sg_bench_adamw_cuda (fused AdamW against a
+#     device-to-device copy; 15 s), one timeline (mlp_cuda --nccl-solo --trace: reductions on
+#     the comm stream against the cuBLAS backward; 20 s); test_cuda_device (2 s), test_cuda_kernels (every
 #     CUDA kernel against the CPU kernels, bitwise; 25 s), test_cuda_queues (streams, tickets,
 #     deadlines, NCCL at world 1; 15 s), test_cuda_engine (the engine on the GPU against the
 #     CPU device, W = 1..3 threads, W = 1 NCCL; 30 s), test_hybrid_cuda (hybrid engines of
-#     threads on the GPU against the CPU's, with and without offload; 2 x 15 s), sg_bench_adamw_cuda (fused AdamW against
-#     a device-to-device copy; 15 s), one timeline (mlp_cuda --nccl-solo --trace: reductions on
-#     the comm stream against the cuBLAS backward; 20 s).
+#     threads on the GPU against the CPU's, with and without offload; 2 x 15 s).
 #   full (~9 min): the quick steps, then the other test programs and examples (build 60 s);
 #     test_engine_cuda (W = 2 threads, W = 1 NCCL, W = 3 and 4 quick, two MPI processes through
 #     pinned staging), test_fp16_scale_cuda, test_trace_cuda, test_groups_cuda; the timeline of
@@ -45,11 +53,13 @@
 set -uo pipefail
 
 PROFILE="${SG_GPU_PROFILE:-quick}"
+DRY=0
 for a in "$@"; do
   case "$a" in
     --quick) PROFILE=quick ;;
     --full) PROFILE=full ;;
-    *) echo "usage: run.sh [--quick | --full]" >&2; exit 64 ;;
+    --dry-run) DRY=1 ;;
+    *) echo "usage: run.sh [--quick | --full] [--dry-run]" >&2; exit 64 ;;
   esac
 done
 case "$PROFILE" in
@@ -71,6 +81,16 @@ TRACES="$WORK/traces"
 JOBS="$(nproc 2>/dev/null || echo 2)"
 NPASS=0 NFAIL=0 NSKIP=0
 CURRENT="" CHILD=""
+
+# The quick steps' estimates (seconds, 16 cores), in the order they run. RESERVE is what the
+# ones still to come need: a step's limit is cut so that it leaves them that much.
+declare -A EST=([configure]=15 [build]=80 [bench_adamw_cuda]=15 [timeline_nccl_solo]=20
+  [test_cuda_device]=2 [test_cuda_kernels]=25 [test_cuda_queues]=15 [test_cuda_engine]=45
+  [hybrid_cuda]=15 [hybrid_cuda_offload]=15)
+RESERVE=0
+for k in "${!EST[@]}"; do RESERVE=$((RESERVE + EST[$k])); done
+CLOCK=0     # --dry-run: the simulated seconds so far
+DRY_SHORT="" # --dry-run: the steps that got less than their estimate
 
 export PATH="$PATH:/usr/local/cuda/bin"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
@@ -125,13 +145,19 @@ limited() {
   return $rc
 }
 
+now() { if [[ $DRY -eq 1 ]]; then echo "$CLOCK"; else echo "$SECONDS"; fi; }
+
 # The budget left for a step, less 8 s for the summary and the archive.
-left() { echo $((BUDGET - SECONDS - 8)); }
+left() { echo $((BUDGET - $(now) - 8)); }
 
 # probe NAME LIMIT COMMAND...: a quiet check inside the budget (0: yes); noted in the results.
 probe() {
   local name="$1" limit="$2" l
   shift 2
+  if [[ $DRY -eq 1 ]]; then
+    line "probe $name: not run (dry run)"
+    return 1
+  fi
   l=$(left)
   if [[ $l -lt 3 ]]; then
     line "probe $name: no time left"
@@ -147,22 +173,44 @@ probe() {
   return $rc
 }
 
+# dry_step NAME LIMIT EST: --dry-run's stand-in for running a step: the simulated clock moves by
+# its estimate, or by its whole limit for SG_GPU_DRY_HANG; notes a limit under the estimate.
+dry_step() {
+  local name="$1" limit="$2" est="$3" took="$3"
+  [[ "$name" == "${SG_GPU_DRY_HANG:-}" ]] && took=$limit
+  [[ $took -le $limit ]] || took=$limit
+  CLOCK=$((CLOCK + took))
+  [[ $limit -ge $est ]] || DRY_SHORT+=" $name(${limit}s<${est}s)"
+  if [[ $took -eq $limit && "$name" == "${SG_GPU_DRY_HANG:-}" ]]; then
+    fail "$name: timed out after ${limit}s (est ${est}s): simulated hang (dry run, at ${CLOCK}s)"
+  else
+    pass "$name (${took}s, est ${est}s, limit ${limit}s): dry run, at ${CLOCK}s"
+  fi
+}
+
 # run_step NAME LIMIT_S EST_S COMMAND...: runs in $B, log in logs/NAME.log; the limit is cut to
-# the budget left; a step with under 10 s left is skipped (status 125).
+# the budget left less RESERVE (the quick steps after this one); a step with under 10 s (or
+# under its estimate, when that is shorter) is skipped (status 125).
 run_step() {
   local name="$1" limit="$2" est="$3"
   shift 3
+  [[ -n "${EST[$name]:-}" ]] && RESERVE=$((RESERVE - EST[$name]))
   if [[ -n "${SG_GPU_STEPS:-}" && ! "$name" =~ ^(configure|build) && ! "$name" =~ $SG_GPU_STEPS ]]; then
     skip "$name: not selected by SG_GPU_STEPS"
     return 125
   fi
-  local l
-  l=$(left)
-  if [[ $l -lt 10 ]]; then
-    skip "$name: no time left in the ${BUDGET}s budget (est ${est}s)"
+  local l floor=$((est < 10 ? (est < 1 ? 1 : est) : 10))
+  l=$(($(left) - RESERVE))
+  if [[ $l -lt $floor ]]; then
+    skip "$name: no time left in the ${BUDGET}s budget (est ${est}s, ${RESERVE}s kept for the steps after it)"
+    [[ $DRY -eq 1 ]] && DRY_SHORT+=" $name(skipped)"
     return 125
   fi
   [[ $limit -le $l ]] || limit=$l
+  if [[ $DRY -eq 1 ]]; then
+    dry_step "$name" "$limit" "$est"
+    return 0
+  fi
   local log="$LOGS/$name.log" t0=$SECONDS rc
   CURRENT="$name"
   limited "$limit" "$log" "$@"
@@ -193,7 +241,12 @@ copy_log() {
 step_if() {
   local prog="$1"
   shift
-  if [[ -x "$prog" ]]; then run_step "$@"; else skip "$1: $(basename "$prog") was not built"; fi
+  if [[ -x "$prog" || $DRY -eq 1 ]]; then
+    run_step "$@"
+  else
+    [[ -n "${EST[$1]:-}" ]] && RESERVE=$((RESERVE - EST[$1]))
+    skip "$1: $(basename "$prog") was not built"
+  fi
 }
 # build_targets NAME LIMIT EST TARGET...: the targets that this configuration has (a CUDA build
 # without cuBLAS or cuDNN lacks some examples), in one build step
@@ -205,10 +258,14 @@ build_targets() {
   local l
   l=$(left)
   [[ $l -ge 10 ]] || { skip "$name: no time left in the ${BUDGET}s budget (est ${est}s)"; return 125; }
-  known="$(cd "$B" && timeout -k 5 $((l < 60 ? l : 60)) cmake --build . --target help 2>/dev/null)"
-  for t in "$@"; do
-    if grep -qE "(^|[ .])$t( |$)" <<<"$known"; then have+=("$t"); else line "note  $name: no target $t in this configuration"; fi
-  done
+  if [[ $DRY -eq 1 ]]; then
+    have=("$@")
+  else
+    known="$(cd "$B" && timeout -k 5 $((l < 60 ? l : 60)) cmake --build . --target help 2>/dev/null)"
+    for t in "$@"; do
+      if grep -qE "(^|[ .])$t( |$)" <<<"$known"; then have+=("$t"); else line "note  $name: no target $t in this configuration"; fi
+    done
+  fi
   [[ ${#have[@]} -gt 0 ]] || { skip "$name: no targets"; return 125; }
   run_step "$name" "$limit" "$est" cmake --build "$B" -j "$JOBS" --target "${have[@]}"
 }
@@ -260,33 +317,49 @@ QUICK_TARGETS=(shardgrad test_cuda_device test_cuda_kernels test_cuda_queues tes
   test_hybrid_cuda sg_bench_adamw_cuda example_mlp_cuda)
 FULL_TARGETS=(test_engine_cuda test_fp16_scale_cuda test_trace_cuda test_groups_cuda
   example_cnn_cudnn test_host_step_cuda test_offload_cuda sg_bench_host_step)
-if ! command -v cmake >/dev/null; then
+if ! command -v cmake >/dev/null && [[ $DRY -eq 0 ]]; then
   fail "configure: cmake not found"
-elif run_step configure 90 15 cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
+elif run_step configure 90 "${EST[configure]}" cmake -S "$ROOT" -B "$B" -DCMAKE_BUILD_TYPE=Release \
   -DSG_WITH_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DSG_BUILD_EXAMPLES=ON "${NCCL_ARGS[@]}"; then
-  build_targets build 200 80 "${QUICK_TARGETS[@]}"
+  build_targets build 200 "${EST[build]}" "${QUICK_TARGETS[@]}"
+else
+  RESERVE=$((RESERVE - EST[build]))
 fi
 
-# ---- quick: kernels, queues, the engine, AdamW vs copy, one timeline ------------------------------
-step_if "$T/test_cuda_device" test_cuda_device 30 2 "$T/test_cuda_device"
-step_if "$T/test_cuda_kernels" test_cuda_kernels 90 25 "$T/test_cuda_kernels"
-step_if "$T/test_cuda_queues" test_cuda_queues 60 15 "$T/test_cuda_queues"
-# (with optimizer offload: every sharded case again offloaded, bitwise against the run without)
-step_if "$T/test_cuda_engine" test_cuda_engine 120 45 "$T/test_cuda_engine"
-# Hybrid engines (2x2 and 3x2 ranks as threads on the GPU, quick cases) bitwise against the
-# CPU's hybrid, flat and one-rank engines, and offloaded against the same without offload.
-step_if "$T/test_hybrid_cuda" hybrid_cuda 60 15 "$T/test_hybrid_cuda" --cuda local local --quick
-step_if "$T/test_hybrid_cuda" hybrid_cuda_offload 60 15 "$T/test_hybrid_cuda" --cuda local local \
-  --offload --quick
-step_if "$B/bench/sg_bench_adamw_cuda" bench_adamw_cuda 60 15 "$B/bench/sg_bench_adamw_cuda" \
-  --sizes 1,4,16,64,256 --reps 20
+# ---- quick: AdamW vs copy and one timeline first (numbers back even if a test hangs), then the
+# kernels, queues, the engine ---------------------------------------------------------------------
+step_if "$B/bench/sg_bench_adamw_cuda" bench_adamw_cuda 60 "${EST[bench_adamw_cuda]}" \
+  "$B/bench/sg_bench_adamw_cuda" --sizes 1,4,16,64,256 --reps 20
 copy_log bench_adamw_cuda
 # The timeline: 8 layers x 4096 (101M params; each 64 MiB weight is a bucket of its own), one
 # rank over an NCCL communicator of world 1, so the reductions are ordered on the comm stream as
 # with several GPUs.
-step_if "$MLP" timeline_nccl_solo 60 20 "$MLP" --nccl-solo --layers 8 --hidden 4096 --batch 2048 \
-  --steps 12 --log-every 100 --bucket-mb 32 --trace "$TRACES/trace_nccl_solo.json"
+step_if "$MLP" timeline_nccl_solo 60 "${EST[timeline_nccl_solo]}" "$MLP" --nccl-solo --layers 8 \
+  --hidden 4096 --batch 2048 --steps 12 --log-every 100 --bucket-mb 32 \
+  --trace "$TRACES/trace_nccl_solo.json"
 copy_log timeline_nccl_solo 4
+step_if "$T/test_cuda_device" test_cuda_device 30 "${EST[test_cuda_device]}" "$T/test_cuda_device"
+step_if "$T/test_cuda_kernels" test_cuda_kernels 90 "${EST[test_cuda_kernels]}" "$T/test_cuda_kernels"
+step_if "$T/test_cuda_queues" test_cuda_queues 60 "${EST[test_cuda_queues]}" "$T/test_cuda_queues"
+# (with optimizer offload: every sharded case again offloaded, bitwise against the run without)
+step_if "$T/test_cuda_engine" test_cuda_engine 120 "${EST[test_cuda_engine]}" "$T/test_cuda_engine"
+# Hybrid engines (2x2 and 3x2 ranks as threads on the GPU, quick cases) bitwise against the
+# CPU's hybrid, flat and one-rank engines, and offloaded against the same without offload.
+step_if "$T/test_hybrid_cuda" hybrid_cuda 60 "${EST[hybrid_cuda]}" "$T/test_hybrid_cuda" \
+  --cuda local local --quick
+step_if "$T/test_hybrid_cuda" hybrid_cuda_offload 60 "${EST[hybrid_cuda_offload]}" \
+  "$T/test_hybrid_cuda" --cuda local local --offload --quick
+
+if [[ $DRY -eq 1 ]]; then # the full profile's other steps are not planned on the clock
+  line "dry run ($PROFILE steps of the quick plan): ${CLOCK}s of ${BUDGET}s" \
+    "${SG_GPU_DRY_HANG:+(hang: $SG_GPU_DRY_HANG)}"
+  if [[ -n "$DRY_SHORT" ]]; then
+    line "dry run: FAIL, steps short of their estimate:$DRY_SHORT"
+    exit 1
+  fi
+  line "dry run: every step got at least its estimate within the budget"
+  exit 0
+fi
 
 if [[ "$PROFILE" != full ]]; then
   summary
