@@ -515,10 +515,15 @@ typedef struct sg_hardware {
                                above is 0 */
   double host_optim_params_per_s; /* optimizer offload: the host's norm + AdamW rate */
   double pcie_bytes_per_s;  /* optimizer offload: host<->device copy rate, each way */
+  double overlap[SG_LEVELS];/* 1: communication at the level runs beside compute without
+                               slowing it; 0: every second of it that the queues hide still
+                               costs a second of compute (ranks and their comm threads sharing
+                               cores); in [0, 1] */
 } sg_hardware;
 
 /* Defaults: one node per rank, SG_ALGO_HOST, 1 Gbit/s links (0.125e9 B/s, 50 us), 10 GB/s
- * device memory, no compute, backward 2/3, no offload rates. struct_size must be sizeof. */
+ * device memory, no compute, backward 2/3, no offload rates, overlap 1. struct_size must be
+ * sizeof. */
 SG_API sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size);
 
 /* What one optimizer step costs on one rank, by part. Times in seconds; bytes per step. */
@@ -527,7 +532,7 @@ typedef struct sg_step_estimate {
   double step_s;                /* predicted wall time of one optimizer step */
   double compute_s;             /* microbatches x forward + backward */
   double exposed_s[SG_LEVELS];  /* communication not hidden behind compute, by the level that
-                                   bounds it */
+                                   bounds it, plus (1 - overlap) of what was hidden */
   double comm_s[SG_LEVELS];     /* all communication time per level, hidden or not */
   double optim_s;               /* norm + AdamW (device or host), on the step's critical path */
   double copy_s;                /* offload: host<->device copies not hidden */

@@ -205,6 +205,8 @@ static void test_parts(void) {
         cfg.bucket_bytes = 4096u << r;
         cfg.overlap_param_gather = r % 2;
         sg_hardware hw = some_hw(1.25e6 * pow(10, r), 0.002 * r);
+        hw.overlap[SG_LEVEL_NODE] = 0.25 * r;
+        hw.overlap[SG_LEVEL_NET] = 1 - 0.25 * r;
         sg_step_estimate e = {.struct_size = sizeof e};
         if (sg_estimate_step(&cfg, k_sizes, NP, 4, micro, &hw, &e) != SG_OK) bad++;
         if (fabs(parts_sum(&e) - e.step_s) > 1e-9 * e.step_s) bad++;
@@ -269,6 +271,29 @@ static void test_overlap(void) {
   CHECK(fabs(o.exposed_s[SG_LEVEL_NET] - (rs + norm)) < 1e-9,
         "overlap_param_gather: the gathers (%.3f s) hide behind a 1/3 s forward",
         gathers);
+}
+
+/* overlap 0: every second of communication costs a second of the step, hidden or not (one
+ * node: every collective is at the node level, where comm_s is the comm queue's busy time). */
+static void test_contention(void) {
+  snprintf(sg_test_tag, sizeof sg_test_tag, "contention");
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.bucket_bytes = 8192;
+  sg_hardware hw = some_hw(1e8, 0.5);
+  hw.ranks_per_node = 4;
+  hw.link_bytes_per_s[SG_LEVEL_NODE] = 1e7;
+  sg_step_estimate a = {.struct_size = sizeof a}, b = {.struct_size = sizeof b};
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 4, &hw, &a) == SG_OK, "overlap 1");
+  hw.overlap[SG_LEVEL_NODE] = 0;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 4, &hw, &b) == SG_OK, "overlap 0");
+  const double want = b.compute_s + b.optim_s + b.comm_s[SG_LEVEL_NODE];
+  CHECK(a.exposed_s[SG_LEVEL_NODE] < a.comm_s[SG_LEVEL_NODE] && fabs(b.step_s - want) < 1e-9,
+        "overlap 0: step %.6f == compute + optim + all comm %.6f (overlap 1: %.6f)", b.step_s,
+        want, a.step_s);
+  hw.overlap[SG_LEVEL_NET] = 1.5;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 4, &hw, &b) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "overlap"), "overlap 1.5 refused");
 }
 
 /* Slower links never make a step faster; hybrid sends less over the node link than flat. */
@@ -363,6 +388,7 @@ int main(void) {
   test_overlap();
   test_parts();
   test_monotone();
+  test_contention();
   test_traffic();
   return sg_test_summary("");
 }

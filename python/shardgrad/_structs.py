@@ -182,6 +182,7 @@ class SgHardware(ctypes.Structure):
         ("device_bytes_per_s", ctypes.c_double),
         ("host_optim_params_per_s", ctypes.c_double),
         ("pcie_bytes_per_s", ctypes.c_double),
+        ("overlap", ctypes.c_double * LEVELS),
     ]
 
 

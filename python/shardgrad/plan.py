@@ -18,10 +18,11 @@ import os
 import socket
 import struct
 import sys
+import threading
 import time
 
 from . import _lib
-from ._structs import ALGO_HOST, ALGO_RING, LEVELS, SgHardware, SgStepEstimate
+from ._structs import ALGO_HOST, ALGO_RING, SgHardware, SgStepEstimate
 from .config import Config
 from .core import Comm, Engine, _call, estimate_memory
 from .errors import InvalidArgumentError
@@ -31,6 +32,11 @@ __all__ = ["Hardware", "StepEstimate", "estimate_step", "llama_numels", "module_
 
 GiB = float(1 << 30)
 _ALGOS = {"host": ALGO_HOST, "ring": ALGO_RING}
+# per-level fields of sg_hardware: Python name -> (array, level)
+_LEVEL_FIELDS = {"%s_%s" % (lv, k): (arr, i)
+                 for i, lv in enumerate(("node", "net"))
+                 for k, arr in (("bytes_per_s", "link_bytes_per_s"),
+                                ("latency_s", "link_latency_s"), ("overlap", "overlap"))}
 
 
 # ------------------------------------------------------------------------------------------
@@ -38,7 +44,8 @@ _ALGOS = {"host": ALGO_HOST, "ring": ALGO_RING}
 
 class Hardware:
     """sg_hardware as Python attributes. Levels: 'node' (inside a node: the bus bytes per second
-    one rank sends) and 'net' (between nodes: what one node's link carries each way)."""
+    one rank sends) and 'net' (between nodes: what one node's link carries each way), each with
+    <level>_bytes_per_s, <level>_latency_s and <level>_overlap."""
 
     FIELDS = ("ranks_per_node", "algorithm", "compute_s", "backward_fraction",
               "optim_params_per_s", "device_bytes_per_s", "host_optim_params_per_s",
@@ -60,10 +67,9 @@ class Hardware:
             self._s.algorithm = _ALGOS[value] if isinstance(value, str) else int(value)
         elif name in self.FIELDS:
             setattr(self._s, name, type(getattr(self._s, name))(value))
-        elif name in ("node_bytes_per_s", "net_bytes_per_s", "node_latency_s", "net_latency_s"):
-            level, what = name.split("_", 1)
-            arr = self._s.link_bytes_per_s if what == "bytes_per_s" else self._s.link_latency_s
-            arr[0 if level == "node" else 1] = float(value)
+        elif name in _LEVEL_FIELDS:
+            arr, i = _LEVEL_FIELDS[name]
+            getattr(self._s, arr)[i] = float(value)
         else:
             raise AttributeError("Hardware has no field %r" % name)
 
@@ -71,10 +77,9 @@ class Hardware:
         s = object.__getattribute__(self, "_s")
         if name in Hardware.FIELDS:
             return getattr(s, name)
-        if name in ("node_bytes_per_s", "net_bytes_per_s", "node_latency_s", "net_latency_s"):
-            level, what = name.split("_", 1)
-            arr = s.link_bytes_per_s if what == "bytes_per_s" else s.link_latency_s
-            return arr[0 if level == "node" else 1]
+        if name in _LEVEL_FIELDS:
+            arr, i = _LEVEL_FIELDS[name]
+            return getattr(s, arr)[i]
         raise AttributeError("Hardware has no field %r" % name)
 
     @property
@@ -85,7 +90,7 @@ class Hardware:
         d = {k: getattr(self, k) for k in self.FIELDS}
         d["algorithm"] = "ring" if self.algorithm == ALGO_RING else "host"
         d["nodes"] = self.nodes
-        for k in ("node_bytes_per_s", "net_bytes_per_s", "node_latency_s", "net_latency_s"):
+        for k in _LEVEL_FIELDS:
             d[k] = getattr(self, k)
         d["notes"] = list(self.notes)
         return d
@@ -96,8 +101,7 @@ class Hardware:
         for k, v in d.items():
             if k == "notes":
                 hw.notes = list(v)
-            elif k in cls.FIELDS or k in ("nodes", "node_bytes_per_s", "net_bytes_per_s",
-                                          "node_latency_s", "net_latency_s"):
+            elif k in cls.FIELDS or k == "nodes" or k in _LEVEL_FIELDS:
                 setattr(hw, k, v)
         return hw
 
@@ -186,9 +190,14 @@ def safetensors_numels(path):
     return out
 
 
-def mlp_numels(hidden, layers):
-    """sg_bench_cluster's MLP (examples/mlp): per layer a hidden x hidden weight and a bias."""
-    return [hidden * hidden, hidden] * layers
+def mlp_numels(hidden, layers, inputs=32, outputs=8):
+    """sg_bench_cluster's MLP (examples/mlp, MLP_IN -> hidden x (layers - 1) -> MLP_OUT): per
+    layer a weight and a bias, in registration order."""
+    dims = [inputs] + [hidden] * (layers - 1) + [outputs]
+    out = []
+    for a, b in zip(dims, dims[1:]):
+        out += [a * b, b]
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -302,15 +311,18 @@ class _Barrier:
         self.e.close()
 
 
-def _reductions(comm, nbytes, reps, barrier):
+def _reductions(comm, nbytes, reps, barrier, started=None):
     """Seconds per bucket reduction of nbytes (f32, one bucket) over comm: reps micro-batches
-    whose zeroed slots are handed over untouched, waited for by grad_norm."""
+    whose zeroed slots are handed over untouched, waited for by grad_norm. started(): called
+    as the timed part begins."""
     e = Engine(comm, bucket_bytes=nbytes, strategy="shard_grad_op")
     try:
         e.add_param("probe", (nbytes // 4,))
         e.finalize()
         e.grad_ptr(0), e.grad_ready(0), e.backward_end(), e.grad_norm()  # warm-up
         barrier.wait()
+        if started:
+            started()
         t0 = time.perf_counter()
         for _ in range(reps):
             e.grad_ptr(0)
@@ -320,6 +332,66 @@ def _reductions(comm, nbytes, reps, barrier):
         return (time.perf_counter() - t0) / reps
     finally:
         e.close()
+
+
+class _Workload:
+    """CPU work of the library's own kernels (norm + AdamW steps of a one-rank engine), the
+    stand-in for the caller's compute when measuring how communication slows it."""
+
+    def __init__(self, numel=1 << 20):
+        self.comm = Comm.local(1)[0]
+        self.e = Engine(self.comm, bucket_bytes=numel * 4)
+        self.e.add_param("work", (numel,))
+        self.e.finalize()
+
+    def run(self, k):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            self.e.grad_ptr(0), self.e.grad_ready(0), self.e.backward_end()
+            self.e.step()
+        return time.perf_counter() - t0
+
+    def close(self):
+        self.e.close()
+        self.comm.close()
+
+
+def _beside(w, k, comm, nbytes, reps, barrier):
+    """(workload seconds, reductions seconds) with both running at once."""
+    go, res = threading.Event(), []
+    th = threading.Thread(target=lambda: (go.wait(), res.append(w.run(k))))
+    th.start()
+    try:
+        t_c = _reductions(comm, nbytes, reps, barrier, started=go.set) * reps
+    finally:
+        go.set()
+        th.join()
+    return res[0], t_c
+
+
+def _overlap(comm, nbytes, barrier, rank, label, rounds=3):
+    """How much of a level's communication hides beside compute: 1 - (the workload's slowdown
+    while reductions of the level run beside it) / (the reductions' own time), in [0, 1]. The
+    best of a few rounds of each, alone and beside, so that other load on the machine counts
+    as little as it can."""
+    w = _Workload()
+    try:
+        reps = 2
+        t_c = min(_reductions(comm, nbytes, reps, barrier) for _ in range(rounds)) * reps
+        one = min(w.run(1) for _ in range(3))
+        k = max(2, int(1.5 * t_c / max(one, 1e-6)))  # the workload outlasts the reductions
+        alone, beside = [], []
+        for _ in range(rounds):
+            barrier.wait()
+            alone.append(w.run(k))
+            beside.append(_beside(w, k, comm, nbytes, reps, barrier)[0])
+        ov = min(1.0, max(0.0, 1.0 - (min(beside) - min(alone)) / t_c))
+        _say(rank, "%s: overlap %.2f (compute %.0f ms alone, %.0f ms beside %.0f ms of "
+                   "reductions; best of %d)" % (label, ov, min(alone) * 1e3, min(beside) * 1e3,
+                                                t_c * 1e3, rounds))
+        return ov
+    finally:
+        w.close()
 
 
 def _fit_level(comm, bytes_of, barrier, rank, label, budget_s):
@@ -338,7 +410,7 @@ def _fit_level(comm, bytes_of, barrier, rank, label, budget_s):
     _say(rank, "%s: %.1f MB/s, %.0f us per collective (reductions of %d KiB: %.2f ms, %d MiB: "
                "%.1f ms)" % (label, rate / 1e6, lat * 1e6, small >> 10, t_small * 1e3,
                              big >> 20, t_big * 1e3))
-    return rate, lat
+    return rate, lat, big
 
 
 def _optim_rate(numel=1 << 22, reps=3):
@@ -391,15 +463,17 @@ def probe(comm=None, budget_s=0.3):
         _say(rank, "%d ranks: %d node(s) x %d (by host name)" % (W, N, L))
         if L > 1:
             _say(rank, "[1/4] inside a node: reduce-scatter over the node's %d ranks" % L)
-            hw.node_bytes_per_s, hw.node_latency_s = _fit_level(
+            hw.node_bytes_per_s, hw.node_latency_s, big = _fit_level(
                 shard, lambda S: (L - 1) / L * S, barrier, rank, "in-node", budget_s)
+            hw.node_overlap = _overlap(shard, big, barrier, rank, "in-node")
         else:
             hw.notes.append("one rank per node: the in-node level is not measured")
         if N > 1:
             _say(rank, "[2/4] between nodes: reduce-scatter over one rank per node, all %d "
                        "at once" % L)
-            hw.net_bytes_per_s, hw.net_latency_s = _fit_level(
+            hw.net_bytes_per_s, hw.net_latency_s, big = _fit_level(
                 replica, lambda S: L * (N - 1) / N * S, barrier, rank, "between nodes", budget_s)
+            hw.net_overlap = _overlap(replica, big, barrier, rank, "between nodes")
         else:
             hw.notes.append("one node: the between-nodes level is not measured")
         _say(rank, "[3/4] norm + AdamW of a 4M-element step (f32), every rank at once")
