@@ -248,6 +248,17 @@ def layouts(numels, hw, world, microbatches, dtype="f32", device="cpu", buckets=
     return rows
 
 
+def best_per_layout(rows):
+    """The first (best) row of each layout, strategy and offload setting: its best bucket."""
+    seen, out = set(), []
+    for r in rows:
+        k = (r["layout"], r["config"]["strategy"], r["config"]["offload_optimizer"])
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
 def _strategy_label(kw):
     s = {"no_shard": "NO_SHARD", "shard_opt": "SHARD_OPT", "shard_grad_op": "ZeRO-2"}
     return s[kw["strategy"]] + (" +offload" if kw.get("offload_optimizer") else "")
@@ -584,6 +595,8 @@ def _parser():
     t.add_argument("--tokens", type=float, help="tokens per micro-batch per rank (with --mfu)")
     t.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak FLOPs")
     t.add_argument("--buckets", default="8,32,128", help="bucket sizes to try, MiB")
+    t.add_argument("--all-buckets", action="store_true",
+                   help="a row per bucket size (default: the best bucket size of each layout)")
     t.add_argument("--top", type=int, default=20)
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
     return p
@@ -667,6 +680,8 @@ def main(argv=None):
     rows = layouts(numels, hw, world, a.micro, a.dtype, device, buckets,
                    a.device_gib or preset.get("device_gib"),
                    a.host_gib or preset.get("host_gib"), a.reserve_gib)
+    if not a.all_buckets:
+        rows = best_per_layout(rows)
     if a.json:
         print(json.dumps([dict(r, estimate=dict(r["estimate"])) for r in rows], indent=1))
         return 0
