@@ -322,18 +322,23 @@ class _Barrier:
         self.e.close()
 
 
-def _reductions(comm, nbytes, reps, barrier, started=None):
-    """Seconds per bucket reduction of nbytes (f32, one bucket) over comm: reps micro-batches
-    whose zeroed slots are handed over untouched, waited for by grad_norm. started(): called
-    as the timed part begins."""
-    e = Engine(comm, bucket_bytes=nbytes, strategy="shard_grad_op")
-    try:
-        e.add_param("probe", (nbytes // 4,))
-        e.finalize()
-        e.grad_ptr(0), e.grad_ready(0), e.backward_end(), e.grad_norm()  # warm-up
-        barrier.wait()
-        if started:
-            started()
+class _Reduce:
+    """Bucket reductions of nbytes (f32, one bucket) over comm: micro-batches whose zeroed slots
+    are handed over untouched, waited for by grad_norm. Made and warmed up before the timing."""
+
+    def __init__(self, comm, nbytes):
+        self.e = Engine(comm, bucket_bytes=nbytes, strategy="shard_grad_op")
+        try:
+            self.e.add_param("probe", (nbytes // 4,))
+            self.e.finalize()
+            self.run(1)
+        except BaseException:
+            self.e.close()
+            raise
+
+    def run(self, reps):
+        """Seconds per reduction."""
+        e = self.e
         t0 = time.perf_counter()
         for _ in range(reps):
             e.grad_ptr(0)
@@ -341,8 +346,19 @@ def _reductions(comm, nbytes, reps, barrier, started=None):
             e.backward_end()
         e.grad_norm()
         return (time.perf_counter() - t0) / reps
+
+    def close(self):
+        self.e.close()
+
+
+def _reductions(comm, nbytes, reps, barrier):
+    """Seconds per reduction of nbytes over comm, every rank starting at once."""
+    r = _Reduce(comm, nbytes)
+    try:
+        barrier.wait()
+        return r.run(reps)
     finally:
-        e.close()
+        r.close()
 
 
 class _Workload:
@@ -368,23 +384,27 @@ class _Workload:
 
 
 def _beside(w, k, comm, nbytes, reps, barrier):
-    """(workload seconds, reductions seconds) with both running at once."""
-    go, res = threading.Event(), []
-    th = threading.Thread(target=lambda: (go.wait(), res.append(w.run(k))))
-    th.start()
+    """Seconds of k workload steps that start, on every rank, with reductions of the level."""
+    r = _Reduce(comm, nbytes)
+    res = []
+    th = threading.Thread(target=lambda: res.append(w.run(k)))
     try:
-        t_c = _reductions(comm, nbytes, reps, barrier, started=go.set) * reps
+        barrier.wait()
+        th.start()
+        r.run(reps)
     finally:
-        go.set()
-        th.join()
-    return res[0], t_c
+        if th.is_alive() or th.ident is not None:
+            th.join()
+        r.close()
+    return res[0]
 
 
 def _overlap(comm, nbytes, barrier, rank, label, rounds=3):
     """How much of a level's communication hides beside compute: 1 - (the workload's slowdown
-    while reductions of the level run beside it) / (the reductions' own time), in [0, 1]. The
-    best of a few rounds of each, alone and beside, so that other load on the machine counts
-    as little as it can."""
+    while reductions of the level run beside it) / (the reductions' own time), in [0, 1]. Both
+    runs of the workload start on every rank at once (the ranks' workloads share the cores the
+    same way); the best of a few rounds of each, so that other load counts as little as it
+    can."""
     w = _Workload()
     try:
         reps = 2
@@ -395,7 +415,7 @@ def _overlap(comm, nbytes, barrier, rank, label, rounds=3):
         for _ in range(rounds):
             barrier.wait()
             alone.append(w.run(k))
-            beside.append(_beside(w, k, comm, nbytes, reps, barrier)[0])
+            beside.append(_beside(w, k, comm, nbytes, reps, barrier))
         ov = min(1.0, max(0.0, 1.0 - (min(beside) - min(alone)) / t_c))
         _say(rank, "%s: overlap %.2f (compute %.0f ms alone, %.0f ms beside %.0f ms of "
                    "reductions; best of %d)" % (label, ov, min(alone) * 1e3, min(beside) * 1e3,

@@ -43,8 +43,10 @@ typedef struct model {
   span shard, replica;
   int nstaging;               /* staging buffers (0: a full gradient buffer) */
   double per_elem_s;          /* norm + update time per shard element */
-  job *jobs;
+  job *jobs;                  /* the comm queue's jobs that may still end after the compute
+                                 queue's present (older ones are dropped) */
   size_t njobs, cap;
+  double busy[KINDS];         /* the comm queue's busy time per kind, all jobs */
   double comm_free;           /* when the comm queue is next idle */
   sg_step_estimate *out;
 } model;
@@ -107,7 +109,17 @@ static double cost_time(const cost *c) {
 /* ---------------------------------------------------------------------------------------- */
 /* the comm queue                                                                            */
 
+/* Drops the jobs that ended by `now`: the compute queue never waits before its present. */
+static void forget_jobs(model *m, double now) {
+  size_t k = 0;
+  while (k < m->njobs && m->jobs[k].end <= now) k++;
+  if (k == 0) return;
+  memmove(m->jobs, m->jobs + k, (m->njobs - k) * sizeof *m->jobs);
+  m->njobs -= k;
+}
+
 static sg_status push_job(model *m, double start, double len, int kind) {
+  m->busy[kind] += len;
   if (m->njobs == m->cap) {
     size_t cap = m->cap ? 2 * m->cap : 256;
     job *j = realloc(m->jobs, cap * sizeof *j);
@@ -195,13 +207,18 @@ static sg_status reduce_bucket(model *m, int b, double ready, int last, double *
   return SG_OK;
 }
 
-/* When the backward pass may write bucket b (the k-th bucket of the step): its staging buffer
- * (handed out in order, the one of bucket k - nstaging) or its own region of a full buffer (free
- * once its previous reduction ran). */
+/* How many buckets back the slot of the k-th bucket of a step was last used: its staging
+ * buffer (handed out in order: the one of bucket k - nstaging) or its own region of a full
+ * buffer (the same bucket of the previous micro-batch). */
+static size_t slot_lag(const model *m) {
+  return m->nstaging > 0 ? (size_t)m->nstaging : (size_t)m->p->nbuckets;
+}
+
+/* When the backward pass may write the k-th bucket: once that earlier reduction freed the slot.
+ * freed[] is a ring of slot_lag entries. */
 static double slot_ready(const model *m, const double *freed, size_t k) {
-  if (m->nstaging > 0) return k >= (size_t)m->nstaging ? freed[k - (size_t)m->nstaging] : 0;
-  const size_t nb = (size_t)m->p->nbuckets;
-  return k >= nb ? freed[k - nb] : 0;
+  const size_t lag = slot_lag(m);
+  return k >= lag ? freed[k % lag] : 0;
 }
 
 /* The micro-batches: forward, then the backward pass producing the buckets in plan order in
@@ -210,17 +227,18 @@ static sg_status backward_passes(model *m, int M, double *t_out) {
   const int nb = m->p->nbuckets;
   const double fwd = m->hw->compute_s * (1 - m->hw->backward_fraction);
   const double bwd = m->hw->compute_s * m->hw->backward_fraction;
-  double *freed = malloc((size_t)M * (size_t)nb * sizeof *freed);
+  double *freed = malloc(slot_lag(m) * sizeof *freed);
   if (!freed) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_estimate_step: out of host memory");
   double t = 0;
   sg_status st = SG_OK;
   for (int mb = 0; mb < M && st == SG_OK; mb++) {
+    forget_jobs(m, t);
     t += fwd;
     for (int b = 0; b < nb && st == SG_OK; b++) {
       const size_t k = (size_t)mb * (size_t)nb + (size_t)b;
       t = wait_until(m, t, slot_ready(m, freed, k));
       t += bwd * (double)m->p->buckets[b].numel / (double)m->p->total_numel;
-      st = reduce_bucket(m, b, t, mb == M - 1, &freed[k]);
+      st = reduce_bucket(m, b, t, mb == M - 1, &freed[k % slot_lag(m)]);
     }
   }
   free(freed);
@@ -284,11 +302,8 @@ static sg_status step(model *m, double t, double *end) {
 /* Communication the queues hid behind compute or updates still takes (1 - overlap) of its
  * time from them where they share cores: added to the step, charged to its level. */
 static void contention(model *m) {
-  double busy[SG_LEVELS] = {0, 0};
-  for (size_t i = 0; i < m->njobs; i++)
-    if (m->jobs[i].kind < SG_LEVELS) busy[m->jobs[i].kind] += m->jobs[i].end - m->jobs[i].start;
   for (int l = 0; l < SG_LEVELS; l++) {
-    const double hidden = busy[l] - m->out->exposed_s[l];
+    const double hidden = m->busy[l] - m->out->exposed_s[l];
     if (hidden <= 0) continue;
     const double extra = (1 - m->hw->overlap[l]) * hidden;
     m->out->exposed_s[l] += extra;
