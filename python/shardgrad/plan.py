@@ -300,20 +300,25 @@ def _say(rank, msg):
 
 
 class _Barrier:
-    """A tiny engine whose grad_norm is an all-reduce over the world: every rank meets there."""
+    """A tiny engine over the world whose micro-batch reduction (every rank receives a piece
+    from every other) and norm every rank waits for: all ranks meet there. (grad_norm alone
+    would not do: without new gradients it returns the norm it computed before.)"""
 
     def __init__(self, comm):
         self.e = Engine(comm, bucket_bytes=256)
-        self.e.add_param("barrier", (64,))
+        self.e.add_param("barrier", (64 * comm.size,))
         self.e.finalize()
 
     def wait(self):
+        self.e.grad_ptr(0)
+        self.e.grad_ready(0)
+        self.e.backward_end()
         self.e.grad_norm()
 
     def agree(self, values):
         """Rank 0's values (at most 64 floats) on every rank: each measured its own, and the
         sizes of the next collectives must match."""
-        v = [float(x) for x in values] + [0.0] * (64 - len(values))
+        v = [float(x) for x in values] + [0.0] * (self.e.param_shape(0)[0] - len(values))
         self.e.set_param(0, v)
         self.e.broadcast_params(0)
         return [float(x) for x in self.e.get_param(0)[:len(values)]]
