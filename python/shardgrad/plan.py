@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -404,27 +405,35 @@ def _beside(w, k, comm, nbytes, reps, barrier):
     return res[0]
 
 
-def _overlap(comm, nbytes, barrier, rank, label, rounds=3):
+def _overlap(comm, nbytes, barrier, rank, label, rounds=5):
     """How much of a level's communication hides beside compute: 1 - (the workload's slowdown
     while reductions of the level run beside it) / (the reductions' own time), in [0, 1]. Both
     runs of the workload start on every rank at once (the ranks' workloads share the cores the
-    same way); the best of a few rounds of each, so that other load counts as little as it
-    can."""
+    same way). Each beside run sits between two alone runs and is compared with their mean; the
+    median over the rounds, so that other load on the machine, which comes and goes, moves the
+    result as little as it can."""
     w = _Workload()
     try:
         reps = 2
-        t_c = min(_reductions(comm, nbytes, reps, barrier) for _ in range(rounds)) * reps
+        t_c = statistics.median(_reductions(comm, nbytes, reps, barrier)
+                                for _ in range(3)) * reps
         one = min(w.run(1) for _ in range(3))
         k = max(2, int(1.5 * t_c / max(one, 1e-6)))  # the workload outlasts the reductions
-        alone, beside = [], []
+        k = int(barrier.agree([k])[0])
+        barrier.wait()
+        before, slow, alone = w.run(k), [], []
         for _ in range(rounds):
+            beside = _beside(w, k, comm, nbytes, reps, barrier)
             barrier.wait()
-            alone.append(w.run(k))
-            beside.append(_beside(w, k, comm, nbytes, reps, barrier))
-        ov = min(1.0, max(0.0, 1.0 - (min(beside) - min(alone)) / t_c))
-        _say(rank, "%s: overlap %.2f (compute %.0f ms alone, %.0f ms beside %.0f ms of "
-                   "reductions; best of %d)" % (label, ov, min(alone) * 1e3, min(beside) * 1e3,
-                                                t_c * 1e3, rounds))
+            after = w.run(k)
+            slow.append(beside - (before + after) / 2)
+            alone.append(before)
+            before = after
+        ov = min(1.0, max(0.0, 1.0 - statistics.median(slow) / t_c))
+        _say(rank, "%s: overlap %.2f (compute %.0f ms alone, %+.0f ms beside %.0f ms of "
+                   "reductions; medians of %d)" % (label, ov, statistics.median(alone) * 1e3,
+                                                   statistics.median(slow) * 1e3, t_c * 1e3,
+                                                   rounds))
         return ov
     finally:
         w.close()
