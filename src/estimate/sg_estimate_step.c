@@ -30,6 +30,8 @@ typedef struct cost {
 typedef struct job {
   double start, end;
   int kind;
+  double s[SG_LEVELS];        /* the collective's time at each level (both run at once) */
+  double waited;              /* of it, the time the compute queue waited for it */
 } job;
 
 typedef struct model {
@@ -46,7 +48,7 @@ typedef struct model {
   job *jobs;                  /* the comm queue's jobs that may still end after the compute
                                  queue's present (older ones are dropped) */
   size_t njobs, cap;
-  double busy[KINDS];         /* the comm queue's busy time per kind, all jobs */
+  double contention[SG_LEVELS]; /* what the hidden parts of the jobs take from compute */
   double comm_free;           /* when the comm queue is next idle */
   sg_step_estimate *out;
 } model;
@@ -109,17 +111,27 @@ static double cost_time(const cost *c) {
 /* ---------------------------------------------------------------------------------------- */
 /* the comm queue                                                                            */
 
+/* Communication the queues hid behind compute or updates still takes (1 - overlap) of its
+ * time from them where they share cores: each level's part of a job, in the share of the job
+ * nobody waited for. */
+static void settle_job(model *m, const job *j) {
+  const double len = j->end - j->start;
+  if (len <= 0) return;
+  const double hidden = 1 - j->waited / len;
+  for (int l = 0; l < SG_LEVELS; l++)
+    m->contention[l] += (1 - m->hw->overlap[l]) * j->s[l] * (hidden > 0 ? hidden : 0);
+}
+
 /* Drops the jobs that ended by `now`: the compute queue never waits before its present. */
 static void forget_jobs(model *m, double now) {
   size_t k = 0;
-  while (k < m->njobs && m->jobs[k].end <= now) k++;
+  while (k < m->njobs && m->jobs[k].end <= now) settle_job(m, &m->jobs[k++]);
   if (k == 0) return;
   memmove(m->jobs, m->jobs + k, (m->njobs - k) * sizeof *m->jobs);
   m->njobs -= k;
 }
 
-static sg_status push_job(model *m, double start, double len, int kind) {
-  m->busy[kind] += len;
+static sg_status push_job(model *m, double start, double len, int kind, const double *s) {
   if (m->njobs == m->cap) {
     size_t cap = m->cap ? 2 * m->cap : 256;
     job *j = realloc(m->jobs, cap * sizeof *j);
@@ -127,7 +139,9 @@ static sg_status push_job(model *m, double start, double len, int kind) {
     m->jobs = j;
     m->cap = cap;
   }
-  m->jobs[m->njobs++] = (job){start, start + len, kind};
+  job *j = &m->jobs[m->njobs++];
+  *j = (job){start, start + len, kind, {0, 0}, 0};
+  if (s) memcpy(j->s, s, sizeof j->s);
   m->comm_free = start + len;
   return SG_OK;
 }
@@ -146,13 +160,13 @@ static sg_status run_coll(model *m, double ready, const cost *c, int replica) {
     m->out->shard_collectives++;
   }
   const double start = ready > m->comm_free ? ready : m->comm_free;
-  return push_job(m, start, cost_time(c), bound_level(c));
+  return push_job(m, start, cost_time(c), bound_level(c), c->s);
 }
 
 static sg_status run_copy(model *m, double ready, uint64_t bytes) {
   m->out->copy_bytes += bytes;
   const double start = ready > m->comm_free ? ready : m->comm_free;
-  return push_job(m, start, (double)bytes / m->hw->pcie_bytes_per_s, COPY);
+  return push_job(m, start, (double)bytes / m->hw->pcie_bytes_per_s, COPY, NULL);
 }
 
 /* The compute queue waited from t0 to t1: charged to the comm jobs running meanwhile. */
@@ -160,11 +174,12 @@ static void charge_wait(model *m, double t0, double t1) {
   if (t1 <= t0) return;
   double left = t1 - t0;
   for (size_t i = m->njobs; i-- > 0 && left > 0;) {
-    const job *j = &m->jobs[i];
+    job *j = &m->jobs[i];
     if (j->end <= t0) break;
     const double a = j->start > t0 ? j->start : t0, b = j->end < t1 ? j->end : t1;
     if (b <= a) continue;
     const double d = b - a;
+    j->waited += d;
     if (j->kind == COPY)
       m->out->copy_s += d;
     else
@@ -299,15 +314,12 @@ static sg_status step(model *m, double t, double *end) {
   return SG_OK;
 }
 
-/* Communication the queues hid behind compute or updates still takes (1 - overlap) of its
- * time from them where they share cores: added to the step, charged to its level. */
+/* The contention of every job, added to the step and charged to its level. */
 static void contention(model *m) {
+  forget_jobs(m, 1e300);
   for (int l = 0; l < SG_LEVELS; l++) {
-    const double hidden = m->busy[l] - m->out->exposed_s[l];
-    if (hidden <= 0) continue;
-    const double extra = (1 - m->hw->overlap[l]) * hidden;
-    m->out->exposed_s[l] += extra;
-    m->out->step_s += extra;
+    m->out->exposed_s[l] += m->contention[l];
+    m->out->step_s += m->contention[l];
   }
 }
 
