@@ -519,6 +519,10 @@ typedef struct sg_hardware {
                                slowing it; 0: every second of it that the queues hide still
                                costs a second of compute (ranks and their comm threads sharing
                                cores); in [0, 1] */
+  double handover_s_per_byte; /* 0: what the caller's thread spends per gradient byte of a
+                               micro-batch handing it to the engine (writing into slots whose
+                               pages were given back, the slot waits) beyond writing a buffer
+                               of its own; >= 0 */
 } sg_hardware;
 
 /* Defaults: one node per rank, SG_ALGO_HOST, 1 Gbit/s links (0.125e9 B/s, 50 us), 10 GB/s
@@ -536,6 +540,7 @@ typedef struct sg_step_estimate {
   double comm_s[SG_LEVELS];     /* all communication time per level, hidden or not */
   double optim_s;               /* norm + AdamW (device or host), on the step's critical path */
   double copy_s;                /* offload: host<->device copies not hidden */
+  double handover_s;            /* microbatches x the gradients' bytes x handover_s_per_byte */
   /* What the engine's communicators count (sg_comm_stats) per step on this rank: the shard
    * communicator (the flat engine's only one) and the replica communicator (hybrid). */
   uint64_t shard_bytes;         /* bus bytes sent (= received) */

@@ -176,7 +176,8 @@ static void test_traffic(void) {
 /* ---------------------------------------------------------------------------------------- */
 
 static double parts_sum(const sg_step_estimate *e) {
-  return e->compute_s + e->exposed_s[0] + e->exposed_s[1] + e->optim_s + e->copy_s;
+  return e->compute_s + e->exposed_s[0] + e->exposed_s[1] + e->optim_s + e->copy_s +
+         e->handover_s;
 }
 
 static sg_hardware some_hw(double net_bps, double compute) {
@@ -207,6 +208,7 @@ static void test_parts(void) {
         sg_hardware hw = some_hw(1.25e6 * pow(10, r), 0.002 * r);
         hw.overlap[SG_LEVEL_NODE] = 0.25 * r;
         hw.overlap[SG_LEVEL_NET] = 1 - 0.25 * r;
+        hw.handover_s_per_byte = 1e-10 * r;
         sg_step_estimate e = {.struct_size = sizeof e};
         if (sg_estimate_step(&cfg, k_sizes, NP, 4, micro, &hw, &e) != SG_OK) bad++;
         if (fabs(parts_sum(&e) - e.step_s) > 1e-9 * e.step_s) bad++;

@@ -183,6 +183,7 @@ class SgHardware(ctypes.Structure):
         ("host_optim_params_per_s", ctypes.c_double),
         ("pcie_bytes_per_s", ctypes.c_double),
         ("overlap", ctypes.c_double * LEVELS),
+        ("handover_s_per_byte", ctypes.c_double),
     ]
 
 
@@ -195,6 +196,7 @@ class SgStepEstimate(ctypes.Structure):
         ("comm_s", ctypes.c_double * LEVELS),
         ("optim_s", ctypes.c_double),
         ("copy_s", ctypes.c_double),
+        ("handover_s", ctypes.c_double),
         ("shard_bytes", ctypes.c_uint64),
         ("shard_collectives", ctypes.c_uint64),
         ("replica_bytes", ctypes.c_uint64),

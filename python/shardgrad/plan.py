@@ -50,7 +50,7 @@ class Hardware:
 
     FIELDS = ("ranks_per_node", "algorithm", "compute_s", "backward_fraction",
               "optim_params_per_s", "device_bytes_per_s", "host_optim_params_per_s",
-              "pcie_bytes_per_s")
+              "pcie_bytes_per_s", "handover_s_per_byte")
 
     def __init__(self, **kwargs):
         s = SgHardware()
@@ -121,7 +121,8 @@ class StepEstimate(dict):
     def _from(cls, e):
         d = cls(step_s=e.step_s, compute_s=e.compute_s, exposed_node_s=e.exposed_s[0],
                 exposed_net_s=e.exposed_s[1], comm_node_s=e.comm_s[0], comm_net_s=e.comm_s[1],
-                optim_s=e.optim_s, copy_s=e.copy_s, shard_bytes=e.shard_bytes,
+                optim_s=e.optim_s, copy_s=e.copy_s, handover_s=e.handover_s,
+                shard_bytes=e.shard_bytes,
                 shard_collectives=e.shard_collectives, replica_bytes=e.replica_bytes,
                 replica_collectives=e.replica_collectives, link_node_bytes=e.link_bytes[0],
                 link_net_bytes=e.link_bytes[1], optim_bytes=e.optim_bytes,
@@ -478,6 +479,33 @@ def _optim_rate(numel=1 << 22, reps=3):
         comm.close()
 
 
+def _handover(numel=1 << 22, reps=5):
+    """Seconds per gradient byte the caller's thread spends handing a micro-batch to an engine
+    (grad_ptr, writing the whole slot, grad_ready, backward_end) beyond writing as many bytes
+    into a buffer of its own that stays resident. A one-rank engine, one bucket."""
+    nbytes = numel * 4
+    own = ctypes.create_string_buffer(nbytes)
+    ctypes.memset(own, 1, nbytes)
+    t_own = statistics.median(_timed(lambda: ctypes.memset(own, 0, nbytes)) for _ in range(reps))
+    comm = Comm.local(1)[0]
+    e = Engine(comm, bucket_bytes=nbytes)
+    try:
+        e.add_param("probe", (numel,))
+        e.finalize()
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            ctypes.memset(e.grad_ptr(0), 0, nbytes)
+            e.grad_ready(0)
+            e.backward_end()
+            times.append(time.perf_counter() - t0)
+        e.grad_norm()
+        return max(0.0, (statistics.median(times[1:]) - t_own) / nbytes)
+    finally:
+        e.close()
+        comm.close()
+
+
 def _memcpy_rate(nbytes=64 << 20, reps=3):
     a = ctypes.create_string_buffer(nbytes)
     b = ctypes.create_string_buffer(nbytes)
@@ -507,27 +535,32 @@ def probe(comm=None, budget_s=0.3):
     try:
         _say(rank, "%d ranks: %d node(s) x %d (by host name)" % (W, N, L))
         if L > 1:
-            _say(rank, "[1/4] inside a node: reduce-scatter over the node's %d ranks" % L)
+            _say(rank, "[1/5] inside a node: reduce-scatter over the node's %d ranks" % L)
             hw.node_bytes_per_s, hw.node_latency_s, big = _fit_level(
                 shard, lambda S: (L - 1) / L * S, barrier, rank, "in-node", budget_s)
             hw.node_overlap = _overlap(shard, big, barrier, rank, "in-node")
         else:
             hw.notes.append("one rank per node: the in-node level is not measured")
         if N > 1:
-            _say(rank, "[2/4] between nodes: reduce-scatter over one rank per node, all %d "
+            _say(rank, "[2/5] between nodes: reduce-scatter over one rank per node, all %d "
                        "at once" % L)
             hw.net_bytes_per_s, hw.net_latency_s, big = _fit_level(
                 replica, lambda S: L * (N - 1) / N * S, barrier, rank, "between nodes", budget_s)
             hw.net_overlap = _overlap(replica, big, barrier, rank, "between nodes")
         else:
             hw.notes.append("one node: the between-nodes level is not measured")
-        _say(rank, "[3/4] norm + AdamW of a 4M-element step (f32), every rank at once")
+        _say(rank, "[3/5] hand-over: a micro-batch's gradients written into the engine's slots")
+        barrier.wait()
+        hw.handover_s_per_byte = _handover()
+        _say(rank, "      %.2f ns per byte beyond writing a resident buffer"
+                   % (hw.handover_s_per_byte * 1e9))
+        _say(rank, "[4/5] norm + AdamW of a 4M-element step (f32), every rank at once")
         barrier.wait()
         rate = _optim_rate()
         hw.optim_params_per_s = rate
         hw.device_bytes_per_s = rate * 32  # an f32 step moves 32 bytes per element
         _say(rank, "      %.1f M elements/s" % (rate / 1e6))
-        _say(rank, "[4/4] memory copy")
+        _say(rank, "[5/5] memory copy")
         barrier.wait()
         hw.notes.append("memcpy %.2f GB/s (read + write)" % (_memcpy_rate() / 1e9))
         hw.notes.append("probed on %s, %d ranks, %s" % (socket.gethostname(), W,

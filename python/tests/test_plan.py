@@ -73,9 +73,10 @@ def test_parts_add_up_and_links_slow_the_step():
     for gbit in (100, 10, 1, 0.1):
         hw = plan.described(2, 2, gbit, 5.0, 10.0, algorithm="host")
         hw.compute_s = 0.01
+        hw.handover_s_per_byte = 1e-10
         e = plan.estimate_step(numels, 4, 8, hw, bucket_bytes=1 << 16)
         parts = (e["compute_s"] + e["exposed_node_s"] + e["exposed_net_s"] + e["optim_s"]
-                 + e["copy_s"])
+                 + e["copy_s"] + e["handover_s"])
         assert parts == pytest.approx(e["step_s"], rel=1e-9)
         assert e["step_s"] >= prev
         prev = e["step_s"]
@@ -155,4 +156,5 @@ def test_probe_on_threads():
     hw = hws[0]
     assert hw.ranks_per_node == 2 and hw.nodes == 1
     assert hw.node_bytes_per_s > 0 and hw.optim_params_per_s > 0
+    assert 0 <= hw.node_overlap <= 1 and hw.handover_s_per_byte >= 0
     assert any("between-nodes level is not measured" in n for n in hw.notes)

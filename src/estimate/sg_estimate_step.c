@@ -242,6 +242,7 @@ static sg_status backward_passes(model *m, int M, double *t_out) {
   const int nb = m->p->nbuckets;
   const double fwd = m->hw->compute_s * (1 - m->hw->backward_fraction);
   const double bwd = m->hw->compute_s * m->hw->backward_fraction;
+  const double handover = m->hw->handover_s_per_byte * (double)sg__dtype_size(m->cfg->grad_dtype);
   double *freed = malloc(slot_lag(m) * sizeof *freed);
   if (!freed) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_estimate_step: out of host memory");
   double t = 0;
@@ -253,6 +254,7 @@ static sg_status backward_passes(model *m, int M, double *t_out) {
       const size_t k = (size_t)mb * (size_t)nb + (size_t)b;
       t = wait_until(m, t, slot_ready(m, freed, k));
       t += bwd * (double)m->p->buckets[b].numel / (double)m->p->total_numel;
+      t += handover * (double)m->p->buckets[b].numel;
       st = reduce_bucket(m, b, t, mb == M - 1, &freed[k % slot_lag(m)]);
     }
   }
@@ -397,9 +399,11 @@ static sg_status check_hw(const sg_hardware *hw, int off, const char *fn) {
                    "SG_ALGO_RING", fn, hw->algorithm);
   SG_TRY(check_links(hw, fn));
   SG_TRY(check_overlap(hw, fn));
-  if (!nonneg(hw->compute_s) || !nonneg(hw->optim_params_per_s))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s and hw->optim_params_per_s must "
-                   "be finite and >= 0 (got %g, %g)", fn, hw->compute_s, hw->optim_params_per_s);
+  if (!nonneg(hw->compute_s) || !nonneg(hw->optim_params_per_s) ||
+      !nonneg(hw->handover_s_per_byte))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s, hw->optim_params_per_s and "
+                   "hw->handover_s_per_byte must be finite and >= 0 (got %g, %g, %g)", fn,
+                   hw->compute_s, hw->optim_params_per_s, hw->handover_s_per_byte);
   if (!(hw->backward_fraction > 0 && hw->backward_fraction <= 1))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->backward_fraction must be in (0, 1] (got "
                    "%g)", fn, hw->backward_fraction);
@@ -474,6 +478,8 @@ static sg_status run_model(model *m, int microbatches) {
   const uint64_t shard = sg__strategy_sharded(m->st) ? m->p->shard_numel : m->p->total_numel;
   m->out->optim_bytes = shard * update_bytes_per_elem(m->cfg);
   m->out->compute_s = microbatches * m->hw->compute_s;
+  m->out->handover_s = microbatches * m->hw->handover_s_per_byte * (double)m->p->total_numel *
+                       (double)sg__dtype_size(m->cfg->grad_dtype);
   double t = 0;
   SG_TRY(backward_passes(m, microbatches, &t));
   SG_TRY(step(m, t, &m->out->step_s));
