@@ -47,7 +47,8 @@ def table(args):
                         load=float(r["load"]), measured_s=meas, predicted_s=e["step_s"],
                         error=(e["step_s"] - meas) / meas, compute_s=e["compute_s"],
                         exposed_net_s=e["exposed_net_s"], exposed_node_s=e["exposed_node_s"],
-                        optim_s=e["optim_s"], net_mbps=hw.net_bytes_per_s * 8 / 1e6,
+                        optim_s=e["optim_s"], handover_s=e["handover_s"],
+                        net_mbps=hw.net_bytes_per_s * 8 / 1e6,
                         link_mb_measured=float(r.get("link_sent_max_node", -1)) / 1e6,
                         link_mb_predicted=e["link_net_bytes"] / 1e6))
     return out
@@ -55,14 +56,16 @@ def table(args):
 
 def show(out):
     print("| link | probed Mbit/s | micro | variant | load | measured s | predicted s | error "
-          "| compute | x-node exposed | in-node exposed | optim | node link MB meas./pred. |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| compute | hand-over | x-node exposed | in-node exposed | optim "
+          "| node link MB meas./pred. |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in out:
         print("| %s | %.0f | %d | %s | %.1f | %.3f | %.3f | %+.0f%% | %.3f | %.3f | %.3f | %.3f "
-              "| %.1f / %.1f |" % (d["rate"], d["net_mbps"], d["micro"],
+              "| %.3f | %.1f / %.1f |" % (d["rate"], d["net_mbps"], d["micro"],
                                    d["variant"].replace("_", " "), d["load"], d["measured_s"],
                                    d["predicted_s"], 100 * d["error"], d["compute_s"],
-                                   d["exposed_net_s"], d["exposed_node_s"], d["optim_s"],
+                                   d["handover_s"], d["exposed_net_s"], d["exposed_node_s"],
+                                   d["optim_s"],
                                    d["link_mb_measured"], d["link_mb_predicted"]))
     errs = [abs(d["error"]) for d in out]
     if errs:
