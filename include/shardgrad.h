@@ -560,8 +560,10 @@ typedef struct sg_step_estimate {
  * the comm queue in plan order as the backward pass hands over each bucket (staging_buckets
  * in flight), the cross-node sums behind each bucket's reduction in the last micro-batch, the
  * norm, the update bucket by bucket with each bucket's all-gather behind it, and the gathers
- * behind the next forward pass with overlap_param_gather. Compute and communication are
- * assumed not to slow each other. */
+ * behind the next forward pass with overlap_param_gather. Hidden communication costs
+ * (1 - hw->overlap) of itself where ranks share cores; step_s = compute_s + handover_s +
+ * exposed_s[0] + exposed_s[1] + optim_s + copy_s. Not modelled: sg_set_sync(0) steps, a hybrid
+ * engine not told its micro-batch count (docs/planner.md). */
 SG_API sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams,
                                   int world, int microbatches, const sg_hardware *hw,
                                   sg_step_estimate *out);

@@ -390,20 +390,28 @@ class _Workload:
         self.comm.close()
 
 
+def _on_thread(w, k, barrier, beside=None):
+    """Seconds of k workload steps on a thread of their own, started on every rank right after
+    a barrier, with beside() (the level's reductions) on this thread meanwhile, or nothing."""
+    res = []
+    th = threading.Thread(target=lambda: res.append(w.run(k)))
+    barrier.wait()
+    th.start()
+    try:
+        if beside:
+            beside()
+    finally:
+        th.join()
+    return res[0]
+
+
 def _beside(w, k, comm, nbytes, reps, barrier):
     """Seconds of k workload steps that start, on every rank, with reductions of the level."""
     r = _Reduce(comm, nbytes)
-    res = []
-    th = threading.Thread(target=lambda: res.append(w.run(k)))
     try:
-        barrier.wait()
-        th.start()
-        r.run(reps)
+        return _on_thread(w, k, barrier, lambda: r.run(reps))
     finally:
-        if th.is_alive() or th.ident is not None:
-            th.join()
         r.close()
-    return res[0]
 
 
 def _overlap(comm, nbytes, barrier, rank, label, rounds=5):
@@ -421,12 +429,10 @@ def _overlap(comm, nbytes, barrier, rank, label, rounds=5):
         one = min(w.run(1) for _ in range(3))
         k = max(2, int(1.5 * t_c / max(one, 1e-6)))  # the workload outlasts the reductions
         k = int(barrier.agree([k])[0])
-        barrier.wait()
-        before, slow, alone = w.run(k), [], []
+        before, slow, alone = _on_thread(w, k, barrier), [], []
         for _ in range(rounds):
             beside = _beside(w, k, comm, nbytes, reps, barrier)
-            barrier.wait()
-            after = w.run(k)
+            after = _on_thread(w, k, barrier)
             slow.append(beside - (before + after) / 2)
             alone.append(before)
             before = after
