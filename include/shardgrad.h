@@ -502,6 +502,95 @@ SG_API sg_status sg_memory(sg_engine *e, sg_memory_stats *out);
 SG_API sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int nparams,
                                     int world, sg_memory_stats *out);
 
+/* ---------------------------------------------------------------------------------------- */
+/* Step-time model (docs/planner.md)                                                         */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Link levels of a cluster: inside a node, and between nodes. */
+#define SG_LEVEL_NODE 0
+#define SG_LEVEL_NET 1
+#define SG_LEVELS 2
+
+/* How a collective moves its bytes over the ranks: SG_ALGO_HOST, the host communicators
+ * (threads, MPI, the caller's transport: a ring at 2 ranks, every rank sending straight to every
+ * other from 3, so each rank puts its share for every other node on its node's link);
+ * SG_ALGO_RING, a ring over the ranks in node order (NCCL: a node's link carries what one rank
+ * of a flat ring sends). */
+#define SG_ALGO_HOST 0
+#define SG_ALGO_RING 1
+
+/* The machines a step runs on: what `python -m shardgrad.plan --probe` measures, or a
+ * description. Fill with sg_hardware_init(&hw, sizeof hw), then set what is known. Fields are
+ * only ever appended. */
+typedef struct sg_hardware {
+  size_t struct_size;
+  int ranks_per_node;       /* 0: every rank its own node; else ranks sharing a node's link */
+  int algorithm;            /* SG_ALGO_HOST */
+  double link_bytes_per_s[SG_LEVELS]; /* NODE: the bus bytes per second one rank sends inside
+                               its node; NET: bytes per second one node's link carries each way
+                               (shared by the node's ranks). > 0 */
+  double link_latency_s[SG_LEVELS]; /* cost of one message step of a collective at the level */
+  double compute_s;         /* the caller's forward + backward time of one micro-batch, >= 0 */
+  double backward_fraction; /* 2/3: the part of compute_s that is the backward pass, in (0, 1] */
+  double optim_params_per_s;/* the device's norm + AdamW rate, elements of the shard per second
+                               (0: device_bytes_per_s / the bytes AdamW moves per element) */
+  double device_bytes_per_s;/* device memory bandwidth (read + written), used where the rate
+                               above is 0 */
+  double host_optim_params_per_s; /* optimizer offload: the host's norm + AdamW rate */
+  double pcie_bytes_per_s;  /* optimizer offload: host<->device copy rate, each way */
+  double overlap[SG_LEVELS];/* 1: communication at the level runs beside compute without
+                               slowing it; 0: every second of it that the queues hide still
+                               costs a second of compute (ranks and their comm threads sharing
+                               cores); in [0, 1] */
+  double handover_s_per_byte; /* 0: what the caller's thread spends per gradient byte of a
+                               micro-batch handing it to the engine (writing into slots whose
+                               pages were given back, the slot waits) beyond writing a buffer
+                               of its own; >= 0 */
+} sg_hardware;
+
+/* Defaults: one node per rank, SG_ALGO_HOST, 1 Gbit/s links (0.125e9 B/s, 50 us), 10 GB/s
+ * device memory, no compute, backward 2/3, no offload rates, overlap 1. struct_size must be
+ * sizeof. */
+SG_API sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size);
+
+/* What one optimizer step costs on one rank, by part. Times in seconds; bytes per step. */
+typedef struct sg_step_estimate {
+  size_t struct_size;           /* sizeof(sg_step_estimate), set by the caller */
+  double step_s;                /* predicted wall time of one optimizer step */
+  double compute_s;             /* microbatches x forward + backward */
+  double exposed_s[SG_LEVELS];  /* communication not hidden behind compute, by the level that
+                                   bounds it, plus (1 - overlap) of what was hidden */
+  double comm_s[SG_LEVELS];     /* all communication time per level, hidden or not */
+  double optim_s;               /* norm + AdamW (device or host), on the step's critical path */
+  double copy_s;                /* offload: host<->device copies not hidden */
+  double handover_s;            /* microbatches x the gradients' bytes x handover_s_per_byte */
+  /* What the engine's communicators count (sg_comm_stats) per step on this rank: the shard
+   * communicator (the flat engine's only one) and the replica communicator (hybrid). */
+  uint64_t shard_bytes;         /* bus bytes sent (= received) */
+  uint64_t shard_collectives;
+  uint64_t replica_bytes;
+  uint64_t replica_collectives;
+  uint64_t link_bytes[SG_LEVELS]; /* NODE: bytes this rank sends inside its node; NET: bytes
+                                     its node sends over its link (all its ranks) */
+  uint64_t optim_bytes;         /* bytes the update reads and writes on this rank */
+  uint64_t copy_bytes;          /* offload: bytes copied host<->device on this rank */
+} sg_step_estimate;
+
+/* The time of one optimizer step of `microbatches` micro-batches (each reduced: sync on;
+ * hybrid: sg_set_microbatches said how many) for parameters of the given sizes (registration
+ * order) at `world` ranks, with cfg's layout (cfg->shard_ranks: hybrid, as for
+ * sg_estimate_memory) on the hardware *hw. Simulates the engine's queues: the reductions on
+ * the comm queue in plan order as the backward pass hands over each bucket (staging_buckets
+ * in flight), the cross-node sums behind each bucket's reduction in the last micro-batch, the
+ * norm, the update bucket by bucket with each bucket's all-gather behind it, and the gathers
+ * behind the next forward pass with overlap_param_gather. Hidden communication costs
+ * (1 - hw->overlap) of itself where ranks share cores; step_s = compute_s + handover_s +
+ * exposed_s[0] + exposed_s[1] + optim_s + copy_s. Not modelled: sg_set_sync(0) steps, a hybrid
+ * engine not told its micro-batch count (docs/planner.md). */
+SG_API sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams,
+                                  int world, int microbatches, const sg_hardware *hw,
+                                  sg_step_estimate *out);
+
 SG_API void sg_engine_destroy(sg_engine *e);
 
 /* ---------------------------------------------------------------------------------------- */

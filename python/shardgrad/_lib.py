@@ -19,7 +19,8 @@ import os
 import sys
 import threading
 
-from ._structs import SgConfig, SgHparams, SgMemoryStats, SgStepInfo, SgTraceEvent, SgXport
+from ._structs import (SgConfig, SgHardware, SgHparams, SgMemoryStats, SgStepEstimate, SgStepInfo,
+                       SgTraceEvent, SgXport)
 
 __all__ = ["LibraryNotFoundError", "load", "library_path", "PROTOTYPES", "OPTIONAL"]
 
@@ -78,6 +79,11 @@ PROTOTYPES = {
     "sg_memory": (_status, [_vp, ctypes.POINTER(SgMemoryStats)]),
     "sg_estimate_memory": (_status, [ctypes.POINTER(SgConfig), ctypes.POINTER(_c_size), _c_int,
                                      _c_int, ctypes.POINTER(SgMemoryStats)]),
+    # the step-time model (shardgrad.plan)
+    "sg_hardware_init": (_status, [ctypes.POINTER(SgHardware), _c_size]),
+    "sg_estimate_step": (_status, [ctypes.POINTER(SgConfig), ctypes.POINTER(_c_size), _c_int,
+                                   _c_int, _c_int, ctypes.POINTER(SgHardware),
+                                   ctypes.POINTER(SgStepEstimate)]),
     "sg_engine_destroy": (None, [_vp]),
     # Added after version 0.1.0's first builds: bound when the library exports them, otherwise
     # the Python method raises UnsupportedError.

@@ -162,3 +162,46 @@ class SgXport(ctypes.Structure):
                 ("user", ctypes.c_void_p), ("threaded", ctypes.c_int),
                 ("isend", XPORT_SEND), ("irecv", XPORT_RECV), ("cancel", XPORT_CANCEL),
                 ("release", XPORT_RELEASE)]
+
+
+# the step-time model (sg_hardware, sg_step_estimate; docs/planner.md)
+LEVELS = 2  # SG_LEVEL_NODE, SG_LEVEL_NET
+ALGO_HOST, ALGO_RING = 0, 1
+
+
+class SgHardware(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("ranks_per_node", ctypes.c_int),
+        ("algorithm", ctypes.c_int),
+        ("link_bytes_per_s", ctypes.c_double * LEVELS),
+        ("link_latency_s", ctypes.c_double * LEVELS),
+        ("compute_s", ctypes.c_double),
+        ("backward_fraction", ctypes.c_double),
+        ("optim_params_per_s", ctypes.c_double),
+        ("device_bytes_per_s", ctypes.c_double),
+        ("host_optim_params_per_s", ctypes.c_double),
+        ("pcie_bytes_per_s", ctypes.c_double),
+        ("overlap", ctypes.c_double * LEVELS),
+        ("handover_s_per_byte", ctypes.c_double),
+    ]
+
+
+class SgStepEstimate(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("step_s", ctypes.c_double),
+        ("compute_s", ctypes.c_double),
+        ("exposed_s", ctypes.c_double * LEVELS),
+        ("comm_s", ctypes.c_double * LEVELS),
+        ("optim_s", ctypes.c_double),
+        ("copy_s", ctypes.c_double),
+        ("handover_s", ctypes.c_double),
+        ("shard_bytes", ctypes.c_uint64),
+        ("shard_collectives", ctypes.c_uint64),
+        ("replica_bytes", ctypes.c_uint64),
+        ("replica_collectives", ctypes.c_uint64),
+        ("link_bytes", ctypes.c_uint64 * LEVELS),
+        ("optim_bytes", ctypes.c_uint64),
+        ("copy_bytes", ctypes.c_uint64),
+    ]

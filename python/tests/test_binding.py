@@ -15,8 +15,8 @@ import pytest
 
 import shardgrad as sg
 from shardgrad import _lib
-from shardgrad._structs import (SgCommTraffic, SgConfig, SgHparams, SgMemoryStats, SgStepInfo,
-                                SgTraceEvent, SgXport)
+from shardgrad._structs import (SgCommTraffic, SgConfig, SgHardware, SgHparams, SgMemoryStats,
+                                SgStepEstimate, SgStepInfo, SgTraceEvent, SgXport)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -163,7 +163,8 @@ def _c_compiler():
 
 STRUCTS = {"sg_config": SgConfig, "sg_step_info": SgStepInfo, "sg_memory_stats": SgMemoryStats,
            "sg_trace_event": SgTraceEvent, "sg_comm_traffic": SgCommTraffic,
-           "sg_hparams": SgHparams, "sg_xport": SgXport}
+           "sg_hparams": SgHparams, "sg_xport": SgXport, "sg_hardware": SgHardware,
+           "sg_step_estimate": SgStepEstimate}
 ENUMS = {
     **{"SG_" + s.name: int(s) for s in sg.Status},
     **{("SG_DTYPE_AUTO" if d == sg.DType.AUTO else "SG_" + d.name): int(d) for d in sg.DType},

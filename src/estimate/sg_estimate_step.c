@@ -1,0 +1,516 @@
+/* The step-time model (sg_estimate_step, docs/planner.md): the collectives the engine issues for a
+ * plan, each costed with a linear alpha-beta model per link level, played through the engine's
+ * queues (the backward pass handing buckets to the comm queue, the update and the gathers after
+ * the norm). What the strategy does is read from its ops table (sharded or not, staging pool or
+ * full buffer, offloaded state), never from cfg.strategy. */
+#include <stdlib.h> /* malloc, free */
+#include <string.h> /* memcpy, memset */
+
+#include "../core/sg_core.h"        /* sg__err, sg__config_copy, sg__dtype_size */
+#include "../engine/sg_strategy.h"  /* sg__strategy_select, sg__strategy_sharded */
+#include "../optim/sg_optimizer.h"  /* sg__optim_default: state arrays per element */
+#include "../plan/sg_plan.h"        /* sg__plan_build, buckets */
+
+enum { COPY = SG_LEVELS, KINDS }; /* job kinds: the two levels, and host<->device copies */
+enum { RS, AG, AR };              /* what sg__comm_count counts (reduce-scatter, ...) */
+
+/* A communicator as the model sees it: w ranks, g of them on each node it spans. */
+typedef struct span {
+  int w, g;
+} span;
+
+/* One collective's cost on this rank. */
+typedef struct cost {
+  double s[SG_LEVELS];        /* time per level */
+  uint64_t link[SG_LEVELS];   /* NODE: bytes this rank sends in its node; NET: its node's link */
+  uint64_t bus;               /* what the communicator's counter adds */
+} cost;
+
+/* A span of the comm queue, for attributing the compute queue's waits to what it waited for. */
+typedef struct job {
+  double start, end;
+  int kind;
+  double s[SG_LEVELS];        /* the collective's time at each level (both run at once) */
+  double waited;              /* of it, the time the compute queue waited for it */
+} job;
+
+typedef struct model {
+  const sg_hardware *hw;
+  const sg_config *cfg;
+  const sg__strategy_ops *st;
+  const sg__plan *p;
+  int W, L, N, rpn;           /* world, shard ranks, replicas, ranks per node (<= W) */
+  int hybrid;                 /* cfg->shard_ranks set: a replica stage, even of one replica (its
+                                 all-reduces over one rank move nothing but are issued) */
+  span shard, replica;
+  int nstaging;               /* staging buffers (0: a full gradient buffer) */
+  double per_elem_s;          /* norm + update time per shard element */
+  job *jobs;                  /* the comm queue's jobs that may still end after the compute
+                                 queue's present (older ones are dropped) */
+  size_t njobs, cap;
+  double contention[SG_LEVELS]; /* what the hidden parts of the jobs take from compute */
+  double comm_free;           /* when the comm queue is next idle */
+  sg_step_estimate *out;
+} model;
+
+/* ---------------------------------------------------------------------------------------- */
+/* one collective                                                                            */
+
+/* Bus bytes exactly as sg__comm_count adds them (integer division per collective). */
+static uint64_t bus_bytes(int op, int w, uint64_t b) {
+  const uint64_t n = (uint64_t)w;
+  return op == AR ? 2u * (n - 1u) * b / n : (n - 1u) * b / n;
+}
+
+/* Bytes per level of one pass (a reduce-scatter or an all-gather) of S bytes over sp: the host
+ * algorithm sends S/w to every peer (at two ranks the ring does the same), so a node's link
+ * carries what each of its ranks sends to the other nodes; the ring sends S/w per step to its
+ * neighbour, and only the last rank of a node's run crosses. */
+static void pass_bytes(const model *m, span sp, double S, double bytes[SG_LEVELS]) {
+  const double w = sp.w, g = sp.g, ranks = m->rpn < m->W ? m->rpn : m->W;
+  if (m->hw->algorithm == SG_ALGO_RING) {
+    bytes[SG_LEVEL_NODE] = sp.g > 1 ? (w - 1) / w * S : 0;
+    bytes[SG_LEVEL_NET] = sp.w > sp.g ? ranks / g * (w - 1) / w * S : 0;
+    return;
+  }
+  bytes[SG_LEVEL_NODE] = (g - 1) / w * S;
+  bytes[SG_LEVEL_NET] = ranks * (w - g) / w * S;
+}
+
+/* Message steps of one pass: the host algorithm sends everything at once; a ring w - 1 hops. */
+static double pass_steps(const model *m, span sp) {
+  return m->hw->algorithm == SG_ALGO_RING ? sp.w - 1 : 1;
+}
+
+static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
+  cost c;
+  memset(&c, 0, sizeof c);
+  c.bus = bus_bytes(op, sp.w, S);
+  if (sp.w < 2) return c;
+  const double passes = op == AR ? 2 : 1;
+  double bytes[SG_LEVELS];
+  pass_bytes(m, sp, (double)S, bytes);
+  for (int l = 0; l < SG_LEVELS; l++) {
+    if (bytes[l] <= 0) continue;
+    c.link[l] = (uint64_t)(passes * bytes[l]);
+    c.s[l] = passes * (pass_steps(m, sp) * m->hw->link_latency_s[l] +
+                       bytes[l] / m->hw->link_bytes_per_s[l]);
+  }
+  return c;
+}
+
+/* The level a collective waits on: the slower one (both run at once). */
+static int bound_level(const cost *c) {
+  return c->s[SG_LEVEL_NET] > c->s[SG_LEVEL_NODE] ? SG_LEVEL_NET : SG_LEVEL_NODE;
+}
+
+static double cost_time(const cost *c) {
+  return c->s[bound_level(c)];
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the comm queue                                                                            */
+
+/* Communication the queues hid behind compute or updates still takes (1 - overlap) of its
+ * time from them where they share cores: each level's part of a job, in the share of the job
+ * nobody waited for. */
+static void settle_job(model *m, const job *j) {
+  const double len = j->end - j->start;
+  if (len <= 0) return;
+  const double hidden = 1 - j->waited / len;
+  for (int l = 0; l < SG_LEVELS; l++)
+    m->contention[l] += (1 - m->hw->overlap[l]) * j->s[l] * (hidden > 0 ? hidden : 0);
+}
+
+/* Drops the jobs that ended by `now`: the compute queue never waits before its present. */
+static void forget_jobs(model *m, double now) {
+  size_t k = 0;
+  while (k < m->njobs && m->jobs[k].end <= now) settle_job(m, &m->jobs[k++]);
+  if (k == 0) return;
+  memmove(m->jobs, m->jobs + k, (m->njobs - k) * sizeof *m->jobs);
+  m->njobs -= k;
+}
+
+static sg_status push_job(model *m, double start, double len, int kind, const double *s) {
+  if (m->njobs == m->cap) {
+    size_t cap = m->cap ? 2 * m->cap : 256;
+    job *j = realloc(m->jobs, cap * sizeof *j);
+    if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_estimate_step: out of host memory");
+    m->jobs = j;
+    m->cap = cap;
+  }
+  job *j = &m->jobs[m->njobs++];
+  *j = (job){start, start + len, kind, {0, 0}, 0};
+  if (s) memcpy(j->s, s, sizeof j->s);
+  m->comm_free = start + len;
+  return SG_OK;
+}
+
+/* A collective submitted at `ready`: queued behind the comm queue's earlier work, counted. */
+static sg_status run_coll(model *m, double ready, const cost *c, int replica) {
+  for (int l = 0; l < SG_LEVELS; l++) {
+    m->out->comm_s[l] += c->s[l];
+    m->out->link_bytes[l] += c->link[l];
+  }
+  if (replica) {
+    m->out->replica_bytes += c->bus;
+    m->out->replica_collectives++;
+  } else {
+    m->out->shard_bytes += c->bus;
+    m->out->shard_collectives++;
+  }
+  const double start = ready > m->comm_free ? ready : m->comm_free;
+  return push_job(m, start, cost_time(c), bound_level(c), c->s);
+}
+
+static sg_status run_copy(model *m, double ready, uint64_t bytes) {
+  m->out->copy_bytes += bytes;
+  const double start = ready > m->comm_free ? ready : m->comm_free;
+  return push_job(m, start, (double)bytes / m->hw->pcie_bytes_per_s, COPY, NULL);
+}
+
+/* The compute queue waited from t0 to t1: charged to the comm jobs running meanwhile. */
+static void charge_wait(model *m, double t0, double t1) {
+  if (t1 <= t0) return;
+  double left = t1 - t0;
+  for (size_t i = m->njobs; i-- > 0 && left > 0;) {
+    job *j = &m->jobs[i];
+    if (j->end <= t0) break;
+    const double a = j->start > t0 ? j->start : t0, b = j->end < t1 ? j->end : t1;
+    if (b <= a) continue;
+    const double d = b - a;
+    j->waited += d;
+    if (j->kind == COPY)
+      m->out->copy_s += d;
+    else
+      m->out->exposed_s[j->kind] += d;
+    left -= d;
+  }
+}
+
+/* The compute queue at t waits for the comm queue to reach `until`. */
+static double wait_until(model *m, double t, double until) {
+  if (until <= t) return t;
+  charge_wait(m, t, until);
+  return until;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the step                                                                                  */
+
+static uint64_t slice_numel(const model *m, int b) { return sg__plan_slice_numel(m->p, b); }
+
+static int offloaded(const model *m) { return m->st->state != NULL; }
+
+/* Bucket b's reduction job: the strategy's collective over the shard communicator, the D2H of
+ * the rank's slice when the state is offloaded, and in the last micro-batch of a hybrid step
+ * (on the device) the all-reduce of the slice across replicas right behind it. Returns when its
+ * slot is free again. */
+static sg_status reduce_bucket(model *m, int b, double ready, int last, double *slot_free) {
+  const sg__bucket *bk = &m->p->buckets[b];
+  const uint64_t R = sg__dtype_size(m->cfg->reduce_dtype);
+  const int sharded = sg__strategy_sharded(m->st);
+  const cost c = coll_cost(m, sharded ? RS : AR, m->shard, bk->numel * R);
+  SG_TRY(run_coll(m, ready, &c, 0));
+  if (offloaded(m)) SG_TRY(run_copy(m, m->comm_free, slice_numel(m, b) * R));
+  *slot_free = m->comm_free;
+  if (last && m->hybrid && !offloaded(m)) {
+    const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
+    const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
+    SG_TRY(run_coll(m, m->comm_free, &r, 1));
+  }
+  return SG_OK;
+}
+
+/* How many buckets back the slot of the k-th bucket of a step was last used: its staging
+ * buffer (handed out in order: the one of bucket k - nstaging) or its own region of a full
+ * buffer (the same bucket of the previous micro-batch). */
+static size_t slot_lag(const model *m) {
+  return m->nstaging > 0 ? (size_t)m->nstaging : (size_t)m->p->nbuckets;
+}
+
+/* When the backward pass may write the k-th bucket: once that earlier reduction freed the slot.
+ * freed[] is a ring of slot_lag entries. */
+static double slot_ready(const model *m, const double *freed, size_t k) {
+  const size_t lag = slot_lag(m);
+  return k >= lag ? freed[k % lag] : 0;
+}
+
+/* The micro-batches: forward, then the backward pass producing the buckets in plan order in
+ * proportion to their elements, each handed to the comm queue once written. */
+static sg_status backward_passes(model *m, int M, double *t_out) {
+  const int nb = m->p->nbuckets;
+  const double fwd = m->hw->compute_s * (1 - m->hw->backward_fraction);
+  const double bwd = m->hw->compute_s * m->hw->backward_fraction;
+  const double handover = m->hw->handover_s_per_byte * (double)sg__dtype_size(m->cfg->grad_dtype);
+  double *freed = malloc(slot_lag(m) * sizeof *freed);
+  if (!freed) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_estimate_step: out of host memory");
+  double t = 0;
+  sg_status st = SG_OK;
+  for (int mb = 0; mb < M && st == SG_OK; mb++) {
+    forget_jobs(m, t);
+    t += fwd;
+    for (int b = 0; b < nb && st == SG_OK; b++) {
+      const size_t k = (size_t)mb * (size_t)nb + (size_t)b;
+      t = wait_until(m, t, slot_ready(m, freed, k));
+      t += bwd * (double)m->p->buckets[b].numel / (double)m->p->total_numel;
+      t += handover * (double)m->p->buckets[b].numel;
+      st = reduce_bucket(m, b, t, mb == M - 1, &freed[k % slot_lag(m)]);
+    }
+  }
+  free(freed);
+  *t_out = t;
+  return st;
+}
+
+/* Offloaded hybrid: the sums across replicas run at the step, on the folded host slices. */
+static sg_status replica_sums_at_step(model *m, double t) {
+  if (!m->hybrid || !offloaded(m)) return SG_OK;
+  const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
+  for (int b = 0; b < m->p->nbuckets; b++) {
+    const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
+    SG_TRY(run_coll(m, t, &r, 1));
+  }
+  return SG_OK;
+}
+
+/* Norm + update time of bucket b's part, and its H2D copy under offload (pipelined in chunks
+ * with the host update: the slower of the two). */
+static double update_time(model *m, uint64_t n) {
+  const double upd = (double)n * m->per_elem_s;
+  m->out->optim_s += upd;
+  if (!offloaded(m)) return upd;
+  const uint64_t P = sg__dtype_size(m->cfg->param_dtype);
+  const double h2d = (double)(n * P) / m->hw->pcie_bytes_per_s;
+  m->out->copy_bytes += n * P;
+  if (h2d > upd) m->out->copy_s += h2d - upd;
+  return h2d > upd ? h2d : upd;
+}
+
+/* sg_step: every reduction waited for, the norm's all-reduce, then bucket by bucket (last
+ * first) the update and its all-gather on the comm queue. Returns the step's end. */
+static sg_status step(model *m, double t, double *end) {
+  SG_TRY(replica_sums_at_step(m, t));
+  t = wait_until(m, t, m->comm_free);
+  const int sharded = sg__strategy_sharded(m->st);
+  const int gathers = m->st->gather != NULL && m->L > 1;
+  if (m->st->sum_norm && m->L > 1) {
+    const cost c = coll_cost(m, AR, m->shard, 16); /* sum of squares, non-finite count: f64 */
+    SG_TRY(run_coll(m, t, &c, 0));
+    t = wait_until(m, t, m->comm_free);
+  }
+  const uint64_t P = sg__dtype_size(m->cfg->param_dtype);
+  for (int b = m->p->nbuckets - 1; b >= 0; b--) {
+    const uint64_t n = sharded ? slice_numel(m, b) : m->p->buckets[b].numel;
+    t += update_time(m, n);
+    if (gathers) {
+      const cost c = coll_cost(m, AG, m->shard, m->p->buckets[b].numel * P);
+      SG_TRY(run_coll(m, t, &c, 0));
+    }
+  }
+  /* overlap_param_gather: the next forward pass runs beside the gathers */
+  const double fwd = m->hw->compute_s * (1 - m->hw->backward_fraction);
+  const double hidden = m->cfg->overlap_param_gather ? fwd : 0;
+  *end = m->comm_free > t + hidden ? m->comm_free - hidden : t;
+  charge_wait(m, t + hidden, m->comm_free);
+  return SG_OK;
+}
+
+/* The contention of every job, added to the step and charged to its level. */
+static void contention(model *m) {
+  forget_jobs(m, 1e300);
+  for (int l = 0; l < SG_LEVELS; l++) {
+    m->out->exposed_s[l] += m->contention[l];
+    m->out->step_s += m->contention[l];
+  }
+}
+
+/* Bytes the norm and the update move per shard element: the accumulator read by the norm and
+ * the update, the state arrays read and written, the master (below-fp32 params) read and
+ * written and the working value written, or an fp32 working value (its own master) read and
+ * written. */
+static uint64_t update_bytes_per_elem(const sg_config *cfg) {
+  const uint64_t A = sg__dtype_size(cfg->accum_dtype), P = sg__dtype_size(cfg->param_dtype);
+  const uint64_t states = 8u * (uint64_t)sg__optim_default()->nstates;
+  return 2 * A + states + (P < 4 ? 8 + P : 8);
+}
+
+static double per_elem_time(const sg_hardware *hw, const sg_config *cfg, int off) {
+  if (off) return 1.0 / hw->host_optim_params_per_s;
+  if (hw->optim_params_per_s > 0) return 1.0 / hw->optim_params_per_s;
+  return (double)update_bytes_per_elem(cfg) / hw->device_bytes_per_s;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* arguments                                                                                 */
+
+sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size) {
+  if (!hw) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_hardware_init: hw is NULL");
+  if (struct_size != sizeof *hw)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_hardware_init: struct_size %zu, expected %zu",
+                   struct_size, sizeof *hw);
+  memset(hw, 0, sizeof *hw);
+  hw->struct_size = sizeof *hw;
+  hw->algorithm = SG_ALGO_HOST;
+  for (int l = 0; l < SG_LEVELS; l++) {
+    hw->link_bytes_per_s[l] = 0.125e9;
+    hw->link_latency_s[l] = 50e-6;
+    hw->overlap[l] = 1.0;
+  }
+  hw->backward_fraction = 2.0 / 3.0;
+  hw->device_bytes_per_s = 10e9;
+  return SG_OK;
+}
+
+static int positive(double x) { return x > 0 && x < 1e300; } /* finite and > 0; not NaN */
+static int nonneg(double x) { return x >= 0 && x < 1e300; }
+
+static sg_status check_links(const sg_hardware *hw, const char *fn) {
+  static const char *const names[SG_LEVELS] = {"NODE", "NET"};
+  for (int l = 0; l < SG_LEVELS; l++) {
+    if (!positive(hw->link_bytes_per_s[l]))
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->link_bytes_per_s[SG_LEVEL_%s] must be "
+                     "finite and > 0 (got %g)", fn, names[l], hw->link_bytes_per_s[l]);
+    if (!nonneg(hw->link_latency_s[l]))
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->link_latency_s[SG_LEVEL_%s] must be "
+                     "finite and >= 0 (got %g)", fn, names[l], hw->link_latency_s[l]);
+  }
+  return SG_OK;
+}
+
+static sg_status check_overlap(const sg_hardware *hw, const char *fn) {
+  for (int l = 0; l < SG_LEVELS; l++)
+    if (!(hw->overlap[l] >= 0 && hw->overlap[l] <= 1))
+      return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->overlap[%d] must be in [0, 1] (got %g)",
+                     fn, l, hw->overlap[l]);
+  return SG_OK;
+}
+
+static sg_status check_hw(const sg_hardware *hw, int off, const char *fn) {
+  if (!hw) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw is NULL", fn);
+  if (hw->struct_size != sizeof *hw)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->struct_size %zu, expected %zu (use "
+                   "sg_hardware_init)", fn, hw->struct_size, sizeof *hw);
+  if (hw->ranks_per_node < 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->ranks_per_node must be >= 0 (got %d)", fn,
+                   hw->ranks_per_node);
+  if (hw->algorithm != SG_ALGO_HOST && hw->algorithm != SG_ALGO_RING)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->algorithm %d is not SG_ALGO_HOST or "
+                   "SG_ALGO_RING", fn, hw->algorithm);
+  SG_TRY(check_links(hw, fn));
+  SG_TRY(check_overlap(hw, fn));
+  if (!nonneg(hw->compute_s) || !nonneg(hw->optim_params_per_s) ||
+      !nonneg(hw->handover_s_per_byte))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s, hw->optim_params_per_s and "
+                   "hw->handover_s_per_byte must be finite and >= 0 (got %g, %g, %g)", fn,
+                   hw->compute_s, hw->optim_params_per_s, hw->handover_s_per_byte);
+  if (!(hw->backward_fraction > 0 && hw->backward_fraction <= 1))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->backward_fraction must be in (0, 1] (got "
+                   "%g)", fn, hw->backward_fraction);
+  if (hw->optim_params_per_s == 0 && !positive(hw->device_bytes_per_s))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->device_bytes_per_s must be finite and > 0 "
+                   "when hw->optim_params_per_s is 0 (got %g)", fn, hw->device_bytes_per_s);
+  if (off && (!positive(hw->host_optim_params_per_s) || !positive(hw->pcie_bytes_per_s)))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg offloads the optimizer: "
+                   "hw->host_optim_params_per_s and hw->pcie_bytes_per_s must be finite and > 0 "
+                   "(got %g, %g)", fn, hw->host_optim_params_per_s, hw->pcie_bytes_per_s);
+  return SG_OK;
+}
+
+/* The two communicators' spans: the shard's ranks are consecutive, a replica's L apart. */
+static sg_status layout(model *m, int world, const char *fn) {
+  m->W = world;
+  m->L = m->cfg->shard_ranks ? m->cfg->shard_ranks : world;
+  if (world % m->L != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: world %d is not a multiple of cfg->shard_ranks "
+                   "%d", fn, world, m->L);
+  if (m->L != world && !sg__strategy_sharded(m->st))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->shard_ranks %d < world %d needs a sharded "
+                   "strategy (SG_SHARD_GRAD_OP or SG_SHARD_OPT)", fn, m->L, world);
+  m->N = world / m->L;
+  m->hybrid = m->cfg->shard_ranks != 0;
+  const int rpn = m->hw->ranks_per_node ? m->hw->ranks_per_node : 1;
+  m->rpn = rpn < world ? rpn : world;
+  if (world % m->rpn != 0 || (m->L % m->rpn != 0 && m->rpn % m->L != 0))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->ranks_per_node %d must divide world %d and "
+                   "divide or be a multiple of the shard ranks %d", fn, rpn, world, m->L);
+  m->shard = (span){m->L, m->L < m->rpn ? m->L : m->rpn};
+  const int per = m->rpn > m->L ? m->rpn / m->L : 1;
+  m->replica = (span){m->N, per < m->N ? per : m->N};
+  return SG_OK;
+}
+
+static sg_status check_args(const sg_config *cfg, const size_t *numels, int nparams, int world,
+                            int microbatches, sg_step_estimate *out, const char *fn) {
+  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+  if (out->struct_size != sizeof *out)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out->struct_size %zu, expected %zu", fn,
+                   out->struct_size, sizeof *out);
+  if (!cfg) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
+  if (!numels) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: numels is NULL", fn);
+  if (nparams < 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: nparams must be >= 1 (got %d)", fn, nparams);
+  if (world < 1 || world > 4096)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: world %d outside 1..4096", fn, world);
+  if (microbatches < 1 || microbatches > 1 << 20)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: microbatches %d outside 1..%d", fn,
+                   microbatches, 1 << 20);
+  return SG_OK;
+}
+
+static sg_status build_plan(const sg_config *c, const size_t *numels, int nparams, int L,
+                            sg__plan **p, const char *fn) {
+  sg__plan_input *in = malloc((size_t)nparams * sizeof *in);
+  if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+  for (int i = 0; i < nparams; i++) in[i] = (sg__plan_input){NULL, numels[i], 0};
+  const sg_status st =
+      sg__plan_build(in, nparams, L, sg__dtype_size(c->grad_dtype), c->bucket_bytes, 0, p);
+  free(in);
+  return st == SG_OK ? st : sg__err_prefix(st, fn);
+}
+
+static sg_status run_model(model *m, int microbatches) {
+  sg__layout_shape shape;
+  memset(&shape, 0, sizeof shape);
+  m->st->shape(m->p, m->cfg, &shape);
+  m->nstaging = shape.nstaging;
+  m->per_elem_s = per_elem_time(m->hw, m->cfg, offloaded(m));
+  const uint64_t shard = sg__strategy_sharded(m->st) ? m->p->shard_numel : m->p->total_numel;
+  m->out->optim_bytes = shard * update_bytes_per_elem(m->cfg);
+  m->out->compute_s = microbatches * m->hw->compute_s;
+  m->out->handover_s = microbatches * m->hw->handover_s_per_byte * (double)m->p->total_numel *
+                       (double)sg__dtype_size(m->cfg->grad_dtype);
+  double t = 0;
+  SG_TRY(backward_passes(m, microbatches, &t));
+  SG_TRY(step(m, t, &m->out->step_s));
+  contention(m);
+  return SG_OK;
+}
+
+sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams, int world,
+                           int microbatches, const sg_hardware *hw, sg_step_estimate *out) {
+  static const char *fn = "sg_estimate_step";
+  SG_TRY(check_args(cfg, numels, nparams, world, microbatches, out, fn));
+  sg_config c;
+  SG_TRY(sg__config_copy(cfg, &c, fn));
+  SG_TRY(sg__config_check(&c, fn));
+  model m;
+  memset(&m, 0, sizeof m);
+  m.cfg = &c;
+  m.hw = hw;
+  m.st = sg__strategy_select(&c);
+  SG_TRY(check_hw(hw, m.st->state != NULL, fn));
+  SG_TRY(layout(&m, world, fn));
+  sg__plan *p = NULL;
+  SG_TRY(build_plan(&c, numels, nparams, m.L, &p, fn));
+  sg_step_estimate e;
+  memset(&e, 0, sizeof e);
+  e.struct_size = sizeof e;
+  m.p = p;
+  m.out = &e;
+  const sg_status st = run_model(&m, microbatches);
+  free(m.jobs);
+  sg__plan_free(p);
+  if (st == SG_OK) *out = e;
+  return st;
+}
