@@ -11,127 +11,6 @@
 
 
 /* ---------------------------------------------------------------------------------------- */
-/* checks                                                                                    */
-
-sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready) {
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (e->state == SG_ES_BROKEN)
-    return sg__err(SG_ERR_COMM, "%s: engine is unusable after an earlier communication failure; "
-                                "destroy it", fn);
-  if (need_ready && e->state != SG_ES_READY)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: call sg_finalize first", fn);
-  if (!need_ready && e->state != SG_ES_BUILDING)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: not allowed after sg_finalize", fn);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn) {
-  if (id < 0 || id >= e->reg.nparams)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: no parameter with id %d (have %d)", fn, id,
-                   e->reg.nparams);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_param(sg_engine *e, int id, const void *ptr, const char *what,
-                                 const char *fn) {
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!ptr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, what);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_dtype(int dt, const char *what, const char *fn) {
-  if (!sg__dtype_valid(dt))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s %d is not a valid sg_dtype", fn, what, dt);
-  return SG_OK;
-}
-
-sg_status sg__engine_break(sg_engine *e, sg_status st, const char *where) {
-  e->state = SG_ES_BROKEN;
-  SG_LOG(SG_LOG_WARN, e->rank, "engine broken%s%s: %s", where ? " " : "", where ? where : "",
-         sg_last_error());
-  return st;
-}
-
-sg_status sg__engine_broken(sg_engine *e, sg_status st) {
-  /* A collective that failed or disagreed leaves the ranks out of step for good. */
-  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA || st == SG_ERR_MISMATCH)
-    return sg__engine_break(e, st, NULL);
-  return st;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* collectives through the comm queue                                                        */
-
-typedef enum { SG_COLL_ALLGATHER, SG_COLL_BCAST, SG_COLL_ALLREDUCE } sg__coll_op;
-typedef struct {
-  sg_engine *e;
-  sg__coll_op op;
-  void *buf;
-  size_t n; /* bytes per rank (all-gather), bytes (bcast), elements (all-reduce) */
-  int dtype, root;
-} sg__coll_job;
-
-static sg_status coll_job_fn(void *arg) {
-  sg__coll_job *j = arg;
-  sg_comm *c = j->e->comm;
-  int64_t dl = sg__deadline(j->e->cfg.timeout_ms);
-  switch (j->op) {
-  case SG_COLL_ALLGATHER: return c->ops->all_gather(c, j->buf, j->n, dl);
-  case SG_COLL_BCAST: return c->ops->broadcast(c, j->buf, j->n, j->root, dl);
-  case SG_COLL_ALLREDUCE: return c->ops->all_reduce(c, j->buf, j->n, j->dtype, dl);
-  }
-  return sg__err(SG_ERR_INTERNAL, "unknown collective %d", (int)j->op);
-}
-
-int64_t sg__engine_host_deadline(const sg_engine *e) {
-  /* Every collective on the queue has its own deadline, so a host wait needs only a backstop
-   * for a queue of several of them. */
-  return e->cfg.timeout_ms > 0 ? sg__now_ms() + 2 * (int64_t)e->cfg.timeout_ms : INT64_MAX;
-}
-
-sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg), void *arg,
-                            uint64_t *ticket) {
-  *ticket = 0;
-  sg_status st = e->dev->ops->comm_submit(e->dev, fn, drop, arg, ticket);
-  if (*ticket > e->last_ticket) e->last_ticket = *ticket;
-  return st;
-}
-
-sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
-  uint64_t t = 0;
-  sg_status st = sg__engine_submit(e, fn, NULL, arg, &t);
-  if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, sg__engine_host_deadline(e));
-  return sg__engine_broken(e, st);
-}
-
-static sg_status run_coll(sg_engine *e, sg__coll_op op, void *buf, size_t n, int dtype, int root) {
-  sg__coll_job j = {e, op, buf, n, dtype, root};
-  return sg__engine_run_comm(e, coll_job_fn, &j);
-}
-
-sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype) {
-  return run_coll(e, SG_COLL_ALLREDUCE, dev_buf, count, dtype, 0);
-}
-
-sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank) {
-  return run_coll(e, SG_COLL_ALLGATHER, dev_buf, bytes_per_rank, 0, 0);
-}
-
-sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank) {
-  size_t total = bytes_per_rank * (size_t)e->world;
-  void *d = NULL;
-  sg_status st = e->dev->ops->alloc(e->dev, total, &d);
-  if (st != SG_OK) return st;
-  SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, d, host, total, SG_COPY_H2D), st, done);
-  SG_TRY_GOTO(run_coll(e, SG_COLL_ALLGATHER, d, bytes_per_rank, 0, 0), st, done);
-  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, d, total, SG_COPY_D2H);
-done:
-  e->dev->ops->free(e->dev, d);
-  return st;
-}
-
-/* ---------------------------------------------------------------------------------------- */
 /* create / destroy                                                                          */
 
 /* The device, and the communicator's channel bound to it (which tells the device how to run
@@ -198,7 +77,7 @@ static sg_status create(sg_comm *comm, sg_comm *replica, const sg_config *cfg, c
   e->rank = comm->rank;
   e->world = comm->world;
   e->rep.n = 1;
-  if (replica && (st = sg__replicas_attach(e, replica, fn)) != SG_OK) {
+  if ((st = sg__replicas_attach(e, replica, fn)) != SG_OK) {
     sg__comm_unbind(e->comm);
     e->dev->ops->destroy(e->dev);
     goto fail;
@@ -260,7 +139,7 @@ static void free_finalized(sg_engine *e) {
   sg__replicas_free(e);
   sg__grads_free(e);
   sg__optim_free(e);
-  if (e->strat && e->strat->state) e->strat->state->free(e);
+  if (e->strat) e->strat->place->free(e);
   sg__gathers_free(e);
   sg__arenas_free(&e->ar);
   sg__plan_free(e->plan);
@@ -451,10 +330,20 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
   return SG_OK;
 }
 
+/* The layout shape of a config: the strategy's sizes, the optimizer's state count and the
+ * replica stage's buffer (replicas: 1 flat). */
+static void engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
+                         int replicas, sg__layout_shape *out) {
+  memset(out, 0, sizeof *out);
+  st->shape(p, cfg, out);
+  out->nstates = sg__optim_default()->nstates;
+  sg__replicas_shape(p, cfg, replicas, out);
+}
+
 static sg_status setup_buffers(sg_engine *e) {
   sg__layout *l = &e->lay;
   sg__layout_shape shape;
-  sg__engine_shape(e->strat, e->plan, &e->cfg, e->rep.n, &shape);
+  engine_shape(e->strat, e->plan, &e->cfg, e->rep.n, &shape);
   SG_TRY(sg__layout_compute(e->plan, &e->cfg, &shape, l));
   SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
   e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
@@ -479,7 +368,7 @@ static sg_status finalize_local(sg_engine *e) {
   sg_status st = build_plan(e, &e->plan);
   if (st == SG_OK) hash_groups(e, e->plan);
   if (st == SG_OK) st = setup_buffers(e);
-  if (st == SG_OK && e->strat->state) st = e->strat->state->init(e);
+  if (st == SG_OK) st = e->strat->place->init(e);
   if (st == SG_OK) st = sg__optim_bind(e);
   if (st == SG_OK) st = sg__gathers_init(e);
   if (st == SG_OK) st = sg__grads_init(e);
@@ -610,33 +499,8 @@ sg_status sg_broadcast_params(sg_engine *e, int root) {
   SG_TRY(sg__grads_idle(e, fn));
   SG_TRY(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)));
   SG_TRY(sg__replicas_broadcast_params(e, root / e->world));
-  SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0,
-                  root % e->world));
+  SG_TRY(sg__engine_broadcast(e, e->params, e->plan->total_numel * psize(e), root % e->world));
   return sg__optim_master_from_working(e);
-}
-
-sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, float *dst) {
-  const sg__plan_param *pp = &e->plan->params[id];
-  if (!e->strat->gather_state)
-    return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, state + pp->offset, pp->numel * 4,
-                             SG_COPY_D2H);
-  const sg__bucket *b = &e->plan->buckets[pp->bucket];
-  float *tmp = NULL;
-  SG_TRY(e->dev->ops->alloc(e->dev, b->numel * 4, (void **)&tmp));
-  sg_status st = e->strat->gather_state(e, pp->bucket, state, tmp);
-  if (st == SG_OK)
-    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start),
-                           pp->numel * 4, SG_COPY_D2H);
-  e->dev->ops->free(e->dev, tmp);
-  return st;
-}
-
-void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
-                      int replicas, sg__layout_shape *out) {
-  memset(out, 0, sizeof *out);
-  st->shape(p, cfg, out);
-  out->nstates = sg__optim_default()->nstates;
-  sg__replicas_shape(p, cfg, replicas, out);
 }
 
 sg_status sg_get_master(sg_engine *e, int id, float *dst) {
@@ -645,7 +509,7 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
   SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   SG_TRY(sg__grads_idle(e, fn));
   if (!e->opt.master) return sg_get_param(e, id, dst, SG_F32);
-  return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.master, dst), fn);
+  return sg__err_prefix(e->strat->shard->param_state(e, id, e->opt.master, dst), fn);
 }
 
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
@@ -654,7 +518,7 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   SG_TRY(sg__optim_check_state(e, which, fn));
   SG_TRY(sg__grads_idle(e, fn));
-  return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.state[which], dst), fn);
+  return sg__err_prefix(e->strat->shard->param_state(e, id, e->opt.state[which], dst), fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -714,7 +578,7 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;
   sg__layout_shape shape;
-  sg__engine_shape(sg__strategy_select(&c), p, &c, world / L, &shape);
+  engine_shape(sg__strategy_select(&c), p, &c, world / L, &shape);
   st = sg__layout_compute(p, &c, &shape, &l);
   if (st == SG_OK) {
     sg_memory_stats s = {0};
@@ -731,20 +595,6 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
 
 /* ---------------------------------------------------------------------------------------- */
 /* parameter groups (registration)                                                           */
-
-sg_status sg__engine_check_out(const sg_engine *e, const void *out, const char *what,
-                               const char *fn) {
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, what);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_group(int group, const char *fn) {
-  if (group < 0 || group >= SG_MAX_GROUPS)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: group must be 0..%d (got %d)", fn,
-                   SG_MAX_GROUPS - 1, group);
-  return SG_OK;
-}
 
 sg_status sg_set_param_group(sg_engine *e, int id, int group) {
   SG_ENGINE_GUARD(e, "sg_set_param_group");

@@ -1,54 +1,10 @@
-/* Pieces that several strategies share: see sg_strategy_common.h. */
+/* Sharded optimizer state (SHARD_OPT, SHARD_GRAD_OP and their offloading variants): this rank
+ * owns slice `rank` of every bucket (DESIGN.md section 2); a bucket is reduce-scattered, the
+ * norm's partials all-reduced, the updated slices all-gathered, and a full view of a state
+ * array is a gather. */
 #include <stdatomic.h>
-#include <stdlib.h>
 
-#include "sg_strategy_common.h"
-
-static size_t gsize(const sg_engine *e) { return sg__dtype_size(e->cfg.grad_dtype); }
-
-/* ---------------------------------------------------------------------------------------- */
-/* a full gradient buffer                                                                    */
-
-sg_status sg__slots_full_init(sg_engine *e, void **state) {
-  sg__slot_tickets *t = calloc(1, sizeof *t);
-  if (t) t->bucket = calloc((size_t)e->plan->nbuckets, sizeof *t->bucket);
-  if (!t || !t->bucket) {
-    free(t);
-    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
-  }
-  *state = t;
-  return SG_OK;
-}
-
-void sg__slots_full_free(sg_engine *e, void *state) {
-  sg__slot_tickets *t = state;
-  if (!t) return;
-  free(t->bucket);
-  free(t);
-}
-
-sg_status sg__slots_full_slot(sg_engine *e, void *state, int b, char **base, const char *fn) {
-  const sg__slot_tickets *t = state;
-  /* The bucket's previous reduction must have zeroed the region before it is written again. */
-  sg_status st = e->dev->ops->compute_wait_comm(e->dev, t->bucket[b],
-                                                sg__deadline(e->cfg.timeout_ms));
-  if (st != SG_OK) return sg__engine_broken(e, st);
-  *base = e->g.slots + e->plan->buckets[b].start * gsize(e);
-  return SG_OK;
-}
-
-void sg__slots_full_release(sg_engine *e, void *state, int b, uint64_t ticket) {
-  sg__slot_tickets *t = state;
-  if (ticket) t->bucket[b] = ticket;
-}
-
-/* Bucket b's region is its own: written once per micro-batch, next by the next backward pass. */
-size_t sg__slots_full_idle_bytes(const sg_engine *e, const void *state, int b) {
-  return e->plan->buckets[b].numel * gsize(e);
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* sharded optimizer state                                                                   */
+#include "sg_policy.h"
 
 void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out) {
   out->flat0 = sg__plan_slice_start(p, b, rank);
@@ -72,7 +28,7 @@ sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char
 }
 
 /* On a CPU engine whose channel offers it, the channel folds its sums into the accumulator
- * (reduce_scatter_fold): the bits of reduce-scatter + sg__grads_into_accum without the pass
+ * (reduce_scatter_fold): the bits of reduce-scatter + sg__accum_into without the pass
  * that writes the reduced slice and the one that reads it back (DESIGN.md section 6).
  * SG_COMM_FOLD=0 turns it off (read once). */
 static int fold_in_comm(const sg_engine *e) {
@@ -83,22 +39,22 @@ static int fold_in_comm(const sg_engine *e) {
 
 sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
   if (fold_in_comm(e)) {
-    const sg__fold f = {sg__grads_accum_of(e, b), e->cfg.accum_dtype, first};
+    const sg__fold f = {sg__accum_of(e, b), e->cfg.accum_dtype, first};
     return e->comm->ops->reduce_scatter_fold(e->comm, wire, sg__plan_slice_numel(e->plan, b),
                                              e->cfg.reduce_dtype, &f,
                                              sg__deadline(e->cfg.timeout_ms));
   }
   const char *mine = NULL;
   SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
-  return sg__grads_into_accum(e, e->plan->buckets[b].shard_offset, mine,
+  return sg__accum_into(e, e->plan->buckets[b].shard_offset, mine,
                               sg__plan_slice_numel(e->plan, b), first);
 }
 
-sg_status sg__sharded_sum_norm(sg_engine *e, double *dev_ss) {
+static sg_status sharded_sum_norm(sg_engine *e, double *dev_ss) {
   return e->comm->ops->all_reduce(e->comm, dev_ss, 2, SG__F64, sg__deadline(e->cfg.timeout_ms));
 }
 
-sg_status sg__sharded_gather(sg_engine *e, int b) {
+static sg_status sharded_gather(sg_engine *e, int b) {
   const sg__plan *p = e->plan;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   return e->comm->ops->all_gather(e->comm, e->params + p->buckets[b].start * P,
@@ -106,7 +62,7 @@ sg_status sg__sharded_gather(sg_engine *e, int b) {
                                   sg__deadline(e->cfg.timeout_ms));
 }
 
-sg_status sg__sharded_gather_state(sg_engine *e, int b, const float *state, float *tmp) {
+static sg_status sharded_gather_state(sg_engine *e, int b, const float *state, float *tmp) {
   const sg__plan *p = e->plan;
   const size_t slice = sg__plan_slice_numel(p, b);
   sg__device *d = e->dev;
@@ -115,3 +71,22 @@ sg_status sg__sharded_gather_state(sg_engine *e, int b, const float *state, floa
   SG_TRY(d->ops->sync(d, sg__engine_host_deadline(e)));
   return sg__engine_allgather(e, tmp, slice * 4);
 }
+
+/* The values of parameter id: its bucket gathered into a temporary, its piece copied out. */
+static sg_status sharded_param_state(sg_engine *e, int id, const float *state, float *dst) {
+  const sg__plan_param *pp = &e->plan->params[id];
+  const sg__bucket *b = &e->plan->buckets[pp->bucket];
+  float *tmp = NULL;
+  SG_TRY(e->dev->ops->alloc(e->dev, b->numel * 4, (void **)&tmp));
+  sg_status st = sharded_gather_state(e, pp->bucket, state, tmp);
+  if (st == SG_OK)
+    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start),
+                           pp->numel * 4, SG_COPY_D2H);
+  e->dev->ops->free(e->dev, tmp);
+  return st;
+}
+
+const sg__shard_ops sg__shard_sharded = {
+    .name = "sharded", .sharded = 1, .sum_norm = sharded_sum_norm, .gather = sharded_gather,
+    .gather_state = sharded_gather_state, .param_state = sharded_param_state,
+};
