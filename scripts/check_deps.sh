@@ -17,6 +17,7 @@
 # 7. Policy seam: outside src/engine/policy/ and src/engine/strategy/ no test of which policy
 #    variant an engine holds (a NULL op, `strat->state`, hybrid(e), a device kind in the engine);
 #    the count of such tests is printed (0).
+# 8. Settings: getenv only in src/core/sg_env.c (the one table of SG_* variables).
 # Prints one line per violation and exits 1 if there is any.
 # --selftest: the rules must catch a planted violation of each kind in a copy of the tree.
 set -u
@@ -31,13 +32,14 @@ if [ "${1:-}" = --selftest ]; then
   echo 'static int planted(const sg_engine *e) { return e->cfg.strategy == SG_NO_SHARD; }' >> "$tmp/src/engine/sg_grads.c"
   echo '/* planted: sg__cpu_adamw */' >> "$tmp/src/device/cpu.c"
   echo 'sg_status planted_up(sg_engine *e) { return sg__grads_flush(e, "planted"); }' >> "$tmp/src/engine/sg_engine_base.c"
+  echo 'static const char *planted_env(void) { return getenv("SG_PLANTED"); }' >> "$tmp/src/comm/comm.c"
   echo 'static int planted_kind(const sg_engine *e) { return e->strat->shard->gather != NULL; }' >> "$tmp/src/engine/sg_step.c"
   out=$("$0" "$tmp")
   rc=$?
-  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\|names an optimizer\|in a circle\|the base services call none\|which policy variant\)')
+  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\|names an optimizer\|in a circle\|the base services call none\|which policy variant\|reads the environment\)')
   echo "$out"
-  if [ $rc = 1 ] && [ "$n" = 8 ]; then echo "check_deps selftest: the 8 planted violations found"; exit 0; fi
-  echo "check_deps selftest: expected exit 1 and 8 violations, got exit $rc and $n"
+  if [ $rc = 1 ] && [ "$n" = 9 ]; then echo "check_deps selftest: the 9 planted violations found"; exit 0; fi
+  echo "check_deps selftest: expected exit 1 and 9 violations, got exit $rc and $n"
   exit 1
 fi
 root=${1:-$here}
@@ -220,5 +222,14 @@ for f in $files; do
   done <<< "$hits"
 done
 echo "check_deps: $kind_tests policy-kind tests outside the policy files"
+# 8. Settings: the environment is read in one file, the table of every SG_* variable
+#    (src/core/sg_env.c, docs/environment.md generated from it).
+for f in $files; do
+  [[ $f =~ ^src/ ]] || continue
+  [ "$f" = src/core/sg_env.c ] && continue
+  strip_comments "$f" | grep -nE '\<(secure_)?getenv[[:space:]]*\(' |
+    while IFS= read -r hit; do echo "check_deps: $f:$hit: reads the environment outside src/core/sg_env.c"; done |
+    grep . && fail=1
+done
 [ $fail = 0 ] && echo "check_deps: $(echo "$files" | wc -l) files follow the dependency rules"
 exit $fail

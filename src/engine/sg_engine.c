@@ -66,6 +66,7 @@ static sg_status create(sg_comm *comm, sg_comm *replica, const sg_config *cfg, c
   SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
   SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
   SG_TRY_GOTO(check(&e->cfg, comm, fn), st, fail);
+  sg__env_report(comm->rank);
   e->strat = sg__strategy_select(&e->cfg);
   if (replica && !sg__strategy_sharded(e->strat)) {
     st = sg__err(SG_ERR_INVALID_ARGUMENT, "%s: strategy %s keeps every gradient and all "
@@ -237,10 +238,13 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
 /* finalize                                                                                  */
 
 /* What every rank must agree on, exchanged as 64-bit words: status, parameter count, plan
- * hash, then the config words (sg__config_words). */
+ * hash, the config words (sg__config_words), then the environment settings that change the
+ * wire protocol (sg__env_wire_words). */
 enum { SG__AG_STATUS, SG__AG_NPARAMS, SG__AG_HASH, SG__AG_CFG0 };
 #define SG__NCFG SG__CONFIG_NWORDS
-#define SG__AG_WORDS (SG__AG_CFG0 + SG__NCFG)
+#define SG__NWIRE 2 /* SG_COLL_ALLGATHER, SG_COLL_REDUCE_SCATTER */
+#define SG__AG_WIRE0 (SG__AG_CFG0 + SG__NCFG)
+#define SG__AG_WORDS (SG__AG_WIRE0 + SG__NWIRE)
 
 static uint64_t cfg_hash(const sg_config *c) {
   uint64_t w[SG__NCFG];
@@ -305,6 +309,15 @@ static sg_status check_agreement(sg_engine *e, const uint64_t *all, const sg__pl
       if (all[r * SG__AG_WORDS + SG__AG_CFG0 + k] != all[SG__AG_CFG0 + k])
         return sg__err(SG_ERR_MISMATCH, "sg_finalize: config field %s differs between rank 0 "
                        "and rank %d", sg__config_word_name(k), r);
+  const char *wire[SG__NWIRE];
+  uint64_t w[SG__NWIRE];
+  sg__env_wire_words(w, SG__NWIRE, wire);
+  for (int r = 1; r < e->world; r++)
+    for (int k = 0; k < SG__NWIRE; k++)
+      if (all[r * SG__AG_WORDS + SG__AG_WIRE0 + k] != all[SG__AG_WIRE0 + k])
+        return sg__err(SG_ERR_MISMATCH, "sg_finalize: environment setting %s differs between "
+                       "rank 0 and rank %d (it changes what ranks send each other: set it alike, "
+                       "or leave it unset, on every rank)", wire[k], r);
   for (int r = 0; r < e->world; r++)
     if (all[r * SG__AG_WORDS + SG__AG_HASH] != all[e->rank * SG__AG_WORDS + SG__AG_HASH] ||
         all[r * SG__AG_WORDS + SG__AG_NPARAMS] != (uint64_t)e->reg.nparams)
@@ -321,6 +334,10 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
   mine[SG__AG_NPARAMS] = (uint64_t)e->reg.nparams;
   mine[SG__AG_HASH] = p ? p->hash : 0;
   sg__config_words(&e->cfg, mine + SG__AG_CFG0, SG__NCFG);
+  if (sg__env_wire_words(mine + SG__AG_WIRE0, SG__NWIRE, NULL) != SG__NWIRE) {
+    free(all);
+    return sg__err(SG_ERR_INTERNAL, "sg_finalize: the wire settings are not %d", SG__NWIRE);
+  }
   sg_status st = sg__engine_allgather_host(e, all, SG__AG_WORDS * sizeof *all);
   if (st != SG_OK) {
     free(all);

@@ -2,8 +2,6 @@
  * owns slice `rank` of every bucket (DESIGN.md section 2); a bucket is reduce-scattered, the
  * norm's partials all-reduced, the updated slices all-gathered, and a full view of a state
  * array is a gather. */
-#include <stdatomic.h>
-
 #include "sg_policy.h"
 
 void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out) {
@@ -32,9 +30,8 @@ sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char
  * that writes the reduced slice and the one that reads it back (DESIGN.md section 6).
  * SG_COMM_FOLD=0 turns it off (read once). */
 static int fold_in_comm(const sg_engine *e) {
-  static _Atomic int want = -1;
   return e->dev->kind == SG_DEVICE_CPU && e->comm->ops->reduce_scatter_fold &&
-         sg__env_on(&want, "SG_COMM_FOLD");
+         sg__env_value(SG_ENV_COMM_FOLD, 1);
 }
 
 sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
