@@ -37,7 +37,7 @@ typedef struct sg__env_def {
 
 /* The table. Order = enum sg__env_id (sg_core.h); gen_env_doc.py reads the rows. */
 static const sg__env_def sg__env_defs[SG__ENV_COUNT] = {
-    [SG_ENV_LOG] = {"SG_LOG", NULL, SG__ENV_CHOICE, "warn", "off|warn|info|debug", 0, 1,
+    [SG_ENV_LOG] = {"SG_LOG", NULL, SG__ENV_CHOICE, "warn", "off|warn|info|debug|none|0|trace", 0, 1,
                     "log level of the library's messages (stderr unless SG_LOG_FILE)"},
     [SG_ENV_LOG_FILE] = {"SG_LOG_FILE", NULL, SG__ENV_TEXT, "(stderr)", NULL, 0, 1,
                          "file the log goes to; %r in it becomes the rank, one file per rank"},

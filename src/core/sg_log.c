@@ -27,9 +27,10 @@ static int sg__log_per_rank;                /* pattern contains %r */
 static sg__log_dest *sg__log_dests;         /* guarded by sg__log_mu */
 static size_t sg__log_ndests, sg__log_capdests;
 
-/* SG_LOG's words (sg_env.c: off|warn|info|debug) as levels; unset or not understood: warn. */
+/* SG_LOG's words (sg_env.c: off|warn|info|debug, and the synonyms none, 0, trace) as levels;
+ * unset or not understood: warn. */
 static void sg__log_init(void) {
-  static const int level[] = {0, SG_LOG_WARN, SG_LOG_INFO, SG_LOG_DEBUG};
+  static const int level[] = {0, SG_LOG_WARN, SG_LOG_INFO, SG_LOG_DEBUG, 0, 0, SG_LOG_DEBUG};
   sg__log_level_cur = level[sg__env_value(SG_ENV_LOG, 1)];
   const char *path = sg__env_text(SG_ENV_LOG_FILE);
   if (path && path[0] && strlen(path) < sizeof sg__log_pattern) {
