@@ -15,8 +15,8 @@
  * place), MPI_FLOAT / MPI_SUM. bf16 has no MPI type: with --dtype bf16 the MPI column is the
  * f32 call on the same number of elements (twice the bytes).
  * Before timing, an untimed pass with small-integer inputs (exact sums) checks every result;
- * a failed check is printed and makes the exit status non-zero. SG_MPI_ALLGATHER=direct|ring|mpi
- * selects our all-gather algorithm, SG_MPI_REDUCE_SCATTER=ring|direct our reduce-scatter (and
+ * a failed check is printed and makes the exit status non-zero. SG_COLL_ALLGATHER=direct|ring|mpi
+ * selects our all-gather algorithm, SG_COLL_REDUCE_SCATTER=ring|direct our reduce-scatter (and
  * all-reduce's first half). */
 #define _POSIX_C_SOURCE 200809L
 
@@ -291,7 +291,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   if (c->rank == 0) {
-    const char *ag = getenv("SG_MPI_ALLGATHER"), *rs = getenv("SG_MPI_REDUCE_SCATTER");
+    /* the library's names (src/core/sg_env.c), then the old ones it still reads */
+    const char *ag = getenv("SG_COLL_ALLGATHER"), *rs = getenv("SG_COLL_REDUCE_SCATTER");
+    if (!ag || !*ag) ag = getenv("SG_MPI_ALLGATHER");
+    if (!rs || !*rs) rs = getenv("SG_MPI_REDUCE_SCATTER");
     printf("sg_bench_comm: %d ranks, dtype %s, all_gather algorithm %s, reduce_scatter %s\n", w,
            o.dtype == SG_F32 ? "f32" : "bf16",
            !ag                  ? "direct (default)"

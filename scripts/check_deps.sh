@@ -12,6 +12,12 @@
 # 5. Optimizer seam: in src/ only an optimizer's own file (src/optim/sg_<name>.c) and the table
 #    registering it (src/optim/sg_optimizer.c) name it (AdamW: adamw, exp_avg, m_off/v_off);
 #    everything else knows it by its descriptor (its kernels live in kernels/).
+# 6. Engine files: no call circle among them; the base services and the accumulator's helpers
+#    call no other engine file, nothing in src/engine calls the lifecycle file.
+# 7. Policy seam: outside src/engine/policy/ and src/engine/strategy/ no test of which policy
+#    variant an engine holds (a NULL op, `strat->state`, hybrid(e), a device kind in the engine);
+#    the count of such tests is printed (0).
+# 8. Settings: getenv only in src/core/sg_env.c (the one table of SG_* variables).
 # Prints one line per violation and exits 1 if there is any.
 # --selftest: the rules must catch a planted violation of each kind in a copy of the tree.
 set -u
@@ -25,12 +31,15 @@ if [ "${1:-}" = --selftest ]; then
   echo '#include <stdio.h>' >> "$tmp/include/shardgrad.h"
   echo 'static int planted(const sg_engine *e) { return e->cfg.strategy == SG_NO_SHARD; }' >> "$tmp/src/engine/sg_grads.c"
   echo '/* planted: sg__cpu_adamw */' >> "$tmp/src/device/cpu.c"
+  echo 'sg_status planted_up(sg_engine *e) { return sg__grads_flush(e, "planted"); }' >> "$tmp/src/engine/sg_engine_base.c"
+  echo 'static const char *planted_env(void) { return getenv("SG_PLANTED"); }' >> "$tmp/src/comm/comm.c"
+  echo 'static int planted_kind(const sg_engine *e) { return e->strat->shard->gather != NULL; }' >> "$tmp/src/engine/sg_step.c"
   out=$("$0" "$tmp")
   rc=$?
-  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\|names an optimizer\)')
+  n=$(echo "$out" | grep -c '^check_deps: .*\(may not depend\|allowed only in\|public header\|branches on the strategy\|names an optimizer\|in a circle\|the base services call none\|which policy variant\|reads the environment\)')
   echo "$out"
-  if [ $rc = 1 ] && [ "$n" = 5 ]; then echo "check_deps selftest: the 5 planted violations found"; exit 0; fi
-  echo "check_deps selftest: expected exit 1 and 5 violations, got exit $rc and $n"
+  if [ $rc = 1 ] && [ "$n" = 9 ]; then echo "check_deps selftest: the 9 planted violations found"; exit 0; fi
+  echo "check_deps selftest: expected exit 1 and 9 violations, got exit $rc and $n"
   exit 1
 fi
 root=${1:-$here}
@@ -49,9 +58,10 @@ declare -A ALLOW=(
   [src/comm]="include src/core src/device kernels kernels/cpu"
   [src/offload]="include src/core src/device src/optim kernels kernels/cpu"
   [src/memory]="include src/core src/plan src/device src/comm kernels"
-  [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload src/optim kernels kernels/cpu"
-  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/offload src/optim src/engine kernels kernels/cpu"
-  [src/estimate]="include src/core src/plan src/memory src/engine src/optim kernels" # the step-time model reads the strategy table
+  [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload src/optim src/engine/policy kernels kernels/cpu"
+  [src/engine/policy]="include src/core src/plan src/memory src/device src/comm src/offload src/optim src/engine kernels kernels/cpu"
+  [src/engine/strategy]="include src/core src/plan src/memory src/device src/comm src/offload src/optim src/engine src/engine/policy kernels kernels/cpu"
+  [src/estimate]="include src/core src/plan src/memory src/engine src/engine/policy src/optim kernels" # the step-time model reads the strategy table
   [src/ckpt]="include src/core src/plan src/memory src/device src/comm src/engine src/optim kernels kernels/cpu"
 )
 # single files allowed a header of a folder their folder may not reach: "file header" (why)
@@ -159,6 +169,67 @@ for f in $files; do
   [[ $f =~ $optim_files ]] && continue
   grep -niE 'adamw|exp_avg|\<[mv]_off\>' "$f" |
     while IFS= read -r hit; do echo "check_deps: $f:$hit: names an optimizer outside its file (src/optim/)"; done |
+    grep . && fail=1
+done
+# 6. Engine files call each other without a circle (DESIGN.md section 1): the base services
+#    (sg_engine_base.c) and the accumulator's helpers (sg_accum.c) call no engine file, the
+#    lifecycle (sg_engine.c) is called by none, and the policy tables and the files between
+#    them only downwards. An edge is a use, outside comments, of an sg__ name another engine
+#    file defines (a function or a table); tsort finds a circle.
+engine_files=$(echo "$files" | grep -E '^src/engine/.*\.c$')
+strip_comments() { perl -0pe 's{/\*.*?\*/}{ }gs; s{//[^\n]*}{}g' "$1"; }
+defs=$(for f in $engine_files; do
+  strip_comments "$f" | grep -oE '^[A-Za-z][^;(]*[ *]sg__[A-Za-z0-9_]+[[:space:]]*(\(|=|\[)' |
+    grep -vE '^(static|typedef|extern)\b' | grep -oE 'sg__[A-Za-z0-9_]+[[:space:]]*[(=[]$' | tr -d '(=[ ' |
+    while read -r s; do echo "$s $f"; done
+done)
+edges=$(for f in $engine_files; do
+  strip_comments "$f" | grep -oE '\bsg__[A-Za-z0-9_]+\b' | sort -u |
+    awk -v f="$f" 'NR == FNR { def[$1] = $2; next } ($1 in def) && def[$1] != f { print f, def[$1] }' \
+      <(echo "$defs") - | sort -u
+done)
+if [ -n "$edges" ] && ! loop=$(echo "$edges" | tsort 2>&1 >/dev/null); then :; fi
+if echo "${loop:-}" | grep -q 'loop'; then
+  violation "the engine files call each other in a circle: $(echo "$loop" | grep -v 'input contains a loop' | sed 's/^tsort: //' | tr '\n' ' ')"
+fi
+for f in src/engine/sg_engine_base.c src/engine/sg_accum.c; do
+  echo "$edges" | grep -q "^$f " &&
+    violation "$f calls another engine file ($(echo "$edges" | grep "^$f " | cut -d' ' -f2 | tr '\n' ' ')): the base services call none"
+done
+echo "$edges" | grep -q ' src/engine/sg_engine\.c$' &&
+  violation "the lifecycle file is called by $(echo "$edges" | grep ' src/engine/sg_engine\.c$' | cut -d' ' -f1 | tr '\n' ' ')(only src/ckpt may)"
+# 7. Policy seam (DESIGN.md section 10): the policy tables are never NULL and say what a caller
+#    must know as declared properties, so outside the policy and strategy files nothing tests
+#    which variant it holds: no `strat->state` (the old nullable state table), no hybrid(e) or
+#    staged(e), no policy op tested for NULL or as a boolean, no device or communicator kind
+#    tested in src/engine. Prints the count of such tests (0).
+policy_files='^src/engine/(policy|strategy)/'
+policy_ref='e->(strat(->(slots|shard|place))?|rep\.ops)->[a-z_]+'
+declared='->(sharded|host|share_scratch|name|reduce_label)\b'
+kind_tests=0
+for f in $files; do
+  [[ $f =~ ^src/ ]] || continue
+  [[ $f =~ $policy_files ]] && continue
+  hits=$(strip_comments "$f" | grep -nE "strat->state\b|\<(hybrid|staged)\(e\)|(!|\(|&&|\|\||\?)[[:space:]]*$policy_ref[[:space:]]*(\)|&&|\|\||\?|[!=]=[[:space:]]*NULL)|$policy_ref[[:space:]]*[!=]=[[:space:]]*NULL" |
+         grep -vE -e "$declared[[:space:]]*(\)|&&|\|\||\?)" )
+  if [[ $f =~ ^src/engine/ ]]; then
+    hits+=$'\n'$(strip_comments "$f" | grep -nE '(dev|device)->kind[[:space:]]*[!=]=|->stream_ordered\b')
+  fi
+  while IFS= read -r hit; do
+    [ -n "$hit" ] || continue
+    echo "check_deps: $f:$hit: tests which policy variant it holds outside src/engine/policy/"
+    kind_tests=$((kind_tests + 1))
+    fail=1
+  done <<< "$hits"
+done
+echo "check_deps: $kind_tests policy-kind tests outside the policy files"
+# 8. Settings: the environment is read in one file, the table of every SG_* variable
+#    (src/core/sg_env.c, docs/environment.md generated from it).
+for f in $files; do
+  [[ $f =~ ^src/ ]] || continue
+  [ "$f" = src/core/sg_env.c ] && continue
+  strip_comments "$f" | grep -nE '\<(secure_)?getenv[[:space:]]*\(' |
+    while IFS= read -r hit; do echo "check_deps: $f:$hit: reads the environment outside src/core/sg_env.c"; done |
     grep . && fail=1
 done
 [ $fail = 0 ] && echo "check_deps: $(echo "$files" | wc -l) files follow the dependency rules"

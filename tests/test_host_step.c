@@ -7,7 +7,6 @@
  *   - sg__cpu_threads follows omp_set_num_threads and the affinity mask;
  *   - the update pipeline (chunks, gaps, segments across chunk edges, groups, stochastic
  *     rounding, f32/bf16/f16 params) against sg__cpu_adamw on a host copy;
- *   - the arrive pipeline (straight copy, cast, accumulate, chunked) against the CPU kernels;
  *   - argument errors and failed allocations. */
 #define _GNU_SOURCE /* sched_getaffinity */
 #include <math.h>
@@ -322,7 +321,7 @@ static void test_update(sg__device *d, const char *dn, upd_case uc) {
   sg__cpu_adamw(&a); /* the reference */
   sg__host_pipe p;
   uint64_t last = 0;
-  ok = ok && sg__host_pipe_init(&p, d, uc.chunk, P, 0) == SG_OK;
+  ok = ok && sg__host_pipe_init(&p, d, uc.chunk, P) == SG_OK;
   ok = ok && sg__host_pipe_update(&p, ADAMW, &b, dparam, INT64_MAX, &last) == SG_OK && last > 0 &&
        sg__host_pipe_drain(&p, INT64_MAX) == SG_OK;
   void *back = malloc(total * P);
@@ -339,48 +338,24 @@ static void test_update(sg__device *d, const char *dn, upd_case uc) {
   free(hmaster);
 }
 
-/* ---- the arrive pipeline ----------------------------------------------------------------------- */
-
-static void test_arrive(sg__device *d, const char *dn, int acc_dt, int src_dt, int first,
-                        size_t chunk, size_t n) {
-  void *src = malloc(n * 4), *acc = malloc(n * 4), *ref = malloc(n * 4), *dsrc = NULL;
-  fill_dtype(src, src_dt, n, 1.0f), fill_dtype(acc, acc_dt, n, 1.0f);
-  memcpy(ref, acc, n * esize(acc_dt));
-  if (first)
-    sg__cpu_cast(ref, acc_dt, src, src_dt, n);
-  else
-    sg__cpu_accumulate(ref, acc_dt, src, src_dt, n);
-  sg__host_pipe p;
-  int ok = d->ops->alloc(d, n * esize(src_dt), &dsrc) == SG_OK &&
-           d->ops->copy(d, SG_Q_COMPUTE, dsrc, src, n * esize(src_dt), SG_COPY_H2D) == SG_OK &&
-           sg__host_pipe_init(&p, d, chunk, 2, 4) == SG_OK;
-  ok = ok && sg__host_pipe_arrive(&p, acc, acc_dt, dsrc, src_dt, n, first, INT64_MAX) == SG_OK;
-  CHECK(ok && !memcmp(acc, ref, n * esize(acc_dt)),
-        "%s arrive acc %d src %d %s, chunk %zu, n %zu: equals the CPU kernel", dn, acc_dt, src_dt,
-        first ? "first" : "accumulate", chunk, n);
-  if (ok) sg__host_pipe_free(&p, INT64_MAX);
-  d->ops->free(d, dsrc);
-  free(src), free(acc), free(ref);
-}
-
 /* ---- errors ------------------------------------------------------------------------------------ */
 
 static int says(const char *s) { return strstr(sg_last_error(), s) != NULL; }
 
 static void test_errors(sg__device *d, const char *dn) {
   sg__host_pipe p;
-  CHECK(sg__host_pipe_init(&p, d, 0, 3, 0) == SG_ERR_INVALID_ARGUMENT && says("out element size"),
+  CHECK(sg__host_pipe_init(&p, d, 0, 3) == SG_ERR_INVALID_ARGUMENT && says("out element size"),
         "%s init: element size 3 refused", dn);
-  CHECK(sg__host_pipe_init(NULL, d, 0, 2, 0) == SG_ERR_INVALID_ARGUMENT, "%s init: NULL pipe", dn);
+  CHECK(sg__host_pipe_init(NULL, d, 0, 2) == SG_ERR_INVALID_ARGUMENT, "%s init: NULL pipe", dn);
   sg__device_fail_alloc_after(1); /* the second pinned buffer fails */
-  CHECK(sg__host_pipe_init(&p, d, 1024, 2, 4) == SG_ERR_OUT_OF_MEMORY && p.host_bytes == 0 &&
+  CHECK(sg__host_pipe_init(&p, d, 1024, 2) == SG_ERR_OUT_OF_MEMORY && p.host_bytes == 0 &&
             p.out[0] == NULL,
         "%s init: a failed allocation frees the others", dn);
   sg__device_fail_alloc_after(-1);
   sg__host_pipe_free(&p, INT64_MAX); /* zeroed: nothing */
   sg__host_pipe_free(NULL, INT64_MAX);
-  if (!CHECK(sg__host_pipe_init(&p, d, 1024, 2, 0) == SG_OK && p.host_bytes == SG__HOST_PIPE_NBUF * 1024 * 2,
-             "%s init: the ring of bf16 out buffers, no in buffers", dn))
+  if (!CHECK(sg__host_pipe_init(&p, d, 1024, 2) == SG_OK && p.host_bytes == SG__HOST_PIPE_NBUF * 1024 * 2,
+             "%s init: the ring of bf16 out buffers", dn))
     return;
   float st[64] = {0};
   sg__seg segs[2] = {{0, 32, 16, 1, 0, 0}, {16, 0, 16, 1, 0, 0}};
@@ -404,11 +379,6 @@ static void test_errors(sg__device *d, const char *dn) {
   segs[0].group = 0;
   CHECK(sg__host_pipe_update(&p, ADAMW, &a, NULL, INT64_MAX, NULL) == SG_ERR_INVALID_ARGUMENT,
         "%s update: NULL device buffer refused", dn);
-  CHECK(sg__host_pipe_arrive(&p, st, 2, dp, 0, 8, 0, INT64_MAX) == SG_ERR_INVALID_ARGUMENT &&
-            says("bad dtype"), "%s arrive: f16 accumulator refused", dn);
-  CHECK(sg__host_pipe_arrive(&p, st, 0, dp, 1, 8, 0, INT64_MAX) == SG_ERR_INVALID_ARGUMENT &&
-            says("no arrive buffers"), "%s arrive: a pipe without in buffers refuses a cast", dn);
-  CHECK(sg__host_pipe_arrive(&p, st, 0, dp, 0, 0, 0, INT64_MAX) == SG_OK, "%s arrive: n = 0", dn);
   d->ops->free(d, dp);
   sg__host_pipe_free(&p, INT64_MAX);
 }
@@ -417,12 +387,6 @@ static void run_device(sg__device *d, const char *dn) {
   const upd_case cases[] = {{1, 0, 1, 1000}, {1, 1, 1, 777}, {1, 0, 3, 777}, {1, 1, 3, 777}, {0, 0, 2, 1000}, {2, 0, 1, 4096},
                             {1, 0, 1, 1 << 20}, {0, 0, 1, 64}};
   for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) test_update(d, dn, cases[k]);
-  test_arrive(d, dn, 0, 0, 1, 1000, 5000);
-  test_arrive(d, dn, 0, 1, 1, 1000, 5001);
-  test_arrive(d, dn, 0, 0, 0, 1000, 5002);
-  test_arrive(d, dn, 0, 1, 0, 4096, 10000);
-  test_arrive(d, dn, 1, 0, 0, 333, 2000);
-  test_arrive(d, dn, 0, 2, 0, 1 << 20, 70000);
   test_errors(d, dn);
 }
 

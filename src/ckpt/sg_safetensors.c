@@ -93,7 +93,7 @@ typedef struct {
 } exporter;
 
 static int needs_gather(const sg_engine *e) {
-  return e->opt.master && e->strat->gather_state && e->world > 1;
+  return e->opt.master && e->strat->shard->sharded && e->world > 1;
 }
 
 /* rank 0: numel f32 values of device memory to the file. */
@@ -113,7 +113,7 @@ static sg_status export_bucket(sg_engine *e, exporter *x, int b) {
   const sg__bucket *bk = &p->buckets[b];
   const float *base = NULL; /* element bk->start of the bucket */
   if (needs_gather(e)) {
-    SG_TRY(e->strat->gather_state(e, b, e->opt.master, x->gbuf));
+    SG_TRY(e->strat->shard->gather_state(e, b, e->opt.master, x->gbuf));
     base = x->gbuf;
   } else {
     /* f32: the working params are the master (full on every rank); NO_SHARD or one rank: the

@@ -51,7 +51,7 @@
 #include <fcntl.h>   /* open */
 #include <pthread.h> /* the lock around the NCCL handle */
 #include <stdio.h>  /* snprintf, rename */
-#include <stdlib.h> /* calloc, free, getenv, strtol */
+#include <stdlib.h> /* calloc, free */
 #include <string.h> /* memcpy, memcmp, strerror, strlen, strrchr */
 #include <time.h>   /* nanosleep */
 #include <unistd.h> /* read, write, close, fsync, unlink, getpid */
@@ -119,16 +119,8 @@ static int sg__nccl_expired(int64_t deadline_ms) {
 }
 
 int sg__nccl_init_timeout_ms(void) {
-  const char *s = getenv("SG_NCCL_INIT_TIMEOUT_MS");
-  if (!s || !*s) return SG__NCCL_DEFAULT_TIMEOUT_MS;
-  char *end = NULL;
-  long v = strtol(s, &end, 10);
-  if (end == s || *end != '\0' || v <= 0 || v > 0x7fffffffL) {
-    SG_LOG(SG_LOG_WARN, -1, "SG_NCCL_INIT_TIMEOUT_MS=%s is not a positive number; using %d", s,
-           SG__NCCL_DEFAULT_TIMEOUT_MS);
-    return SG__NCCL_DEFAULT_TIMEOUT_MS;
-  }
-  return (int)v;
+  /* a value that is not a positive number: the default (sg__env_report warns) */
+  return (int)sg__env_value(SG_ENV_NCCL_INIT_TIMEOUT_MS, SG__NCCL_DEFAULT_TIMEOUT_MS);
 }
 
 /* ---- the id file ------------------------------------------------------------------------- */
@@ -965,7 +957,7 @@ sg_status sg_comm_create_nccl(int rank, int world, const void *id128, int cuda_d
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: rank %d / world %d out of range", fn, rank, world);
   if (cuda_device < -1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cuda_device must be >= -1 (%d)", fn, cuda_device);
-  const char *path = id128 ? NULL : getenv("SG_NCCL_ID_FILE");
+  const char *path = id128 ? NULL : sg__env_text(SG_ENV_NCCL_ID_FILE);
   if (!id128 && (!path || !*path))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: id128 is NULL and SG_NCCL_ID_FILE is not set", fn);
   int ordinal = 0;

@@ -32,7 +32,7 @@
 #include <sched.h>  /* sched_yield */
 #include <stdint.h> /* SIZE_MAX, INT32_MAX */
 #include <stdio.h>  /* snprintf */
-#include <stdlib.h> /* malloc, realloc, free, getenv */
+#include <stdlib.h> /* malloc, realloc, free */
 #include <string.h> /* memcpy, memset, strcmp */
 #include <time.h>   /* nanosleep */
 #if defined(__unix__) || defined(__APPLE__)
@@ -110,8 +110,7 @@ static int grow(void **p, size_t *cap, size_t n, size_t es) {
 #endif
 
 static int release_wanted(const sg__xport_ops *xp) {
-  const char *e = getenv("SG_COMM_RX_RELEASE");
-  return e && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : xp->release_rx;
+  return (int)sg__env_value(SG_ENV_COMM_RX_RELEASE, xp->release_rx);
 }
 
 static unsigned char *rx_alloc(sg__coll *k, size_t bytes) {
@@ -928,22 +927,15 @@ sg_status sg__coll_init(sg__coll *k, sg_comm *c, const sg__xport_ops *xp, void *
   if (!k->rx)
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_comm(%s): out of memory for receive buffers",
                    xp->name);
-  /* SG_MPI_ALLGATHER=direct|ring|mpi overrides the measured default (bench/bench_comm.c) */
-  const char *ag = getenv("SG_MPI_ALLGATHER");
-  k->ag_algo = !ag                   ? AG_DIRECT
-               : !strcmp(ag, "mpi")  ? AG_NATIVE
-               : !strcmp(ag, "ring") ? AG_RING
-                                     : AG_DIRECT;
-  /* SG_MPI_REDUCE_SCATTER=direct|ring likewise (also all_reduce's reduction half); unset:
+  /* SG_COLL_ALLGATHER=direct|ring|mpi overrides the measured default (bench/bench_comm.c) */
+  static const int ag_algo[] = {AG_DIRECT, AG_RING, AG_NATIVE}; /* its words, in order */
+  k->ag_algo = ag_algo[sg__env_value(SG_ENV_COLL_ALLGATHER, 0)];
+  /* SG_COLL_REDUCE_SCATTER=direct|ring likewise (also all_reduce's reduction half); unset:
    * the ring for two ranks (one hop, bigger pieces: measured faster), direct from three */
-  const char *rs = getenv("SG_MPI_REDUCE_SCATTER");
-  k->rs_algo = rs && !strcmp(rs, "ring")     ? RS_RING
-               : rs && !strcmp(rs, "direct") ? RS_DIRECT
-               : c->world == 2               ? RS_RING
-                                             : RS_DIRECT;
+  static const int rs_algo[] = {RS_DIRECT, RS_RING};
+  k->rs_algo = rs_algo[sg__env_value(SG_ENV_COLL_REDUCE_SCATTER, c->world == 2)];
   /* SG_COMM_WAIT=yield keeps waiting ranks runnable (spin, then yield) instead of sleeping */
-  const char *wt = getenv("SG_COMM_WAIT");
-  k->nap = !(wt && !strcmp(wt, "yield"));
+  k->nap = sg__env_value(SG_ENV_COMM_WAIT, 0) == 0;
   return SG_OK;
 }
 

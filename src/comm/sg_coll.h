@@ -16,9 +16,9 @@
  *     partials on the wire after the first hop for bf16/f16, kept in c->scratch) or direct
  *     (each rank sends chunk k to its owner, who sums it in rank order);
  *   all-gather, and all-reduce's second half: direct (every rank posts its slice to every peer)
- *     or a ring; native all-gather where the transport has one and SG_MPI_ALLGATHER=mpi;
+ *     or a ring; native all-gather where the transport has one and SG_COLL_ALLGATHER=mpi;
  *   broadcast: the transport's native one, or a binomial tree.
- * SG_MPI_REDUCE_SCATTER=direct|ring and SG_MPI_ALLGATHER=direct|ring|mpi pick them (read at
+ * SG_COLL_REDUCE_SCATTER=direct|ring and SG_COLL_ALLGATHER=direct|ring|mpi pick them (read at
  * sg__coll_init; unset: ring reduce-scatter for two ranks, direct from three; direct
  * all-gather), as measured with bench/bench_comm.c.
  *

@@ -7,7 +7,7 @@
 #include <pthread.h> /* pthread_once */
 #include <stdarg.h>  /* va_list */
 #include <stdio.h>   /* vsnprintf */
-#include <stdlib.h>  /* getenv */
+#include <stdlib.h>
 #include <string.h>  /* strlen */
 
 #include "sg_nccl_dl.h"
@@ -122,7 +122,7 @@ static int sg__nccl_try_present(void) {
     what = "NCCL in the global symbol scope";
   }
   if (!sg__nccl_take(h, what)) return -1;
-  const char *env = getenv("SG_NCCL_LIBRARY");
+  const char *env = sg__env_text(SG_ENV_NCCL_LIBRARY);
   if (env && *env)
     SG_LOG(SG_LOG_WARN, -1, "SG_NCCL_LIBRARY=%s not used: the process already has NCCL (%s)", env,
            sg__nccl_file(&sg__nccl_table));
@@ -143,7 +143,7 @@ static int sg__nccl_try_open(const char *name) {
 static void sg__nccl_load_once(void) {
   int r = sg__nccl_try_present();
   if (r != 0) return;
-  const char *env = getenv("SG_NCCL_LIBRARY");
+  const char *env = sg__env_text(SG_ENV_NCCL_LIBRARY);
   if (env && *env) {
     /* An explicit choice: another NCCL in its place would hide the mistake. */
     sg__nccl_why_add("; SG_NCCL_LIBRARY is set, so nothing else was tried");

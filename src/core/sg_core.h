@@ -64,9 +64,34 @@ static inline int64_t sg__deadline(int timeout_ms) {
 
 /* Monotonic clock in microseconds (tracing on the CPU device). */
 double sg__now_us(void);
-/* A switch that is on unless the environment variable name starts with '0', read once into
- * *cache (start it at -1; a race only reads the variable twice). */
-int sg__env_on(_Atomic int *cache, const char *name);
+/* The environment settings (sg_env.c: the one table of every SG_* variable, its type, default
+ * and doc; docs/environment.md is generated from it). Read once, on first use. */
+typedef enum sg__env_id {
+  SG_ENV_LOG,
+  SG_ENV_LOG_FILE,
+  SG_ENV_TRACE,
+  SG_ENV_CPU_HUGEPAGES,
+  SG_ENV_COMM_FOLD,
+  SG_ENV_COMM_RX_RELEASE,
+  SG_ENV_COLL_ALLGATHER,
+  SG_ENV_COLL_REDUCE_SCATTER,
+  SG_ENV_COMM_WAIT,
+  SG_ENV_NCCL_INIT_TIMEOUT_MS,
+  SG_ENV_NCCL_ID_FILE,
+  SG_ENV_NCCL_LIBRARY,
+  SG__ENV_COUNT
+} sg__env_id;
+const char *sg__env_name(sg__env_id id);
+/* The variable's text as set (NULL: unset or empty). */
+const char *sg__env_text(sg__env_id id);
+/* A boolean (0/1), a number, or a choice's index among the row's words; if_unset when it is
+ * unset or not understood. */
+long sg__env_value(sg__env_id id, long if_unset);
+/* Once per process: every value not understood at WARN, every other value set at INFO. */
+void sg__env_report(int rank);
+/* The settings that change the wire protocol, one word each (0: unset), into out[0..n) with
+ * their names; returns how many there are. Part of the ranks' agreement at sg_finalize. */
+int sg__env_wire_words(uint64_t *out, int n, const char **names);
 
 /* `pattern` with every "%r" replaced by the rank ("x" for rank < 0) into out[cap]; 0 when it
  * does not fit. File names of SG_LOG_FILE, SG_TRACE and sg_trace_write. */

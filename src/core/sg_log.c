@@ -1,11 +1,11 @@
 /* The logger behind SG_LOG: level and destination come from the environment, read once.
- * SG_LOG=warn|info|debug (default warn; off|none silences it), SG_LOG_FILE=path where %r
+ * SG_LOG=off|warn|info|debug (default warn), SG_LOG_FILE=path where %r
  * becomes the rank, so that every rank writes its own file. */
 #define _POSIX_C_SOURCE 200809L /* POSIX declarations (pthread) under -std=c11 */
 
 #include <pthread.h> /* pthread_once, pthread_mutex */
 #include <stdio.h>   /* FILE, fopen, fprintf, vsnprintf */
-#include <stdlib.h>  /* getenv, malloc, realloc, free */
+#include <stdlib.h>  /* malloc, realloc, free */
 #include <string.h>  /* strlen, strrchr, memcpy */
 
 #include "sg_core.h" /* sg__log_level */
@@ -27,31 +27,18 @@ static int sg__log_per_rank;                /* pattern contains %r */
 static sg__log_dest *sg__log_dests;         /* guarded by sg__log_mu */
 static size_t sg__log_ndests, sg__log_capdests;
 
-static int sg__ieq(const char *a, const char *b) {
-  for (; *a && *b; a++, b++) {
-    char ca = (*a >= 'A' && *a <= 'Z') ? (char)(*a - 'A' + 'a') : *a;
-    if (ca != *b) return 0;
-  }
-  return *a == *b;
-}
-
-static int sg__log_parse_level(const char *s) {
-  if (!s || !s[0]) return SG_LOG_WARN;
-  if (sg__ieq(s, "off") || sg__ieq(s, "none") || sg__ieq(s, "0")) return 0;
-  if (sg__ieq(s, "info")) return SG_LOG_INFO;
-  if (sg__ieq(s, "debug") || sg__ieq(s, "trace")) return SG_LOG_DEBUG;
-  return SG_LOG_WARN; /* "warn" and anything unknown: the quiet default */
-}
-
 /* fork() while another thread writes a line: the child gets the mutex locked by a thread it
  * does not have. Held across the fork, released on both sides. */
 static void sg__log_fork_lock(void) { pthread_mutex_lock(&sg__log_mu); }
 static void sg__log_fork_unlock(void) { pthread_mutex_unlock(&sg__log_mu); }
 
+/* SG_LOG's words (sg_env.c: off|warn|info|debug, and the synonyms none, 0, trace) as levels;
+ * unset or not understood: warn. */
 static void sg__log_init(void) {
   (void)pthread_atfork(sg__log_fork_lock, sg__log_fork_unlock, sg__log_fork_unlock);
-  sg__log_level_cur = sg__log_parse_level(getenv("SG_LOG"));
-  const char *path = getenv("SG_LOG_FILE");
+  static const int level[] = {0, SG_LOG_WARN, SG_LOG_INFO, SG_LOG_DEBUG, 0, 0, SG_LOG_DEBUG};
+  sg__log_level_cur = level[sg__env_value(SG_ENV_LOG, 1)];
+  const char *path = sg__env_text(SG_ENV_LOG_FILE);
   if (path && path[0] && strlen(path) < sizeof sg__log_pattern) {
     memcpy(sg__log_pattern, path, strlen(path) + 1);
     sg__log_per_rank = strstr(path, "%r") != NULL;

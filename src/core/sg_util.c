@@ -1,25 +1,13 @@
-/* Small helpers shared by every layer: dtype names, the monotonic clock, switches from the
- * environment, FNV-1a hashing,
+/* Small helpers shared by every layer: dtype names, the monotonic clock, FNV-1a hashing,
  * per-rank file names, and the version / backend queries of the public API. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, CLOCK_MONOTONIC under -std=c11 */
 
-#include <stdatomic.h>
 #include <stdio.h>  /* snprintf */
-#include <stdlib.h> /* getenv */
+#include <stdlib.h>
 #include <string.h> /* strcmp, strlen, memcpy */
 #include <time.h>   /* clock_gettime */
 
 #include "sg_core.h" /* sg__dtype_name, sg__now_ms, sg__hash_bytes */
-
-int sg__env_on(_Atomic int *cache, const char *name) {
-  int w = atomic_load_explicit(cache, memory_order_relaxed);
-  if (w < 0) {
-    const char *v = getenv(name);
-    w = !(v && v[0] == '0');
-    atomic_store_explicit(cache, w, memory_order_relaxed);
-  }
-  return w;
-}
 
 const char *sg__dtype_name(sg_dtype d) {
   switch (d) {

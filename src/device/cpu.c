@@ -213,8 +213,7 @@ static sg_status cpu_zero(sg__device *d, sg__queue q, void *dst, size_t bytes) {
  * SG_CPU_HUGEPAGES=0 keeps 4 KiB pages everywhere (read once). */
 static void hint_huge(uintptr_t a, uintptr_t end) {
 #ifdef MADV_HUGEPAGE
-  static _Atomic int want = -1;
-  const int w = sg__env_on(&want, "SG_CPU_HUGEPAGES");
+  const int w = (int)sg__env_value(SG_ENV_CPU_HUGEPAGES, 1);
   const uintptr_t lo = (a + SG_CPU_HUGE - 1) / SG_CPU_HUGE * SG_CPU_HUGE;
   const uintptr_t hi = end / SG_CPU_HUGE * SG_CPU_HUGE;
   if (w && end - a >= SG_CPU_HUGE_MIN && hi > lo)

@@ -11,127 +11,6 @@
 
 
 /* ---------------------------------------------------------------------------------------- */
-/* checks                                                                                    */
-
-sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready) {
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (e->state == SG_ES_BROKEN)
-    return sg__err(SG_ERR_COMM, "%s: engine is unusable after an earlier communication failure; "
-                                "destroy it", fn);
-  if (need_ready && e->state != SG_ES_READY)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: call sg_finalize first", fn);
-  if (!need_ready && e->state != SG_ES_BUILDING)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: not allowed after sg_finalize", fn);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn) {
-  if (id < 0 || id >= e->reg.nparams)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: no parameter with id %d (have %d)", fn, id,
-                   e->reg.nparams);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_param(sg_engine *e, int id, const void *ptr, const char *what,
-                                 const char *fn) {
-  SG_TRY(sg__engine_check(e, fn, 1));
-  SG_TRY(sg__engine_check_id(e, id, fn));
-  if (!ptr) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, what);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_dtype(int dt, const char *what, const char *fn) {
-  if (!sg__dtype_valid(dt))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s %d is not a valid sg_dtype", fn, what, dt);
-  return SG_OK;
-}
-
-sg_status sg__engine_break(sg_engine *e, sg_status st, const char *where) {
-  e->state = SG_ES_BROKEN;
-  SG_LOG(SG_LOG_WARN, e->rank, "engine broken%s%s: %s", where ? " " : "", where ? where : "",
-         sg_last_error());
-  return st;
-}
-
-sg_status sg__engine_broken(sg_engine *e, sg_status st) {
-  /* A collective that failed or disagreed leaves the ranks out of step for good. */
-  if (st == SG_ERR_COMM || st == SG_ERR_TIMEOUT || st == SG_ERR_CUDA || st == SG_ERR_MISMATCH)
-    return sg__engine_break(e, st, NULL);
-  return st;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* collectives through the comm queue                                                        */
-
-typedef enum { SG_COLL_ALLGATHER, SG_COLL_BCAST, SG_COLL_ALLREDUCE } sg__coll_op;
-typedef struct {
-  sg_engine *e;
-  sg__coll_op op;
-  void *buf;
-  size_t n; /* bytes per rank (all-gather), bytes (bcast), elements (all-reduce) */
-  int dtype, root;
-} sg__coll_job;
-
-static sg_status coll_job_fn(void *arg) {
-  sg__coll_job *j = arg;
-  sg_comm *c = j->e->comm;
-  int64_t dl = sg__deadline(j->e->cfg.timeout_ms);
-  switch (j->op) {
-  case SG_COLL_ALLGATHER: return c->ops->all_gather(c, j->buf, j->n, dl);
-  case SG_COLL_BCAST: return c->ops->broadcast(c, j->buf, j->n, j->root, dl);
-  case SG_COLL_ALLREDUCE: return c->ops->all_reduce(c, j->buf, j->n, j->dtype, dl);
-  }
-  return sg__err(SG_ERR_INTERNAL, "unknown collective %d", (int)j->op);
-}
-
-int64_t sg__engine_host_deadline(const sg_engine *e) {
-  /* Every collective on the queue has its own deadline, so a host wait needs only a backstop
-   * for a queue of several of them. */
-  return e->cfg.timeout_ms > 0 ? sg__now_ms() + 2 * (int64_t)e->cfg.timeout_ms : INT64_MAX;
-}
-
-sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg), void *arg,
-                            uint64_t *ticket) {
-  *ticket = 0;
-  sg_status st = e->dev->ops->comm_submit(e->dev, fn, drop, arg, ticket);
-  if (*ticket > e->last_ticket) e->last_ticket = *ticket;
-  return st;
-}
-
-sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
-  uint64_t t = 0;
-  sg_status st = sg__engine_submit(e, fn, NULL, arg, &t);
-  if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, sg__engine_host_deadline(e));
-  return sg__engine_broken(e, st);
-}
-
-static sg_status run_coll(sg_engine *e, sg__coll_op op, void *buf, size_t n, int dtype, int root) {
-  sg__coll_job j = {e, op, buf, n, dtype, root};
-  return sg__engine_run_comm(e, coll_job_fn, &j);
-}
-
-sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype) {
-  return run_coll(e, SG_COLL_ALLREDUCE, dev_buf, count, dtype, 0);
-}
-
-sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank) {
-  return run_coll(e, SG_COLL_ALLGATHER, dev_buf, bytes_per_rank, 0, 0);
-}
-
-sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank) {
-  size_t total = bytes_per_rank * (size_t)e->world;
-  void *d = NULL;
-  sg_status st = e->dev->ops->alloc(e->dev, total, &d);
-  if (st != SG_OK) return st;
-  SG_TRY_GOTO(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, d, host, total, SG_COPY_H2D), st, done);
-  SG_TRY_GOTO(run_coll(e, SG_COLL_ALLGATHER, d, bytes_per_rank, 0, 0), st, done);
-  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, d, total, SG_COPY_D2H);
-done:
-  e->dev->ops->free(e->dev, d);
-  return st;
-}
-
-/* ---------------------------------------------------------------------------------------- */
 /* create / destroy                                                                          */
 
 /* The device, and the communicator's channel bound to it (which tells the device how to run
@@ -187,6 +66,7 @@ static sg_status create(sg_comm *comm, sg_comm *replica, const sg_config *cfg, c
   SG_TRY_GOTO(sg__config_copy(cfg, &e->cfg, fn), st, fail);
   SG_TRY_GOTO(sg__config_check(&e->cfg, fn), st, fail);
   SG_TRY_GOTO(check(&e->cfg, comm, fn), st, fail);
+  sg__env_report(comm->rank);
   e->strat = sg__strategy_select(&e->cfg);
   if (replica && !sg__strategy_sharded(e->strat)) {
     st = sg__err(SG_ERR_INVALID_ARGUMENT, "%s: strategy %s keeps every gradient and all "
@@ -198,7 +78,7 @@ static sg_status create(sg_comm *comm, sg_comm *replica, const sg_config *cfg, c
   e->rank = comm->rank;
   e->world = comm->world;
   e->rep.n = 1;
-  if (replica && (st = sg__replicas_attach(e, replica, fn)) != SG_OK) {
+  if ((st = sg__replicas_attach(e, replica, fn)) != SG_OK) {
     sg__comm_unbind(e->comm);
     e->dev->ops->destroy(e->dev);
     goto fail;
@@ -260,7 +140,7 @@ static void free_finalized(sg_engine *e) {
   sg__replicas_free(e);
   sg__grads_free(e);
   sg__optim_free(e);
-  if (e->strat && e->strat->state) e->strat->state->free(e);
+  if (e->strat) e->strat->place->free(e);
   sg__gathers_free(e);
   sg__arenas_free(&e->ar);
   sg__plan_free(e->plan);
@@ -358,10 +238,13 @@ sg_status sg_add_param(sg_engine *e, const char *name, size_t numel, uint32_t fl
 /* finalize                                                                                  */
 
 /* What every rank must agree on, exchanged as 64-bit words: status, parameter count, plan
- * hash, then the config words (sg__config_words). */
+ * hash, the config words (sg__config_words), then the environment settings that change the
+ * wire protocol (sg__env_wire_words). */
 enum { SG__AG_STATUS, SG__AG_NPARAMS, SG__AG_HASH, SG__AG_CFG0 };
 #define SG__NCFG SG__CONFIG_NWORDS
-#define SG__AG_WORDS (SG__AG_CFG0 + SG__NCFG)
+#define SG__NWIRE 2 /* SG_COLL_ALLGATHER, SG_COLL_REDUCE_SCATTER */
+#define SG__AG_WIRE0 (SG__AG_CFG0 + SG__NCFG)
+#define SG__AG_WORDS (SG__AG_WIRE0 + SG__NWIRE)
 
 static uint64_t cfg_hash(const sg_config *c) {
   uint64_t w[SG__NCFG];
@@ -426,6 +309,15 @@ static sg_status check_agreement(sg_engine *e, const uint64_t *all, const sg__pl
       if (all[r * SG__AG_WORDS + SG__AG_CFG0 + k] != all[SG__AG_CFG0 + k])
         return sg__err(SG_ERR_MISMATCH, "sg_finalize: config field %s differs between rank 0 "
                        "and rank %d", sg__config_word_name(k), r);
+  const char *wire[SG__NWIRE];
+  uint64_t w[SG__NWIRE];
+  sg__env_wire_words(w, SG__NWIRE, wire);
+  for (int r = 1; r < e->world; r++)
+    for (int k = 0; k < SG__NWIRE; k++)
+      if (all[r * SG__AG_WORDS + SG__AG_WIRE0 + k] != all[SG__AG_WIRE0 + k])
+        return sg__err(SG_ERR_MISMATCH, "sg_finalize: environment setting %s differs between "
+                       "rank 0 and rank %d (it changes what ranks send each other: set it alike, "
+                       "or leave it unset, on every rank)", wire[k], r);
   for (int r = 0; r < e->world; r++)
     if (all[r * SG__AG_WORDS + SG__AG_HASH] != all[e->rank * SG__AG_WORDS + SG__AG_HASH] ||
         all[r * SG__AG_WORDS + SG__AG_NPARAMS] != (uint64_t)e->reg.nparams)
@@ -442,6 +334,10 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
   mine[SG__AG_NPARAMS] = (uint64_t)e->reg.nparams;
   mine[SG__AG_HASH] = p ? p->hash : 0;
   sg__config_words(&e->cfg, mine + SG__AG_CFG0, SG__NCFG);
+  if (sg__env_wire_words(mine + SG__AG_WIRE0, SG__NWIRE, NULL) != SG__NWIRE) {
+    free(all);
+    return sg__err(SG_ERR_INTERNAL, "sg_finalize: the wire settings are not %d", SG__NWIRE);
+  }
   sg_status st = sg__engine_allgather_host(e, all, SG__AG_WORDS * sizeof *all);
   if (st != SG_OK) {
     free(all);
@@ -451,10 +347,20 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
   return SG_OK;
 }
 
+/* The layout shape of a config: the strategy's sizes, the optimizer's state count and the
+ * replica stage's buffer (replicas: 1 flat). */
+static void engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
+                         int replicas, sg__layout_shape *out) {
+  memset(out, 0, sizeof *out);
+  st->shape(p, cfg, out);
+  out->nstates = sg__optim_default()->nstates;
+  sg__replicas_shape(p, cfg, replicas, out);
+}
+
 static sg_status setup_buffers(sg_engine *e) {
   sg__layout *l = &e->lay;
   sg__layout_shape shape;
-  sg__engine_shape(e->strat, e->plan, &e->cfg, e->rep.n, &shape);
+  engine_shape(e->strat, e->plan, &e->cfg, e->rep.n, &shape);
   SG_TRY(sg__layout_compute(e->plan, &e->cfg, &shape, l));
   SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
   e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
@@ -479,7 +385,7 @@ static sg_status finalize_local(sg_engine *e) {
   sg_status st = build_plan(e, &e->plan);
   if (st == SG_OK) hash_groups(e, e->plan);
   if (st == SG_OK) st = setup_buffers(e);
-  if (st == SG_OK && e->strat->state) st = e->strat->state->init(e);
+  if (st == SG_OK) st = e->strat->place->init(e);
   if (st == SG_OK) st = sg__optim_bind(e);
   if (st == SG_OK) st = sg__gathers_init(e);
   if (st == SG_OK) st = sg__grads_init(e);
@@ -613,33 +519,8 @@ sg_status sg_broadcast_params(sg_engine *e, int root) {
   SG_TRY(sg__grads_idle(e, fn));
   SG_TRY(e->dev->ops->sync(e->dev, sg__engine_host_deadline(e)));
   SG_TRY(sg__replicas_broadcast_params(e, root / e->world));
-  SG_TRY(run_coll(e, SG_COLL_BCAST, e->params, e->plan->total_numel * psize(e), 0,
-                  root % e->world));
+  SG_TRY(sg__engine_broadcast(e, e->params, e->plan->total_numel * psize(e), root % e->world));
   return sg__optim_master_from_working(e);
-}
-
-sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, float *dst) {
-  const sg__plan_param *pp = &e->plan->params[id];
-  if (!e->strat->gather_state)
-    return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, state + pp->offset, pp->numel * 4,
-                             SG_COPY_D2H);
-  const sg__bucket *b = &e->plan->buckets[pp->bucket];
-  float *tmp = NULL;
-  SG_TRY(e->dev->ops->alloc(e->dev, b->numel * 4, (void **)&tmp));
-  sg_status st = e->strat->gather_state(e, pp->bucket, state, tmp);
-  if (st == SG_OK)
-    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dst, tmp + (pp->offset - b->start),
-                           pp->numel * 4, SG_COPY_D2H);
-  e->dev->ops->free(e->dev, tmp);
-  return st;
-}
-
-void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
-                      int replicas, sg__layout_shape *out) {
-  memset(out, 0, sizeof *out);
-  st->shape(p, cfg, out);
-  out->nstates = sg__optim_default()->nstates;
-  sg__replicas_shape(p, cfg, replicas, out);
 }
 
 sg_status sg_get_master(sg_engine *e, int id, float *dst) {
@@ -648,7 +529,7 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
   SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   SG_TRY(sg__grads_idle(e, fn));
   if (!e->opt.master) return sg_get_param(e, id, dst, SG_F32);
-  return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.master, dst), fn);
+  return sg__err_prefix(e->strat->shard->param_state(e, id, e->opt.master, dst), fn);
 }
 
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
@@ -657,7 +538,7 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   SG_TRY(sg__optim_check_state(e, which, fn));
   SG_TRY(sg__grads_idle(e, fn));
-  return sg__err_prefix(sg__engine_gather_state(e, id, e->opt.state[which], dst), fn);
+  return sg__err_prefix(e->strat->shard->param_state(e, id, e->opt.state[which], dst), fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -717,7 +598,7 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;
   sg__layout_shape shape;
-  sg__engine_shape(sg__strategy_select(&c), p, &c, world / L, &shape);
+  engine_shape(sg__strategy_select(&c), p, &c, world / L, &shape);
   st = sg__layout_compute(p, &c, &shape, &l);
   if (st == SG_OK) {
     sg_memory_stats s = {0};
@@ -734,20 +615,6 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
 
 /* ---------------------------------------------------------------------------------------- */
 /* parameter groups (registration)                                                           */
-
-sg_status sg__engine_check_out(const sg_engine *e, const void *out, const char *what,
-                               const char *fn) {
-  if (!e) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: engine is NULL", fn);
-  if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, what);
-  return SG_OK;
-}
-
-sg_status sg__engine_check_group(int group, const char *fn) {
-  if (group < 0 || group >= SG_MAX_GROUPS)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: group must be 0..%d (got %d)", fn,
-                   SG_MAX_GROUPS - 1, group);
-  return SG_OK;
-}
 
 sg_status sg_set_param_group(sg_engine *e, int id, int group) {
   SG_ENGINE_GUARD(e, "sg_set_param_group");

@@ -1,5 +1,5 @@
-/* Engine internals shared by sg_engine.c (lifecycle, parameters), sg_grads.c (micro-batches and
- * bucket reductions) and sg_step.c (the optimizer step). */
+/* Engine internals shared by the engine files (DESIGN.md section 1): the engine struct, then
+ * each file's functions under its name. */
 #ifndef SG_ENGINE_INTERNAL_H
 #define SG_ENGINE_INTERNAL_H
 
@@ -78,19 +78,61 @@ typedef struct sg__optim {
   int *bucket_seg;  /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
 } sg__optim;
 
+/* Replica transport (DESIGN.md section 1, "Hybrid engines"): how the accumulator's slices are
+ * summed across the replicas of a hybrid engine, one never-NULL table per row of the table
+ * there, chosen once at sg_engine_create (src/engine/policy/sg_replica_select.c): flat (one
+ * replica: every entry does nothing), host (a CPU device), attached (beside the shard channel
+ * on the device), unbound (an NCCL channel without a device beside a host-driven shard),
+ * staged (a host communicator beside an NCCL shard, through pinned host memory on a host queue
+ * of its own), at-step (an offloaded accumulator: summed on the host at the step). */
+typedef struct sg__replica_ops {
+  const char *name;
+  /* The stage's entry points (sg_replica.c calls them; flat: nothing; every other transport:
+   * the shared ones of src/engine/policy/sg_replica_common.c). */
+  sg_status (*init)(sg_engine *e);
+  void (*free)(sg_engine *e);
+  void (*detach)(sg_engine *e);
+  sg_status (*agree)(sg_engine *e, sg_status st);
+  sg_status (*open)(sg_engine *e, const char *fn);
+  sg_status (*after_reduce)(sg_engine *e, int b);
+  sg_status (*rest)(sg_engine *e);
+  sg_status (*allgather_host)(sg_engine *e, void *host, size_t bytes);
+  sg_status (*broadcast_params)(sg_engine *e, int root);
+  /* The transport. Declared: its channel's collectives share the shard channel's comm scratch
+   * (they run on the same queue, on buffers of the same kind). */
+  int share_scratch;
+  /* init's own part (staged: the pinned stage), and the release of what select made (staged:
+   * its host queue) once the channel is unbound. */
+  sg_status (*prepare)(sg_engine *e);
+  void (*release)(sg_engine *e);
+  /* Bucket b's sum across replicas begins (queued now, or left for the step), and the step's
+   * part once every bucket was claimed (staged: copied back; at-step: summed now). */
+  sg_status (*claim)(sg_engine *e, int b);
+  sg_status (*finish)(sg_engine *e);
+  /* fn(arg) on the queue of the channel's collectives, waited for; the jobs queued there so far
+   * finished (their failure, if any). */
+  sg_status (*run)(sg_engine *e, sg__job_fn fn, void *arg);
+  sg_status (*drain)(sg_engine *e);
+} sg__replica_ops;
+
+/* The memory a replica channel's host-side collectives take (rep.mem, chosen with the table):
+ * either kind, device memory only (attached to a CUDA device), host memory only (a host
+ * communicator without a device beside a CUDA device). */
+enum { SG__REP_MEM_ANY = 0, SG__REP_MEM_DEVICE = 1, SG__REP_MEM_HOST = 2 };
+
 /* Replicas (sg_replica.c): the copies of this shard group on other nodes of a hybrid engine
  * (sg_engine_create_hybrid), the replica communicator's channel, and which buckets' all-reduce
- * across replicas this step has queued. A flat engine has one replica and no channel: every
- * sg__replicas_* function then does nothing. */
+ * across replicas this step has queued. A flat engine has one replica, no channel and the flat
+ * transport. */
 typedef struct sg__replicas {
+  const sg__replica_ops *ops; /* the transport, never NULL after sg_engine_create */
   sg_comm *comm;     /* channel of the replica communicator; NULL: one replica */
-  int on_device;     /* 1: the channel is attached to the engine's device (its collectives on
-                        the device's buffers, on its comm queue); 0: bound without a device */
+  int mem;           /* SG__REP_MEM_*: what its host-side collectives take */
   int rank, n;       /* this rank's replica and the replica count (flat: 0, 1) */
   int microbatches;  /* sg_set_microbatches (0: not said) */
   int mb;            /* micro-batches begun since the accumulator was last cleared */
   int nclaimed;      /* buckets whose all-reduce across replicas is queued this step */
-  uint8_t *claimed;  /* [nbuckets]: CLAIM_QUEUED, CLAIM_AT_STEP (sg_replica.c), 0: not yet */
+  uint8_t *claimed;  /* [nbuckets]: SG__CLAIM_*, 0: not yet */
   char *wire;        /* one slice in replica_reduce_dtype (COMM arena; pinned host memory of
                         the replica stage when the accumulator is offloaded); NULL when the
                         accumulator itself goes on the wire (same dtype) */
@@ -102,6 +144,10 @@ typedef struct sg__replicas {
   char *stage;
   uint64_t host_last;
 } sg__replicas;
+
+/* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (at-step);
+ * staged: summed on the host and copied back. */
+enum { SG__CLAIM_QUEUED = 1, SG__CLAIM_AT_STEP = 2, SG__CLAIM_BACK = 3 };
 
 /* Loss scale (sg_scale.c). */
 typedef struct sg__scale {
@@ -136,7 +182,9 @@ struct sg_engine {
                               freed by the offloading strategies' state ops); NULL otherwise */
 };
 
-/* Call-order and argument checks shared by the public functions. */
+/* sg_engine_base.c: the base services every engine file may call (they call no other engine
+ * file; scripts/check_deps.sh checks that the engine files call each other without a circle).
+ * Call-order and argument checks shared by the public functions. */
 sg_status sg__engine_check(sg_engine *e, const char *fn, int need_ready);
 sg_status sg__engine_check_id(sg_engine *e, int id, const char *fn);
 /* sg__engine_check (finalized) and sg__engine_check_id, then ptr (the argument `what`) not NULL. */
@@ -164,26 +212,20 @@ sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg)
                             uint64_t *ticket);
 /* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
-/* In-place all-reduce of device memory through the comm queue, waited for. */
-sg_status sg__engine_allreduce(sg_engine *e, void *dev_buf, size_t count, int dtype);
 /* In-place all-gather of device memory through the comm queue, waited for. */
 sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank);
+/* Broadcast of `bytes` of device memory from shard rank root through the comm queue, waited for. */
+sg_status sg__engine_broadcast(sg_engine *e, void *dev_buf, size_t bytes, int root);
 /* All-gather `bytes_per_rank` from host memory through a temporary device buffer. */
 sg_status sg__engine_allgather_host(sg_engine *e, void *host, size_t bytes_per_rank);
 
+/* sg_engine.c (the lifecycle: called by nothing in src/engine; the checkpoints use this) */
 /* Pieces of parameter `id` held by this rank in the state arrays (state coordinates). */
 typedef struct sg__piece { size_t param_off, opt_off, len; } sg__piece;
 /* Calls fn for each piece; stops at the first failure. */
 sg_status sg__engine_for_pieces(sg_engine *e, int id,
                                 sg_status (*fn)(sg_engine *, const sg__piece *, void *),
                                 void *ctx);
-/* Full fp32 values of parameter `id` from a state array (master or an optimizer state): a copy
- * where the state is replicated, a gather of its bucket otherwise (collective). */
-sg_status sg__engine_gather_state(sg_engine *e, int id, const float *state, float *host_dst);
-/* The layout shape of a config: the strategy's sizes, the optimizer's state count and the
- * replica stage's buffer (replicas: 1 flat). */
-void sg__engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
-                      int replicas, sg__layout_shape *out);
 
 /* sg_grads.c */
 sg_status sg__grads_init(sg_engine *e);
@@ -194,19 +236,10 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn);
 /* No micro-batch in progress (SG_ERR_INVALID_STATE otherwise) and the comm queue drained: the
  * collectives of sg_get_master and friends then line up on every rank. */
 sg_status sg__grads_idle(sg_engine *e, const char *fn);
-/* SG_ERR_INVALID_STATE while a micro-batch is open: for calls that change how the next one runs
- * (sg_set_sync, sg_set_microbatches). */
-sg_status sg__grads_between(const sg_engine *e, const char *fn);
 /* Empties the accumulator: after a step, and a load (with the no_sync sums). Nothing is written:
  * each bucket's next reduction writes its part (DESIGN.md section 4). */
 sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
-/* Bucket b's slice of the accumulator (this rank's part, accum_dtype). */
-char *sg__grads_accum_of(const sg_engine *e, int b);
-/* On the comm queue, from a strategy's reduce: n reduced elements (reduce_dtype) into the
- * accumulator at state index state_off, written when `first`, else added. */
-sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
-                               int first);
 /* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks,
  * once every reduction of the step was submitted: the step's one host synchronization. */
 sg_status sg__grads_sumsq(sg_engine *e, double out[2]);
@@ -216,6 +249,16 @@ void sg__grads_scale_by(sg_engine *e, double factor);
  * norm_ss, valid until gradients arrive or the accumulator is cleared). */
 void sg__grads_norm_keep(sg_engine *e, const double ss[2]);
 void sg__grads_norm_drop(sg_engine *e);
+
+/* sg_accum.c */
+/* Bucket b's slice of the accumulator (this rank's part, accum_dtype). */
+char *sg__accum_of(const sg_engine *e, int b);
+/* On the comm queue, from a strategy's reduce: n reduced elements (reduce_dtype) into the
+ * accumulator at state index state_off, written when `first`, else added. */
+sg_status sg__accum_into(sg_engine *e, size_t state_off, const void *src, size_t n, int first);
+/* The parts of the buckets not reduced since the accumulator was emptied zeroed (compute
+ * queue): they count as zeros in a norm or a step. */
+sg_status sg__accum_zero_empty(sg_engine *e);
 
 /* sg_gather.c */
 sg_status sg__gathers_init(sg_engine *e);
@@ -262,7 +305,8 @@ void sg__scale_update(sg_engine *e, int overflow);
 void sg__scale_restore(sg_engine *e, int saved_dynamic, float loss_scale, uint32_t clean_steps);
 
 /* sg_replica.c */
-/* sg_engine_create_hybrid: binds the replica communicator (host buffers), records the layout. */
+/* sg_engine_create: the transport (flat when replica is NULL); sg_engine_create_hybrid: binds
+ * the replica communicator where the transport says, records the layout. */
 sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn);
 /* sg_finalize, after the arenas: the bucket flags and the wire buffer. */
 sg_status sg__replicas_init(sg_engine *e);
@@ -283,6 +327,8 @@ sg_status sg__replicas_agree(sg_engine *e, sg_status st);
 /* A new micro-batch may start (not after this step's replica reductions began), and counts it. */
 sg_status sg__replicas_open(sg_engine *e, const char *fn);
 void sg__replicas_count_microbatch(sg_engine *e);
+/* sg_set_microbatches (checked by sg_grads.c, between micro-batches). */
+void sg__replicas_set_microbatches(sg_engine *e, int n);
 /* After bucket b's reduction job was queued: in the declared last micro-batch, its all-reduce
  * across replicas right behind it. */
 sg_status sg__replicas_after_reduce(sg_engine *e, int b);

@@ -20,14 +20,14 @@ void sg__gathers_free(sg_engine *e) {
   e->gat.pending = 0;
 }
 
-int sg__gathers_needed(const sg_engine *e) { return e->strat->gather != NULL && e->world > 1; }
+int sg__gathers_needed(const sg_engine *e) { return e->strat->shard->sharded && e->world > 1; }
 
 typedef struct { sg_engine *e; int b; int64_t trace; } sg__gather_job;
 
 static sg_status gather_job_fn(void *arg) {
   const sg__gather_job j = *(sg__gather_job *)arg; /* the queue frees arg (comm_submit's drop) */
   sg__trace_at(j.e, j.trace, 0, SG_Q_COMM);
-  sg_status st = j.e->strat->gather(j.e, j.b);
+  sg_status st = j.e->strat->shard->gather(j.e, j.b);
   if (st == SG_OK) sg__trace_at(j.e, j.trace, 1, SG_Q_COMM);
   return st;
 }
@@ -70,7 +70,7 @@ sg_status sg__gathers_new_queue(sg_engine *e) {
 
 static sg_status gather_all_job(void *arg) {
   sg_engine *e = arg;
-  for (int b = 0; b < e->plan->nbuckets; b++) SG_TRY(e->strat->gather(e, b));
+  for (int b = 0; b < e->plan->nbuckets; b++) SG_TRY(e->strat->shard->gather(e, b));
   return SG_OK;
 }
 

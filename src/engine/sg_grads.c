@@ -15,14 +15,12 @@ typedef struct {
 } sg__reduce_job;
 
 static size_t gsize(const sg_engine *e) { return sg__dtype_size(e->cfg.grad_dtype); }
-static size_t asize(const sg_engine *e) { return sg__dtype_size(e->cfg.accum_dtype); }
 
 sg_status sg__grads_init(sg_engine *e) {
   sg__grads *g = &e->g;
   const int nb = e->plan->nbuckets;
   g->slots = (char *)e->ar.base[SG_MEM_GRADS] + e->lay.slots_off;
-  g->accum = e->strat->state ? e->strat->state->array(e, SG__STATE_ACCUM)
-                             : (char *)e->ar.base[SG_MEM_GRADS] + e->lay.accum_off;
+  g->accum = e->strat->place->array(e, SG__STATE_ACCUM);
   g->ready = calloc((size_t)e->reg.nparams, 1);
   g->pending = calloc((size_t)nb, sizeof *g->pending);
   g->nosync_dirty = calloc((size_t)nb, 1);
@@ -40,14 +38,14 @@ sg_status sg__grads_init(sg_engine *e) {
     sg__grads_free(e);
     return hs;
   }
-  sg_status st = e->strat->slots_init(e, &g->slot_state);
+  sg_status st = e->strat->slots->init(e, &g->slot_state);
   if (st != SG_OK) sg__grads_free(e);
   return st;
 }
 
 void sg__grads_free(sg_engine *e) {
   sg__grads *g = &e->g;
-  if (g->slot_state) e->strat->slots_free(e, g->slot_state);
+  e->strat->slots->free(e, g->slot_state);
   g->slot_state = NULL;
   if (g->nosync) sg__arenas_extra_free(&e->ar, g->nosync, e->plan->total_numel * 4);
   g->nosync = NULL;
@@ -85,42 +83,7 @@ sg_status sg__grads_clear_accum(sg_engine *e) {
   e->g.user_scale = 1.0;
   memset(e->g.empty, 1, (size_t)e->plan->nbuckets);
   sg__replicas_reset(e);
-  if (e->strat->state) return e->strat->state->clear(e);
-  /* Empty, it is never read before the next reduction writes it (the first one is a copy):
-   * its pages go back to the system between steps where the device can (not a zeroing pass
-   * where it cannot). */
-  sg__device *d = e->dev;
-  if (!d->ops->zero_release) return SG_OK;
-  return d->ops->zero_release(d, SG_Q_COMPUTE, e->g.accum, e->lay.accum_numel * asize(e));
-}
-
-char *sg__grads_accum_of(const sg_engine *e, int b) {
-  return e->g.accum + e->plan->buckets[b].shard_offset * asize(e);
-}
-
-sg_status sg__grads_into_accum(sg_engine *e, size_t state_off, const void *src, size_t n,
-                               int first) {
-  sg__device *d = e->dev;
-  const int adt = e->cfg.accum_dtype, rdt = e->cfg.reduce_dtype;
-  char *acc = e->g.accum + state_off * asize(e);
-  /* The first micro-batch is a copy (none when the dtypes agree on CUDA: a device copy), not
-   * a zeroing pass plus an add: the same values, but for the sign of a zero sum, which it
-   * keeps as reduced. */
-  if (first) return d->ops->cast(d, SG_Q_COMM, acc, adt, src, rdt, n);
-  return d->ops->accumulate(d, SG_Q_COMM, acc, adt, src, rdt, n);
-}
-
-/* Buckets not reduced since the accumulator was emptied count as zeros (a step or norm without
- * gradients, or with sg_set_sync(0) throughout): their parts are zeroed now. */
-static sg_status zero_empty(sg_engine *e) {
-  for (int b = 0; b < e->plan->nbuckets; b++) {
-    if (!e->g.empty[b]) continue;
-    sg__owned ow;
-    e->strat->owned(e->plan, e->rank, b, &ow);
-    SG_TRY(e->dev->ops->zero(e->dev, SG_Q_COMPUTE, e->g.accum + ow.state0 * asize(e),
-                             ow.n * asize(e)));
-  }
-  return SG_OK;
+  return e->strat->place->clear(e);
 }
 
 /* On the comm queue: the partials summed over the ranks in place, then copied to pinned host
@@ -128,36 +91,18 @@ static sg_status zero_empty(sg_engine *e) {
 static sg_status norm_job_fn(void *arg) {
   sg_engine *e = arg;
   double *dev = (double *)e->small;
-  SG_TRY(e->strat->sum_norm(e, dev));
+  SG_TRY(e->strat->shard->sum_norm(e, dev));
   return e->dev->ops->copy(e->dev, SG_Q_COMM, e->g.norm_host, dev, 2 * sizeof(double),
                            SG_COPY_D2H);
 }
 
-/* This rank's partials into device memory: the device's kernels, or (a state off the device)
- * the state's own sum copied there. */
-static sg_status local_sumsq(sg_engine *e, double *dev) {
-  sg__device *d = e->dev;
-  if (e->strat->state) {
-    SG_TRY(e->strat->state->sumsq(e, e->g.norm_host));
-    return d->ops->copy(d, SG_Q_COMPUTE, dev, e->g.norm_host, 2 * sizeof(double), SG_COPY_H2D);
-  }
-  SG_TRY(zero_empty(e));
-  return d->ops->sumsq_to(d, SG_Q_COMPUTE, e->g.accum, e->cfg.accum_dtype, e->lay.accum_numel,
-                          dev);
-}
-
-/* The caller made the compute queue wait for every reduction. The sum of squares goes into
- * device memory (e->small) and never through the host before it is final. */
+/* The caller made the compute queue wait for every reduction. Across ranks the partials go
+ * into device memory (e->small) and never through the host before they are final. */
 sg_status sg__grads_sumsq(sg_engine *e, double out[2]) {
-  sg__device *d = e->dev;
-  double *dev = (double *)e->small;
-  const int across = e->strat->sum_norm && e->world > 1;
-  if (e->strat->state && !across) return e->strat->state->sumsq(e, out);
-  SG_TRY(local_sumsq(e, dev));
-  if (across)
-    SG_TRY(sg__engine_run_comm(e, norm_job_fn, e));
-  else
-    SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, e->g.norm_host, dev, 2 * sizeof(double), SG_COPY_D2H));
+  const sg__state_ops *so = e->strat->place;
+  if (!e->strat->shard->sharded || e->world == 1) return so->sumsq(e, out);
+  SG_TRY(so->partials(e, (double *)e->small));
+  SG_TRY(sg__engine_run_comm(e, norm_job_fn, e));
   out[0] = e->g.norm_host[0];
   out[1] = e->g.norm_host[1];
   return SG_OK;
@@ -192,7 +137,7 @@ static sg_status wire_of(sg_engine *e, const sg__reduce_job *j, size_t numel, ch
  * its pages would be faulted in again at once. Otherwise its next use is behind a forward
  * pass, whose activations can then have the pages (DESIGN.md section 3). */
 static size_t slot_idle(sg_engine *e, int b) {
-  return e->strat->slot_idle_bytes(e, e->g.slot_state, b);
+  return e->strat->slots->idle_bytes(e, e->g.slot_state, b);
 }
 
 /* Bucket b's slot zeroed on queue q for its next holder. A device that cannot give pages back
@@ -226,7 +171,7 @@ static sg_status reduce_job_fn(void *arg) {
 /* slots (the strategy's)                                                                    */
 
 static sg_status bucket_slot(sg_engine *e, int b, char **base, const char *fn) {
-  return e->strat->slot(e, e->g.slot_state, b, base, fn);
+  return e->strat->slots->slot(e, e->g.slot_state, b, base, fn);
 }
 
 static sg_status param_slot(sg_engine *e, int id, char **ptr, const char *fn) {
@@ -242,7 +187,7 @@ static sg_status param_slot(sg_engine *e, int id, char **ptr, const char *fn) {
 /* launching                                                                                 */
 
 static void release_slot(sg_engine *e, int b, uint64_t ticket) {
-  e->strat->release(e, e->g.slot_state, b, ticket);
+  e->strat->slots->release(e, e->g.slot_state, b, ticket);
 }
 
 /* sync off: the bucket's gradients go into the local fp32 buffer; no communication. */
@@ -274,15 +219,15 @@ static sg_status submit_reduce(sg_engine *e, int b, char *slot) {
   if (!j) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   *j = (sg__reduce_job){e, b, e->g.empty[b], slot, slot_idle(e, b),
                         sg__trace_new(e, SG_TRACE_REDUCE, b, NULL)};
-  const sg__state_ops *so = e->strat->state;
-  sg_status st = so ? so->prepare(e, b) : SG_OK;
+  const sg__state_ops *so = e->strat->place;
+  sg_status st = so->prepare(e, b);
   if (st != SG_OK) {
     free(j);
     return sg__engine_broken(e, st);
   }
   uint64_t t = 0;
   st = sg__engine_submit(e, reduce_job_fn, free, j, &t);
-  if (so) so->submitted(e, b, t);
+  so->submitted(e, b, t);
   if (st != SG_OK) return sg__engine_broken(e, st);
   e->g.empty[b] = 0;
   release_slot(e, b, t);
@@ -406,13 +351,22 @@ static sg_status alloc_nosync(sg_engine *e) {
   return SG_OK;
 }
 
+/* SG_ERR_INVALID_STATE while a micro-batch is open: for calls that change how the next one runs
+ * (sg_set_sync, sg_set_microbatches). */
+static sg_status between(const sg_engine *e, const char *fn) {
+  if (e->g.touched)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call it between "
+                   "micro-batches (after sg_backward_end)", fn);
+  return SG_OK;
+}
+
 sg_status sg_set_sync(sg_engine *e, int enabled) {
   SG_ENGINE_GUARD(e, "sg_set_sync");
   static const char *fn = "sg_set_sync";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (enabled != 0 && enabled != 1)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: enabled must be 0 or 1 (got %d)", fn, enabled);
-  SG_TRY(sg__grads_between(e, fn));
+  SG_TRY(between(e, fn));
   if (!enabled && !e->g.nosync) {
     sg_status st = alloc_nosync(e);
     if (st != SG_OK) return sg__err_prefix(st, fn);
@@ -430,13 +384,6 @@ sg_status sg__grads_flush(sg_engine *e, const char *fn) {
     SG_TRY(unfold_local(e, b, slot));
     SG_TRY(submit_reduce(e, b, slot));
   }
-  return SG_OK;
-}
-
-sg_status sg__grads_between(const sg_engine *e, const char *fn) {
-  if (e->g.touched)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: a micro-batch is in progress; call it between "
-                   "micro-batches (after sg_backward_end)", fn);
   return SG_OK;
 }
 
@@ -462,5 +409,16 @@ sg_status sg_grad_zero(sg_engine *e) {
                                                      sg__engine_host_deadline(e))));
   sg_status st = sg__grads_clear(e);
   if (st != SG_OK) return sg__engine_broken(e, sg__err_prefix(st, fn));
+  return SG_OK;
+}
+
+sg_status sg_set_microbatches(sg_engine *e, int n) {
+  SG_ENGINE_GUARD(e, "sg_set_microbatches");
+  static const char *fn = "sg_set_microbatches";
+  SG_TRY(sg__engine_check(e, fn, 1));
+  if (n < 0 || n > (1 << 20))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: n must be in 0..%d (got %d)", fn, 1 << 20, n);
+  SG_TRY(between(e, fn));
+  sg__replicas_set_microbatches(e, n);
   return SG_OK;
 }

@@ -89,18 +89,14 @@ static sg_status build_segments(sg_engine *e) {
 sg_status sg__optim_bind(sg_engine *e) {
   sg__optim *o = &e->opt;
   const sg__layout *l = &e->lay;
-  const sg__state_ops *so = e->strat->state; /* NULL: the arenas */
-  o->master = so ? so->array(e, 0)
-              : l->master_off == SIZE_MAX
-                  ? NULL
-                  : (float *)((char *)e->ar.base[SG_MEM_MASTER] + l->master_off);
+  const sg__state_ops *so = e->strat->place;
+  o->master = so->array(e, 0);
   if (l->nstates != o->od->nstates)
     return sg__err(SG_ERR_INTERNAL, "sg_finalize: %d state arrays laid out, %s keeps %d",
                    l->nstates, o->od->name, o->od->nstates);
   o->nstates = l->nstates;
   for (int k = 0; k < l->nstates; k++)
-    o->state[k] = so ? so->array(e, 1 + k)
-                     : (float *)((char *)e->ar.base[SG_MEM_OPTIM] + l->state_off[k]);
+    o->state[k] = so->array(e, 1 + k);
   o->ngroups = 1;
   for (int i = 0; i < e->reg.nparams; i++)
     if (e->reg.group[i] + 1 > o->ngroups) o->ngroups = e->reg.group[i] + 1;
@@ -171,8 +167,7 @@ static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
   sg__update_args a = update_args(e, grad_scale);
   a.segs = e->opt.segs ? e->opt.segs + s0 : NULL; /* no segments: a shard with no elements */
   a.nsegs = s1 - s0;
-  if (e->strat->state) return e->strat->state->update(e, &a);
-  return e->dev->ops->update(e->dev, SG_Q_COMPUTE, e->opt.od, &a);
+  return e->strat->place->update(e, &a);
 }
 
 sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
@@ -196,14 +191,7 @@ sg_status sg__optim_check_state(const sg_engine *e, int which, const char *fn) {
 sg_status sg__optim_master_from_working(sg_engine *e) {
   const sg__optim *o = &e->opt;
   if (!o->master) return SG_OK;
-  if (e->strat->state) return e->strat->state->master_from_working(e);
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (int s = 0; s < o->nsegs; s++) {
-    const sg__seg *g = &o->segs[s];
-    SG_TRY(e->dev->ops->cast(e->dev, SG_Q_COMPUTE, o->master + g->shard_off, SG_F32,
-                             e->params + g->flat_off * P, e->cfg.param_dtype, g->len));
-  }
-  return SG_OK;
+  return e->strat->place->master_from_working(e);
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -57,11 +57,8 @@ static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
   SG_TRY(sg__step_settle(e));
   SG_TRY(sg__grads_flush(e, fn));
   SG_TRY(sg__replicas_rest(e)); /* the buckets not summed across replicas yet */
-  /* A state off the device (offload) reads the reductions on the host: a host wait there. */
-  sg__device *d = e->dev;
-  const int64_t dl = sg__engine_host_deadline(e);
-  SG_TRY(sg__engine_broken(e, e->strat->state ? d->ops->comm_wait(d, e->last_ticket, dl)
-                                              : d->ops->compute_wait_comm(d, e->last_ticket, dl)));
+  /* the way the state reads them: a stream wait on the device, a host wait for offload */
+  SG_TRY(sg__engine_broken(e, e->strat->place->wait_reductions(e, sg__engine_host_deadline(e))));
   if (!e->g.norm_valid) {
     double s[2] = {0, 0};
     SG_TRY(sg__grads_sumsq(e, s));

@@ -26,51 +26,18 @@ typedef struct sg__owned {
   size_t flat0, n, state0;
 } sg__owned;
 
-/* Where a strategy keeps the optimizer state, when not in the device arenas (optimizer offload:
- * pinned host memory, updated by the CPU). NULL in a strategy's table: the arenas, the device's
- * kernels. Every op runs on the caller's thread. */
-#define SG__STATE_ACCUM (-1) /* array(): the accumulator (accum dtype) */
-typedef struct sg__state_ops {
-  /* sg_finalize, after the arenas and before the optimizer binds its arrays; free at destroy
-   * (after the comm queue drained; nothing made: nothing). */
-  sg_status (*init)(sg_engine *e);
-  void (*free)(sg_engine *e);
-  /* The arrays in state coordinates: 0 the master (NULL for f32 params), 1 + k state array k,
-   * SG__STATE_ACCUM the accumulator. The device's copies accept them on either side. */
-  void *(*array)(sg_engine *e, int which);
-  /* Around the submit of bucket b's reduction job (sg_grads.c). */
-  sg_status (*prepare)(sg_engine *e, int b);
-  void (*submitted)(sg_engine *e, int b, uint64_t ticket);
-  /* Host wait: every reduction landed in the accumulator, which the caller rewrites next (a
-   * hybrid engine sums it across replicas, on the host). */
-  sg_status (*settle)(sg_engine *e);
-  /* This rank's sum of squares and non-finite count of the accumulator, in the order of the
-   * device's own sumsq (every reduction waited for). */
-  sg_status (*sumsq)(sg_engine *e, double out[2]);
-  /* The update of a->segs (device path: the device's update op on the compute queue); the new
-   * working values reach e->params before any comm job submitted after it runs. */
-  sg_status (*update)(sg_engine *e, const sg__update_args *a);
-  /* The accumulator empty again (after a step, sg_grad_zero, a load). */
-  sg_status (*clear)(sg_engine *e);
-  /* The master from the working parameters of every owned segment (sg_broadcast_params). */
-  sg_status (*master_from_working)(sg_engine *e);
-} sg__state_ops;
+/* Policies: never-NULL tables of operations, one file each under src/engine/policy/, that a
+ * strategy's table points at (chosen once with it at sg_engine_create). A variant with nothing
+ * to do somewhere has an operation that does nothing or copies; what a caller must know of a
+ * variant is a property the table declares (`sharded`, `host`), never a NULL test. */
 
-typedef struct sg__strategy_ops {
-  const char *name;         /* "SHARD_GRAD_OP": trace metadata, logs */
-  const char *reduce_label; /* trace label of a bucket's reduction ("reduce-scatter") */
-
-  /* Memory: the sizes it keeps, from the plan and config alone, so that sg_memory and
-   * sg_estimate_memory agree. Fills every field but nstates (the optimizer's). */
-  void (*shape)(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out);
-  /* Ownership of bucket b on `rank`: a pure function of the plan. Every flat element of a
-   * bucket is owned by at least this rank or gathered from the one that owns it. */
-  void (*owned)(const sg__plan *p, int rank, int b, sg__owned *out);
-
-  /* Gradient slots. init at sg_finalize (after the arenas), free at destroy (NULL is fine):
-   * the strategy's own slot bookkeeping, in *state. */
-  sg_status (*slots_init)(sg_engine *e, void **state);
-  void (*slots_free)(sg_engine *e, void *state);
+/* Gradient slots (sg_slots_full.c: regions of one full buffer; sg_slots_staging.c: a pool of
+ * staging buffers). init at sg_finalize (after the arenas), free at destroy (NULL state is
+ * fine): the slot bookkeeping, in *state. */
+typedef struct sg__slots_ops {
+  const char *name;
+  sg_status (*init)(sg_engine *e, void **state);
+  void (*free)(sg_engine *e, void *state);
   /* Bucket b's slot for this micro-batch (its element bucket.start), zeroed and ready for the
    * compute queue to write: waits, on the compute queue, for the job that last zeroed it. */
   sg_status (*slot)(sg_engine *e, void *state, int b, char **base, const char *fn);
@@ -85,25 +52,93 @@ typedef struct sg__strategy_ops {
    * may give their pages back meanwhile (the device's zero_release). Either kind of answer is
    * correct; a wrong 0 keeps pages resident while the activations grow, a wrong nonzero costs
    * page faults, so answer nonzero when unsure. */
-  size_t (*slot_idle_bytes)(const sg_engine *e, const void *state, int b);
+  size_t (*idle_bytes)(const sg_engine *e, const void *state, int b);
+} sg__slots_ops;
 
-  /* On the comm queue: sums bucket b over the ranks from `wire` (reduce_dtype, the whole
-   * bucket, may be used as scratch) and puts this rank's owned part into the accumulator with
-   * sg__grads_into_accum (first: the first reduction of the bucket since the accumulator was
-   * emptied, which writes instead of adding). */
-  sg_status (*reduce)(sg_engine *e, int b, char *wire, int first);
+/* Sharding of the optimizer state (sg_shard_replicated.c: every rank holds all of it;
+ * sg_shard_sharded.c: one slice of every bucket per rank). */
+typedef struct sg__shard_ops {
+  const char *name;
+  /* Declared: the state is sharded over the ranks (what a hybrid engine replicates across
+   * nodes, what needs gathering after a step and for a full view of a state array). */
+  int sharded;
   /* On the comm queue: the step's norm partials (sum of squares, non-finite count: 2 doubles
-   * in device memory) summed in place over the ranks that share the gradient. NULL: every
-   * rank already holds all of it (replicated accumulator). */
+   * in device memory) summed in place over the ranks that share the gradient (replicated:
+   * every rank holds all of it already, nothing to do). */
   sg_status (*sum_norm)(sg_engine *e, double *dev_ss);
   /* On the comm queue, after bucket b's update: the other ranks' parts of its working
-   * parameters. NULL: every rank updated all of them. */
+   * parameters (replicated: none). */
   sg_status (*gather)(sg_engine *e, int b);
-  /* Bucket b of an fp32 state array in full into tmp (device memory, bucket numel floats),
-   * through the comm queue (collective). NULL: the state is replicated. */
+  /* Bucket b of an fp32 state array in full into tmp (device memory, bucket numel floats):
+   * a gather through the comm queue (collective), or a copy where it is replicated. */
   sg_status (*gather_state)(sg_engine *e, int b, const float *state, float *tmp);
-  /* NULL: the optimizer state in the device arenas. */
-  const sg__state_ops *state;
+  /* Parameter id's full fp32 values from a state array (master or an optimizer state) into
+   * host memory: a copy where replicated, through gather_state otherwise (collective). */
+  sg_status (*param_state)(sg_engine *e, int id, const float *state, float *host_dst);
+} sg__shard_ops;
+
+/* Where the optimizer state and the accumulator live and who updates them
+ * (sg_state_device.c: the device arenas and the device's kernels; sg_state_host.c: optimizer
+ * offload, pinned host memory updated by the CPU, DESIGN.md section 4). Every op runs on the
+ * caller's thread. */
+#define SG__STATE_ACCUM (-1) /* array(): the accumulator (accum dtype) */
+typedef struct sg__state_ops {
+  const char *name;
+  /* Declared: the accumulator and the state are host memory on a device that has its own. */
+  int host;
+  /* sg_finalize, after the arenas and before the optimizer binds its arrays; free at destroy
+   * (after the comm queue drained; nothing made: nothing). */
+  sg_status (*init)(sg_engine *e);
+  void (*free)(sg_engine *e);
+  /* The arrays in state coordinates: 0 the master (NULL for f32 params), 1 + k state array k,
+   * SG__STATE_ACCUM the accumulator. The device's copies accept them on either side. */
+  void *(*array)(sg_engine *e, int which);
+  /* Around the submit of bucket b's reduction job (sg_grads.c). */
+  sg_status (*prepare)(sg_engine *e, int b);
+  void (*submitted)(sg_engine *e, int b, uint64_t ticket);
+  /* The step: the caller's queue ordered after every reduction submitted so far, the way the
+   * state reads them (a stream wait on the device; a host wait for a host state). */
+  sg_status (*wait_reductions)(sg_engine *e, int64_t deadline_ms);
+  /* Host wait: every reduction landed in the accumulator, which the caller rewrites next (a
+   * hybrid engine sums it across replicas, on the host; on the device nothing to wait for). */
+  sg_status (*settle)(sg_engine *e);
+  /* This rank's sum of squares and non-finite count of the accumulator (every reduction
+   * waited for): into host memory out[2], or into device memory dev[2] (the step's norm
+   * partials before they are summed over the ranks). */
+  sg_status (*sumsq)(sg_engine *e, double out[2]);
+  sg_status (*partials)(sg_engine *e, double *dev);
+  /* The update of a->segs (device path: the device's update op on the compute queue); the new
+   * working values reach e->params before any comm job submitted after it runs. */
+  sg_status (*update)(sg_engine *e, const sg__update_args *a);
+  /* The accumulator empty again (after a step, sg_grad_zero, a load). */
+  sg_status (*clear)(sg_engine *e);
+  /* The master from the working parameters of every owned segment (sg_broadcast_params). */
+  sg_status (*master_from_working)(sg_engine *e);
+} sg__state_ops;
+
+extern const sg__slots_ops sg__slots_full, sg__slots_staging;
+extern const sg__shard_ops sg__shard_replicated, sg__shard_sharded;
+extern const sg__state_ops sg__state_device, sg__state_host;
+
+typedef struct sg__strategy_ops {
+  const char *name;         /* "SHARD_GRAD_OP": trace metadata, logs */
+  const char *reduce_label; /* trace label of a bucket's reduction ("reduce-scatter") */
+
+  /* Memory: the sizes it keeps, from the plan and config alone, so that sg_memory and
+   * sg_estimate_memory agree. Fills every field but nstates (the optimizer's). */
+  void (*shape)(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out);
+  /* Ownership of bucket b on `rank`: a pure function of the plan. Every flat element of a
+   * bucket is owned by at least this rank or gathered from the one that owns it. */
+  void (*owned)(const sg__plan *p, int rank, int b, sg__owned *out);
+  /* On the comm queue: sums bucket b over the ranks from `wire` (reduce_dtype, the whole
+   * bucket, may be used as scratch) and puts this rank's owned part into the accumulator with
+   * sg__accum_into (first: the first reduction of the bucket since the accumulator was
+   * emptied, which writes instead of adding). */
+  sg_status (*reduce)(sg_engine *e, int b, char *wire, int first);
+
+  const sg__slots_ops *slots;
+  const sg__shard_ops *shard;
+  const sg__state_ops *place; /* state placement */
 } sg__strategy_ops;
 
 /* The ops of cfg->strategy (validated by sg__config_check), the offloading variant where
@@ -123,9 +158,7 @@ static inline size_t sg__strategy_state_index(const sg__strategy_ops *st, const 
 }
 
 /* The strategy shards optimizer state over the ranks (what a hybrid engine replicates across
- * nodes); a replicated one has no gather_state. */
-static inline int sg__strategy_sharded(const sg__strategy_ops *st) {
-  return st->gather_state != NULL;
-}
+ * nodes): its sharding policy says so. */
+static inline int sg__strategy_sharded(const sg__strategy_ops *st) { return st->shard->sharded; }
 
 #endif /* SG_STRATEGY_H */

@@ -5,7 +5,7 @@
  * recorded on the caller's queue at sg_trace_start. Records are created on the caller's thread
  * only (a reduction's record when its job is submitted), so the comm queue touches nothing but
  * its own marks and never the record array; times are read only after both queues drained. */
-#define _POSIX_C_SOURCE 200809L /* getenv under -std=c11 */
+#define _POSIX_C_SOURCE 200809L /* POSIX declarations under -std=c11 */
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -313,7 +313,7 @@ sg_status sg_trace_write(sg_engine *e, const char *path) {
 /* lifetime                                                                                  */
 
 void sg__trace_auto_start(sg_engine *e) {
-  const char *path = getenv("SG_TRACE");
+  const char *path = sg__env_text(SG_ENV_TRACE);
   if (!path || !path[0]) return;
   sg_status st = start(e, SG__TRACE_DEFAULT, "SG_TRACE");
   if (st == SG_OK && !(e->trace->auto_path = malloc(strlen(path) + 1))) st = SG_ERR_OUT_OF_MEMORY;

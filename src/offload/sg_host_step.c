@@ -4,31 +4,24 @@
 #include <stdlib.h> /* realloc, free */
 #include <string.h> /* memset */
 
-#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_accumulate, sg__cpu_cast */
 
 /* ---- buffers and copy jobs ----------------------------------------------------------------- */
 
-sg_status sg__host_pipe_init(sg__host_pipe *p, sg__device *d, size_t chunk, size_t out_esize,
-                             size_t in_esize) {
+sg_status sg__host_pipe_init(sg__host_pipe *p, sg__device *d, size_t chunk, size_t out_esize) {
   static const char fn[] = "sg__host_pipe_init";
   if (!p || !d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL %s", fn, p ? "device" : "pipe");
   memset(p, 0, sizeof *p);
   if (out_esize != 2 && out_esize != 4)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: out element size %zu (2 or 4)", fn, out_esize);
-  if (in_esize != 0 && in_esize != 2 && in_esize != 4)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: in element size %zu (0, 2 or 4)", fn, in_esize);
   p->dev = d;
   p->chunk = chunk ? chunk : SG__HOST_PIPE_CHUNK;
   if (p->chunk > SIZE_MAX / 8)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: chunk of %zu elements", fn, p->chunk);
   p->out_esize = out_esize;
-  p->in_esize = in_esize;
   sg_status st = SG_OK;
   for (int k = 0; k < SG__HOST_PIPE_NBUF && st == SG_OK; k++) {
     st = d->ops->host_alloc(d, p->chunk * out_esize, &p->out[k]);
     if (st == SG_OK) p->host_bytes += p->chunk * out_esize;
-    if (st == SG_OK && in_esize) st = d->ops->host_alloc(d, p->chunk * in_esize, &p->in[k]);
-    if (st == SG_OK) p->host_bytes += p->chunk * in_esize;
   }
   if (st != SG_OK) sg__host_pipe_free(p, INT64_MAX); /* nothing in flight yet */
   return st;
@@ -37,13 +30,11 @@ sg_status sg__host_pipe_init(sg__host_pipe *p, sg__device *d, size_t chunk, size
 sg_status sg__host_pipe_drain(sg__host_pipe *p, int64_t deadline_ms) {
   if (!p || !p->dev) return SG_OK;
   uint64_t t = 0;
-  for (int k = 0; k < SG__HOST_PIPE_NBUF; k++) {
+  for (int k = 0; k < SG__HOST_PIPE_NBUF; k++)
     if (p->out_ticket[k] > t) t = p->out_ticket[k];
-    if (p->in_ticket[k] > t) t = p->in_ticket[k];
-  }
   /* tickets complete in order: the latest one covers the others */
   sg_status st = t ? p->dev->ops->comm_wait(p->dev, t, deadline_ms) : SG_OK;
-  if (st == SG_OK) memset(p->out_ticket, 0, sizeof p->out_ticket), memset(p->in_ticket, 0, sizeof p->in_ticket);
+  if (st == SG_OK) memset(p->out_ticket, 0, sizeof p->out_ticket);
   return st;
 }
 
@@ -52,10 +43,8 @@ void sg__host_pipe_free(sg__host_pipe *p, int64_t deadline_ms) {
   /* A copy that did not finish in time may still read the buffer: keep it (a leak, not a
    * use after free). */
   const int drained = sg__host_pipe_drain(p, deadline_ms) == SG_OK;
-  for (int k = 0; k < SG__HOST_PIPE_NBUF && drained; k++) {
+  for (int k = 0; k < SG__HOST_PIPE_NBUF && drained; k++)
     if (p->out[k]) p->dev->ops->host_free(p->dev, p->out[k]);
-    if (p->in[k]) p->dev->ops->host_free(p->dev, p->in[k]);
-  }
   free(p->cseg);
   memset(p, 0, sizeof *p);
 }
@@ -188,61 +177,6 @@ sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__optim_desc *od,
     SG_TRY(submit_copy(p, &p->out_job[k], (char *)dev_param + c0 * p->out_esize, p->out[k],
                        (c1 - c0) * p->out_esize, SG_COPY_H2D, &p->out_ticket[k]));
     if (last) *last = p->out_ticket[k];
-  }
-  return SG_OK;
-}
-
-/* ---- arrive -------------------------------------------------------------------------------- */
-
-/* Chunk c of n elements: [c * chunk, ...) and its length. */
-static size_t chunk_len(const sg__host_pipe *p, size_t n, size_t c) {
-  const size_t off = c * p->chunk;
-  return n - off < p->chunk ? n - off : p->chunk;
-}
-
-static sg_status submit_in(sg__host_pipe *p, const void *src, size_t es, size_t n, size_t c) {
-  const int k = (int)(c % SG__HOST_PIPE_NBUF);
-  return submit_copy(p, &p->in_job[k], p->in[k], (const char *)src + c * p->chunk * es,
-                     chunk_len(p, n, c) * es, SG_COPY_D2H, &p->in_ticket[k]);
-}
-
-sg_status sg__host_pipe_arrive(sg__host_pipe *p, void *acc, int acc_dtype, const void *dev_src,
-                               int src_dtype, size_t n, int first, int64_t deadline_ms) {
-  static const char fn[] = "sg__host_pipe_arrive";
-  if (!p || !p->dev) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL pipe", fn);
-  if (n == 0) return SG_OK;
-  if (!acc || !dev_src) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
-  if ((acc_dtype != SG_F32 && acc_dtype != SG_BF16) || !sg__dtype_valid(src_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype (acc %d, src %d)", fn, acc_dtype,
-                   src_dtype);
-  const size_t es = sg__dtype_size((sg_dtype)src_dtype), as = sg__dtype_size((sg_dtype)acc_dtype);
-  if (first && acc_dtype == src_dtype) {
-    /* Straight into the accumulator. A -0 stays -0 where the device's 0 + x gives +0: the norm
-     * and the update see the same values (g - m, g * g and g * scale do not tell them apart unless
-     * m is -0, which needs beta1 <= 0.5 and a moment that underflowed). */
-    uint64_t t = 0;
-    sg__host_copy *c = &p->in_job[0];
-    SG_TRY(reclaim(p, &p->in_ticket[0], deadline_ms));
-    SG_TRY(submit_copy(p, c, acc, dev_src, n * es, SG_COPY_D2H, &t));
-    p->in_ticket[0] = t;
-    return reclaim(p, &p->in_ticket[0], deadline_ms);
-  }
-  if (es > p->in_esize)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: the pipe has no arrive buffers for dtype %d",
-                   fn, src_dtype);
-  const size_t nc = (n + p->chunk - 1) / p->chunk;
-  for (int k = 0; k < SG__HOST_PIPE_NBUF; k++) SG_TRY(reclaim(p, &p->in_ticket[k], deadline_ms));
-  SG_TRY(submit_in(p, dev_src, es, n, 0));
-  for (size_t c = 0; c < nc; c++) {
-    const int k = (int)(c % SG__HOST_PIPE_NBUF);
-    /* the next chunk's buffer was last read by the host add of chunk c - 1: free */
-    if (c + 1 < nc) SG_TRY(submit_in(p, dev_src, es, n, c + 1));
-    SG_TRY(reclaim(p, &p->in_ticket[k], deadline_ms));
-    char *dst = (char *)acc + c * p->chunk * as;
-    if (first)
-      sg__cpu_cast(dst, acc_dtype, p->in[k], src_dtype, chunk_len(p, n, c));
-    else
-      sg__cpu_accumulate(dst, acc_dtype, p->in[k], src_dtype, chunk_len(p, n, c));
   }
   return SG_OK;
 }

@@ -3,10 +3,8 @@
  * overlap the host work. Written against the device vtable alone, so that it runs on the CPU
  * device, on the CUDA device and on the mock CUDA runtime alike.
  *
- * Two pipelines over a ring of SG__HOST_PIPE_NBUF pinned chunk buffers:
- *   arrive: reduced gradients (device memory) into a host accumulator. Chunk c + 1 is copied
- *           D2H on the comm queue while the host adds chunk c; when the accumulator is empty
- *           and the dtypes agree, one D2H straight into it and no host pass at all.
+ * The update pipeline over a ring of SG__HOST_PIPE_NBUF pinned chunk buffers (reduced
+ * gradients arrive through sg_offload.c's landing buffers):
  *   update: the fused optimizer update of a set of segments on the host (master, the state
  *           arrays, grad in host memory), each chunk's new working values written to a pinned buffer and copied H2D
  *           into the device's working-parameter buffer on the comm queue while the host updates
@@ -38,21 +36,18 @@ typedef struct sg__host_copy {
 typedef struct sg__host_pipe {
   sg__device *dev;
   size_t chunk;                      /* elements per chunk */
-  size_t out_esize, in_esize;        /* bytes per element of the out and in buffers */
+  size_t out_esize;                  /* bytes per element of the out buffers */
   void *out[SG__HOST_PIPE_NBUF];     /* pinned: new working values of one chunk */
-  void *in[SG__HOST_PIPE_NBUF];      /* pinned: one chunk of arriving gradients */
-  uint64_t out_ticket[SG__HOST_PIPE_NBUF], in_ticket[SG__HOST_PIPE_NBUF];
-  sg__host_copy out_job[SG__HOST_PIPE_NBUF], in_job[SG__HOST_PIPE_NBUF];
+  uint64_t out_ticket[SG__HOST_PIPE_NBUF];
+  sg__host_copy out_job[SG__HOST_PIPE_NBUF];
   sg__seg *cseg; /* one chunk's segments, rebased to the out buffer */
   int cseg_cap;
   size_t host_bytes; /* pinned bytes held (the buffers) */
 } sg__host_pipe;
 
 /* chunk elements per buffer (0: SG__HOST_PIPE_CHUNK); out_esize: bytes of a working value
- * (2 or 4), in_esize: bytes of an arriving gradient (0: no arrive buffers). On failure nothing
- * stays allocated. */
-sg_status sg__host_pipe_init(sg__host_pipe *p, sg__device *d, size_t chunk, size_t out_esize,
-                             size_t in_esize);
+ * (2 or 4). On failure nothing stays allocated. */
+sg_status sg__host_pipe_init(sg__host_pipe *p, sg__device *d, size_t chunk, size_t out_esize);
 /* Waits for the copies in flight (bounded by deadline_ms) and frees the buffers; NULL or
  * zeroed p: nothing. */
 void sg__host_pipe_free(sg__host_pipe *p, int64_t deadline_ms);
@@ -72,11 +67,5 @@ sg_status sg__host_pipe_drain(sg__host_pipe *p, int64_t deadline_ms);
 sg_status sg__host_pipe_update(sg__host_pipe *p, const sg__optim_desc *od,
                                const sg__update_args *a, void *dev_param, int64_t deadline_ms,
                                uint64_t *last);
-
-/* acc[0..n) (host, acc_dtype F32/BF16) += dev_src[0..n) (device, src_dtype) in fp32, or with
- * first != 0 (the accumulator holds nothing yet) acc = dev_src rounded to acc_dtype. Returns
- * when acc holds the result. */
-sg_status sg__host_pipe_arrive(sg__host_pipe *p, void *acc, int acc_dtype, const void *dev_src,
-                               int src_dtype, size_t n, int first, int64_t deadline_ms);
 
 #endif /* SG_HOST_STEP_H */

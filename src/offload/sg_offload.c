@@ -84,7 +84,7 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *
     st = pinned(o, numel * 4, &p), o->state[k] = p;
   if (st == SG_OK && param_dtype != SG_F32) st = pinned(o, numel * 4, &p), o->master = p;
   if (st == SG_OK) st = alloc_landing(o, nland, land_bytes);
-  if (st == SG_OK) st = sg__host_pipe_init(&o->pipe, d, chunk, esz(param_dtype), 0);
+  if (st == SG_OK) st = sg__host_pipe_init(&o->pipe, d, chunk, esz(param_dtype));
   if (st == SG_OK) o->host_bytes += o->pipe.host_bytes;
   if (st != SG_OK) sg__offload_free(o, INT64_MAX);
   return st;

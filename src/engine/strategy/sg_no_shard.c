@@ -1,6 +1,6 @@
 /* SG_NO_SHARD (DDP): every rank keeps every gradient and all optimizer state; a bucket is
  * all-reduced into the full accumulator, and every rank updates every parameter. */
-#include "sg_strategy_common.h"
+#include "../policy/sg_policy.h"
 
 static void shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
   out->opt_numel = p->total_numel;
@@ -25,12 +25,11 @@ static sg_status reduce(sg_engine *e, int b, char *wire, int first) {
   const sg__bucket *bk = &e->plan->buckets[b];
   const int rdt = e->cfg.reduce_dtype;
   SG_TRY(e->comm->ops->all_reduce(e->comm, wire, bk->numel, rdt, sg__deadline(e->cfg.timeout_ms)));
-  return sg__grads_into_accum(e, bk->start, wire, bk->numel, first);
+  return sg__accum_into(e, bk->start, wire, bk->numel, first);
 }
 
-/* sum_norm, gather, gather_state NULL: the accumulator is already the sum over all ranks, and
- * every rank updated every parameter from replicated state. */
 const sg__strategy_ops sg__strategy_no_shard = {
     .name = "NO_SHARD", .reduce_label = "all-reduce", .shape = shape, .owned = owned,
-    .reduce = reduce, SG__SLOTS_FULL_OPS,
+    .reduce = reduce, .slots = &sg__slots_full, .shard = &sg__shard_replicated,
+    .place = &sg__state_device,
 };

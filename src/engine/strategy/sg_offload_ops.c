@@ -4,163 +4,30 @@
  * gathers are those of the strategy offloaded; what changes is where the reduced slice goes
  * (D2H on the comm queue, accumulated on the host) and who updates the state (the CPU, bucket
  * by bucket, each bucket's new working values copied H2D before its gather). */
-#include <stdlib.h>
-
-#include "../../offload/sg_offload.h"
-#include "sg_strategy_common.h"
+#include "../policy/sg_policy.h"
 
 extern const sg__strategy_ops sg__strategy_shard_grad_op;
 extern const sg__strategy_ops sg__strategy_shard_opt;
 
-/* The pipeline's sizes, from the plan and config alone (the layout's host_bytes uses them). */
-static size_t pipe_chunk(const sg__plan *p) {
-  const size_t w = sg__sharded_max_wire(p);
-  return w < SG__HOST_PIPE_CHUNK ? w : SG__HOST_PIPE_CHUNK;
-}
-static int nland(const sg__plan *p, const sg_config *cfg) {
-  const int s = cfg->staging_buckets < p->nbuckets ? cfg->staging_buckets : p->nbuckets;
-  return s > 1 ? s : 1;
-}
-static size_t land_bytes(const sg__plan *p, const sg_config *cfg) {
-  return sg__sharded_max_wire(p) * sg__dtype_size(cfg->reduce_dtype);
-}
-
-static void host_shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
-  out->host_state = 1;
-  out->host_extra = sg__offload_host_bytes(sg__optim_default(), 0, cfg->param_dtype,
-                                           cfg->accum_dtype, pipe_chunk(p), nland(p, cfg),
-                                           land_bytes(p, cfg));
-}
 static void shape_grad_op(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
   sg__strategy_shard_grad_op.shape(p, cfg, out);
-  host_shape(p, cfg, out);
+  sg__state_host_shape(p, cfg, out);
 }
 static void shape_opt(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
   sg__strategy_shard_opt.shape(p, cfg, out);
-  host_shape(p, cfg, out);
+  sg__state_host_shape(p, cfg, out);
 }
-
-/* ---- the state's lifecycle ----------------------------------------------------------------- */
-
-static sg_status make_state(sg_engine *e, sg__offload *o) {
-  const sg__plan *p = e->plan;
-  const sg_config *c = &e->cfg;
-  size_t *off = calloc((size_t)p->nbuckets, sizeof *off);
-  size_t *len = calloc((size_t)p->nbuckets, sizeof *len);
-  sg_status st = off && len ? SG_OK : sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  for (int b = 0; st == SG_OK && b < p->nbuckets; b++) {
-    sg__owned ow;
-    e->strat->owned(p, e->rank, b, &ow);
-    off[b] = ow.state0;
-    len[b] = ow.n;
-  }
-  if (st == SG_OK)
-    st = sg__offload_init(o, e->dev, e->opt.od, e->lay.opt_numel, c->param_dtype,
-                          c->accum_dtype, p->nbuckets, off, len, pipe_chunk(p), nland(p, c),
-                          land_bytes(p, c));
-  free(off);
-  free(len);
-  return st;
-}
-
-static sg_status state_init(sg_engine *e) {
-  sg__offload *o = calloc(1, sizeof *o);
-  if (!o) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  sg_status st = make_state(e, o);
-  /* sg_memory reports the layout's count: it must be what was allocated (a hybrid engine's
-   * host wire buffer is sg_replica.c's) */
-  const size_t mine = e->lay.host_bytes - e->lay.replica_host_bytes;
-  if (st == SG_OK && o->host_bytes != mine) {
-    st = sg__err(SG_ERR_INTERNAL, "offload: %zu pinned bytes allocated, %zu in the layout",
-                 o->host_bytes, mine);
-    sg__offload_free(o, INT64_MAX);
-  }
-  if (st != SG_OK) {
-    free(o);
-    return st;
-  }
-  e->off = o;
-  return SG_OK;
-}
-
-static void state_free(sg_engine *e) {
-  if (!e->off) return;
-  sg__offload_free(e->off, sg__engine_host_deadline(e));
-  free(e->off);
-  e->off = NULL;
-}
-
-static void *array(sg_engine *e, int which) {
-  return which == SG__STATE_ACCUM ? e->off->accum : (void *)sg__offload_state(e->off, which);
-}
-
-/* ---- arrival ------------------------------------------------------------------------------- */
-
-static sg_status prepare(sg_engine *e, int b) {
-  return sg__offload_arrive_plan(e->off, b, e->cfg.reduce_dtype, sg__engine_host_deadline(e));
-}
-
-static void submitted(sg_engine *e, int b, uint64_t ticket) {
-  sg__offload_arrive_submitted(e->off, b, ticket);
-}
-
-/* `first` is the device accumulator's: the host fold keeps its own (sg_offload.c). */
-static sg_status reduce(sg_engine *e, int b, char *wire, int first) {
-  const char *mine = NULL;
-  SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
-  return sg__offload_arrive_job(e->off, b, mine, e->cfg.reduce_dtype);
-}
-
-/* ---- the step ------------------------------------------------------------------------------ */
-
-static sg_status sumsq(sg_engine *e, double out[2]) {
-  SG_TRY(sg__offload_fold_all(e->off, sg__engine_host_deadline(e)));
-  return sg__offload_norm(e->off, out);
-}
-
-static sg_status update(sg_engine *e, const sg__update_args *a) {
-  uint64_t last = 0;
-  SG_TRY(sg__offload_update(e->off, a, e->params, sg__engine_host_deadline(e), &last));
-  /* No gather follows (one rank): the caller's queue waits for the copies themselves. */
-  if (last == 0 || sg__gathers_needed(e)) return SG_OK;
-  return e->dev->ops->compute_wait_comm(e->dev, last, sg__engine_host_deadline(e));
-}
-
-/* Every arrival landed and folded: the host accumulator holds this rank's sums, which the
- * hybrid engine's replica stage now rewrites (the norm partials of the folds no longer hold). */
-static sg_status settle(sg_engine *e) {
-  const int64_t dl = sg__engine_host_deadline(e);
-  if (e->last_ticket) SG_TRY(e->dev->ops->comm_wait(e->dev, e->last_ticket, dl));
-  SG_TRY(sg__offload_fold_all(e->off, dl));
-  sg__offload_accum_rewritten(e->off);
-  return SG_OK;
-}
-
-static sg_status clear(sg_engine *e) {
-  return sg__offload_clear(e->off, sg__engine_host_deadline(e));
-}
-
-static sg_status master_from_working(sg_engine *e) {
-  return sg__offload_master_from(e->off, e->params, e->opt.segs, e->opt.nsegs,
-                                 sg__engine_host_deadline(e));
-}
-
-static const sg__state_ops host_state = {
-    .init = state_init, .free = state_free, .array = array, .prepare = prepare,
-    .submitted = submitted, .settle = settle, .sumsq = sumsq, .update = update, .clear = clear,
-    .master_from_working = master_from_working,
-};
 
 #define SG__OFFLOAD_OPS                                                                           \
-  .owned = sg__sharded_owned, .reduce = reduce, .sum_norm = sg__sharded_sum_norm,                \
-  .gather = sg__sharded_gather, .gather_state = sg__sharded_gather_state, .state = &host_state
+  .owned = sg__sharded_owned, .reduce = sg__state_host_reduce, .shard = &sg__shard_sharded,      \
+  .place = &sg__state_host
 
 const sg__strategy_ops sg__strategy_shard_grad_op_offload = {
     .name = "SHARD_GRAD_OP+offload", .reduce_label = "reduce-scatter", .shape = shape_grad_op,
-    SG__STAGING_OPS, SG__OFFLOAD_OPS,
+    .slots = &sg__slots_staging, SG__OFFLOAD_OPS,
 };
 
 const sg__strategy_ops sg__strategy_shard_opt_offload = {
     .name = "SHARD_OPT+offload", .reduce_label = "reduce-scatter", .shape = shape_opt,
-    SG__SLOTS_FULL_OPS, SG__OFFLOAD_OPS,
+    .slots = &sg__slots_full, SG__OFFLOAD_OPS,
 };

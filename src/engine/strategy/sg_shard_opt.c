@@ -1,7 +1,7 @@
 /* SG_SHARD_OPT (ZeRO-1): every rank keeps the full gradient buffer, but the optimizer state
  * (master, moments, accumulator) only for its slice of each bucket; a bucket is
  * reduce-scattered in place, and the updated slices are gathered after the step. */
-#include "sg_strategy_common.h"
+#include "../policy/sg_policy.h"
 
 static void shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out) {
   out->opt_numel = p->shard_numel;
@@ -13,5 +13,6 @@ static void shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out
 
 const sg__strategy_ops sg__strategy_shard_opt = {
     .name = "SHARD_OPT", .reduce_label = "reduce-scatter", .shape = shape,
-    SG__SLOTS_FULL_OPS, SG__SHARDED_OPS,
+    .owned = sg__sharded_owned, .reduce = sg__sharded_reduce, .slots = &sg__slots_full,
+    .shard = &sg__shard_sharded, .place = &sg__state_device,
 };

@@ -1,6 +1,6 @@
 /* The strategy table (sg__strategy_select): one ops table per sg_strategy value, each in its
  * own file. A new strategy adds its enum value, its file and its row here. */
-#include "sg_strategy_common.h"
+#include "../policy/sg_policy.h"
 
 extern const sg__strategy_ops sg__strategy_no_shard;
 extern const sg__strategy_ops sg__strategy_shard_opt;

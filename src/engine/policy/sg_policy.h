@@ -1,0 +1,28 @@
+/* What the policy files (src/engine/policy/, the tables of sg_strategy.h) share among
+ * themselves and with the strategy files that point at them. Policies call the engine's base
+ * services and the accumulator's helpers, never the files that call through them. */
+#ifndef SG_POLICY_H
+#define SG_POLICY_H
+
+#include "../sg_engine_internal.h" /* engine, device, comm, plan */
+
+/* Per-bucket tickets of the job that last zeroed each bucket's slot (both slot policies). */
+typedef struct sg__slot_tickets {
+  uint64_t *bucket; /* [nbuckets] */
+} sg__slot_tickets;
+
+/* sg_shard_sharded.c: this rank owns slice `rank` of every bucket (DESIGN.md section 2). */
+void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out);
+/* the largest slice: the per-rank piece of a reduce-scatter or all-gather */
+size_t sg__sharded_max_wire(const sg__plan *p);
+/* Bucket b reduce-scattered in `wire` (reduce_dtype); *mine: this rank's reduced slice in it. */
+sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char **mine);
+/* The strategy's reduce of a sharded state in the device accumulator. */
+sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first);
+
+/* sg_state_host.c: the host memory the offloading strategies keep (their shape), and their
+ * reduce (the reduce-scatter, its slice delivered to the host). */
+void sg__state_host_shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out);
+sg_status sg__state_host_reduce(sg_engine *e, int b, char *wire, int first);
+
+#endif /* SG_POLICY_H */

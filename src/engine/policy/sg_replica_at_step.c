@@ -1,0 +1,43 @@
+/* The at-step replica transport (DESIGN.md section 1, "Hybrid engines"): an offloaded
+ * accumulator (pinned host memory, sg_state_host.c). A slice is complete only once its arrivals
+ * are folded on the host, so the sums across replicas are claimed in the last micro-batch but
+ * run at the step, after the state's settle (every arrival landed and folded), on the host
+ * slices, with the channel bound without a device: no overlap with the backward pass. */
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_cast: the wire on the host */
+#include "sg_replica_policy.h"
+
+/* Bucket b's host slice summed over the replicas, in place, through the host wire buffer when
+ * the wire dtype differs (the host's casts: the element math of the device's). */
+static sg_status host_reduce(sg_engine *e, int b) {
+  sg_comm *c = e->rep.comm;
+  const int adt = e->cfg.accum_dtype, wdt = e->cfg.replica_reduce_dtype;
+  const size_t n = sg__plan_slice_numel(e->plan, b);
+  char *acc = sg__accum_of(e, b);
+  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  if (!e->rep.wire) return c->ops->all_reduce(c, acc, n, adt, dl);
+  sg__cpu_cast(e->rep.wire, wdt, acc, adt, n);
+  SG_TRY(c->ops->all_reduce(c, e->rep.wire, n, wdt, dl));
+  sg__cpu_cast(acc, adt, e->rep.wire, wdt, n);
+  return SG_OK;
+}
+
+static sg_status at_step_claim(sg_engine *e, int b) {
+  e->rep.claimed[b] = SG__CLAIM_AT_STEP;
+  return SG_OK;
+}
+
+static sg_status at_step_finish(sg_engine *e) {
+  int late = 0;
+  for (int b = 0; b < e->plan->nbuckets; b++) late += e->rep.claimed[b] == SG__CLAIM_AT_STEP;
+  if (late) SG_TRY(sg__engine_broken(e, e->strat->place->settle(e)));
+  for (int b = 0; b < e->plan->nbuckets; b++)
+    if (e->rep.claimed[b] == SG__CLAIM_AT_STEP) SG_TRY(sg__replica_submit(e, b, host_reduce));
+  return SG_OK;
+}
+
+const sg__replica_ops sg__replica_at_step = {
+    .name = "at-step", SG__REPLICA_ENTRIES, .share_scratch = 0,
+    .prepare = sg__replica_no_prepare, .release = sg__replica_no_release,
+    .claim = at_step_claim, .finish = at_step_finish, .run = sg__replica_run_comm,
+    .drain = sg__replica_no_drain,
+};

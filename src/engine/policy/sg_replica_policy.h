@@ -1,0 +1,53 @@
+/* The replica transports (sg__replica_ops, sg_engine_internal.h): what their files share. */
+#ifndef SG_REPLICA_POLICY_H
+#define SG_REPLICA_POLICY_H
+
+#include "../sg_engine_internal.h" /* engine, sg__replica_ops */
+
+/* sg_replica_select.c: the transport of this engine and replica communicator (DESIGN.md section
+ * 1, the table of "Hybrid engines"), the device to bind the channel to (*dev, NULL: none) and
+ * e->rep.mem; staged: makes its host queue (ops->release frees it). */
+sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                             sg__device **dev);
+
+extern const sg__replica_ops sg__replica_flat;     /* sg_replica_flat.c */
+extern const sg__replica_ops sg__replica_host;     /* sg_replica_direct.c */
+extern const sg__replica_ops sg__replica_attached; /* sg_replica_direct.c */
+extern const sg__replica_ops sg__replica_unbound;  /* sg_replica_direct.c */
+extern const sg__replica_ops sg__replica_staged;   /* sg_replica_staged.c */
+extern const sg__replica_ops sg__replica_at_step;  /* sg_replica_at_step.c */
+
+/* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select. */
+sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg__device **dev);
+
+/* sg_replica_common.c: the entry points every transport but flat shares. */
+sg_status sg__replica_init(sg_engine *e);
+void sg__replica_free(sg_engine *e);
+void sg__replica_detach(sg_engine *e);
+sg_status sg__replica_agree(sg_engine *e, sg_status st);
+sg_status sg__replica_open(sg_engine *e, const char *fn);
+sg_status sg__replica_after_reduce(sg_engine *e, int b);
+sg_status sg__replica_rest(sg_engine *e);
+sg_status sg__replica_allgather_host(sg_engine *e, void *host, size_t bytes);
+sg_status sg__replica_broadcast_params(sg_engine *e, int root);
+#define SG__REPLICA_ENTRIES                                                                       \
+  .init = sg__replica_init, .free = sg__replica_free, .detach = sg__replica_detach,              \
+  .agree = sg__replica_agree, .open = sg__replica_open, .after_reduce = sg__replica_after_reduce, \
+  .rest = sg__replica_rest, .allgather_host = sg__replica_allgather_host,                        \
+  .broadcast_params = sg__replica_broadcast_params
+
+/* ... and the pieces of their transports: */
+/* Bucket b's all-reduce across replicas queued on the engine's comm queue, through
+ * reduce(e, b) (marks it SG__CLAIM_QUEUED). */
+sg_status sg__replica_submit(sg_engine *e, int b, sg_status (*reduce)(sg_engine *e, int b));
+/* The one all-reduce of bucket b's slice (itself, or cast through the wire buffer by the
+ * device on its comm queue). */
+sg_status sg__replica_reduce_device(sg_engine *e, int b);
+/* fn(arg) on the engine's comm queue, waited for (run), and nothing to drain (drain). */
+sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
+sg_status sg__replica_no_drain(sg_engine *e);
+sg_status sg__replica_no_prepare(sg_engine *e);
+void sg__replica_no_release(sg_engine *e);
+sg_status sg__replica_no_finish(sg_engine *e);
+
+#endif /* SG_REPLICA_POLICY_H */
