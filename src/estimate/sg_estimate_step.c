@@ -200,7 +200,7 @@ static double wait_until(model *m, double t, double until) {
 
 static uint64_t slice_numel(const model *m, int b) { return sg__plan_slice_numel(m->p, b); }
 
-static int offloaded(const model *m) { return m->st->state != NULL; }
+static int offloaded(const model *m) { return m->st->place->host; }
 
 /* Bucket b's reduction job: the strategy's collective over the shard communicator, the D2H of
  * the rank's slice when the state is offloaded, and in the last micro-batch of a hybrid step
@@ -293,8 +293,9 @@ static sg_status step(model *m, double t, double *end) {
   SG_TRY(replica_sums_at_step(m, t));
   t = wait_until(m, t, m->comm_free);
   const int sharded = sg__strategy_sharded(m->st);
-  const int gathers = m->st->gather != NULL && m->L > 1;
-  if (m->st->sum_norm && m->L > 1) {
+  /* a replicated strategy's gather and norm sum are no-ops: no collective */
+  const int gathers = sharded && m->L > 1;
+  if (sharded && m->L > 1) {
     const cost c = coll_cost(m, AR, m->shard, 16); /* sum of squares, non-finite count: f64 */
     SG_TRY(run_coll(m, t, &c, 0));
     t = wait_until(m, t, m->comm_free);
@@ -499,7 +500,7 @@ sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int npara
   m.cfg = &c;
   m.hw = hw;
   m.st = sg__strategy_select(&c);
-  SG_TRY(check_hw(hw, m.st->state != NULL, fn));
+  SG_TRY(check_hw(hw, m.st->place->host, fn));
   SG_TRY(layout(&m, world, fn));
   sg__plan *p = NULL;
   SG_TRY(build_plan(&c, numels, nparams, m.L, &p, fn));
