@@ -290,7 +290,7 @@ static sg__cuda_launch sg__cuda_launch_on(sg__cuda_dev *d, sg__queue q) {
 /* ---- polling waits ------------------------------------------------------------------------ */
 
 /* Spin briefly (collectives of small buckets finish in microseconds), then sleep with a growing
- * pause up to SG__CUDA_NAP_MAX_NS: a wait sits between GPU phases (the norm, then AdamW), so a
+ * pause up to SG__CUDA_NAP_MAX_NS: a wait sits between GPU phases (the norm, then the update), so a
  * nap of a millisecond would leave the GPU idle that long; 50 us still frees the core. */
 #define SG__CUDA_NAP_MAX_NS 50000L
 static void sg__cuda_backoff(unsigned iter) {
