@@ -16,7 +16,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build RATES="100mbit 1gbit 10gbit" MICROS="1 8" HIDDEN=1024 LAYERS=9 BATCH=32
-STEPS=3 WARMUP=1 BUCKET=8 PY=/work/main/build-venv/bin/python OUT="" PLOT=""
+STEPS=3 WARMUP=1 BUCKET=8 PY=$ROOT/build-venv/bin/python OUT="" PLOT=""
 while [ $# -gt 0 ]; do
   case $1 in
     --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
