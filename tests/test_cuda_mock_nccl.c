@@ -259,9 +259,8 @@ static void body_async_error(rank_ctx *x) {
   check(c->broken, "async error: communicator broken");
   /* the communicator goes first this time: the device must not call it afterwards */
   sg_comm_destroy(x->c);
-  check(x->c->ops != NULL, "destroy of a communicator with a channel bound is refused");
-  sg__comm_unbind(c);
-  sg_comm_destroy(x->c);
+  check(x->c->ops != NULL, "destroy of a communicator with a channel bound is deferred");
+  sg__comm_unbind(c); /* the last channel: it frees the communicator destroyed above */
   x->c = NULL;
   check(d->ops->sync(d, sg__deadline(1000)) == SG_ERR_COMM,
         "the device stays broken after its communicator is destroyed");

@@ -10,6 +10,11 @@
     python3 examples/python/train_lm.py --ranks 2
     # your own text instead of the generated corpus:
     python3 examples/python/train_lm.py --ranks 2 --text some_book.txt
+    # real text every machine has (4 MB of the Python standard library's sources), the
+    # held-out loss (the last 10%) every 50 steps, the curves as JSON:
+    python3 examples/python/train_lm.py --ranks 2 --stdlib-corpus 4 --eval-every 50 --json lm.json
+    # any ShardedAdamW keyword (it wins over the flags), e.g. AdamW's eps:
+    python3 examples/python/train_lm.py --ranks 2 --opt eps=1e-6
     # a Chrome trace per rank (chrome://tracing, https://ui.perfetto.dev) of steps 2.. :
     python3 examples/python/train_lm.py --ranks 2 --trace /tmp/lm-%r.json
     # the parameter all-gathers of each step overlapping the next forward pass:
@@ -52,11 +57,16 @@ set_microbatches). No no_sync is needed, so none is used.
 """
 
 import argparse
+import ast
 import contextlib
+import hashlib
+import json
 import math
 import os
+import platform
 import random
 import sys
+import sysconfig
 import threading
 import time
 
@@ -118,6 +128,25 @@ def check_args(args):
         fail("--hybrid %d: --ranks %d is not a multiple of the %d nodes (every node needs the "
              "same number of ranks)" % (args.hybrid, args.ranks, args.hybrid))
     at_least("--seed", 0)
+    at_least("--eval-every", 0)
+    at_least("--eval-batches", 1)
+    if args.text and args.stdlib_corpus is not None:
+        fail("--text and --stdlib-corpus name two corpora: choose one")
+    if args.stdlib_corpus is not None and not 0 < args.stdlib_corpus <= 64:
+        fail("--stdlib-corpus MB must be in (0, 64] (got %s)" % args.stdlib_corpus)
+    if not 0 <= args.heldout < 1:
+        fail("--heldout must be in [0, 1) (got %s)" % args.heldout)
+    if args.eval_every and args.heldout == 0:
+        fail("--eval-every needs a held-out part (--heldout > 0)")
+    args.opt_kw = {}
+    for kv in args.opt:
+        key, eq, val = kv.partition("=")
+        if not eq or not key.isidentifier():
+            fail("--opt %s: expected KEY=VALUE" % kv)
+        try:
+            args.opt_kw[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            args.opt_kw[key] = val
     at_least("--clip", 0.0)
     if not args.lr > 0 or not math.isfinite(args.lr):
         fail("--lr must be a finite number > 0 (got %s)" % args.lr)
@@ -136,7 +165,7 @@ def check_args(args):
         fail("--ranks %d asks for threads, but %s started this process: each process "
              "would train alone; drop --ranks (one rank per process)"
              % (args.ranks, "mpirun" if under_mpirun() else "torchrun"))
-    for name in ("trace", "plot"):
+    for name in ("trace", "plot", "json"):
         path = getattr(args, name)
         if path is not None:
             d = os.path.dirname(os.path.abspath(path))
@@ -159,6 +188,34 @@ def read_text(path):
         fail("--text %s is not UTF-8 text (byte %d)" % (path, ex.start))
 
 
+def stdlib_corpus(nchars):
+    """The .py files of this Python's standard library (site-packages excluded), in sorted
+    path order, joined and cut at nchars: a real text that every machine with Python has, the
+    same on every machine with the same Python version (the version and a digest are printed)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(x for x in subdirs if x not in ("site-packages", "dist-packages",
+                                                             "__pycache__"))
+        files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    parts, size = [], 0
+    for path in sorted(files, key=lambda f: os.path.relpath(f, root)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                t = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(t)
+        size += len(t)
+        if size >= nchars:
+            break
+    text = "".join(parts)[:nchars]
+    print("corpus: %d characters of the Python %s standard library in %s (sha256 %s...)" % (
+        len(text), platform.python_version(), root,
+        hashlib.sha256(text.encode()).hexdigest()[:12]), flush=True)
+    return text
+
+
 def parse_args(argv=None):
     """The command line, checked: fail() on the first bad flag."""
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n")[1],
@@ -167,6 +224,20 @@ def parse_args(argv=None):
                     help="ranks as threads of this process (default: one rank per process under "
                     "mpirun, srun or torchrun, else 1)")
     ap.add_argument("--text", help="train on this UTF-8 text file instead of a generated corpus")
+    ap.add_argument("--stdlib-corpus", type=float, default=None, metavar="MB",
+                    help="train on the first MB megabytes of this Python's standard library "
+                    "sources, in sorted path order (real text every machine has)")
+    ap.add_argument("--heldout", type=float, default=0.1, metavar="FRACTION",
+                    help="the last FRACTION of the text is held out (never trained on)")
+    ap.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="held-out loss every N steps and at the end (0: off)")
+    ap.add_argument("--eval-batches", type=int, default=8,
+                    help="batches of --batch sequences per held-out evaluation (fixed windows)")
+    ap.add_argument("--json", metavar="PATH",
+                    help="write rank 0's losses and held-out losses to PATH as JSON")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more ShardedAdamW keyword (repeatable), e.g. --opt "
+                    "optim_state_dtype=q8; VALUE is read as a Python literal, else a string")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per step (no_sync)")
@@ -212,11 +283,18 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     args = ap.parse_args(argv)
     check_args(args)
+    args.corpus = None
     if args.text:
         args.corpus = read_text(args.text)
-        if len(args.corpus) < args.seq + 2:
-            fail("--seq %d needs a text of at least %d characters (%s has %d)"
-                 % (args.seq, args.seq + 2, args.text, len(args.corpus)))
+    elif args.stdlib_corpus is not None:
+        args.corpus = stdlib_corpus(int(args.stdlib_corpus * 1e6))
+    if args.corpus is not None:
+        n = len(args.corpus)
+        held = n - int(n * (1 - args.heldout))
+        if n - held < args.seq + 2 or (args.heldout > 0 and held < args.seq + 2):
+            fail("--seq %d with --heldout %s: %s (%d characters) leaves less than %d characters "
+                 "for training or for the held-out part" % (
+                     args.seq, args.heldout, args.text or "the corpus", n, args.seq + 2))
     return args
 
 
@@ -258,11 +336,22 @@ def generate_corpus(n_sentences=6000, seed=1234):
 
 
 class CharData:
-    def __init__(self, text):
+    """Characters as tokens; the last `heldout` fraction of the text is never trained on."""
+
+    def __init__(self, text, heldout=0.0):
         chars = sorted(set(text))
         self.itos = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
-        self.data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        cut = int(len(ids) * (1 - heldout))
+        self.data, self.heldout = ids[:cut], ids[cut:]
+
+    def heldout_batches(self, n, batch, seq):
+        """The same n batches on every call and rank: windows spread evenly over the part."""
+        span = len(self.heldout) - seq - 1
+        starts = [(i * span) // max(1, n * batch - 1) for i in range(n * batch)]
+        w = torch.stack([self.heldout[i:i + seq + 1] for i in starts])
+        return w.reshape(n, batch, seq + 1)
 
     @property
     def vocab(self):
@@ -336,6 +425,16 @@ class CharLM(nn.Module):
 # torch's default random generator is global: rank threads seed it and draw the initial weights
 # one at a time, so that every rank (rank 0 included) gets the seed's model.
 _MODEL_INIT = threading.Lock()
+
+
+@torch.no_grad()
+def heldout_loss(model, batches):
+    """Mean loss over the held-out batches, the model in eval mode meanwhile."""
+    was = model.training
+    model.eval()
+    loss = sum(model.loss(b).item() for b in batches) / len(batches)
+    model.train(was)
+    return loss
 
 
 def rss_mib():
@@ -422,11 +521,12 @@ def train_rank_on(comm, args, data, out, device):
             fail("--hybrid %d: %d ranks are not a multiple of the %d nodes (every node needs "
                  "the same number of ranks)" % (args.hybrid, world, args.hybrid))
         shard, replica = comm.split_nodes(world // args.hybrid)
-    opt = ShardedAdamW(model, shard or comm, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                       no_decay="1d", strategy=args.strategy, max_grad_norm=args.clip,
-                       bucket_bytes=args.bucket_kib << 10,
-                       overlap_param_gather=args.overlap_gather, offload_optimizer=args.offload,
-                       replica_comm=replica)
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, no_decay="1d",
+              strategy=args.strategy, max_grad_norm=args.clip, bucket_bytes=args.bucket_kib << 10,
+              overlap_param_gather=args.overlap_gather, offload_optimizer=args.offload,
+              replica_comm=replica)
+    kw.update(args.opt_kw)  # --opt KEY=VALUE wins over the flags
+    opt = ShardedAdamW(model, shard or comm, **kw)
     if args.hybrid:  # the cross-node all-reduce starts in the last micro-batch's backward
         opt.engine.set_microbatches(args.micro)
     warmup = max(1, args.steps // 10)
@@ -447,7 +547,9 @@ def train_rank_on(comm, args, data, out, device):
                  opt.engine.config.strategy.name, args.dtype, where,
                  ", all-gathers overlapping the forward pass" if args.overlap_gather else ""),
               flush=True)
-    losses = []
+    losses, evals = [], []
+    held = (data.heldout_batches(args.eval_batches, args.batch, args.seq).to(device)
+            if args.eval_every else None)
     t0 = time.perf_counter()
     t_last, tok_last = t0, 0
     bar = Progress(args.steps) if rank == 0 else None
@@ -475,6 +577,10 @@ def train_rank_on(comm, args, data, out, device):
             # from the second step on: the first backward finalizes the engine (warm-up)
             opt.engine.trace_start()
         losses.append(loss_sum)
+        if held is not None and (step % args.eval_every == 0 or step == args.steps):
+            evals.append((step, heldout_loss(model, held)))
+            if rank == 0:
+                print("step %4d  held-out loss %.4f" % evals[-1], flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == 1 or step == args.steps):
             now = time.perf_counter()
             tok = step * tokens_per_step
@@ -502,7 +608,7 @@ def train_rank_on(comm, args, data, out, device):
     if rank == 0:
         prompt = data.data[:16].tolist()
         sample = data.decode(model.generate(prompt, 80, args.seq))
-    out[rank] = dict(losses=losses, mem=mem, mem_ddp=mem_ddp, elapsed=elapsed, tokens=args.steps * tokens_per_step,
+    out[rank] = dict(losses=losses, evals=evals, mem=mem, mem_ddp=mem_ddp, elapsed=elapsed, tokens=args.steps * tokens_per_step,
                      sample=sample, nparams=nparams)
     opt.close()
     for c in (shard, replica):
@@ -605,7 +711,7 @@ def main(args):
                      "-DSG_WITH_CUDA=ON, or point SHARDGRAD_LIBRARY at a CUDA build)"
                      % sg.library_path())
 
-    data = CharData(args.corpus if args.text else generate_corpus())
+    data = CharData(args.corpus if args.corpus is not None else generate_corpus(), args.heldout)
 
     use_torch = args.ranks is None and under_torchrun()
     use_mpi = args.ranks is None and under_mpirun()
@@ -648,6 +754,11 @@ def main(args):
     print("sample: %r" % r0["sample"])
     if args.plot:
         plot(args.plot, results, kind, args.strategy)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args={k: v for k, v in vars(args).items() if k != "corpus"},
+                           world=world, losses=r0["losses"], evals=r0["evals"],
+                           elapsed=r0["elapsed"], tokens=r0["tokens"]), f)
     fell = last < first - 0.1
     print("loss %s from %.4f (mean of the first %d steps) to %.4f (mean of the last %d)"
           % ("fell" if fell else "did NOT fall", first, n, last, n), flush=True)
