@@ -55,7 +55,9 @@ declare -A ALLOW=(
   [kernels/cuda]="include kernels"
   [src/optim]="include src/core kernels kernels/cpu kernels/cuda" # descriptors over the kernels
   [src/device]="include src/core src/optim kernels kernels/cpu kernels/cuda"
-  [src/comm]="include src/core src/device kernels kernels/cpu"
+  [src/comm]="include src/core src/device kernels kernels/cpu" # the interface, split, lifecycle
+  [src/comm/coll]="include src/core src/device src/comm kernels kernels/cpu" # point-to-point algorithms
+  [src/comm/backend]="include src/core src/device src/comm src/comm/coll kernels kernels/cpu"
   [src/offload]="include src/core src/device src/optim kernels kernels/cpu"
   [src/memory]="include src/core src/plan src/device src/comm kernels"
   [src/engine]="include src/core src/plan src/memory src/device src/comm src/offload src/optim src/engine/policy kernels kernels/cpu"
@@ -68,16 +70,17 @@ declare -A ALLOW=(
 EXCEPTIONS=(
   # the NCCL communicator picks its GPU at creation and tells device from host buffers as the
   # CUDA device does (its stream and waits come through the device vtable's comm_attach)
-  "src/comm/nccl.c src/device/sg_device_cuda.h"
+  "src/comm/backend/nccl.c src/device/sg_device_cuda.h"
+  "src/comm/backend/sg_nccl_boot.c src/device/sg_device_cuda.h" # how many GPUs (MPI bootstrap)
 )
 # system headers -> the only files (regex over the path) that may include them
 declare -A SYSTEM=(
-  [cuda_runtime.h]='^(src/device/cuda\.c|src/comm/nccl\.c|kernels/cuda/.*)$'
+  [cuda_runtime.h]='^(src/device/cuda\.c|src/comm/backend/nccl\.c|kernels/cuda/.*)$'
   [cuda.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
   [cuda_bf16.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
   [cuda_fp16.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
-  [nccl.h]='^(src/comm/nccl\.c|src/comm/sg_nccl_dl\.h)$'
-  [mpi.h]='^(src/comm/mpi\.c|src/comm/nccl\.c)$' # nccl.c: the MPI bootstrap of the id
+  [nccl.h]='^(src/comm/backend/nccl\.c|src/comm/backend/sg_nccl_dl\.h)$'
+  [mpi.h]='^(src/comm/backend/mpi\.c|src/comm/backend/sg_nccl_boot\.c)$' # boot: the MPI bootstrap of the NCCL id
 )
 # folder-internal headers that other folders must not reach even where the folder is allowed
 declare -A PRIVATE=(

@@ -40,7 +40,7 @@ if(SG_WITH_CUDA)
 
     # The whole library on a mock CUDA runtime and a mock NCCL (tests/cudamock: lazy streams
     # over host memory, the emulated kernels, ranks as threads), so that src/device/cuda.c,
-    # src/comm/nccl.c and the engine on the CUDA device run without a GPU. Tests link it
+    # src/comm/backend/nccl.c and the engine on the CUDA device run without a GPU. Tests link it
     # instead of shardgrad_internal.
     # The library's own C sources (cuda.c and nccl.c included), the kernels as host C++.
     set(_sg_mock_sources ${SG_SOURCES})
@@ -58,7 +58,7 @@ if(SG_WITH_CUDA)
     target_compile_options(shardgrad_cudamock PRIVATE $<$<COMPILE_LANGUAGE:C>:${SG_C_FLAGS}>)
     set_target_properties(shardgrad_cudamock PROPERTIES CXX_STANDARD 17 CXX_STANDARD_REQUIRED ON)
     target_link_libraries(shardgrad_cudamock PUBLIC Threads::Threads m ${CMAKE_DL_LIBS})
-    # nccl.c finds NCCL at run time (src/comm/sg_nccl_dl.h). The mock NCCL is linked into each
+    # nccl.c finds NCCL at run time (src/comm/backend/sg_nccl_dl.h). The mock NCCL is linked into each
     # test program and exported from it (nccl* only), so the loader finds it in the global
     # symbol scope, as it would an NCCL that a program links itself; -u links it even into
     # programs that call none of its test controls.

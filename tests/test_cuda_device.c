@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "comm/sg_comm.h"          /* sg_comm */
-#include "comm/sg_nccl_internal.h" /* id file helpers */
+#include "comm/backend/sg_nccl_internal.h" /* id file helpers */
 #include "device/sg_device.h"      /* sg__device_cuda_create */
 #include "sg_test_check.h"         /* CHECK */
 

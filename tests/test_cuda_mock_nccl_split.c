@@ -22,7 +22,7 @@
 #include <nccl.h> /* the mock's controls */
 
 #include "comm/sg_comm.h"    /* collectives through the vtable */
-#include "comm/sg_nccl_dl.h" /* the loaded NCCL's table */
+#include "comm/backend/sg_nccl_dl.h" /* the loaded NCCL's table */
 #include "sg_test_check.h"
 #include "sg_test_ranks.h" /* the CPU reference's threads, sg_test_train_small */
 #include "shardgrad.h"

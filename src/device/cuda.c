@@ -251,6 +251,15 @@ int sg__device_cuda_current(void) {
   return cur;
 }
 
+int sg__device_cuda_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
 static sg__cuda_scope sg__cuda_scope_begin(const sg__cuda_dev *d) {
   (void)d;
   sg__cuda_scope sc = {sg__device_cuda_current()};

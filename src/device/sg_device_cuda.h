@@ -20,6 +20,9 @@ int sg__device_cuda_mem_kind(const void *p);
 /* The calling thread's current device, or -1 when no context is current on it (a thread that
  * never chose a device: nothing to restore, and cudaSetDevice(0) would create a context). */
 int sg__device_cuda_current(void);
+
+/* GPUs the runtime sees; 0 when it sees none or fails (its error is cleared). */
+int sg__device_cuda_count(void);
 #endif
 
 #endif /* SG_DEVICE_CUDA_H */

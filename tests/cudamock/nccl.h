@@ -1,4 +1,4 @@
-/* A mock of the part of NCCL that src/comm/nccl.c uses, for tests without a GPU
+/* A mock of the part of NCCL that src/comm/backend/nccl.c uses, for tests without a GPU
  * (tests/cudamock/sg_ncclmock.cpp): ranks are threads of one process, found through the unique
  * id; a collective is a gated item on each rank's mock CUDA stream that completes when every
  * rank's stream has reached it. Sums run in rank order in fp32 (f64 for f64) and are rounded

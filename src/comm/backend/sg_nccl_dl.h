@@ -16,7 +16,7 @@
 
 #include <nccl.h> /* types and prototypes only; no symbol of it is linked */
 
-#include "../core/sg_core.h" /* sg_status */
+#include "../../core/sg_core.h" /* sg_status */
 
 /* Every NCCL function that nccl.c calls. */
 typedef struct sg__nccl_lib {

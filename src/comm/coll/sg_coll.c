@@ -39,7 +39,7 @@
 #include <sys/mman.h> /* mmap, madvise, munmap: receive buffers that leave RSS when idle */
 #endif
 
-#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_add, _accumulate, _cast */
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_add, _accumulate, _cast */
 
 #ifndef SG__COLL_PIECE
 #define SG__COLL_PIECE ((size_t)1 << 20) /* bytes of one message of a reduction (fp32 partials) */

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "sg_comm.h" /* sg_comm, sg__comm_ops, sg__device */
+#include "../sg_comm.h" /* sg_comm, sg__comm_ops, sg__device */
 
 /* Pinned staging of one channel, from c->dev. */
 typedef struct sg__stage {

@@ -5,7 +5,7 @@
 
 #include <stdint.h> /* int64_t */
 
-#include "../core/sg_core.h" /* sg_status */
+#include "../../core/sg_core.h" /* sg_status */
 
 /* Bytes of an NCCL unique id (NCCL_UNIQUE_ID_BYTES). */
 #define SG__NCCL_ID_BYTES 128

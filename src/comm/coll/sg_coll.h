@@ -30,7 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "sg_comm.h" /* sg_comm, sg_status, SG__F64 */
+#include "../sg_comm.h" /* sg_comm, sg_status, SG__F64 */
 
 /* One request; the transport keeps its own handle in h. active = 0: nothing pending. */
 typedef struct sg__xreq {

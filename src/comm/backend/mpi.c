@@ -25,9 +25,9 @@
 #include <string.h>  /* memcpy */
 #include <time.h>    /* nanosleep: polling the exit barrier */
 
-#include "sg_coll.h"  /* the algorithms, the transport interface */
-#include "sg_comm.h"  /* sg_comm, sg__comm_ops, sg__comm_fail */
-#include "sg_stage.h" /* device buffers through pinned memory */
+#include "../coll/sg_coll.h"  /* the algorithms, the transport interface */
+#include "../sg_comm.h"  /* sg_comm, sg__comm_ops, sg__comm_fail */
+#include "../coll/sg_stage.h" /* device buffers through pinned memory */
 
 #define SG__MPI_CANCEL_GRACE_MS 200 /* how long a cancelled receive may take to finish */
 

@@ -34,8 +34,8 @@
 #include <string.h>  /* memcpy */
 #include <time.h>    /* struct timespec */
 
-#include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_sum */
-#include "sg_comm.h"                          /* sg_comm, sg__comm_ops, sg__comm_fail */
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_reduce_sum */
+#include "../sg_comm.h"                          /* sg_comm, sg__comm_ops, sg__comm_fail */
 
 /* The collectives, numbered as sg__comm_count counts them. */
 enum {

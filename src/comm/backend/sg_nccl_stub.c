@@ -1,7 +1,7 @@
 /* The public NCCL functions of a build without NCCL (no CUDA, or no libnccl found): they exist,
  * so that every build exports the same API, and say SG_ERR_UNSUPPORTED. With NCCL this file is
  * empty and src/comm/nccl.c defines them. */
-#include "sg_comm.h" /* sg_comm, sg__err */
+#include "../sg_comm.h" /* sg_comm, sg__err */
 
 #ifndef SG_HAVE_NCCL
 sg_status sg_nccl_unique_id(void *id128) {

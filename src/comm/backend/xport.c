@@ -31,9 +31,9 @@
 #include <string.h>    /* memcpy, strlen */
 #include <time.h>      /* clock_gettime */
 
-#include "sg_coll.h" /* the algorithms, the transport interface */
-#include "sg_comm.h" /* sg_comm, sg__comm_ops, sg__comm_channel_init */
-#include "sg_stage.h" /* sg__stage_needed: buffers the host cannot address */
+#include "../coll/sg_coll.h" /* the algorithms, the transport interface */
+#include "../sg_comm.h" /* sg_comm, sg__comm_ops, sg__comm_channel_init */
+#include "../coll/sg_stage.h" /* sg__stage_needed: buffers the host cannot address */
 
 #define SG__XPORT_CALL_BITS 16 /* tags of one call space: 0 .. 2^16-1 */
 #define SG__XPORT_SLOT_BITS 9  /* channel index mod 512 */
