@@ -160,7 +160,7 @@ configure_clang() {
 }
 
 # CUDA as the Release build has it (on when nvcc is found): the host side of src/device/cuda.c,
-# src/comm/nccl.c and the engine on the CUDA device then run under the sanitizers over the mock
+# src/comm/backend/nccl.c and the engine on the CUDA device then run under the sanitizers over the mock
 # CUDA runtime (ctest label cuda).
 configure_asan() {
   cmake -S "$ROOT" -B "$B-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
