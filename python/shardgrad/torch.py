@@ -506,6 +506,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if param_order not in ("backward", "registration"):
             raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
                              "(got %r)" % (param_order,))
+        self._param_order = param_order
         all_named, group_of, opts = _grouped_params(model, param_groups)
         if all_named is None:
             all_named, group_of, opts = _named_params(model), None, [{}]
@@ -702,6 +703,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             try:
                 e.finalize()
             except MismatchError as ex:
+                if (self._param_order != "backward"
+                        or "registered different parameters" not in ex.message):
+                    raise  # another rank failed, or configs differ: the order is not the cause
                 raise MismatchError(ex.message + " (ShardedAdamW: with param_order='backward' "
                                     "every rank must use its modules in the same order in its "
                                     "first forward pass; otherwise use "

@@ -682,3 +682,34 @@ def test_offload_optimizer_memory_estimate():
     with pytest.raises(sg.UnsupportedError, match="needs a sharded strategy"):
         ShardedAdamW(make_model(0), sg.Comm.local(1)[0], strategy="no_shard", device="cuda",
                      offload_optimizer=True)
+
+
+def test_finalize_mismatch_hint_only_for_parameter_order():
+    """The param_order hint is added where param_order='backward' ranks registered different
+    parameters (what a different first-forward order gives), not to other disagreements, where
+    it would send the user after the wrong cause."""
+    def net(extra):
+        layers = [torch.nn.Linear(4, 4)] + ([torch.nn.Linear(4, 4)] if extra else [])
+        return torch.nn.Sequential(*layers, torch.nn.Linear(4, 1))
+
+    def attempt(order, kw_of_rank, extra_of_rank):
+        def body(comm):
+            torch.manual_seed(0)
+            m = net(extra_of_rank(comm.rank))
+            try:
+                opt = ShardedAdamW(m, comm, param_order=order, **kw_of_rank(comm.rank), **FAST)
+                m(torch.ones(2, 4)).sum().backward()  # "backward": the engine is built here
+                opt.close()
+            except sg.MismatchError as ex:
+                return str(ex)
+            return None
+        return sg.run_threads(2, body)
+
+    for order in ("backward", "registration"):
+        msgs = attempt(order, lambda r: {}, lambda r: r == 1)
+        assert all(m and "registered different parameters" in m for m in msgs), msgs
+        assert all(("param_order='registration'" in m) == (order == "backward")
+                   for m in msgs), msgs
+        msgs = attempt(order, lambda r: dict(max_grad_norm=1.0 + r), lambda r: False)
+        assert all(m and "differs between rank 0 and rank 1" in m for m in msgs), msgs
+        assert not any("param_order" in m for m in msgs), msgs
