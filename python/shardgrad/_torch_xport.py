@@ -3,17 +3,26 @@ whose bytes travel as torch.distributed sends and receives of uint8 CPU tensors 
 group (gloo), beside whatever else the application does with that group.
 
 How a transfer runs. The engine's comm worker (a C thread) calls isend/irecv through ctypes,
-which takes the GIL for the callback: it wraps the library's buffer in a tensor without copying
-(torch.frombuffer), posts ProcessGroup.send/recv, and hands the Work to a waiter thread. gloo's
-send/recv Work completes only inside Work.wait() (is_completed() stays False, there is no
-future), so a waiter blocks in wait() (torch releases the GIL there) and then reports the
-result with sg_xport_done. The library polls its own record of the transfer, never Python, so
+which takes the GIL for the callback: a send copies the library's bytes into a tensor of
+torch's own, a receive gets an empty one; it posts ProcessGroup.send/recv and hands the Work to
+a waiter thread. gloo's send/recv Work completes only inside Work.wait() (is_completed() stays
+False, there is no future), so a waiter blocks in wait() (torch releases the GIL there), copies
+a received message into the library's buffer and reports the result with sg_xport_done.
+
+Why copies and not views of the library's buffer (torch.frombuffer): gloo keeps using a
+transfer's tensor after the library gave up on it (a deadline passed: the library cancels it,
+frees the buffer and fails the call), so a view would let gloo send freed memory to the peer
+(which then reads garbage, as a late peer did) or write a late message into it. With tensors
+of torch's own a cancelled transfer never touches library memory: cancel is exact. And a view's
+deleter needs the GIL, which gloo's threads, dropping the last reference, would take while the
+interpreter exits; torch's own tensors free without Python. The cost is one host memcpy per
+transfer, beside a network transfer of the same bytes. The library polls its own record of the transfer, never Python, so
 a waiting comm worker does not compete for the GIL. Waiters are a pool that grows to the
 number of transfers in flight (a handful per collective) and is reused.
 
 Deadlines are the library's: a transfer that does not finish in time is cancelled (the Work is
-kept alive, with its tensor, for as long as gloo might still use the buffer) and the engine's
-call fails with TimeoutError. A failed Work (peer gone: gloo reports the closed connection)
+kept alive, with its tensor, for as long as gloo might still use that tensor; the library's
+buffer is no longer touched) and the engine's call fails with TimeoutError. A failed Work (peer gone: gloo reports the closed connection)
 fails the call with CommError carrying torch's message.
 
 Every callback catches everything (an exception must never cross into C) and answers with a
@@ -78,7 +87,7 @@ class _Waiters:
 _waiters = _Waiters()
 _transports = {}  # key -> TorchTransport, until the library releases it
 _keys = itertools.count(1)  # 0 would reach the callbacks as None
-_kept = []  # (work, tensor) of cancelled transfers gloo may still touch: never freed
+_kept = []  # (work, tensor) of cancelled transfers gloo may still use: never freed
 
 
 class TorchTransport:
@@ -94,37 +103,41 @@ class TorchTransport:
         self.released = False
 
     def start(self, recv, buf, nbytes, peer, tag, token):
-        arr = (ctypes.c_ubyte * nbytes).from_address(buf)
-        t = torch.frombuffer(arr, dtype=torch.uint8)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        if not recv and nbytes:
+            ctypes.memmove(t.data_ptr(), buf, nbytes)
         work = (self.group.recv if recv else self.group.send)([t], peer, tag)
         entry = [work, t, False]
         with self.lock:
             self.pending[token] = entry
-        _waiters.submit(lambda: self._wait(token, entry, nbytes if recv else 0))
+        _waiters.submit(lambda: self._wait(token, entry, buf if recv else None, nbytes))
 
-    def _wait(self, token, entry, nbytes):
+    def _wait(self, token, entry, recv_buf, nbytes):
         err = None
         try:
             entry[0].wait()
         except BaseException as e:  # noqa: B902 - reported to the library as text
             err = "%s: %s" % (type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "")
-        with self.lock:
+        with self.lock:  # cancel takes it too: after a cancel, no byte reaches recv_buf
             entry[2] = True
             if self.pending.pop(token, None) is None:
-                return  # cancelled: the library forgot the token
+                return  # cancelled: the library forgot the token and may have freed the buffer
             lib = _lib.load()
             if err is None:
-                lib.sg_xport_done(token, 0, nbytes, None)
+                if recv_buf is not None and nbytes:
+                    ctypes.memmove(recv_buf, entry[1].data_ptr(), nbytes)
+                lib.sg_xport_done(token, 0, nbytes if recv_buf is not None else 0, None)
             else:
                 lib.sg_xport_done(token, 1, 0, err.encode("utf-8", "replace"))
 
     def cancel(self, token):
+        """0: the library's buffer is never touched again (always so: gloo keeps only the
+        transfer's own tensor, kept alive here while gloo may still use it)."""
         with self.lock:
             entry = self.pending.pop(token, None)
-        if entry is None or entry[2]:
-            return 0
-        _kept.append((entry[0], entry[1]))
-        return 1
+        if entry is not None and not entry[2]:
+            _kept.append((entry[0], entry[1]))
+        return 0
 
 
 def _write_msg(msg, cap, text):

@@ -383,3 +383,71 @@ def test_release_is_called_once_after_the_last_engine():
     assert released == []  # the engine is gone, the communicator is not
     c.close()
     assert released == [42]
+
+
+class _HeldWork:
+    """A Work that completes when the test says so (and then 'delivers' into its tensor)."""
+
+    def __init__(self, tensor, payload=None):
+        self.tensor, self.payload, self.go = tensor, payload, threading.Event()
+
+    def wait(self):
+        self.go.wait(10)
+        if self.payload is not None:  # what gloo does for a receive: write the message
+            self.tensor.copy_(self.payload)
+
+
+class _HeldGroup:
+    def __init__(self):
+        self.works = []
+
+    def send(self, tensors, peer, tag):
+        self.works.append(_HeldWork(tensors[0]))
+        return self.works[-1]
+
+    def recv(self, tensors, peer, tag):
+        n = tensors[0].numel()
+        self.works.append(_HeldWork(tensors[0], torch.full((n,), 7, dtype=torch.uint8)))
+        return self.works[-1]
+
+
+class _DoneLog:
+    def __init__(self):
+        self.calls = []
+
+    def sg_xport_done(self, token, failed, nbytes, msg):
+        self.calls.append((token, failed, nbytes))
+
+
+def test_cancelled_transfers_never_touch_library_memory(monkeypatch):
+    """gloo keeps using a transfer's tensor after the library cancelled it at a deadline and
+    freed the buffer: a send must have copied its bytes when it started (a late peer got
+    freed memory before), and a receive that lands after its cancel must not write the buffer
+    nor report completion. A receive that completes copies into the buffer, then reports."""
+    done = _DoneLog()
+    monkeypatch.setattr(_torch_xport._lib, "load", lambda: done)
+    g = _HeldGroup()
+    tp = _torch_xport.TorchTransport(g, 0, 2)
+    send_buf = (ctypes.c_ubyte * 16)(*range(16))
+    tp.start(False, ctypes.addressof(send_buf), 16, 1, 5, 101)
+    ctypes.memset(send_buf, 0xEE, 16)  # the library reuses or frees it after a cancel
+    assert g.works[0].tensor.tolist() == list(range(16))
+    assert tp.cancel(101) == 0
+    g.works[0].go.set()
+
+    late = (ctypes.c_ubyte * 16)()
+    tp.start(True, ctypes.addressof(late), 16, 1, 6, 102)
+    assert tp.cancel(102) == 0  # exact: the buffer is safe to free at once
+    g.works[1].go.set()
+
+    ok = (ctypes.c_ubyte * 16)()
+    tp.start(True, ctypes.addressof(ok), 16, 1, 7, 103)
+    g.works[2].go.set()
+    deadline = time.monotonic() + 10
+    while not done.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the cancelled ones' waiters have finished too
+    assert bytes(late) == bytes(16), "a cancelled receive wrote the library's buffer"
+    assert bytes(ok) == bytes([7] * 16)
+    assert done.calls == [(103, 0, 16)], done.calls
+    assert not tp.pending
