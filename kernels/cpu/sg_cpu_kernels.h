@@ -60,4 +60,12 @@ void sg__cpu_reduce_add(void *dst, const void *src, int dtype, size_t n);
 void sg__cpu_reduce_fold(void *acc, int acc_dtype, const void *const *srcs, const int *dtypes,
                          int nsrc, int sum_dtype, size_t n, int first);
 
+/* Blockwise codes (kernels/cpu/sg_cpu_codec.c; bits 8 or 4): the bytes of n values encoded
+ * (per block of SG_ELEM_CODE_BLOCK: a 4-byte scale and its codes, a short last block padded);
+ * the encoding of src + resid into out (scales first, then the codes), resid becoming what
+ * the codes missed; and the decoding of n values into dst (add: dst + them, fp32). */
+size_t sg__cpu_code_bytes(size_t n, int bits);
+void sg__cpu_code_encode(void *out, const float *src, float *resid, size_t n, int bits);
+void sg__cpu_code_decode(float *dst, const void *in, size_t n, int bits, int add);
+
 #endif /* SG_CPU_KERNELS_H */

@@ -143,6 +143,9 @@ typedef struct sg__replicas {
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;
+  /* A replica codec (cfg.replica_codec): its residuals and code buffers, in the layout's
+   * replica buffer (src/engine/policy/sg_replica_codec.c owns it); NULL without one. */
+  struct sg__codec *codec;
 } sg__replicas;
 
 /* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (at-step);
