@@ -285,7 +285,18 @@ typedef struct sg_config {
                                of its own) and sends it to all. Needs an f32 accumulator, the
                                CPU device and a host communicator (threads, MPI, caller's
                                transport) for replicas; a flat engine refuses it. */
-  int reserved_0_4;         /* 0 (must stay 0): ends the 0.4 block on an 8-byte boundary */
+  int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
+                               steps. The step's gradient is summed inside the node only (each
+                               replica runs its own AdamW steps, averaged over its L ranks), and
+                               after every H-th sg_step (skipped ones count) the replicas agree:
+                               the pseudo-gradient (the parameters at the last outer step minus
+                               now, fp32, averaged over the replicas in replica_reduce_dtype on
+                               the wire) takes a Nesterov momentum SGD step of the outer
+                               parameters, which become every replica's parameters. The outer
+                               state (parameters and momentum, fp32) is sharded like the
+                               master. CPU device; not with replica_codec (yet). */
+  double outer_lr;          /* 0.7 (DiLoCo's): the outer step's learning rate, > 0 */
+  double outer_momentum;    /* 0.9 (DiLoCo's): its Nesterov momentum, in [0, 1) */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
    * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */

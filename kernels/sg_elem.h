@@ -207,6 +207,17 @@ SG_HD float sg_elem_code_residual(float x, float decoded) {
   return sg_elem_isfinite(decoded) ? x - decoded : 0.0f;
 }
 
+/* ---- outer steps (DiLoCo, src/engine/policy/sg_replica_outer.c) --------------------------- */
+
+/* One Nesterov momentum SGD step of an outer parameter po, on the replicas' mean
+ * pseudo-gradient d (the parameter at the last outer step minus now), as torch.optim.SGD with
+ * nesterov=True: m = mu m + d, then po - lr (d + mu m). Returns the new po. */
+SG_HD float sg_elem_outer_nesterov(float po, float d, float *m, float lr, float mu) {
+  const float mi = mu * *m + d;
+  *m = mi;
+  return po - lr * (d + mu * mi);
+}
+
 /* ---- AdamW ------------------------------------------------------------------------------- */
 
 /* Per-step constants of one AdamW update (see kernels/sg_kernel_args.h for how the host

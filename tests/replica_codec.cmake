@@ -3,3 +3,7 @@
 # implementation of the scheme, bitwise.
 sg_add_test(test_replica_codec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_codec.c
   ARGS --local LABELS local TIMEOUT 120)
+# Outer steps (cfg.outer_every, src/engine/policy/sg_replica_outer.c) against per-node flat
+# engines and the test's own outer step, bitwise.
+sg_add_test(test_replica_outer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_outer.c
+  ARGS --local LABELS local TIMEOUT 120)

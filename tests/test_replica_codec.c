@@ -14,7 +14,9 @@
  *    sg_estimate_memory agrees;
  *  - bad settings fail at create with a clear message.
  *
- * Usage: test_replica_codec --local | --mpi (under mpirun -np 4: 2x2). */
+ * Ranks are threads over the local backend, or over the caller's transport (an in-process
+ * mailbox), whose collectives are the point-to-point algorithms that MPI runs too.
+ * Usage: test_replica_codec --local */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -26,7 +28,8 @@
 
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
-#include "sg_test_state.h" /* sg_test_mix */
+#include "sg_test_mailbox.h" /* mb_group: communicators over the caller's transport */
+#include "sg_test_state.h"   /* sg_test_mix */
 
 static const size_t k_sizes[] = {700, 4097, 2500, 65};
 #define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
@@ -44,6 +47,8 @@ typedef struct {
   int constant; /* the same gradient every step (error feedback) */
   int inject;   /* a NaN from rank W-1 at step 1 */
   sg_strategy strategy;
+  int xport; /* ranks over the caller's transport (an in-process mailbox): the point-to-point
+                algorithms MPI uses (src/comm/sg_coll.c), all-to-all included */
 } tcase;
 
 /* One rank's view of a run: its accumulator before every step and its parameters after. */
@@ -428,7 +433,11 @@ static void free_result(const tcase *tc, result *r) {
 static void run_case(const tcase *tc) {
   const int w = tc->n * tc->l;
   sg_comm *comms[MAXW];
-  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "local comm of %d", w)) return;
+  mailbox mb;
+  xuser us[MAXW];
+  mb_init(&mb);
+  const sg_status made = tc->xport ? mb_group(&mb, us, w, comms) : sg_comm_create_local(w, comms);
+  if (!CHECK(made == SG_OK, "%s comm of %d", tc->xport ? "xport" : "local", w)) return;
   result res[MAXW];
   run_arg a[MAXW];
   pthread_t th[MAXW];
@@ -457,6 +466,7 @@ static void run_case(const tcase *tc) {
     sg_comm_destroy(comms[r]);
     free_result(tc, &res[r]);
   }
+  mb_free(&mb);
   printf("case %s: done\n", tc->name);
 }
 
@@ -493,22 +503,20 @@ static void check_errors(void) {
 }
 
 static const tcase k_cases[] = {
-    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP},
-    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP},
-    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT},
-    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP},
-    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP},
-    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP},
-    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP},
-    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP},
+    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0},
+    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0},
+    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0},
+    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
+    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
 };
 
 int main(int argc, char **argv) {
-  const int mpi = argc > 1 && !strcmp(argv[1], "--mpi");
-  if (mpi) {
-    fprintf(stderr, "test_replica_codec: --mpi is run by test_replica_codec_mpi.c\n");
-    return 2;
-  }
+  (void)argc, (void)argv;
   check_errors();
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
   return sg_test_summary("test_replica_codec");

@@ -68,4 +68,11 @@ size_t sg__cpu_code_bytes(size_t n, int bits);
 void sg__cpu_code_encode(void *out, const float *src, float *resid, size_t n, int bits);
 void sg__cpu_code_decode(float *dst, const void *in, size_t n, int bits, int add);
 
+/* Outer steps (kernels/cpu/sg_cpu_outer.c): d = po - theta (the pseudo-gradient); and the step
+ * from the replicas' sum dsum of it: d = dsum / nrep, po and m by sg_elem_outer_nesterov,
+ * theta = po. */
+void sg__cpu_outer_delta(float *d, const float *po, const float *theta, size_t n);
+void sg__cpu_outer_step(float *po, float *m, float *theta, const float *dsum, size_t n, int nrep,
+                        float lr, float mu);
+
 #endif /* SG_CPU_KERNELS_H */

@@ -106,7 +106,9 @@ class SgConfig(ctypes.Structure):
         ("reserved_0_3", ctypes.c_int),
         # --- 0.4 ---
         ("replica_codec", ctypes.c_int),
-        ("reserved_0_4", ctypes.c_int),
+        ("outer_every", ctypes.c_int),
+        ("outer_lr", ctypes.c_double),
+        ("outer_momentum", ctypes.c_double),
     ]
 
 

@@ -163,7 +163,7 @@ class Config:
         if name in _ENUM_FIELDS:
             return int(_ENUM_FIELDS[name](value, name))
         ctype = _FIELD_TYPES[name]
-        if ctype is ctypes.c_float:
+        if ctype in (ctypes.c_float, ctypes.c_double):
             if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
                 raise TypeError("Config.%s: expected a number, got %r" % (name, value))
             f = float(value)

@@ -42,6 +42,10 @@ static sg_status check_flat_options(const sg_config *c, const sg_comm *comm, con
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->replica_codec compresses the sum across "
                    "the replicas of a hybrid engine; a flat engine has none (use "
                    "sg_engine_create_hybrid, or SG_CODEC_NONE)", fn);
+  if (c->outer_every != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_every synchronises the replicas of a "
+                   "hybrid engine every H steps; a flat engine has none (use "
+                   "sg_engine_create_hybrid, or 0)", fn);
   if (c->shard_ranks != 0 && c->shard_ranks != comm->world)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->shard_ranks is %d but the communicator has %d ranks (0 = all)", fn,

@@ -58,6 +58,14 @@ int sg__replicas_world(const sg_engine *e) { return e->world * (e->rep.n > 0 ? e
 
 int sg__replicas_writer(const sg_engine *e) { return e->rep.rank == 0; }
 
+int sg__replicas_grad_world(const sg_engine *e) { return e->world * e->rep.ops->grad_replicas(e); }
+
+int sg__replicas_sync_due(sg_engine *e) { return e->rep.ops->sync_due(e); }
+
+sg_status sg__replicas_sync(sg_engine *e) { return e->rep.ops->sync(e); }
+
+void sg__replicas_restore(sg_engine *e) { e->rep.ops->restore(e); }
+
 void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out) {
   out->replica_bytes = n > 1 ? sg__replica_select_bytes(p, cfg, n) : 0;
 }

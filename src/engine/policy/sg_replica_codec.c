@@ -131,6 +131,13 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
   return SG_OK;
 }
 
+/* A load's state is not what the residuals corrected (they are not in checkpoints: each is at
+ * most half a code step, so a resumed run loses one step's rounding, once). */
+void sg__replica_codec_restore(sg_engine *e) {
+  sg__codec *k = e->rep.codec;
+  if (k) memset(k->r1, 0, (size_t)(k->send - (char *)k->r1));
+}
+
 void sg__replica_codec_release(sg_engine *e) {
   if (!e->rep.codec) return;
   free(e->rep.codec->r2_off);

@@ -27,10 +27,20 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   return SG_OK;
 }
 
+/* Outer steps read and write the master and parameters on the host. */
+static sg_status pick_outer(sg_engine *e, const sg__replica_ops **ops) {
+  if (e->dev->kind != SG_DEVICE_CPU)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
+                   "device has no outer step yet)");
+  *ops = &sg__replica_outer;
+  return SG_OK;
+}
+
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                       sg__device **dev) {
   *dev = NULL;
   if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
+  if (e->cfg.outer_every > 0) return pick_outer(e, ops);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
     *ops = &sg__replica_host;
@@ -73,6 +83,7 @@ static size_t max_slice(const sg__plan *p) {
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
   if (cfg->replica_codec != SG_CODEC_NONE)
     return sg__replica_codec_bytes(p, n, cfg->replica_codec == SG_CODEC_INT8 ? 8 : 4);
+  if (cfg->outer_every > 0) return sg__replica_outer_bytes(p, cfg);
   if (cfg->replica_reduce_dtype == cfg->accum_dtype) return 0;
   return sg__mem_mul_sat(max_slice(p), sg__dtype_size(cfg->replica_reduce_dtype));
 }
