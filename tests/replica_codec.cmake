@@ -7,3 +7,4 @@ sg_add_test(test_replica_codec SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_
 # engines and the test's own outer step, bitwise.
 sg_add_test(test_replica_outer SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_outer.c
   ARGS --local LABELS local TIMEOUT 120)
+sg_add_mpi_test(test_replica_codec_mpi_np4 EXE test_replica_codec NP 4 ARGS --mpi TIMEOUT 120)

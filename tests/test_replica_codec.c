@@ -16,7 +16,7 @@
  *
  * Ranks are threads over the local backend, or over the caller's transport (an in-process
  * mailbox), whose collectives are the point-to-point algorithms that MPI runs too.
- * Usage: test_replica_codec --local */
+ * Usage: test_replica_codec --local | --mpi (under mpirun -np 4: 2x2, a rank per process) */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -313,25 +313,26 @@ static void check_identical(const tcase *tc, result *res, int w) {
             "[%s] step %d: rank %d's summed gradient is rank %d's", tc->name, s, r, r % tc->l);
 }
 
-static void check_reference(const tcase *tc, result *res) {
-  const sg__plan *p = res[0].plan;
-  for (int j = 0; j < tc->l; j++) {
-    float *ref[EF_STEPS];
-    for (int s = 0; s < tc->steps; s++) ref[s] = calloc(p->shard_numel, sizeof(float));
-    ref_run(tc, p, j, ref);
-    for (int s = 0; s < tc->steps; s++) {
-      size_t bad = SIZE_MAX;
-      for (size_t e = 0; e < p->shard_numel && bad == SIZE_MAX; e++)
-        if (memcmp(&ref[s][e], &res[j].acc[s][e], 4) != 0 &&
-            !(isnan(ref[s][e]) && isnan(res[j].acc[s][e])))
-          bad = e;
-      CHECK(bad == SIZE_MAX, "[%s] step %d shard %d: the sum is the reference scheme's (first "
-            "difference at %zu: %g vs %g)", tc->name, s, j, bad,
-            bad == SIZE_MAX ? 0.0 : (double)res[j].acc[s][bad],
-            bad == SIZE_MAX ? 0.0 : (double)ref[s][bad]);
-      free(ref[s]);
-    }
+/* One rank's summed gradients (shard position j) against the reference's, every step. */
+static void check_reference_of(const tcase *tc, const result *r, int j) {
+  const sg__plan *p = r->plan;
+  float *ref[EF_STEPS];
+  for (int s = 0; s < tc->steps; s++) ref[s] = calloc(p->shard_numel, sizeof(float));
+  ref_run(tc, p, j, ref);
+  for (int s = 0; s < tc->steps; s++) {
+    size_t bad = SIZE_MAX;
+    for (size_t e = 0; e < p->shard_numel && bad == SIZE_MAX; e++)
+      if (memcmp(&ref[s][e], &r->acc[s][e], 4) != 0 && !(isnan(ref[s][e]) && isnan(r->acc[s][e])))
+        bad = e;
+    CHECK(bad == SIZE_MAX, "[%s] step %d shard %d: the sum is the reference scheme's (first "
+          "difference at %zu: %g vs %g)", tc->name, s, j, bad,
+          bad == SIZE_MAX ? 0.0 : (double)r->acc[s][bad], bad == SIZE_MAX ? 0.0 : (double)ref[s][bad]);
+    free(ref[s]);
   }
+}
+
+static void check_reference(const tcase *tc, result *res) {
+  for (int j = 0; j < tc->l; j++) check_reference_of(tc, &res[j], j);
 }
 
 /* Error feedback. Per element, replica i's stage-1 residual telescopes: the sum over S steps of
@@ -515,8 +516,37 @@ static const tcase k_cases[] = {
     {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
 };
 
+/* --mpi, under mpirun -np 4 as 2x2: each process one rank, which checks its own summed
+ * gradients against the reference (the same on every replica of its shard position, so the
+ * ranks agree when each does). */
+static int run_mpi(void) {
+  sg_comm *world = NULL;
+  if (!CHECK(sg_comm_create_mpi(NULL, &world) == SG_OK, "MPI communicator")) return 1;
+  const int rank = sg_comm_rank(world), size = sg_comm_size(world);
+  if (CHECK(size == 4, "run under mpirun -np 4 (got %d ranks)", size)) {
+    static const tcase mpi_cases[] = {
+        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    };
+    for (int c = 0; c < 2; c++) {
+      result r;
+      memset(&r, 0, sizeof r);
+      run_arg a = {&mpi_cases[c], world, rank, &r};
+      sg_engine *e = run_thread(&a);
+      if (CHECK(r.ok, "[%s] rank %d ran: %s", mpi_cases[c].name, rank, r.err))
+        check_reference_of(&mpi_cases[c], &r, rank % 2);
+      sg_engine_destroy(e);
+      free_result(&mpi_cases[c], &r);
+    }
+  }
+  sg_comm_destroy(world);
+  char tag[64];
+  snprintf(tag, sizeof tag, "test_replica_codec (mpi rank %d)", rank);
+  return sg_test_summary(tag);
+}
+
 int main(int argc, char **argv) {
-  (void)argc, (void)argv;
+  if (argc > 1 && !strcmp(argv[1], "--mpi")) return run_mpi();
   check_errors();
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
   return sg_test_summary("test_replica_codec");
