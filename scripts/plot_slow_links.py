@@ -45,12 +45,12 @@ def main(argv):
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     base = runs["exact"]["evals"][-1][1] if "exact" in runs else None
-    print("| mode | final held-out loss | vs exact | wall time (s) |")
-    print("|---|---|---|---|")
+    print("| mode | final held-out loss | vs exact |")
+    print("|---|---|---|")
     for m, r in runs.items():
         last = r["evals"][-1][1]
         rel = "%+.2f%%" % (100 * (last / base - 1)) if base else "-"
-        print("| %s | %.4f | %s | %.0f |" % (LABELS.get(m, m), last, rel, r["elapsed"]))
+        print("| %s | %.4f | %s |" % (LABELS.get(m, m), last, rel))
     print("(curves: %s)" % os.path.relpath(png))
 
 
