@@ -8,7 +8,10 @@
  *                    (--ranks-per-node K, or 0: the ranks sharing a host) and
  *                    sg_engine_create_hybrid, told the micro-batches per step
  *                    (sg_set_microbatches), so each bucket's all-reduce across nodes starts in
- *                    the last backward pass; --wire f32|bf16: replica_reduce_dtype
+ *                    the last backward pass; --wire f32|bf16: replica_reduce_dtype;
+ *                    --codec none|int8|int4: replica_codec; --outer H: outer_every (outer
+ *                    steps every H steps: time the steps in multiples of H, and read
+ *                    step_mean_ms, the mean, which counts the outer steps' share)
  *   --mode compute   the model alone, no library and no communication: each rank's forward
  *                    and backward passes, its gradients written into a buffer of its own (as
  *                    they are into the engine's), no optimizer: the least a step can take on
@@ -45,6 +48,8 @@ typedef struct options {
   const char *mode, *iface;
   int sync_last, micro, steps, warmup, batch, hidden, layers, ranks_per_node, profile;
   sg_dtype dtype, wire;
+  sg_codec codec;
+  int outer;
   double bucket_mb;
 } options;
 
@@ -100,6 +105,8 @@ static void fill_config(const options *o, sg_config *cfg) {
   cfg->param_dtype = cfg->grad_dtype = cfg->reduce_dtype = o->dtype;
   cfg->bucket_bytes = (size_t)(o->bucket_mb * 1024.0 * 1024.0);
   cfg->replica_reduce_dtype = o->wire;
+  cfg->replica_codec = o->codec;
+  cfg->outer_every = o->outer;
   cfg->lr = 1e-4f; /* 1e-3 makes the 30M-parameter MLP's loss rise in the first steps */
   cfg->timeout_ms = 600000;
 }
@@ -238,7 +245,7 @@ static void print_profile(const options *o, const double *ph) {
 }
 
 typedef struct result {
-  double step_ms, sent_per_step, sent_max_node; /* bytes per timed step */
+  double step_ms, step_mean_ms, sent_per_step, sent_max_node; /* bytes per timed step */
   float first_loss, last_loss;
   size_t params;
   int nodes;
@@ -302,6 +309,9 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
     link_totals(&start, &end, &sum, &max);
     r->sent_per_step = sum < 0 ? -1.0 : sum / o->steps;
     r->sent_max_node = max < 0 ? -1.0 : max / o->steps;
+    double total = 0;
+    for (int k = 0; k < o->steps; k++) total += times[k];
+    r->step_mean_ms = 1e3 * total / o->steps;
     qsort(times, (size_t)o->steps, sizeof *times, cmp_double);
     r->step_ms = 1e3 * (o->steps % 2 ? times[o->steps / 2]
                                      : 0.5 * (times[o->steps / 2 - 1] + times[o->steps / 2]));
@@ -325,7 +335,8 @@ static int usage(void) {
   fprintf(stderr,
           "usage: sg_bench_cluster [--mode flat|hybrid|compute] [--sync every|last] [--micro N] "
           "[--steps N] [--warmup N] [--batch N] [--hidden N] [--layers N] [--dtype f32|bf16] "
-          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--ranks-per-node K] [--profile]   "
+          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--codec none|int8|int4] [--outer H] [--ranks-per-node K] "
+          "[--profile]   "
           "(under mpirun)\n");
   return -1;
 }
@@ -345,6 +356,10 @@ static int other_flag(options *o, const char *a, const char *v) {
     return 0;
   }
   if (!strcmp(a, "--bucket-mb")) return (o->bucket_mb = atof(v)) <= 0.0;
+  if (!strcmp(a, "--codec")) {
+    o->codec = !strcmp(v, "int8") ? SG_CODEC_INT8 : !strcmp(v, "int4") ? SG_CODEC_INT4 : SG_CODEC_NONE;
+    return strcmp(v, "int8") && strcmp(v, "int4") && strcmp(v, "none");
+  }
   sg_dtype *dt = !strcmp(a, "--dtype") ? &o->dtype : !strcmp(a, "--wire") ? &o->wire : NULL;
   if (!dt) return 1;
   *dt = !strcmp(v, "bf16") ? SG_BF16 : SG_F32;
@@ -361,7 +376,8 @@ static int parse_args(int argc, char **argv, options *o) {
                                  {"--batch", 1, 1 << 30, &o->batch},
                                  {"--hidden", 1, 1 << 30, &o->hidden},
                                  {"--layers", 1, MLP_MAX_LAYERS, &o->layers},
-                                 {"--ranks-per-node", 0, 1 << 30, &o->ranks_per_node}};
+                                 {"--ranks-per-node", 0, 1 << 30, &o->ranks_per_node},
+                                 {"--outer", 0, 1 << 30, &o->outer}};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     int bad = 0;
@@ -404,11 +420,12 @@ int main(int argc, char **argv) {
     st = run(&o, comm, node, &r);
   if (st == SG_OK && rank == 0)
     printf("RESULT impl=shardgrad mode=%s sync=%s micro=%d W=%d nodes=%d params=%zu dtype=%s "
-           "wire=%s batch=%d steps=%d step_ms=%.1f link_sent_per_step=%.0f "
+           "wire=%s codec=%d outer=%d batch=%d steps=%d step_ms=%.1f step_mean_ms=%.1f "
+           "link_sent_per_step=%.0f "
            "link_sent_max_node=%.0f loss_first=%.6f loss_last=%.6f\n",
            o.mode, o.sync_last ? "last" : "every", o.micro, world, r.nodes, r.params,
-           o.dtype == SG_BF16 ? "bf16" : "f32", o.wire == SG_BF16 ? "bf16" : "f32", o.batch,
-           o.steps, r.step_ms, r.sent_per_step,
+           o.dtype == SG_BF16 ? "bf16" : "f32", o.wire == SG_BF16 ? "bf16" : "f32", (int)o.codec,
+           o.outer, o.batch, o.steps, r.step_ms, r.step_mean_ms, r.sent_per_step,
            r.sent_max_node, (double)r.first_loss, (double)r.last_loss);
   sg_comm_destroy(comm);
   MPI_Comm_free(&node);

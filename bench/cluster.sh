@@ -21,11 +21,17 @@
 #                    [--python PY] [--no-torch] [--no-alone]
 #                    [--flat-sync "every last"] [--wires "f32 bf16"]
 #                    [--torch-sync "every last allreduce-last"] [--profile]
-#                    [--cluster NAME] [--subnet A.B.C]
+#                    [--cluster NAME] [--subnet A.B.C] [--slow "int8 int4 outer8 outer32"]
+#                    [--no-flat]
 # --flat-sync: the flat variants (with more than one micro-batch; "every" always runs, it is the
 # baseline of the ratios); --wires: the hybrid rows; --torch-sync: the PyTorch rows (those
 # listed; "last" and "allreduce-last" only with more than one micro-batch). A quick subset:
 #   bench/cluster.sh --rates 1gbit --micro 8 --flat-sync every --wires bf16 --torch-sync allreduce-last
+# --slow: hybrid rows of the slow-link modes (docs/slow-links.md): intN (replica_codec, f32
+# accumulator) and outerH (outer steps every H, f32 wire; outerHbf16: bf16 wire), each outer row
+# timed over H steps so that one outer step falls in it (read "mean ms" there: the median
+# leaves the outer step out). --no-flat leaves out the flat row (at 100 Mbit/s with 8
+# micro-batches it alone takes minutes); "vs flat" then divides by the first row.
 # --profile: a second table, where each shardgrad row's step went (sg_bench_cluster --profile:
 # forward+backward, reductions inside the engine's communicator, the all-reduce across nodes,
 # sg_step, AdamW, all-gather, CPU seconds per rank).
@@ -39,7 +45,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$ROOT/build RATES="1gbit 10gbit" MICROS="1 8" STEPS=2 WARMUP=1 BATCH=2 HIDDEN=2048
 LAYERS=9 PY="" TORCH=1 FLAT_SYNC="every last" TORCH_SYNC="every last allreduce-last"
-WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0 BUCKET=32 ALONE=1
+WIRES="f32 bf16" PROFILE="" CNAME=sgbench CSUBNET=10.79.0 BUCKET=32 ALONE=1 SLOW="" FLAT=1
 while [ $# -gt 0 ]; do
   case $1 in
     --build) BUILD=$(cd "$2" && pwd); shift 2 ;;
@@ -58,6 +64,8 @@ while [ $# -gt 0 ]; do
     --torch-sync) TORCH_SYNC=$2; shift 2 ;;
     --wires) WIRES=$2; shift 2 ;;
     --profile) PROFILE=--profile; shift ;;
+    --slow) SLOW=$2; shift 2 ;;
+    --no-flat) FLAT=0; shift ;;
     --cluster) CNAME=$2; shift 2 ;;
     --subnet) CSUBNET=$2; shift 2 ;;
     *) sed -n '2,32p' "$0" >&2; exit 64 ;;
@@ -104,13 +112,23 @@ for rate in $RATES; do
   "${CL[@]}" down >/dev/null 2>&1
   "${CL[@]}" up --nodes 2 --rate "$rate" 2>/dev/null || exit 1
   for micro in $MICROS; do
-    one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
+    [ "$FLAT" = 1 ] &&
+      one "$rate" "$micro" "shardgrad flat ZeRO-2, sync every" "$BENCH" --mode flat --sync every --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     [ "$micro" -gt 1 ] && [[ " $FLAT_SYNC " == *" last "* ]] &&
       one "$rate" "$micro" "shardgrad flat ZeRO-2, no_sync" "$BENCH" --mode flat --sync last --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
     [ "$ALONE" = 1 ] &&
       one "$rate" "$micro" "the model alone (no library)" "$BENCH" --mode compute --micro "$micro" "${model[@]}" $PROFILE
     for wire in $WIRES; do
       one "$rate" "$micro" "shardgrad hybrid, $wire wire" "$BENCH" --mode hybrid --wire "$wire" --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE
+    done
+    for m in $SLOW; do
+      case $m in
+        int8|int4) one "$rate" "$micro" "shardgrad hybrid, $m codes + feedback" "$BENCH" --mode hybrid --codec "$m" --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE ;;
+        outer*) h=${m#outer} w=f32
+          [[ $h == *bf16 ]] && { h=${h%bf16}; w=bf16; }
+          one "$rate" "$micro" "shardgrad hybrid, outer steps H=$h, $w" "$BENCH" --mode hybrid --outer "$h" --wire "$w" --micro "$micro" --steps "$h" --warmup "$WARMUP" --batch "$BATCH" --hidden "$HIDDEN" --layers "$LAYERS" --bucket-mb "$BUCKET" $PROFILE ;;
+        *) echo "bench/cluster.sh: unknown --slow mode $m" >&2; exit 64 ;;
+      esac
     done
     if [ "$TORCH" = 1 ]; then
       fsdp=("$PY" "$ROOT/bench/cluster_fsdp.py" --ranks-per-node 2 --master "$CNAME-n0" --micro "$micro" "${model[@]}")
@@ -133,22 +151,25 @@ echo "bench/cluster.sh: 2 nodes x 2 ranks (W=4), MLP $LAYERS layers x $HIDDEN ($
 # bits per second of a tc rate (1gbit, 100mbit, 10g)
 bps() { awk -v r="${1,,}" 'BEGIN{n=r+0; u=r; sub(/^[0-9.]+/,"",u); f=1;
   if (u ~ /^k/) f=1e3; else if (u ~ /^m/) f=1e6; else if (u ~ /^g/) f=1e9; printf "%.0f", n*f}'; }
-printf '%-9s %5s  %-38s %10s %9s %13s %13s\n' "link" "micro" "variant" "step ms" "vs flat" "link MB/step" "link s/step"
+printf '%-9s %5s  %-38s %10s %9s %13s %13s %10s\n' "link" "micro" "variant" "step ms" "vs flat" "link MB/step" "link s/step" "mean ms"
 base=""
 for r in "${RESULTS[@]}"; do
   rate=$(field rate "$r") micro=$(field micro "$r") label=${r#*label=}
   label=${label%%|*}
   ms=$(field step_ms "$r") sent=$(field link_sent_per_step "$r") maxn=$(field link_sent_max_node "$r")
   case $label in "shardgrad flat ZeRO-2, sync every") base=$ms ;; esac
+  if [ "$FLAT" = 0 ] && [ "$rate/$micro" != "${group:-}" ]; then base=$ms group=$rate/$micro; fi
+  mean=$(field step_mean_ms "$r")
   if [ -z "$ms" ]; then
     printf '%-9s %5s  %-38s %10s\n' "$rate" "$micro" "$label" "FAILED"
   else
-    printf '%-9s %5s  %-38s %10.1f %8.2fx %13.1f %13.2f\n' "$rate" "$micro" "$label" "$ms" \
+    printf '%-9s %5s  %-38s %10.1f %8.2fx %13.1f %13.2f %10s\n' "$rate" "$micro" "$label" "$ms" \
       "$(awk -v a="$ms" -v b="${base:-$ms}" 'BEGIN{print a/b}')" \
       "$(awk -v s="$sent" 'BEGIN{print (s < 0 ? -1 : s/1e6)}')" \
-      "$(awk -v s="$maxn" -v b="$(bps "$rate")" 'BEGIN{print (s < 0 ? -1 : 8*s/b)}')"
+      "$(awk -v s="$maxn" -v b="$(bps "$rate")" 'BEGIN{print (s < 0 ? -1 : 8*s/b)}')" "${mean:--}"
   fi
 done
+echo "mean ms: the mean of the same steps (outer-step rows: over H steps, one outer step among them)."
 echo "step ms: median time per optimizer step, slowest rank; vs flat: / shardgrad flat ZeRO-2 (sync every) at the same link and micro-batches."
 echo "link MB/step: bytes all nodes sent on their links per step (interface counters; TCP/IP headers included). link s/step: the busiest node's bytes at the link rate, the least time the link needs per step."
 echo "Shaping: tc tbf at the rate on both ends of each node's link."

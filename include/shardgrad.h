@@ -81,6 +81,13 @@ typedef enum {
   SG_SHARD_OPT = 1,    /* ZeRO-1: master weights and moments sharded */
   SG_SHARD_GRAD_OP = 2 /* ZeRO-2: gradients too (only staging buckets are full size) */
 } sg_strategy;
+/* sg_config.replica_codec: how a hybrid engine's per-step sum across replicas goes on the wire
+ * (docs/slow-links.md). */
+typedef enum {
+  SG_CODEC_NONE = 0, /* exact: replica_reduce_dtype (f32 or bf16) */
+  SG_CODEC_INT8 = 1, /* blockwise-scaled int8 with error feedback (~0.25x the bytes of f32) */
+  SG_CODEC_INT4 = 2  /* blockwise-scaled 4-bit with error feedback (~0.13x) */
+} sg_codec;
 
 /* sg_add_param flags */
 #define SG_PARAM_NO_DECAY 1u /* weight_decay does not apply (biases, norms) */
@@ -267,6 +274,29 @@ typedef struct sg_config {
                                layout: ranks per node); 0 = all `world` ranks (flat). Engines take
                                the layout from their communicators and require 0 or that size. */
   int reserved_0_3;         /* 0 (must stay 0): ends the 0.3 block on an 8-byte boundary */
+  /* --- 0.4 --- */
+  sg_codec replica_codec;   /* SG_CODEC_NONE (default): hybrid engines only: the per-step sum of
+                               each rank's gradient slice across replicas compressed (blocks of
+                               256 with an fp32 scale) with error feedback: each rank keeps what
+                               its codes missed (a residual of its slice, fp32) and adds it to
+                               the next step's. Two stages, so every replica ends with the same
+                               bits: each replica's codes of chunk k go to replica k, which sums
+                               them decoded in replica order, encodes the sum (with a residual
+                               of its own) and sends it to all. Needs an f32 accumulator, the
+                               CPU device and a host communicator (threads, MPI, caller's
+                               transport) for replicas; a flat engine refuses it. */
+  int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
+                               steps. The step's gradient is summed inside the node only (each
+                               replica runs its own AdamW steps, averaged over its L ranks), and
+                               after every H-th sg_step (skipped ones count) the replicas agree:
+                               the pseudo-gradient (the parameters at the last outer step minus
+                               now, fp32, averaged over the replicas in replica_reduce_dtype on
+                               the wire) takes a Nesterov momentum SGD step of the outer
+                               parameters, which become every replica's parameters. The outer
+                               state (parameters and momentum, fp32) is sharded like the
+                               master. CPU device; not with replica_codec (yet). */
+  double outer_lr;          /* 0.7 (DiLoCo's): the outer step's learning rate, > 0 */
+  double outer_momentum;    /* 0.9 (DiLoCo's): its Nesterov momentum, in [0, 1) */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
    * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */

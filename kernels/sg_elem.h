@@ -170,6 +170,54 @@ SG_HD uint32_t sg_elem_hash64(uint64_t seed, uint64_t step, uint64_t index) {
 /* acc + src in fp32 (one rounding); the caller rounds the result to the accumulator dtype. */
 SG_HD float sg_elem_accumulate(float acc, float src) { return acc + src; }
 
+/* ---- blockwise codes (the replica codecs, src/engine/policy/sg_replica_codec.c) ----------- */
+
+/* Elements per block; each block has one fp32 scale. */
+#define SG_ELEM_CODE_BLOCK 256
+
+/* The largest magnitude so far, m, with |v|: NaN once any value was NaN (a comparison alone
+ * would skip it), inf once any was infinite. */
+SG_HD float sg_elem_code_amax(float m, float v) {
+  const float a = fabsf(v);
+  return (a != a || a > m) ? a : m;
+}
+
+/* The scale of a block of largest magnitude amax, codes in [-qmax, qmax]: amax / qmax. A
+ * non-finite block gets a NaN scale, so that all it decodes to is NaN and the step that sums
+ * it is non-finite on every replica. */
+SG_HD float sg_elem_code_scale(float amax, float qmax) {
+  return sg_elem_isfinite(amax) ? amax / qmax : sg_elem_u2f(0x7fc00000u);
+}
+
+/* The code of v under scale s: v / s rounded to nearest even, clamped to [-qmax, qmax] (the
+ * quotient of the largest value may round just past qmax); 0 under a zero or NaN scale. */
+SG_HD int sg_elem_code(float v, float s, float qmax) {
+  if (!(s > 0.0f)) return 0;
+  float q = rintf(v / s);
+  q = q > qmax ? qmax : q;
+  q = q < -qmax ? -qmax : q;
+  return (int)q;
+}
+
+SG_HD float sg_elem_decode(int q, float s) { return (float)q * s; }
+
+/* What the code of x missed, kept for the next step (error feedback); dropped (0) where the
+ * block is non-finite, so that one bad step does not poison every later one. */
+SG_HD float sg_elem_code_residual(float x, float decoded) {
+  return sg_elem_isfinite(decoded) ? x - decoded : 0.0f;
+}
+
+/* ---- outer steps (DiLoCo, src/engine/policy/sg_replica_outer.c) --------------------------- */
+
+/* One Nesterov momentum SGD step of an outer parameter po, on the replicas' mean
+ * pseudo-gradient d (the parameter at the last outer step minus now), as torch.optim.SGD with
+ * nesterov=True: m = mu m + d, then po - lr (d + mu m). Returns the new po. */
+SG_HD float sg_elem_outer_nesterov(float po, float d, float *m, float lr, float mu) {
+  const float mi = mu * *m + d;
+  *m = mi;
+  return po - lr * (d + mu * mi);
+}
+
 /* ---- AdamW ------------------------------------------------------------------------------- */
 
 /* Per-step constants of one AdamW update (see kernels/sg_kernel_args.h for how the host

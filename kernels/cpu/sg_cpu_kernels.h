@@ -60,4 +60,19 @@ void sg__cpu_reduce_add(void *dst, const void *src, int dtype, size_t n);
 void sg__cpu_reduce_fold(void *acc, int acc_dtype, const void *const *srcs, const int *dtypes,
                          int nsrc, int sum_dtype, size_t n, int first);
 
+/* Blockwise codes (kernels/cpu/sg_cpu_codec.c; bits 8 or 4): the bytes of n values encoded
+ * (per block of SG_ELEM_CODE_BLOCK: a 4-byte scale and its codes, a short last block padded);
+ * the encoding of src + resid into out (scales first, then the codes), resid becoming what
+ * the codes missed; and the decoding of n values into dst (add: dst + them, fp32). */
+size_t sg__cpu_code_bytes(size_t n, int bits);
+void sg__cpu_code_encode(void *out, const float *src, float *resid, size_t n, int bits);
+void sg__cpu_code_decode(float *dst, const void *in, size_t n, int bits, int add);
+
+/* Outer steps (kernels/cpu/sg_cpu_outer.c): d = po - theta (the pseudo-gradient); and the step
+ * from the replicas' sum dsum of it: d = dsum / nrep, po and m by sg_elem_outer_nesterov,
+ * theta = po. */
+void sg__cpu_outer_delta(float *d, const float *po, const float *theta, size_t n);
+void sg__cpu_outer_step(float *po, float *m, float *theta, const float *dsum, size_t n, int nrep,
+                        float lr, float mu);
+
 #endif /* SG_CPU_KERNELS_H */

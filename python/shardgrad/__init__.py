@@ -10,7 +10,7 @@ The C library is found through SHARDGRAD_LIBRARY, next to this package, or the s
 """
 
 from ._lib import LibraryNotFoundError, library_path
-from ._structs import MAX_GROUPS, PARAM_NO_DECAY, DType, Device, Status, Strategy, TraceKind
+from ._structs import MAX_GROUPS, PARAM_NO_DECAY, Codec, DType, Device, Status, Strategy, TraceKind
 from .config import Config
 from .core import (Comm, Engine, MemoryStats, StepInfo, TraceEvent, estimate_memory,
                    has_backend, last_error, run_threads, status_string, version)
@@ -32,7 +32,7 @@ def __getattr__(name):
 __all__ = [
     "LibraryNotFoundError", "library_path", "MAX_GROUPS",
     "PARAM_NO_DECAY", "DType", "Device", "Status",
-    "Strategy", "TraceKind", "Config", "Comm", "Engine", "MemoryStats", "StepInfo", "TraceEvent",
+    "Strategy", "Codec", "TraceKind", "Config", "Comm", "Engine", "MemoryStats", "StepInfo", "TraceEvent",
     "trace_overlap", "estimate_memory", "has_backend", "last_error", "run_threads",
     "status_string", "version", "ShardgradError",
     "InvalidArgumentError", "InvalidStateError", "OutOfMemoryError", "UnsupportedError",

@@ -46,6 +46,12 @@ class Strategy(enum.IntEnum):
     SHARD_GRAD_OP = 2
 
 
+class Codec(enum.IntEnum):
+    NONE = 0
+    INT8 = 1
+    INT4 = 2
+
+
 class TraceKind(enum.IntEnum):
     GRAD_READY = 0  # instant on the caller's queue: a gradient became ready (id = parameter)
     REDUCE = 1      # span on the comm queue: one bucket's reduction (id = bucket index)
@@ -98,6 +104,11 @@ class SgConfig(ctypes.Structure):
         ("replica_reduce_dtype", ctypes.c_int),
         ("shard_ranks", ctypes.c_int),
         ("reserved_0_3", ctypes.c_int),
+        # --- 0.4 ---
+        ("replica_codec", ctypes.c_int),
+        ("outer_every", ctypes.c_int),
+        ("outer_lr", ctypes.c_double),
+        ("outer_momentum", ctypes.c_double),
     ]
 
 

@@ -4,7 +4,7 @@ import ctypes
 import math
 
 from . import _lib
-from ._structs import DType, Device, SgConfig, SgMemoryStats, Strategy
+from ._structs import Codec, DType, Device, SgConfig, SgMemoryStats, Strategy
 from .errors import ShardgradError, UnsupportedError, check
 
 __all__ = ["Config", "to_dtype", "to_strategy", "to_device"]
@@ -21,6 +21,7 @@ _STRATEGY_NAMES = {
     "shard_grad_op": Strategy.SHARD_GRAD_OP, "zero2": Strategy.SHARD_GRAD_OP,
 }
 _DEVICE_NAMES = {"cpu": Device.CPU, "cuda": Device.CUDA, "gpu": Device.CUDA}
+_CODEC_NAMES = {"none": Codec.NONE, "int8": Codec.INT8, "int4": Codec.INT4}
 
 
 def _enum(value, enum_cls, names, what):
@@ -70,9 +71,14 @@ def to_device(value, what="device"):
     return _enum(value, Device, _DEVICE_NAMES, what)
 
 
+def to_codec(value, what="replica_codec"):
+    return _enum(value, Codec, _CODEC_NAMES, what)
+
+
 _ENUM_FIELDS = {
     "strategy": to_strategy, "device": to_device, "param_dtype": to_dtype, "grad_dtype": to_dtype,
     "reduce_dtype": to_dtype, "accum_dtype": to_dtype, "replica_reduce_dtype": to_dtype,
+    "replica_codec": to_codec,
 }
 _INT_TYPES = {ctypes.c_int: (-2**31, 2**31 - 1), ctypes.c_size_t: (0, 2**64 - 1),
               ctypes.c_uint64: (0, 2**64 - 1)}
@@ -87,8 +93,10 @@ _BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overla
 _NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
 # Published sizes of sg_config, newest first (include/shardgrad.h, "Appending"): 0.2's, then
 # 0.1's (0.1 ended at timeout_ms plus tail padding, where 0.2's overlap_param_gather went).
-# 0.3 appended a block after reserved_0_2, so its fields lie past 0.2's struct_size.
-_SIZES = (ctypes.sizeof(SgConfig), SgConfig.offload_optimizer.offset, SgConfig.reserved_0_2.offset)
+# 0.3 appended a block after reserved_0_2, so its fields lie past 0.2's struct_size; 0.4 one
+# after reserved_0_3.
+_SIZES = (ctypes.sizeof(SgConfig), SgConfig.replica_codec.offset, SgConfig.offload_optimizer.offset,
+          SgConfig.reserved_0_2.offset)
 
 
 class Config:
@@ -155,7 +163,7 @@ class Config:
         if name in _ENUM_FIELDS:
             return int(_ENUM_FIELDS[name](value, name))
         ctype = _FIELD_TYPES[name]
-        if ctype is ctypes.c_float:
+        if ctype in (ctypes.c_float, ctypes.c_double):
             if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
                 raise TypeError("Config.%s: expected a number, got %r" % (name, value))
             f = float(value)

@@ -388,6 +388,7 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
   /* Gradients accumulated before the load belong to the old state. */
   SG_TRY(sg__grads_clear(e));
   SG_TRY(sg__ck_gather_params(e));
+  sg__replicas_restore(e); /* a codec's residuals, the outer steps' period: afresh */
   /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
   sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
   sg__scale_restore(e, (int)c->m.dynamic_scale, c->m.loss_scale, c->m.clean_steps);

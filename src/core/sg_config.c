@@ -21,10 +21,11 @@ static const sg__config_layout layouts[] = {
     {"0.1", SG__ROUND_UP(SG__END_OF(timeout_ms), _Alignof(sg_config)), SG__END_OF(timeout_ms)},
     {"0.2", SG__END_OF(reserved_0_2), SG__END_OF(reserved_0_2)},
     {"0.3", SG__END_OF(reserved_0_3), SG__END_OF(reserved_0_3)},
+    {"0.4", SG__END_OF(outer_momentum), SG__END_OF(outer_momentum)},
 };
 #define SG__NLAYOUTS ((int)(sizeof layouts / sizeof layouts[0]))
 #define SG__CONFIG_V1_SIZE (layouts[0].size)
-_Static_assert(sizeof(sg_config) == SG__END_OF(reserved_0_3),
+_Static_assert(sizeof(sg_config) == SG__END_OF(outer_momentum),
                "the newest sg_config block must end without tail padding (see layouts)");
 
 /* The layout a caller's struct_size names; NULL for a size no release published. */
@@ -69,6 +70,10 @@ static void sg__config_defaults(sg_config *c) {
   c->replica_reduce_dtype = SG_F32;
   c->shard_ranks = 0;
   c->reserved_0_3 = 0;
+  c->replica_codec = SG_CODEC_NONE;
+  c->outer_every = 0;
+  c->outer_lr = 0.7;
+  c->outer_momentum = 0.9;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
@@ -203,6 +208,30 @@ static sg_status sg__config_check_0_3(const sg_config *c, const char *fn) {
   return SG_OK;
 }
 
+static sg_status sg__config_check_0_4(const sg_config *c, const char *fn) {
+  if (c->replica_codec != SG_CODEC_NONE && c->replica_codec != SG_CODEC_INT8 &&
+      c->replica_codec != SG_CODEC_INT4)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->replica_codec must be SG_CODEC_NONE, "
+                   "SG_CODEC_INT8 or SG_CODEC_INT4 (got %d)", fn, (int)c->replica_codec);
+  if (c->replica_codec != SG_CODEC_NONE && c->accum_dtype != SG_F32)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->replica_codec needs cfg->accum_dtype "
+                   "SG_F32 (its residuals and sums are fp32)", fn);
+  if (c->outer_every < 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_every must be >= 1 (the inner steps "
+                   "between outer steps), or 0 for none (got %d)", fn, c->outer_every);
+  if (!(isfinite(c->outer_lr) && c->outer_lr > 0))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_lr must be finite and > 0 (got %g)",
+                   fn, c->outer_lr);
+  if (!(c->outer_momentum >= 0 && c->outer_momentum < 1))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_momentum must be in [0, 1) (got %g)",
+                   fn, c->outer_momentum);
+  if (c->outer_every > 0 && c->replica_codec != SG_CODEC_NONE)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->outer_every with cfg->replica_codec: the outer "
+                   "steps' pseudo-gradient has no codec yet (use replica_reduce_dtype SG_BF16 "
+                   "for a smaller wire)", fn);
+  return SG_OK;
+}
+
 static sg_status sg__config_check_scale(const sg_config *c, const char *fn) {
   SG_TRY(sg__check_min(fn, "loss_scale", c->loss_scale, 0.0f, 0));
   SG_TRY(sg__check_min(fn, "init_loss_scale", c->init_loss_scale, 0.0f, 1));
@@ -228,6 +257,7 @@ sg_status sg__config_check(const sg_config *c, const char *fn) {
   SG_TRY(sg__config_check_optim(c, fn));
   SG_TRY(sg__config_check_scale(c, fn));
   SG_TRY(sg__config_check_0_3(c, fn));
+  SG_TRY(sg__config_check_0_4(c, fn));
   return SG_OK;
 }
 

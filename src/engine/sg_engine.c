@@ -38,6 +38,14 @@ static sg_status make_device(const sg_config *c, sg_comm *comm, sg__device **dev
 
 /* What a flat engine cannot honour yet, refused rather than ignored. */
 static sg_status check_flat_options(const sg_config *c, const sg_comm *comm, const char *fn) {
+  if (c->replica_codec != SG_CODEC_NONE)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->replica_codec compresses the sum across "
+                   "the replicas of a hybrid engine; a flat engine has none (use "
+                   "sg_engine_create_hybrid, or SG_CODEC_NONE)", fn);
+  if (c->outer_every != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_every synchronises the replicas of a "
+                   "hybrid engine every H steps; a flat engine has none (use "
+                   "sg_engine_create_hybrid, or 0)", fn);
   if (c->shard_ranks != 0 && c->shard_ranks != comm->world)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->shard_ranks is %d but the communicator has %d ranks (0 = all)", fn,

@@ -113,6 +113,17 @@ typedef struct sg__replica_ops {
    * finished (their failure, if any). */
   sg_status (*run)(sg_engine *e, sg__job_fn fn, void *arg);
   sg_status (*drain)(sg_engine *e);
+  /* The replicas the step's gradient is summed over (the averaging's N; outer steps: 1, each
+   * replica steps on its node's gradient). */
+  int (*grad_replicas)(const sg_engine *e);
+  /* After each sg_step: 1 when this step ends an outer period (outer steps: every H-th), then,
+   * once the step's gathers landed, sync makes every replica's parameters the outer step's
+   * (the engine gathers them in the node after it); others: 0, nothing. */
+  int (*sync_due)(sg_engine *e);
+  sg_status (*sync)(sg_engine *e);
+  /* After sg_load: the transport's own state starts again from the loaded parameters (a
+   * codec's residuals zeroed, outer steps' period and outer parameters begun afresh). */
+  void (*restore)(sg_engine *e);
 } sg__replica_ops;
 
 /* The memory a replica channel's host-side collectives take (rep.mem, chosen with the table):
@@ -143,6 +154,9 @@ typedef struct sg__replicas {
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;
+  /* A replica codec (cfg.replica_codec): its residuals and code buffers, in the layout's
+   * replica buffer (src/engine/policy/sg_replica_codec.c owns it); NULL without one. */
+  struct sg__codec *codec;
 } sg__replicas;
 
 /* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (at-step);
@@ -320,6 +334,14 @@ int sg__replicas_world(const sg_engine *e);
 int sg__replicas_writer(const sg_engine *e);
 /* The replica stage's piece of the layout for n replicas (estimate: W / shard_ranks). */
 void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out);
+/* The ranks the step's gradient sum spans: W, or the node's L with outer steps (averaging). */
+int sg__replicas_grad_world(const sg_engine *e);
+/* sg_step, after the update: whether this step ends an outer period, and the outer step
+ * (collective over the replicas; the caller then gathers the parameters in the node). */
+int sg__replicas_sync_due(sg_engine *e);
+sg_status sg__replicas_sync(sg_engine *e);
+/* sg_load, once the state is in: the transport's own state begins again. */
+void sg__replicas_restore(sg_engine *e);
 /* sg_finalize, after the shard's own agreement (st): every rank of the shard in the same
  * replica position, every replica with the same shard size, plan and config; any rank's
  * failure reaches every rank. Returns the verdict (SG_ERR_MISMATCH names the difference). */

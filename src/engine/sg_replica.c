@@ -12,13 +12,6 @@
 #include "policy/sg_replica_policy.h" /* sg__replica_select, sg__replica_flat */
 #include "sg_engine_internal.h"
 
-static size_t max_slice(const sg__plan *p) {
-  size_t m = 0;
-  for (int b = 0; b < p->nbuckets; b++)
-    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
-  return m;
-}
-
 sg_status sg__replicas_attach(sg_engine *e, sg_comm *replica, const char *fn) {
   e->rep.ops = &sg__replica_flat;
   if (!replica) return SG_OK;
@@ -65,11 +58,16 @@ int sg__replicas_world(const sg_engine *e) { return e->world * (e->rep.n > 0 ? e
 
 int sg__replicas_writer(const sg_engine *e) { return e->rep.rank == 0; }
 
+int sg__replicas_grad_world(const sg_engine *e) { return e->world * e->rep.ops->grad_replicas(e); }
+
+int sg__replicas_sync_due(sg_engine *e) { return e->rep.ops->sync_due(e); }
+
+sg_status sg__replicas_sync(sg_engine *e) { return e->rep.ops->sync(e); }
+
+void sg__replicas_restore(sg_engine *e) { e->rep.ops->restore(e); }
+
 void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out) {
-  out->replica_bytes = 0;
-  if (n > 1 && cfg->replica_reduce_dtype != cfg->accum_dtype)
-    out->replica_bytes = sg__mem_mul_sat(max_slice(p),
-                                         sg__dtype_size(cfg->replica_reduce_dtype));
+  out->replica_bytes = n > 1 ? sg__replica_select_bytes(p, cfg, n) : 0;
 }
 
 void sg__replicas_set_microbatches(sg_engine *e, int n) { e->rep.microbatches = n; }

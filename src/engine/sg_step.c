@@ -70,7 +70,7 @@ static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
 }
 
 static double global_norm(const sg_engine *e, const double ss[2]) {
-  const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_world(e) : 1.0;
+  const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_grad_world(e) : 1.0;
   return sqrt(ss[0]) * avg * (1.0 / (double)e->sc.loss_scale) * fabs(e->g.user_scale);
 }
 
@@ -100,6 +100,16 @@ sg_status sg_grad_scale(sg_engine *e, double factor) {
   return SG_OK;
 }
 
+/* The end of an outer period of a hybrid engine with outer steps (every step counts, skipped or
+ * not, so that the replicas stay in step): the step's gathers landed, the replicas agree on the
+ * parameters, and the node gathers them. Every other step, and other engines: nothing. */
+static sg_status outer_sync(sg_engine *e) {
+  if (!sg__replicas_sync_due(e)) return SG_OK;
+  SG_TRY(sg__step_settle(e));
+  SG_TRY(sg__engine_broken(e, sg__replicas_sync(e)));
+  return sg__gathers_all(e);
+}
+
 sg_status sg_step(sg_engine *e, sg_step_info *info) {
   SG_ENGINE_GUARD(e, "sg_step");
   static const char *fn = "sg_step";
@@ -110,7 +120,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   sg__grads_norm_drop(e); /* the next step computes its own */
   const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, NULL);
   sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
-  const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_world(e) : 1.0;
+  const double avg = e->cfg.grad_average ? 1.0 / sg__replicas_grad_world(e) : 1.0;
   const double inv_scale = 1.0 / (double)e->sc.loss_scale;
   const double norm = global_norm(e, ss);
   const int overflow = ss[1] > 0 || !isfinite(norm);
@@ -125,6 +135,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   else
     st = apply(e, (float)(avg * inv_scale * clip * e->g.user_scale), trace);
   if (st == SG_OK) st = sg__grads_clear_accum(e);
+  if (st == SG_OK) st = outer_sync(e);
   if (st != SG_OK) return st;
   v.step = e->opt.step;
   sg__scale_update(e, overflow);

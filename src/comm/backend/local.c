@@ -42,7 +42,8 @@ enum {
   OP_ALL_REDUCE = SG__COUNT_ALL_REDUCE,
   OP_REDUCE_SCATTER = SG__COUNT_REDUCE_SCATTER,
   OP_ALL_GATHER = SG__COUNT_ALL_GATHER,
-  OP_BROADCAST = SG__COUNT_BROADCAST
+  OP_BROADCAST = SG__COUNT_BROADCAST,
+  OP_ALL_TO_ALL = SG__COUNT_BROADCAST + 1 /* counted as an all-gather */
 };
 
 static const char *op_name(int op) {
@@ -55,6 +56,8 @@ static const char *op_name(int op) {
       return "all_gather";
     case OP_BROADCAST:
       return "broadcast";
+    case OP_ALL_TO_ALL:
+      return "all_to_all";
   }
   return "?";
 }
@@ -303,10 +306,12 @@ static sg_status check_common(sg_comm *c, const char *fn, const void *buf, size_
 static sg_status enter(sg_comm *c, const char *fn, const lpost *mine, int64_t deadline_ms) {
   SG_TRY(sg__comm_usable(c, fn));
   /* gathers and broadcasts count bytes, once (not per rank) */
-  const int bytes = mine->op == OP_ALL_GATHER || mine->op == OP_BROADCAST;
-  const int slices = mine->op == OP_REDUCE_SCATTER || mine->op == OP_ALL_GATHER;
+  const int a2a = mine->op == OP_ALL_TO_ALL;
+  const int bytes = mine->op == OP_ALL_GATHER || mine->op == OP_BROADCAST || a2a;
+  const int slices = mine->op == OP_REDUCE_SCATTER || mine->op == OP_ALL_GATHER || a2a;
   const size_t b = bytes ? mine->count : mine->count * elem_size(mine->dtype);
-  sg__comm_count(c, mine->op, slices ? (size_t)c->world * b : b, mine->root);
+  sg__comm_count(c, a2a ? SG__COUNT_ALL_GATHER : mine->op, slices ? (size_t)c->world * b : b,
+                 mine->root);
   if (group_is_broken(group_of(c))) return fail_broken(c, fn);
   if (mine->op == OP_BROADCAST && (mine->root < 0 || mine->root >= c->world)) {
     sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root out of range (%d, world %d)", fn, mine->root,
@@ -393,6 +398,26 @@ static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t d
     const sg_status st = lcopy(c, (char *)buf + off, (const char *)g->posts[k].buf + off, bytes);
     if (st != SG_OK) return fail_data(c, fn, st);
   }
+  return barrier(c, fn, deadline_ms, 1, 0);
+}
+
+/* Slice `rank` of every peer's send buffer into slot k of this rank's own recv buffer, which
+ * nobody else reads; the closing barrier keeps the send buffers until every rank copied. */
+static sg_status local_all_to_all(sg_comm *c, const void *send, void *recv, size_t bytes,
+                                  int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(local) all_to_all";
+  const lpost mine = {(void *)send, bytes, OP_ALL_TO_ALL, 0, -1, -1};
+  if (c && bytes > 0 && (!recv || !host_path(c))) {
+    SG_TRY(sg__comm_usable(c, fn));
+    sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s", fn,
+            recv ? "device memory (host memory only)" : "recv is NULL");
+    return fail_args(c, "passed invalid arguments");
+  }
+  SG_TRY(enter(c, fn, &mine, deadline_ms));
+  const lgroup *g = group_of(c);
+  const size_t mine_off = (size_t)c->rank * bytes;
+  for (int k = 0; k < g->world && bytes > 0; k++)
+    memcpy((char *)recv + (size_t)k * bytes, (const char *)g->posts[k].buf + mine_off, bytes);
   return barrier(c, fn, deadline_ms, 1, 0);
 }
 
@@ -489,7 +514,7 @@ static const sg__comm_ops local_ops = {
     "local",         local_all_reduce, local_reduce_scatter, local_all_gather,
     local_broadcast, local_bind,       local_unbind,         local_destroy,
     sg__comm_split_threads, NULL, /* node_leader: by host name (all threads share one) */
-    local_reduce_scatter_fold,
+    local_reduce_scatter_fold, local_all_to_all,
 };
 
 static sg_status group_create(int world, lgroup **out) {

@@ -473,6 +473,7 @@ static const sg__comm_ops sg__nccl_ops = {
     sg__nccl_split_op,
     NULL, /* node_leader: by host name */
     NULL, /* reduce_scatter_fold: device memory */
+    NULL, /* all_to_all: the replica codecs run on host buffers */
 };
 
 /* ---- channels --------------------------------------------------------------------------------- */

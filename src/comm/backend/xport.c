@@ -258,6 +258,12 @@ static sg_status x_broadcast(sg_comm *c, void *buf, size_t bytes, int root, int6
   return sg__coll_broadcast(&xc(c)->coll, buf, bytes, root, dl);
 }
 
+static sg_status x_all_to_all(sg_comm *c, const void *send, void *recv, size_t bytes,
+                              int64_t dl) {
+  if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
+  return sg__coll_all_to_all(&xc(c)->coll, send, recv, bytes, dl);
+}
+
 /* ---- lifetime ------------------------------------------------------------------------------- */
 
 static void fam_lock(xfam *f) { pthread_mutex_lock(&f->mu); }
@@ -307,15 +313,15 @@ static sg_status x_split(sg_comm *chan, const int *colors, const int *keys, int6
 static const sg__comm_ops xcomm_ops = {
     "xport", x_all_reduce, x_reduce_scatter, x_all_gather, x_broadcast,
     x_bind,  x_unbind,     x_destroy,        x_split,      NULL,
-    x_reduce_scatter_fold,
+    x_reduce_scatter_fold, x_all_to_all,
 };
 
 /* The algorithms' state for x, named after the transport in messages. */
 static sg_status coll_init(xcomm *x) {
   SG_TRY(sg__coll_init(&x->coll, &x->c, &xport_ops, x, (1 << SG__XPORT_CALL_BITS) - 1));
   static const char *const ops[] = {"", "all_reduce", "reduce_scatter", "all_gather",
-                                    "broadcast"};
-  for (int op = 1; op <= 4; op++)
+                                    "broadcast", "all_to_all"};
+  for (int op = 1; op <= 5; op++)
     snprintf(x->coll.fn[op], sizeof x->coll.fn[op], "sg_comm(%s) %s", x->name, ops[op]);
   return SG_OK;
 }

@@ -65,7 +65,7 @@
 #define SG__COLL_NAP_MAX_US 128u /* doubling up to this: a message waits at most this past its arrival */
 #define SG__COLL_BLOCK_US 2000u  /* one blocking sleep of a transport that signals completion */
 
-enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST };
+enum { OP_ALL_REDUCE = 1, OP_REDUCE_SCATTER, OP_ALL_GATHER, OP_BROADCAST, OP_ALL_TO_ALL };
 enum { AG_DIRECT = 0, AG_RING, AG_NATIVE };
 enum { RS_DIRECT = 0, RS_RING };
 
@@ -910,6 +910,50 @@ sg_status sg__coll_broadcast(sg__coll *k, void *buf, size_t bytes, int root, int
   return SG_OK;
 }
 
+/* Every rank posts slot `to` of send to each peer `to` and receives each peer's slot for it
+ * into recv, all at once (r talks to r+1, r+2, ... and hears r-1, r-2, ..., as the direct
+ * all-gather does), in pieces of at most SG__COLL_DIRECT_PIECE. */
+static sg_status post_all_to_all(const ring *R, const unsigned char *send, unsigned char *recv,
+                                 size_t *nsend, size_t *nrecv) {
+  sg__coll *m = R->k;
+  const int w = R->c->world, r = R->c->rank;
+  const size_t b = R->count;
+  for (int d = 1; d < w; d++) {
+    const int from = mod(r - d, w), to = mod(r + d, w);
+    for (size_t o = 0; o < b; o += SG__COLL_DIRECT_PIECE) {
+      const size_t n = b - o < SG__COLL_DIRECT_PIECE ? b - o : SG__COLL_DIRECT_PIECE;
+      SG_TRY(recv_from(R, recv + (size_t)from * b + o, n, from, &m->recvs[(*nrecv)++]));
+      SG_TRY(send_to(R, send + (size_t)to * b + o, n, to, &m->sends[(*nsend)++]));
+    }
+  }
+  return SG_OK;
+}
+
+sg_status sg__coll_all_to_all(sg__coll *k, const void *send, void *recv, size_t bytes,
+                              int64_t deadline_ms) {
+  const char *fn = k->fn[OP_ALL_TO_ALL];
+  sg_comm *c = k->c;
+  SG_TRY(sg__coll_check(c, fn, send, bytes, -1, (size_t)c->world));
+  SG_TRY(sg__coll_check(c, fn, recv, bytes, -1, (size_t)c->world));
+  ring R = make_ring(k, fn, recv, bytes, -1, 0, deadline_ms);
+  R.tag = call_tag(k, OP_ALL_TO_ALL, bytes, -1);
+  if (bytes == 0) return SG_OK;
+  const size_t own = (size_t)c->rank * bytes;
+  memcpy((unsigned char *)recv + own, (const unsigned char *)send + own, bytes);
+  const size_t per = (bytes + SG__COLL_DIRECT_PIECE - 1) / SG__COLL_DIRECT_PIECE;
+  const size_t nreq = (size_t)(c->world - 1) * per;
+  if (!grow((void **)&k->sends, &k->cap_sends, nreq, sizeof(sg__xreq)) ||
+      !grow((void **)&k->recvs, &k->cap_recvs, nreq, sizeof(sg__xreq)))
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of memory for %zu requests", fn, nreq);
+  for (size_t i = 0; i < nreq; i++) k->sends[i].active = k->recvs[i].active = 0;
+  size_t nsend = 0, nrecv = 0;
+  sg_status st = post_all_to_all(&R, send, recv, &nsend, &nrecv);
+  if (st == SG_OK) st = wait_all(k, fn, k->recvs, nrecv, deadline_ms);
+  if (st == SG_OK) st = wait_all(k, fn, k->sends, nsend, deadline_ms);
+  if (st != SG_OK) abort_requests(k, k->recvs, nrecv, 0, nsend);
+  return st;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Setup                                                                                     */
 
@@ -920,8 +964,8 @@ sg_status sg__coll_init(sg__coll *k, sg_comm *c, const sg__xport_ops *xp, void *
   k->tp = tp;
   k->tag_ub = tag_ub > 2 ? tag_ub : 32767;
   static const char *const names[] = {"", "all_reduce", "reduce_scatter", "all_gather",
-                                      "broadcast"};
-  for (int op = OP_ALL_REDUCE; op <= OP_BROADCAST; op++)
+                                      "broadcast", "all_to_all"};
+  for (int op = OP_ALL_REDUCE; op <= OP_ALL_TO_ALL; op++)
     snprintf(k->fn[op], sizeof k->fn[op], "sg_comm(%s) %s", xp->name, names[op]);
   k->rx = rx_alloc(k, SG__COLL_NRX * SG__COLL_PIECE);
   if (!k->rx)

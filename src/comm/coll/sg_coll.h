@@ -78,7 +78,7 @@ typedef struct sg__coll {
   sg__xreq *sends, *recvs;
   size_t *slot_send; /* per fp32 slot: index into sends of its last send */
   size_t cap_sends, cap_recvs, cap_slots;
-  char fn[5][48]; /* "sg_comm(<transport>) <op>" per op, for messages */
+  char fn[6][48]; /* "sg_comm(<transport>) <op>" per op, for messages */
 } sg__coll;
 
 /* c: the communicator (or channel) the collectives run for; tag_ub: the largest tag. */
@@ -95,6 +95,9 @@ sg_status sg__coll_reduce_scatter_fold(sg__coll *k, void *buf, size_t count, int
                                        const sg__fold *f, int64_t deadline);
 sg_status sg__coll_all_gather(sg__coll *k, void *buf, size_t bytes, int64_t deadline);
 sg_status sg__coll_broadcast(sg__coll *k, void *buf, size_t bytes, int root, int64_t deadline);
+/* all_to_all (sg_comm.h) */
+sg_status sg__coll_all_to_all(sg__coll *k, const void *send, void *recv, size_t bytes,
+                              int64_t deadline);
 
 /* The argument checks of every collective (also for staged device buffers). */
 sg_status sg__coll_check(sg_comm *c, const char *fn, const void *buf, size_t count, int dtype,

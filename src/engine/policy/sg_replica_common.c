@@ -7,7 +7,11 @@
 
 #include "sg_replica_policy.h"
 
-static int wire_dtype(const sg_engine *e) { return e->cfg.replica_reduce_dtype; }
+/* What the ranks of both communicators must agree on about the wire: its dtype, the codec and
+ * the outer steps' period, in one word. */
+static int wire_dtype(const sg_engine *e) {
+  return e->cfg.replica_reduce_dtype | (int)e->cfg.replica_codec << 4 | e->cfg.outer_every << 8;
+}
 
 /* ---- lifecycle ------------------------------------------------------------------------------- */
 
@@ -75,8 +79,8 @@ static sg_status round_a(sg_engine *e) {
                    "ranks with the same index on every node)", r, (int)o[RA_RANK], (int)o[RA_N],
                    e->rank, e->rep.rank, e->rep.n);
     else if (o[RA_WIRE] != mine[RA_WIRE])
-      st = sg__err(SG_ERR_MISMATCH, "config field replica_reduce_dtype differs between shard "
-                   "ranks %d and %d", r, e->rank);
+      st = sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec or "
+                   "outer_every differ between shard ranks %d and %d", r, e->rank);
   }
   free(all);
   return st;
@@ -145,8 +149,9 @@ static sg_status check_round_b(sg_engine *e, const uint64_t *all, const uint64_t
                      "of its own (join the ranks with the same index on every node)", e->rank, r,
                      (int)o[RB_SHARD_RANK]);
     if (o[RB_WIRE] != mine[RB_WIRE])
-      return sg__err(SG_ERR_MISMATCH, "config field replica_reduce_dtype differs between "
-                     "replica %d and this rank's (replica %d)", r, e->rep.rank);
+      return sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec or "
+                     "outer_every differ between replica %d and this rank's (replica %d)", r,
+                     e->rep.rank);
     if (o[RB_HASH] != mine[RB_HASH])
       return sg__err(SG_ERR_MISMATCH, "replica %d registered different parameters or a "
                      "different config (its plan differs from replica %d's)", r, e->rep.rank);
@@ -277,3 +282,12 @@ sg_status sg__replica_no_finish(sg_engine *e) {
   (void)e;
   return SG_OK;
 }
+
+int sg__replica_all_replicas(const sg_engine *e) { return e->rep.n; }
+
+int sg__replica_never_due(sg_engine *e) {
+  (void)e;
+  return 0;
+}
+
+void sg__replica_no_restore(sg_engine *e) { (void)e; }

@@ -29,6 +29,16 @@ static sg_status flat_allgather_host(sg_engine *e, void *host, size_t bytes) {
   return SG_OK;
 }
 
+static int flat_one(const sg_engine *e) {
+  (void)e;
+  return 1;
+}
+
+static int flat_never(sg_engine *e) {
+  (void)e;
+  return 0;
+}
+
 static sg_status flat_run(sg_engine *e, sg__job_fn fn, void *arg) {
   (void)e, (void)fn, (void)arg;
   return SG_OK;
@@ -39,5 +49,6 @@ const sg__replica_ops sg__replica_flat = {
     .agree = flat_agree, .open = flat_open, .after_reduce = flat_bucket, .rest = flat_ok,
     .allgather_host = flat_allgather_host, .broadcast_params = flat_bucket,
     .share_scratch = 0, .prepare = flat_ok, .release = flat_nothing, .claim = flat_bucket,
-    .finish = flat_ok, .run = flat_run, .drain = flat_ok,
+    .finish = flat_ok, .run = flat_run, .drain = flat_ok, .grad_replicas = flat_one,
+    .sync_due = flat_never, .sync = flat_ok, .restore = flat_nothing,
 };

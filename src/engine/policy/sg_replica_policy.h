@@ -16,6 +16,23 @@ extern const sg__replica_ops sg__replica_attached; /* sg_replica_direct.c */
 extern const sg__replica_ops sg__replica_unbound;  /* sg_replica_direct.c */
 extern const sg__replica_ops sg__replica_staged;   /* sg_replica_staged.c */
 extern const sg__replica_ops sg__replica_at_step;  /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
+extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
+extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
+/* sg_replica_outer.c: the bytes of its state (outer parameters, momentum, a run's wire). */
+size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg);
+
+/* sg_replica_select.c: the bytes of the layout's replica buffer (sg__replicas_shape). */
+size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n);
+
+/* sg_replica_codec.c: the codecs' scheme. Its buffer's bytes (residuals and exchange buffers)
+ * for a plan over n replicas; prepare (bits 8 or 4: e->rep.codec over the layout's replica
+ * buffer, zeroed) and release; and bucket b's sum across replicas through it (a comm job). */
+size_t sg__replica_codec_bytes(const sg__plan *p, int n, int bits);
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits);
+void sg__replica_codec_release(sg_engine *e);
+void sg__replica_codec_restore(sg_engine *e);
+sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 
 /* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select. */
 sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg__device **dev);
@@ -49,5 +66,13 @@ sg_status sg__replica_no_drain(sg_engine *e);
 sg_status sg__replica_no_prepare(sg_engine *e);
 void sg__replica_no_release(sg_engine *e);
 sg_status sg__replica_no_finish(sg_engine *e);
+/* The step's gradient summed over every replica; no outer period; nothing of its own to
+ * restore after a load. */
+int sg__replica_all_replicas(const sg_engine *e);
+int sg__replica_never_due(sg_engine *e);
+void sg__replica_no_restore(sg_engine *e);
+#define SG__REPLICA_EVERY_STEP                                                                    \
+  .grad_replicas = sg__replica_all_replicas, .sync_due = sg__replica_never_due,                 \
+  .sync = sg__replica_no_finish
 
 #endif /* SG_REPLICA_POLICY_H */

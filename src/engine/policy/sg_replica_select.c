@@ -14,9 +14,33 @@ static int channel_mem(const sg_engine *e, const sg_comm *replica, const sg__dev
   return replica->stream_ordered ? SG__REP_MEM_ANY : SG__REP_MEM_HOST;
 }
 
+/* A codec's exchange runs on host buffers through the replica communicator's all-to-all. */
+static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+  if (e->dev->kind != SG_DEVICE_CPU)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec runs on the CPU device only (its "
+                   "codes are encoded by the CPU loops; the CUDA device has no codec yet)");
+  if (!replica->ops->all_to_all)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
+                   "all-to-all (threads, MPI, a caller's transport); %s has none",
+                   replica->ops->name);
+  *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_int8 : &sg__replica_int4;
+  return SG_OK;
+}
+
+/* Outer steps read and write the master and parameters on the host. */
+static sg_status pick_outer(sg_engine *e, const sg__replica_ops **ops) {
+  if (e->dev->kind != SG_DEVICE_CPU)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
+                   "device has no outer step yet)");
+  *ops = &sg__replica_outer;
+  return SG_OK;
+}
+
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                       sg__device **dev) {
   *dev = NULL;
+  if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
+  if (e->cfg.outer_every > 0) return pick_outer(e, ops);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
     *ops = &sg__replica_host;
@@ -45,4 +69,21 @@ sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__rep
   SG_TRY(pick(e, replica, ops, dev));
   e->rep.mem = channel_mem(e, replica, *dev);
   return SG_OK;
+}
+
+static size_t max_slice(const sg__plan *p) {
+  size_t m = 0;
+  for (int b = 0; b < p->nbuckets; b++)
+    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
+  return m;
+}
+
+/* A codec's residuals and exchange buffers; else the wire buffer where the wire dtype is not
+ * the accumulator's. */
+size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
+  if (cfg->replica_codec != SG_CODEC_NONE)
+    return sg__replica_codec_bytes(p, n, cfg->replica_codec == SG_CODEC_INT8 ? 8 : 4);
+  if (cfg->outer_every > 0) return sg__replica_outer_bytes(p, cfg);
+  if (cfg->replica_reduce_dtype == cfg->accum_dtype) return 0;
+  return sg__mem_mul_sat(max_slice(p), sg__dtype_size(cfg->replica_reduce_dtype));
 }

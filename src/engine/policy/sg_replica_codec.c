@@ -1,0 +1,146 @@
+/* The replica codecs' scheme (cfg.replica_codec, docs/slow-links.md): the per-step sum of each
+ * bucket's slice across the N replicas of a hybrid engine, sent as blockwise-scaled codes with
+ * error feedback, in two stages so that every replica ends with the same bits:
+ *
+ *   1. x = slice + r1 (this rank's residual), split into N chunks of whole blocks; chunk k
+ *      encoded, r1 = x - decoded (what the codes missed, added back next step); the codes of
+ *      chunk k go to replica k (all-to-all).
+ *   2. replica k decodes the N codes of its chunk and sums them in replica order (fp32), adds
+ *      its own residual r2 and encodes that (r2 = what this second code missed); the codes go
+ *      to every replica (all-gather), and every replica, k included, decodes every chunk.
+ *
+ * Each rank sends 2 (N-1)/N of its slice's code bytes: at 8 bits 0.254x what the exact fp32
+ * all-reduce sends. The codes themselves (kernels/cpu/sg_cpu_codec.c, element math in
+ * kernels/sg_elem.h) are the codec tables' (sg_replica_int8.c, sg_replica_int4.c). This file
+ * owns e->rep.codec: made by prepare in sg_finalize, freed by release, its residuals in the
+ * layout's replica buffer (sg__replica_codec_bytes, counted in sg_memory's comm_bytes). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_code_*: the codes on the host */
+#include "../../../kernels/sg_elem.h"           /* SG_ELEM_CODE_BLOCK */
+#include "sg_replica_policy.h"
+
+#define BLOCK ((size_t)SG_ELEM_CODE_BLOCK)
+
+typedef struct sg__codec {
+  int bits;
+  float *r1;      /* this rank's slices' residuals, shard offsets (plan shard_numel) */
+  float *r2;      /* the residual of this rank's chunk of each bucket, at r2_off[b] */
+  size_t *r2_off; /* [nbuckets + 1] */
+  char *send, *recv; /* N chunk regions each, of the largest bucket's chunk bytes */
+} sg__codec;
+
+static size_t nblocks(size_t n) { return (n + BLOCK - 1) / BLOCK; }
+
+/* Chunk k of n values over N replicas: whole blocks, near-equal, the first ones longer. */
+static void chunk_of(size_t n, int N, int k, size_t *off, size_t *len) {
+  const size_t nb = nblocks(n), base = nb / (size_t)N, rem = nb % (size_t)N, kk = (size_t)k;
+  const size_t b0 = kk * base + (kk < rem ? kk : rem), nbk = base + (kk < rem ? 1u : 0u);
+  *off = b0 * BLOCK < n ? b0 * BLOCK : n;
+  *len = (b0 + nbk) * BLOCK < n ? (b0 + nbk) * BLOCK - *off : n - *off;
+}
+
+/* Values in the longest chunk of bucket b, and its code bytes per replica. */
+static size_t max_chunk(size_t n, int N) { return (nblocks(n) + (size_t)N - 1) / (size_t)N * BLOCK; }
+
+static size_t region_bytes(size_t n, int N, int bits) {
+  return sg__cpu_code_bytes(max_chunk(n, N), bits);
+}
+
+/* r1, r2 and the two exchange buffers, in bytes, for a plan over N replicas. */
+size_t sg__replica_codec_bytes(const sg__plan *p, int N, int bits) {
+  size_t r2 = 0, region = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const size_t n = sg__plan_slice_numel(p, b);
+    r2 += max_chunk(n, N);
+    if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
+  }
+  return 4u * (p->shard_numel + r2) + 2u * (size_t)N * region;
+}
+
+/* ---- the two stages ------------------------------------------------------------------------ */
+
+/* Stage 2's codes of chunk k, decoded into the slice by every replica. */
+static void decode_all(const sg__codec *k, float *acc, size_t n, int N, size_t region) {
+  for (int r = 0; r < N; r++) {
+    size_t off, len;
+    chunk_of(n, N, r, &off, &len);
+    sg__cpu_code_decode(acc + off, k->send + (size_t)r * region, len, k->bits, 0);
+  }
+}
+
+/* The owner's sum of its chunk: every replica's codes decoded in replica order (fp32 adds),
+ * into the slice, then encoded with its own residual into its slot of the send buffer. */
+static void owner_sum(const sg__codec *k, float *acc, float *r2, size_t n, int N, int me,
+                      size_t region) {
+  size_t off, len;
+  chunk_of(n, N, me, &off, &len);
+  for (int r = 0; r < N; r++)
+    sg__cpu_code_decode(acc + off, k->recv + (size_t)r * region, len, k->bits, r > 0);
+  sg__cpu_code_encode(k->send + (size_t)me * region, acc + off, r2, len, k->bits);
+}
+
+sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
+  sg__codec *k = e->rep.codec;
+  sg_comm *c = e->rep.comm;
+  const int N = e->rep.n, me = e->rep.rank;
+  const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
+  float *acc = (float *)sg__accum_of(e, b);
+  float *r1 = k->r1 + e->plan->buckets[b].shard_offset, *r2 = k->r2 + k->r2_off[b];
+  for (int r = 0; r < N; r++) {
+    size_t off, len;
+    chunk_of(n, N, r, &off, &len);
+    sg__cpu_code_encode(k->send + (size_t)r * region, acc + off, r1 + off, len, k->bits);
+  }
+  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  SG_TRY(c->ops->all_to_all(c, k->send, k->recv, region, dl));
+  owner_sum(k, acc, r2, n, N, me, region);
+  SG_TRY(c->ops->all_gather(c, k->send, region, dl));
+  decode_all(k, acc, n, N, region);
+  return SG_OK;
+}
+
+/* ---- lifecycle ----------------------------------------------------------------------------- */
+
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
+  const sg__plan *p = e->plan;
+  const int N = e->rep.n;
+  sg__codec *k = calloc(1, sizeof *k);
+  size_t *r2_off = calloc((size_t)p->nbuckets + 1, sizeof *r2_off);
+  if (!k || !r2_off) {
+    free(k);
+    free(r2_off);
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  }
+  size_t region = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const size_t n = sg__plan_slice_numel(p, b);
+    r2_off[b + 1] = r2_off[b] + max_chunk(n, N);
+    if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
+  }
+  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
+  memset(base, 0, e->lay.replica_bytes); /* no error carried yet */
+  k->bits = bits;
+  k->r1 = (float *)base;
+  k->r2 = k->r1 + p->shard_numel;
+  k->r2_off = r2_off;
+  k->send = (char *)(k->r2 + r2_off[p->nbuckets]);
+  k->recv = k->send + (size_t)N * region;
+  e->rep.codec = k;
+  return SG_OK;
+}
+
+/* A load's state is not what the residuals corrected (they are not in checkpoints: each is at
+ * most half a code step, so a resumed run loses one step's rounding, once). */
+void sg__replica_codec_restore(sg_engine *e) {
+  sg__codec *k = e->rep.codec;
+  if (k) memset(k->r1, 0, (size_t)(k->send - (char *)k->r1));
+}
+
+void sg__replica_codec_release(sg_engine *e) {
+  if (!e->rep.codec) return;
+  free(e->rep.codec->r2_off);
+  free(e->rep.codec);
+  e->rep.codec = NULL;
+}

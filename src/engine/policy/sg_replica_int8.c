@@ -1,0 +1,18 @@
+/* The int8 replica codec (SG_CODEC_INT8, docs/slow-links.md): the host transport's all-reduce
+ * across replicas replaced by the two-stage exchange of 8-bit blockwise codes with error
+ * feedback (sg_replica_codec.c), as a job on the engine's comm queue right behind the bucket's
+ * reduction. */
+#include "sg_replica_policy.h"
+
+static sg_status int8_prepare(sg_engine *e) { return sg__replica_codec_prepare(e, 8); }
+
+static sg_status int8_claim(sg_engine *e, int b) {
+  return sg__replica_submit(e, b, sg__replica_codec_reduce);
+}
+
+const sg__replica_ops sg__replica_int8 = {
+    .name = "host, int8 codes", SG__REPLICA_ENTRIES, .share_scratch = 1,
+    .prepare = int8_prepare, .release = sg__replica_codec_release, .claim = int8_claim,
+    .finish = sg__replica_no_finish, .run = sg__replica_run_comm, .drain = sg__replica_no_drain,
+    SG__REPLICA_EVERY_STEP, .restore = sg__replica_codec_restore,
+};

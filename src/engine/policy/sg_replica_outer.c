@@ -1,0 +1,143 @@
+/* Outer steps (cfg.outer_every = H, DiLoCo; docs/slow-links.md): the replicas of a hybrid
+ * engine train apart, each on its node's gradient with only the in-node ZeRO-2 traffic (no sum
+ * across replicas at the step), and after every H-th sg_step agree once:
+ *
+ *   d = po - theta            the pseudo-gradient of this rank's shard: the fp32 master at the
+ *                             last outer step (po) minus now
+ *   d = sum over replicas / N all-reduced (replica_reduce_dtype on the wire, fp32 sums in
+ *                             replica order), divided by N in fp32
+ *   m = mu m + d, po -= lr (d + mu m), theta = po    Nesterov momentum SGD
+ *
+ * and the engine gathers the new parameters in the node (sg_step.c). Every replica computes
+ * the same po from the same sum, so all hold the same bits after it. po and m are taken (po =
+ * the parameters, m = 0) at the first step after sg_finalize or sg_load. The inner optimizer's state is
+ * not touched. This file owns the outer state, in the layout's replica buffer (po, m, the wire of
+ * one owned run: sg__replica_outer_bytes, counted in sg_memory's comm_bytes). */
+#include <string.h>
+
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_outer_*, sg__cpu_cast */
+#include "sg_replica_policy.h"
+
+/* The state lives in the layout's replica buffer: po and m (shard_numel each), then the largest
+ * owned run in fp32 and, for a bf16 wire, in bf16. */
+typedef struct {
+  float *po, *m, *d;
+  void *wire; /* NULL: the fp32 run goes on the wire itself */
+  int fresh;  /* po and m are to be taken from the parameters at the next step */
+  int inner;  /* steps since the last outer step */
+} outer_state;
+
+static size_t max_run(const sg__plan *p) {
+  size_t m = 0;
+  for (int b = 0; b < p->nbuckets; b++)
+    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
+  return m;
+}
+
+size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
+  const size_t wire = cfg->replica_reduce_dtype == SG_F32 ? 0 : 2u * max_run(p);
+  return 4u * (2u * p->shard_numel + max_run(p)) + wire + sizeof(outer_state) + 64u;
+}
+
+static outer_state *state_of(const sg_engine *e) {
+  return (outer_state *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
+}
+
+/* This rank's fp32 master of bucket b's owned run: the working parameters for f32 ones. */
+static float *master_of(const sg_engine *e, const sg__owned *o) {
+  return e->opt.master ? e->opt.master + o->state0 : (float *)e->params + o->flat0;
+}
+
+static sg_status outer_prepare(sg_engine *e) {
+  char *base = (char *)state_of(e);
+  memset(base, 0, e->lay.replica_bytes);
+  outer_state *k = (outer_state *)base;
+  const size_t off = (sizeof *k + 63u) / 64u * 64u, sn = e->plan->shard_numel;
+  k->po = (float *)(base + off);
+  k->m = k->po + sn;
+  k->d = k->m + sn;
+  k->wire = e->cfg.replica_reduce_dtype == SG_F32 ? NULL : (void *)(k->d + max_run(e->plan));
+  k->fresh = 1;
+  return SG_OK;
+}
+
+/* At the first step of a run (before its update): the outer parameters are the parameters. */
+static sg_status outer_finish(sg_engine *e) {
+  outer_state *k = state_of(e);
+  if (!k->fresh) return SG_OK;
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    sg__owned o;
+    e->strat->owned(e->plan, e->rank, b, &o);
+    memcpy(k->po + o.state0, master_of(e, &o), o.n * sizeof(float));
+    memset(k->m + o.state0, 0, o.n * sizeof(float));
+  }
+  k->fresh = 0;
+  k->inner = 0;
+  return SG_OK;
+}
+
+static int outer_due(sg_engine *e) {
+  outer_state *k = state_of(e);
+  if (++k->inner < e->cfg.outer_every) return 0;
+  k->inner = 0;
+  return 1;
+}
+
+typedef struct {
+  sg_engine *e;
+  size_t n;
+} sum_job;
+
+/* The pseudo-gradient run summed over the replicas (on the comm queue). */
+static sg_status sum_fn(void *arg) {
+  const sum_job *j = arg;
+  sg_engine *e = j->e;
+  outer_state *k = state_of(e);
+  sg_comm *c = e->rep.comm;
+  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  if (!k->wire) return c->ops->all_reduce(c, k->d, j->n, SG_F32, dl);
+  const int w = e->cfg.replica_reduce_dtype;
+  sg__cpu_cast(k->wire, w, k->d, SG_F32, j->n);
+  SG_TRY(c->ops->all_reduce(c, k->wire, j->n, w, dl));
+  sg__cpu_cast(k->d, SG_F32, k->wire, w, j->n);
+  return SG_OK;
+}
+
+static sg_status outer_sync(sg_engine *e) {
+  outer_state *k = state_of(e);
+  const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    sg__owned o;
+    e->strat->owned(e->plan, e->rank, b, &o);
+    float *theta = master_of(e, &o);
+    sg__cpu_outer_delta(k->d, k->po + o.state0, theta, o.n);
+    sum_job j = {e, o.n};
+    SG_TRY(sg__replica_run_comm(e, sum_fn, &j));
+    sg__cpu_outer_step(k->po + o.state0, k->m + o.state0, theta, k->d, o.n, e->rep.n, lr, mu);
+    /* bf16/f16 parameters: the working copy from the new master */
+    if (e->opt.master) sg__cpu_cast(e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
+  }
+  return SG_OK;
+}
+
+static int outer_grad_replicas(const sg_engine *e) {
+  (void)e;
+  return 1;
+}
+
+/* Nothing is summed across replicas at a step. */
+static sg_status outer_claim(sg_engine *e, int b) {
+  (void)e, (void)b;
+  return SG_OK;
+}
+
+static void outer_restore(sg_engine *e) { state_of(e)->fresh = 1; }
+
+const sg__replica_ops sg__replica_outer = {
+    .name = "host, outer steps", SG__REPLICA_ENTRIES, .share_scratch = 1,
+    .prepare = outer_prepare, .release = sg__replica_no_release, .claim = outer_claim,
+    .finish = outer_finish, .run = sg__replica_run_comm, .drain = sg__replica_no_drain,
+    .grad_replicas = outer_grad_replicas, .sync_due = outer_due, .sync = outer_sync,
+    .restore = outer_restore,
+};

@@ -1,0 +1,553 @@
+/* Replica codecs (cfg.replica_codec: int8 and 4-bit codes with error feedback) on hybrid engines
+ * of N replicas x L shard ranks, ranks as threads (--local) or MPI processes (--mpi):
+ *
+ *  - after every step every rank holds the same parameters, bit for bit;
+ *  - the summed gradient each rank's accumulator holds before the step (read after
+ *    sg_grad_norm) is bitwise that of the test's own implementation of the scheme
+ *    (ref_reduce: two stages of blockwise codes with a residual per rank and stage), fed with
+ *    the same per-node sums (L = 1 or 2: one fp32 addition, the same in any order);
+ *  - error feedback: with a gradient that is the same every step, the sum over S steps of what
+ *    the codec delivered stays within the bound the residuals give (derived at ef_bound),
+ *    while without feedback the systematic error would grow S-fold;
+ *  - a non-finite gradient on one replica makes every rank skip the step;
+ *  - sg_memory counts the codec's buffers as the formula of DESIGN.md section 3 says, and
+ *    sg_estimate_memory agrees;
+ *  - bad settings fail at create with a clear message.
+ *
+ * Ranks are threads over the local backend, or over the caller's transport (an in-process
+ * mailbox), whose collectives are the point-to-point algorithms that MPI runs too.
+ * Usage: test_replica_codec --local | --mpi (under mpirun -np 4: 2x2, a rank per process) */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/sg_engine_internal.h" /* e->plan (slices), e->g.accum (the summed gradient) */
+#include "shardgrad.h"
+
+#define SG_TEST_PRINT_PASSES 0
+#include "sg_test_check.h"
+#include "sg_test_mailbox.h" /* mb_group: communicators over the caller's transport */
+#include "sg_test_state.h"   /* sg_test_mix */
+
+static const size_t k_sizes[] = {700, 4097, 2500, 65};
+#define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
+#define BUCKET_BYTES (16u * 1024u)
+#define MAXW 8
+#define STEPS 6
+#define EF_STEPS 24
+#define BLK 256
+
+typedef struct {
+  const char *name;
+  sg_codec codec;
+  int n, l;
+  int steps;
+  int constant; /* the same gradient every step (error feedback) */
+  int inject;   /* a NaN from rank W-1 at step 1 */
+  sg_strategy strategy;
+  int xport; /* ranks over the caller's transport (an in-process mailbox): the point-to-point
+                algorithms MPI uses (src/comm/sg_coll.c), all-to-all included */
+} tcase;
+
+/* One rank's view of a run: its accumulator before every step and its parameters after. */
+typedef struct {
+  float *acc[EF_STEPS];   /* shard_numel each */
+  float *param[EF_STEPS]; /* all parameters, concatenated */
+  int skipped[EF_STEPS];
+  size_t shard_numel;
+  sg_memory_stats mem;
+  sg__plan *plan; /* rank 0's copy of what it needs: slices (a borrowed view, see copy_plan) */
+  int ok;
+  char err[400];
+} result;
+
+/* ---- data ---------------------------------------------------------------------------------- */
+
+static float grad_val(const tcase *tc, int rank, int step, int p, size_t i) {
+  if (tc->inject && rank == tc->n * tc->l - 1 && step == 1 && p == 1 && i == 5) return NAN;
+  const int s = tc->constant ? 0 : step;
+  const uint64_t h = sg_test_mix(((uint64_t)rank << 56) ^ ((uint64_t)s << 48) ^
+                                 ((uint64_t)p << 32) ^ i);
+  /* magnitudes that vary along the vector, so blocks get different scales */
+  const double u = (double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0;
+  return (float)(u * (0.05 + 0.45 * (double)((i / 97) % 7) / 6.0));
+}
+
+static size_t total_numel(void) {
+  size_t t = 0;
+  for (int p = 0; p < NP; p++) t += k_sizes[p];
+  return t;
+}
+
+/* ---- one rank ------------------------------------------------------------------------------ */
+
+typedef struct {
+  const tcase *tc;
+  sg_comm *world;
+  int rank;
+  result *res;
+} run_arg;
+
+static sg_status make_engine(const run_arg *a, sg_comm **shard, sg_comm **rep, sg_engine **e) {
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.strategy = a->tc->strategy;
+  cfg.bucket_bytes = BUCKET_BYTES;
+  cfg.grad_average = 0;
+  cfg.lr = 0.01f;
+  cfg.timeout_ms = 60000;
+  cfg.replica_codec = a->tc->codec;
+  sg_status st = sg_comm_split(a->world, a->rank / a->tc->l, a->rank, shard);
+  if (!st) st = sg_comm_split(a->world, a->rank % a->tc->l, a->rank, rep);
+  if (!st) st = sg_engine_create_hybrid(*shard, *rep, &cfg, e);
+  return st;
+}
+
+static sg_status setup(sg_engine *e, int *ids) {
+  sg_status st = SG_OK;
+  for (int p = 0; p < NP && !st; p++) {
+    char name[16];
+    snprintf(name, sizeof name, "p%d", p);
+    st = sg_add_param(e, name, k_sizes[p], 0, &ids[p]);
+  }
+  if (!st) st = sg_finalize(e);
+  float *buf = malloc(k_sizes[1] * sizeof *buf);
+  for (int p = 0; p < NP && !st; p++) {
+    for (size_t i = 0; i < k_sizes[p]; i++) buf[i] = (float)sin(0.3 * (double)i + p) * 0.5f;
+    st = sg_set_param(e, ids[p], buf, SG_F32);
+  }
+  free(buf);
+  return st;
+}
+
+static sg_status one_step(const run_arg *a, sg_engine *e, const int *ids, int s) {
+  sg_status st = SG_OK;
+  for (int p = NP - 1; p >= 0 && !st; p--) {
+    float *g = NULL;
+    st = sg_grad_ptr(e, ids[p], (void **)&g);
+    for (size_t i = 0; !st && i < k_sizes[p]; i++) g[i] = grad_val(a->tc, a->rank, s, p, i);
+    if (!st) st = sg_grad_ready(e, ids[p]);
+  }
+  if (!st) st = sg_backward_end(e);
+  float norm = 0;
+  if (!st) st = sg_grad_norm(e, &norm); /* the sums across replicas are done after it */
+  result *r = a->res;
+  if (!st) memcpy(r->acc[s], e->g.accum, r->shard_numel * sizeof(float));
+  sg_step_info info = {.struct_size = sizeof info};
+  if (!st) st = sg_step(e, &info);
+  r->skipped[s] = info.skipped;
+  size_t off = 0;
+  for (int p = 0; p < NP && !st; p++, off += k_sizes[p - 1])
+    st = sg_get_param(e, ids[p], r->param[s] + off, SG_F32);
+  return st;
+}
+
+static void *run_thread(void *arg) {
+  run_arg *a = arg;
+  result *r = a->res;
+  sg_comm *shard = NULL, *rep = NULL;
+  sg_engine *e = NULL;
+  int ids[NP];
+  sg_status st = make_engine(a, &shard, &rep, &e);
+  if (!st) st = setup(e, ids);
+  if (!st) {
+    r->shard_numel = e->plan->shard_numel;
+    r->plan = e->plan;
+    for (int s = 0; s < a->tc->steps; s++) {
+      r->acc[s] = calloc(r->shard_numel, sizeof(float));
+      r->param[s] = calloc(total_numel(), sizeof(float));
+    }
+    r->mem.struct_size = sizeof r->mem;
+    st = sg_memory(e, &r->mem);
+  }
+  for (int s = 0; s < a->tc->steps && !st; s++) st = one_step(a, e, ids, s);
+  r->ok = st == SG_OK;
+  if (st) snprintf(r->err, sizeof r->err, "%s: %s", sg_status_string(st), sg_last_error());
+  /* the plan is read by the checks after the threads: the engine stays until then */
+  r->plan = st ? NULL : e->plan;
+  a->res->err[sizeof a->res->err - 1] = 0;
+  if (st) sg_engine_destroy(e), e = NULL;
+  sg_comm_destroy(shard);
+  sg_comm_destroy(rep);
+  return e; /* destroyed by the caller once the checks are done */
+}
+
+/* ---- the reference: the scheme written out on its own ---------------------------------------- */
+
+typedef struct {
+  float *r1[MAXW]; /* per replica: its residual of the slice (all buckets, shard offsets) */
+  float *r2[MAXW]; /* per replica: the residual of its chunk, per bucket at chunk_base */
+} ref_state;
+
+static float qmax_of(sg_codec c) { return c == SG_CODEC_INT8 ? 127.0f : 7.0f; }
+
+/* The codes of x[0..m) (one block) decoded, and what they missed added to r (error feedback). */
+static void ref_block(const float *x, float *out, float *r, size_t m, float qmax) {
+  float amax = 0;
+  int bad = 0;
+  for (size_t i = 0; i < m; i++) {
+    if (!isfinite(x[i])) bad = 1;
+    if (fabsf(x[i]) > amax) amax = fabsf(x[i]);
+  }
+  const float s = amax / qmax;
+  for (size_t i = 0; i < m; i++) {
+    float q = s > 0 ? rintf(x[i] / s) : 0.0f;
+    if (q > qmax) q = qmax;
+    if (q < -qmax) q = -qmax;
+    const int code = (int)q; /* what goes on the wire: an integer (no -0) */
+    out[i] = bad ? NAN : (float)code * s;
+    r[i] = bad ? 0.0f : x[i] - out[i];
+  }
+}
+
+/* x + r encoded and decoded block by block into out; r becomes the new residual. */
+static void ref_code(const float *x, float *r, float *out, size_t n, float qmax) {
+  float t[BLK];
+  for (size_t o = 0; o < n; o += BLK) {
+    const size_t m = n - o < BLK ? n - o : BLK;
+    for (size_t i = 0; i < m; i++) t[i] = x[o + i] + r[o + i];
+    ref_block(t, out + o, r + o, m, qmax);
+  }
+}
+
+/* Replica k's chunk of a slice of n values: whole blocks, the first (nblocks % N) one longer. */
+static void ref_chunk(size_t n, int N, int k, size_t *off, size_t *len) {
+  const size_t nb = (n + BLK - 1) / BLK;
+  size_t b0 = 0;
+  for (int j = 0; j < k; j++) b0 += nb / (size_t)N + ((size_t)j < nb % (size_t)N);
+  const size_t nbk = nb / (size_t)N + ((size_t)k < nb % (size_t)N);
+  *off = b0 * BLK < n ? b0 * BLK : n;
+  const size_t end = (b0 + nbk) * BLK < n ? (b0 + nbk) * BLK : n;
+  *len = end - *off;
+}
+
+/* One bucket slice across N replicas: in[i] is replica i's slice (n values), out the sum every
+ * replica must hold. r1[i] and r2[i] point at this slice's residuals of replica i. */
+static void ref_reduce(float *const *in, float *const *r1, float *const *r2, int N, size_t n,
+                       float qmax, float *out) {
+  float *dec[MAXW];
+  for (int i = 0; i < N; i++) {
+    dec[i] = malloc(n * sizeof(float));
+    ref_code(in[i], r1[i], dec[i], n, qmax);
+  }
+  for (int k = 0; k < N; k++) {
+    size_t off, len;
+    ref_chunk(n, N, k, &off, &len);
+    float *sum = malloc((len ? len : 1) * sizeof(float));
+    for (size_t e = 0; e < len; e++) {
+      float s = dec[0][off + e];
+      for (int i = 1; i < N; i++) s += dec[i][off + e];
+      sum[e] = s;
+    }
+    ref_code(sum, r2[k], out + off, len, qmax);
+    free(sum);
+  }
+  for (int i = 0; i < N; i++) free(dec[i]);
+}
+
+/* The slice of shard rank j of bucket b of node i's sum (its L ranks' gradients, rank order). */
+static void node_slice(const tcase *tc, const sg__plan *p, int i, int j, int b, int step,
+                       float *out) {
+  const size_t n = sg__plan_slice_numel(p, b), start = sg__plan_slice_start(p, b, j);
+  for (size_t e = 0; e < n; e++) out[e] = 0.0f;
+  for (int q = 0; q < p->nparams; q++) {
+    const sg__plan_param *pp = &p->params[q];
+    for (size_t e = 0; e < n; e++) {
+      const size_t f = start + e;
+      if (f < pp->offset || f >= pp->offset + pp->numel) continue;
+      float s = grad_val(tc, i * tc->l, step, q, f - pp->offset);
+      for (int k = 1; k < tc->l; k++) s += grad_val(tc, i * tc->l + k, step, q, f - pp->offset);
+      out[e] = s;
+    }
+  }
+}
+
+/* What every rank of shard position j must hold at each step (out[step][shard_numel]). */
+static void ref_run(const tcase *tc, const sg__plan *p, int j, float **out) {
+  const int N = tc->n;
+  ref_state rs;
+  size_t r2_len = 0;
+  for (int b = 0; b < p->nbuckets; b++) r2_len += sg__plan_slice_numel(p, b);
+  for (int i = 0; i < N; i++) {
+    rs.r1[i] = calloc(p->shard_numel, sizeof(float));
+    rs.r2[i] = calloc(r2_len, sizeof(float));
+  }
+  float *in[MAXW];
+  for (int i = 0; i < N; i++) in[i] = malloc(p->shard_numel * sizeof(float));
+  for (int s = 0; s < tc->steps; s++) {
+    size_t r2_off = 0;
+    for (int b = 0; b < p->nbuckets; b++) {
+      const size_t n = sg__plan_slice_numel(p, b), so = p->buckets[b].shard_offset;
+      float *r1[MAXW], *r2[MAXW];
+      for (int i = 0; i < N; i++) {
+        node_slice(tc, p, i, j, b, s, in[i] + so);
+        r1[i] = rs.r1[i] + so;
+      }
+      /* replica k keeps the residual of its own chunk only, from the start of its region */
+      for (int k = 0; k < N; k++) r2[k] = rs.r2[k] + r2_off;
+      float *in_b[MAXW];
+      for (int i = 0; i < N; i++) in_b[i] = in[i] + so;
+      ref_reduce(in_b, r1, r2, N, n, qmax_of(tc->codec), out[s] + so);
+      r2_off += n;
+    }
+  }
+  for (int i = 0; i < N; i++) free(rs.r1[i]), free(rs.r2[i]), free(in[i]);
+}
+
+/* ---- checks -------------------------------------------------------------------------------- */
+
+static int bits_equal(const float *a, const float *b, size_t n) { return !memcmp(a, b, n * 4); }
+
+static void check_identical(const tcase *tc, result *res, int w) {
+  for (int s = 0; s < tc->steps; s++)
+    for (int r = 1; r < w; r++)
+      CHECK(bits_equal(res[r].param[s], res[0].param[s], total_numel()) &&
+                res[r].skipped[s] == res[0].skipped[s],
+            "[%s] step %d: rank %d's parameters are rank 0's, bit for bit", tc->name, s, r);
+  /* every replica of one shard position holds the same summed gradient */
+  for (int s = 0; s < tc->steps; s++)
+    for (int r = tc->l; r < w; r++)
+      CHECK(bits_equal(res[r].acc[s], res[r % tc->l].acc[s], res[r].shard_numel),
+            "[%s] step %d: rank %d's summed gradient is rank %d's", tc->name, s, r, r % tc->l);
+}
+
+/* One rank's summed gradients (shard position j) against the reference's, every step. */
+static void check_reference_of(const tcase *tc, const result *r, int j) {
+  const sg__plan *p = r->plan;
+  float *ref[EF_STEPS];
+  for (int s = 0; s < tc->steps; s++) ref[s] = calloc(p->shard_numel, sizeof(float));
+  ref_run(tc, p, j, ref);
+  for (int s = 0; s < tc->steps; s++) {
+    size_t bad = SIZE_MAX;
+    for (size_t e = 0; e < p->shard_numel && bad == SIZE_MAX; e++)
+      if (memcmp(&ref[s][e], &r->acc[s][e], 4) != 0 && !(isnan(ref[s][e]) && isnan(r->acc[s][e])))
+        bad = e;
+    CHECK(bad == SIZE_MAX, "[%s] step %d shard %d: the sum is the reference scheme's (first "
+          "difference at %zu: %g vs %g)", tc->name, s, j, bad,
+          bad == SIZE_MAX ? 0.0 : (double)r->acc[s][bad], bad == SIZE_MAX ? 0.0 : (double)ref[s][bad]);
+    free(ref[s]);
+  }
+}
+
+static void check_reference(const tcase *tc, result *res) {
+  for (int j = 0; j < tc->l; j++) check_reference_of(tc, &res[j], j);
+}
+
+/* Error feedback. Per element, replica i's stage-1 residual telescopes: the sum over S steps of
+ * its decoded values is sum x_s - r1(S); likewise stage 2 on the owner. So the sum of what the
+ * codec delivered differs from the exact sum of the nodes' slices by at most
+ * sum_i |r1_i(S)| + |r2(S)| + the fp32 roundings of the sums, and a residual is at most half a
+ * scale step: |r| <= amax / (2 qmax). With |slice| <= A (A = L * max |g|, grown by the residual
+ * it carries, at most 1/(2 qmax) of it), stage 1's amax <= A (1 + 1/qmax), stage 2's <=
+ * N A (1 + 1/qmax)^2. The fp32 roundings: 2 N + 2 additions of values <= N A per step. */
+static double ef_bound(const tcase *tc, double A) {
+  const double q = qmax_of(tc->codec), g = 1.0 + 1.0 / q;
+  const double resid = (tc->n * A * g + tc->n * A * g * g) / (2.0 * q);
+  const double round = tc->steps * (2.0 * tc->n + 2.0) * tc->n * A * ldexp(1.0, -24);
+  return resid + round;
+}
+
+static void check_feedback(const tcase *tc, result *res) {
+  const sg__plan *p = res[0].plan;
+  const double A = tc->l * 0.5;
+  double worst = 0, worst_step = 0;
+  for (int j = 0; j < tc->l; j++) {
+    float *tmp = malloc(p->shard_numel * sizeof(float));
+    double *exact = calloc(p->shard_numel, sizeof(double));
+    double *got = calloc(p->shard_numel, sizeof(double));
+    for (int s = 0; s < tc->steps; s++) {
+      for (int i = 0; i < tc->n; i++)
+        for (int b = 0; b < p->nbuckets; b++) {
+          const size_t so = p->buckets[b].shard_offset;
+          node_slice(tc, p, i, j, b, s, tmp + so);
+          for (size_t e = 0; e < sg__plan_slice_numel(p, b); e++) exact[so + e] += tmp[so + e];
+        }
+      for (size_t e = 0; e < p->shard_numel; e++) {
+        got[e] += res[j].acc[s][e];
+        if (s == 0 && fabs(got[e] - exact[e]) > worst_step) worst_step = fabs(got[e] - exact[e]);
+      }
+    }
+    for (size_t e = 0; e < p->shard_numel; e++)
+      if (fabs(got[e] - exact[e]) > worst) worst = fabs(got[e] - exact[e]);
+    free(tmp), free(exact), free(got);
+  }
+  printf("[%s] error of the summed delivery over %d steps %.3g (bound %.3g), of one step %.3g\n",
+         tc->name, tc->steps, worst, ef_bound(tc, A), worst_step);
+  CHECK(worst <= ef_bound(tc, A), "[%s] over %d steps the delivered sum is within %.3g of the "
+        "exact one (%.3g; one step's error: %.3g)", tc->name, tc->steps, ef_bound(tc, A), worst,
+        worst_step);
+  /* without feedback a constant gradient's error would repeat every step: the bound must be
+   * far below steps x one step's error for this check to tell the two apart */
+  CHECK(worst_step * tc->steps > 4.0 * ef_bound(tc, A), "[%s] the bound (%.3g) separates feedback "
+        "from none (%d x %.3g)", tc->name, ef_bound(tc, A), tc->steps, worst_step);
+}
+
+/* DESIGN.md section 3: the codec's buffer in comm_bytes: 4 (shard + sum_b max chunk) for the
+ * residuals, 2 N max_b(code bytes of a chunk) for the exchange, carved from the arena in
+ * whole SG_MEM_ALIGN units. */
+static size_t codec_bytes(const sg__plan *p, int N, sg_codec c) {
+  const size_t bits = c == SG_CODEC_INT8 ? 8 : 4;
+  size_t r2 = 0, region = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const size_t nb = (sg__plan_slice_numel(p, b) + BLK - 1) / BLK, mb = (nb + N - 1) / N;
+    r2 += mb * BLK;
+    if (mb * (4 + BLK * bits / 8) > region) region = mb * (4 + BLK * bits / 8);
+  }
+  const size_t bytes = 4 * (p->shard_numel + r2) + 2 * (size_t)N * region;
+  return (bytes + SG_MEM_ALIGN - 1) / SG_MEM_ALIGN * SG_MEM_ALIGN;
+}
+
+static void check_memory(const tcase *tc, result *res) {
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.strategy = tc->strategy;
+  cfg.bucket_bytes = BUCKET_BYTES;
+  cfg.shard_ranks = tc->l;
+  sg_memory_stats exact = {.struct_size = sizeof exact}, coded = {.struct_size = sizeof coded};
+  CHECK(sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &exact) == SG_OK, "estimate");
+  cfg.replica_codec = tc->codec;
+  CHECK(sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &coded) == SG_OK, "estimate");
+  const size_t want = codec_bytes(res[0].plan, tc->n, tc->codec);
+  CHECK(coded.comm_bytes - exact.comm_bytes == want && coded.total_bytes - exact.total_bytes == want,
+        "[%s] the codec's buffers are comm bytes: %zu more (estimate: %zu)", tc->name, want,
+        coded.comm_bytes - exact.comm_bytes);
+  CHECK(res[0].mem.comm_bytes == coded.comm_bytes && res[0].mem.total_bytes == coded.total_bytes,
+        "[%s] sg_memory (%zu comm bytes) agrees with sg_estimate_memory (%zu)", tc->name,
+        res[0].mem.comm_bytes, coded.comm_bytes);
+}
+
+static void check_skip(const tcase *tc, result *res, int w) {
+  for (int r = 0; r < w; r++)
+    CHECK(res[r].skipped[1] == 1 && res[r].skipped[0] == 0 && res[r].skipped[2] == 0,
+          "[%s] rank %d skipped step 1 (a NaN on rank %d) and no other", tc->name, r, w - 1);
+}
+
+/* ---- runs ---------------------------------------------------------------------------------- */
+
+static void free_result(const tcase *tc, result *r) {
+  for (int s = 0; s < tc->steps; s++) free(r->acc[s]), free(r->param[s]);
+  memset(r, 0, sizeof *r);
+}
+
+static void run_case(const tcase *tc) {
+  const int w = tc->n * tc->l;
+  sg_comm *comms[MAXW];
+  mailbox mb;
+  xuser us[MAXW];
+  mb_init(&mb);
+  const sg_status made = tc->xport ? mb_group(&mb, us, w, comms) : sg_comm_create_local(w, comms);
+  if (!CHECK(made == SG_OK, "%s comm of %d", tc->xport ? "xport" : "local", w)) return;
+  result res[MAXW];
+  run_arg a[MAXW];
+  pthread_t th[MAXW];
+  memset(res, 0, sizeof res);
+  for (int r = 0; r < w; r++) {
+    a[r] = (run_arg){tc, comms[r], r, &res[r]};
+    pthread_create(&th[r], NULL, run_thread, &a[r]);
+  }
+  sg_engine *engines[MAXW];
+  int ok = 1;
+  for (int r = 0; r < w; r++) {
+    void *out = NULL;
+    pthread_join(th[r], &out);
+    engines[r] = out;
+    ok &= CHECK(res[r].ok, "[%s] rank %d ran: %s", tc->name, r, res[r].err);
+  }
+  if (ok) {
+    check_identical(tc, res, w);
+    if (!tc->inject) check_reference(tc, res);
+    if (tc->constant) check_feedback(tc, res);
+    if (tc->inject) check_skip(tc, res, w);
+    check_memory(tc, res);
+  }
+  for (int r = 0; r < w; r++) {
+    sg_engine_destroy(engines[r]);
+    sg_comm_destroy(comms[r]);
+    free_result(tc, &res[r]);
+  }
+  mb_free(&mb);
+  printf("case %s: done\n", tc->name);
+}
+
+/* ---- bad settings ---------------------------------------------------------------------------- */
+
+static void check_errors(void) {
+  sg_comm *one = NULL;
+  sg_engine *e = NULL;
+  if (!CHECK(sg_comm_create_local(1, &one) == SG_OK, "comm")) return;
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.replica_codec = SG_CODEC_INT8;
+  CHECK(sg_engine_create(one, &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
+            strstr(sg_last_error(), "replica_codec") && strstr(sg_last_error(), "hybrid"),
+        "a codec on a flat engine is refused: %s", sg_last_error());
+  cfg.replica_codec = (sg_codec)7;
+  CHECK(sg_engine_create(one, &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "replica_codec must be"),
+        "an unknown codec is refused: %s", sg_last_error());
+  cfg.replica_codec = SG_CODEC_INT4;
+  cfg.accum_dtype = SG_BF16;
+  CHECK(sg_engine_create(one, &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "accum_dtype"),
+        "a codec with a bf16 accumulator is refused: %s", sg_last_error());
+  sg_memory_stats st = {.struct_size = sizeof st}, none = {.struct_size = sizeof none};
+  size_t n = 1000;
+  cfg.accum_dtype = SG_F32;
+  const sg_status s1 = sg_estimate_memory(&cfg, &n, 1, 4, &st);
+  cfg.replica_codec = SG_CODEC_NONE;
+  const sg_status s2 = sg_estimate_memory(&cfg, &n, 1, 4, &none);
+  CHECK(s1 == SG_OK && s2 == SG_OK && st.total_bytes == none.total_bytes,
+        "a codec estimated at shard_ranks 0 (flat: one replica) counts nothing for it");
+  sg_comm_destroy(one);
+}
+
+static const tcase k_cases[] = {
+    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0},
+    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0},
+    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0},
+    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0},
+    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
+    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
+};
+
+/* --mpi, under mpirun -np 4 as 2x2: each process one rank, which checks its own summed
+ * gradients against the reference (the same on every replica of its shard position, so the
+ * ranks agree when each does). */
+static int run_mpi(void) {
+  sg_comm *world = NULL;
+  if (!CHECK(sg_comm_create_mpi(NULL, &world) == SG_OK, "MPI communicator")) return 1;
+  const int rank = sg_comm_rank(world), size = sg_comm_size(world);
+  if (CHECK(size == 4, "run under mpirun -np 4 (got %d ranks)", size)) {
+    static const tcase mpi_cases[] = {
+        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+    };
+    for (int c = 0; c < 2; c++) {
+      result r;
+      memset(&r, 0, sizeof r);
+      run_arg a = {&mpi_cases[c], world, rank, &r};
+      sg_engine *e = run_thread(&a);
+      if (CHECK(r.ok, "[%s] rank %d ran: %s", mpi_cases[c].name, rank, r.err))
+        check_reference_of(&mpi_cases[c], &r, rank % 2);
+      sg_engine_destroy(e);
+      free_result(&mpi_cases[c], &r);
+    }
+  }
+  sg_comm_destroy(world);
+  char tag[64];
+  snprintf(tag, sizeof tag, "test_replica_codec (mpi rank %d)", rank);
+  return sg_test_summary(tag);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "--mpi")) return run_mpi();
+  check_errors();
+  for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
+  return sg_test_summary("test_replica_codec");
+}

@@ -1,0 +1,296 @@
+/* Outer steps (cfg.outer_every = H, DiLoCo) on hybrid engines of N replicas x L shard ranks,
+ * ranks as threads, against a reference built from independent parts: per node a flat ZeRO-2
+ * engine over that node's L ranks fed the same gradients (the inner steps: each replica trains
+ * on its node's gradient, averaged over L), and the test's own outer step every H-th step (the
+ * pseudo-gradient po - theta of every replica, summed in replica order in fp32 (through bf16
+ * for a bf16 wire, as the all-reduce rounds it), divided by N, a Nesterov momentum step of po,
+ * written back into every flat engine with sg_set_param). Checked, bit for bit:
+ *  - after every step each rank's parameters are its node's flat engine's;
+ *  - after every outer step every rank of every node holds the same parameters, and between
+ *    outer steps the nodes differ (nothing is summed across them);
+ *  - sg_memory agrees with sg_estimate_memory and counts the outer state (2 x shard fp32);
+ *  - bad settings fail at create with a clear message.
+ * Usage: test_replica_outer --local */
+#define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../kernels/sg_elem.h" /* bf16 rounding of the reference's wire */
+#include "shardgrad.h"
+
+#define SG_TEST_PRINT_PASSES 0
+#include "sg_test_check.h"
+#include "sg_test_state.h" /* sg_test_mix */
+
+static const size_t k_sizes[] = {700, 4097, 65};
+#define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
+#define TOTAL (700 + 4097 + 65)
+#define MAXW 8
+#define MAXS 8
+
+typedef struct {
+  const char *name;
+  int n, l, h, steps;
+  sg_dtype wire;
+  double lr, mu;
+} tcase;
+
+typedef struct {
+  float param[MAXS][TOTAL]; /* the hybrid engine's after each step */
+  float ref[MAXS][TOTAL];   /* the reference's */
+  sg_memory_stats mem;
+  int ok;
+  char err[400];
+} result;
+
+/* What the threads share: each node's reference parameters at an outer step. */
+typedef struct {
+  const tcase *tc;
+  pthread_barrier_t bar;
+  float node[MAXW][TOTAL];
+} shared;
+
+typedef struct {
+  shared *sh;
+  sg_comm *world;
+  int rank;
+  result *res;
+  float po[TOTAL], m[TOTAL]; /* the reference's outer state (every rank computes it whole) */
+} run_arg;
+
+static float grad_val(int rank, int step, int p, size_t i) {
+  const uint64_t h = sg_test_mix(((uint64_t)rank << 56) ^ ((uint64_t)step << 48) ^
+                                 ((uint64_t)p << 32) ^ i);
+  return (float)((double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0) * 0.1f;
+}
+
+static float init_val(int p, size_t i) { return (float)sin(0.3 * (double)i + p) * 0.5f; }
+
+static void fill_config(const tcase *tc, sg_config *cfg, int outer) {
+  sg_config_init(cfg, sizeof *cfg);
+  cfg->bucket_bytes = 8192;
+  cfg->lr = 0.01f;
+  cfg->timeout_ms = 60000;
+  cfg->max_grad_norm = 1.0f; /* each replica clips by its own node's norm */
+  cfg->replica_reduce_dtype = tc->wire;
+  if (!outer) return;
+  cfg->outer_every = tc->h;
+  cfg->outer_lr = tc->lr;
+  cfg->outer_momentum = tc->mu;
+}
+
+static sg_status setup(sg_engine *e, int *ids) {
+  sg_status st = SG_OK;
+  for (int p = 0; p < NP && !st; p++) {
+    char name[16];
+    snprintf(name, sizeof name, "p%d", p);
+    st = sg_add_param(e, name, k_sizes[p], p == 2 ? SG_PARAM_NO_DECAY : 0, &ids[p]);
+  }
+  if (!st) st = sg_finalize(e);
+  float buf[4097];
+  for (int p = 0; p < NP && !st; p++) {
+    for (size_t i = 0; i < k_sizes[p]; i++) buf[i] = init_val(p, i);
+    st = sg_set_param(e, ids[p], buf, SG_F32);
+  }
+  return st;
+}
+
+static sg_status feed_and_step(sg_engine *e, const int *ids, int rank, int s) {
+  sg_status st = SG_OK;
+  for (int p = NP - 1; p >= 0 && !st; p--) {
+    float *g = NULL;
+    st = sg_grad_ptr(e, ids[p], (void **)&g);
+    for (size_t i = 0; !st && i < k_sizes[p]; i++) g[i] = grad_val(rank, s, p, i);
+    if (!st) st = sg_grad_ready(e, ids[p]);
+  }
+  if (!st) st = sg_backward_end(e);
+  return st ? st : sg_step(e, NULL);
+}
+
+static sg_status read_all(sg_engine *e, const int *ids, float *out) {
+  sg_status st = SG_OK;
+  for (int p = 0, off = 0; p < NP && !st; off += (int)k_sizes[p], p++)
+    st = sg_get_param(e, ids[p], out + off, SG_F32);
+  return st;
+}
+
+static sg_status write_all(sg_engine *e, const int *ids, const float *in) {
+  sg_status st = SG_OK;
+  for (int p = 0, off = 0; p < NP && !st; off += (int)k_sizes[p], p++)
+    st = sg_set_param(e, ids[p], in + off, SG_F32);
+  return st;
+}
+
+static float wire_round(const tcase *tc, float x) {
+  return tc->wire == SG_BF16 ? sg_elem_bf16_to_f32(sg_elem_f32_to_bf16(x)) : x;
+}
+
+/* The reference's outer step over every node's parameters; theta receives the result. */
+static void ref_outer(run_arg *a, float *theta) {
+  const tcase *tc = a->sh->tc;
+  const float lr = (float)tc->lr, mu = (float)tc->mu;
+  for (size_t i = 0; i < TOTAL; i++) {
+    float sum = wire_round(tc, a->po[i] - a->sh->node[0][i]);
+    for (int k = 1; k < tc->n; k++) sum += wire_round(tc, a->po[i] - a->sh->node[k][i]);
+    const float d = wire_round(tc, sum) / (float)tc->n;
+    a->m[i] = mu * a->m[i] + d;
+    a->po[i] = a->po[i] - lr * (d + mu * a->m[i]);
+    theta[i] = a->po[i];
+  }
+}
+
+static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int s) {
+  const tcase *tc = a->sh->tc;
+  const int node = a->rank / tc->l;
+  float *ref = a->res->ref[s];
+  sg_status st = feed_and_step(flat, ids, a->rank, s);
+  if (!st) st = read_all(flat, ids, ref);
+  if (st) return st; /* the others then wait at the barrier: ctest's timeout ends the run */
+  if ((s + 1) % tc->h != 0) return SG_OK;
+  if (a->rank % tc->l == 0) memcpy(a->sh->node[node], ref, sizeof(float) * TOTAL);
+  pthread_barrier_wait(&a->sh->bar);
+  ref_outer(a, ref);
+  pthread_barrier_wait(&a->sh->bar); /* nobody publishes the next one before all read this */
+  return write_all(flat, ids, ref);
+}
+
+static void *run_thread(void *arg) {
+  run_arg *a = arg;
+  const tcase *tc = a->sh->tc;
+  sg_comm *shard = NULL, *rep = NULL, *node = NULL;
+  sg_engine *e = NULL, *flat = NULL;
+  int ids[NP], fids[NP];
+  sg_config cfg, fcfg;
+  fill_config(tc, &cfg, 1);
+  fill_config(tc, &fcfg, 0);
+  sg_status st = sg_comm_split(a->world, a->rank / tc->l, a->rank, &shard);
+  if (!st) st = sg_comm_split(a->world, a->rank % tc->l, a->rank, &rep);
+  if (!st) st = sg_comm_split(a->world, a->rank / tc->l, a->rank, &node);
+  if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
+  if (!st) st = sg_engine_create(node, &fcfg, &flat);
+  if (!st) st = setup(e, ids);
+  if (!st) st = setup(flat, fids);
+  for (size_t i = 0, p = 0, off = 0; i < TOTAL; i++) {
+    if (i - off == k_sizes[p]) off += k_sizes[p++];
+    a->po[i] = init_val((int)p, i - off);
+    a->m[i] = 0;
+  }
+  a->res->mem.struct_size = sizeof a->res->mem;
+  if (!st) st = sg_memory(e, &a->res->mem);
+  for (int s = 0; s < tc->steps && !st; s++) {
+    st = feed_and_step(e, ids, a->rank, s);
+    if (!st) st = read_all(e, ids, a->res->param[s]);
+    if (!st) st = reference_step(a, flat, fids, s);
+  }
+  a->res->ok = st == SG_OK;
+  if (st) snprintf(a->res->err, sizeof a->res->err, "%s: %s", sg_status_string(st), sg_last_error());
+  sg_engine_destroy(e);
+  sg_engine_destroy(flat);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(rep);
+  sg_comm_destroy(node);
+  return NULL;
+}
+
+static void check_memory(const tcase *tc, const result *res) {
+  sg_config cfg;
+  fill_config(tc, &cfg, 1);
+  cfg.shard_ranks = tc->l;
+  sg_memory_stats with = {.struct_size = sizeof with}, without = {.struct_size = sizeof without};
+  sg_status s1 = sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &with);
+  cfg.outer_every = 0;
+  sg_status s2 = sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &without);
+  CHECK(s1 == SG_OK && s2 == SG_OK && with.comm_bytes == res->mem.comm_bytes &&
+            with.total_bytes == res->mem.total_bytes,
+        "[%s] sg_memory agrees with sg_estimate_memory (%zu comm bytes)", tc->name,
+        with.comm_bytes);
+  const size_t outer = with.comm_bytes - without.comm_bytes;
+  CHECK(outer >= 8 * with.shard_numel && outer <= 8 * with.shard_numel + 4 * with.shard_numel + 4096,
+        "[%s] the outer state is counted: %zu comm bytes for a shard of %zu", tc->name, outer,
+        with.shard_numel);
+}
+
+static void run_case(const tcase *tc) {
+  const int w = tc->n * tc->l;
+  sg_comm *comms[MAXW];
+  if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "local comm of %d", w)) return;
+  static shared sh;
+  static result res[MAXW];
+  static run_arg a[MAXW];
+  memset(res, 0, sizeof res);
+  sh.tc = tc;
+  pthread_barrier_init(&sh.bar, NULL, (unsigned)w);
+  pthread_t th[MAXW];
+  for (int r = 0; r < w; r++) {
+    a[r].sh = &sh, a[r].world = comms[r], a[r].rank = r, a[r].res = &res[r];
+    pthread_create(&th[r], NULL, run_thread, &a[r]);
+  }
+  int ok = 1;
+  for (int r = 0; r < w; r++) {
+    pthread_join(th[r], NULL);
+    ok &= CHECK(res[r].ok, "[%s] rank %d ran: %s", tc->name, r, res[r].err);
+  }
+  pthread_barrier_destroy(&sh.bar);
+  for (int r = 0; r < w && ok; r++)
+    for (int s = 0; s < tc->steps; s++)
+      CHECK(!memcmp(res[r].param[s], res[r].ref[s], sizeof res[r].ref[s]),
+            "[%s] rank %d step %d: the parameters are the reference's%s", tc->name, r, s,
+            (s + 1) % tc->h ? "" : " (an outer step)");
+  for (int s = 0; s < tc->steps && ok; s++) {
+    int same = 1;
+    for (int r = 1; r < w; r++) same &= !memcmp(res[r].param[s], res[0].param[s], sizeof res[0].param[s]);
+    CHECK(same == ((s + 1) % tc->h == 0), "[%s] step %d: the ranks hold %s parameters", tc->name,
+          s, (s + 1) % tc->h ? "their node's own" : "the same");
+  }
+  if (ok) check_memory(tc, &res[0]);
+  for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+  printf("case %s: done\n", tc->name);
+}
+
+static void check_errors(void) {
+  sg_comm *one[2];
+  sg_engine *e = NULL;
+  if (!CHECK(sg_comm_create_local(1, one) == SG_OK, "comm")) return;
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  CHECK(cfg.outer_every == 0 && cfg.outer_lr == 0.7 && cfg.outer_momentum == 0.9,
+        "defaults: off, DiLoCo's outer lr 0.7 and momentum 0.9");
+  cfg.outer_every = 4;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "outer_every") && strstr(sg_last_error(), "hybrid"),
+        "outer steps on a flat engine are refused: %s", sg_last_error());
+  cfg.outer_every = -1;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "outer_every must be >= 1"),
+        "H < 0 is refused: %s", sg_last_error());
+  cfg.outer_every = 4;
+  cfg.outer_lr = 0;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "outer_lr"), "outer_lr 0 is refused: %s", sg_last_error());
+  cfg.outer_lr = 0.7;
+  cfg.outer_momentum = 1.0;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "outer_momentum"), "momentum 1 is refused: %s",
+        sg_last_error());
+  cfg.outer_momentum = 0.9;
+  cfg.replica_codec = SG_CODEC_INT8;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_UNSUPPORTED &&
+            strstr(sg_last_error(), "replica_codec"), "outer steps with a codec: %s",
+        sg_last_error());
+  sg_comm_destroy(one[0]);
+}
+
+static const tcase k_cases[] = {
+    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9},
+    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9},
+    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0},
+};
+
+int main(void) {
+  check_errors();
+  for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
+  return sg_test_summary("test_replica_outer");
+}
