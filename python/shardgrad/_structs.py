@@ -33,6 +33,7 @@ class DType(enum.IntEnum):
     F32 = 0
     BF16 = 1
     F16 = 2
+    Q8 = 3  # optim_state_dtype only: blockwise 8-bit optimizer state
 
 
 class Device(enum.IntEnum):
@@ -98,6 +99,9 @@ class SgConfig(ctypes.Structure):
         ("replica_reduce_dtype", ctypes.c_int),
         ("shard_ranks", ctypes.c_int),
         ("reserved_0_3", ctypes.c_int),
+        # --- 0.4 ---
+        ("optim_state_dtype", ctypes.c_int),
+        ("optim_state_min_numel", ctypes.c_int),
     ]
 
 

@@ -14,6 +14,12 @@ sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, in
   return need_idle ? sg__grads_idle(e, fn) : SG_OK;
 }
 
+sg_status sg__ck_check_state(const sg_engine *e, const char *fn) {
+  if (!e->strat->place->coded) return SG_OK;
+  return sg__err(SG_ERR_UNSUPPORTED, "%s: checkpoints of 8-bit optimizer state "
+                 "(cfg->optim_state_dtype SG_Q8) are not supported yet", fn);
+}
+
 /* Every rank's vote: over the shard group, then (hybrid) the groups over the replicas, so the
  * array is in global rank order (replica x world + rank) and its first e->world entries are
  * replica 0's, the group that writes. */

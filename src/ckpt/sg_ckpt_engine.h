@@ -21,6 +21,9 @@ typedef struct sg__ck_vote {
 sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, int need_idle,
                             const char *fn);
 
+/* sg_save and sg_load: SG_ERR_UNSUPPORTED for a state placement whose arrays are not fp32. */
+sg_status sg__ck_check_state(const sg_engine *e, const char *fn);
+
 /* Collective: every rank contributes (local, val) and learns everybody's. Call right after the
  * local step (local's text is taken from sg_last_error()). Returns the exchange's failure
  * (the engine is then broken), or the failure of the lowest failing rank with its text (naming

@@ -399,6 +399,7 @@ sg_status sg_load(sg_engine *e, const char *dir) {
   static const char *fn = "sg_load";
   /* As in sg_save: a rank in the middle of a micro-batch fails alone. */
   SG_TRY(sg__ck_check_call(e, dir, "dir", 1, fn));
+  SG_TRY(sg__ck_check_state(e, fn));
   load_ctx c;
   memset(&c, 0, sizeof c);
   const sg_status local = load_local(e, dir, &c);

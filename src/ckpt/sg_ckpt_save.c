@@ -394,6 +394,7 @@ sg_status sg_save(sg_engine *e, const char *dir) {
   SG_ENGINE_GUARD(e, "sg_save");
   static const char *fn = "sg_save";
   SG_TRY(sg__ck_check_call(e, dir, "dir", 0, fn));
+  SG_TRY(sg__ck_check_state(e, fn));
   sg__ck_lock lock;
   memset(&lock, 0, sizeof lock);
   const sg_status st = save_rounds(e, dir, &lock);
