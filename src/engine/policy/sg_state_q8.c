@@ -154,9 +154,25 @@ static sg_status push(sg__q8 *q, int *cap, sg__seg s) {
   return SG_OK;
 }
 
+/* The parameter holding flat element `flat` (by the plan's offsets; ids sorted by offset). */
+static int param_at(const sg__plan *p, const int *by_off, size_t flat) {
+  int lo = 0, hi = p->nparams - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p->params[by_off[mid]].offset <= flat)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return by_off[lo];
+}
+
 /* Engine segment g cut at every block boundary of the state; every piece must begin a block
- * (the planner's alignment), or the layout is not the one the codes assume. */
-static sg_status cut(sg__q8 *q, int *cap, const sg__seg *g) {
+ * (the planner's alignment), or the layout is not the one the codes assume. Each piece lies in
+ * one tensor and takes that tensor's element counter (sg__seg.sr_index), which also draws the
+ * codes' random bits: the engine's merged segments count from their first tensor, which
+ * depends on the layout. */
+static sg_status cut(const sg__plan *p, const int *by_off, sg__q8 *q, int *cap, const sg__seg *g) {
   for (size_t at = 0; at < g->len;) {
     const size_t so = g->shard_off + at, end = (so / B + 1) * B;
     const size_t n = g->len - at < end - so ? g->len - at : end - so;
@@ -166,7 +182,8 @@ static sg_status cut(sg__q8 *q, int *cap, const sg__seg *g) {
     sg__seg s = *g;
     s.shard_off = so;
     s.flat_off = g->flat_off + at;
-    s.sr_index = g->sr_index + at;
+    const int id = param_at(p, by_off, s.flat_off);
+    s.sr_index = ((uint64_t)id << 40) + (s.flat_off - p->params[id].offset);
     s.len = n;
     SG_TRY(push(q, cap, s));
     at += n;
@@ -174,20 +191,29 @@ static sg_status cut(sg__q8 *q, int *cap, const sg__seg *g) {
   return SG_OK;
 }
 
+/* Plan order is reverse registration order and offsets grow along it. */
+static int *ids_by_offset(const sg__plan *p) {
+  int *ids = malloc((size_t)p->nparams * sizeof *ids);
+  for (int k = 0; ids && k < p->nparams; k++) ids[k] = p->order[k];
+  return ids;
+}
+
 static sg_status make_segs(sg_engine *e, sg__q8 *q) {
   const sg__optim *o = &e->opt;
+  int *by_off = ids_by_offset(e->plan);
   q->first = malloc(((size_t)o->nsegs + 1) * sizeof *q->first);
-  if (!q->first) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
+  sg_status st = by_off && q->first ? SG_OK : sg__err(SG_ERR_OUT_OF_MEMORY, "sg_step: out of host memory");
   int cap = 0;
-  for (int s = 0; s < o->nsegs; s++) {
+  for (int s = 0; st == SG_OK && s < o->nsegs; s++) {
     q->first[s] = q->nsegs;
-    sg_status st = cut(q, &cap, &o->segs[s]);
-    if (st != SG_OK) {
-      free(q->first);
-      free(q->segs);
-      q->first = NULL, q->segs = NULL, q->nsegs = 0;
-      return st;
-    }
+    st = cut(e->plan, by_off, q, &cap, &o->segs[s]);
+  }
+  free(by_off);
+  if (st != SG_OK) {
+    free(q->first);
+    free(q->segs);
+    q->first = NULL, q->segs = NULL, q->nsegs = 0;
+    return st;
   }
   q->first[o->nsegs] = q->nsegs;
   return SG_OK;
