@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h> /* getpid */
 
 #include "sg_test_check.h"
 #include "sg_test_ranks.h"
@@ -226,10 +227,18 @@ typedef struct result {
   char err[256];
 } result;
 
+/* Steps [s0, s1) after loading `load` (NULL: from the initial values), then `save` (NULL:
+ * none); the parameters and states into out where keep. */
+typedef struct phase {
+  int s0, s1;
+  const char *load, *save;
+} phase;
+
 typedef struct run_arg {
   const variant *v;
   int world;
   result *out;
+  phase ph;
 } run_arg;
 
 /* Exactly summable: small integers times 2^-8, rank 0 taking the remainder of the split. */
@@ -253,7 +262,17 @@ static void config_of(const variant *v, sg_config *c) {
   if (v->groups_clip) c->max_grad_norm = 0.5f;
 }
 
+static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int keep,
+                             phase ph);
+
+#ifdef SG_HAVE_MPI
 static sg_status train(sg_comm *comm, const variant *v, result *out, int keep) {
+  return train_phase(comm, v, out, keep, (phase){0, STEPS, NULL, NULL});
+}
+#endif
+
+static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int keep,
+                             phase ph) {
   sg_config cfg;
   config_of(v, &cfg);
   const int rank = sg_comm_rank(comm), world = sg_comm_size(comm);
@@ -273,13 +292,15 @@ static sg_status train(sg_comm *comm, const variant *v, result *out, int keep) {
     for (size_t i = 0; i < numels[p]; i++) buf[i] = (float)((i * 31 + (size_t)p) % 97) / 97.0f - 0.5f;
     st = sg_set_param(e, id[p], buf, SG_F32);
   }
-  for (int s = 0; s < STEPS && st == SG_OK; s++) {
+  if (st == SG_OK && ph.load) st = sg_load(e, ph.load);
+  for (int s = ph.s0; s < ph.s1 && st == SG_OK; s++) {
     for (int p = NP - 1; p >= 0 && st == SG_OK; p--) { /* backward order */
       for (size_t i = 0; i < numels[p]; i++) buf[i] = grad_of(p, i, s, rank, world);
       st = sg_grad_add(e, id[p], buf, SG_F32);
     }
     if (st == SG_OK) st = sg_step(e, NULL);
   }
+  if (st == SG_OK && ph.save) st = sg_save(e, ph.save);
   for (int p = 0; p < NP && st == SG_OK; p++) {
     float *dst[3] = {keep ? out->p[p] : buf, keep ? out->m[p] : buf, keep ? out->v[p] : buf};
     st = sg_get_param(e, id[p], dst[0], SG_F32);
@@ -300,7 +321,8 @@ static sg_status train(sg_comm *comm, const variant *v, result *out, int keep) {
 static void rank_main(sg_comm *c, void *arg) {
   run_arg *a = arg;
   const int keep = sg_comm_rank(c) == 0;
-  const sg_status st = train(c, a->v, a->out, keep);
+  const phase ph = a->ph.s1 ? a->ph : (phase){0, STEPS, NULL, NULL};
+  const sg_status st = train_phase(c, a->v, a->out, keep, ph);
   if (keep) a->out->st = st;
 }
 
@@ -317,12 +339,16 @@ static void result_free(result *r) {
   for (int p = 0; p < NP; p++) free(r->p[p]), free(r->m[p]), free(r->v[p]);
 }
 
-static void run_world(const variant *v, int world, result *out) {
+static void run_phase(const variant *v, int world, result *out, phase ph) {
   result_alloc(out);
-  run_arg a = {v, world, out};
+  run_arg a = {v, world, out, ph};
   out->st = SG_ERR_INTERNAL;
   CHECK(sg_test_run_threads(world, rank_main, &a) == SG_OK, "%s W=%d: threads", v->name, world);
   CHECK(out->st == SG_OK, "%s W=%d: trained (%s)", v->name, world, out->err);
+}
+
+static void run_world(const variant *v, int world, result *out) {
+  run_phase(v, world, out, (phase){0, 0, NULL, NULL});
 }
 
 static int same_param(const result *a, const result *b, int p) {
@@ -408,6 +434,82 @@ static void test_small_rule(void) {
         "8-bit %.3f (2 codes + 2 scales per 256)", per_f, per_q);
 }
 
+/* ---- checkpoints --------------------------------------------------------------------------- */
+
+static void rm_dir(const char *dir) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) printf("could not remove %s\n", dir);
+}
+
+/* Saved at W = a after 3 steps, loaded at W = b, 3 more: the bits of 6 steps at W = 1; the
+ * state right after the load is the saved one. */
+static void test_ckpt_worlds(const variant *v, const char *dir) {
+  result one;
+  run_world(v, 1, &one);
+  const int pairs[][2] = {{2, 3}, {4, 1}, {1, 2}};
+  for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+    const int a = pairs[k][0], b = pairs[k][1];
+    rm_dir(dir);
+    result saved, loaded, resumed;
+    run_phase(v, a, &saved, (phase){0, 3, NULL, dir});
+    run_phase(v, b, &loaded, (phase){3, 3, dir, NULL});
+    run_phase(v, b, &resumed, (phase){3, STEPS, dir, NULL});
+    int same_load = 1, same_end = 1;
+    for (int p = 0; p < NP; p++) {
+      same_load &= same_param(&saved, &loaded, p);
+      same_end &= same_param(&resumed, &one, p);
+    }
+    CHECK(same_load, "%s: saved at W=%d, loaded at W=%d: parameters, m and v as saved", v->name,
+          a, b);
+    CHECK(same_end, "%s: saved at W=%d after 3 steps, 3 more at W=%d: the bits of W=1", v->name,
+          a, b);
+    result_free(&saved), result_free(&loaded), result_free(&resumed);
+  }
+  result_free(&one);
+  rm_dir(dir);
+}
+
+typedef struct load_arg {
+  const variant *v;
+  const char *dir;
+  sg_status st;
+  char err[256];
+} load_arg;
+
+static void load_main(sg_comm *c, void *arg) {
+  load_arg *a = arg;
+  result r;
+  result_alloc(&r);
+  const sg_status st = train_phase(c, a->v, &r, 1, (phase){3, 3, a->dir, NULL});
+  if (sg_comm_rank(c) == 0) a->st = st, snprintf(a->err, sizeof a->err, "%s", r.err);
+  result_free(&r);
+}
+
+/* Loads across the state formats and thresholds are refused with a message that says why. */
+static void test_ckpt_mismatch(const char *dir) {
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
+  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  const struct {
+    const variant *save, *load;
+    const char *word;
+  } cases[] = {{&f, &q, "fp32 optimizer state"}, {&q, &f, "8-bit optimizer state"},
+               {&q, &q0, "optim_state_min_numel"}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    rm_dir(dir);
+    result saved;
+    run_phase(cases[k].save, 2, &saved, (phase){0, 3, NULL, dir});
+    result_free(&saved);
+    load_arg a = {cases[k].load, dir, SG_OK, ""};
+    sg_test_run_threads(2, load_main, &a);
+    CHECK(a.st == SG_ERR_MISMATCH && strstr(a.err, cases[k].word),
+          "saved %s, loaded into %s: %s (%s)", cases[k].save->name, cases[k].load->name,
+          sg_status_string(a.st), a.err);
+  }
+  rm_dir(dir);
+}
+
 /* ---- bad configs --------------------------------------------------------------------------- */
 
 static void expect_create(sg_config *cfg, sg_status want, const char *word) {
@@ -485,5 +587,10 @@ int main(int argc, char **argv) {
   };
   for (size_t k = 0; k < sizeof vs / sizeof vs[0]; k++) test_worlds(&vs[k]);
   test_small_rule();
+  char dir[256];
+  snprintf(dir, sizeof dir, "/tmp/sg_test_q8_%d", (int)getpid());
+  test_ckpt_worlds(&vs[2], dir);
+  test_ckpt_worlds(&vs[4], dir);
+  test_ckpt_mismatch(dir);
   return sg_test_summary("");
 }

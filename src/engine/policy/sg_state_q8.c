@@ -280,10 +280,127 @@ static sg_status q8_read_state(sg_engine *e, int k,
   return st;
 }
 
+/* ---- checkpoint records (src/ckpt/sg_ckpt.h: class, code, scale or fp32 value) ------------ */
+
+/* The state's arrays in host memory: codes, scales and fp32 blocks of state k, the map. */
+typedef struct host_q8 {
+  uint8_t *code;
+  float *scale, *pool;
+  uint32_t *map;
+} host_q8;
+
+static void host_free(host_q8 *h) { free(h->code), free(h->scale), free(h->pool), free(h->map); }
+
+static size_t pool_floats(const sg__layout *l) { return l->q8_f32_blocks * B; }
+
+static sg_status host_get(sg_engine *e, int k, host_q8 *h) {
+  const sg__layout *l = &e->lay;
+  const sg__q8 *q = e->q8;
+  memset(h, 0, sizeof *h);
+  sg_status st = to_host(e, q->code[k], l->opt_numel, (void **)&h->code);
+  if (st == SG_OK) st = to_host(e, q->scale[k], l->q8_blocks * sizeof(float), (void **)&h->scale);
+  if (st == SG_OK) st = to_host(e, q->pool[k], pool_floats(l) * sizeof(float), (void **)&h->pool);
+  if (st == SG_OK) st = to_host(e, q->map, l->q8_blocks * sizeof(uint32_t), (void **)&h->map);
+  if (st != SG_OK) host_free(h);
+  return st;
+}
+
+static void put_rec(uint8_t *r, int cls, uint8_t code, float value) {
+  uint32_t u;
+  memcpy(&u, &value, sizeof u);
+  r[0] = (uint8_t)cls;
+  r[1] = code;
+  for (int i = 0; i < 4; i++) r[2 + i] = (uint8_t)(u >> (8 * i));
+}
+
+static float rec_value(const uint8_t *r) {
+  uint32_t u = 0;
+  for (int i = 0; i < 4; i++) u |= (uint32_t)r[2 + i] << (8 * i);
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static void save_records(const sg__layout *l, const host_q8 *h, uint8_t *rec) {
+  for (size_t j = 0; j < l->q8_blocks; j++)
+    for (size_t i = 0; i < B; i++) {
+      uint8_t *r = rec + (j * B + i) * SG__STATE_RECORD;
+      if (h->map[j] == SG__Q8_CODED)
+        put_rec(r, SG__REC_CODED, h->code[j * B + i], i == 0 ? h->scale[j] : 0.0f);
+      else
+        put_rec(r, SG__REC_F32, 0, h->pool[(size_t)h->map[j] * B + i]);
+    }
+}
+
+/* Every record present is of the class this engine's block has; a block's first one is there
+ * whenever any of its records is (blocks begin tensors' runs). */
+static sg_status check_records(const sg__layout *l, const uint32_t *map, const uint8_t *rec) {
+  for (size_t j = 0; j < l->q8_blocks; j++) {
+    const int want = map[j] == SG__Q8_CODED ? SG__REC_CODED : SG__REC_F32;
+    const uint8_t first = rec[j * B * SG__STATE_RECORD];
+    for (size_t i = 0; i < B; i++) {
+      const uint8_t c = rec[(j * B + i) * SG__STATE_RECORD];
+      if (c == SG__REC_PAD) continue;
+      if (c != want)
+        return sg__err(SG_ERR_MISMATCH, "the checkpoint keeps the optimizer state of state "
+                       "index %zu %s, this engine %s (another cfg->optim_state_min_numel)",
+                       j * B + i, c == SG__REC_CODED ? "in 8 bits" : "in fp32",
+                       want == SG__REC_CODED ? "in 8 bits" : "in fp32");
+      if (first != c)
+        return sg__err(SG_ERR_CORRUPT, "the checkpoint's 8-bit state of block %zu has no scale", j);
+    }
+  }
+  return SG_OK;
+}
+
+static void load_records(const sg__layout *l, const uint8_t *rec, host_q8 *h) {
+  memset(h->code, 0, l->opt_numel);
+  memset(h->scale, 0, l->q8_blocks * sizeof(float));
+  memset(h->pool, 0, pool_floats(l) * sizeof(float));
+  for (size_t j = 0; j < l->q8_blocks; j++)
+    for (size_t i = 0; i < B; i++) {
+      const uint8_t *r = rec + (j * B + i) * SG__STATE_RECORD;
+      if (r[0] == SG__REC_PAD) continue;
+      if (h->map[j] != SG__Q8_CODED) {
+        h->pool[(size_t)h->map[j] * B + i] = rec_value(r);
+        continue;
+      }
+      h->code[j * B + i] = r[1];
+      if (i == 0) h->scale[j] = rec_value(r);
+    }
+}
+
+static sg_status h2d(sg_engine *e, void *dev, const void *host, size_t bytes) {
+  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dev, host, bytes, SG_COPY_H2D);
+}
+
+static sg_status q8_records(sg_engine *e, int k, uint8_t *rec, int mode) {
+  const sg__layout *l = &e->lay;
+  const sg__q8 *q = e->q8;
+  if (k < 0 || k >= l->nstates || !rec)
+    return sg__err(SG_ERR_INTERNAL, "8-bit records of state %d", k);
+  host_q8 h;
+  SG_TRY(host_get(e, k, &h));
+  sg_status st = SG_OK;
+  if (mode == SG__REC_SAVE) {
+    save_records(l, &h, rec);
+  } else if (mode == SG__REC_CHECK) {
+    st = check_records(l, h.map, rec);
+  } else {
+    load_records(l, rec, &h);
+    st = h2d(e, q->code[k], h.code, l->opt_numel);
+    if (st == SG_OK) st = h2d(e, q->scale[k], h.scale, l->q8_blocks * sizeof(float));
+    if (st == SG_OK) st = h2d(e, q->pool[k], h.pool, pool_floats(l) * sizeof(float));
+  }
+  host_free(&h);
+  return st;
+}
+
 const sg__state_ops sg__state_q8 = {
     .name = "device, 8-bit state", .host = 0, .coded = 1, .align = SG__Q8_BLOCK,
     .init = q8_init, .free = q8_free, .array = q8_array, .prepare = q8_prepare,
     .submitted = q8_submitted, .wait_reductions = q8_wait_reductions, .settle = q8_settle,
     .sumsq = q8_sumsq, .partials = q8_partials, .update = q8_update, .clear = q8_clear,
     .master_from_working = q8_master_from_working, .read_state = q8_read_state,
+    .records = q8_records,
 };
