@@ -282,7 +282,7 @@ SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) {
   const uint32_t e = c >> mbits, f = c & ((1u << mbits) - 1u);
   const float normal = sg_elem_u2f(((e + 111u) << 23) | (f << (23 - mbits)));
   const float sub = (float)f * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
-  return e == 0u ? sub : normal;
+  return sg_elem_select_mask(0u - (uint32_t)(e == 0u), sub, normal); /* no branch: vectorizes */
 }
 
 /* m: sign bit 7, magnitude in the low 7 bits. */
@@ -307,14 +307,23 @@ SG_HD float sg_elem_q8_decode_v(uint8_t c, float unit) {
   return s * s;
 }
 
-/* The larger magnitude, NaN never chosen: the maximum of a block is then the same in any
- * order of comparison (a tree on the GPU, a loop on the CPU). */
-SG_HD float sg_elem_q8_max(float amax, float x) { return x > amax ? x : amax; }
+/* The key of the codes' random bits at `step`: a stream of its own (not the parameter's
+ * stochastic rounding, which hashes the seed itself), hoisted out of the loops. */
+SG_HD uint64_t sg_elem_q8_key(uint64_t seed, uint64_t step) {
+  return sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (step + 1u));
+}
 
-/* Random bits of state k's code of element `index` (sg__seg.sr_index) at `step`: a stream of
- * its own (not the parameter's stochastic rounding), independent of the layout. */
-SG_HD uint32_t sg_elem_q8_rnd(uint64_t seed, uint64_t step, uint64_t index, int k) {
-  return sg_elem_hash64(seed ^ (0x51ed2701a3c5b9e7ull * (uint64_t)(k + 1)), step, index);
+/* 64 random bits of element `index` (sg__seg.sr_index, independent of the layout): the low 32
+ * round m's code, the high 32 v's. */
+SG_HD uint64_t sg_elem_q8_rnd(uint64_t key, uint64_t index) {
+  return sg_elem_mix64(key ^ (index * 0xd1b54a32d192ed03ull));
+}
+
+/* The bits of |x| for the block maximum, NaN as 0: for x >= 0 the order of the bits is the
+ * order of the values, so an integer maximum (any order, vectorized) is the float maximum. */
+SG_HD uint32_t sg_elem_q8_max_bits(float x) {
+  const uint32_t a = sg_elem_f2u(x) & 0x7fffffffu;
+  return a & (0u - (uint32_t)(a <= 0x7f800000u));
 }
 
 #endif /* SG_ELEM_H */

@@ -117,8 +117,11 @@ static void ref_step(ref_block *b, float *p, const float *g, size_t n, uint64_t 
   }
   const float rm = am > 0 ? tm / am : 0.0f, rv = av > 0 ? tv / av : 0.0f;
   for (size_t i = 0; i < n; i++) {
-    const uint32_t r0 = sg_elem_hash64(seed ^ 0x51ed2701a3c5b9e7ull, t, sr0 + i);
-    const uint32_t r1 = sg_elem_hash64(seed ^ (0x51ed2701a3c5b9e7ull * 2), t, sr0 + i);
+    /* the random bits: splitmix64's finalizer of (key ^ index * odd), the key a mix of the
+     * salted seed and the step; low half for m, high half for v */
+    const uint64_t key = sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (t + 1));
+    const uint64_t r = sg_elem_mix64(key ^ ((sr0 + i) * 0xd1b54a32d192ed03ull));
+    const uint32_t r0 = (uint32_t)r, r1 = (uint32_t)(r >> 32);
     b->cm[i] = (uint8_t)((nm[i] < 0 || (nm[i] == 0 && signbit(nm[i])) ? 0x80 : 0) |
                          ref_encode(fabsf(nm[i]) * rm, r0, 3));
     b->cv[i] = (uint8_t)ref_encode(ns[i] * rv, r1, 4);

@@ -44,10 +44,8 @@ enum { M = SG__ADAMW_M, V = SG__ADAMW_V, B = SG__Q8_BLOCK };
 typedef struct q8_ctx {
   sg_elem_adamw_k k;
   float grad_scale;
-  uint64_t seed, step;
+  uint64_t seed, step, q8_key;
 } q8_ctx;
-
-SG_Q8_INLINE float q8_abs(float x) { return sg_elem_u2f(sg_elem_f2u(x) & 0x7fffffffu); }
 
 /* The working value p rounded into the parameter buffer (stochastically for bf16 with sr). */
 SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, const q8_ctx *c,
@@ -59,7 +57,8 @@ SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, c
 }
 
 /* One coded block: segment s (inside block j, from its start). Inlined with constant dtypes,
- * so that every dtype test folds away. */
+ * so that every dtype test folds away. Three loops, each vectorizable: the update (the new
+ * moments into the tile), the maxima (integer maxima of the bits), the codes. */
 SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
                               const int pdt, const int gdt, const int has_master, const int sr) {
   const size_t so = s->shard_off, fo = s->flat_off, n = s->len, j = so / B;
@@ -69,7 +68,6 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const float um = sg_elem_q8_unit(a->q8_scale[M][j], SG_ELEM_Q8_M_BITS);
   const float uv = sg_elem_q8_unit(a->q8_scale[V][j], SG_ELEM_Q8_V_BITS);
   float tm[B], ts[B];
-  float am = 0.0f, av = 0.0f;
   for (size_t i = 0; i < n; i++) {
     const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
     float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
@@ -79,15 +77,21 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
     store_param(a->param, pdt, sr, fo + i, p, c, s->sr_index + i);
     tm[i] = m;
     ts[i] = sqrtf(v);
-    am = sg_elem_q8_max(am, q8_abs(m));
-    av = sg_elem_q8_max(av, ts[i]);
   }
+  uint32_t bm = 0, bv = 0;
+  for (size_t i = 0; i < n; i++) {
+    const uint32_t xm = sg_elem_q8_max_bits(tm[i]), xv = sg_elem_q8_max_bits(ts[i]);
+    bm = xm > bm ? xm : bm;
+    bv = xv > bv ? xv : bv;
+  }
+  const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
   const float rv = sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS);
+  const uint64_t key = c->q8_key;
   for (size_t i = 0; i < n; i++) {
-    const uint64_t idx = s->sr_index + i;
-    cm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_q8_rnd(c->seed, c->step, idx, M));
-    cv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_q8_rnd(c->seed, c->step, idx, V));
+    const uint64_t r = sg_elem_q8_rnd(key, s->sr_index + i);
+    cm[i] = sg_elem_q8_encode_m(tm[i], rm, (uint32_t)r);
+    cv[i] = sg_elem_q8_encode_v(ts[i], rv, (uint32_t)(r >> 32));
   }
   a->q8_scale[M][j] = am;
   a->q8_scale[V][j] = av;
@@ -133,6 +137,7 @@ static q8_ctx ctx_of(const sg__update_args *a, int g, int decay) {
   c.grad_scale = a->grad_scale;
   c.seed = a->seed;
   c.step = a->step;
+  c.q8_key = sg_elem_q8_key(a->seed, a->step);
   return c;
 }
 

@@ -581,14 +581,18 @@ struct adamw_q8_params {
   uint64_t step;
 };
 
-__device__ __forceinline__ float q8_block_max(float *sh, float x) {
+// The maximum of the threads' bits (sg_elem_q8_max_bits: non-negative, NaN as 0).
+__device__ __forceinline__ float q8_block_max(uint32_t *sh, uint32_t x) {
   sh[threadIdx.x] = x;
   for (int w = kThreads / 2; w > 0; w >>= 1) {
     __syncthreads();
-    if ((int)threadIdx.x < w) sh[threadIdx.x] = sg_elem_q8_max(sh[threadIdx.x], sh[threadIdx.x + w]);
+    if ((int)threadIdx.x < w) {
+      const uint32_t o = sh[threadIdx.x + w];
+      if (o > sh[threadIdx.x]) sh[threadIdx.x] = o;
+    }
   }
   __syncthreads();
-  const float r = sh[0];
+  const float r = sg_elem_u2f(sh[0]);
   __syncthreads();  // sh is written again by the next maximum
   return r;
 }
@@ -596,7 +600,8 @@ __device__ __forceinline__ float q8_block_max(float *sh, float x) {
 template <int PDT, int GDT>
 __global__ void __launch_bounds__(kThreads)
     adamw_q8_kernel(const seg_entry *tab, int nsegs, adamw_q8_params a) {
-  __shared__ float sh[kThreads];
+  __shared__ uint32_t sh[kThreads];
+  const uint64_t key = sg_elem_q8_key(a.seed, a.step);
   for (int b = (int)blockIdx.x; b < nsegs; b += (int)gridDim.x) {
     const seg_entry s = tab[b];
     const size_t i = threadIdx.x, j = (size_t)s.shard_off / SG__Q8_BLOCK;
@@ -630,15 +635,13 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (f != SG__Q8_CODED) continue;  // uniform: the whole block leaves or stays
     const float sq = live ? sqrtf(v) : 0.0f;
-    const float mag = sg_elem_u2f(sg_elem_f2u(m) & 0x7fffffffu);
-    const float am = q8_block_max(sh, live ? sg_elem_q8_max(0.0f, mag) : 0.0f);
-    const float av = q8_block_max(sh, live ? sg_elem_q8_max(0.0f, sq) : 0.0f);
+    const float am = q8_block_max(sh, live ? sg_elem_q8_max_bits(m) : 0u);
+    const float av = q8_block_max(sh, live ? sg_elem_q8_max_bits(sq) : 0u);
     if (live) {
-      const uint64_t idx = s.sr_index + i;
-      a.cm[so] = sg_elem_q8_encode_m(m, sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS),
-                                     sg_elem_q8_rnd(a.seed, a.step, idx, SG__ADAMW_M));
+      const uint64_t r = sg_elem_q8_rnd(key, s.sr_index + i);
+      a.cm[so] = sg_elem_q8_encode_m(m, sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS), (uint32_t)r);
       a.cv[so] = sg_elem_q8_encode_v(sq, sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS),
-                                     sg_elem_q8_rnd(a.seed, a.step, idx, SG__ADAMW_V));
+                                     (uint32_t)(r >> 32));
     }
     if (i == 0) {  // every thread read the old scales before the maxima's barriers
       a.sm[j] = am;
