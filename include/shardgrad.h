@@ -74,7 +74,8 @@ SG_API int sg_has_backend(const char *name);
 /* ---------------------------------------------------------------------------------------- */
 
 /* SG_DTYPE_AUTO (config only): grad_dtype = param_dtype, reduce_dtype = grad_dtype. */
-typedef enum { SG_DTYPE_AUTO = -1, SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2 } sg_dtype;
+/* SG_Q8 (cfg.optim_state_dtype only): blockwise 8-bit optimizer state. */
+typedef enum { SG_DTYPE_AUTO = -1, SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2, SG_Q8 = 3 } sg_dtype;
 typedef enum { SG_DEVICE_CPU = 0, SG_DEVICE_CUDA = 1 } sg_device;
 typedef enum {
   SG_NO_SHARD = 0,     /* plain data parallel: everything replicated, all-reduce */
@@ -297,6 +298,16 @@ typedef struct sg_config {
                                master. CPU device; not with replica_codec (yet). */
   double outer_lr;          /* 0.7 (DiLoCo's): the outer step's learning rate, > 0 */
   double outer_momentum;    /* 0.9 (DiLoCo's): its Nesterov momentum, in [0, 1) */
+  sg_dtype optim_state_dtype; /* SG_F32: the optimizer's state arrays (AdamW's m and v) in fp32.
+                               SG_Q8: in blocks of 256 elements, one byte per element and an fp32
+                               scale per block (docs/optim-state-8bit.md): 2 bytes per parameter
+                               instead of 8, results close to fp32's but not its bits. Blocks
+                               start at each tensor's first element and never straddle two
+                               tensors or two ranks (the planner aligns shards to them), so the
+                               state of an element has the same bits at any world size. Not with
+                               offload_optimizer on CUDA (SG_ERR_UNSUPPORTED). */
+  int optim_state_min_numel;  /* 4096: with SG_Q8, tensors of fewer elements (their numel, never a
+                               shard's part) keep fp32 state; 0 codes every tensor */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
    * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */

@@ -277,4 +277,101 @@ SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k 
   return p;
 }
 
+/* ---- 8-bit optimizer state (SG_Q8) -------------------------------------------------------- */
+
+/* Blockwise 8-bit state: blocks of SG_ELEM_Q8_BLOCK elements aligned to the tensor's start,
+ * each with one fp32 scale, the block's absolute maximum (of m; of sqrt(v)). Inside a block the
+ * values, divided by the maximum, are coded as a small float with 4 exponent bits and M
+ * mantissa bits: code c = e << M | f holds (1 + f / 2^M) * 2^(e - 16) for e = 1..15 and
+ * f * 2^(-15 - M) for e = 0, so [0, top] with top = (2 - 2^-M) / 2 covers 2^(15 + M) steps
+ * of relative precision 2^-M (a linear code would lose the small values of a block). m is
+ * signed: a sign bit and M = 3. v is kept as sqrt(v), M = 4: its range is that of the
+ * gradient, not of its square, and it stays non-negative. Every operation is exact or one
+ * IEEE rounding, so CPU and CUDA code the same bits. */
+#define SG_ELEM_Q8_BLOCK 256
+#define SG_ELEM_Q8_M_BITS 3 /* mantissa bits of m's magnitude (and a sign bit) */
+#define SG_ELEM_Q8_V_BITS 4 /* mantissa bits of sqrt(v) */
+
+/* The largest coded magnitude: (2 - 2^-M) / 2. */
+SG_HD float sg_elem_q8_top(int mbits) { return mbits == 4 ? 0.96875f : 0.9375f; }
+
+/* The codes from absolute maximum amax: x * ratio lands in [0, top] (0 for an all-zero block,
+ * and for a non-finite maximum, which codes every finite value as 0). */
+SG_HD float sg_elem_q8_ratio(float amax, int mbits) {
+  return (amax > 0.0f && sg_elem_isfinite(amax)) ? sg_elem_q8_top(mbits) / amax : 0.0f;
+}
+
+/* Back from the codes: the coded value times this is the value. */
+SG_HD float sg_elem_q8_unit(float amax, int mbits) {
+  return (amax > 0.0f && sg_elem_isfinite(amax)) ? amax / sg_elem_q8_top(mbits) : 0.0f;
+}
+
+/* The code of x >= 0 (x <= top up to a rounding; larger and NaN: the largest code), rounded
+ * stochastically with the random bits rnd: up with probability equal to the dropped fraction,
+ * so a moment that changes by less than a step per update (v with beta2 = 0.999 moves by 0.1%)
+ * still moves on average instead of sticking at its code. Normal range: the f32 exponent
+ * rebiased (127 - 16) and the dropped 23 - M mantissa bits rounded by adding random bits;
+ * below 2^-15: x scaled exactly to 2^-16 units of the code's step, truncated, then the same. */
+SG_HD uint32_t sg_elem_q8_encode(float x, uint32_t rnd, int mbits) {
+  const uint32_t u = sg_elem_f2u(x);
+  const uint32_t drop = 23u - (uint32_t)mbits, top = (1u << (4 + mbits)) - 1u;
+  const uint32_t rebias = u - (111u << 23);
+  uint32_t normal = (rebias + (rnd & ((1u << drop) - 1u))) >> drop;
+  normal = normal > top ? top : normal;
+  /* 2^(15 + M + 16): x < 2^-15 becomes a fixed-point count below 2^(M + 16), exactly */
+  const float small = u < 0x38000000u ? x : 0.0f; /* never converts a NaN or a large value */
+  const float scaled = small * sg_elem_u2f((uint32_t)(127 + 31 + mbits) << 23);
+  const uint32_t sub = ((uint32_t)scaled + (rnd >> 16)) >> 16;
+  return u < 0x38000000u ? sub : normal; /* 0x38000000: 2^-15 */
+}
+
+/* The value of a code (before the block's unit). */
+SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) {
+  const uint32_t e = c >> mbits, f = c & ((1u << mbits) - 1u);
+  const float normal = sg_elem_u2f(((e + 111u) << 23) | (f << (23 - mbits)));
+  const float sub = (float)f * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
+  return sg_elem_select_mask(0u - (uint32_t)(e == 0u), sub, normal); /* no branch: vectorizes */
+}
+
+/* m: sign bit 7, magnitude in the low 7 bits. */
+SG_HD uint8_t sg_elem_q8_encode_m(float m, float ratio, uint32_t rnd) {
+  const uint32_t u = sg_elem_f2u(m);
+  const float mag = sg_elem_u2f(u & 0x7fffffffu) * ratio;
+  return (uint8_t)(((u >> 24) & 0x80u) | sg_elem_q8_encode(mag, rnd, SG_ELEM_Q8_M_BITS));
+}
+
+SG_HD float sg_elem_q8_decode_m(uint8_t c, float unit) {
+  const float mag = sg_elem_q8_decode(c & 0x7fu, SG_ELEM_Q8_M_BITS) * unit;
+  return sg_elem_u2f(sg_elem_f2u(mag) | ((uint32_t)(c & 0x80u) << 24));
+}
+
+/* v through its square root s = sqrtf(v) >= 0. */
+SG_HD uint8_t sg_elem_q8_encode_v(float s, float ratio, uint32_t rnd) {
+  return (uint8_t)sg_elem_q8_encode(s * ratio, rnd, SG_ELEM_Q8_V_BITS);
+}
+
+SG_HD float sg_elem_q8_decode_v(uint8_t c, float unit) {
+  const float s = sg_elem_q8_decode(c, SG_ELEM_Q8_V_BITS) * unit;
+  return s * s;
+}
+
+/* The key of the codes' random bits at `step`: a stream of its own (not the parameter's
+ * stochastic rounding, which hashes the seed itself), hoisted out of the loops. */
+SG_HD uint64_t sg_elem_q8_key(uint64_t seed, uint64_t step) {
+  return sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (step + 1u));
+}
+
+/* 64 random bits of element `index` (sg__seg.sr_index, independent of the layout): the low 32
+ * round m's code, the high 32 v's. */
+SG_HD uint64_t sg_elem_q8_rnd(uint64_t key, uint64_t index) {
+  return sg_elem_mix64(key ^ (index * 0xd1b54a32d192ed03ull));
+}
+
+/* The bits of |x| for the block maximum, NaN as 0: for x >= 0 the order of the bits is the
+ * order of the values, so an integer maximum (any order, vectorized) is the float maximum. */
+SG_HD uint32_t sg_elem_q8_max_bits(float x) {
+  const uint32_t a = sg_elem_f2u(x) & 0x7fffffffu;
+  return a & (0u - (uint32_t)(a <= 0x7f800000u));
+}
+
 #endif /* SG_ELEM_H */

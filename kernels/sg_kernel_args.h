@@ -57,7 +57,20 @@ typedef struct sg__update_args {
    * A segment whose group is >= max(ngroups, 1) is invalid. */
   int ngroups;
   float group_scalar[SG_MAX_GROUPS][SG__OPTIM_MAX_GROUP_SCALARS];
+  /* 8-bit state (cfg.optim_state_dtype SG_Q8, src/engine/policy/sg_state_q8.c; the optimizer's
+   * q8 update reads these instead of fp32 arrays at shard_off). The state is in blocks of
+   * SG__Q8_BLOCK state indices from 0; every segment lies inside one block and starts at its
+   * start (the planner aligns tensors and slices to blocks). Block j of state k is either
+   * q8_code[k][j * SG__Q8_BLOCK ..] (one byte per element) with scale q8_scale[k][j], or, where
+   * q8_f32[j] is not SG__Q8_CODED, fp32 values at state[k][q8_f32[j] * SG__Q8_BLOCK ..]
+   * (tensors below cfg.optim_state_min_numel). */
+  uint8_t *q8_code[SG__OPTIM_MAX_STATES];
+  float *q8_scale[SG__OPTIM_MAX_STATES];
+  const uint32_t *q8_f32;
 } sg__update_args;
+
+#define SG__Q8_BLOCK 256         /* = SG_ELEM_Q8_BLOCK of kernels/sg_elem.h (checked there) */
+#define SG__Q8_CODED 0xffffffffu      /* q8_f32[j]: block j is coded in 8 bits */
 
 /* 1 when ngroups is 0..SG_MAX_GROUPS and (ngroups > 1) every segment's group is below it. */
 static inline int sg__update_groups_ok(const sg__update_args *a) {

@@ -301,11 +301,100 @@ static void test_adamw() {
   }
 }
 
+// ---- adamw over 8-bit state ------------------------------------------------------------------
+
+// Blocks of state: coded ones (random codes and scales, one all-zero block) and fp32 ones (the
+// pool, by the map); each segment one block's run from its start, as sg_state_q8.c cuts them.
+struct q8_state {
+  std::vector<char> param, grad;
+  std::vector<float> master, sm, sv, pm, pv;
+  std::vector<uint8_t> cm, cv;
+};
+
+static void test_adamw_q8() {
+  static const size_t lens[] = {256, 1, 77, 255, 256, 100, 3, 256, 200, 256};
+  const int nb = (int)(sizeof lens / sizeof lens[0]);
+  std::vector<sg__seg> segs((size_t)nb);
+  std::vector<uint32_t> map((size_t)nb);
+  size_t fo = 5;
+  uint32_t nf = 0;
+  for (int b = 0; b < nb; b++) {
+    segs[b] = sg__seg{(size_t)b * 256, fo, lens[b], b % 3 != 0, ((uint64_t)b << 40) + 7, b % 2};
+    fo += lens[b] + (size_t)(rnd() % 5);
+    map[b] = b % 4 == 3 ? nf++ : SG__Q8_CODED;
+  }
+  const size_t sn = (size_t)nb * 256;
+  struct {
+    int pdt, gdt;
+    bool master, sr;
+  } cases[] = {{0, 0, false, false}, {0, 1, false, false}, {1, 0, true, false},
+               {1, 0, true, true},   {1, 1, true, false},  {2, 0, true, false}};
+  char what[160];
+  for (const auto &c : cases) {
+    q8_state s0;
+    s0.param.resize(fo * esize(c.pdt));
+    s0.grad.resize(sn * esize(c.gdt));
+    s0.master.resize(sn);
+    s0.cm.resize(sn), s0.cv.resize(sn);
+    s0.sm.resize((size_t)nb), s0.sv.resize((size_t)nb);
+    s0.pm.resize((size_t)nf * 256 + 1), s0.pv.resize((size_t)nf * 256 + 1);
+    fill_random(s0.param.data(), c.pdt, fo, 1.0f, false);
+    fill_random(s0.grad.data(), c.gdt, sn, 0.1f, false);
+    fill_random(s0.master.data(), 0, sn, 1.0f, false);
+    for (size_t i = 0; i < sn; i++) s0.cm[i] = (uint8_t)rnd(), s0.cv[i] = (uint8_t)rnd();
+    for (int b = 0; b < nb; b++) {
+      s0.sm[b] = b == 1 ? 0.0f : std::fabs(rnd_unit()) * 0.01f;
+      s0.sv[b] = b == 1 ? 0.0f : std::fabs(rnd_unit()) * 0.01f;
+    }
+    fill_random(s0.pm.data(), 0, s0.pm.size(), 0.01f, false);
+    for (float &x : s0.pv) x = std::fabs(rnd_unit()) * 1e-4f;
+    auto args = [&](sg__update_args *a, q8_state *s, uint64_t step) {
+      adamw_state none;  // the scalars; the arrays are set below
+      adamw_args(a, &none, c.pdt, c.gdt, c.master, c.sr, segs.data(), nb, step, 2);
+      a->param = s->param.data();
+      a->master = c.master ? s->master.data() : nullptr;
+      a->grad = s->grad.data();
+      a->state[SG__ADAMW_M] = s->pm.data(), a->state[SG__ADAMW_V] = s->pv.data();
+      a->q8_code[SG__ADAMW_M] = s->cm.data(), a->q8_code[SG__ADAMW_V] = s->cv.data();
+      a->q8_scale[SG__ADAMW_M] = s->sm.data(), a->q8_scale[SG__ADAMW_V] = s->sv.data();
+      a->q8_f32 = map.data();
+    };
+    q8_state ref = s0;
+    sg__update_args a;
+    for (uint64_t t = 5; t < 7; t++) {
+      args(&a, &ref, t);
+      sg__cpu_adamw_q8(&a);
+    }
+    for (int g : k_grids) {
+      q8_state s = s0;
+      std::vector<char> table(sg__cuda_seg_table_bytes(nb));
+      uint64_t work = 0;
+      sg__cuda_seg_table_build(table.data(), segs.data(), nb, &work);
+      int rc = 0;
+      for (uint64_t t = 5; t < 7; t++) {
+        args(&a, &s, t);
+        sg__cuda_launch L = {nullptr, g};
+        rc |= sg__cuda_adamw_q8(L, &a, table.data(), work);
+      }
+      snprintf(what, sizeof what, "adamw q8 param %d grad %d master %d sr %d grid %d", c.pdt,
+               c.gdt, (int)c.master, (int)c.sr, g);
+      const bool ok = rc == 0 && same(ref.param.data(), s.param.data(), c.pdt, fo) &&
+                      same(ref.master.data(), s.master.data(), 0, sn) && ref.cm == s.cm &&
+                      ref.cv == s.cv && same(ref.sm.data(), s.sm.data(), 0, (size_t)nb) &&
+                      same(ref.sv.data(), s.sv.data(), 0, (size_t)nb) &&
+                      same(ref.pm.data(), s.pm.data(), 0, s.pm.size()) &&
+                      same(ref.pv.data(), s.pv.data(), 0, s.pv.size());
+      check(ok, what);
+    }
+  }
+}
+
 int main() {
   test_elementwise();
   test_reduce_sum();
   test_sumsq();
   test_adamw();
+  test_adamw_q8();
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;
 }

@@ -11,6 +11,14 @@
 /* dtypes are sg_dtype values (0 f32, 1 bf16, 2 f16); 3 = f64 where stated */
 /* AdamW (kernels/sg_adamw_args.h: state 0 m, 1 v, and its scalars) over a->segs */
 void sg__cpu_adamw(const sg__update_args *a);
+/* The same over 8-bit blockwise state (a->q8_*, kernels/sg_kernel_args.h; sg_cpu_q8.c): every
+ * segment one block's run from its start, m and v decoded and coded again in one pass. */
+void sg__cpu_adamw_q8(const sg__update_args *a);
+/* One state array of 8-bit blocks [0, nblocks) decoded into dst (nblocks * SG__Q8_BLOCK
+ * floats): coded blocks from code and scale (is_m: m's signed code; else v's), fp32 blocks
+ * (map[j] != SG__Q8_CODED) copied from the pool. */
+void sg__cpu_q8_decode(float *dst, const uint8_t *code, const float *scale, const float *pool,
+                       const uint32_t *map, size_t nblocks, int is_m);
 /* A cursor into the concatenation of segs[0..nsegs): segment *s begins at element *pos
  * (0, 0 to start). Moves it, back or forward, to the first segment holding element lo
  * (*s = nsegs, *pos = the total when lo is past the end). sg__cpu_adamw's threads each keep

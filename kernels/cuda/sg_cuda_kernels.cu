@@ -551,3 +551,153 @@ extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__update_args *a, const
   }
   return launch_result();
 }
+
+// ---- AdamW over 8-bit blockwise state (kernels/sg_elem.h, cfg.optim_state_dtype SG_Q8) --------
+//
+// One block of kThreads (= SG__Q8_BLOCK) threads per segment, and every segment is one state
+// block's run from its start (sg_state_q8.c splits them so): thread t updates element t, the
+// block's maxima of |m| and sqrt(v) come from a tree over shared memory (the maximum of a set
+// does not depend on the order, and NaN is never chosen, as in the CPU loop), then each
+// thread codes its element with the same random bits as the CPU reference
+// (kernels/cpu/sg_cpu_q8.c).
+
+namespace {
+
+static_assert(kThreads == SG__Q8_BLOCK, "one thread per element of a state block");
+
+struct adamw_q8_params {
+  void *param;
+  float *master;
+  const void *grad;
+  uint8_t *cm, *cv;   // codes of m and v, by state index
+  float *sm, *sv;     // their scales, by block
+  float *fm, *fv;     // fp32 blocks (tensors below the threshold), by pool index
+  const uint32_t *f32;
+  sg_elem_adamw_k k[SG_MAX_GROUPS][2];
+  int ngroups;
+  float grad_scale;
+  int sr;
+  uint64_t seed;
+  uint64_t step;
+};
+
+// The maximum of the threads' bits (sg_elem_q8_max_bits: non-negative, NaN as 0).
+__device__ __forceinline__ float q8_block_max(uint32_t *sh, uint32_t x) {
+  sh[threadIdx.x] = x;
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    __syncthreads();
+    if ((int)threadIdx.x < w) {
+      const uint32_t o = sh[threadIdx.x + w];
+      if (o > sh[threadIdx.x]) sh[threadIdx.x] = o;
+    }
+  }
+  __syncthreads();
+  const float r = sg_elem_u2f(sh[0]);
+  __syncthreads();  // sh is written again by the next maximum
+  return r;
+}
+
+template <int PDT, int GDT>
+__global__ void __launch_bounds__(kThreads)
+    adamw_q8_kernel(const seg_entry *tab, int nsegs, adamw_q8_params a) {
+  __shared__ uint32_t sh[kThreads];
+  const uint64_t key = sg_elem_q8_key(a.seed, a.step);
+  for (int b = (int)blockIdx.x; b < nsegs; b += (int)gridDim.x) {
+    const seg_entry s = tab[b];
+    const size_t i = threadIdx.x, j = (size_t)s.shard_off / SG__Q8_BLOCK;
+    const bool live = i < (size_t)s.len;
+    const size_t so = (size_t)s.shard_off + i, fo = (size_t)s.flat_off + i;
+    const uint32_t f = a.f32[j];  // the same for every thread of the block
+    const size_t at = (size_t)f * SG__Q8_BLOCK + i;
+    float m = 0.0f, v = 0.0f;
+    if (live) {
+      const sg_elem_adamw_k k = a.k[a.ngroups > 1 ? s.group : 0u][s.decay ? 0 : 1];
+      const float g = sg_elem_load(a.grad, GDT, so) * a.grad_scale;
+      float p = a.master ? a.master[so] : sg_elem_load(a.param, PDT, fo);
+      if (f != SG__Q8_CODED) {
+        m = a.fm[at];
+        v = a.fv[at];
+      } else {
+        m = sg_elem_q8_decode_m(a.cm[so], sg_elem_q8_unit(a.sm[j], SG_ELEM_Q8_M_BITS));
+        v = sg_elem_q8_decode_v(a.cv[so], sg_elem_q8_unit(a.sv[j], SG_ELEM_Q8_V_BITS));
+      }
+      p = sg_elem_adamw(p, g, &m, &v, k);
+      if (a.master) a.master[so] = p;
+      if (PDT == 1 && a.sr)
+        ((uint16_t *)a.param)[fo] =
+            sg_elem_f32_to_bf16_sr(p, sg_elem_hash64(a.seed, a.step, s.sr_index + i));
+      else
+        sg_elem_store(a.param, PDT, fo, p);
+      if (f != SG__Q8_CODED) {
+        a.fm[at] = m;
+        a.fv[at] = v;
+      }
+    }
+    if (f != SG__Q8_CODED) continue;  // uniform: the whole block leaves or stays
+    const float sq = live ? sqrtf(v) : 0.0f;
+    const float am = q8_block_max(sh, live ? sg_elem_q8_max_bits(m) : 0u);
+    const float av = q8_block_max(sh, live ? sg_elem_q8_max_bits(sq) : 0u);
+    if (live) {
+      const uint64_t r = sg_elem_q8_rnd(key, s.sr_index + i);
+      a.cm[so] = sg_elem_q8_encode_m(m, sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS), (uint32_t)r);
+      a.cv[so] = sg_elem_q8_encode_v(sq, sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS),
+                                     (uint32_t)(r >> 32));
+    }
+    if (i == 0) {  // every thread read the old scales before the maxima's barriers
+      a.sm[j] = am;
+      a.sv[j] = av;
+    }
+  }
+}
+
+template <int PDT>
+void launch_adamw_q8(unsigned grid, cudaStream_t s, int gdt, const seg_entry *tab, int nsegs,
+                     const adamw_q8_params &p) {
+  void (*k)(const seg_entry *, int, adamw_q8_params) = gdt == 0   ? adamw_q8_kernel<PDT, 0>
+                                                       : gdt == 1 ? adamw_q8_kernel<PDT, 1>
+                                                                  : adamw_q8_kernel<PDT, 2>;
+  SG_LAUNCH_SYNC(k, grid, kThreads, s, tab, nsegs, p);
+}
+
+}  // namespace
+
+extern "C" int sg__cuda_adamw_q8(sg__cuda_launch L, const sg__update_args *a,
+                                 const void *dev_table, uint64_t work) {
+  if (!a || !dev_table || a->nsegs < 1 || a->param_dtype < 0 || a->param_dtype > 2 ||
+      a->grad_dtype < 0 || a->grad_dtype > 2 || !sg__update_groups_ok(a) || !a->q8_f32 ||
+      !a->q8_code[SG__ADAMW_M] || !a->q8_code[SG__ADAMW_V] || !a->q8_scale[SG__ADAMW_M] ||
+      !a->q8_scale[SG__ADAMW_V] || !a->state[SG__ADAMW_M] || !a->state[SG__ADAMW_V])
+    return (int)cudaErrorInvalidValue;
+  if (work == 0) return 0;
+  adamw_q8_params p;
+  memset(&p, 0, sizeof p);
+  p.param = a->param;
+  p.master = a->master;
+  p.grad = a->grad;
+  p.cm = a->q8_code[SG__ADAMW_M];
+  p.cv = a->q8_code[SG__ADAMW_V];
+  p.sm = a->q8_scale[SG__ADAMW_M];
+  p.sv = a->q8_scale[SG__ADAMW_V];
+  p.fm = a->state[SG__ADAMW_M];
+  p.fv = a->state[SG__ADAMW_V];
+  p.f32 = a->q8_f32;
+  p.ngroups = a->ngroups > 1 ? a->ngroups : 1;
+  for (int g = 0; g < p.ngroups; g++) {
+    p.k[g][0] = sg__adamw_consts(a, g, 1);
+    p.k[g][1] = sg__adamw_consts(a, g, 0);
+  }
+  p.grad_scale = a->grad_scale;
+  p.sr = a->stochastic_rounding && a->param_dtype == 1;
+  p.seed = a->seed;
+  p.step = a->step;
+  const int cap = L.max_blocks > 0 ? L.max_blocks : 1;
+  const unsigned grid = (unsigned)(a->nsegs < cap ? a->nsegs : cap);
+  cudaStream_t s = (cudaStream_t)L.stream;
+  const seg_entry *tab = (const seg_entry *)dev_table;
+  switch (a->param_dtype) {
+    case 0: launch_adamw_q8<0>(grid, s, a->grad_dtype, tab, a->nsegs, p); break;
+    case 1: launch_adamw_q8<1>(grid, s, a->grad_dtype, tab, a->nsegs, p); break;
+    default: launch_adamw_q8<2>(grid, s, a->grad_dtype, tab, a->nsegs, p); break;
+  }
+  return launch_result();
+}

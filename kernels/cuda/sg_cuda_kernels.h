@@ -71,6 +71,10 @@ typedef int (*sg__cuda_update_fn)(sg__cuda_launch L, const sg__update_args *a,
 /* Fused AdamW (kernels/sg_adamw_args.h) over the segments of the table. */
 int sg__cuda_adamw(sg__cuda_launch L, const sg__update_args *a, const void *dev_table,
                    uint64_t work);
+/* The same over 8-bit blockwise state (a->q8_*): one block of threads per segment, each segment
+ * one state block's run from its start; bit for bit kernels/cpu/sg_cpu_q8.c. */
+int sg__cuda_adamw_q8(sg__cuda_launch L, const sg__update_args *a, const void *dev_table,
+                      uint64_t work);
 
 #ifdef __cplusplus
 }

@@ -33,6 +33,7 @@ class DType(enum.IntEnum):
     F32 = 0
     BF16 = 1
     F16 = 2
+    Q8 = 3  # optim_state_dtype only: blockwise 8-bit optimizer state
 
 
 class Device(enum.IntEnum):
@@ -109,6 +110,8 @@ class SgConfig(ctypes.Structure):
         ("outer_every", ctypes.c_int),
         ("outer_lr", ctypes.c_double),
         ("outer_momentum", ctypes.c_double),
+        ("optim_state_dtype", ctypes.c_int),
+        ("optim_state_min_numel", ctypes.c_int),
     ]
 
 

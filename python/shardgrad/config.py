@@ -14,6 +14,7 @@ _DTYPE_NAMES = {
     "bf16": DType.BF16, "bfloat16": DType.BF16,
     "f16": DType.F16, "fp16": DType.F16, "float16": DType.F16, "half": DType.F16,
     "auto": DType.AUTO,
+    "q8": DType.Q8, "int8": DType.Q8, "8bit": DType.Q8,  # optim_state_dtype only
 }
 _STRATEGY_NAMES = {
     "no_shard": Strategy.NO_SHARD, "ddp": Strategy.NO_SHARD,
@@ -79,6 +80,7 @@ _ENUM_FIELDS = {
     "strategy": to_strategy, "device": to_device, "param_dtype": to_dtype, "grad_dtype": to_dtype,
     "reduce_dtype": to_dtype, "accum_dtype": to_dtype, "replica_reduce_dtype": to_dtype,
     "replica_codec": to_codec,
+    "optim_state_dtype": to_dtype,
 }
 _INT_TYPES = {ctypes.c_int: (-2**31, 2**31 - 1), ctypes.c_size_t: (0, 2**64 - 1),
               ctypes.c_uint64: (0, 2**64 - 1)}
@@ -94,7 +96,7 @@ _NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
 # Published sizes of sg_config, newest first (include/shardgrad.h, "Appending"): 0.2's, then
 # 0.1's (0.1 ended at timeout_ms plus tail padding, where 0.2's overlap_param_gather went).
 # 0.3 appended a block after reserved_0_2, so its fields lie past 0.2's struct_size; 0.4 one
-# after reserved_0_3.
+# after reserved_0_3 (replica_codec .. optim_state_min_numel).
 _SIZES = (ctypes.sizeof(SgConfig), SgConfig.replica_codec.offset, SgConfig.offload_optimizer.offset,
           SgConfig.reserved_0_2.offset)
 

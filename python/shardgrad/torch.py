@@ -493,6 +493,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     offload_optimizer=True: on CUDA tensors the fp32 master, the moments and the gradient
     accumulator live in pinned host memory and AdamW runs on the CPU (bitwise the same results;
     memory().host_bytes counts it); on CPU tensors it changes nothing.
+    optim_state_dtype="q8": AdamW's m and v in blockwise 8 bits (2 bytes per parameter instead
+    of 8; docs/optim-state-8bit.md), tensors below optim_state_min_numel elements (4096) kept
+    in fp32; param_state() returns them decoded. Not with offload_optimizer on CUDA.
     """
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,

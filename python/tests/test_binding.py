@@ -235,7 +235,8 @@ def test_config_init_defaults_and_struct_size():
                 min_loss_scale=1.0, skip_nonfinite=1, stochastic_rounding=0, seed=0,
                 timeout_ms=600000, overlap_param_gather=0, offload_optimizer=0,
                 replica_reduce_dtype=sg.DType.F32, shard_ranks=0, replica_codec=sg.Codec.NONE,
-                outer_every=0, outer_lr=0.7, outer_momentum=0.9)
+                outer_every=0, outer_lr=0.7, outer_momentum=0.9,
+                optim_state_dtype=sg.DType.F32, optim_state_min_numel=4096)
     got = cfg.as_dict()
     assert set(got) == set(want)
     for k, v in want.items():

@@ -62,7 +62,23 @@
  * state arrays in its descriptor's order (kind SG_CK_STATE0 + k for state k, named by the
  * descriptor, src/optim; the files written so far hold kinds 2 and 3, the first optimizer's
  * two states, which load as before). */
-enum { SG_CK_WORK = 0, SG_CK_MASTER = 1, SG_CK_STATE0 = 2, SG_CK_KINDS = 2 + SG__OPTIM_MAX_STATES };
+enum {
+  SG_CK_WORK = 0,
+  SG_CK_MASTER = 1,
+  SG_CK_STATE0 = 2,
+  /* 8-bit optimizer state (cfg.optim_state_dtype SG_Q8) in place of the fp32 kinds: state k as
+   * kind SG_CK_Q8_STATE0 + k, one record of SG_CK_Q8_RECORD bytes per element (below) */
+  SG_CK_Q8_STATE0 = 2 + SG__OPTIM_MAX_STATES,
+  SG_CK_KINDS = 2 + 2 * SG__OPTIM_MAX_STATES
+};
+/* An element's 8-bit state record: byte 0 its class (0 padding, 1 coded, 2 fp32: a tensor
+ * below optim_state_min_numel), byte 1 its code, bytes 2..5 (little-endian float bits) the
+ * block's scale at the first element of a coded block (every block begins a tensor's run of
+ * SG__Q8_BLOCK elements, so a fragment always carries its blocks' first elements), the fp32
+ * value of an fp32 element, else 0. The codes and scales as the engine holds them: a load at
+ * any world size restores the same bits. */
+#define SG_CK_Q8_RECORD 6
+enum { SG_CK_Q8_PAD = 0, SG_CK_Q8_CODED = 1, SG_CK_Q8_F32 = 2 };
 
 /* ---------------------------------------------------------------------------------------- */
 /* CRC-32C (Castagnoli, reflected 0x82F63B78), chainable: crc(crc(0, a), b) == crc(0, a||b). */

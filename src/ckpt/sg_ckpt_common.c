@@ -6,6 +6,10 @@
 
 #include "sg_ckpt_engine.h"
 
+_Static_assert(SG_CK_Q8_RECORD == SG__STATE_RECORD && (int)SG_CK_Q8_PAD == (int)SG__REC_PAD &&
+                   (int)SG_CK_Q8_CODED == (int)SG__REC_CODED && (int)SG_CK_Q8_F32 == (int)SG__REC_F32,
+               "the checkpoint's 8-bit records are the state placement's");
+
 sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, int need_idle,
                             const char *fn) {
   SG_TRY(sg__engine_check(e, fn, 1));
@@ -13,6 +17,8 @@ sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, in
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL or empty", fn, what);
   return need_idle ? sg__grads_idle(e, fn) : SG_OK;
 }
+
+
 
 /* Every rank's vote: over the shard group, then (hybrid) the groups over the replicas, so the
  * array is in global rank order (replica x world + rank) and its first e->world entries are
@@ -57,16 +63,24 @@ uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes)
     kinds[n] = SG_CK_MASTER;
     elem_bytes[n++] = 4;
   }
+  const int coded = e->strat->place->coded;
   for (int k = 0; k < e->opt.nstates; k++) {
-    kinds[n] = SG_CK_STATE0 + (uint32_t)k;
-    elem_bytes[n++] = 4;
+    kinds[n] = (coded ? SG_CK_Q8_STATE0 : SG_CK_STATE0) + (uint32_t)k;
+    elem_bytes[n++] = coded ? SG_CK_Q8_RECORD : 4;
   }
   return n;
+}
+
+int sg__ck_kind_q8(uint32_t kind) {
+  const uint32_t k = kind - SG_CK_Q8_STATE0;
+  return kind >= SG_CK_Q8_STATE0 && k < SG__OPTIM_MAX_STATES ? (int)k : -1;
 }
 
 const char *sg__ck_kind_name(const sg_engine *e, uint32_t kind) {
   if (kind == SG_CK_WORK) return "working params";
   if (kind == SG_CK_MASTER) return "master";
+  const int q = sg__ck_kind_q8(kind);
+  if (q >= 0) return q < e->opt.nstates ? e->opt.od->state_name[q] : "unknown";
   const uint32_t k = kind - SG_CK_STATE0;
   return k < (uint32_t)e->opt.nstates ? e->opt.od->state_name[k] : "unknown";
 }

@@ -41,6 +41,8 @@ static inline size_t sg__ck_frag_end(const sg_engine *e, int id, int r) {
   return e->plan->frag_index[(size_t)id * (size_t)e->plan->world + (size_t)r + 1];
 }
 
+/* State k of an 8-bit state section (kind SG_CK_Q8_STATE0 + k); -1 for any other kind. */
+int sg__ck_kind_q8(uint32_t kind);
 /* A section's name in messages: "working params", "master" or the optimizer's state name. */
 const char *sg__ck_kind_name(const sg_engine *e, uint32_t kind);
 /* The engine's fp32 array of section `kind` (master or an optimizer state; device memory). */

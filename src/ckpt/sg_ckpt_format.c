@@ -504,13 +504,19 @@ void sg__ck_header_free(sg__ck_header *h) {
   h->crcs = NULL;
 }
 
+/* Working params and fp32 arrays: 2 or 4 bytes; 8-bit state: its records. */
+static int elem_bytes_ok(const sg__ck_section *c) {
+  if (c->kind >= SG_CK_Q8_STATE0) return c->elem_bytes == SG_CK_Q8_RECORD;
+  return c->elem_bytes == 2 || c->elem_bytes == 4;
+}
+
 /* Sections follow the header back to back, kinds ascending, chunk tables consecutive. */
 static sg_status check_sections(const char *what, const sg__ck_header *h) {
   uint64_t off = h->header_bytes, chunks = 0;
   for (uint32_t s = 0; s < h->nsections; s++) {
     const sg__ck_section *c = &h->sec[s];
     if (c->kind >= SG_CK_KINDS || (s > 0 && c->kind <= h->sec[s - 1].kind) ||
-        (c->elem_bytes != 2 && c->elem_bytes != 4) || c->bytes != h->numel * c->elem_bytes ||
+        !elem_bytes_ok(c) || c->bytes != h->numel * c->elem_bytes ||
         c->offset != off || c->crc_index != chunks)
       return CORRUPT("%s: section %u out of place", what, s);
     off += c->bytes;

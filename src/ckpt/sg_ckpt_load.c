@@ -253,6 +253,12 @@ static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header
                    "'%s' does not belong to this checkpoint (its header differs "
                    "from the manifest's record)",
                    path);
+  const int file_q8 = sg__ck_kind_q8(h->sec[h->nsections - 1].kind) >= 0;
+  const int mine_q8 = sg__ck_kind_q8(c->kinds[c->nkinds - 1]) >= 0;
+  if (file_q8 != mine_q8)
+    return sg__err(SG_ERR_MISMATCH, "'%s' holds %s optimizer state, this engine keeps it in %s "
+                   "(cfg->optim_state_dtype); a load does not convert between them", path,
+                   file_q8 ? "8-bit" : "fp32", mine_q8 ? "8 bits" : "fp32");
   if (h->nsections != c->nkinds)
     return sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected %u", path, h->nsections, c->nkinds);
   for (uint32_t s = 0; s < c->nkinds; s++)
@@ -343,6 +349,16 @@ static sg_status read_files(sg_engine *e, load_ctx *c) {
   return SG_OK;
 }
 
+/* 8-bit state: the records read are of the classes this engine's blocks have (before any rank
+ * applies anything). */
+static sg_status check_records(sg_engine *e, const load_ctx *c) {
+  for (uint32_t s = 1; s < c->nkinds; s++) {
+    const int q8 = sg__ck_kind_q8(c->kinds[s]);
+    if (q8 >= 0) SG_TRY(e->strat->place->records(e, q8, c->stage[s], SG__REC_CHECK));
+  }
+  return SG_OK;
+}
+
 static sg_status load_local(sg_engine *e, const char *dir, load_ctx *c) {
   c->dir = dir;
   char *mpath = sg__ck_path(dir, SG_CK_MANIFEST_NAME);
@@ -354,7 +370,8 @@ static sg_status load_local(sg_engine *e, const char *dir, load_ctx *c) {
   SG_TRY_GOTO(sg__ck_manifest_parse(buf, len, mpath, &c->m), st, done);
   SG_TRY_GOTO(check_manifest(e, c, mpath), st, done);
   SG_TRY_GOTO(plan_reads(e, c), st, done);
-  st = read_files(e, c);
+  SG_TRY_GOTO(read_files(e, c), st, done);
+  st = check_records(e, c);
 done:
   if (st != SG_OK) sg__err_prefix(st, "sg_load");
   free(buf);
@@ -373,8 +390,13 @@ static sg_status h2d(sg_engine *e, void *dst, const void *src, size_t bytes) {
  * part of every bucket this rank owns (the gathers fill the rest). */
 static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (uint32_t s = 1; s < c->nkinds; s++)
-    SG_TRY(h2d(e, sg__ck_state_array(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
+  for (uint32_t s = 1; s < c->nkinds; s++) {
+    const int q8 = sg__ck_kind_q8(c->kinds[s]);
+    if (q8 >= 0)
+      SG_TRY(e->strat->place->records(e, q8, c->stage[s], SG__REC_LOAD));
+    else
+      SG_TRY(h2d(e, sg__ck_state_array(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
+  }
   for (int b = 0; b < e->plan->nbuckets; b++) {
     sg__owned o;
     e->strat->owned(e->plan, e->rank, b, &o);

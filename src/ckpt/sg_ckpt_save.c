@@ -90,11 +90,14 @@ static sg_status flush(writer *w) {
   return SG_OK;
 }
 
-/* Appends `bytes` of device memory to the current section. */
-static sg_status append(sg_engine *e, writer *w, const char *src, size_t bytes) {
+/* Appends `bytes` of device memory (host: of host memory) to the current section. */
+static sg_status append(sg_engine *e, writer *w, const char *src, size_t bytes, int host) {
   while (bytes > 0) {
     const size_t n = bytes < w->cap - w->fill ? bytes : w->cap - w->fill;
-    SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, w->buf + w->fill, src, n, SG_COPY_D2H));
+    if (host)
+      memcpy(w->buf + w->fill, src, n);
+    else
+      SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, w->buf + w->fill, src, n, SG_COPY_D2H));
     w->fill += n;
     src += n;
     bytes -= n;
@@ -103,7 +106,23 @@ static sg_status append(sg_engine *e, writer *w, const char *src, size_t bytes) 
   return SG_OK;
 }
 
-/* One section: this rank's fragments of every parameter, registration order. */
+/* This rank's fragments of every parameter, registration order; rec: the section's 8-bit
+ * records in host memory (state coordinates), NULL for an array of the engine. */
+static sg_status write_fragments(sg_engine *e, writer *w, int kind, size_t esize,
+                                 const uint8_t *rec) {
+  for (int id = 0; id < e->reg.nparams; id++)
+    for (size_t k = sg__ck_frag_begin(e, id, e->rank); k < sg__ck_frag_end(e, id, e->rank); k++) {
+      const sg__fragment *f = &e->plan->frags[k];
+      const size_t opt = sg__strategy_state_index(e->strat, e->plan, e->rank, f->bucket,
+                                                  e->plan->params[id].offset + f->param_offset);
+      const char *src = rec ? (const char *)rec + opt * esize
+                            : sg__ck_state_ptr(e, kind, id, f->param_offset, opt);
+      SG_TRY(append(e, w, src, f->length * esize, rec != NULL));
+    }
+  return SG_OK;
+}
+
+/* One section. 8-bit state: its records, made on the host first. */
 static sg_status write_section(sg_engine *e, writer *w, int s) {
   const int kind = (int)w->h->sec[s].kind;
   const size_t esize = w->h->sec[s].elem_bytes;
@@ -111,13 +130,20 @@ static sg_status write_section(sg_engine *e, writer *w, int s) {
   w->sec_done = 0;
   w->fill = 0;
   w->crc_next = w->sec->crc_index;
-  for (int id = 0; id < e->reg.nparams; id++)
-    for (size_t k = sg__ck_frag_begin(e, id, e->rank); k < sg__ck_frag_end(e, id, e->rank); k++) {
-      const sg__fragment *f = &e->plan->frags[k];
-      const size_t opt = sg__strategy_state_index(e->strat, e->plan, e->rank, f->bucket,
-                                                  e->plan->params[id].offset + f->param_offset);
-      SG_TRY(append(e, w, sg__ck_state_ptr(e, kind, id, f->param_offset, opt), f->length * esize));
+  const int q8 = sg__ck_kind_q8((uint32_t)kind);
+  uint8_t *rec = NULL;
+  if (q8 >= 0) {
+    rec = malloc(e->lay.opt_numel * esize + 1);
+    if (!rec) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (8-bit state records)");
+    const sg_status st = e->strat->place->records(e, q8, rec, SG__REC_SAVE);
+    if (st != SG_OK) {
+      free(rec);
+      return st;
     }
+  }
+  const sg_status st = write_fragments(e, w, kind, esize, rec);
+  free(rec);
+  SG_TRY(st);
   if (w->fill > 0) SG_TRY(flush(w));
   if (w->sec_done != w->sec->bytes)
     return sg__err(SG_ERR_INTERNAL, "section %d: wrote %" PRIu64 " of %" PRIu64 " bytes", s,

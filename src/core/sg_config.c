@@ -21,11 +21,11 @@ static const sg__config_layout layouts[] = {
     {"0.1", SG__ROUND_UP(SG__END_OF(timeout_ms), _Alignof(sg_config)), SG__END_OF(timeout_ms)},
     {"0.2", SG__END_OF(reserved_0_2), SG__END_OF(reserved_0_2)},
     {"0.3", SG__END_OF(reserved_0_3), SG__END_OF(reserved_0_3)},
-    {"0.4", SG__END_OF(outer_momentum), SG__END_OF(outer_momentum)},
+    {"0.4", SG__END_OF(optim_state_min_numel), SG__END_OF(optim_state_min_numel)},
 };
 #define SG__NLAYOUTS ((int)(sizeof layouts / sizeof layouts[0]))
 #define SG__CONFIG_V1_SIZE (layouts[0].size)
-_Static_assert(sizeof(sg_config) == SG__END_OF(outer_momentum),
+_Static_assert(sizeof(sg_config) == SG__END_OF(optim_state_min_numel),
                "the newest sg_config block must end without tail padding (see layouts)");
 
 /* The layout a caller's struct_size names; NULL for a size no release published. */
@@ -74,6 +74,8 @@ static void sg__config_defaults(sg_config *c) {
   c->outer_every = 0;
   c->outer_lr = 0.7;
   c->outer_momentum = 0.9;
+  c->optim_state_dtype = SG_F32;
+  c->optim_state_min_numel = 4096;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
@@ -229,6 +231,16 @@ static sg_status sg__config_check_0_4(const sg_config *c, const char *fn) {
     return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->outer_every with cfg->replica_codec: the outer "
                    "steps' pseudo-gradient has no codec yet (use replica_reduce_dtype SG_BF16 "
                    "for a smaller wire)", fn);
+  if (c->optim_state_dtype != SG_F32 && c->optim_state_dtype != SG_Q8)
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->optim_state_dtype must be SG_F32 or SG_Q8 (got %d)", fn,
+                   (int)c->optim_state_dtype);
+  if (c->optim_state_min_numel < 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->optim_state_min_numel must be >= 0 (got %d)",
+                   fn, c->optim_state_min_numel);
+  if (c->optim_state_dtype == SG_Q8 && c->offload_optimizer && c->device == SG_DEVICE_CUDA)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->optim_state_dtype SG_Q8 with offload_optimizer on "
+                   "the CUDA device is not supported (the offloaded state is fp32)", fn);
   return SG_OK;
 }
 
@@ -290,7 +302,8 @@ static const sg__config_word words[] = {
     SG__W(loss_scale, SG__W_FLOAT),     SG__W(init_loss_scale, SG__W_FLOAT),
     SG__W(scale_window, SG__W_INT),     SG__W(min_loss_scale, SG__W_FLOAT),
     SG__W(skip_nonfinite, SG__W_INT),   SG__W(stochastic_rounding, SG__W_INT),
-    SG__W(seed, SG__W_U64),
+    SG__W(seed, SG__W_U64),             SG__W(optim_state_dtype, SG__W_INT),
+    SG__W(optim_state_min_numel, SG__W_INT),
 };
 _Static_assert(sizeof words / sizeof words[0] == SG__CONFIG_NWORDS, "SG__CONFIG_NWORDS");
 _Static_assert(SG__CONFIG_CK_WORDS <= SG__CONFIG_NWORDS, "SG__CONFIG_CK_WORDS");

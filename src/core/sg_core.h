@@ -119,7 +119,7 @@ int sg__config_dynamic_scale(const sg_config *c);
  * every rank must agree on at sg_finalize (and what the plan hash covers). A checkpoint's
  * manifest records the first SG__CONFIG_CK_WORDS of them (its format fixes that count), so new
  * words are appended after those. Writes the first n words. */
-#define SG__CONFIG_NWORDS 21
+#define SG__CONFIG_NWORDS 23
 #define SG__CONFIG_CK_WORDS 21
 void sg__config_words(const sg_config *c, uint64_t *w, int n);
 /* The field name of word k, for messages. */

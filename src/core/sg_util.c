@@ -15,6 +15,7 @@ const char *sg__dtype_name(sg_dtype d) {
     case SG_BF16: return "bf16";
     case SG_F16: return "f16";
     case SG_DTYPE_AUTO: return "auto";
+    case SG_Q8: return "q8";
   }
   return "unknown";
 }

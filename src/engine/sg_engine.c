@@ -266,8 +266,9 @@ static sg_status build_plan(sg_engine *e, sg__plan **out) {
   sg__plan_input *in = malloc((size_t)e->reg.nparams * sizeof *in);
   if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
   for (int i = 0; i < e->reg.nparams; i++) in[i] = (sg__plan_input){e->reg.names[i], e->reg.numels[i], e->reg.flags[i]};
-  sg_status st = sg__plan_build(in, e->reg.nparams, e->world, sg__dtype_size(e->cfg.grad_dtype),
-                                e->cfg.bucket_bytes, cfg_hash(&e->cfg), out);
+  sg_status st = sg__plan_build_aligned(in, e->reg.nparams, e->world,
+                                        sg__dtype_size(e->cfg.grad_dtype), e->cfg.bucket_bytes,
+                                        cfg_hash(&e->cfg), e->strat->place->align, out);
   free(in);
   return st == SG_OK ? st : sg__err_prefix(st, "sg_finalize");
 }
@@ -540,13 +541,24 @@ sg_status sg_get_master(sg_engine *e, int id, float *dst) {
   return sg__err_prefix(e->strat->shard->param_state(e, id, e->opt.master, dst), fn);
 }
 
+/* sg_get_optim_state's reader of a state array in fp32 (the placement's view of it). */
+struct state_read {
+  int id;
+  float *dst;
+};
+static sg_status read_param_state(sg_engine *e, const float *view, void *ctx) {
+  const struct state_read *r = ctx;
+  return e->strat->shard->param_state(e, r->id, view, r->dst);
+}
+
 sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   SG_ENGINE_GUARD(e, "sg_get_optim_state");
   static const char *fn = "sg_get_optim_state";
   SG_TRY(sg__engine_check_param(e, id, dst, "host_dst", fn));
   SG_TRY(sg__optim_check_state(e, which, fn));
   SG_TRY(sg__grads_idle(e, fn));
-  return sg__err_prefix(e->strat->shard->param_state(e, id, e->opt.state[which], dst), fn);
+  struct state_read r = {id, dst};
+  return sg__err_prefix(e->strat->place->read_state(e, which, read_param_state, &r), fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -600,8 +612,9 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   for (int i = 0; i < nparams; i++) in[i] = (sg__plan_input){NULL, numels[i], 0};
   sg__plan *p = NULL;
-  sg_status st = sg__plan_build(in, nparams, L, sg__dtype_size(c.grad_dtype), c.bucket_bytes,
-                                0, &p);
+  sg_status st = sg__plan_build_aligned(in, nparams, L, sg__dtype_size(c.grad_dtype),
+                                        c.bucket_bytes, 0, sg__strategy_select(&c)->place->align,
+                                        &p);
   free(in);
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;

@@ -194,6 +194,8 @@ struct sg_engine {
   struct sg__trace *trace; /* sg_trace.c; NULL until first started */
   struct sg__offload *off; /* the offloaded optimizer state (src/offload/sg_offload.c, made and
                               freed by the offloading strategies' state ops); NULL otherwise */
+  struct sg__q8 *q8;       /* the 8-bit state's bookkeeping (policy/sg_state_q8.c, made and
+                              freed by its state ops); NULL otherwise */
 };
 
 /* sg_engine_base.c: the base services every engine file may call (they call no other engine

@@ -86,6 +86,12 @@ typedef struct sg__state_ops {
   const char *name;
   /* Declared: the accumulator and the state are host memory on a device that has its own. */
   int host;
+  /* Declared: the state arrays are not fp32 arrays of the shard (8-bit blocks, sg_state_q8.c):
+   * array() has none to give, read_state() dequantizes, checkpoints hold its own sections. */
+  int coded;
+  /* Declared: elements of a state block that must not straddle two tensors or two ranks; the
+   * planner aligns parameter starts and slices to it (SG_PLAN_ALIGN where state is fp32). */
+  size_t align;
   /* sg_finalize, after the arenas and before the optimizer binds its arrays; free at destroy
    * (after the comm queue drained; nothing made: nothing). */
   sg_status (*init)(sg_engine *e);
@@ -114,11 +120,27 @@ typedef struct sg__state_ops {
   sg_status (*clear)(sg_engine *e);
   /* The master from the working parameters of every owned segment (sg_broadcast_params). */
   sg_status (*master_from_working)(sg_engine *e);
+  /* State array k (0 .. nstates-1) in fp32 state coordinates for a reader: fn(e, view, ctx)
+   * with view device memory of opt_numel floats (the array itself where it is fp32; the 8-bit
+   * state decoded into a temporary, freed after fn), fn's status returned. */
+  sg_status (*read_state)(sg_engine *e, int k,
+                          sg_status (*fn)(sg_engine *e, const float *view, void *ctx), void *ctx);
+  /* Checkpoints of a coded state (declared `coded`): state k as opt_numel records of
+   * SG__STATE_RECORD bytes in host memory, state coordinates (the format of src/ckpt/sg_ckpt.h,
+   * SG_CK_Q8_RECORD). SG__REC_SAVE writes them from the state; SG__REC_CHECK checks those
+   * present (class not SG__REC_PAD) against this engine's blocks (SG_ERR_MISMATCH: another
+   * threshold made them fp32 or coded); SG__REC_LOAD makes the state from them. The fp32
+   * placements keep no records: SG_ERR_INTERNAL. */
+  sg_status (*records)(sg_engine *e, int k, uint8_t *rec, int mode);
 } sg__state_ops;
+
+#define SG__STATE_RECORD 6
+enum { SG__REC_PAD = 0, SG__REC_CODED = 1, SG__REC_F32 = 2 };
+enum { SG__REC_SAVE = 0, SG__REC_CHECK = 1, SG__REC_LOAD = 2 };
 
 extern const sg__slots_ops sg__slots_full, sg__slots_staging;
 extern const sg__shard_ops sg__shard_replicated, sg__shard_sharded;
-extern const sg__state_ops sg__state_device, sg__state_host;
+extern const sg__state_ops sg__state_device, sg__state_host, sg__state_q8;
 
 typedef struct sg__strategy_ops {
   const char *name;         /* "SHARD_GRAD_OP": trace metadata, logs */

@@ -465,7 +465,8 @@ static sg_status build_plan(const sg_config *c, const size_t *numels, int nparam
   if (!in) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
   for (int i = 0; i < nparams; i++) in[i] = (sg__plan_input){NULL, numels[i], 0};
   const sg_status st =
-      sg__plan_build(in, nparams, L, sg__dtype_size(c->grad_dtype), c->bucket_bytes, 0, p);
+      sg__plan_build_aligned(in, nparams, L, sg__dtype_size(c->grad_dtype), c->bucket_bytes, 0,
+                             sg__strategy_select(c)->place->align, p);
   free(in);
   return st == SG_OK ? st : sg__err_prefix(st, fn);
 }

@@ -53,6 +53,18 @@ static void host_arrays(sg__layout *l, const sg__layout_shape *sh, size_t P, siz
   l->host_bytes = arrays > SG__ARENA_MAX - sh->host_extra ? SIZE_MAX : arrays + sh->host_extra;
 }
 
+/* 8-bit state: per state array its fp32 blocks, codes and scales, then the block map. */
+static void q8_arrays(sg__layout *l, const sg__layout_shape *sh) {
+  l->q8_blocks = sh->q8_blocks;
+  l->q8_f32_blocks = sh->q8_f32_blocks;
+  for (int k = 0; k < sh->nstates; k++) {
+    l->state_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(mul_sat(sh->q8_f32_blocks, SG__Q8_BLOCK), 4));
+    l->q8_code_off[k] = carve(l, SG_MEM_OPTIM, l->opt_numel);
+    l->q8_scale_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(sh->q8_blocks, 4));
+  }
+  l->q8_map_off = carve(l, SG_MEM_OPTIM, mul_sat(sh->q8_blocks, 4));
+}
+
 sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__layout_shape *sh,
                              sg__layout *l) {
   memset(l, 0, sizeof *l);
@@ -74,8 +86,11 @@ sg_status sg__layout_compute(const sg__plan *p, const sg_config *cfg, const sg__
     l->accum_off = carve(l, SG_MEM_GRADS, mul_sat(l->accum_numel, A));
     l->master_off = SIZE_MAX;
     if (P < 4) l->master_off = carve(l, SG_MEM_MASTER, mul_sat(l->opt_numel, 4));
-    for (int k = 0; k < sh->nstates; k++)
-      l->state_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
+    if (sh->q8_blocks)
+      q8_arrays(l, sh);
+    else
+      for (int k = 0; k < sh->nstates; k++)
+        l->state_off[k] = carve(l, SG_MEM_OPTIM, mul_sat(l->opt_numel, 4));
   }
   /* the collective scratch with the small piece right after it, in one carve */
   l->comm_scratch_bytes = sg__comm_scratch_bytes(sh->max_wire);

@@ -45,6 +45,11 @@ typedef struct sg__layout_shape {
   size_t host_extra;    /* host_state: pinned bytes beyond those arrays (pipeline buffers) */
   size_t replica_bytes; /* a hybrid engine's wire buffer across replicas (0: none): COMM, or
                            pinned host memory (in host_bytes) when host_state */
+  size_t q8_blocks;     /* 8-bit state (sg_state_q8.c): blocks of SG__Q8_BLOCK state elements
+                           (0: the state arrays are fp32, opt_numel each). Each state array is
+                           then one byte per element and an fp32 scale per block, plus fp32
+                           blocks for the small tensors, and one block map */
+  size_t q8_f32_blocks; /* blocks of fp32 state per array (the most any rank holds, >= 1) */
 } sg__layout_shape;
 
 /* Offsets (bytes) of each buffer inside its kind's arena; SIZE_MAX when absent. */
@@ -74,6 +79,11 @@ typedef struct sg__layout {
   size_t replica_bytes;
   size_t replica_host_bytes;    /* host_state: the replica wire buffer is pinned host memory of
                                    replica_bytes, counted in host_bytes (0: none or in COMM) */
+  /* OPTIM, 8-bit state (q8_blocks > 0): state_off[k] is then the fp32 blocks of state k
+   * (q8_f32_blocks x SG__Q8_BLOCK floats), q8_code_off[k] its codes (opt_numel bytes),
+   * q8_scale_off[k] its scales (q8_blocks floats); q8_map_off the block map (q8_blocks u32). */
+  size_t q8_blocks, q8_f32_blocks;
+  size_t q8_code_off[SG__OPTIM_MAX_STATES], q8_scale_off[SG__OPTIM_MAX_STATES], q8_map_off;
 } sg__layout;
 
 /* The layout of a plan for a strategy's and optimizer's shape. SG_ERR_INVALID_ARGUMENT for more

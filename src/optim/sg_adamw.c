@@ -13,6 +13,18 @@ static void adamw_scalars(sg__update_args *a, const sg_hparams *hp) {
     sg__adamw_group_scalars(a, g, hp[g].lr, hp[0].beta1, hp[g].weight_decay);
 }
 
+/* m and v in 8-bit blocks (kernels/cpu/sg_cpu_q8.c, the CUDA kernel beside AdamW's). */
+static const sg__optim_desc adamw_q8 = {
+    .name = "adamw (8-bit state)",
+    .nstates = SG__ADAMW_NSTATES,
+    .state_name = {[SG__ADAMW_M] = "m", [SG__ADAMW_V] = "v"},
+    .scalars = adamw_scalars,
+    .cpu_update = sg__cpu_adamw_q8,
+#ifdef SG_HAVE_CUDA
+    .cuda_update = sg__cuda_adamw_q8,
+#endif
+};
+
 const sg__optim_desc sg__optim_adamw = {
     .name = "adamw",
     .nstates = SG__ADAMW_NSTATES,
@@ -22,4 +34,5 @@ const sg__optim_desc sg__optim_adamw = {
 #ifdef SG_HAVE_CUDA
     .cuda_update = sg__cuda_adamw,
 #endif
+    .q8 = &adamw_q8,
 };

@@ -24,6 +24,10 @@ typedef struct sg__optim_desc {
    * NULL in a build without CUDA) */
   void (*cpu_update)(const sg__update_args *a);
   sg__cuda_update_fn cuda_update;
+  /* Its variant over 8-bit blockwise state (cfg.optim_state_dtype SG_Q8): the same states,
+   * names and scalars, kernels that read a->q8_* (kernels/sg_kernel_args.h); NULL where the
+   * optimizer has none (an engine asking for it is refused at sg_engine_create). */
+  const struct sg__optim_desc *q8;
 } sg__optim_desc;
 
 /* The optimizer an engine runs: the table's first (the only one for now). */

@@ -78,7 +78,7 @@ static sg_status sg__plan_too_big(const sg__plan_input *in, int id) {
 /* Closes bucket b: pads its used length to a multiple of 64*W and places it after b-1. */
 static int sg__plan_close_bucket(sg__plan *p, int b, size_t used, size_t *next_start) {
   sg__bucket *bk = &p->buckets[b];
-  size_t unit = (size_t)SG_PLAN_ALIGN * (size_t)p->world;
+  size_t unit = p->align * (size_t)p->world;
   size_t end;
   if (!sg__align_ok(used, unit, &bk->numel) || !sg__add_ok(*next_start, bk->numel, &end)) return 0;
   bk->start = *next_start;
@@ -97,7 +97,7 @@ static sg_status sg__plan_layout(sg__plan *p, const sg__plan_input *in) {
   for (int k = 0; k < p->nparams; k++) {
     int id = p->nparams - 1 - k;
     size_t off, end;
-    if (!sg__align_ok(used, SG_PLAN_ALIGN, &off)) return sg__plan_too_big(&in[id], id);
+    if (!sg__align_ok(used, p->align, &off)) return sg__plan_too_big(&in[id], id);
     /* A param that would overflow a non-empty bucket starts the next one. */
     if (p->buckets[b].param_count > 0 &&
         (off >= p->bucket_elems || in[id].numel > p->bucket_elems - off)) {
@@ -180,6 +180,7 @@ static void sg__plan_hash(sg__plan *p, const sg__plan_input *in, size_t elem_byt
   h = sg__hash_u64(h, (uint64_t)elem_bytes);
   h = sg__hash_u64(h, (uint64_t)bucket_bytes);
   h = sg__hash_u64(h, cfg_hash);
+  if (p->align != SG_PLAN_ALIGN) h = sg__hash_u64(h, (uint64_t)p->align); /* default: as before */
   h = sg__hash_u64(h, (uint64_t)p->nparams);
   for (int id = 0; id < p->nparams; id++) {
     p->param_hash[id] = sg__hash_param(SG__HASH_INIT, &in[id]);
@@ -190,12 +191,29 @@ static void sg__plan_hash(sg__plan *p, const sg__plan_input *in, size_t elem_byt
 
 sg_status sg__plan_build(const sg__plan_input *params, int nparams, int world, size_t elem_bytes,
                          size_t bucket_bytes, uint64_t cfg_hash, sg__plan **out) {
+  return sg__plan_build_aligned(params, nparams, world, elem_bytes, bucket_bytes, cfg_hash,
+                                SG_PLAN_ALIGN, out);
+}
+
+static int sg__plan_align_ok(size_t align) {
+  if (align < SG_PLAN_ALIGN || align > ((size_t)1 << 20) || align % SG_PLAN_ALIGN) return 0;
+  return ((align / SG_PLAN_ALIGN) & (align / SG_PLAN_ALIGN - 1)) == 0;
+}
+
+sg_status sg__plan_build_aligned(const sg__plan_input *params, int nparams, int world,
+                                 size_t elem_bytes, size_t bucket_bytes, uint64_t cfg_hash,
+                                 size_t align, sg__plan **out) {
   if (out) *out = NULL; /* a failed build never leaves a stale pointer behind */
   sg_status st = sg__plan_check_args(params, nparams, world, elem_bytes, bucket_bytes, out);
   if (st != SG_OK) return st;
+  if (!sg__plan_align_ok(align))
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "sg__plan_build: align must be %d times a power of two up to 2^20 (got %zu)",
+                   SG_PLAN_ALIGN, align);
   sg__plan *p = calloc(1, sizeof *p);
   if (!p) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__plan_build: cannot allocate the plan");
   p->world = world;
+  p->align = align;
   p->nparams = nparams;
   p->bucket_elems = bucket_bytes / elem_bytes;
   SG_TRY_GOTO(sg__plan_alloc(p, nparams, world), st, fail);

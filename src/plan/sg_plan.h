@@ -25,15 +25,15 @@ typedef struct sg__fragment {
 } sg__fragment;
 
 typedef struct sg__bucket {
-  size_t start;         /* element offset in the flat buffer; multiple of 64*W */
-  size_t numel;         /* padded length; multiple of 64*W */
+  size_t start;         /* element offset in the flat buffer; multiple of align*W */
+  size_t numel;         /* padded length; multiple of align*W */
   size_t shard_offset;  /* offset of this bucket's slice inside every rank's shard (numel/W each) */
   int first_param;      /* params of this bucket, as plan order indices [first, first+count) */
   int param_count;
 } sg__bucket;
 
 typedef struct sg__plan_param {
-  size_t offset;        /* element offset in the flat buffer; multiple of SG_PLAN_ALIGN */
+  size_t offset;        /* element offset in the flat buffer; multiple of align */
   size_t numel;
   uint32_t flags;
   int bucket;
@@ -42,6 +42,7 @@ typedef struct sg__plan_param {
 
 typedef struct sg__plan {
   int world;
+  size_t align;         /* elements: parameter starts and slice boundaries are multiples */
   int nparams;
   int nbuckets;
   size_t total_numel;   /* flat buffer length (sum of bucket numels) */
@@ -63,6 +64,14 @@ typedef struct sg__plan {
  * for bad inputs, SG_ERR_OUT_OF_MEMORY when the tables cannot be allocated. */
 sg_status sg__plan_build(const sg__plan_input *params, int nparams, int world, size_t elem_bytes,
                          size_t bucket_bytes, uint64_t cfg_hash, sg__plan **out);
+/* The same with every parameter starting at a multiple of `align` elements inside its bucket
+ * and every bucket padded to a multiple of align*W (align: SG_PLAN_ALIGN times a power of two,
+ * at most 2^20), so that rank slices begin at multiples of align too: a block of align
+ * elements from a tensor's start then never straddles two tensors or two ranks' slices
+ * (8-bit optimizer state, DESIGN.md section 10). sg__plan_build is align SG_PLAN_ALIGN. */
+sg_status sg__plan_build_aligned(const sg__plan_input *params, int nparams, int world,
+                                 size_t elem_bytes, size_t bucket_bytes, uint64_t cfg_hash,
+                                 size_t align, sg__plan **out);
 void sg__plan_free(sg__plan *p);
 
 /* Slice of bucket b owned by rank r: [start + r*numel/W, start + (r+1)*numel/W). */

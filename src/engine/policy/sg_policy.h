@@ -25,4 +25,9 @@ sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first);
 void sg__state_host_shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out);
 sg_status sg__state_host_reduce(sg_engine *e, int b, char *wire, int first);
 
+/* sg_state_q8.c: the 8-bit state's blocks (the q8 strategies' shape; `owned` the strategy's). */
+void sg__state_q8_shape(const sg__plan *p, const sg_config *cfg,
+                        void (*owned)(const sg__plan *, int, int, sg__owned *),
+                        sg__layout_shape *out);
+
 #endif /* SG_POLICY_H */

@@ -81,10 +81,25 @@ static sg_status device_master_from_working(sg_engine *e) {
   return SG_OK;
 }
 
+/* The fp32 array itself. */
+static sg_status device_read_state(sg_engine *e, int k,
+                               sg_status (*fn)(sg_engine *e, const float *view, void *ctx),
+                               void *ctx) {
+  return fn(e, e->opt.state[k], ctx);
+}
+
+/* fp32 arrays are checkpointed as they are (src/ckpt): no records. */
+static sg_status device_records(sg_engine *e, int k, uint8_t *rec, int mode) {
+  (void)e, (void)k, (void)rec, (void)mode;
+  return sg__err(SG_ERR_INTERNAL, "the fp32 optimizer state has no 8-bit records");
+}
+
 const sg__state_ops sg__state_device = {
     .name = "device", .host = 0, .init = device_init, .free = device_free,
     .array = device_array, .prepare = device_prepare, .submitted = device_submitted,
     .wait_reductions = device_wait_reductions, .settle = device_settle, .sumsq = device_sumsq,
     .partials = device_partials, .update = device_update, .clear = device_clear,
-    .master_from_working = device_master_from_working,
+    .master_from_working = device_master_from_working, .read_state = device_read_state,
+    .records = device_records,
+    .coded = 0, .align = SG_PLAN_ALIGN,
 };

@@ -146,9 +146,24 @@ static sg_status partials(sg_engine *e, double *dev) {
                            SG_COPY_H2D);
 }
 
+/* The fp32 array itself. */
+static sg_status host_read_state(sg_engine *e, int k,
+                               sg_status (*fn)(sg_engine *e, const float *view, void *ctx),
+                               void *ctx) {
+  return fn(e, e->opt.state[k], ctx);
+}
+
+/* fp32 arrays are checkpointed as they are (src/ckpt): no records. */
+static sg_status host_records(sg_engine *e, int k, uint8_t *rec, int mode) {
+  (void)e, (void)k, (void)rec, (void)mode;
+  return sg__err(SG_ERR_INTERNAL, "the fp32 optimizer state has no 8-bit records");
+}
+
 const sg__state_ops sg__state_host = {
     .name = "host", .host = 1, .init = state_init, .free = state_free, .array = array,
     .prepare = prepare, .submitted = submitted, .wait_reductions = wait_reductions,
     .settle = settle, .sumsq = sumsq, .partials = partials, .update = update, .clear = clear,
-    .master_from_working = master_from_working,
+    .master_from_working = master_from_working, .read_state = host_read_state,
+    .records = host_records, .coded = 0,
+    .align = SG_PLAN_ALIGN,
 };

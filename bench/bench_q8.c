@@ -1,0 +1,254 @@
+/* sg_bench_q8: the AdamW step over 8-bit blockwise state (sg__cpu_adamw_q8,
+ * cfg.optim_state_dtype SG_Q8) against the fp32-state step (sg__cpu_adamw) and a STREAM triad,
+ * all three in the same process with the same OpenMP threads, rep by rep alternated so that they
+ * see the same background load.
+ *
+ * Bytes each step must move per parameter (read + written; a store's read-for-ownership not
+ * counted, as STREAM does not count it):
+ *   fp32 state, f32 params:  grad 4 + param 8 + m 8 + v 8                       = 28
+ *   8-bit state, f32 params: grad 4 + param 8 + m 2 + v 2 + scales 16/256         = 16.06
+ *   fp32 state, bf16 params: grad 4 + master 8 + m 8 + v 8 + bf16 param write 2  = 30
+ *   8-bit state, bf16:       grad 4 + master 8 + m 2 + v 2 + 2 + scales 16/256  = 18.06
+ *   triad a[i] = b[i] + s*c[i] on doubles: 24 per element
+ * Printed per size and params dtype: each step's median time, the bandwidth its bytes give,
+ * that bandwidth over the triad's (medians of the per-rep ratios), and the 8-bit step's time over
+ * the fp32 step's.
+ *
+ *   sg_bench_q8 [--sizes 4,16] [--reps 10] [--warmup 2]   (sizes in Mi parameters) */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, posix_memalign */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "bench_util.h"         /* bench_now_s */
+#include "cpu/sg_cpu_kernels.h" /* sg__cpu_adamw, sg__cpu_adamw_q8 */
+#include "sg_adamw_args.h"      /* sg__adamw_scalars */
+
+#define SEG_MAX ((size_t)4 << 20) /* fp32 state: parameters of at most 4 Mi elements */
+#define BLK SG__Q8_BLOCK
+
+static void *xalloc(size_t bytes) {
+  void *p = NULL;
+  if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
+    fprintf(stderr, "sg_bench_q8: out of memory (%zu bytes)\n", bytes);
+    exit(1);
+  }
+  return p;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *t, int n) {
+  qsort(t, (size_t)n, sizeof *t, cmp_double);
+  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+/* Written by the threads that later use them (first touch). */
+static void fill(float *x, size_t n, float base, float scale) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < n; i++) x[i] = base + scale * (float)((i * 2654435761u) % 1000u) / 1000.0f;
+}
+
+static void fill_bytes(uint8_t *x, size_t n) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < n; i++) x[i] = (uint8_t)((i * 2654435761u) >> 13);
+}
+
+/* ---- STREAM triad ---------------------------------------------------------------------------- */
+
+typedef struct triad_bufs {
+  double *a, *b, *c;
+  size_t n;
+} triad_bufs;
+
+static void triad_init(triad_bufs *t, size_t n) {
+  t->n = n;
+  t->a = xalloc(8 * n), t->b = xalloc(8 * n), t->c = xalloc(8 * n);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < n; i++) t->a[i] = 0.0, t->b[i] = 1.0, t->c[i] = 2.0;
+}
+
+static double triad_once(triad_bufs *t) {
+  double *restrict a = t->a;
+  const double *restrict b = t->b, *restrict c = t->c;
+  const double t0 = bench_now_s();
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+  for (size_t i = 0; i < t->n; i++) a[i] = b[i] + 3.0 * c[i];
+  return bench_now_s() - t0;
+}
+
+/* ---- the two steps --------------------------------------------------------------------------- */
+
+typedef struct state {
+  size_t n;
+  int bf16;
+  void *param;
+  float *master, *grad, *m, *v;             /* fp32 state */
+  uint8_t *cm, *cv;                         /* 8-bit state */
+  float *sm, *sv, pool[2][BLK];
+  uint32_t *map;
+  sg__seg *segs, *blocks;
+  int nsegs, nblocks;
+} state;
+
+static void segs_init(state *s) {
+  s->nsegs = (int)((s->n + SEG_MAX - 1) / SEG_MAX);
+  s->segs = xalloc(sizeof(sg__seg) * (size_t)s->nsegs);
+  for (int k = 0; k < s->nsegs; k++) {
+    const size_t off = (size_t)k * SEG_MAX;
+    s->segs[k] = (sg__seg){off, off, s->n - off < SEG_MAX ? s->n - off : SEG_MAX, !(k & 1), off, 0};
+  }
+  /* 8-bit state: the same parameters cut into blocks, as sg_state_q8.c cuts them */
+  s->nblocks = (int)((s->n + BLK - 1) / BLK);
+  s->blocks = xalloc(sizeof(sg__seg) * (size_t)s->nblocks);
+  s->map = xalloc(sizeof(uint32_t) * (size_t)s->nblocks);
+  for (int j = 0; j < s->nblocks; j++) {
+    const size_t off = (size_t)j * BLK;
+    s->blocks[j] = (sg__seg){off, off, s->n - off < BLK ? s->n - off : BLK,
+                             !((off / SEG_MAX) & 1), off, 0};
+    s->map[j] = SG__Q8_CODED;
+  }
+}
+
+static void state_init(state *s, size_t n, int bf16) {
+  memset(s, 0, sizeof *s);
+  s->n = n;
+  s->bf16 = bf16;
+  s->param = xalloc(n * (bf16 ? 2 : 4));
+  s->master = bf16 ? xalloc(4 * n) : NULL;
+  s->grad = xalloc(4 * n), s->m = xalloc(4 * n), s->v = xalloc(4 * n);
+  s->cm = xalloc(n), s->cv = xalloc(n);
+  s->sm = xalloc(4 * (n / BLK + 1)), s->sv = xalloc(4 * (n / BLK + 1));
+  fill(bf16 ? s->master : (float *)s->param, n, -0.5f, 1.0f);
+  if (bf16) sg__cpu_cast(s->param, 1, s->master, 0, n);
+  fill(s->grad, n, -1.0f, 2.0f), fill(s->m, n, -0.01f, 0.02f), fill(s->v, n, 1e-6f, 1e-4f);
+  fill_bytes(s->cm, n), fill_bytes(s->cv, n);
+  fill(s->sm, n / BLK + 1, 0.01f, 0.01f), fill(s->sv, n / BLK + 1, 0.01f, 0.01f);
+  segs_init(s);
+}
+
+static void state_free(state *s) {
+  free(s->param), free(s->master), free(s->grad), free(s->m), free(s->v), free(s->cm), free(s->cv);
+  free(s->sm), free(s->sv), free(s->map), free(s->segs), free(s->blocks);
+}
+
+static sg__update_args args_of(state *s, uint64_t t, int q8) {
+  sg__update_args a;
+  memset(&a, 0, sizeof a);
+  a.param = s->param, a.param_dtype = s->bf16 ? 1 : 0, a.master = s->master;
+  a.grad = s->grad, a.grad_dtype = 0, a.grad_scale = 0.5f;
+  sg__adamw_scalars(&a, 1e-3, 0.9, 0.999, 1e-8, 0.01, t);
+  if (!q8) {
+    a.state[SG__ADAMW_M] = s->m, a.state[SG__ADAMW_V] = s->v;
+    a.segs = s->segs, a.nsegs = s->nsegs;
+    return a;
+  }
+  a.state[SG__ADAMW_M] = s->pool[0], a.state[SG__ADAMW_V] = s->pool[1];
+  a.q8_code[SG__ADAMW_M] = s->cm, a.q8_code[SG__ADAMW_V] = s->cv;
+  a.q8_scale[SG__ADAMW_M] = s->sm, a.q8_scale[SG__ADAMW_V] = s->sv;
+  a.q8_f32 = s->map;
+  a.segs = s->blocks, a.nsegs = s->nblocks;
+  return a;
+}
+
+static double step_once(state *s, uint64_t t, int q8) {
+  const sg__update_args a = args_of(s, t, q8);
+  const double t0 = bench_now_s();
+  if (q8)
+    sg__cpu_adamw_q8(&a);
+  else
+    sg__cpu_adamw(&a);
+  return bench_now_s() - t0;
+}
+
+/* ---- the table ------------------------------------------------------------------------------- */
+
+typedef struct options {
+  size_t sizes[16];
+  int nsizes, reps, warmup;
+} options;
+
+static void run_size(size_t n, int bf16, triad_bufs *tb, const options *o) {
+  state s;
+  state_init(&s, n, bf16);
+  const double bytes_f = bf16 ? 30.0 : 28.0, bytes_q = (bf16 ? 18.0 : 16.0) + 16.0 / BLK;
+  double tf[64], tq[64], tt[64], rf[64], rq[64], rs[64];
+  const int reps = o->reps < 64 ? o->reps : 64;
+  uint64_t t = 2;
+  for (int r = 0; r < o->warmup; r++) triad_once(tb), step_once(&s, t, 0), step_once(&s, t++, 1);
+  for (int r = 0; r < reps; r++, t++) {
+    tt[r] = triad_once(tb);
+    tf[r] = step_once(&s, t, 0);
+    tq[r] = step_once(&s, t, 1);
+    const double triad_bw = 24.0 * (double)tb->n / tt[r];
+    rf[r] = bytes_f * (double)n / tf[r] / triad_bw;
+    rq[r] = bytes_q * (double)n / tq[r] / triad_bw;
+    rs[r] = tq[r] / tf[r];
+  }
+  const double mt = median(tt, reps), mf = median(tf, reps), mq = median(tq, reps);
+  const double mrf = median(rf, reps), mrq = median(rq, reps), mrs = median(rs, reps);
+  const char *pd = bf16 ? "bf16" : "f32";
+  printf("| %zu Mi | %s | fp32 | %.2f | %.2f | %.1f | %.2f | |\n", n >> 20, pd, bytes_f, mf * 1e3,
+         bytes_f * (double)n / mf / 1e9, mrf);
+  printf("| %zu Mi | %s | 8-bit | %.2f | %.2f | %.1f | %.2f | %.2f |\n", n >> 20, pd, bytes_q,
+         mq * 1e3, bytes_q * (double)n / mq / 1e9, mrq, mrs);
+  printf("| | triad | | 24 per element | %.2f | %.1f | 1 | |\n", mt * 1e3,
+         24.0 * (double)tb->n / mt / 1e9);
+  volatile float sink = s.bf16 ? s.master[n / 2] : ((float *)s.param)[n / 2];
+  if (!isfinite(sink)) printf("non-finite parameter after the steps\n");
+  state_free(&s);
+}
+
+static int parse(int argc, char **argv, options *o) {
+  o->nsizes = 2, o->sizes[0] = 4, o->sizes[1] = 16, o->reps = 10, o->warmup = 2;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
+      o->nsizes = 0;
+      for (char *p = strtok(argv[++i], ","); p && o->nsizes < 16; p = strtok(NULL, ","))
+        o->sizes[o->nsizes++] = (size_t)strtoull(p, NULL, 10);
+    } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+      o->reps = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) {
+      o->warmup = atoi(argv[++i]);
+    } else {
+      fprintf(stderr, "usage: sg_bench_q8 [--sizes 4,16] [--reps 10] [--warmup 2]\n");
+      return 0;
+    }
+  }
+  return o->reps >= 1 && o->nsizes >= 1;
+}
+
+int main(int argc, char **argv) {
+  options o;
+  if (!parse(argc, argv, &o)) return 2;
+  int nt = 1;
+#ifdef _OPENMP
+  nt = omp_get_max_threads();
+#endif
+  triad_bufs tb;
+  triad_init(&tb, (size_t)8 << 20); /* 3 x 64 MiB: far past the caches */
+  printf("sg_bench_q8: %d threads, %d reps (medians), triad over 3 x %zu MiB\n\n", nt, o.reps,
+         tb.n * 8 >> 20);
+  printf("| params | dtype | state | bytes/param | ms/step | GB/s | of triad | 8-bit/fp32 time |\n");
+  printf("|---|---|---|---|---|---|---|---|\n");
+  for (int k = 0; k < o.nsizes; k++)
+    for (int bf16 = 0; bf16 < 2; bf16++) run_size(o.sizes[k] << 20, bf16, &tb, &o);
+  free(tb.a), free(tb.b), free(tb.c);
+  return 0;
+}

@@ -1,0 +1,599 @@
+/* 8-bit optimizer state (cfg.optim_state_dtype SG_Q8, issue 27):
+ *  - the codes of kernels/sg_elem.h: every code decodes and codes back to itself, decoding is
+ *    monotonic, stochastic rounding is unbiased;
+ *  - the CPU kernel bit for bit against an independent implementation of the same blockwise
+ *    algorithm written here (code search in the decoded table, rounding decided in double);
+ *  - engines: state and parameters bit for bit the same at W = 1, 2, 3, 4 (threads; under
+ *    mpirun --mpi: W = np against one rank) for every strategy, f32 and bf16 parameters,
+ *    clipping and parameter groups; tensors below optim_state_min_numel (by their numel, also
+ *    when a rank's part of a larger tensor is smaller) bitwise the fp32 engine's, the others
+ *    coded and close to it; sg_memory = sg_estimate_memory and the bytes it saves;
+ *  - bad configs refused at sg_engine_create with a message naming the field. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h> /* getpid */
+
+#include "sg_test_check.h"
+#include "sg_test_ranks.h"
+#include "../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_adamw_q8 */
+#include "../kernels/sg_elem.h"
+
+enum { NP = 7, STEPS = 6, MAXW = 4 };
+static const size_t numels[NP] = {5000, 300, 6144, 4096, 4095, 70001, 1000};
+
+/* ---- the codes ----------------------------------------------------------------------------- */
+
+static void test_codes(void) {
+  for (int kind = 0; kind < 2; kind++) {
+    const int mb = kind ? SG_ELEM_Q8_V_BITS : SG_ELEM_Q8_M_BITS, ncode = 1 << (4 + mb);
+    int back = 1, mono = 1;
+    for (int c = 0; c < ncode; c++) {
+      const float x = sg_elem_q8_decode((uint32_t)c, mb);
+      for (uint32_t r = 0; r < 4; r++)
+        back &= sg_elem_q8_encode(x, r * 0x3fffffffu, mb) == (uint32_t)c;
+      if (c > 0) mono &= x > sg_elem_q8_decode((uint32_t)c - 1, mb);
+    }
+    CHECK(back, "kind %d: every code decodes and codes back to itself, any random bits", kind);
+    CHECK(mono, "kind %d: decoded values increase with the code", kind);
+    CHECK(sg_elem_q8_decode((uint32_t)ncode - 1, mb) == sg_elem_q8_top(mb),
+          "kind %d: the largest code is top", kind);
+    /* stochastic rounding: the mean of the decoded values is the value */
+    const float xs[3] = {0.3f, 0.0123f, 1.7e-6f};
+    for (int t = 0; t < 3; t++) {
+      double sum = 0;
+      const int n = 20000;
+      for (int i = 0; i < n; i++)
+        sum += sg_elem_q8_decode(sg_elem_q8_encode(xs[t], sg_elem_hash64(7, 1, (uint64_t)i), mb), mb);
+      const double lo = sg_elem_q8_decode(sg_elem_q8_encode(xs[t], 0, mb), mb);
+      const double step = sg_elem_q8_decode(sg_elem_q8_encode(xs[t], 0, mb) + 1, mb) - lo;
+      CHECK(fabs(sum / n - xs[t]) < 0.03 * step, "kind %d: mean of x=%g coded stochastically is "
+            "%g (step %g)", kind, xs[t], sum / n, step);
+    }
+  }
+  CHECK(sg_elem_q8_encode(NAN, 0, 4) == 255 && sg_elem_q8_encode(INFINITY, 0, 3) == 127,
+        "non-finite values take the largest code");
+}
+
+/* ---- an independent implementation of one block's update ----------------------------------- */
+
+static float ref_decode(int code, int mb) { /* the value by its definition */
+  const int e = code >> mb, f = code & ((1 << mb) - 1);
+  return e == 0 ? (float)ldexp((double)f, -15 - mb) : (float)ldexp(1.0 + f / (double)(1 << mb), e - 16);
+}
+
+/* The code of x in [0, top]: the neighbours found in the table, rounded up with probability
+ * frac by the random bits (the dropped bits of the fraction against the random ones). */
+static int ref_encode(float x, uint32_t rnd, int mb) {
+  const int ncode = 1 << (4 + mb);
+  if (!(x <= ref_decode(ncode - 1, mb))) return ncode - 1;
+  int lo = 0;
+  while (lo + 1 < ncode && ref_decode(lo + 1, mb) <= x) lo++;
+  if (lo == ncode - 1 || ref_decode(lo, mb) == x) return lo;
+  const double frac = ((double)x - ref_decode(lo, mb)) / ((double)ref_decode(lo + 1, mb) - ref_decode(lo, mb));
+  if (x < ldexp(1.0, -15)) { /* a fraction in 2^-16 units, truncated */
+    const double t = floor(frac * 65536.0);
+    return lo + ((double)(rnd >> 16) + t >= 65536.0);
+  }
+  const int drop = 23 - mb;
+  const double t = frac * ldexp(1.0, drop); /* exact: the step is uniform in a binade */
+  return lo + ((double)(rnd & ((1u << drop) - 1u)) + t >= ldexp(1.0, drop));
+}
+
+/* torch.optim.AdamW's element, operation by operation (DESIGN.md section 5). */
+static float ref_adamw(float p, float g, float *m, float *v, float decay, float w, float b2,
+                       float omb2, float step, float bc2s, float eps) {
+  p = p * decay;
+  const float d = g - *m;
+  *m = w < 0.5f ? *m + w * d : g - d * (1.0f - w);
+  *v = *v * b2;
+  *v = *v + (omb2 * g) * g;
+  const float denom = sqrtf(*v) / bc2s + eps;
+  return p + (-step * *m) / denom;
+}
+
+typedef struct ref_block {
+  uint8_t cm[256], cv[256];
+  float sm, sv;
+} ref_block;
+
+static void ref_step(ref_block *b, float *p, const float *g, size_t n, uint64_t sr0, uint64_t seed,
+                     uint64_t t, double lr, double wd) {
+  const double b1 = 0.9, b2 = 0.999, bc1 = 1 - pow(b1, (double)t), bc2 = 1 - pow(b2, (double)t);
+  const float tm = 0.9375f, tv = 0.96875f;
+  float um = b->sm > 0 ? b->sm / tm : 0.0f, uv = b->sv > 0 ? b->sv / tv : 0.0f;
+  float nm[256], ns[256], am = 0, av = 0;
+  for (size_t i = 0; i < n; i++) {
+    float m = ref_decode(b->cm[i] & 0x7f, 3) * um, s = ref_decode(b->cv[i], 4) * uv;
+    if (b->cm[i] & 0x80) m = -m;
+    float v = s * s;
+    p[i] = ref_adamw(p[i], g[i], &m, &v, (float)(1 - lr * wd), (float)(1 - b1), (float)b2,
+                     (float)(1 - b2), (float)(lr / bc1), (float)sqrt(bc2), 1e-8f);
+    nm[i] = m;
+    ns[i] = sqrtf(v);
+    if (fabsf(m) > am) am = fabsf(m);
+    if (ns[i] > av) av = ns[i];
+  }
+  const float rm = am > 0 ? tm / am : 0.0f, rv = av > 0 ? tv / av : 0.0f;
+  for (size_t i = 0; i < n; i++) {
+    /* the random bits: splitmix64's finalizer of (key ^ index * odd), the key a mix of the
+     * salted seed and the step; low half for m, high half for v */
+    const uint64_t key = sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (t + 1));
+    const uint64_t r = sg_elem_mix64(key ^ ((sr0 + i) * 0xd1b54a32d192ed03ull));
+    const uint32_t r0 = (uint32_t)r, r1 = (uint32_t)(r >> 32);
+    b->cm[i] = (uint8_t)((nm[i] < 0 || (nm[i] == 0 && signbit(nm[i])) ? 0x80 : 0) |
+                         ref_encode(fabsf(nm[i]) * rm, r0, 3));
+    b->cv[i] = (uint8_t)ref_encode(ns[i] * rv, r1, 4);
+  }
+  b->sm = am;
+  b->sv = av;
+}
+
+static uint64_t g_rng = 88172645463325252ull;
+static float rnd_unit(void) {
+  g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+  return (float)((double)(g_rng >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+}
+
+/* Three blocks (full, full, a tensor's partial last one) and one fp32 block, 5 steps, the
+ * kernel against the reference. */
+static void test_kernel_reference(void) {
+  enum { NB = 3, N = NB * 256 };
+  const size_t lens[NB] = {256, 256, 77};
+  float p[N + 256], pr[N], g[N + 256], pool_m[256] = {0}, pool_v[256] = {0};
+  uint8_t cm[N] = {0}, cv[N] = {0};
+  float sm[NB + 1] = {0}, sv[NB + 1] = {0};
+  const uint32_t map[NB + 1] = {SG__Q8_CODED, SG__Q8_CODED, SG__Q8_CODED, 0};
+  ref_block rb[NB];
+  memset(rb, 0, sizeof rb);
+  for (int i = 0; i < N + 256; i++) p[i] = rnd_unit();
+  memcpy(pr, p, sizeof pr);
+  sg__seg segs[NB];
+  for (int b = 0; b < NB; b++)
+    segs[b] = (sg__seg){(size_t)b * 256, (size_t)b * 256, lens[b], 1, 1000u + (uint64_t)b * 256, 0};
+  int same = 1;
+  for (uint64_t t = 1; t <= 5; t++) {
+    for (int i = 0; i < N + 256; i++) g[i] = rnd_unit() * (i % 3 == 0 ? 1e-4f : 0.05f);
+    sg__update_args a;
+    memset(&a, 0, sizeof a);
+    a.param = p;
+    a.param_dtype = SG_F32;
+    a.grad = g;
+    a.grad_dtype = SG_F32;
+    a.segs = segs;
+    a.nsegs = NB;
+    a.grad_scale = 1.0f;
+    a.seed = 3;
+    sg__adamw_scalars(&a, 1e-3, 0.9, 0.999, 1e-8, 0.01, t);
+    a.state[0] = pool_m, a.state[1] = pool_v;
+    a.q8_code[0] = cm, a.q8_code[1] = cv;
+    a.q8_scale[0] = sm, a.q8_scale[1] = sv;
+    a.q8_f32 = map;
+    sg__cpu_adamw_q8(&a);
+    for (int b = 0; b < NB; b++) {
+      ref_step(&rb[b], pr + b * 256, g + b * 256, lens[b], 1000u + (uint64_t)b * 256, 3, t, 1e-3,
+               0.01);
+      same &= memcmp(rb[b].cm, cm + b * 256, lens[b]) == 0 && memcmp(rb[b].cv, cv + b * 256, lens[b]) == 0;
+      same &= rb[b].sm == sm[b] && rb[b].sv == sv[b];
+      same &= memcmp(pr + b * 256, p + b * 256, lens[b] * sizeof(float)) == 0;
+    }
+  }
+  CHECK(same, "the CPU kernel's codes, scales and parameters are the reference's, bit for bit");
+  int untouched = 1;
+  for (size_t i = 256 * 2 + 77; i < 256 * 3; i++) untouched &= cm[i] == 0 && cv[i] == 0;
+  CHECK(untouched, "the codes past a tensor's end are never written");
+  /* the fp32 block through its map entry */
+  sg__seg s = {(size_t)NB * 256, (size_t)NB * 256, 100, 1, 0, 0};
+  static float p2[N + 256], pf[100];
+  float pool2_m[256] = {0}, pool2_v[256] = {0}, m32[100] = {0}, v32[100] = {0};
+  for (int i = 0; i < 100; i++) p2[N + i] = pf[i] = rnd_unit();
+  sg__update_args a;
+  memset(&a, 0, sizeof a);
+  a.param = p2; /* indexed by flat_off */
+  a.param_dtype = SG_F32;
+  a.grad = g; /* indexed by shard_off */
+  a.grad_dtype = SG_F32;
+  a.segs = &s;
+  a.nsegs = 1;
+  a.grad_scale = 1.0f;
+  sg__adamw_scalars(&a, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
+  a.state[0] = pool2_m, a.state[1] = pool2_v;
+  a.q8_code[0] = cm, a.q8_code[1] = cv, a.q8_scale[0] = sm, a.q8_scale[1] = sv, a.q8_f32 = map;
+  sg__cpu_adamw_q8(&a);
+  int f32 = 1;
+  for (int i = 0; i < 100; i++) {
+    const float q = ref_adamw(pf[i], g[N + i], &m32[i], &v32[i], (float)(1 - 1e-3 * 0.01),
+                              (float)(1 - 0.9), 0.999f, (float)(1 - 0.999),
+                              (float)(1e-3 / (1 - pow(0.9, 1.0))), (float)sqrt(1 - pow(0.999, 1.0)),
+                              1e-8f);
+    f32 &= q == p2[N + i] && m32[i] == pool2_m[i] && v32[i] == pool2_v[i];
+  }
+  CHECK(f32, "a block mapped to fp32 is the plain AdamW element on the pool");
+}
+
+/* ---- engines ------------------------------------------------------------------------------- */
+
+typedef struct variant {
+  const char *name;
+  sg_strategy strategy;
+  sg_dtype pdt;
+  int groups_clip; /* param 5 in group 1, NO_DECAY on param 4, max_grad_norm */
+  sg_dtype state;
+  int min_numel;
+} variant;
+
+typedef struct result {
+  float *p[NP], *m[NP], *v[NP];
+  sg_memory_stats mem, est;
+  sg_status st;
+  char err[256];
+} result;
+
+/* Steps [s0, s1) after loading `load` (NULL: from the initial values), then `save` (NULL:
+ * none); the parameters and states into out where keep. */
+typedef struct phase {
+  int s0, s1;
+  const char *load, *save;
+} phase;
+
+typedef struct run_arg {
+  const variant *v;
+  int world;
+  result *out;
+  phase ph;
+} run_arg;
+
+/* Exactly summable: small integers times 2^-8, rank 0 taking the remainder of the split. */
+static float grad_of(int p, size_t i, int step, int rank, int world) {
+  const int k = (int)((i * 7 + (size_t)p * 13 + (size_t)step * 5) % 41) - 20;
+  const int part = k / world;
+  return (float)(rank == 0 ? k - (world - 1) * part : part) * 0.00390625f;
+}
+
+static void config_of(const variant *v, sg_config *c) {
+  sg_config_init(c, sizeof *c);
+  c->strategy = v->strategy;
+  c->param_dtype = v->pdt;
+  c->grad_dtype = SG_F32;
+  c->grad_average = 0;
+  c->bucket_bytes = 64 << 10; /* several buckets, tensors across slices */
+  c->optim_state_dtype = v->state;
+  c->optim_state_min_numel = v->min_numel;
+  c->seed = 11;
+  c->timeout_ms = 60000;
+  if (v->groups_clip) c->max_grad_norm = 0.5f;
+}
+
+static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int keep,
+                             phase ph);
+
+#ifdef SG_HAVE_MPI
+static sg_status train(sg_comm *comm, const variant *v, result *out, int keep) {
+  return train_phase(comm, v, out, keep, (phase){0, STEPS, NULL, NULL});
+}
+#endif
+
+static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int keep,
+                             phase ph) {
+  sg_config cfg;
+  config_of(v, &cfg);
+  const int rank = sg_comm_rank(comm), world = sg_comm_size(comm);
+  sg_engine *e = NULL;
+  int id[NP];
+  sg_status st = sg_engine_create(comm, &cfg, &e);
+  for (int p = 0; p < NP && st == SG_OK; p++) {
+    char name[16];
+    snprintf(name, sizeof name, "p%d", p);
+    st = sg_add_param(e, name, numels[p], v->groups_clip && p == 4 ? SG_PARAM_NO_DECAY : 0, &id[p]);
+  }
+  if (st == SG_OK && v->groups_clip) st = sg_set_param_group(e, id[5], 1);
+  if (st == SG_OK) st = sg_finalize(e);
+  if (st == SG_OK && v->groups_clip) st = sg_set_group(e, 1, 3e-3f, 0.0f);
+  float *buf = malloc(70001 * sizeof *buf);
+  for (int p = 0; p < NP && st == SG_OK; p++) {
+    for (size_t i = 0; i < numels[p]; i++) buf[i] = (float)((i * 31 + (size_t)p) % 97) / 97.0f - 0.5f;
+    st = sg_set_param(e, id[p], buf, SG_F32);
+  }
+  if (st == SG_OK && ph.load) st = sg_load(e, ph.load);
+  for (int s = ph.s0; s < ph.s1 && st == SG_OK; s++) {
+    for (int p = NP - 1; p >= 0 && st == SG_OK; p--) { /* backward order */
+      for (size_t i = 0; i < numels[p]; i++) buf[i] = grad_of(p, i, s, rank, world);
+      st = sg_grad_add(e, id[p], buf, SG_F32);
+    }
+    if (st == SG_OK) st = sg_step(e, NULL);
+  }
+  if (st == SG_OK && ph.save) st = sg_save(e, ph.save);
+  for (int p = 0; p < NP && st == SG_OK; p++) {
+    float *dst[3] = {keep ? out->p[p] : buf, keep ? out->m[p] : buf, keep ? out->v[p] : buf};
+    st = sg_get_param(e, id[p], dst[0], SG_F32);
+    if (st == SG_OK) st = sg_get_optim_state(e, id[p], 0, dst[1]);
+    if (st == SG_OK) st = sg_get_optim_state(e, id[p], 1, dst[2]);
+  }
+  if (st == SG_OK && keep) {
+    out->mem.struct_size = out->est.struct_size = sizeof(sg_memory_stats);
+    st = sg_memory(e, &out->mem);
+    if (st == SG_OK) st = sg_estimate_memory(&cfg, numels, NP, world, &out->est);
+  }
+  if (st != SG_OK && keep) snprintf(out->err, sizeof out->err, "%s", sg_last_error());
+  free(buf);
+  sg_engine_destroy(e);
+  return st;
+}
+
+static void rank_main(sg_comm *c, void *arg) {
+  run_arg *a = arg;
+  const int keep = sg_comm_rank(c) == 0;
+  const phase ph = a->ph.s1 ? a->ph : (phase){0, STEPS, NULL, NULL};
+  const sg_status st = train_phase(c, a->v, a->out, keep, ph);
+  if (keep) a->out->st = st;
+}
+
+static void result_alloc(result *r) {
+  memset(r, 0, sizeof *r);
+  for (int p = 0; p < NP; p++) {
+    r->p[p] = calloc(numels[p], sizeof(float));
+    r->m[p] = calloc(numels[p], sizeof(float));
+    r->v[p] = calloc(numels[p], sizeof(float));
+  }
+}
+
+static void result_free(result *r) {
+  for (int p = 0; p < NP; p++) free(r->p[p]), free(r->m[p]), free(r->v[p]);
+}
+
+static void run_phase(const variant *v, int world, result *out, phase ph) {
+  result_alloc(out);
+  run_arg a = {v, world, out, ph};
+  out->st = SG_ERR_INTERNAL;
+  CHECK(sg_test_run_threads(world, rank_main, &a) == SG_OK, "%s W=%d: threads", v->name, world);
+  CHECK(out->st == SG_OK, "%s W=%d: trained (%s)", v->name, world, out->err);
+}
+
+static void run_world(const variant *v, int world, result *out) {
+  run_phase(v, world, out, (phase){0, 0, NULL, NULL});
+}
+
+static int same_param(const result *a, const result *b, int p) {
+  const size_t n = numels[p] * sizeof(float);
+  return !memcmp(a->p[p], b->p[p], n) && !memcmp(a->m[p], b->m[p], n) && !memcmp(a->v[p], b->v[p], n);
+}
+
+/* Largest |a - b| of state arrays over the largest |b|. */
+static double rel_diff(const float *a, const float *b, size_t n) {
+  double d = 0, top = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (fabs(a[i] - b[i]) > d) d = fabs(a[i] - b[i]);
+    if (fabs(b[i]) > top) top = fabs(b[i]);
+  }
+  return top > 0 ? d / top : d;
+}
+
+static void test_worlds(const variant *v) {
+  result one;
+  run_world(v, 1, &one);
+  for (int w = 2; w <= MAXW; w++) {
+    result r;
+    run_world(v, w, &r);
+    int same = 1;
+    for (int p = 0; p < NP; p++) {
+      if (!same_param(&r, &one, p) && getenv("Q8_DEBUG")) {
+        size_t i = 0;
+        while (i < numels[p] && r.p[p][i] == one.p[p][i] && r.m[p][i] == one.m[p][i] && r.v[p][i] == one.v[p][i]) i++;
+        printf("  param %d differs first at %zu: p %g/%g m %g/%g v %g/%g\n", p, i, r.p[p][i], one.p[p][i], r.m[p][i], one.m[p][i], r.v[p][i], one.v[p][i]);
+      }
+      same &= same_param(&r, &one, p);
+    }
+    CHECK(same, "%s W=%d: parameters, m and v bit for bit those of W=1", v->name, w);
+    CHECK(!memcmp(&r.mem, &r.est, sizeof r.mem), "%s W=%d: sg_memory = sg_estimate_memory",
+          v->name, w);
+    result_free(&r);
+  }
+  result_free(&one);
+}
+
+/* q8 against fp32 state at W = 4: the small tensors bit for bit, the others coded and close. */
+static void test_small_rule(void) {
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
+  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  result rq, rf, ra;
+  run_world(&q, MAXW, &rq);
+  run_world(&f, MAXW, &rf);
+  run_world(&all, MAXW, &ra);
+  for (int p = 0; p < NP; p++) {
+    const int small = numels[p] < 4096;
+    if (small) {
+      CHECK(same_param(&rq, &rf, p), "numel %zu < 4096: fp32 state, bit for bit the fp32 engine's",
+            numels[p]);
+      CHECK(!same_param(&ra, &rf, p), "numel %zu, min_numel 0: coded", numels[p]);
+    } else {
+      const double dm = rel_diff(rq.m[p], rf.m[p], numels[p]);
+      const double dv = rel_diff(rq.v[p], rf.v[p], numels[p]);
+      /* stochastic rounding moves a code by up to one step per update: 2^-4 of the block's
+       * maximum for m (3 mantissa bits), 2^-5 of sqrt(v)'s; a few updates' worth */
+      CHECK(!same_param(&rq, &rf, p) && dm < 0.25 && dv < 0.25,
+            "numel %zu (W=4: %zu or fewer per rank): coded, m within %.3f and v within %.3f of "
+            "fp32 (of the largest)", numels[p], (numels[p] + 3) / 4, dm, dv);
+    }
+  }
+  CHECK(rq.mem.optim_bytes < rf.mem.optim_bytes / 2,
+        "optim bytes %zu with 8-bit state, %zu with fp32", rq.mem.optim_bytes, rf.mem.optim_bytes);
+  result_free(&rq), result_free(&rf), result_free(&ra);
+  /* one large tensor: the state is about 2 bytes per parameter instead of 8 */
+  sg_config c;
+  config_of(&q, &c);
+  const size_t big[1] = {(size_t)1 << 24};
+  sg_memory_stats sq, sf;
+  memset(&sq, 0, sizeof sq), memset(&sf, 0, sizeof sf);
+  sq.struct_size = sf.struct_size = sizeof sq;
+  c.bucket_bytes = (size_t)32 << 20;
+  CHECK(sg_estimate_memory(&c, big, 1, 2, &sq) == SG_OK, "estimate q8");
+  c.optim_state_dtype = SG_F32;
+  CHECK(sg_estimate_memory(&c, big, 1, 2, &sf) == SG_OK, "estimate f32");
+  const double per_q = (double)sq.optim_bytes / (double)sq.shard_numel;
+  const double per_f = (double)sf.optim_bytes / (double)sf.shard_numel;
+  CHECK(per_f == 8.0 && per_q > 2.0 && per_q < 2.05, "state bytes per shard element: fp32 %.3f, "
+        "8-bit %.3f (2 codes + 2 scales per 256)", per_f, per_q);
+}
+
+/* ---- checkpoints --------------------------------------------------------------------------- */
+
+static void rm_dir(const char *dir) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) printf("could not remove %s\n", dir);
+}
+
+/* Saved at W = a after 3 steps, loaded at W = b, 3 more: the bits of 6 steps at W = 1; the
+ * state right after the load is the saved one. */
+static void test_ckpt_worlds(const variant *v, const char *dir) {
+  result one;
+  run_world(v, 1, &one);
+  const int pairs[][2] = {{2, 3}, {4, 1}, {1, 2}};
+  for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+    const int a = pairs[k][0], b = pairs[k][1];
+    rm_dir(dir);
+    result saved, loaded, resumed;
+    run_phase(v, a, &saved, (phase){0, 3, NULL, dir});
+    run_phase(v, b, &loaded, (phase){3, 3, dir, NULL});
+    run_phase(v, b, &resumed, (phase){3, STEPS, dir, NULL});
+    int same_load = 1, same_end = 1;
+    for (int p = 0; p < NP; p++) {
+      same_load &= same_param(&saved, &loaded, p);
+      same_end &= same_param(&resumed, &one, p);
+    }
+    CHECK(same_load, "%s: saved at W=%d, loaded at W=%d: parameters, m and v as saved", v->name,
+          a, b);
+    CHECK(same_end, "%s: saved at W=%d after 3 steps, 3 more at W=%d: the bits of W=1", v->name,
+          a, b);
+    result_free(&saved), result_free(&loaded), result_free(&resumed);
+  }
+  result_free(&one);
+  rm_dir(dir);
+}
+
+typedef struct load_arg {
+  const variant *v;
+  const char *dir;
+  sg_status st;
+  char err[256];
+} load_arg;
+
+static void load_main(sg_comm *c, void *arg) {
+  load_arg *a = arg;
+  result r;
+  result_alloc(&r);
+  const sg_status st = train_phase(c, a->v, &r, 1, (phase){3, 3, a->dir, NULL});
+  if (sg_comm_rank(c) == 0) a->st = st, snprintf(a->err, sizeof a->err, "%s", r.err);
+  result_free(&r);
+}
+
+/* Loads across the state formats and thresholds are refused with a message that says why. */
+static void test_ckpt_mismatch(const char *dir) {
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
+  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  const struct {
+    const variant *save, *load;
+    const char *word;
+  } cases[] = {{&f, &q, "fp32 optimizer state"}, {&q, &f, "8-bit optimizer state"},
+               {&q, &q0, "optim_state_min_numel"}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    rm_dir(dir);
+    result saved;
+    run_phase(cases[k].save, 2, &saved, (phase){0, 3, NULL, dir});
+    result_free(&saved);
+    load_arg a = {cases[k].load, dir, SG_OK, ""};
+    sg_test_run_threads(2, load_main, &a);
+    CHECK(a.st == SG_ERR_MISMATCH && strstr(a.err, cases[k].word),
+          "saved %s, loaded into %s: %s (%s)", cases[k].save->name, cases[k].load->name,
+          sg_status_string(a.st), a.err);
+  }
+  rm_dir(dir);
+}
+
+/* ---- bad configs --------------------------------------------------------------------------- */
+
+static void expect_create(sg_config *cfg, sg_status want, const char *word) {
+  sg_comm *c = NULL;
+  sg_engine *e = NULL;
+  if (!CHECK(sg_comm_create_local(1, &c) == SG_OK, "comm")) return;
+  const sg_status st = sg_engine_create(c, cfg, &e);
+  CHECK(st == want && e == NULL && strstr(sg_last_error(), word), "sg_engine_create: %s (%s)",
+        sg_status_string(st), sg_last_error());
+  sg_engine_destroy(e);
+  sg_comm_destroy(c);
+}
+
+static void test_bad_config(void) {
+  sg_config c;
+  sg_config_init(&c, sizeof c);
+  CHECK(c.optim_state_dtype == SG_F32 && c.optim_state_min_numel == 4096, "defaults");
+  c.optim_state_dtype = (sg_dtype)7;
+  expect_create(&c, SG_ERR_INVALID_ARGUMENT, "optim_state_dtype");
+  c.optim_state_dtype = SG_BF16;
+  expect_create(&c, SG_ERR_INVALID_ARGUMENT, "optim_state_dtype");
+  c.optim_state_dtype = SG_Q8;
+  c.optim_state_min_numel = -1;
+  expect_create(&c, SG_ERR_INVALID_ARGUMENT, "optim_state_min_numel");
+  c.optim_state_min_numel = 4096;
+  c.param_dtype = SG_Q8;
+  expect_create(&c, SG_ERR_INVALID_ARGUMENT, "param_dtype");
+  c.param_dtype = SG_F32;
+  c.device = SG_DEVICE_CUDA;
+  c.offload_optimizer = 1;
+  expect_create(&c, SG_ERR_UNSUPPORTED, "offload_optimizer");
+}
+
+/* ---- MPI: W = np against one rank ---------------------------------------------------------- */
+
+#ifdef SG_HAVE_MPI
+static int run_mpi(void) {
+  int world = 0, rank = 0;
+  sg_test_mpi_init(&world, &rank);
+  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096};
+  sg_comm *c = NULL;
+  result r, one;
+  result_alloc(&r);
+  CHECK(sg_comm_create_mpi(NULL, &c) == SG_OK, "MPI communicator");
+  const sg_status st = train(c, &v, &r, 1);
+  CHECK(st == SG_OK, "rank %d of %d trained (%s)", rank, world, r.err);
+  sg_comm_destroy(c);
+  if (rank == 0) {
+    run_world(&v, 1, &one);
+    int same = 1;
+    for (int p = 0; p < NP; p++) same &= same_param(&r, &one, p);
+    CHECK(same, "W=%d under MPI: parameters, m and v bit for bit those of one rank", world);
+    result_free(&one);
+  }
+  result_free(&r);
+  sg_test_mpi_finalize();
+  return sg_test_summary("");
+}
+#endif
+
+int main(int argc, char **argv) {
+#ifdef SG_HAVE_MPI
+  if (argc > 1 && !strcmp(argv[1], "--mpi")) return run_mpi();
+#endif
+  (void)argc, (void)argv;
+  test_codes();
+  test_kernel_reference();
+  test_bad_config();
+  static const variant vs[] = {
+      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096},
+      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096},
+      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096},
+      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096},
+      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0},
+  };
+  for (size_t k = 0; k < sizeof vs / sizeof vs[0]; k++) test_worlds(&vs[k]);
+  test_small_rule();
+  char dir[256];
+  snprintf(dir, sizeof dir, "/tmp/sg_test_q8_%d", (int)getpid());
+  test_ckpt_worlds(&vs[2], dir);
+  test_ckpt_worlds(&vs[4], dir);
+  test_ckpt_mismatch(dir);
+  return sg_test_summary("");
+}
