@@ -626,8 +626,12 @@ typedef struct sg_step_estimate {
  * norm, the update bucket by bucket with each bucket's all-gather behind it, and the gathers
  * behind the next forward pass with overlap_param_gather. Hidden communication costs
  * (1 - hw->overlap) of itself where ranks share cores; step_s = compute_s + handover_s +
- * exposed_s[0] + exposed_s[1] + optim_s + copy_s. Not modelled: sg_set_sync(0) steps, a hybrid
- * engine not told its micro-batch count (docs/planner.md). */
+ * exposed_s[0] + exposed_s[1] + optim_s + copy_s. Replica codecs: the all-to-all and the
+ * all-gather of each bucket's codes behind its reduction. Outer steps (cfg->outer_every = H):
+ * the times are the mean over a period of H steps, the byte and collective counts those of the
+ * period's last step (the one that syncs: the pseudo-gradient's all-reduce per bucket, then the
+ * node's all-gathers). Not modelled: the codecs' and the outer step's host arithmetic,
+ * sg_set_sync(0) steps, a hybrid engine not told its micro-batch count (docs/planner.md). */
 SG_API sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams,
                                   int world, int microbatches, const sg_hardware *hw,
                                   sg_step_estimate *out);

@@ -2,7 +2,8 @@
  * and its times add up.
  *
  * 1. Bytes and collectives per step: engines on threads (flat over W, hybrid N x L through
- *    sg_comm_split, every strategy, dtypes, bucket sizes, micro-batch counts) run a step, and
+ *    sg_comm_split, every strategy, dtypes, bucket sizes, micro-batch counts, the replica
+ *    codecs and outer steps, one replica included) run a step, and
  *    the difference of sg_comm_stats across it equals the estimate's shard_* and replica_*
  *    fields, for every rank.
  * 2. Times: the parts sum to the step; a single-bucket flat step computed by hand from the
@@ -25,6 +26,7 @@ typedef struct layout_case {
   sg_dtype param, reduce, replica;
   size_t bucket_bytes;
   int micro, overlap;
+  int codec, outer; /* cfg.replica_codec, cfg.outer_every (1 or 2: the measured step syncs) */
 } layout_case;
 
 static void config_of(const layout_case *k, sg_config *cfg) {
@@ -37,6 +39,8 @@ static void config_of(const layout_case *k, sg_config *cfg) {
   cfg->bucket_bytes = k->bucket_bytes;
   cfg->overlap_param_gather = k->overlap;
   cfg->shard_ranks = k->shard_ranks;
+  cfg->replica_codec = (sg_codec)k->codec;
+  cfg->outer_every = k->outer;
 }
 
 typedef struct traffic {
@@ -144,9 +148,9 @@ static void traffic_rank(sg_comm *world, void *arg) {
 }
 
 static void run_case(const layout_case *k) {
-  snprintf(sg_test_tag, sizeof sg_test_tag, "s%d W%d L%d p%d r%d x%d b%zu m%d o%d", k->strategy,
-           k->world, k->shard_ranks, k->param, k->reduce, k->replica, k->bucket_bytes, k->micro,
-           k->overlap);
+  snprintf(sg_test_tag, sizeof sg_test_tag, "s%d W%d L%d p%d r%d x%d b%zu m%d o%d c%d H%d",
+           k->strategy, k->world, k->shard_ranks, k->param, k->reduce, k->replica,
+           k->bucket_bytes, k->micro, k->overlap, k->codec, k->outer);
   CHECK(sg_test_run_threads(k->world, traffic_rank, (void *)k) == SG_OK, "threads");
 }
 
@@ -159,7 +163,7 @@ static void test_traffic(void) {
       for (int b = 0; b < 4; b++) {
         const layout_case k = {strategies[s], worlds[w], 0, b % 2 ? SG_BF16 : SG_F32,
                                b == 2 ? SG_F32 : SG_DTYPE_AUTO, SG_F32, buckets[b],
-                               1 + (b + w) % 3, b == 1};
+                               1 + (b + w) % 3, b == 1, 0, 0};
         run_case(&k);
       }
   /* hybrid: N x L with both wire dtypes */
@@ -168,7 +172,19 @@ static void test_traffic(void) {
     for (int b = 0; b < 3; b++) {
       const layout_case k = {b == 2 ? SG_SHARD_OPT : SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1],
                              NL[i][1], b == 1 ? SG_BF16 : SG_F32, SG_DTYPE_AUTO,
-                             b == 0 ? SG_F32 : SG_BF16, buckets[b], 1 + (i + b) % 3, i == 2};
+                             b == 0 ? SG_F32 : SG_BF16, buckets[b], 1 + (i + b) % 3, i == 2,
+                             0, 0};
+      run_case(&k);
+    }
+  /* the slow-links modes: codecs (int8, int4) and outer steps (the measured step is the
+   * second: with H = 1 or 2 it is the one that syncs) */
+  for (int i = 0; i < 5; i++)
+    for (int v = 0; v < 4; v++) {
+      const int codec = v == 0 ? SG_CODEC_INT8 : v == 1 ? SG_CODEC_INT4 : SG_CODEC_NONE;
+      const layout_case k = {v == 3 ? SG_SHARD_OPT : SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1],
+                             NL[i][1], v == 2 ? SG_BF16 : SG_F32, SG_DTYPE_AUTO,
+                             v == 3 ? SG_BF16 : SG_F32, buckets[v % 3], 1 + (i + v) % 3,
+                             v == 2, codec, v < 2 ? 0 : v - 1};
       run_case(&k);
     }
 }

@@ -357,7 +357,7 @@ static sg_status exchange(sg_engine *e, sg_status local, const sg__plan *p, uint
 }
 
 /* The layout shape of a config: the strategy's sizes, the optimizer's state count and the
- * replica stage's buffer (replicas: 1 flat). */
+ * replica stage's buffer (replicas: 0 for a flat engine; a hybrid one may have 1). */
 static void engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg_config *cfg,
                          int replicas, sg__layout_shape *out) {
   memset(out, 0, sizeof *out);
@@ -369,7 +369,7 @@ static void engine_shape(const sg__strategy_ops *st, const sg__plan *p, const sg
 static sg_status setup_buffers(sg_engine *e) {
   sg__layout *l = &e->lay;
   sg__layout_shape shape;
-  engine_shape(e->strat, e->plan, &e->cfg, e->rep.n, &shape);
+  engine_shape(e->strat, e->plan, &e->cfg, e->rep.comm ? e->rep.n : 0, &shape); /* 0: flat */
   SG_TRY(sg__layout_compute(e->plan, &e->cfg, &shape, l));
   SG_TRY(sg__arenas_alloc(&e->ar, e->dev, l));
   e->params = (char *)e->ar.base[SG_MEM_PARAMS] + l->params_off;
@@ -619,7 +619,7 @@ sg_status sg_estimate_memory(const sg_config *cfg, const size_t *numels, int npa
   if (st != SG_OK) return sg__err_prefix(st, fn);
   sg__layout l;
   sg__layout_shape shape;
-  engine_shape(sg__strategy_select(&c), p, &c, world / L, &shape);
+  engine_shape(sg__strategy_select(&c), p, &c, c.shard_ranks ? world / L : 0, &shape);
   st = sg__layout_compute(p, &c, &shape, &l);
   if (st == SG_OK) {
     sg_memory_stats s = {0};

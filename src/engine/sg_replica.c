@@ -67,7 +67,7 @@ sg_status sg__replicas_sync(sg_engine *e) { return e->rep.ops->sync(e); }
 void sg__replicas_restore(sg_engine *e) { e->rep.ops->restore(e); }
 
 void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out) {
-  out->replica_bytes = n > 1 ? sg__replica_select_bytes(p, cfg, n) : 0;
+  out->replica_bytes = n >= 1 ? sg__replica_select_bytes(p, cfg, n) : 0; /* 0: flat */
 }
 
 void sg__replicas_set_microbatches(sg_engine *e, int n) { e->rep.microbatches = n; }

@@ -7,6 +7,7 @@
 #include <string.h> /* memcpy, memset */
 
 #include "../core/sg_core.h"        /* sg__err, sg__config_copy, sg__dtype_size */
+#include "../engine/policy/sg_replica_policy.h" /* sg__replica_codec_region */
 #include "../engine/sg_strategy.h"  /* sg__strategy_select, sg__strategy_sharded */
 #include "../optim/sg_optimizer.h"  /* sg__optim_default: state arrays per element */
 #include "../plan/sg_plan.h"        /* sg__plan_build, buckets */
@@ -42,6 +43,8 @@ typedef struct model {
   int W, L, N, rpn;           /* world, shard ranks, replicas, ranks per node (<= W) */
   int hybrid;                 /* cfg->shard_ranks set: a replica stage, even of one replica (its
                                  all-reduces over one rank move nothing but are issued) */
+  int codec_bits;             /* cfg->replica_codec: 8 or 4; 0 none */
+  int outer_sync;             /* outer steps: 1 models the period's last step (it syncs) */
   span shard, replica;
   int nstaging;               /* staging buffers (0: a full gradient buffer) */
   double per_elem_s;          /* norm + update time per shard element */
@@ -202,6 +205,32 @@ static uint64_t slice_numel(const model *m, int b) { return sg__plan_slice_numel
 
 static int offloaded(const model *m) { return m->st->place->host; }
 
+static int outer_steps(const model *m) { return m->hybrid && m->cfg->outer_every > 0; }
+
+/* The exact sums across replicas of an offloaded engine run at the step, on the host slices;
+ * codecs and outer steps choose their own transports (sg_replica_select.c). */
+static int at_step(const model *m) {
+  return offloaded(m) && !m->codec_bits && !m->cfg->outer_every;
+}
+
+/* Bucket b's sum across replicas behind its reduction: the exact all-reduce of the slice in
+ * replica_reduce_dtype; a codec's all-to-all and all-gather of the codes (each replica sends
+ * each other one code region per stage, sg_replica_codec.c; the encoding and decoding on the
+ * host are not modelled); nothing with outer steps (their sync is at the period's end). */
+static sg_status replica_sum(model *m, int b) {
+  if (outer_steps(m)) return SG_OK;
+  if (m->codec_bits) {
+    const uint64_t S = (uint64_t)m->N * sg__replica_codec_region(slice_numel(m, b), m->N,
+                                                                   m->codec_bits);
+    const cost a2a = coll_cost(m, RS, m->replica, S), ag = coll_cost(m, AG, m->replica, S);
+    SG_TRY(run_coll(m, m->comm_free, &a2a, 1));
+    return run_coll(m, m->comm_free, &ag, 1);
+  }
+  const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
+  const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
+  return run_coll(m, m->comm_free, &r, 1);
+}
+
 /* Bucket b's reduction job: the strategy's collective over the shard communicator, the D2H of
  * the rank's slice when the state is offloaded, and in the last micro-batch of a hybrid step
  * (on the device) the all-reduce of the slice across replicas right behind it. Returns when its
@@ -214,11 +243,7 @@ static sg_status reduce_bucket(model *m, int b, double ready, int last, double *
   SG_TRY(run_coll(m, ready, &c, 0));
   if (offloaded(m)) SG_TRY(run_copy(m, m->comm_free, slice_numel(m, b) * R));
   *slot_free = m->comm_free;
-  if (last && m->hybrid && !offloaded(m)) {
-    const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
-    const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
-    SG_TRY(run_coll(m, m->comm_free, &r, 1));
-  }
+  if (last && m->hybrid && !at_step(m)) SG_TRY(replica_sum(m, b));
   return SG_OK;
 }
 
@@ -265,7 +290,7 @@ static sg_status backward_passes(model *m, int M, double *t_out) {
 
 /* Offloaded hybrid: the sums across replicas run at the step, on the folded host slices. */
 static sg_status replica_sums_at_step(model *m, double t) {
-  if (!m->hybrid || !offloaded(m)) return SG_OK;
+  if (!m->hybrid || !at_step(m)) return SG_OK;
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
   for (int b = 0; b < m->p->nbuckets; b++) {
     const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
@@ -285,6 +310,28 @@ static double update_time(model *m, uint64_t n) {
   m->out->copy_bytes += n * P;
   if (h2d > upd) m->out->copy_s += h2d - upd;
   return h2d > upd ? h2d : upd;
+}
+
+/* The last step of an outer period (sg_replica_outer.c, sg_step.c): once the step's gathers
+ * landed, bucket by bucket the all-reduce of the rank's pseudo-gradient across the replicas in
+ * replica_reduce_dtype, each waited for (the host's outer update between them is not
+ * modelled), then the node's all-gathers of the new parameters. */
+static sg_status outer_sync(model *m, double *t) {
+  if (!outer_steps(m) || !m->outer_sync) return SG_OK;
+  *t = wait_until(m, *t, m->comm_free);
+  const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
+  for (int b = 0; b < m->p->nbuckets; b++) {
+    const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
+    SG_TRY(run_coll(m, *t, &r, 1));
+    *t = wait_until(m, *t, m->comm_free);
+  }
+  if (m->L < 2) return SG_OK;
+  const uint64_t P = sg__dtype_size(m->cfg->param_dtype);
+  for (int b = m->p->nbuckets - 1; b >= 0; b--) {
+    const cost c = coll_cost(m, AG, m->shard, m->p->buckets[b].numel * P);
+    SG_TRY(run_coll(m, *t, &c, 0));
+  }
+  return SG_OK;
 }
 
 /* sg_step: every reduction waited for, the norm's all-reduce, then bucket by bucket (last
@@ -309,6 +356,7 @@ static sg_status step(model *m, double t, double *end) {
       SG_TRY(run_coll(m, t, &c, 0));
     }
   }
+  SG_TRY(outer_sync(m, &t));
   /* overlap_param_gather: the next forward pass runs beside the gathers */
   const double fwd = m->hw->compute_s * (1 - m->hw->backward_fraction);
   const double hidden = m->cfg->overlap_param_gather ? fwd : 0;
@@ -332,7 +380,10 @@ static void contention(model *m) {
  * written. */
 static uint64_t update_bytes_per_elem(const sg_config *cfg) {
   const uint64_t A = sg__dtype_size(cfg->accum_dtype), P = sg__dtype_size(cfg->param_dtype);
-  const uint64_t states = 8u * (uint64_t)sg__optim_default()->nstates;
+  /* 8-bit state: a code byte read and written per state (the block scales, 4 bytes per 256
+   * elements, and the small tensors kept in fp32 are left out) */
+  const uint64_t per_state = cfg->optim_state_dtype == SG_Q8 ? 2u : 8u;
+  const uint64_t states = per_state * (uint64_t)sg__optim_default()->nstates;
   return 2 * A + states + (P < 4 ? 8 + P : 8);
 }
 
@@ -489,6 +540,38 @@ static sg_status run_model(model *m, int microbatches) {
   return SG_OK;
 }
 
+/* One step through the model: with outer steps, the period's last one (sync 1) or another. */
+static sg_status estimate_once(model *m, int microbatches, int sync, sg_step_estimate *e) {
+  memset(e, 0, sizeof *e);
+  e->struct_size = sizeof *e;
+  m->out = e;
+  m->outer_sync = sync;
+  m->njobs = 0;
+  m->comm_free = 0;
+  memset(m->contention, 0, sizeof m->contention);
+  const sg_status st = run_model(m, microbatches);
+  free(m->jobs);
+  m->jobs = NULL;
+  m->cap = 0;
+  return st;
+}
+
+/* Outer steps: the times of an optimizer step as the mean over a period of H steps, H - 1 like
+ * `inner` and the syncing last one like *e; the byte and collective counts stay the syncing
+ * step's (what sg_comm_stats counts across it). */
+static void period_mean(sg_step_estimate *e, const sg_step_estimate *inner, int H) {
+  const double w = 1.0 / H, v = (H - 1.0) / H;
+  e->step_s = w * e->step_s + v * inner->step_s;
+  e->compute_s = w * e->compute_s + v * inner->compute_s;
+  e->optim_s = w * e->optim_s + v * inner->optim_s;
+  e->copy_s = w * e->copy_s + v * inner->copy_s;
+  e->handover_s = w * e->handover_s + v * inner->handover_s;
+  for (int l = 0; l < SG_LEVELS; l++) {
+    e->exposed_s[l] = w * e->exposed_s[l] + v * inner->exposed_s[l];
+    e->comm_s[l] = w * e->comm_s[l] + v * inner->comm_s[l];
+  }
+}
+
 sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams, int world,
                            int microbatches, const sg_hardware *hw, sg_step_estimate *out) {
   static const char *fn = "sg_estimate_step";
@@ -505,13 +588,15 @@ sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int npara
   SG_TRY(layout(&m, world, fn));
   sg__plan *p = NULL;
   SG_TRY(build_plan(&c, numels, nparams, m.L, &p, fn));
-  sg_step_estimate e;
-  memset(&e, 0, sizeof e);
-  e.struct_size = sizeof e;
   m.p = p;
-  m.out = &e;
-  const sg_status st = run_model(&m, microbatches);
-  free(m.jobs);
+  m.codec_bits = !m.hybrid ? 0 : c.replica_codec == SG_CODEC_INT8 ? 8
+                                : c.replica_codec == SG_CODEC_INT4 ? 4 : 0;
+  sg_step_estimate e, inner;
+  sg_status st = estimate_once(&m, microbatches, 1, &e);
+  if (st == SG_OK && outer_steps(&m) && c.outer_every > 1) {
+    st = estimate_once(&m, microbatches, 0, &inner);
+    if (st == SG_OK) period_mean(&e, &inner, c.outer_every);
+  }
   sg__plan_free(p);
   if (st == SG_OK) *out = e;
   return st;

@@ -48,6 +48,8 @@ static size_t region_bytes(size_t n, int N, int bits) {
   return sg__cpu_code_bytes(max_chunk(n, N), bits);
 }
 
+size_t sg__replica_codec_region(size_t n, int N, int bits) { return region_bytes(n, N, bits); }
+
 /* r1, r2 and the two exchange buffers, in bytes, for a plan over N replicas. */
 size_t sg__replica_codec_bytes(const sg__plan *p, int N, int bits) {
   size_t r2 = 0, region = 0;

@@ -29,6 +29,9 @@ size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n);
  * for a plan over n replicas; prepare (bits 8 or 4: e->rep.codec over the layout's replica
  * buffer, zeroed) and release; and bucket b's sum across replicas through it (a comm job). */
 size_t sg__replica_codec_bytes(const sg__plan *p, int n, int bits);
+/* The code bytes each replica sends each other one per stage for a slice of n values (the step
+ * model's bytes: an all-to-all and an all-gather of this many per replica). */
+size_t sg__replica_codec_region(size_t n, int N, int bits);
 sg_status sg__replica_codec_prepare(sg_engine *e, int bits);
 void sg__replica_codec_release(sg_engine *e);
 void sg__replica_codec_restore(sg_engine *e);

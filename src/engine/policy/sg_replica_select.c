@@ -78,12 +78,13 @@ static size_t max_slice(const sg__plan *p) {
   return m;
 }
 
-/* A codec's residuals and exchange buffers; else the wire buffer where the wire dtype is not
- * the accumulator's. */
+/* A codec's residuals and exchange buffers, the outer state (both also with one replica: their
+ * transports run on it); else the wire buffer where the wire dtype is not the accumulator's
+ * and there is another replica to sum with. */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
   if (cfg->replica_codec != SG_CODEC_NONE)
     return sg__replica_codec_bytes(p, n, cfg->replica_codec == SG_CODEC_INT8 ? 8 : 4);
   if (cfg->outer_every > 0) return sg__replica_outer_bytes(p, cfg);
-  if (cfg->replica_reduce_dtype == cfg->accum_dtype) return 0;
+  if (n < 2 || cfg->replica_reduce_dtype == cfg->accum_dtype) return 0;
   return sg__mem_mul_sat(max_slice(p), sg__dtype_size(cfg->replica_reduce_dtype));
 }
