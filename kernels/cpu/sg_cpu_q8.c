@@ -88,10 +88,10 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
   const float rv = sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS);
   const uint64_t key = c->q8_key;
+  const uint64_t idx = s->sr_index;
   for (size_t i = 0; i < n; i++) {
-    const uint64_t r = sg_elem_q8_rnd(key, s->sr_index + i);
-    cm[i] = sg_elem_q8_encode_m(tm[i], rm, (uint32_t)r);
-    cv[i] = sg_elem_q8_encode_v(ts[i], rv, (uint32_t)(r >> 32));
+    cm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_q8_rnd(key, idx + i, 0));
+    cv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_q8_rnd(key, idx + i, 1));
   }
   a->q8_scale[M][j] = am;
   a->q8_scale[V][j] = av;
