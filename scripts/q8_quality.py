@@ -2,13 +2,13 @@
 """8-bit optimizer state against fp32 state on real text (docs/optim-state-8bit.md).
 
     python3 scripts/q8_quality.py run --out DIR [--seeds 0,1,2] [--steps 600]
-    python3 scripts/q8_quality.py plot --out DIR --png docs/optim-state-8bit.png
+    python3 scripts/q8_quality.py plot --out DIR   # docs/optim-state-8bit.png and .md's table
 
 `run` trains examples/python/train_lm.py on the first 2 MB of this Python's standard library
 sources (held-out: its last 10%) once with fp32 AdamW state and once with
 optim_state_dtype=q8 per seed, the same model, data order and schedule, and writes each run's
 losses (DIR/<state>_s<seed>.json, train_lm.py --json). `plot` draws the held-out curves and
-prints the table of final held-out losses (Markdown) that the document quotes.
+writes the table of final held-out losses into the document (between its markers).
 """
 
 import argparse
@@ -79,7 +79,26 @@ def plot(args):
     fig.tight_layout()
     fig.savefig(args.png, dpi=90)
     print("wrote %s" % args.png)
-    print("\n".join(table(runs, args.seeds)))
+    lines = table(runs, args.seeds)
+    print("\n".join(lines))
+    if args.doc:
+        write_table(args.doc, lines)
+
+
+BEGIN, END = "<!-- q8_quality.py: table begin -->", "<!-- q8_quality.py: table end -->"
+
+
+def write_table(path, lines):
+    """The table between the document's markers (the numbers of these runs, not typed)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        raise SystemExit("q8_quality.py: %s has no table markers (%s ... %s)" % (path, BEGIN, END))
+    text = text[:i + len(BEGIN)] + "\n" + "\n".join(lines) + "\n" + text[j:]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print("updated %s" % path)
 
 
 def main():
@@ -89,6 +108,8 @@ def main():
     ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "optim-state-8bit.png"))
+    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "optim-state-8bit.md"),
+                    help="the document whose table to rewrite ('' for none)")
     args = ap.parse_args()
     run(args) if args.what == "run" else plot(args)
 
