@@ -5,10 +5,14 @@
  *    algorithm written here (code search in the decoded table, rounding decided in double);
  *  - engines: state and parameters bit for bit the same at W = 1, 2, 3, 4 (threads; under
  *    mpirun --mpi: W = np against one rank) for every strategy, f32 and bf16 parameters,
- *    clipping and parameter groups; tensors below optim_state_min_numel (by their numel, also
- *    when a rank's part of a larger tensor is smaller) bitwise the fp32 engine's, the others
- *    coded and close to it; sg_memory = sg_estimate_memory and the bytes it saves;
- *  - bad configs refused at sg_engine_create with a message naming the field. */
+ *    clipping and parameter groups, and a hybrid engine (2 nodes x 2 ranks); tensors below
+ *    optim_state_min_numel (by their numel, also when a rank's part of a larger tensor is
+ *    smaller) bitwise the fp32 engine's, the others coded and close to it; sg_memory =
+ *    sg_estimate_memory and the bytes it saves;
+ *  - checkpoints: saved at one W, loaded at another, the same bits as an uninterrupted run;
+ *    loads across state formats or thresholds refused (SG_ERR_MISMATCH);
+ *  - bad configs refused at sg_engine_create with a message naming the field.
+ * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -222,6 +226,7 @@ typedef struct variant {
   int groups_clip; /* param 5 in group 1, NO_DECAY on param 4, max_grad_norm */
   sg_dtype state;
   int min_numel;
+  int hybrid; /* ranks per node of a hybrid engine (sharded within, replicated across); 0 flat */
 } variant;
 
 typedef struct result {
@@ -289,7 +294,15 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
   const int rank = sg_comm_rank(comm), world = sg_comm_size(comm);
   sg_engine *e = NULL;
   int id[NP];
-  sg_status st = sg_engine_create(comm, &cfg, &e);
+  sg_comm *shard = NULL, *replica = NULL;
+  sg_status st = SG_OK;
+  if (v->hybrid) {
+    st = sg_comm_split_nodes(comm, v->hybrid, &shard, &replica);
+    if (st == SG_OK) st = sg_engine_create_hybrid(shard, replica, &cfg, &e);
+    cfg.shard_ranks = v->hybrid; /* for the estimate */
+  } else {
+    st = sg_engine_create(comm, &cfg, &e);
+  }
   for (int p = 0; p < NP && st == SG_OK; p++) {
     char name[16];
     snprintf(name, sizeof name, "p%d", p);
@@ -330,6 +343,8 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
   if (st != SG_OK && keep) snprintf(out->err, sizeof out->err, "%s", sg_last_error());
   free(buf);
   sg_engine_destroy(e);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(replica);
   return st;
 }
 
@@ -406,9 +421,9 @@ static void test_worlds(const variant *v) {
 
 /* q8 against fp32 state at W = 4: the small tensors bit for bit, the others coded and close. */
 static void test_small_rule(void) {
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
-  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0};
+  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0};
   result rq, rf, ra;
   run_world(&q, MAXW, &rq);
   run_world(&f, MAXW, &rf);
@@ -447,6 +462,20 @@ static void test_small_rule(void) {
   const double per_f = (double)sf.optim_bytes / (double)sf.shard_numel;
   CHECK(per_f == 8.0 && per_q > 2.0 && per_q < 2.05, "state bytes per shard element: fp32 %.3f, "
         "8-bit %.3f (2 codes + 2 scales per 256)", per_f, per_q);
+}
+
+/* A hybrid engine, 2 nodes x 2 ranks (and 1 x ... as 4 x 1): the bits of one rank. */
+static void test_hybrid(void) {
+  const variant f = {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0};
+  const variant h = {"hybrid 2x2", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2};
+  result one, r;
+  run_world(&f, 1, &one);
+  run_world(&h, 4, &r);
+  int same = 1;
+  for (int p = 0; p < NP; p++) same &= same_param(&r, &one, p);
+  CHECK(same, "hybrid 2 nodes x 2 ranks: parameters, m and v bit for bit those of one rank");
+  CHECK(!memcmp(&r.mem, &r.est, sizeof r.mem), "hybrid: sg_memory = sg_estimate_memory");
+  result_free(&one), result_free(&r);
 }
 
 /* ---- checkpoints --------------------------------------------------------------------------- */
@@ -504,9 +533,9 @@ static void load_main(sg_comm *c, void *arg) {
 
 /* Loads across the state formats and thresholds are refused with a message that says why. */
 static void test_ckpt_mismatch(const char *dir) {
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
-  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0};
+  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0};
   const struct {
     const variant *save, *load;
     const char *word;
@@ -565,7 +594,7 @@ static void test_bad_config(void) {
 static int run_mpi(void) {
   int world = 0, rank = 0;
   sg_test_mpi_init(&world, &rank);
-  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096};
+  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0};
   sg_comm *c = NULL;
   result r, one;
   result_alloc(&r);
@@ -597,11 +626,11 @@ int main(int argc, char **argv) {
   test_kernel_reference();
   test_bad_config();
   static const variant vs[] = {
-      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096},
-      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096},
-      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096},
-      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096},
-      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0},
+      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0},
+      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0},
+      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0},
+      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096, 0},
+      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0, 0},
   };
   char dir[256];
   snprintf(dir, sizeof dir, "/tmp/sg_test_q8_%d", (int)getpid());
@@ -614,6 +643,7 @@ int main(int argc, char **argv) {
   }
   for (size_t k = 0; k < sizeof vs / sizeof vs[0]; k++) test_worlds(&vs[k]);
   test_small_rule();
+  test_hybrid();
   test_ckpt_worlds(&vs[2], dir);
   test_ckpt_worlds(&vs[4], dir);
   test_ckpt_mismatch(dir);
