@@ -227,11 +227,13 @@ typedef struct variant {
   sg_dtype state;
   int min_numel;
   int hybrid; /* ranks per node of a hybrid engine (sharded within, replicated across); 0 flat */
+  int inf_step; /* > 0: rank 0's gradient has an infinity at this step (skipped everywhere) */
 } variant;
 
 typedef struct result {
   float *p[NP], *m[NP], *v[NP];
   sg_memory_stats mem, est;
+  uint64_t step; /* the engine's step count at the end */
   sg_status st;
   char err[256];
 } result;
@@ -323,12 +325,14 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
      * source on the caller's stream, after it returns; the step waits for every read */
     for (int p = NP - 1; p >= 0 && st == SG_OK; p--) { /* backward order */
       for (size_t i = 0; i < numels[p]; i++) gb[p][i] = grad_of(p, i, s, rank, world);
+      if (v->inf_step > 0 && v->inf_step == s && rank == 0 && p == 5) gb[p][7] = INFINITY;
       st = sg_grad_add(e, id[p], gb[p], SG_F32);
     }
     if (st == SG_OK) st = sg_step(e, NULL);
   }
   for (int p = 0; p < NP; p++) free(gb[p]);
   if (st == SG_OK && ph.save) st = sg_save(e, ph.save);
+  if (st == SG_OK && keep) st = sg_get_step(e, &out->step);
   for (int p = 0; p < NP && st == SG_OK; p++) {
     float *dst[3] = {keep ? out->p[p] : buf, keep ? out->m[p] : buf, keep ? out->v[p] : buf};
     st = sg_get_param(e, id[p], dst[0], SG_F32);
@@ -399,6 +403,9 @@ static double rel_diff(const float *a, const float *b, size_t n) {
 static void test_worlds(const variant *v) {
   result one;
   run_world(v, 1, &one);
+  const uint64_t steps = (uint64_t)(v->inf_step ? STEPS - 1 : STEPS);
+  CHECK(one.step == steps, "%s: %llu steps taken (%llu)", v->name, (unsigned long long)one.step,
+        (unsigned long long)steps);
   for (int w = 2; w <= g_maxw; w++) {
     result r;
     run_world(v, w, &r);
@@ -421,9 +428,9 @@ static void test_worlds(const variant *v) {
 
 /* q8 against fp32 state at W = 4: the small tensors bit for bit, the others coded and close. */
 static void test_small_rule(void) {
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0};
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0};
-  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0};
+  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0};
   result rq, rf, ra;
   run_world(&q, MAXW, &rq);
   run_world(&f, MAXW, &rf);
@@ -466,8 +473,8 @@ static void test_small_rule(void) {
 
 /* A hybrid engine, 2 nodes x 2 ranks (and 1 x ... as 4 x 1): the bits of one rank. */
 static void test_hybrid(void) {
-  const variant f = {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0};
-  const variant h = {"hybrid 2x2", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2};
+  const variant f = {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
+  const variant h = {"hybrid 2x2", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2, 0};
   result one, r;
   run_world(&f, 1, &one);
   run_world(&h, 4, &r);
@@ -533,9 +540,9 @@ static void load_main(sg_comm *c, void *arg) {
 
 /* Loads across the state formats and thresholds are refused with a message that says why. */
 static void test_ckpt_mismatch(const char *dir) {
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0};
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0};
-  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0};
+  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0};
   const struct {
     const variant *save, *load;
     const char *word;
@@ -594,7 +601,7 @@ static void test_bad_config(void) {
 static int run_mpi(void) {
   int world = 0, rank = 0;
   sg_test_mpi_init(&world, &rank);
-  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0};
+  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
   sg_comm *c = NULL;
   result r, one;
   result_alloc(&r);
@@ -626,11 +633,13 @@ int main(int argc, char **argv) {
   test_kernel_reference();
   test_bad_config();
   static const variant vs[] = {
-      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0},
-      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0},
-      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0},
-      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096, 0},
-      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0, 0},
+      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0},
+      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0},
+      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0},
+      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096, 0, 0},
+      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0, 0, 0},
+      /* f16 params: dynamic loss scaling; an infinity at step 2 skips it on every rank */
+      {"grad_op f16 scaled, inf at step 2", SG_SHARD_GRAD_OP, SG_F16, 0, SG_Q8, 4096, 0, 2},
   };
   char dir[256];
   snprintf(dir, sizeof dir, "/tmp/sg_test_q8_%d", (int)getpid());
