@@ -315,21 +315,24 @@ SG_HD float sg_elem_q8_unit(float amax, int mbits) {
 SG_HD uint32_t sg_elem_q8_encode(float x, uint32_t rnd, int mbits) {
   const uint32_t u = sg_elem_f2u(x);
   const uint32_t drop = 23u - (uint32_t)mbits, top = (1u << (4 + mbits)) - 1u;
+  const uint32_t is_sub = 0u - (uint32_t)(u < 0x38000000u); /* below 2^-15 */
   const uint32_t rebias = u - (111u << 23);
-  uint32_t normal = (rebias + (rnd & ((1u << drop) - 1u))) >> drop;
-  normal = normal > top ? top : normal;
-  /* 2^(15 + M + 16): x < 2^-15 becomes a fixed-point count below 2^(M + 16), exactly */
-  const float small = u < 0x38000000u ? x : 0.0f; /* never converts a NaN or a large value */
+  const uint32_t up = (rebias + (rnd & ((1u << drop) - 1u))) >> drop;
+  const uint32_t big = 0u - (uint32_t)(up > top);
+  const uint32_t normal = (up & ~big) | (top & big);
+  /* 2^(15 + M + 16): x < 2^-15 becomes a fixed-point count below 2^(M + 16), exactly; only
+   * such x are converted (never a NaN or a large value); masks, no branches: it vectorizes */
+  const float small = sg_elem_u2f(u & is_sub);
   const float scaled = small * sg_elem_u2f((uint32_t)(127 + 31 + mbits) << 23);
-  const uint32_t sub = ((uint32_t)scaled + (rnd >> 16)) >> 16;
-  return u < 0x38000000u ? sub : normal; /* 0x38000000: 2^-15 */
+  const uint32_t sub = ((uint32_t)(int32_t)scaled + (rnd >> 16)) >> 16;
+  return (sub & is_sub) | (normal & ~is_sub);
 }
 
 /* The value of a code (before the block's unit). */
 SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) {
   const uint32_t e = c >> mbits, f = c & ((1u << mbits) - 1u);
   const float normal = sg_elem_u2f(((e + 111u) << 23) | (f << (23 - mbits)));
-  const float sub = (float)f * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
+  const float sub = (float)(int32_t)f * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
   return sg_elem_select_mask(0u - (uint32_t)(e == 0u), sub, normal); /* no branch: vectorizes */
 }
 
@@ -361,10 +364,23 @@ SG_HD uint64_t sg_elem_q8_key(uint64_t seed, uint64_t step) {
   return sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (step + 1u));
 }
 
-/* 64 random bits of element `index` (sg__seg.sr_index, independent of the layout): the low 32
- * round m's code, the high 32 v's. */
-SG_HD uint64_t sg_elem_q8_rnd(uint64_t key, uint64_t index) {
-  return sg_elem_mix64(key ^ (index * 0xd1b54a32d192ed03ull));
+/* A 32-bit mixing function (xor-shift / multiply rounds with odd constants, "lowbias32"):
+ * 32-bit multiplies, which every vector ISA has (the 64-bit ones of sg_elem_mix64 need
+ * AVX-512). */
+SG_HD uint32_t sg_elem_mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+/* 32 random bits for state k's code (0: m, 1: v) of element `index` (sg__seg.sr_index,
+ * independent of the layout): both halves of the index folded with half k of the key. */
+SG_HD uint32_t sg_elem_q8_rnd(uint64_t key, uint64_t index, int k) {
+  const uint32_t x = (uint32_t)index ^ ((uint32_t)(index >> 32) * 0x9e3779b9u);
+  return sg_elem_mix32(x ^ (uint32_t)(key >> (32 * k)));
 }
 
 /* The bits of |x| for the block maximum, NaN as 0: for x >= 0 the order of the bits is the

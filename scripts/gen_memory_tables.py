@@ -156,10 +156,45 @@ def table_fit(sg):
     return lines
 
 
+def llama2(d, layers, ffn, vocab=32000):
+    """Llama-2's tensors in registration order (no biases; untied embedding and head)."""
+    layer = [d, d * d, d * d, d * d, d * d, d, ffn * d, ffn * d, d * ffn]
+    return [vocab * d] + layer * layers + [d, vocab * d]
+
+
+LLAMA = (("Llama-2-7B", llama2(4096, 32, 11008)), ("Llama-2-13B", llama2(5120, 40, 13824)))
+
+
+def gib(x):
+    return "%.1f" % (x / (1 << 30))
+
+
+def table_q8_llama(sg):
+    """Per rank for Llama-2 shapes (bf16 params, fp32 master and accumulator, SHARD_GRAD_OP on
+    CUDA): fp32 against 8-bit AdamW state, without and with offload."""
+    lines = ["| model | W | optimizer state | GPU, no offload | GPU, offload | host (pinned), "
+             "offload |", "|---|---|---|---|---|---|"]
+    cfg = dict(strategy="shard_grad_op", param_dtype="bf16", device="cuda")
+    for name, numels in LLAMA:
+        for w in (1, 2, 4):
+            for state in ("f32", "q8"):
+                plain = sg.estimate_memory(numels, w, optim_state_dtype=state, **cfg)
+                if state == "f32":
+                    off = sg.estimate_memory(numels, w, offload_optimizer=1, **cfg)
+                    cells = (gib(off.total_bytes), gib(off.host_bytes))
+                else:
+                    cells = ("not yet", "not yet")  # 8-bit state with offload (docs)
+                lines.append("| %s (%.2fB) | %d | %s | %s | %s | %s |" % (
+                    name, sum(numels) / 1e9, w, "fp32" if state == "f32" else "8-bit",
+                    gib(plain.total_bytes), cells[0], cells[1]))
+    return lines
+
+
 TABLES = (("summary", table_summary), ("bytes-per-param", table_per_param),
           ("largest-model", table_fit), ("offload-per-param", table_offload),
-          ("offload-fits", table_fits_offload))
-DEFAULT_DOCS = ("README.md", os.path.join("docs", "memory.md"))
+          ("offload-fits", table_fits_offload), ("q8-llama", table_q8_llama))
+DEFAULT_DOCS = ("README.md", os.path.join("docs", "memory.md"),
+                os.path.join("docs", "optim-state-8bit.md"))
 
 
 def replace_block(text, name, lines, path):

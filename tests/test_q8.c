@@ -5,10 +5,14 @@
  *    algorithm written here (code search in the decoded table, rounding decided in double);
  *  - engines: state and parameters bit for bit the same at W = 1, 2, 3, 4 (threads; under
  *    mpirun --mpi: W = np against one rank) for every strategy, f32 and bf16 parameters,
- *    clipping and parameter groups; tensors below optim_state_min_numel (by their numel, also
- *    when a rank's part of a larger tensor is smaller) bitwise the fp32 engine's, the others
- *    coded and close to it; sg_memory = sg_estimate_memory and the bytes it saves;
- *  - bad configs refused at sg_engine_create with a message naming the field. */
+ *    clipping and parameter groups, and a hybrid engine (2 nodes x 2 ranks); tensors below
+ *    optim_state_min_numel (by their numel, also when a rank's part of a larger tensor is
+ *    smaller) bitwise the fp32 engine's, the others coded and close to it; sg_memory =
+ *    sg_estimate_memory and the bytes it saves;
+ *  - checkpoints: saved at one W, loaded at another, the same bits as an uninterrupted run;
+ *    loads across state formats or thresholds refused (SG_ERR_MISMATCH);
+ *  - bad configs refused at sg_engine_create with a message naming the field.
+ * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -117,11 +121,12 @@ static void ref_step(ref_block *b, float *p, const float *g, size_t n, uint64_t 
   }
   const float rm = am > 0 ? tm / am : 0.0f, rv = av > 0 ? tv / av : 0.0f;
   for (size_t i = 0; i < n; i++) {
-    /* the random bits: splitmix64's finalizer of (key ^ index * odd), the key a mix of the
-     * salted seed and the step; low half for m, high half for v */
+    /* the random bits: lowbias32 of the folded index and one half of the step's key (a
+     * splitmix64 mix of the salted seed and the step): low half for m, high half for v */
     const uint64_t key = sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (t + 1));
-    const uint64_t r = sg_elem_mix64(key ^ ((sr0 + i) * 0xd1b54a32d192ed03ull));
-    const uint32_t r0 = (uint32_t)r, r1 = (uint32_t)(r >> 32);
+    const uint64_t ix = sr0 + i;
+    const uint32_t x = (uint32_t)ix ^ ((uint32_t)(ix >> 32) * 0x9e3779b9u);
+    const uint32_t r0 = sg_elem_mix32(x ^ (uint32_t)key), r1 = sg_elem_mix32(x ^ (uint32_t)(key >> 32));
     b->cm[i] = (uint8_t)((nm[i] < 0 || (nm[i] == 0 && signbit(nm[i])) ? 0x80 : 0) |
                          ref_encode(fabsf(nm[i]) * rm, r0, 3));
     b->cv[i] = (uint8_t)ref_encode(ns[i] * rv, r1, 4);
@@ -221,11 +226,14 @@ typedef struct variant {
   int groups_clip; /* param 5 in group 1, NO_DECAY on param 4, max_grad_norm */
   sg_dtype state;
   int min_numel;
+  int hybrid; /* ranks per node of a hybrid engine (sharded within, replicated across); 0 flat */
+  int inf_step; /* > 0: rank 0's gradient has an infinity at this step (skipped everywhere) */
 } variant;
 
 typedef struct result {
   float *p[NP], *m[NP], *v[NP];
   sg_memory_stats mem, est;
+  uint64_t step; /* the engine's step count at the end */
   sg_status st;
   char err[256];
 } result;
@@ -251,8 +259,15 @@ static float grad_of(int p, size_t i, int step, int rank, int world) {
   return (float)(rank == 0 ? k - (world - 1) * part : part) * 0.00390625f;
 }
 
+/* SG_TEST_DEVICE=cuda: the engines on SG_DEVICE_CUDA (the mock runtime in test_q8_cudamock,
+ * its kernels emulated on the host). */
+static sg_device g_device = SG_DEVICE_CPU;
+static int g_maxw = MAXW; /* the largest world of the matrices */
+
 static void config_of(const variant *v, sg_config *c) {
   sg_config_init(c, sizeof *c);
+  c->device = g_device;
+  c->cuda_device = 0;
   c->strategy = v->strategy;
   c->param_dtype = v->pdt;
   c->grad_dtype = SG_F32;
@@ -281,7 +296,15 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
   const int rank = sg_comm_rank(comm), world = sg_comm_size(comm);
   sg_engine *e = NULL;
   int id[NP];
-  sg_status st = sg_engine_create(comm, &cfg, &e);
+  sg_comm *shard = NULL, *replica = NULL;
+  sg_status st = SG_OK;
+  if (v->hybrid) {
+    st = sg_comm_split_nodes(comm, v->hybrid, &shard, &replica);
+    if (st == SG_OK) st = sg_engine_create_hybrid(shard, replica, &cfg, &e);
+    cfg.shard_ranks = v->hybrid; /* for the estimate */
+  } else {
+    st = sg_engine_create(comm, &cfg, &e);
+  }
   for (int p = 0; p < NP && st == SG_OK; p++) {
     char name[16];
     snprintf(name, sizeof name, "p%d", p);
@@ -290,20 +313,26 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
   if (st == SG_OK && v->groups_clip) st = sg_set_param_group(e, id[5], 1);
   if (st == SG_OK) st = sg_finalize(e);
   if (st == SG_OK && v->groups_clip) st = sg_set_group(e, 1, 3e-3f, 0.0f);
-  float *buf = malloc(70001 * sizeof *buf);
+  float *buf = malloc(70001 * sizeof *buf), *gb[NP];
+  for (int p = 0; p < NP; p++) gb[p] = malloc(numels[p] * sizeof(float));
   for (int p = 0; p < NP && st == SG_OK; p++) {
     for (size_t i = 0; i < numels[p]; i++) buf[i] = (float)((i * 31 + (size_t)p) % 97) / 97.0f - 0.5f;
     st = sg_set_param(e, id[p], buf, SG_F32);
   }
   if (st == SG_OK && ph.load) st = sg_load(e, ph.load);
   for (int s = ph.s0; s < ph.s1 && st == SG_OK; s++) {
+    /* a buffer per parameter: on a GPU (the mock's lazy streams too) sg_grad_add reads its
+     * source on the caller's stream, after it returns; the step waits for every read */
     for (int p = NP - 1; p >= 0 && st == SG_OK; p--) { /* backward order */
-      for (size_t i = 0; i < numels[p]; i++) buf[i] = grad_of(p, i, s, rank, world);
-      st = sg_grad_add(e, id[p], buf, SG_F32);
+      for (size_t i = 0; i < numels[p]; i++) gb[p][i] = grad_of(p, i, s, rank, world);
+      if (v->inf_step > 0 && v->inf_step == s && rank == 0 && p == 5) gb[p][7] = INFINITY;
+      st = sg_grad_add(e, id[p], gb[p], SG_F32);
     }
     if (st == SG_OK) st = sg_step(e, NULL);
   }
+  for (int p = 0; p < NP; p++) free(gb[p]);
   if (st == SG_OK && ph.save) st = sg_save(e, ph.save);
+  if (st == SG_OK && keep) st = sg_get_step(e, &out->step);
   for (int p = 0; p < NP && st == SG_OK; p++) {
     float *dst[3] = {keep ? out->p[p] : buf, keep ? out->m[p] : buf, keep ? out->v[p] : buf};
     st = sg_get_param(e, id[p], dst[0], SG_F32);
@@ -318,6 +347,8 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
   if (st != SG_OK && keep) snprintf(out->err, sizeof out->err, "%s", sg_last_error());
   free(buf);
   sg_engine_destroy(e);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(replica);
   return st;
 }
 
@@ -372,7 +403,10 @@ static double rel_diff(const float *a, const float *b, size_t n) {
 static void test_worlds(const variant *v) {
   result one;
   run_world(v, 1, &one);
-  for (int w = 2; w <= MAXW; w++) {
+  const uint64_t steps = (uint64_t)(v->inf_step ? STEPS - 1 : STEPS);
+  CHECK(one.step == steps, "%s: %llu steps taken (%llu)", v->name, (unsigned long long)one.step,
+        (unsigned long long)steps);
+  for (int w = 2; w <= g_maxw; w++) {
     result r;
     run_world(v, w, &r);
     int same = 1;
@@ -394,9 +428,9 @@ static void test_worlds(const variant *v) {
 
 /* q8 against fp32 state at W = 4: the small tensors bit for bit, the others coded and close. */
 static void test_small_rule(void) {
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
-  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0};
+  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0};
   result rq, rf, ra;
   run_world(&q, MAXW, &rq);
   run_world(&f, MAXW, &rf);
@@ -437,6 +471,20 @@ static void test_small_rule(void) {
         "8-bit %.3f (2 codes + 2 scales per 256)", per_f, per_q);
 }
 
+/* A hybrid engine, 2 nodes x 2 ranks (and 1 x ... as 4 x 1): the bits of one rank. */
+static void test_hybrid(void) {
+  const variant f = {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
+  const variant h = {"hybrid 2x2", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2, 0};
+  result one, r;
+  run_world(&f, 1, &one);
+  run_world(&h, 4, &r);
+  int same = 1;
+  for (int p = 0; p < NP; p++) same &= same_param(&r, &one, p);
+  CHECK(same, "hybrid 2 nodes x 2 ranks: parameters, m and v bit for bit those of one rank");
+  CHECK(!memcmp(&r.mem, &r.est, sizeof r.mem), "hybrid: sg_memory = sg_estimate_memory");
+  result_free(&one), result_free(&r);
+}
+
 /* ---- checkpoints --------------------------------------------------------------------------- */
 
 static void rm_dir(const char *dir) {
@@ -450,8 +498,9 @@ static void rm_dir(const char *dir) {
 static void test_ckpt_worlds(const variant *v, const char *dir) {
   result one;
   run_world(v, 1, &one);
-  const int pairs[][2] = {{2, 3}, {4, 1}, {1, 2}};
-  for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+  const int pairs[][2] = {{2, 1}, {1, 2}, {2, 3}, {4, 1}};
+  const size_t npairs = g_maxw < MAXW ? 2 : sizeof pairs / sizeof pairs[0];
+  for (size_t k = 0; k < npairs; k++) {
     const int a = pairs[k][0], b = pairs[k][1];
     rm_dir(dir);
     result saved, loaded, resumed;
@@ -491,9 +540,9 @@ static void load_main(sg_comm *c, void *arg) {
 
 /* Loads across the state formats and thresholds are refused with a message that says why. */
 static void test_ckpt_mismatch(const char *dir) {
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096};
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096};
-  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0};
+  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0};
   const struct {
     const variant *save, *load;
     const char *word;
@@ -552,7 +601,7 @@ static void test_bad_config(void) {
 static int run_mpi(void) {
   int world = 0, rank = 0;
   sg_test_mpi_init(&world, &rank);
-  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096};
+  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
   sg_comm *c = NULL;
   result r, one;
   result_alloc(&r);
@@ -578,20 +627,32 @@ int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--mpi")) return run_mpi();
 #endif
   (void)argc, (void)argv;
+  const char *dev = getenv("SG_TEST_DEVICE");
+  if (dev && !strcmp(dev, "cuda")) g_device = SG_DEVICE_CUDA;
   test_codes();
   test_kernel_reference();
   test_bad_config();
   static const variant vs[] = {
-      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096},
-      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096},
-      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096},
-      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096},
-      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0},
+      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0},
+      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0},
+      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0},
+      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096, 0, 0},
+      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0, 0, 0},
+      /* f16 params: dynamic loss scaling; an infinity at step 2 skips it on every rank */
+      {"grad_op f16 scaled, inf at step 2", SG_SHARD_GRAD_OP, SG_F16, 0, SG_Q8, 4096, 0, 2},
   };
-  for (size_t k = 0; k < sizeof vs / sizeof vs[0]; k++) test_worlds(&vs[k]);
-  test_small_rule();
   char dir[256];
   snprintf(dir, sizeof dir, "/tmp/sg_test_q8_%d", (int)getpid());
+  if (g_device == SG_DEVICE_CUDA) {
+    /* the emulated kernel runs every block's 256 threads as fibers: one case of each kind */
+    g_maxw = 2;
+    test_worlds(&vs[2]);
+    test_ckpt_worlds(&vs[2], dir);
+    return sg_test_summary("");
+  }
+  for (size_t k = 0; k < sizeof vs / sizeof vs[0]; k++) test_worlds(&vs[k]);
+  test_small_rule();
+  test_hybrid();
   test_ckpt_worlds(&vs[2], dir);
   test_ckpt_worlds(&vs[4], dir);
   test_ckpt_mismatch(dir);

@@ -87,11 +87,16 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
   const float rv = sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS);
-  const uint64_t key = c->q8_key;
+  /* sg_elem_q8_rnd(key, sr_index + i, k) in 32-bit lanes: a block starts at a multiple of 256
+   * of its tensor's counter, so the counter's high half is the same for the whole block and
+   * its low half does not wrap */
+  const uint64_t idx = s->sr_index;
+  const uint32_t lo = (uint32_t)idx, hi = (uint32_t)(idx >> 32) * 0x9e3779b9u;
+  const uint32_t k0 = hi ^ (uint32_t)c->q8_key, k1 = hi ^ (uint32_t)(c->q8_key >> 32);
   for (size_t i = 0; i < n; i++) {
-    const uint64_t r = sg_elem_q8_rnd(key, s->sr_index + i);
-    cm[i] = sg_elem_q8_encode_m(tm[i], rm, (uint32_t)r);
-    cv[i] = sg_elem_q8_encode_v(ts[i], rv, (uint32_t)(r >> 32));
+    const uint32_t x = lo + (uint32_t)i;
+    cm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_mix32(x ^ k0));
+    cv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_mix32(x ^ k1));
   }
   a->q8_scale[M][j] = am;
   a->q8_scale[V][j] = av;

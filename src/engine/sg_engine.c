@@ -558,7 +558,7 @@ sg_status sg_get_optim_state(sg_engine *e, int id, int which, float *dst) {
   SG_TRY(sg__optim_check_state(e, which, fn));
   SG_TRY(sg__grads_idle(e, fn));
   struct state_read r = {id, dst};
-  return sg__err_prefix(e->strat->place->read_state(e, which, read_param_state, &r), fn);
+  return sg__err_prefix(e->strat->place->read_state(e, which, id, read_param_state, &r), fn);
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -120,10 +120,11 @@ typedef struct sg__state_ops {
   sg_status (*clear)(sg_engine *e);
   /* The master from the working parameters of every owned segment (sg_broadcast_params). */
   sg_status (*master_from_working)(sg_engine *e);
-  /* State array k (0 .. nstates-1) in fp32 state coordinates for a reader: fn(e, view, ctx)
-   * with view device memory of opt_numel floats (the array itself where it is fp32; the 8-bit
-   * state decoded into a temporary, freed after fn), fn's status returned. */
-  sg_status (*read_state)(sg_engine *e, int k,
+  /* State array k (0 .. nstates-1) in fp32 state coordinates for a reader of parameter id:
+   * fn(e, view, ctx) with view device memory of opt_numel floats that holds at least this
+   * rank's part of id's bucket (the array itself where it is fp32; the 8-bit state of that
+   * part decoded into a temporary, freed after fn), fn's status returned. */
+  sg_status (*read_state)(sg_engine *e, int k, int id,
                           sg_status (*fn)(sg_engine *e, const float *view, void *ctx), void *ctx);
   /* Checkpoints of a coded state (declared `coded`): state k as opt_numel records of
    * SG__STATE_RECORD bytes in host memory, state coordinates (the format of src/ckpt/sg_ckpt.h,

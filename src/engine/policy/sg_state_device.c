@@ -82,9 +82,10 @@ static sg_status device_master_from_working(sg_engine *e) {
 }
 
 /* The fp32 array itself. */
-static sg_status device_read_state(sg_engine *e, int k,
+static sg_status device_read_state(sg_engine *e, int k, int id,
                                sg_status (*fn)(sg_engine *e, const float *view, void *ctx),
                                void *ctx) {
+  (void)id;
   return fn(e, e->opt.state[k], ctx);
 }
 

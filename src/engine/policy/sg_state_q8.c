@@ -249,31 +249,43 @@ static sg_status to_host(sg_engine *e, const void *dev, size_t bytes, void **out
   return st;
 }
 
-/* State k decoded on the host into host memory of opt_numel floats. */
-static sg_status decode_host(sg_engine *e, int k, float *dst) {
+/* Blocks [j0, j1) of state k decoded on the host into dst ((j1 - j0) x B floats). */
+static sg_status decode_host(sg_engine *e, int k, size_t j0, size_t j1, float *dst) {
   const sg__layout *l = &e->lay;
   const sg__q8 *q = e->q8;
+  const size_t nb = j1 - j0;
   void *code = NULL, *scale = NULL, *pool = NULL, *map = NULL;
-  sg_status st = to_host(e, q->code[k], l->opt_numel, &code);
-  if (st == SG_OK) st = to_host(e, q->scale[k], l->q8_blocks * sizeof(float), &scale);
+  sg_status st = to_host(e, q->code[k] + j0 * B, nb * B, &code);
+  if (st == SG_OK) st = to_host(e, q->scale[k] + j0, nb * sizeof(float), &scale);
   if (st == SG_OK) st = to_host(e, q->pool[k], l->q8_f32_blocks * B * sizeof(float), &pool);
-  if (st == SG_OK) st = to_host(e, q->map, l->q8_blocks * sizeof(uint32_t), &map);
-  if (st == SG_OK)
-    sg__cpu_q8_decode(dst, code, scale, pool, map, l->q8_blocks, k == 0);
+  if (st == SG_OK) st = to_host(e, q->map + j0, nb * sizeof(uint32_t), &map);
+  if (st == SG_OK) sg__cpu_q8_decode(dst, code, scale, pool, map, nb, k == 0);
   free(code), free(scale), free(pool), free(map);
   return st;
 }
 
-static sg_status q8_read_state(sg_engine *e, int k,
+/* The blocks of this rank's part of parameter id's bucket: what its readers read. */
+static void bucket_blocks(const sg_engine *e, int id, size_t *j0, size_t *j1) {
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, e->plan->params[id].bucket, &o);
+  *j0 = o.state0 / B;
+  *j1 = (o.state0 + o.n + B - 1) / B;
+}
+
+static sg_status q8_read_state(sg_engine *e, int k, int id,
                                sg_status (*fn)(sg_engine *e, const float *view, void *ctx),
                                void *ctx) {
   const size_t bytes = e->lay.opt_numel * sizeof(float);
-  float *host = malloc(bytes ? bytes : 1);
+  size_t j0 = 0, j1 = e->lay.q8_blocks;
+  if (id >= 0 && id < e->plan->nparams) bucket_blocks(e, id, &j0, &j1);
+  const size_t part = (j1 - j0) * B * sizeof(float);
+  float *host = malloc(part ? part : 1);
   void *dev = NULL;
-  if (!host) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", bytes);
-  sg_status st = decode_host(e, k, host);
+  if (!host) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", part);
+  sg_status st = decode_host(e, k, j0, j1, host);
   if (st == SG_OK) st = e->dev->ops->alloc(e->dev, bytes ? bytes : 1, &dev);
-  if (st == SG_OK) st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dev, host, bytes, SG_COPY_H2D);
+  if (st == SG_OK && part)
+    st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, (float *)dev + j0 * B, host, part, SG_COPY_H2D);
   if (st == SG_OK) st = fn(e, dev, ctx);
   if (dev) e->dev->ops->free(e->dev, dev);
   free(host);
