@@ -519,6 +519,15 @@ static void check_errors(void) {
   const sg_status s2 = sg_estimate_memory(&cfg, &n, 1, 4, &none);
   CHECK(s1 == SG_OK && s2 == SG_OK && st.total_bytes == none.total_bytes,
         "a codec estimated at shard_ranks 0 (flat: one replica) counts nothing for it");
+  /* one node's engine with a replica communicator of one rank: nothing to compress */
+  sg_comm *alone = NULL;
+  if (CHECK(sg_comm_create_local(1, &alone) == SG_OK, "comm")) {
+    cfg.replica_codec = SG_CODEC_INT8;
+    CHECK(sg_engine_create_hybrid(one, alone, &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
+              strstr(sg_last_error(), "one replica"),
+          "a codec with one replica is refused: %s", sg_last_error());
+    sg_comm_destroy(alone);
+  }
   sg_comm_destroy(one);
 }
 

@@ -308,6 +308,13 @@ static void check_errors(void) {
   CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_UNSUPPORTED &&
             strstr(sg_last_error(), "replica_codec"), "outer steps with a codec: %s",
         sg_last_error());
+  cfg.replica_codec = SG_CODEC_NONE;
+  if (CHECK(sg_comm_create_local(1, &one[1]) == SG_OK, "comm")) {
+    CHECK(sg_engine_create_hybrid(one[0], one[1], &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
+              strstr(sg_last_error(), "one replica"),
+          "outer steps with one replica are refused: %s", sg_last_error());
+    sg_comm_destroy(one[1]);
+  }
   sg_comm_destroy(one[0]);
 }
 
