@@ -526,6 +526,8 @@ static void check_errors(void) {
     CHECK(sg_engine_create_hybrid(one, alone, &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
               strstr(sg_last_error(), "one replica"),
           "a codec with one replica is refused: %s", sg_last_error());
+    sg_engine_destroy(e); /* NULL unless the check failed */
+    e = NULL;
     sg_comm_destroy(alone);
   }
   sg_comm_destroy(one);

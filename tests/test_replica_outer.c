@@ -313,6 +313,8 @@ static void check_errors(void) {
     CHECK(sg_engine_create_hybrid(one[0], one[1], &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
               strstr(sg_last_error(), "one replica"),
           "outer steps with one replica are refused: %s", sg_last_error());
+    sg_engine_destroy(e); /* NULL unless the check failed */
+    e = NULL;
     sg_comm_destroy(one[1]);
   }
   sg_comm_destroy(one[0]);
