@@ -285,7 +285,8 @@ typedef struct sg_config {
                                them decoded in replica order, encodes the sum (with a residual
                                of its own) and sends it to all. Needs an f32 accumulator, the
                                CPU device and a host communicator (threads, MPI, caller's
-                               transport) for replicas; a flat engine refuses it. */
+                               transport) for replicas; a flat engine refuses it. The
+                               residuals are not in checkpoints: sg_load zeroes them. */
   int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
                                steps. The step's gradient is summed inside the node only (each
                                replica runs its own AdamW steps, averaged over its L ranks), and
@@ -295,7 +296,9 @@ typedef struct sg_config {
                                the wire) takes a Nesterov momentum SGD step of the outer
                                parameters, which become every replica's parameters. The outer
                                state (parameters and momentum, fp32) is sharded like the
-                               master. CPU device; not with replica_codec (yet). */
+                               master. CPU device; not with replica_codec (yet). Not in
+                               checkpoints: sg_load begins a new period at the loaded
+                               parameters (replica 0's) with zero momentum. */
   double outer_lr;          /* 0.7 (DiLoCo's): the outer step's learning rate, > 0 */
   double outer_momentum;    /* 0.9 (DiLoCo's): its Nesterov momentum, in [0, 1) */
   sg_dtype optim_state_dtype; /* SG_F32: the optimizer's state arrays (AdamW's m and v) in fp32.

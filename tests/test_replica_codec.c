@@ -17,6 +17,7 @@
  * Ranks are threads over the local backend, or over the caller's transport (an in-process
  * mailbox), whose collectives are the point-to-point algorithms that MPI runs too.
  * Usage: test_replica_codec --local | --mpi (under mpirun -np 4: 2x2, a rank per process) */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -49,6 +50,7 @@ typedef struct {
   sg_strategy strategy;
   int xport; /* ranks over the caller's transport (an in-process mailbox): the point-to-point
                 algorithms MPI uses (src/comm/sg_coll.c), all-to-all included */
+  int reload; /* > 0: sg_save and sg_load after this many steps (the residuals restart at 0) */
 } tcase;
 
 /* One rank's view of a run: its accumulator before every step and its parameters after. */
@@ -88,6 +90,7 @@ typedef struct {
   sg_comm *world;
   int rank;
   result *res;
+  const char *dir; /* the checkpoint of tc->reload */
 } run_arg;
 
 static sg_status make_engine(const run_arg *a, sg_comm **shard, sg_comm **rep, sg_engine **e) {
@@ -162,7 +165,11 @@ static void *run_thread(void *arg) {
     r->mem.struct_size = sizeof r->mem;
     st = sg_memory(e, &r->mem);
   }
-  for (int s = 0; s < a->tc->steps && !st; s++) st = one_step(a, e, ids, s);
+  for (int s = 0; s < a->tc->steps && !st; s++) {
+    if (a->tc->reload && s == a->tc->reload) st = sg_save(e, a->dir);
+    if (!st && a->tc->reload && s == a->tc->reload) st = sg_load(e, a->dir);
+    if (!st) st = one_step(a, e, ids, s);
+  }
   r->ok = st == SG_OK;
   if (st) snprintf(r->err, sizeof r->err, "%s: %s", sg_status_string(st), sg_last_error());
   /* the plan is read by the checks after the threads: the engine stays until then */
@@ -277,6 +284,11 @@ static void ref_run(const tcase *tc, const sg__plan *p, int j, float **out) {
   float *in[MAXW];
   for (int i = 0; i < N; i++) in[i] = malloc(p->shard_numel * sizeof(float));
   for (int s = 0; s < tc->steps; s++) {
+    if (tc->reload && s == tc->reload)
+      for (int i = 0; i < N; i++) { /* sg_load: no residuals carried */
+        memset(rs.r1[i], 0, p->shard_numel * sizeof(float));
+        memset(rs.r2[i], 0, r2_len * sizeof(float));
+      }
     size_t r2_off = 0;
     for (int b = 0; b < p->nbuckets; b++) {
       const size_t n = sg__plan_slice_numel(p, b), so = p->buckets[b].shard_offset;
@@ -443,8 +455,10 @@ static void run_case(const tcase *tc) {
   run_arg a[MAXW];
   pthread_t th[MAXW];
   memset(res, 0, sizeof res);
+  char dir[] = "/tmp/sg_codec_ckpt_XXXXXX";
+  if (tc->reload && !CHECK(mkdtemp(dir) != NULL, "temp dir")) return;
   for (int r = 0; r < w; r++) {
-    a[r] = (run_arg){tc, comms[r], r, &res[r]};
+    a[r] = (run_arg){tc, comms[r], r, &res[r], dir};
     pthread_create(&th[r], NULL, run_thread, &a[r]);
   }
   sg_engine *engines[MAXW];
@@ -468,6 +482,11 @@ static void run_case(const tcase *tc) {
     free_result(tc, &res[r]);
   }
   mb_free(&mb);
+  if (tc->reload) {
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "removed %s", dir);
+  }
   printf("case %s: done\n", tc->name);
 }
 
@@ -500,20 +519,32 @@ static void check_errors(void) {
   const sg_status s2 = sg_estimate_memory(&cfg, &n, 1, 4, &none);
   CHECK(s1 == SG_OK && s2 == SG_OK && st.total_bytes == none.total_bytes,
         "a codec estimated at shard_ranks 0 (flat: one replica) counts nothing for it");
+  /* one node's engine with a replica communicator of one rank: nothing to compress */
+  sg_comm *alone = NULL;
+  if (CHECK(sg_comm_create_local(1, &alone) == SG_OK, "comm")) {
+    cfg.replica_codec = SG_CODEC_INT8;
+    CHECK(sg_engine_create_hybrid(one, alone, &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
+              strstr(sg_last_error(), "one replica"),
+          "a codec with one replica is refused: %s", sg_last_error());
+    sg_engine_destroy(e); /* NULL unless the check failed */
+    e = NULL;
+    sg_comm_destroy(alone);
+  }
   sg_comm_destroy(one);
 }
 
 static const tcase k_cases[] = {
-    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
-    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
-    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0},
-    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
-    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
-    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0},
-    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0},
-    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0},
-    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
-    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1},
+    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
+    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
+    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0, 0},
+    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
+    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
+    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0},
+    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0},
+    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0, 0},
+    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0},
+    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0},
+    {"int8 2x2 save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3},
 };
 
 /* --mpi, under mpirun -np 4 as 2x2: each process one rank, which checks its own summed
@@ -525,13 +556,13 @@ static int run_mpi(void) {
   const int rank = sg_comm_rank(world), size = sg_comm_size(world);
   if (CHECK(size == 4, "run under mpirun -np 4 (got %d ranks)", size)) {
     static const tcase mpi_cases[] = {
-        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
-        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0},
+        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
+        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
     };
     for (int c = 0; c < 2; c++) {
       result r;
       memset(&r, 0, sizeof r);
-      run_arg a = {&mpi_cases[c], world, rank, &r};
+      run_arg a = {&mpi_cases[c], world, rank, &r, NULL};
       sg_engine *e = run_thread(&a);
       if (CHECK(r.ok, "[%s] rank %d ran: %s", mpi_cases[c].name, rank, r.err))
         check_reference_of(&mpi_cases[c], &r, rank % 2);

@@ -9,6 +9,8 @@
  *  - after every outer step every rank of every node holds the same parameters, and between
  *    outer steps the nodes differ (nothing is summed across them);
  *  - sg_memory agrees with sg_estimate_memory and counts the outer state (2 x shard fp32);
+ *  - sg_save and sg_load at an outer step: the run goes on from replica 0's state (its AdamW
+ *    moments on every replica) with the outer momentum at 0;
  *  - bad settings fail at create with a clear message.
  * Usage: test_replica_outer --local */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
@@ -36,6 +38,8 @@ typedef struct {
   int n, l, h, steps;
   sg_dtype wire;
   double lr, mu;
+  int reload; /* > 0: sg_save and sg_load of the hybrid engines before this step (a multiple of
+                 H: the outer step's parameters; the outer momentum restarts at 0) */
 } tcase;
 
 typedef struct {
@@ -49,6 +53,7 @@ typedef struct {
 /* What the threads share: each node's reference parameters at an outer step. */
 typedef struct {
   const tcase *tc;
+  char dir[64];
   pthread_barrier_t bar;
   float node[MAXW][TOTAL];
 } shared;
@@ -157,6 +162,21 @@ static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int
   return write_all(flat, ids, ref);
 }
 
+/* The hybrid engines save and load: the checkpoint is replica 0's (its ranks write), so every
+ * replica goes on with replica 0's AdamW moments too. The reference does the same: node 0's flat
+ * engines save, every node's load that; the outer momentum restarts at 0. */
+static sg_status reload(run_arg *a, sg_engine *e, sg_engine *flat) {
+  char fdir[80];
+  snprintf(fdir, sizeof fdir, "%s/flat", a->sh->dir);
+  sg_status st = sg_save(e, a->sh->dir);
+  if (!st) st = sg_load(e, a->sh->dir);
+  if (!st && a->rank < a->sh->tc->l) st = sg_save(flat, fdir);
+  pthread_barrier_wait(&a->sh->bar);
+  if (!st) st = sg_load(flat, fdir);
+  memset(a->m, 0, sizeof a->m);
+  return st;
+}
+
 static void *run_thread(void *arg) {
   run_arg *a = arg;
   const tcase *tc = a->sh->tc;
@@ -181,7 +201,8 @@ static void *run_thread(void *arg) {
   a->res->mem.struct_size = sizeof a->res->mem;
   if (!st) st = sg_memory(e, &a->res->mem);
   for (int s = 0; s < tc->steps && !st; s++) {
-    st = feed_and_step(e, ids, a->rank, s);
+    if (tc->reload && s == tc->reload) st = reload(a, e, flat);
+    if (!st) st = feed_and_step(e, ids, a->rank, s);
     if (!st) st = read_all(e, ids, a->res->param[s]);
     if (!st) st = reference_step(a, flat, fids, s);
   }
@@ -222,6 +243,8 @@ static void run_case(const tcase *tc) {
   static run_arg a[MAXW];
   memset(res, 0, sizeof res);
   sh.tc = tc;
+  snprintf(sh.dir, sizeof sh.dir, "/tmp/sg_outer_ckpt_XXXXXX");
+  if (tc->reload && !CHECK(mkdtemp(sh.dir) != NULL, "temp dir")) return;
   pthread_barrier_init(&sh.bar, NULL, (unsigned)w);
   pthread_t th[MAXW];
   for (int r = 0; r < w; r++) {
@@ -247,6 +270,11 @@ static void run_case(const tcase *tc) {
   }
   if (ok) check_memory(tc, &res[0]);
   for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
+  if (tc->reload) {
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", sh.dir);
+    CHECK(system(cmd) == 0, "removed %s", sh.dir);
+  }
   printf("case %s: done\n", tc->name);
 }
 
@@ -280,13 +308,23 @@ static void check_errors(void) {
   CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_UNSUPPORTED &&
             strstr(sg_last_error(), "replica_codec"), "outer steps with a codec: %s",
         sg_last_error());
+  cfg.replica_codec = SG_CODEC_NONE;
+  if (CHECK(sg_comm_create_local(1, &one[1]) == SG_OK, "comm")) {
+    CHECK(sg_engine_create_hybrid(one[0], one[1], &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
+              strstr(sg_last_error(), "one replica"),
+          "outer steps with one replica are refused: %s", sg_last_error());
+    sg_engine_destroy(e); /* NULL unless the check failed */
+    e = NULL;
+    sg_comm_destroy(one[1]);
+  }
   sg_comm_destroy(one[0]);
 }
 
 static const tcase k_cases[] = {
-    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9},
-    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9},
-    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0},
+    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0},
+    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0},
+    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0},
+    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4},
 };
 
 int main(void) {

@@ -146,7 +146,9 @@ typedef struct sg__replicas {
   uint8_t *claimed;  /* [nbuckets]: SG__CLAIM_*, 0: not yet */
   char *wire;        /* one slice in replica_reduce_dtype (COMM arena; pinned host memory of
                         the replica stage when the accumulator is offloaded); NULL when the
-                        accumulator itself goes on the wire (same dtype) */
+                        accumulator itself goes on the wire (same dtype). With a codec or outer
+                        steps the layout's replica buffer is their state instead, which they
+                        address themselves (wire then points at it unused) */
   int host_wire;     /* wire is this stage's pinned host memory (offload) */
   /* Staged (an NCCL shard, a host replica communicator, the accumulator on the GPU): the
    * channel's own host queue (a CPU device), the shard's slices in replica_reduce_dtype in

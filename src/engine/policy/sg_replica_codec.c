@@ -41,7 +41,7 @@ static void chunk_of(size_t n, int N, int k, size_t *off, size_t *len) {
   *len = (b0 + nbk) * BLOCK < n ? (b0 + nbk) * BLOCK - *off : n - *off;
 }
 
-/* Values in the longest chunk of bucket b, and its code bytes per replica. */
+/* Values in the longest chunk of a slice of n (whole blocks); its code bytes per replica. */
 static size_t max_chunk(size_t n, int N) { return (nblocks(n) + (size_t)N - 1) / (size_t)N * BLOCK; }
 
 static size_t region_bytes(size_t n, int N, int bits) {

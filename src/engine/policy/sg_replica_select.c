@@ -16,6 +16,9 @@ static int channel_mem(const sg_engine *e, const sg_comm *replica, const sg__dev
 
 /* A codec's exchange runs on host buffers through the replica communicator's all-to-all. */
 static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+  if (replica->world < 2)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
+                   "crosses nodes to compress (use SG_CODEC_NONE)");
   if (e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec runs on the CPU device only (its "
                    "codes are encoded by the CPU loops; the CUDA device has no codec yet)");
@@ -28,7 +31,10 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
 }
 
 /* Outer steps read and write the master and parameters on the host. */
-static sg_status pick_outer(sg_engine *e, const sg__replica_ops **ops) {
+static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+  if (replica->world < 2)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
+                   "other replicas to agree with (use 0)");
   if (e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
                    "device has no outer step yet)");
@@ -40,7 +46,7 @@ static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_op
                       sg__device **dev) {
   *dev = NULL;
   if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
-  if (e->cfg.outer_every > 0) return pick_outer(e, ops);
+  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
     *ops = &sg__replica_host;
