@@ -18,7 +18,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include <limits.h>  /* INT_MAX */
-#include <mpi.h>     /* the only file of the library that includes it (with nccl.c's bootstrap) */
+#include <mpi.h>     /* with sg_nccl_boot.c, the only files of the library that include it */
 #include <pthread.h> /* pthread_mutex_t for the init/finalize count */
 #include <sched.h>   /* sched_yield */
 #include <stdlib.h>  /* calloc, free */
