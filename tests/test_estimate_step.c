@@ -3,7 +3,7 @@
  *
  * 1. Bytes and collectives per step: engines on threads (flat over W, hybrid N x L through
  *    sg_comm_split, every strategy, dtypes, bucket sizes, micro-batch counts, the replica
- *    codecs and outer steps, one replica included) run a step, and
+ *    codecs and outer steps) run a step, and
  *    the difference of sg_comm_stats across it equals the estimate's shard_* and replica_*
  *    fields, for every rank.
  * 2. Times: the parts sum to the step; a single-bucket flat step computed by hand from the
@@ -177,9 +177,9 @@ static void test_traffic(void) {
       run_case(&k);
     }
   /* the slow-links modes: codecs (int8, int4) and outer steps (the measured step is the
-   * second: with H = 1 or 2 it is the one that syncs) */
+   * second: with H = 1 or 2 it is the one that syncs); engines refuse them with one replica */
   for (int i = 0; i < 5; i++)
-    for (int v = 0; v < 4; v++) {
+    for (int v = 0; v < 4 && NL[i][0] > 1; v++) {
       const int codec = v == 0 ? SG_CODEC_INT8 : v == 1 ? SG_CODEC_INT4 : SG_CODEC_NONE;
       const layout_case k = {v == 3 ? SG_SHARD_OPT : SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1],
                              NL[i][1], v == 2 ? SG_BF16 : SG_F32, SG_DTYPE_AUTO,
@@ -389,6 +389,18 @@ static void test_arguments(void) {
   cfg.strategy = SG_NO_SHARD;
   CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &hw, &e) == SG_ERR_INVALID_ARGUMENT,
         "hybrid NO_SHARD");
+  cfg.strategy = SG_SHARD_GRAD_OP;
+  cfg.shard_ranks = 4;
+  cfg.replica_codec = SG_CODEC_INT8;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &hw, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "2 replicas"), "a codec over one replica");
+  cfg.replica_codec = SG_CODEC_NONE;
+  cfg.outer_every = 2;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &hw, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "2 replicas"), "outer steps over one replica");
+  cfg.shard_ranks = 2;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &hw, &e) == SG_OK, "outer steps, 2 x 2");
+  cfg.outer_every = 0;
   sg_config_init(&cfg, sizeof cfg);
   cfg.device = SG_DEVICE_CUDA;
   cfg.offload_optimizer = 1;

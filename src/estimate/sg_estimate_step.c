@@ -481,6 +481,10 @@ static sg_status layout(model *m, int world, const char *fn) {
                    "strategy (SG_SHARD_GRAD_OP or SG_SHARD_OPT)", fn, m->L, world);
   m->N = world / m->L;
   m->hybrid = m->cfg->shard_ranks != 0;
+  if (m->hybrid && m->N < 2 && (m->cfg->replica_codec != SG_CODEC_NONE || m->cfg->outer_every))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->replica_codec and cfg->outer_every need "
+                   "at least 2 replicas (world %d / shard_ranks %d is 1), as engines do", fn,
+                   world, m->L);
   const int rpn = m->hw->ranks_per_node ? m->hw->ranks_per_node : 1;
   m->rpn = rpn < world ? rpn : world;
   if (world % m->rpn != 0 || (m->L % m->rpn != 0 && m->rpn % m->L != 0))

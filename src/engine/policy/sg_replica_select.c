@@ -84,9 +84,8 @@ static size_t max_slice(const sg__plan *p) {
   return m;
 }
 
-/* A codec's residuals and exchange buffers, the outer state (both also with one replica: their
- * transports run on it); else the wire buffer where the wire dtype is not the accumulator's
- * and there is another replica to sum with. */
+/* A codec's residuals and exchange buffers, the outer state; else the wire buffer where the
+ * wire dtype is not the accumulator's and there is another replica to sum with. */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
   if (cfg->replica_codec != SG_CODEC_NONE)
     return sg__replica_codec_bytes(p, n, cfg->replica_codec == SG_CODEC_INT8 ? 8 : 4);
