@@ -292,9 +292,9 @@ def parse_args(argv=None):
         n = len(args.corpus)
         held = n - int(n * (1 - args.heldout))
         if n - held < args.seq + 2 or (args.heldout > 0 and held < args.seq + 2):
-            fail("--seq %d with --heldout %s: %s (%d characters) leaves less than %d characters "
-                 "for training or for the held-out part" % (
-                     args.seq, args.heldout, args.text or "the corpus", n, args.seq + 2))
+            need = math.ceil((args.seq + 2) / min(1 - args.heldout, args.heldout or 1)) + 1
+            fail("--seq %d with --heldout %s needs a text of at least %d characters (%s has %d)"
+                 % (args.seq, args.heldout, need, args.text or "the corpus", n))
     return args
 
 

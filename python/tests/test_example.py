@@ -1,6 +1,8 @@
 """examples/python/train_lm.py runs (2 ranks as threads, a short run; 2 processes under
 torchrun, the command in docs/torch.md) and its loss falls."""
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +102,26 @@ def test_train_lm_text_too_short(tmp_path):
                        text=True, timeout=120)
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.strip().endswith("(%s has 10)" % short) and len(r.stderr.splitlines()) == 1
+
+
+def test_train_lm_stdlib_corpus_heldout_json(tmp_path):
+    """--stdlib-corpus: real text every machine has; --eval-every: the held-out loss (the last
+    --heldout of the text, never trained on) on fixed windows; --json: the curves; --opt: a
+    ShardedAdamW keyword."""
+    out = tmp_path / "lm.json"
+    cmd = [sys.executable, TRAIN_LM, "--ranks", "2", "--steps", "6", "--d", "32", "--layers",
+           "1", "--heads", "2", "--batch", "2", "--seq", "16", "--threads", "1",
+           "--stdlib-corpus", "0.05", "--eval-every", "3", "--eval-batches", "2", "--json",
+           str(out), "--opt", "eps=1e-6", "--log-every", "3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert "corpus: 50000 characters of the Python" in r.stdout, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert [s for s, _ in res["evals"]] == [3, 6] and len(res["losses"]) == 6
+    assert all(math.isfinite(v) and v > 0 for _, v in res["evals"])
+    assert res["args"]["opt_kw"] == {"eps": 1e-6}
+    bad = subprocess.run([sys.executable, TRAIN_LM, "--opt", "eps"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--opt eps: expected KEY=VALUE" in bad.stderr
 
 
 def test_train_lm_f16_eta_and_plot(tmp_path):
