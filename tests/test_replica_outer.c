@@ -320,6 +320,49 @@ static void check_errors(void) {
   sg_comm_destroy(one[0]);
 }
 
+/* Two replicas of one rank each whose outer lr differ: both refused at sg_finalize. */
+typedef struct {
+  sg_comm *shard, *replica;
+  double lr;
+  sg_status st;
+  char msg[512];
+} lr_arg;
+
+static void *lr_thread(void *arg) {
+  lr_arg *a = arg;
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.outer_every = 2;
+  cfg.outer_lr = a->lr;
+  sg_engine *e = NULL;
+  int id = 0;
+  a->st = sg_engine_create_hybrid(a->shard, a->replica, &cfg, &e);
+  if (a->st == SG_OK) a->st = sg_add_param(e, "w", 300, 0, &id);
+  if (a->st == SG_OK) a->st = sg_finalize(e);
+  snprintf(a->msg, sizeof a->msg, "%s", sg_last_error());
+  sg_engine_destroy(e);
+  return NULL;
+}
+
+static void check_outer_lr_agreement(void) {
+  sg_comm *rep[2] = {NULL, NULL}, *sh[2] = {NULL, NULL};
+  if (!CHECK(sg_comm_create_local(2, rep) == SG_OK && sg_comm_create_local(1, &sh[0]) == SG_OK &&
+                 sg_comm_create_local(1, &sh[1]) == SG_OK,
+             "comms"))
+    return;
+  lr_arg a[2] = {{sh[0], rep[0], 0.7, SG_OK, ""}, {sh[1], rep[1], 0.5, SG_OK, ""}};
+  pthread_t t[2];
+  for (int r = 0; r < 2; r++) pthread_create(&t[r], NULL, lr_thread, &a[r]);
+  for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
+  for (int r = 0; r < 2; r++)
+    CHECK(a[r].st == SG_ERR_MISMATCH && strstr(a[r].msg, "outer_lr"),
+          "replica %d: outer lr 0.7 against 0.5 refused at finalize: %s", r, a[r].msg);
+  for (int r = 0; r < 2; r++) {
+    sg_comm_destroy(rep[r]);
+    sg_comm_destroy(sh[r]);
+  }
+}
+
 static const tcase k_cases[] = {
     {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0},
     {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0},
@@ -329,6 +372,7 @@ static const tcase k_cases[] = {
 
 int main(void) {
   check_errors();
+  check_outer_lr_agreement();
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
   return sg_test_summary("test_replica_outer");
 }

@@ -9,8 +9,14 @@
 
 /* What the ranks of both communicators must agree on about the wire: its dtype, the codec and
  * the outer steps' period, in one word. */
-static int wire_dtype(const sg_engine *e) {
-  return e->cfg.replica_reduce_dtype | (int)e->cfg.replica_codec << 4 | e->cfg.outer_every << 8;
+/* What the replicas (and a node's ranks) must agree on beyond the plan: the wire dtype, the
+ * codec, H and the outer optimizer's lr and momentum (replicas that took different outer steps
+ * would hold different parameters, silently). */
+static uint64_t wire_dtype(const sg_engine *e) {
+  const double outer[2] = {e->cfg.outer_lr, e->cfg.outer_momentum};
+  const uint64_t w = (uint64_t)e->cfg.replica_reduce_dtype | (uint64_t)e->cfg.replica_codec << 4 |
+                     (uint64_t)(unsigned)e->cfg.outer_every << 8;
+  return e->cfg.outer_every > 0 ? sg__hash_bytes(w, outer, sizeof outer) : w;
 }
 
 /* ---- lifecycle ------------------------------------------------------------------------------- */
@@ -68,7 +74,7 @@ static sg_status round_a(sg_engine *e) {
   uint64_t *mine = all + (size_t)e->rank * RA_WORDS;
   mine[RA_N] = (uint64_t)e->rep.n;
   mine[RA_RANK] = (uint64_t)e->rep.rank;
-  mine[RA_WIRE] = (uint64_t)wire_dtype(e);
+  mine[RA_WIRE] = wire_dtype(e);
   sg_status st = sg__engine_allgather_host(e, all, RA_WORDS * sizeof *all);
   for (int r = 0; st == SG_OK && r < e->world; r++) {
     const uint64_t *o = all + (size_t)r * RA_WORDS;
@@ -79,8 +85,9 @@ static sg_status round_a(sg_engine *e) {
                    "ranks with the same index on every node)", r, (int)o[RA_RANK], (int)o[RA_N],
                    e->rank, e->rep.rank, e->rep.n);
     else if (o[RA_WIRE] != mine[RA_WIRE])
-      st = sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec or "
-                   "outer_every differ between shard ranks %d and %d", r, e->rank);
+      st = sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec, "
+                   "outer_every, outer_lr or outer_momentum differ between shard ranks %d and %d",
+                   r, e->rank);
   }
   free(all);
   return st;
@@ -149,9 +156,9 @@ static sg_status check_round_b(sg_engine *e, const uint64_t *all, const uint64_t
                      "of its own (join the ranks with the same index on every node)", e->rank, r,
                      (int)o[RB_SHARD_RANK]);
     if (o[RB_WIRE] != mine[RB_WIRE])
-      return sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec or "
-                     "outer_every differ between replica %d and this rank's (replica %d)", r,
-                     e->rep.rank);
+      return sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec, "
+                     "outer_every, outer_lr or outer_momentum differ between replica %d and this "
+                     "rank's (replica %d)", r, e->rep.rank);
     if (o[RB_HASH] != mine[RB_HASH])
       return sg__err(SG_ERR_MISMATCH, "replica %d registered different parameters or a "
                      "different config (its plan differs from replica %d's)", r, e->rep.rank);
@@ -172,7 +179,7 @@ sg_status sg__replica_agree(sg_engine *e, sg_status st) {
   mine[RB_L] = (uint64_t)e->world;
   mine[RB_SHARD_RANK] = (uint64_t)e->rank;
   mine[RB_HASH] = e->plan ? e->plan->hash : 0;
-  mine[RB_WIRE] = (uint64_t)wire_dtype(e);
+  mine[RB_WIRE] = wire_dtype(e);
   sg_status gst = sg__replica_allgather_host(e, all, RB_WORDS * sizeof *all);
   if (gst == SG_OK && st != SG_OK) gst = sg__err(st, "%s", msg);
   if (gst == SG_OK) gst = check_round_b(e, all, mine);
