@@ -339,7 +339,7 @@ static void *lr_thread(void *arg) {
   a->st = sg_engine_create_hybrid(a->shard, a->replica, &cfg, &e);
   if (a->st == SG_OK) a->st = sg_add_param(e, "w", 300, 0, &id);
   if (a->st == SG_OK) a->st = sg_finalize(e);
-  snprintf(a->msg, sizeof a->msg, "%s", sg_last_error());
+  snprintf(a->msg, sizeof a->msg, "%s", a->st ? sg_last_error() : "finalized (not refused)");
   sg_engine_destroy(e);
   return NULL;
 }
