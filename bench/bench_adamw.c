@@ -37,7 +37,7 @@
 #include <omp.h>
 #endif
 
-#include "bench_util.h"         /* bench_now_s */
+#include "bench_util.h"         /* clock, allocation, medians, the triad */
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_adamw */
 #include "sg_elem.h"            /* sg_elem_adamw: the reference of the untimed check */
 #include "shardgrad.h"          /* --lean-report: the engine */
@@ -57,70 +57,7 @@ static int threads(void) {
 #endif
 }
 
-static void *xalloc(size_t bytes) {
-  void *p = NULL;
-  if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
-    fprintf(stderr, "sg_bench_adamw: out of memory (%zu bytes)\n", bytes);
-    exit(1);
-  }
-  return p;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-/* Sorts t; returns the median and stores the best time in *best. */
-static double median(double *t, int n, double *best) {
-  qsort(t, (size_t)n, sizeof *t, cmp_double);
-  *best = t[0];
-  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
-
-/* Values a training run would hold; written by the threads that later use them (first touch). */
-static void fill(float *x, size_t n, float base, float scale) {
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-  for (size_t i = 0; i < n; i++) x[i] = base + scale * (float)((i * 2654435761u) % 1000u) / 1000.0f;
-}
-
-/* ---- STREAM triad ---------------------------------------------------------------------------- */
-
-static void triad(double *restrict a, const double *restrict b, const double *restrict c, double s,
-                  size_t n) {
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-  for (size_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
-}
-
-typedef struct triad_bufs {
-  double *a, *b, *c;
-  size_t n;
-} triad_bufs;
-
-static void triad_init(triad_bufs *t, size_t n) {
-  t->n = n;
-  t->a = xalloc(8 * n), t->b = xalloc(8 * n), t->c = xalloc(8 * n);
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-  for (size_t i = 0; i < n; i++) t->a[i] = 0.0, t->b[i] = 1.0, t->c[i] = 2.0;
-}
-
-static double triad_once(triad_bufs *t) {
-  double t0 = bench_now_s();
-  triad(t->a, t->b, t->c, 3.0, t->n);
-  return bench_now_s() - t0;
-}
-
-static void triad_free(triad_bufs *t) {
-  volatile double sink = t->a[t->n / 2]; /* keep the stores */
-  (void)sink;
-  free(t->a), free(t->b), free(t->c);
-}
+static const char PROG[] = "sg_bench_adamw"; /* in the messages of bench_xalloc */
 
 /* ---- AdamW ----------------------------------------------------------------------------------- */
 
@@ -136,14 +73,16 @@ typedef struct state {
 static void state_init(state *s, size_t n, int bf16) {
   s->n = n;
   s->bf16 = bf16;
-  s->param = xalloc(n * (bf16 ? 2 : 4));
-  s->master = bf16 ? xalloc(4 * n) : NULL;
-  s->m = xalloc(4 * n), s->v = xalloc(4 * n), s->grad = xalloc(4 * n);
-  fill(s->bf16 ? s->master : (float *)s->param, n, -0.5f, 1.0f);
+  s->param = bench_xalloc(PROG, n * (bf16 ? 2 : 4));
+  s->master = bf16 ? bench_xalloc(PROG, 4 * n) : NULL;
+  s->m = bench_xalloc(PROG, 4 * n), s->v = bench_xalloc(PROG, 4 * n);
+  s->grad = bench_xalloc(PROG, 4 * n);
+  bench_fill(s->bf16 ? s->master : (float *)s->param, n, -0.5f, 1.0f);
   if (bf16) sg__cpu_cast(s->param, 1, s->master, 0, n);
-  fill(s->m, n, -0.01f, 0.02f), fill(s->v, n, 1e-6f, 1e-4f), fill(s->grad, n, -1.0f, 2.0f);
+  bench_fill(s->m, n, -0.01f, 0.02f), bench_fill(s->v, n, 1e-6f, 1e-4f);
+  bench_fill(s->grad, n, -1.0f, 2.0f);
   s->nsegs = (int)((n + SEG_MAX - 1) / SEG_MAX);
-  s->segs = xalloc(sizeof(sg__seg) * (size_t)s->nsegs);
+  s->segs = bench_xalloc(PROG, sizeof(sg__seg) * (size_t)s->nsegs);
   for (int k = 0; k < s->nsegs; k++) {
     size_t off = (size_t)k * SEG_MAX;
     s->segs[k].shard_off = s->segs[k].flat_off = off;
@@ -171,7 +110,8 @@ static sg__adamw_args args_of(const state *s, uint64_t t) {
 /* One untimed step; every 4099th element is recomputed with the element function. */
 static int check_step(state *s) {
   const size_t stride = 4099, ns = s->n / stride + 1;
-  float *p0 = xalloc(4 * ns), *m0 = xalloc(4 * ns), *v0 = xalloc(4 * ns);
+  float *p0 = bench_xalloc(PROG, 4 * ns), *m0 = bench_xalloc(PROG, 4 * ns);
+  float *v0 = bench_xalloc(PROG, 4 * ns);
   for (size_t j = 0; j < ns && j * stride < s->n; j++) {
     size_t i = j * stride;
     p0[j] = s->bf16 ? s->master[i] : ((float *)s->param)[i];
@@ -208,22 +148,21 @@ typedef struct result {
   double adamw_s, triad_s, ratio, best_ratio;
 } result;
 
-static result measure(state *s, triad_bufs *tb, const options *o) {
+static result measure(state *s, bench_triad *tb, const options *o) {
   double ta[64], tt[64], ratio[64], best_a, best_t;
   const double bytes = (s->bf16 ? 30.0 : 28.0) / 24.0; /* adamw bytes per triad byte */
   int reps = o->reps < 64 ? o->reps : 64;
   uint64_t step = 2;
-  for (int r = 0; r < o->warmup; r++) triad_once(tb), adamw_once(s, step++);
+  for (int r = 0; r < o->warmup; r++) bench_triad_once(tb), adamw_once(s, step++);
   for (int r = 0; r < reps; r++) {
-    tt[r] = triad_once(tb);
+    tt[r] = bench_triad_once(tb);
     ta[r] = adamw_once(s, step++);
     ratio[r] = bytes * tt[r] / ta[r];
   }
   result res;
-  double unused;
-  res.adamw_s = median(ta, reps, &best_a);
-  res.triad_s = median(tt, reps, &best_t);
-  res.ratio = median(ratio, reps, &unused);
+  res.adamw_s = bench_median(ta, reps, &best_a);
+  res.triad_s = bench_median(tt, reps, &best_t);
+  res.ratio = bench_median(ratio, reps, NULL);
   res.best_ratio = bytes * best_t / best_a;
   return res;
 }
@@ -266,7 +205,7 @@ static int lean_init(lean *l, size_t n) {
     float *w = NULL;
     st = sg_param_ptr(l->e, p, (void **)&w);
     const size_t len = n - (size_t)p * SEG_MAX < SEG_MAX ? n - (size_t)p * SEG_MAX : SEG_MAX;
-    if (!st) fill(w, len, -0.5f, 1.0f);
+    if (!st) bench_fill(w, len, -0.5f, 1.0f);
   }
   return st ? lean_fail("parameters", st) : 1;
 }
@@ -284,7 +223,7 @@ static double lean_once(lean *l, int *ok) {
     float *g = NULL;
     st = sg_grad_ptr(l->e, p, (void **)&g);
     const size_t len = l->n - (size_t)p * SEG_MAX < SEG_MAX ? l->n - (size_t)p * SEG_MAX : SEG_MAX;
-    if (!st) fill(g, len, -1e-3f, 2e-3f);
+    if (!st) bench_fill(g, len, -1e-3f, 2e-3f);
   }
   const double t0 = bench_now_s();
   for (int p = l->nparams - 1; p >= 0 && !st; p--) st = sg_grad_ready(l->e, p);
@@ -307,25 +246,26 @@ static int lean_report(const options *o) {
   for (int k = 0; k < o->nsizes; k++) {
     const size_t n = o->sizes[k];
     lean l;
-    triad_bufs tb;
+    bench_triad tb;
     if (!lean_init(&l, n)) return 0;
-    triad_init(&tb, n);
-    double ts[64], tt[64], ratio[64], best_s, best_t, unused;
+    bench_triad_init(PROG, &tb, n);
+    double ts[64], tt[64], ratio[64], best_s, best_t;
     const int reps = o->reps < 64 ? o->reps : 64;
     int ok = 1;
-    for (int r = 0; r < o->warmup; r++) triad_once(&tb), lean_once(&l, &ok);
+    for (int r = 0; r < o->warmup; r++) bench_triad_once(&tb), lean_once(&l, &ok);
     for (int r = 0; r < reps; r++) {
-      tt[r] = triad_once(&tb);
+      tt[r] = bench_triad_once(&tb);
       ts[r] = lean_once(&l, &ok);
       ratio[r] = (32.0 / 24.0) * tt[r] / ts[r];
     }
-    const double r_med = median(ratio, reps, &unused);
-    const double t_step = median(ts, reps, &best_s), t_triad = median(tt, reps, &best_t);
+    const double r_med = bench_median(ratio, reps, NULL);
+    const double t_step = bench_median(ts, reps, &best_s);
+    const double t_triad = bench_median(tt, reps, &best_t);
     printf("%7zuM  %9.2f  %9.2f  %10.2f  %10.2f  %6.2f  %6.2f  %s\n", n >> 20, t_step * 1e3,
            t_triad * 1e3, 32.0 * (double)n / t_step / 1e9, 24.0 * (double)n / t_triad / 1e9, r_med,
            (32.0 / 24.0) * best_t / best_s, ok ? "ok" : "WRONG");
     all_ok &= ok;
-    triad_free(&tb);
+    bench_triad_free(&tb);
     lean_free(&l);
   }
   return all_ok;
@@ -371,8 +311,8 @@ int main(int argc, char **argv) {
   int all_ok = 1;
   for (int k = 0; k < o.nsizes; k++) {
     size_t n = o.sizes[k];
-    triad_bufs tb;
-    triad_init(&tb, n);
+    bench_triad tb;
+    bench_triad_init(PROG, &tb, n);
     for (int bf16 = 0; bf16 <= 1; bf16++) {
       state s;
       state_init(&s, n, bf16);
@@ -385,7 +325,7 @@ int main(int argc, char **argv) {
       all_ok &= ok;
       state_free(&s);
     }
-    triad_free(&tb);
+    bench_triad_free(&tb);
   }
   return all_ok ? 0 : 1;
 }

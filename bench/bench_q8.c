@@ -25,72 +25,20 @@
 #include <omp.h>
 #endif
 
-#include "bench_util.h"         /* bench_now_s */
+#include "bench_util.h"         /* clock, allocation, medians, the triad */
 #include "cpu/sg_cpu_kernels.h" /* sg__cpu_adamw, sg__cpu_adamw_q8 */
 #include "sg_adamw_args.h"      /* sg__adamw_scalars */
 
 #define SEG_MAX ((size_t)4 << 20) /* fp32 state: parameters of at most 4 Mi elements */
 #define BLK SG__Q8_BLOCK
 
-static void *xalloc(size_t bytes) {
-  void *p = NULL;
-  if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
-    fprintf(stderr, "sg_bench_q8: out of memory (%zu bytes)\n", bytes);
-    exit(1);
-  }
-  return p;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *t, int n) {
-  qsort(t, (size_t)n, sizeof *t, cmp_double);
-  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
-
-/* Written by the threads that later use them (first touch). */
-static void fill(float *x, size_t n, float base, float scale) {
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-  for (size_t i = 0; i < n; i++) x[i] = base + scale * (float)((i * 2654435761u) % 1000u) / 1000.0f;
-}
+static const char PROG[] = "sg_bench_q8"; /* in the messages of bench_xalloc */
 
 static void fill_bytes(uint8_t *x, size_t n) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static)
 #endif
   for (size_t i = 0; i < n; i++) x[i] = (uint8_t)((i * 2654435761u) >> 13);
-}
-
-/* ---- STREAM triad ---------------------------------------------------------------------------- */
-
-typedef struct triad_bufs {
-  double *a, *b, *c;
-  size_t n;
-} triad_bufs;
-
-static void triad_init(triad_bufs *t, size_t n) {
-  t->n = n;
-  t->a = xalloc(8 * n), t->b = xalloc(8 * n), t->c = xalloc(8 * n);
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-  for (size_t i = 0; i < n; i++) t->a[i] = 0.0, t->b[i] = 1.0, t->c[i] = 2.0;
-}
-
-static double triad_once(triad_bufs *t) {
-  double *restrict a = t->a;
-  const double *restrict b = t->b, *restrict c = t->c;
-  const double t0 = bench_now_s();
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static)
-#endif
-  for (size_t i = 0; i < t->n; i++) a[i] = b[i] + 3.0 * c[i];
-  return bench_now_s() - t0;
 }
 
 /* ---- the two steps --------------------------------------------------------------------------- */
@@ -109,15 +57,15 @@ typedef struct state {
 
 static void segs_init(state *s) {
   s->nsegs = (int)((s->n + SEG_MAX - 1) / SEG_MAX);
-  s->segs = xalloc(sizeof(sg__seg) * (size_t)s->nsegs);
+  s->segs = bench_xalloc(PROG, sizeof(sg__seg) * (size_t)s->nsegs);
   for (int k = 0; k < s->nsegs; k++) {
     const size_t off = (size_t)k * SEG_MAX;
     s->segs[k] = (sg__seg){off, off, s->n - off < SEG_MAX ? s->n - off : SEG_MAX, !(k & 1), off, 0};
   }
   /* 8-bit state: the same parameters cut into blocks, as sg_state_q8.c cuts them */
   s->nblocks = (int)((s->n + BLK - 1) / BLK);
-  s->blocks = xalloc(sizeof(sg__seg) * (size_t)s->nblocks);
-  s->map = xalloc(sizeof(uint32_t) * (size_t)s->nblocks);
+  s->blocks = bench_xalloc(PROG, sizeof(sg__seg) * (size_t)s->nblocks);
+  s->map = bench_xalloc(PROG, sizeof(uint32_t) * (size_t)s->nblocks);
   for (int j = 0; j < s->nblocks; j++) {
     const size_t off = (size_t)j * BLK;
     s->blocks[j] = (sg__seg){off, off, s->n - off < BLK ? s->n - off : BLK,
@@ -130,16 +78,18 @@ static void state_init(state *s, size_t n, int bf16) {
   memset(s, 0, sizeof *s);
   s->n = n;
   s->bf16 = bf16;
-  s->param = xalloc(n * (bf16 ? 2 : 4));
-  s->master = bf16 ? xalloc(4 * n) : NULL;
-  s->grad = xalloc(4 * n), s->m = xalloc(4 * n), s->v = xalloc(4 * n);
-  s->cm = xalloc(n), s->cv = xalloc(n);
-  s->sm = xalloc(4 * (n / BLK + 1)), s->sv = xalloc(4 * (n / BLK + 1));
-  fill(bf16 ? s->master : (float *)s->param, n, -0.5f, 1.0f);
+  s->param = bench_xalloc(PROG, n * (bf16 ? 2 : 4));
+  s->master = bf16 ? bench_xalloc(PROG, 4 * n) : NULL;
+  s->grad = bench_xalloc(PROG, 4 * n);
+  s->m = bench_xalloc(PROG, 4 * n), s->v = bench_xalloc(PROG, 4 * n);
+  s->cm = bench_xalloc(PROG, n), s->cv = bench_xalloc(PROG, n);
+  s->sm = bench_xalloc(PROG, 4 * (n / BLK + 1)), s->sv = bench_xalloc(PROG, 4 * (n / BLK + 1));
+  bench_fill(bf16 ? s->master : (float *)s->param, n, -0.5f, 1.0f);
   if (bf16) sg__cpu_cast(s->param, 1, s->master, 0, n);
-  fill(s->grad, n, -1.0f, 2.0f), fill(s->m, n, -0.01f, 0.02f), fill(s->v, n, 1e-6f, 1e-4f);
+  bench_fill(s->grad, n, -1.0f, 2.0f), bench_fill(s->m, n, -0.01f, 0.02f);
+  bench_fill(s->v, n, 1e-6f, 1e-4f);
   fill_bytes(s->cm, n), fill_bytes(s->cv, n);
-  fill(s->sm, n / BLK + 1, 0.01f, 0.01f), fill(s->sv, n / BLK + 1, 0.01f, 0.01f);
+  bench_fill(s->sm, n / BLK + 1, 0.01f, 0.01f), bench_fill(s->sv, n / BLK + 1, 0.01f, 0.01f);
   segs_init(s);
 }
 
@@ -184,16 +134,17 @@ typedef struct options {
   int nsizes, reps, warmup;
 } options;
 
-static void run_size(size_t n, int bf16, triad_bufs *tb, const options *o) {
+static void run_size(size_t n, int bf16, bench_triad *tb, const options *o) {
   state s;
   state_init(&s, n, bf16);
   const double bytes_f = bf16 ? 30.0 : 28.0, bytes_q = (bf16 ? 18.0 : 16.0) + 16.0 / BLK;
   double tf[64], tq[64], tt[64], rf[64], rq[64], rs[64];
   const int reps = o->reps < 64 ? o->reps : 64;
   uint64_t t = 2;
-  for (int r = 0; r < o->warmup; r++) triad_once(tb), step_once(&s, t, 0), step_once(&s, t++, 1);
+  for (int r = 0; r < o->warmup; r++)
+    bench_triad_once(tb), step_once(&s, t, 0), step_once(&s, t++, 1);
   for (int r = 0; r < reps; r++, t++) {
-    tt[r] = triad_once(tb);
+    tt[r] = bench_triad_once(tb);
     tf[r] = step_once(&s, t, 0);
     tq[r] = step_once(&s, t, 1);
     const double triad_bw = 24.0 * (double)tb->n / tt[r];
@@ -201,8 +152,9 @@ static void run_size(size_t n, int bf16, triad_bufs *tb, const options *o) {
     rq[r] = bytes_q * (double)n / tq[r] / triad_bw;
     rs[r] = tq[r] / tf[r];
   }
-  const double mt = median(tt, reps), mf = median(tf, reps), mq = median(tq, reps);
-  const double mrf = median(rf, reps), mrq = median(rq, reps), mrs = median(rs, reps);
+  const double mt = bench_median(tt, reps, NULL), mf = bench_median(tf, reps, NULL);
+  const double mq = bench_median(tq, reps, NULL), mrf = bench_median(rf, reps, NULL);
+  const double mrq = bench_median(rq, reps, NULL), mrs = bench_median(rs, reps, NULL);
   const char *pd = bf16 ? "bf16" : "f32";
   printf("| %zu Mi | %s | fp32 | %.2f | %.2f | %.1f | %.2f | |\n", n >> 20, pd, bytes_f, mf * 1e3,
          bytes_f * (double)n / mf / 1e9, mrf);
@@ -241,14 +193,14 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
   nt = omp_get_max_threads();
 #endif
-  triad_bufs tb;
-  triad_init(&tb, (size_t)8 << 20); /* 3 x 64 MiB: far past the caches */
+  bench_triad tb;
+  bench_triad_init(PROG, &tb, (size_t)8 << 20); /* 3 x 64 MiB: far past the caches */
   printf("sg_bench_q8: %d threads, %d reps (medians), triad over 3 x %zu MiB\n\n", nt, o.reps,
          tb.n * 8 >> 20);
   printf("| params | dtype | state | bytes/param | ms/step | GB/s | of triad | 8-bit/fp32 time |\n");
   printf("|---|---|---|---|---|---|---|---|\n");
   for (int k = 0; k < o.nsizes; k++)
     for (int bf16 = 0; bf16 < 2; bf16++) run_size(o.sizes[k] << 20, bf16, &tb, &o);
-  free(tb.a), free(tb.b), free(tb.c);
+  bench_triad_free(&tb);
   return 0;
 }
