@@ -103,6 +103,11 @@ sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
   return SG_OK;
 }
 
+/* Both codecs' claim: the bucket's exchange queued behind its reduction. */
+sg_status sg__replica_codec_claim(sg_engine *e, int b) {
+  return sg__replica_submit(e, b, sg__replica_codec_reduce);
+}
+
 /* ---- lifecycle ----------------------------------------------------------------------------- */
 
 sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {

@@ -36,6 +36,7 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits);
 void sg__replica_codec_release(sg_engine *e);
 void sg__replica_codec_restore(sg_engine *e);
 sg_status sg__replica_codec_reduce(sg_engine *e, int b);
+sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
 /* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select. */
 sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg__device **dev);
