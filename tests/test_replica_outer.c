@@ -9,8 +9,12 @@
  *  - after every outer step every rank of every node holds the same parameters, and between
  *    outer steps the nodes differ (nothing is summed across them);
  *  - sg_memory agrees with sg_estimate_memory and counts the outer state (2 x shard fp32);
- *  - sg_save and sg_load at an outer step: the run goes on from replica 0's state (its AdamW
- *    moments on every replica) with the outer momentum at 0;
+ *  - sg_save, new engines and sg_load, at an outer step or between (and through engines of
+ *    another node count and size that load and save again): the run goes on bit for bit with
+ *    the outer parameters, momentum and position in the period kept, from replica 0's inner
+ *    state (its parameters and AdamW moments on every replica, as the reference does);
+ *  - a checkpoint without the outer state (of an engine without outer steps): a new period
+ *    from the loaded parameters with zero momentum;
  *  - bad settings fail at create with a clear message.
  * Usage: test_replica_outer --local */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
@@ -38,8 +42,9 @@ typedef struct {
   int n, l, h, steps;
   sg_dtype wire;
   double lr, mu;
-  int reload; /* > 0: sg_save and sg_load of the hybrid engines before this step (a multiple of
-                 H: the outer step's parameters; the outer momentum restarts at 0) */
+  int reload; /* > 0: sg_save of the hybrid engines before this step, new engines, sg_load */
+  int via_l;  /* > 0: between those, engines of N L / via_l replicas x via_l ranks load and save */
+  int fresh;  /* 1: the new engines load node 0's flat checkpoint instead (no outer state) */
 } tcase;
 
 typedef struct {
@@ -147,6 +152,13 @@ static void ref_outer(run_arg *a, float *theta) {
   }
 }
 
+/* Step s ends an outer period: H steps after the last outer step, the first one H steps
+ * after the start, or after a load of a checkpoint without the outer state. */
+static int outer_at(const tcase *tc, int s) {
+  const int p0 = tc->fresh && s >= tc->reload ? tc->reload : 0;
+  return (s + 1 - p0) % tc->h == 0;
+}
+
 static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int s) {
   const tcase *tc = a->sh->tc;
   const int node = a->rank / tc->l;
@@ -154,7 +166,7 @@ static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int
   sg_status st = feed_and_step(flat, ids, a->rank, s);
   if (!st) st = read_all(flat, ids, ref);
   if (st) return st; /* the others then wait at the barrier: ctest's timeout ends the run */
-  if ((s + 1) % tc->h != 0) return SG_OK;
+  if (!outer_at(tc, s)) return SG_OK;
   if (a->rank % tc->l == 0) memcpy(a->sh->node[node], ref, sizeof(float) * TOTAL);
   pthread_barrier_wait(&a->sh->bar);
   ref_outer(a, ref);
@@ -162,18 +174,51 @@ static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int
   return write_all(flat, ids, ref);
 }
 
-/* The hybrid engines save and load: the checkpoint is replica 0's (its ranks write), so every
- * replica goes on with replica 0's AdamW moments too. The reference does the same: node 0's flat
- * engines save, every node's load that; the outer momentum restarts at 0. */
-static sg_status reload(run_arg *a, sg_engine *e, sg_engine *flat) {
+static sg_status make_hybrid(run_arg *a, int l, sg_comm **shard, sg_comm **rep, sg_engine **e,
+                             int *ids) {
+  sg_config cfg;
+  fill_config(a->sh->tc, &cfg, 1);
+  sg_status st = sg_comm_split(a->world, a->rank / l, a->rank, shard);
+  if (!st) st = sg_comm_split(a->world, a->rank % l, a->rank, rep);
+  if (!st) st = sg_engine_create_hybrid(*shard, *rep, &cfg, e);
+  return st ? st : setup(*e, ids);
+}
+
+static void drop_hybrid(sg_engine **e, sg_comm **shard, sg_comm **rep) {
+  sg_engine_destroy(*e);
+  sg_comm_destroy(*shard);
+  sg_comm_destroy(*rep);
+  *e = NULL, *shard = NULL, *rep = NULL;
+}
+
+/* The hybrid engines save, and new ones load (tc->via_l: through engines of another layout
+ * that load and save again): the checkpoint is replica 0's (its ranks write), so every replica
+ * goes on with replica 0's parameters and AdamW moments, and with the outer state and position
+ * saved. The reference does the same: node 0's flat engines save, every node's load that; its
+ * outer state goes on (tc->fresh: the new engines load that flat checkpoint, and the
+ * reference's outer period begins again there, from the loaded parameters, momentum 0). */
+static sg_status reload(run_arg *a, sg_engine **e, sg_comm **shard, sg_comm **rep, int *ids,
+                        sg_engine *flat, const int *fids) {
+  const tcase *tc = a->sh->tc;
   char fdir[80];
   snprintf(fdir, sizeof fdir, "%s/flat", a->sh->dir);
-  sg_status st = sg_save(e, a->sh->dir);
-  if (!st) st = sg_load(e, a->sh->dir);
-  if (!st && a->rank < a->sh->tc->l) st = sg_save(flat, fdir);
+  sg_status st = sg_save(*e, a->sh->dir);
+  if (!st && a->rank < tc->l) st = sg_save(flat, fdir);
   pthread_barrier_wait(&a->sh->bar);
+  drop_hybrid(e, shard, rep);
+  if (!st && tc->via_l) {
+    st = make_hybrid(a, tc->via_l, shard, rep, e, ids);
+    if (!st) st = sg_load(*e, a->sh->dir);
+    if (!st) st = sg_save(*e, a->sh->dir);
+    drop_hybrid(e, shard, rep);
+  }
+  if (!st) st = make_hybrid(a, tc->l, shard, rep, e, ids);
+  if (!st) st = sg_load(*e, tc->fresh ? fdir : a->sh->dir);
   if (!st) st = sg_load(flat, fdir);
-  memset(a->m, 0, sizeof a->m);
+  if (!st && tc->fresh) {
+    memset(a->m, 0, sizeof a->m);
+    st = read_all(flat, fids, a->po);
+  }
   return st;
 }
 
@@ -183,15 +228,11 @@ static void *run_thread(void *arg) {
   sg_comm *shard = NULL, *rep = NULL, *node = NULL;
   sg_engine *e = NULL, *flat = NULL;
   int ids[NP], fids[NP];
-  sg_config cfg, fcfg;
-  fill_config(tc, &cfg, 1);
+  sg_config fcfg;
   fill_config(tc, &fcfg, 0);
-  sg_status st = sg_comm_split(a->world, a->rank / tc->l, a->rank, &shard);
-  if (!st) st = sg_comm_split(a->world, a->rank % tc->l, a->rank, &rep);
+  sg_status st = make_hybrid(a, tc->l, &shard, &rep, &e, ids);
   if (!st) st = sg_comm_split(a->world, a->rank / tc->l, a->rank, &node);
-  if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = sg_engine_create(node, &fcfg, &flat);
-  if (!st) st = setup(e, ids);
   if (!st) st = setup(flat, fids);
   for (size_t i = 0, p = 0, off = 0; i < TOTAL; i++) {
     if (i - off == k_sizes[p]) off += k_sizes[p++];
@@ -201,7 +242,7 @@ static void *run_thread(void *arg) {
   a->res->mem.struct_size = sizeof a->res->mem;
   if (!st) st = sg_memory(e, &a->res->mem);
   for (int s = 0; s < tc->steps && !st; s++) {
-    if (tc->reload && s == tc->reload) st = reload(a, e, flat);
+    if (tc->reload && s == tc->reload) st = reload(a, &e, &shard, &rep, ids, flat, fids);
     if (!st) st = feed_and_step(e, ids, a->rank, s);
     if (!st) st = read_all(e, ids, a->res->param[s]);
     if (!st) st = reference_step(a, flat, fids, s);
@@ -261,12 +302,12 @@ static void run_case(const tcase *tc) {
     for (int s = 0; s < tc->steps; s++)
       CHECK(!memcmp(res[r].param[s], res[r].ref[s], sizeof res[r].ref[s]),
             "[%s] rank %d step %d: the parameters are the reference's%s", tc->name, r, s,
-            (s + 1) % tc->h ? "" : " (an outer step)");
+            outer_at(tc, s) ? " (an outer step)" : "");
   for (int s = 0; s < tc->steps && ok; s++) {
     int same = 1;
     for (int r = 1; r < w; r++) same &= !memcmp(res[r].param[s], res[0].param[s], sizeof res[0].param[s]);
-    CHECK(same == ((s + 1) % tc->h == 0), "[%s] step %d: the ranks hold %s parameters", tc->name,
-          s, (s + 1) % tc->h ? "their node's own" : "the same");
+    CHECK(same == outer_at(tc, s), "[%s] step %d: the ranks hold %s parameters", tc->name, s,
+          outer_at(tc, s) ? "the same" : "their node's own");
   }
   if (ok) check_memory(tc, &res[0]);
   for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
@@ -364,10 +405,12 @@ static void check_outer_lr_agreement(void) {
 }
 
 static const tcase k_cases[] = {
-    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0},
-    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0},
-    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0},
-    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4},
+    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0},
+    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0, 0, 0},
+    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0, 0, 0},
+    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4, 0, 0},
+    {"2x2 H=3 save at step 4, load+save at 4x1, load", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4, 1, 0},
+    {"2x2 H=3 load at step 4 without outer state", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4, 0, 1},
 };
 
 int main(void) {

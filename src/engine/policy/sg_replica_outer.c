@@ -10,9 +10,11 @@
  *
  * and the engine gathers the new parameters in the node (sg_step.c). Every replica computes
  * the same po from the same sum, so all hold the same bits after it. po and m are taken (po =
- * the parameters, m = 0) at the first step after sg_finalize or sg_load. The inner optimizer's state is
- * not touched. This file owns the outer state, in the layout's replica buffer (po, m, the wire of
- * one owned run: sg__replica_outer_bytes, counted in sg_memory's comm_bytes). */
+ * the parameters, m = 0) at the first step after sg_finalize, or after an sg_load of a
+ * checkpoint without them; checkpoints hold po, m and the position in the period (outer_save,
+ * outer_restore). The inner optimizer's state is not touched. This file owns the outer state,
+ * in the layout's replica buffer (po, m, the wire of one owned run: sg__replica_outer_bytes,
+ * counted in sg_memory's comm_bytes). */
 #include <string.h>
 
 #include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_outer_*, sg__cpu_cast */
@@ -132,12 +134,54 @@ static sg_status outer_claim(sg_engine *e, int b) {
   return SG_OK;
 }
 
-static void outer_restore(sg_engine *e) { state_of(e)->fresh = 1; }
+/* ---- checkpoints: po and m (the same on every replica: replica 0's are written) and the
+ * position in the period. A save before the first step writes what that step would take (the
+ * parameters, zero momentum). ---- */
+
+static void outer_describe(const sg_engine *e, sg__rep_ck *ck) {
+  const outer_state *k = state_of(e);
+  ck->esz[SG__REP_OUTER_PARAMS] = 4;
+  ck->esz[SG__REP_OUTER_MOM] = 4;
+  ck->position = k->fresh ? 0u : (uint64_t)k->inner;
+}
+
+static sg_status outer_save(sg_engine *e, sg__rep_ck *ck) {
+  const outer_state *k = state_of(e);
+  float *po = ck->rec[SG__REP_OUTER_PARAMS], *m = ck->rec[SG__REP_OUTER_MOM];
+  if (!po || !m) return SG_OK; /* not a writer */
+  const size_t sn = e->plan->shard_numel;
+  memcpy(po, k->po, sn * sizeof(float));
+  memcpy(m, k->m, sn * sizeof(float));
+  if (!k->fresh) return SG_OK;
+  memset(m, 0, sn * sizeof(float));
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    sg__owned o;
+    e->strat->owned(e->plan, e->rank, b, &o);
+    memcpy(po + o.state0, master_of(e, &o), o.n * sizeof(float));
+  }
+  return SG_OK;
+}
+
+/* After sg_load: the checkpoint's outer state and position (a position at or past this
+ * engine's H: the next step ends the period), or, without it, a new period from the loaded
+ * parameters with zero momentum. */
+static void outer_restore(sg_engine *e, const sg__rep_ck *ck) {
+  outer_state *k = state_of(e);
+  const void *po = ck ? ck->rec[SG__REP_OUTER_PARAMS] : NULL;
+  const void *m = ck ? ck->rec[SG__REP_OUTER_MOM] : NULL;
+  k->fresh = !po || !m;
+  if (k->fresh) return;
+  const size_t sn = e->plan->shard_numel;
+  memcpy(k->po, po, sn * sizeof(float));
+  memcpy(k->m, m, sn * sizeof(float));
+  const uint64_t last = (uint64_t)e->cfg.outer_every - 1u;
+  k->inner = (int)(ck->position < last ? ck->position : last);
+}
 
 const sg__replica_ops sg__replica_outer = {
     .name = "host, outer steps", SG__REPLICA_ENTRIES, .share_scratch = 1,
     .prepare = outer_prepare, .release = sg__replica_no_release, .claim = outer_claim,
     .finish = outer_finish, .run = sg__replica_run_comm, .drain = sg__replica_no_drain,
     .grad_replicas = outer_grad_replicas, .sync_due = outer_due, .sync = outer_sync,
-    .restore = outer_restore,
+    .ck_describe = outer_describe, .ck_save = outer_save, .restore = outer_restore,
 };

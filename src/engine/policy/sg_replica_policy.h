@@ -34,7 +34,12 @@ size_t sg__replica_codec_bytes(const sg__plan *p, int n, int bits);
 size_t sg__replica_codec_region(size_t n, int N, int bits);
 sg_status sg__replica_codec_prepare(sg_engine *e, int bits);
 void sg__replica_codec_release(sg_engine *e);
-void sg__replica_codec_restore(sg_engine *e);
+void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck);
+#define SG__REPLICA_CODEC_CK                                                                      \
+  .ck_describe = sg__replica_codec_describe, .ck_save = sg__replica_codec_save,                 \
+  .restore = sg__replica_codec_restore
 sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
@@ -74,9 +79,15 @@ sg_status sg__replica_no_finish(sg_engine *e);
  * restore after a load. */
 int sg__replica_all_replicas(const sg_engine *e);
 int sg__replica_never_due(sg_engine *e);
-void sg__replica_no_restore(sg_engine *e);
+/* No state of its own in checkpoints. */
+void sg__replica_no_ck_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replica_no_ck_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replica_no_restore(sg_engine *e, const sg__rep_ck *ck);
 #define SG__REPLICA_EVERY_STEP                                                                    \
   .grad_replicas = sg__replica_all_replicas, .sync_due = sg__replica_never_due,                 \
   .sync = sg__replica_no_finish
+#define SG__REPLICA_NO_CK                                                                         \
+  .ck_describe = sg__replica_no_ck_describe, .ck_save = sg__replica_no_ck_save,                 \
+  .restore = sg__replica_no_restore
 
 #endif /* SG_REPLICA_POLICY_H */
