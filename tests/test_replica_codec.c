@@ -30,6 +30,7 @@
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
 #include "sg_test_mailbox.h" /* mb_group: communicators over the caller's transport */
+#include "sg_test_codec_ref.h" /* ref_reduce: the scheme written out on its own */
 #include "sg_test_state.h"   /* sg_test_mix */
 
 static const size_t k_sizes[] = {700, 4097, 2500, 65};
@@ -38,7 +39,6 @@ static const size_t k_sizes[] = {700, 4097, 2500, 65};
 #define MAXW 8
 #define STEPS 6
 #define EF_STEPS 24
-#define BLK 256
 
 typedef struct {
   const char *name;
@@ -218,70 +218,6 @@ typedef struct {
 } ref_state;
 
 static float qmax_of(sg_codec c) { return c == SG_CODEC_INT8 ? 127.0f : 7.0f; }
-
-/* The codes of x[0..m) (one block) decoded, and what they missed added to r (error feedback). */
-static void ref_block(const float *x, float *out, float *r, size_t m, float qmax) {
-  float amax = 0;
-  int bad = 0;
-  for (size_t i = 0; i < m; i++) {
-    if (!isfinite(x[i])) bad = 1;
-    if (fabsf(x[i]) > amax) amax = fabsf(x[i]);
-  }
-  const float s = amax / qmax;
-  for (size_t i = 0; i < m; i++) {
-    float q = s > 0 ? rintf(x[i] / s) : 0.0f;
-    if (q > qmax) q = qmax;
-    if (q < -qmax) q = -qmax;
-    const int code = (int)q; /* what goes on the wire: an integer (no -0) */
-    out[i] = bad ? NAN : (float)code * s;
-    r[i] = bad ? 0.0f : x[i] - out[i];
-  }
-}
-
-/* x + r encoded and decoded block by block into out; r becomes the new residual. */
-static void ref_code(const float *x, float *r, float *out, size_t n, float qmax) {
-  float t[BLK];
-  for (size_t o = 0; o < n; o += BLK) {
-    const size_t m = n - o < BLK ? n - o : BLK;
-    for (size_t i = 0; i < m; i++) t[i] = x[o + i] + r[o + i];
-    ref_block(t, out + o, r + o, m, qmax);
-  }
-}
-
-/* Replica k's chunk of a slice of n values: whole blocks, the first (nblocks % N) one longer. */
-static void ref_chunk(size_t n, int N, int k, size_t *off, size_t *len) {
-  const size_t nb = (n + BLK - 1) / BLK;
-  size_t b0 = 0;
-  for (int j = 0; j < k; j++) b0 += nb / (size_t)N + ((size_t)j < nb % (size_t)N);
-  const size_t nbk = nb / (size_t)N + ((size_t)k < nb % (size_t)N);
-  *off = b0 * BLK < n ? b0 * BLK : n;
-  const size_t end = (b0 + nbk) * BLK < n ? (b0 + nbk) * BLK : n;
-  *len = end - *off;
-}
-
-/* One bucket slice across N replicas: in[i] is replica i's slice (n values), out the sum every
- * replica must hold. r1[i] and r2[i] point at this slice's residuals of replica i. */
-static void ref_reduce(float *const *in, float *const *r1, float *const *r2, int N, size_t n,
-                       float qmax, float *out) {
-  float *dec[MAXW];
-  for (int i = 0; i < N; i++) {
-    dec[i] = malloc(n * sizeof(float));
-    ref_code(in[i], r1[i], dec[i], n, qmax);
-  }
-  for (int k = 0; k < N; k++) {
-    size_t off, len;
-    ref_chunk(n, N, k, &off, &len);
-    float *sum = malloc((len ? len : 1) * sizeof(float));
-    for (size_t e = 0; e < len; e++) {
-      float s = dec[0][off + e];
-      for (int i = 1; i < N; i++) s += dec[i][off + e];
-      sum[e] = s;
-    }
-    ref_code(sum, r2[k], out + off, len, qmax);
-    free(sum);
-  }
-  for (int i = 0; i < N; i++) free(dec[i]);
-}
 
 /* The slice of shard rank j of bucket b of node i's sum (its L ranks' gradients, rank order). */
 static void node_slice(const tcase *tc, const sg__plan *p, int i, int j, int b, int step,

@@ -227,10 +227,10 @@ static sg_status sg__config_check_0_4(const sg_config *c, const char *fn) {
   if (!(c->outer_momentum >= 0 && c->outer_momentum < 1))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_momentum must be in [0, 1) (got %g)",
                    fn, c->outer_momentum);
-  if (c->outer_every > 0 && c->replica_codec != SG_CODEC_NONE)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->outer_every with cfg->replica_codec: the outer "
-                   "steps' pseudo-gradient has no codec yet (use replica_reduce_dtype SG_BF16 "
-                   "for a smaller wire)", fn);
+  if (c->outer_every > 0 && c->replica_codec == SG_CODEC_INT4)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->outer_every with cfg->replica_codec "
+                   "SG_CODEC_INT4: the outer steps' pseudo-gradient takes the int8 codec only "
+                   "(SG_CODEC_INT8)", fn);
   if (c->optim_state_dtype != SG_F32 && c->optim_state_dtype != SG_Q8)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->optim_state_dtype must be SG_F32 or SG_Q8 (got %d)", fn,

@@ -84,12 +84,11 @@ static void owner_sum(const sg__codec *k, float *acc, float *r2, size_t n, int N
   sg__cpu_code_encode(k->send + (size_t)me * region, acc + off, r2, len, k->bits);
 }
 
-sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
+sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   sg_comm *c = e->rep.comm;
   const int N = e->rep.n, me = e->rep.rank;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
-  float *acc = (float *)sg__accum_of(e, b);
   float *r1 = k->r1 + e->plan->buckets[b].shard_offset, *r2 = k->r2 + k->r2_off[b];
   for (int r = 0; r < N; r++) {
     size_t off, len;
@@ -104,6 +103,10 @@ sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
   return SG_OK;
 }
 
+sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
+  return sg__replica_codec_sum(e, b, (float *)sg__accum_of(e, b));
+}
+
 /* Both codecs' claim: the bucket's exchange queued behind its reduction. */
 sg_status sg__replica_codec_claim(sg_engine *e, int b) {
   return sg__replica_submit(e, b, sg__replica_codec_reduce);
@@ -111,7 +114,7 @@ sg_status sg__replica_codec_claim(sg_engine *e, int b) {
 
 /* ---- lifecycle ----------------------------------------------------------------------------- */
 
-sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off) {
   const sg__plan *p = e->plan;
   const int N = e->rep.n;
   sg__codec *k = calloc(1, sizeof *k);
@@ -127,8 +130,8 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
     r2_off[b + 1] = r2_off[b] + max_chunk(n, N);
     if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
   }
-  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
-  memset(base, 0, e->lay.replica_bytes); /* no error carried yet */
+  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off + off;
+  memset(base, 0, sg__replica_codec_bytes(p, N, bits)); /* no error carried yet */
   k->bits = bits;
   k->r1 = (float *)base;
   k->r2 = k->r1 + p->shard_numel;
