@@ -33,7 +33,7 @@
  *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
  *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
  *   (manifest version 2 on) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
- *   (manifest version 3) 3 x u32 record bytes of the replica sections, u64 outer position
+ *   (manifest version 3) 4 x u32 record bytes of the replica sections, u64 outer position
  *   u32 CRC-32C of all bytes before it
  * A save writes version 3 when the engine's replica transport has state of its own (a codec,
  * outer steps), else version 2, which older libraries read too; versions 1 (without the
@@ -77,9 +77,10 @@ enum {
   /* A hybrid engine's replica transport's state (manifest version 3), after the optimizer's:
    * kind SG_CK_REP0 + k for the engine's state k (SG__REP_*, src/engine/sg_engine_internal.h):
    * the outer parameters (fp32), the outer momentum (fp32), a codec's residuals (fp32 r2, then
-   * r1 of every replica of the saving engine: 4 (N + 1) bytes per element) */
+   * r1 of every replica of the saving engine: 4 (N + 1) bytes per element) of the gradient or
+   * of the outer steps' pseudo-gradient */
   SG_CK_REP0 = 2 + 2 * SG__OPTIM_MAX_STATES,
-  SG_CK_REP_STATES = 3,
+  SG_CK_REP_STATES = 4,
   SG_CK_KINDS = SG_CK_REP0 + SG_CK_REP_STATES
 };
 /* An element's 8-bit state record: byte 0 its class (0 padding, 1 coded, 2 fp32: a tensor
@@ -90,7 +91,12 @@ enum {
  * any world size restores the same bits. */
 #define SG_CK_Q8_RECORD 6
 /* The replica states k of kind SG_CK_REP0 + k (the engine's SG__REP_*). */
-enum { SG_CK_REP_OUTER_PARAMS = 0, SG_CK_REP_OUTER_MOM = 1, SG_CK_REP_RESID = 2 };
+enum {
+  SG_CK_REP_OUTER_PARAMS = 0,
+  SG_CK_REP_OUTER_MOM = 1,
+  SG_CK_REP_RESID = 2,      /* the gradient codec's */
+  SG_CK_REP_OUTER_RESID = 3 /* the outer steps' codec's (the pseudo-gradient's) */
+};
 enum { SG_CK_Q8_PAD = 0, SG_CK_Q8_CODED = 1, SG_CK_Q8_F32 = 2 };
 
 /* ---------------------------------------------------------------------------------------- */

@@ -12,11 +12,12 @@ _Static_assert(SG_CK_Q8_RECORD == SG__STATE_RECORD && (int)SG_CK_Q8_PAD == (int)
 _Static_assert((int)SG_CK_REP_STATES == (int)SG__REP_STATES &&
                    (int)SG_CK_REP_OUTER_PARAMS == (int)SG__REP_OUTER_PARAMS &&
                    (int)SG_CK_REP_OUTER_MOM == (int)SG__REP_OUTER_MOM &&
-                   (int)SG_CK_REP_RESID == (int)SG__REP_RESID,
+                   (int)SG_CK_REP_RESID == (int)SG__REP_RESID &&
+                   (int)SG_CK_REP_OUTER_RESID == (int)SG__REP_OUTER_RESID,
                "the checkpoint's replica sections are the replica transports' states");
 
-static const char *const k_rep_names[SG_CK_REP_STATES] = {"outer parameters", "outer momentum",
-                                                          "codec residuals"};
+static const char *const k_rep_names[SG_CK_REP_STATES] = {
+    "outer parameters", "outer momentum", "codec residuals", "outer codec residuals"};
 
 sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, int need_idle,
                             const char *fn) {

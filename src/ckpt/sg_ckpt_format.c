@@ -335,7 +335,7 @@ static sg_status parse_groups(rbuf *r, const char *what, sg__ck_manifest *m) {
  * at least two replicas' r1, at most SG_CK_MAX_WORLD). */
 static int rep_esz_ok(int k, uint32_t esz) {
   if (esz == 0) return 1;
-  if (k != SG_CK_REP_RESID) return esz == 4;
+  if (k != SG_CK_REP_RESID && k != SG_CK_REP_OUTER_RESID) return esz == 4;
   return esz % 4 == 0 && esz >= 12 && esz <= 4 * (SG_CK_MAX_WORLD + 1);
 }
 

@@ -85,7 +85,8 @@ enum {
   SG__REP_OUTER_MOM = 1,    /* fp32: the outer momentum */
   SG__REP_RESID = 2,        /* a codec's residuals: fp32 r2 (the chunk owner's), then r1 of
                                replica 0..N-1: 4 (N + 1) bytes */
-  SG__REP_STATES = 3
+  SG__REP_OUTER_RESID = 3,  /* the same, of the outer steps' pseudo-gradient (outer, int8) */
+  SG__REP_STATES = 4
 };
 typedef struct sg__rep_ck {
   uint32_t esz[SG__REP_STATES]; /* record bytes; 0: not kept / not in the checkpoint */

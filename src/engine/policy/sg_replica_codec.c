@@ -26,6 +26,7 @@
 
 typedef struct sg__codec {
   int bits;
+  int ck_state;   /* its residuals' checkpoint state (SG__REP_RESID, SG__REP_OUTER_RESID) */
   float *r1;      /* this rank's slices' residuals, shard offsets (plan shard_numel) */
   float *r2;      /* the residual of this rank's chunk of each bucket, at r2_off[b] */
   size_t *r2_off; /* [nbuckets + 1] */
@@ -114,7 +115,7 @@ sg_status sg__replica_codec_claim(sg_engine *e, int b) {
 
 /* ---- lifecycle ----------------------------------------------------------------------------- */
 
-sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off) {
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_state) {
   const sg__plan *p = e->plan;
   const int N = e->rep.n;
   sg__codec *k = calloc(1, sizeof *k);
@@ -133,6 +134,7 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off) {
   char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off + off;
   memset(base, 0, sg__replica_codec_bytes(p, N, bits)); /* no error carried yet */
   k->bits = bits;
+  k->ck_state = ck_state;
   k->r1 = (float *)base;
   k->r2 = k->r1 + p->shard_numel;
   k->r2_off = r2_off;
@@ -152,7 +154,7 @@ static size_t resid_words(const sg_engine *e, const sg__codec *k) {
 }
 
 void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck) {
-  ck->esz[SG__REP_RESID] = 4u * ((uint32_t)e->rep.n + 1u);
+  ck->esz[e->rep.codec->ck_state] = 4u * ((uint32_t)e->rep.n + 1u);
 }
 
 typedef struct {
@@ -191,8 +193,8 @@ sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck) {
   for (int j = 0; j < e->rep.n && st == SG_OK; j++) {
     bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : (void *)tmp, bytes, j};
     st = sg__replica_run_comm(e, bcast_fn, &job);
-    if (st == SG_OK && ck->rec[SG__REP_RESID])
-      scatter_records(e, k, job.buf, j, ck->rec[SG__REP_RESID]);
+    if (st == SG_OK && ck->rec[k->ck_state])
+      scatter_records(e, k, job.buf, j, ck->rec[k->ck_state]);
   }
   free(tmp);
   return st;
@@ -224,8 +226,8 @@ void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck) {
   sg__codec *k = e->rep.codec;
   if (!k) return;
   memset(k->r1, 0, resid_words(e, k) * sizeof(float));
-  if (ck && ck->rec[SG__REP_RESID] && ck->esz[SG__REP_RESID] >= 8u)
-    gather_records(e, k, ck->rec[SG__REP_RESID], ck->esz[SG__REP_RESID] / 4u - 1u);
+  const int w = k->ck_state;
+  if (ck && ck->rec[w] && ck->esz[w] >= 8u) gather_records(e, k, ck->rec[w], ck->esz[w] / 4u - 1u);
 }
 
 void sg__replica_codec_release(sg_engine *e) {

@@ -4,7 +4,7 @@
  * reduction. */
 #include "sg_replica_policy.h"
 
-static sg_status int4_prepare(sg_engine *e) { return sg__replica_codec_prepare(e, 4, 0); }
+static sg_status int4_prepare(sg_engine *e) { return sg__replica_codec_prepare(e, 4, 0, SG__REP_RESID); }
 
 const sg__replica_ops sg__replica_int4 = {
     .name = "host, int4 codes", SG__REPLICA_ENTRIES, .share_scratch = 1,

@@ -21,7 +21,7 @@ size_t sg__replica_outer_int8_bytes(const sg__plan *p, const sg_config *cfg, int
 
 static sg_status prepare(sg_engine *e) {
   SG_TRY(sg__replica_outer_prepare(e));
-  return sg__replica_codec_prepare(e, 8, codec_off(e->plan, &e->cfg));
+  return sg__replica_codec_prepare(e, 8, codec_off(e->plan, &e->cfg), SG__REP_OUTER_RESID);
 }
 
 static sg_status coded_sum(sg_engine *e, int b, float *d, size_t n) {

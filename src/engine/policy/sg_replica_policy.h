@@ -47,14 +47,14 @@ size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n);
 
 /* sg_replica_codec.c: the codecs' scheme. Its buffer's bytes (residuals and exchange buffers)
  * for a plan over n replicas; prepare (bits 8 or 4: e->rep.codec over the layout's replica
- * buffer from byte off, zeroed) and release; bucket b's slice x (slice_numel values, this
+ * buffer from byte off, zeroed; its residuals are checkpoint state ck_state) and release; bucket b's slice x (slice_numel values, this
  * rank's residuals at the bucket's shard offset) summed across replicas in place, every replica
  * with the same bits (on the comm queue); and bucket b's accumulator slice so (a comm job). */
 size_t sg__replica_codec_bytes(const sg__plan *p, int n, int bits);
 /* The code bytes each replica sends each other one per stage for a slice of n values (the step
  * model's bytes: an all-to-all and an all-gather of this many per replica). */
 size_t sg__replica_codec_region(size_t n, int N, int bits);
-sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off);
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_state);
 void sg__replica_codec_release(sg_engine *e);
 void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck);
 sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck);
