@@ -10,6 +10,9 @@
  *    the codec delivered stays within the bound the residuals give (derived at ef_bound),
  *    while without feedback the systematic error would grow S-fold;
  *  - a non-finite gradient on one replica makes every rank skip the step;
+ *  - checkpoints: new engines that load one (also after 4x1 engines loaded it and saved it
+ *    again: every replica's residuals through another node count and size; also with 8-bit
+ *    optimizer state) go on bit for bit as the reference does without a reload;
  *  - sg_memory counts the codec's buffers as the formula of DESIGN.md section 3 says, and
  *    sg_estimate_memory agrees;
  *  - bad settings fail at create with a clear message.
@@ -55,6 +58,7 @@ typedef struct {
                 checkpoint) */
   int via_l;  /* > 0: between those, engines of N L / via_l replicas x via_l ranks (the same
                  ranks) load the checkpoint and save it again: another node count and size */
+  int q8;     /* the optimizer's state in 8 bits (its checkpoint sections before the codec's) */
 } tcase;
 
 /* One rank's view of a run: its accumulator before every step and its parameters after. */
@@ -107,6 +111,10 @@ static sg_status make_engine(const run_arg *a, int l, sg_comm **shard, sg_comm *
   cfg.lr = 0.01f;
   cfg.timeout_ms = 60000;
   cfg.replica_codec = a->tc->codec;
+  if (a->tc->q8) {
+    cfg.optim_state_dtype = SG_Q8;
+    cfg.optim_state_min_numel = 0;
+  }
   sg_status st = sg_comm_split(a->world, a->rank / l, a->rank, shard);
   if (!st) st = sg_comm_split(a->world, a->rank % l, a->rank, rep);
   if (!st) st = sg_engine_create_hybrid(*shard, *rep, &cfg, e);
@@ -377,6 +385,10 @@ static void check_memory(const tcase *tc, result *res) {
   cfg.strategy = tc->strategy;
   cfg.bucket_bytes = BUCKET_BYTES;
   cfg.shard_ranks = tc->l;
+  if (tc->q8) {
+    cfg.optim_state_dtype = SG_Q8;
+    cfg.optim_state_min_numel = 0;
+  }
   sg_memory_stats exact = {.struct_size = sizeof exact}, coded = {.struct_size = sizeof coded};
   CHECK(sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &exact) == SG_OK, "estimate");
   cfg.replica_codec = tc->codec;
@@ -494,19 +506,21 @@ static void check_errors(void) {
 }
 
 static const tcase k_cases[] = {
-    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0, 0, 0},
-    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0, 0, 0},
-    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0, 0},
-    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0, 0},
-    {"int8 2x2 save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3, 0},
+    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0, 0, 0, 0},
+    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0, 0, 0},
+    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0, 0, 0},
+    {"int8 2x2 save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3, 0, 0},
     {"int4 2x2 save, load+save at 4x1, load", SG_CODEC_INT4, 2, 2, STEPS, 0, 0,
-     SG_SHARD_GRAD_OP, 0, 3, 1},
+     SG_SHARD_GRAD_OP, 0, 3, 1, 0},
+    {"int8 2x2 8-bit state save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3,
+     0, 1},
 };
 
 /* --mpi, under mpirun -np 4 as 2x2: each process one rank, which checks its own summed
@@ -518,8 +532,8 @@ static int run_mpi(void) {
   const int rank = sg_comm_rank(world), size = sg_comm_size(world);
   if (CHECK(size == 4, "run under mpirun -np 4 (got %d ranks)", size)) {
     static const tcase mpi_cases[] = {
-        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
-        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0},
+        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
     };
     for (int c = 0; c < 2; c++) {
       result r;
