@@ -12,7 +12,9 @@
  *  - a non-finite gradient on one replica makes every rank skip the step;
  *  - checkpoints: new engines that load one (also after 4x1 engines loaded it and saved it
  *    again: every replica's residuals through another node count and size; also with 8-bit
- *    optimizer state) go on bit for bit as the reference does without a reload;
+ *    optimizer state) go on bit for bit as the reference does without a reload; a load at
+ *    fewer nodes (4x1 saved, 2x2 loaded) gives each rank the residuals of the documented rule,
+ *    element by element;
  *  - sg_memory counts the codec's buffers as the formula of DESIGN.md section 3 says, and
  *    sg_estimate_memory agrees;
  *  - bad settings fail at create with a clear message.
@@ -505,6 +507,120 @@ static void check_errors(void) {
   sg_comm_destroy(one);
 }
 
+/* ---- a load at fewer nodes: the documented rule, element by element ------------------------ */
+
+/* 4 x 1 engines train, save and hand their residuals over (every element's: r1 of each replica,
+ * r2 of its chunk's owner); 2 x 2 engines load, and each rank's residuals must be the rule's:
+ * replica r's r1 the sum of the saved r1 of replicas r and r + 2 (in that order), each
+ * element's r2 the saved one wherever its chunk is now. The residuals are read where the
+ * codec keeps them: the layout's replica buffer, r1 (shard) then r2 (per bucket, from the
+ * start of each replica's chunk region). */
+#define FEW_TOTAL (700 + 4097 + 2500 + 65)
+static float g_r1a[4][FEW_TOTAL], g_r2a[FEW_TOTAL];
+
+static float *resid_of(sg_engine *e) {
+  return (float *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
+}
+
+/* Element e (all parameters, concatenated) of bucket b's slice position p, shard rank j (-1:
+ * padding). */
+static long elem_at(const sg__plan *p, int b, int j, size_t pos) {
+  const size_t f = sg__plan_slice_start(p, b, j) + pos;
+  long off = 0;
+  for (int q = 0; q < NP; off += (long)k_sizes[q], q++)
+    if (f >= p->params[q].offset && f < p->params[q].offset + k_sizes[q])
+      return off + (long)(f - p->params[q].offset);
+  return -1;
+}
+
+/* Visits every (bucket, slice position, element, r1 index, r2 index or -1) of this rank. */
+static int walk(sg_engine *e, int N, int me, int save) {
+  const sg__plan *p = e->plan;
+  const float *r1 = resid_of(e), *r2 = r1 + p->shard_numel;
+  size_t r2_base = 0;
+  int bad = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const size_t n = sg__plan_slice_numel(p, b), nb = (n + BLK - 1) / BLK;
+    size_t off, len;
+    ref_chunk(n, N, me, &off, &len);
+    for (size_t t = 0; t < n; t++) {
+      const long x = elem_at(p, b, e->rank, t);
+      if (x < 0) continue;
+      const float v1 = r1[p->buckets[b].shard_offset + t];
+      const int mine = t >= off && t < off + len;
+      const float v2 = mine ? r2[r2_base + t - off] : 0.0f;
+      if (save) {
+        g_r1a[me][x] = v1;
+        if (mine) g_r2a[x] = v2;
+        continue;
+      }
+      const float want = g_r1a[me][x] + g_r1a[me + 2][x];
+      bad += memcmp(&v1, &want, 4) != 0 || (mine && memcmp(&v2, &g_r2a[x], 4) != 0);
+    }
+    r2_base += (nb + (size_t)N - 1) / (size_t)N * BLK;
+  }
+  return bad;
+}
+
+typedef struct {
+  sg_comm *world;
+  int rank, bad;
+  char dir[64], err[400];
+} fewer_arg;
+
+static void *fewer_thread(void *arg) {
+  fewer_arg *f = arg;
+  static const tcase a4 = {"fewer 4x1", SG_CODEC_INT8, 4, 1, 3, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0};
+  static const tcase b2 = {"fewer 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0};
+  result r;
+  memset(&r, 0, sizeof r);
+  run_arg a = {&a4, f->world, f->rank, &r, f->dir};
+  sg_engine *e = run_thread(&a); /* 3 steps at 4 x 1 */
+  sg_status st = r.ok ? SG_OK : SG_ERR_INTERNAL;
+  if (!st) {
+    (void)walk(e, 4, f->rank, 1);
+    st = sg_save(e, f->dir);
+  }
+  sg_engine_destroy(e);
+  free_result(&a4, &r);
+  sg_comm *shard = NULL, *rep = NULL;
+  int ids[NP];
+  a.tc = &b2;
+  if (!st) st = make_engine(&a, 2, &shard, &rep, &e);
+  if (!st) st = setup(e, ids);
+  if (!st) st = sg_load(e, f->dir);
+  if (!st) f->bad = walk(e, 2, f->rank / 2, 0);
+  if (st)
+    snprintf(f->err, sizeof f->err, "%s: %.300s", sg_status_string(st), r.ok ? sg_last_error() : r.err);
+  else f->err[0] = 0;
+  drop_engine(&e, &shard, &rep);
+  return NULL;
+}
+
+static void check_fewer_nodes(void) {
+  sg_comm *comms[4];
+  if (!CHECK(sg_comm_create_local(4, comms) == SG_OK, "local comm of 4")) return;
+  fewer_arg f[4];
+  char dir[] = "/tmp/sg_codec_fewer_XXXXXX";
+  if (!CHECK(mkdtemp(dir) != NULL, "temp dir")) return;
+  pthread_t th[4];
+  for (int r = 0; r < 4; r++) {
+    f[r] = (fewer_arg){comms[r], r, 0, "", ""};
+    snprintf(f[r].dir, sizeof f[r].dir, "%s", dir);
+    pthread_create(&th[r], NULL, fewer_thread, &f[r]);
+  }
+  for (int r = 0; r < 4; r++) {
+    pthread_join(th[r], NULL);
+    CHECK(!f[r].err[0] && f[r].bad == 0, "4x1 saved, 2x2 loaded: rank %d's residuals are the "
+          "rule's (replica r: saved r and r + 2 summed; r2 to the chunk's owner; %d differ) %s",
+          r, f[r].bad, f[r].err);
+    sg_comm_destroy(comms[r]);
+  }
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  CHECK(system(cmd) == 0, "removed %s", dir);
+}
+
 static const tcase k_cases[] = {
     {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
     {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
@@ -556,5 +672,6 @@ int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--mpi")) return run_mpi();
   check_errors();
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
+  check_fewer_nodes();
   return sg_test_summary("test_replica_codec");
 }
