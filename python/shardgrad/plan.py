@@ -218,6 +218,7 @@ _REPLICA_MODES = (
     ("hybrid int4", {"replica_codec": "int4"}, "4-bit + error feedback"),
     ("DiLoCo H=8", {"outer_every": 8, "replica_reduce_dtype": "bf16"}, "outer steps, H=8"),
     ("DiLoCo H=32", {"outer_every": 32, "replica_reduce_dtype": "bf16"}, "outer steps, H=32"),
+    ("DiLoCo8 int8", {"outer_every": 8, "replica_codec": "int8"}, "outer steps, H=8, int8 + EF"),
 )
 
 
