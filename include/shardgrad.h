@@ -315,15 +315,22 @@ typedef struct sg_config {
                                offload_optimizer on CUDA (SG_ERR_UNSUPPORTED). */
   int optim_state_min_numel;  /* 4096: with SG_Q8, tensors of fewer elements (their numel, never a
                                shard's part) keep fp32 state; 0 codes every tensor */
+  uint64_t magic;           /* written by sg_config_init (and copied with the struct); never set
+                               it. A config of this layout or a later one whose magic is not the
+                               library's was never initialised: every call that takes it refuses
+                               it (SG_ERR_INVALID_ARGUMENT, "call sg_config_init"). Configs of the
+                               older layouts (0.1-0.3) end before it and are told by struct_size
+                               alone. */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
    * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */
 } sg_config;
 
-/* Fills the defaults above. struct_size must be the sizeof of a published layout (0.1: the
- * struct up to timeout_ms, 0.2 and later: this header's) and no larger than this library's
- * (SG_ERR_INVALID_ARGUMENT otherwise). A 0.1-sized config gets the defaults of every later field,
- * whatever its padding holds. */
+/* Fills the defaults above and the magic. struct_size must be the sizeof of a published layout
+ * (0.1: the struct up to timeout_ms, 0.2 and later: this header's) and no larger than this
+ * library's (SG_ERR_INVALID_ARGUMENT otherwise). A 0.1-sized config gets the defaults of every
+ * later field, whatever its padding holds. A config that is right-sized but was never passed
+ * through sg_config_init (stack garbage, memset 0) is refused by every call that takes it. */
 SG_API sg_status sg_config_init(sg_config *cfg, size_t struct_size);
 
 /* ---------------------------------------------------------------------------------------- */
@@ -594,11 +601,13 @@ typedef struct sg_hardware {
                                micro-batch handing it to the engine (writing into slots whose
                                pages were given back, the slot waits) beyond writing a buffer
                                of its own; >= 0 */
+  uint64_t magic;           /* written by sg_hardware_init; never set it (a description that was
+                               never initialised is refused: "call sg_hardware_init") */
 } sg_hardware;
 
 /* Defaults: one node per rank, SG_ALGO_HOST, 1 Gbit/s links (0.125e9 B/s, 50 us), 10 GB/s
- * device memory, no compute, backward 2/3, no offload rates, overlap 1. struct_size must be
- * sizeof. */
+ * device memory, no compute, backward 2/3, no offload rates, overlap 1, and the magic.
+ * struct_size must be sizeof. */
 SG_API sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size);
 
 /* What one optimizer step costs on one rank, by part. Times in seconds; bytes per step. */

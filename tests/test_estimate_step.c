@@ -356,6 +356,18 @@ static void test_arguments(void) {
   CHECK(sg_hardware_init(&hw, sizeof hw) == SG_OK, "init");
   sg_step_estimate e = {.struct_size = sizeof e};
   CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &hw, &e) == SG_OK, "the defaults work");
+  /* right-sized but never initialised: zeroed, or a valid-looking copy of another's fields */
+  sg_hardware raw;
+  memset(&raw, 0, sizeof raw);
+  raw.struct_size = sizeof raw;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &raw, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "call sg_hardware_init"),
+        "an sg_hardware never initialised (memset 0) is refused: %s", sg_last_error());
+  memset(&raw, 0xa5, sizeof raw);
+  raw.struct_size = sizeof raw;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &raw, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "call sg_hardware_init"),
+        "an sg_hardware never initialised (garbage) is refused: %s", sg_last_error());
   struct {
     const char *what, *msg;
     sg_hardware h;

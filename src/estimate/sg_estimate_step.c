@@ -401,6 +401,10 @@ static double per_elem_time(const sg_hardware *hw, const sg_config *cfg, int off
 /* ---------------------------------------------------------------------------------------- */
 /* arguments                                                                                 */
 
+/* What sg_hardware_init writes into `magic` ("SGhwdesc" in ASCII): a description of the right
+ * size that never went through sg_hardware_init (stack garbage, memset 0) is refused. */
+#define SG__HARDWARE_MAGIC UINT64_C(0x5347687764657363)
+
 sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size) {
   if (!hw) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_hardware_init: hw is NULL");
   if (struct_size != sizeof *hw)
@@ -416,6 +420,7 @@ sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size) {
   }
   hw->backward_fraction = 2.0 / 3.0;
   hw->device_bytes_per_s = 10e9;
+  hw->magic = SG__HARDWARE_MAGIC;
   return SG_OK;
 }
 
@@ -448,6 +453,10 @@ static sg_status check_hw(const sg_hardware *hw, int off, const char *fn) {
   if (hw->struct_size != sizeof *hw)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->struct_size %zu, expected %zu (use "
                    "sg_hardware_init)", fn, hw->struct_size, sizeof *hw);
+  if (hw->magic != SG__HARDWARE_MAGIC)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw was never initialised (hw->magic is 0x%llx, "
+                   "not sg_hardware_init's): call sg_hardware_init(&hw, sizeof hw) before setting "
+                   "its fields", fn, (unsigned long long)hw->magic);
   if (hw->ranks_per_node < 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->ranks_per_node must be >= 0 (got %d)", fn,
                    hw->ranks_per_node);
