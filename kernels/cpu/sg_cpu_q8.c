@@ -183,3 +183,26 @@ void sg__cpu_q8_decode(float *dst, const uint8_t *code, const float *scale, cons
       d[i] = is_m ? sg_elem_q8_decode_m(c[i], u) : sg_elem_q8_decode_v(c[i], u);
   }
 }
+
+float sg__cpu_q8_value(uint8_t code, float scale, int is_m) {
+  return is_m ? sg_elem_q8_decode_m(code, sg_elem_q8_unit(scale, SG_ELEM_Q8_M_BITS))
+              : sg_elem_q8_decode_v(code, sg_elem_q8_unit(scale, SG_ELEM_Q8_V_BITS));
+}
+
+void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_t sr_index,
+                       uint8_t *code, float *scale) {
+  float t[B];
+  uint32_t bits = 0;
+  for (size_t i = 0; i < n && i < B; i++) {
+    t[i] = is_m ? x[i] : sqrtf(x[i]);
+    const uint32_t b = sg_elem_q8_max_bits(t[i]);
+    bits = b > bits ? b : bits;
+  }
+  const float amax = sg_elem_u2f(bits);
+  const float r = sg_elem_q8_ratio(amax, is_m ? SG_ELEM_Q8_M_BITS : SG_ELEM_Q8_V_BITS);
+  for (size_t i = 0; i < n && i < B; i++) {
+    const uint32_t rnd = sg_elem_q8_rnd(key, sr_index + i, is_m ? 0 : 1);
+    code[i] = is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd);
+  }
+  *scale = amax;
+}
