@@ -57,8 +57,12 @@ SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, c
 }
 
 /* One coded block: segment s (inside block j, from its start). Inlined with constant dtypes,
- * so that every dtype test folds away. Three loops, each vectorizable: the update (the new
- * moments into the tile), the maxima (integer maxima of the bits), the codes. */
+ * so that every dtype test folds away. Two loops, each vectorizable: the update (the new
+ * moments into the tile and the integer maxima of their bits), the codes (in 32-bit lanes,
+ * then stored as bytes: a loop that narrows as it computes packs and unpacks 16-bit halves,
+ * which cost more than the arithmetic they carry). Profiled (docs/optim-state-8bit.md, Speed):
+ * the coding is about half of the time, bound by the vector ALU ports, its hash a fifth of
+ * that; the two divisions and the square root of the AdamW element most of the rest. */
 SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
                               const int pdt, const int gdt, const int has_master, const int sr) {
   const size_t so = s->shard_off, fo = s->flat_off, n = s->len, j = so / B;
@@ -68,6 +72,7 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const float um = sg_elem_q8_unit(a->q8_scale[M][j], SG_ELEM_Q8_M_BITS);
   const float uv = sg_elem_q8_unit(a->q8_scale[V][j], SG_ELEM_Q8_V_BITS);
   float tm[B], ts[B];
+  uint32_t bm = 0, bv = 0;
   for (size_t i = 0; i < n; i++) {
     const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
     float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
@@ -77,9 +82,6 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
     store_param(a->param, pdt, sr, fo + i, p, c, s->sr_index + i);
     tm[i] = m;
     ts[i] = sqrtf(v);
-  }
-  uint32_t bm = 0, bv = 0;
-  for (size_t i = 0; i < n; i++) {
     const uint32_t xm = sg_elem_q8_max_bits(tm[i]), xv = sg_elem_q8_max_bits(ts[i]);
     bm = xm > bm ? xm : bm;
     bv = xv > bv ? xv : bv;
@@ -93,10 +95,15 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const uint64_t idx = s->sr_index;
   const uint32_t lo = (uint32_t)idx, hi = (uint32_t)(idx >> 32) * 0x9e3779b9u;
   const uint32_t k0 = hi ^ (uint32_t)c->q8_key, k1 = hi ^ (uint32_t)(c->q8_key >> 32);
+  uint32_t qm[B], qv[B];
+  for (uint32_t i = 0; i < (uint32_t)n; i++) { /* a 32-bit counter: no 64-bit lanes */
+    const uint32_t x = lo + i;
+    qm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_mix32(x ^ k0));
+    qv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_mix32(x ^ k1));
+  }
   for (size_t i = 0; i < n; i++) {
-    const uint32_t x = lo + (uint32_t)i;
-    cm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_mix32(x ^ k0));
-    cv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_mix32(x ^ k1));
+    cm[i] = (uint8_t)qm[i];
+    cv[i] = (uint8_t)qv[i];
   }
   a->q8_scale[M][j] = am;
   a->q8_scale[V][j] = av;
@@ -202,7 +209,7 @@ void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_
   const float r = sg_elem_q8_ratio(amax, is_m ? SG_ELEM_Q8_M_BITS : SG_ELEM_Q8_V_BITS);
   for (size_t i = 0; i < n && i < B; i++) {
     const uint32_t rnd = sg_elem_q8_rnd(key, sr_index + i, is_m ? 0 : 1);
-    code[i] = is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd);
+    code[i] = (uint8_t)(is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd));
   }
   *scale = amax;
 }
