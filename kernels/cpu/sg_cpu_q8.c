@@ -209,7 +209,8 @@ void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_
   const float r = sg_elem_q8_ratio(amax, is_m ? SG_ELEM_Q8_M_BITS : SG_ELEM_Q8_V_BITS);
   for (size_t i = 0; i < n && i < B; i++) {
     const uint32_t rnd = sg_elem_q8_rnd(key, sr_index + i, is_m ? 0 : 1);
-    code[i] = (uint8_t)(is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd));
+    const uint32_t q = is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd);
+    code[i] = (uint8_t)q;
   }
   *scale = amax;
 }

@@ -75,6 +75,7 @@ sg_status sg__ck_f32_of_records(sg_engine *e, int k, const uint8_t *rec, size_t 
   *out = calloc(opt_numel ? opt_numel : 1, sizeof **out);
   if (!*out) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (state conversion)");
   decode_arg a = {k == 0, rec, rec + opt_numel * SG_CK_Q8_RECORD, 0, *out};
-  for (int id = 0; id < e->reg.nparams; id++) SG_TRY(sg__engine_for_pieces(e, id, decode_piece, &a));
+  for (int id = 0; id < e->reg.nparams; id++)
+    SG_TRY(sg__engine_for_pieces(e, id, decode_piece, &a));
   return SG_OK;
 }

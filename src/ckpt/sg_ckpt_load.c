@@ -199,6 +199,14 @@ static sg_status file_is_q8(const load_ctx *c, int *q8) {
   return st;
 }
 
+/* An optimizer state section's kind in the other format (fp32 <-> 8-bit records), its element
+ * size into *esz. */
+static uint32_t other_kind(uint32_t kind, uint32_t *esz) {
+  const int q = sg__ck_kind_q8(kind);
+  *esz = q >= 0 ? 4 : SG_CK_Q8_RECORD;
+  return q >= 0 ? SG_CK_STATE0 + (uint32_t)q : SG_CK_Q8_STATE0 + (kind - SG_CK_STATE0);
+}
+
 /* The format of the checkpoint's optimizer state, from rank file 0's header (check_header then
  * holds every file read to the same sections): the engine's, or with convert_optim_state the
  * other one, whose sections this load reads (and converts after reading). */
@@ -212,12 +220,8 @@ static sg_status match_format(load_ctx *c) {
                    "(cfg->optim_state_dtype); sg_load_ex with sg_load_options.convert_optim_state "
                    "= 1 converts it", c->dir, file_q8 ? "8-bit" : "fp32",
                    mine_q8 ? "8 bits" : "fp32");
-  for (uint32_t s = 0; s < c->nkinds; s++) {
-    const int q = sg__ck_kind_q8(c->kinds[s]);
-    if (c->kinds[s] < SG_CK_STATE0) continue;
-    c->kinds[s] = q >= 0 ? SG_CK_STATE0 + (uint32_t)q : SG_CK_Q8_STATE0 + (c->kinds[s] - SG_CK_STATE0);
-    c->esz[s] = q >= 0 ? 4 : SG_CK_Q8_RECORD;
-  }
+  for (uint32_t s = 0; s < c->nkinds; s++)
+    if (c->kinds[s] >= SG_CK_STATE0) c->kinds[s] = other_kind(c->kinds[s], &c->esz[s]);
   c->conv = file_q8 ? CONV_FROM_Q8 : CONV_FROM_F32;
   return SG_OK;
 }
@@ -420,8 +424,7 @@ static sg_status convert_states(sg_engine *e, load_ctx *c) {
     free(c->stage[s]);
     c->stage[s] = to;
     SG_TRY(st);
-    c->kinds[s] = q >= 0 ? SG_CK_STATE0 + (uint32_t)q : SG_CK_Q8_STATE0 + (c->kinds[s] - SG_CK_STATE0);
-    c->esz[s] = q >= 0 ? 4 : SG_CK_Q8_RECORD;
+    c->kinds[s] = other_kind(c->kinds[s], &c->esz[s]);
   }
   return SG_OK;
 }
@@ -526,7 +529,7 @@ sg_status sg_load_ex(sg_engine *e, const char *dir, const sg_load_options *opt) 
   static const char *fn = "sg_load";
   SG_ENGINE_GUARD(e, fn);
   /* As in sg_save: a rank in the middle of a micro-batch (or with bad options) fails alone. */
-  SG_TRY(check_options(opt, fn));
+  SG_TRY(check_options(opt, "sg_load_ex"));
   SG_TRY(sg__ck_check_call(e, dir, "dir", 1, fn));
   load_ctx c;
   memset(&c, 0, sizeof c);
