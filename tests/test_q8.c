@@ -162,7 +162,11 @@ static void test_kernel_reference(void) {
     segs[b] = (sg__seg){(size_t)b * 256, (size_t)b * 256, lens[b], 1, 1000u + (uint64_t)b * 256, 0};
   int same = 1;
   for (uint64_t t = 1; t <= 5; t++) {
+    /* blocks 0 and 2: values down to far below 2^-15 of the block's maximum (the codes'
+     * subnormal range); block 1: every moment within a factor 5 of the others, each
+     * gradient of one sign (the kernel's loop without the subnormal path) */
     for (int i = 0; i < N + 256; i++) g[i] = rnd_unit() * (i % 3 == 0 ? 1e-4f : 0.05f);
+    for (int i = 256; i < 512; i++) g[i] = (i % 2 ? 1.0f : -1.0f) * (0.02f + 0.03f * fabsf(g[i]));
     sg__update_args a;
     memset(&a, 0, sizeof a);
     a.param = p;

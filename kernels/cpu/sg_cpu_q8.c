@@ -56,6 +56,18 @@ SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, c
     sg_elem_store(param, pdt, i, p);
 }
 
+/* The codes of a block's new moments into qm, qv (32-bit lanes; a 32-bit counter: no 64-bit
+ * lanes). all_normal constant: the loop without the subnormal path where no value needs it. */
+SG_Q8_INLINE void code_tile(const float *restrict tm, const float *restrict ts, float rm,
+                            float rv, uint32_t lo, uint32_t k0, uint32_t k1, uint32_t n,
+                            uint32_t *restrict qm, uint32_t *restrict qv, const int all_normal) {
+  for (uint32_t i = 0; i < n; i++) {
+    const uint32_t x = lo + i;
+    qm[i] = sg_elem_q8_code_m(tm[i], rm, sg_elem_mix32(x ^ k0), all_normal);
+    qv[i] = sg_elem_q8_code_v(ts[i], rv, sg_elem_mix32(x ^ k1), all_normal);
+  }
+}
+
 /* One coded block: segment s (inside block j, from its start). Inlined with constant dtypes,
  * so that every dtype test folds away. Two loops, each vectorizable: the update (the new
  * moments into the tile and the integer maxima of their bits), the codes (in 32-bit lanes,
@@ -72,7 +84,7 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const float um = sg_elem_q8_unit(a->q8_scale[M][j], SG_ELEM_Q8_M_BITS);
   const float uv = sg_elem_q8_unit(a->q8_scale[V][j], SG_ELEM_Q8_V_BITS);
   float tm[B], ts[B];
-  uint32_t bm = 0, bv = 0;
+  uint32_t bm = 0, bv = 0, lm = 0xffffffffu, lv = 0xffffffffu; /* maxima, minima of the bits */
   for (size_t i = 0; i < n; i++) {
     const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
     float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
@@ -85,6 +97,8 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
     const uint32_t xm = sg_elem_q8_max_bits(tm[i]), xv = sg_elem_q8_max_bits(ts[i]);
     bm = xm > bm ? xm : bm;
     bv = xv > bv ? xv : bv;
+    lm = xm < lm ? xm : lm;
+    lv = xv < lv ? xv : lv;
   }
   const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
@@ -96,11 +110,10 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const uint32_t lo = (uint32_t)idx, hi = (uint32_t)(idx >> 32) * 0x9e3779b9u;
   const uint32_t k0 = hi ^ (uint32_t)c->q8_key, k1 = hi ^ (uint32_t)(c->q8_key >> 32);
   uint32_t qm[B], qv[B];
-  for (uint32_t i = 0; i < (uint32_t)n; i++) { /* a 32-bit counter: no 64-bit lanes */
-    const uint32_t x = lo + i;
-    qm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_mix32(x ^ k0));
-    qv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_mix32(x ^ k1));
-  }
+  if (sg_elem_q8_all_normal(sg_elem_u2f(lm), rm) && sg_elem_q8_all_normal(sg_elem_u2f(lv), rv))
+    code_tile(tm, ts, rm, rv, lo, k0, k1, (uint32_t)n, qm, qv, 1); /* the usual block */
+  else
+    code_tile(tm, ts, rm, rv, lo, k0, k1, (uint32_t)n, qm, qv, 0);
   for (size_t i = 0; i < n; i++) {
     cm[i] = (uint8_t)qm[i];
     cv[i] = (uint8_t)qv[i];
