@@ -719,6 +719,30 @@ SG_API sg_status sg_save(sg_engine *e, const char *dir);
  * SG_ERR_INVALID_STATE: a micro-batch is in progress on this rank (as for sg_save). */
 SG_API sg_status sg_load(sg_engine *e, const char *dir);
 
+/* Options of sg_load_ex. Fill with sg_load_options_init(&o, sizeof o), then change. Fields are
+ * only ever appended. */
+typedef struct sg_load_options {
+  size_t struct_size;
+  int convert_optim_state; /* 0: a checkpoint whose optimizer state is in the other format
+                              (cfg.optim_state_dtype: fp32 or 8-bit) is refused with
+                              SG_ERR_MISMATCH. 1: converted while loading: fp32 moments are
+                              coded into this engine's 8-bit blocks (the update's rules, its
+                              stochastic rounding with the random bits of the checkpoint's step
+                              and each element's index: the same bits at any world size; tensors
+                              below optim_state_min_numel keep their fp32 values), or 8-bit
+                              state decoded to fp32 (the values sg_get_optim_state reported
+                              before the save). A checkpoint in the engine's own format loads as
+                              with 0. */
+  int reserved;            /* 0 (must stay 0): ends the struct on an 8-byte boundary */
+} sg_load_options;
+
+/* Defaults above. struct_size must be sizeof(sg_load_options) (SG_ERR_INVALID_ARGUMENT). */
+SG_API sg_status sg_load_options_init(sg_load_options *opt, size_t struct_size);
+
+/* sg_load with options (NULL: sg_load's behaviour). SG_ERR_INVALID_ARGUMENT: a struct_size or
+ * a reserved field that sg_load_options_init did not set. */
+SG_API sg_status sg_load_ex(sg_engine *e, const char *dir, const sg_load_options *opt);
+
 /* Collective; rank 0 writes. The full fp32 master weights of every parameter, by name, as a
  * safetensors file at `path` (1-D tensors of numel elements, dtype F32; metadata "format": "pt"
  * and the step), written to path.tmp, fsynced and renamed. Readable by the Python

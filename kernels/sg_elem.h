@@ -312,20 +312,32 @@ SG_HD float sg_elem_q8_unit(float amax, int mbits) {
  * still moves on average instead of sticking at its code. Normal range: the f32 exponent
  * rebiased (127 - 16) and the dropped 23 - M mantissa bits rounded by adding random bits;
  * below 2^-15: x scaled exactly to 2^-16 units of the code's step, truncated, then the same. */
-SG_HD uint32_t sg_elem_q8_encode(float x, uint32_t rnd, int mbits) {
+SG_HD uint32_t sg_elem_q8_code(float x, uint32_t rnd, int mbits, int all_normal) {
   const uint32_t u = sg_elem_f2u(x);
   const uint32_t drop = 23u - (uint32_t)mbits, top = (1u << (4 + mbits)) - 1u;
-  const uint32_t is_sub = 0u - (uint32_t)(u < 0x38000000u); /* below 2^-15 */
-  const uint32_t rebias = u - (111u << 23);
-  const uint32_t up = (rebias + (rnd & ((1u << drop) - 1u))) >> drop;
-  const uint32_t big = 0u - (uint32_t)(up > top);
-  const uint32_t normal = (up & ~big) | (top & big);
+  const int is_sub = u < 0x38000000u; /* below 2^-15 */
+  const uint32_t up = (u - (111u << 23) + (rnd & ((1u << drop) - 1u))) >> drop;
+  const uint32_t normal = up < top ? up : top;
+  if (all_normal) return normal; /* the caller knows x >= 2^-15 (sg_elem_q8_all_normal) */
   /* 2^(15 + M + 16): x < 2^-15 becomes a fixed-point count below 2^(M + 16), exactly; only
-   * such x are converted (never a NaN or a large value); masks, no branches: it vectorizes */
-  const float small = sg_elem_u2f(u & is_sub);
+   * such x are converted (never a NaN or a large value). Selects and a minimum, no branches:
+   * it vectorizes (masked operations and a vector minimum where the ISA has them) */
+  const float small = is_sub ? x : 0.0f;
   const float scaled = small * sg_elem_u2f((uint32_t)(127 + 31 + mbits) << 23);
   const uint32_t sub = ((uint32_t)(int32_t)scaled + (rnd >> 16)) >> 16;
-  return (sub & is_sub) | (normal & ~is_sub);
+  return is_sub ? sub : normal;
+}
+
+/* all_normal: a constant where it is inlined, 1 for a block of which sg_elem_q8_all_normal
+ * holds (no value below 2^-15: the subnormal path is left out, the codes are the same). */
+SG_HD uint32_t sg_elem_q8_encode(float x, uint32_t rnd, int mbits) {
+  return sg_elem_q8_code(x, rnd, mbits, 0);
+}
+
+/* 1 when every value |x| >= xmin of a block coded under `ratio` is coded in the normal range
+ * (x * ratio >= 2^-15: a product with a positive ratio keeps the order). xmin NaN: 0. */
+SG_HD int sg_elem_q8_all_normal(float xmin, float ratio) {
+  return xmin * ratio >= sg_elem_u2f(112u << 23);
 }
 
 /* The value of a code (before the block's unit). */
@@ -336,11 +348,16 @@ SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) {
   return sg_elem_select_mask(0u - (uint32_t)(e == 0u), sub, normal); /* no branch: vectorizes */
 }
 
-/* m: sign bit 7, magnitude in the low 7 bits. */
-SG_HD uint8_t sg_elem_q8_encode_m(float m, float ratio, uint32_t rnd) {
+/* m: sign bit 7, magnitude in the low 7 bits. The codes come back in 32 bits (below 256): a
+ * vectorized loop keeps them in 32-bit lanes until it stores them as bytes. */
+SG_HD uint32_t sg_elem_q8_code_m(float m, float ratio, uint32_t rnd, int all_normal) {
   const uint32_t u = sg_elem_f2u(m);
   const float mag = sg_elem_u2f(u & 0x7fffffffu) * ratio;
-  return (uint8_t)(((u >> 24) & 0x80u) | sg_elem_q8_encode(mag, rnd, SG_ELEM_Q8_M_BITS));
+  return ((u >> 24) & 0x80u) | sg_elem_q8_code(mag, rnd, SG_ELEM_Q8_M_BITS, all_normal);
+}
+
+SG_HD uint32_t sg_elem_q8_encode_m(float m, float ratio, uint32_t rnd) {
+  return sg_elem_q8_code_m(m, ratio, rnd, 0);
 }
 
 SG_HD float sg_elem_q8_decode_m(uint8_t c, float unit) {
@@ -349,8 +366,12 @@ SG_HD float sg_elem_q8_decode_m(uint8_t c, float unit) {
 }
 
 /* v through its square root s = sqrtf(v) >= 0. */
-SG_HD uint8_t sg_elem_q8_encode_v(float s, float ratio, uint32_t rnd) {
-  return (uint8_t)sg_elem_q8_encode(s * ratio, rnd, SG_ELEM_Q8_V_BITS);
+SG_HD uint32_t sg_elem_q8_code_v(float s, float ratio, uint32_t rnd, int all_normal) {
+  return sg_elem_q8_code(s * ratio, rnd, SG_ELEM_Q8_V_BITS, all_normal);
+}
+
+SG_HD uint32_t sg_elem_q8_encode_v(float s, float ratio, uint32_t rnd) {
+  return sg_elem_q8_code_v(s, ratio, rnd, 0);
 }
 
 SG_HD float sg_elem_q8_decode_v(uint8_t c, float unit) {

@@ -10,7 +10,10 @@
  *    smaller) bitwise the fp32 engine's, the others coded and close to it; sg_memory =
  *    sg_estimate_memory and the bytes it saves;
  *  - checkpoints: saved at one W, loaded at another, the same bits as an uninterrupted run;
- *    loads across state formats or thresholds refused (SG_ERR_MISMATCH);
+ *    loads across state formats or thresholds refused (SG_ERR_MISMATCH, naming the option);
+ *    with sg_load_options.convert_optim_state an fp32-state checkpoint coded on load (the
+ *    reference's codes of its m and v, the same at W = 1, 2, 3) and an 8-bit one decoded (the
+ *    values sg_get_optim_state gave before the save), training going on bit for bit across W;
  *  - bad configs refused at sg_engine_create with a message naming the field.
  * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device. */
 #include <math.h>
@@ -159,7 +162,11 @@ static void test_kernel_reference(void) {
     segs[b] = (sg__seg){(size_t)b * 256, (size_t)b * 256, lens[b], 1, 1000u + (uint64_t)b * 256, 0};
   int same = 1;
   for (uint64_t t = 1; t <= 5; t++) {
+    /* blocks 0 and 2: values down to far below 2^-15 of the block's maximum (the codes'
+     * subnormal range); block 1: every moment within a factor 5 of the others, each
+     * gradient of one sign (the kernel's loop without the subnormal path) */
     for (int i = 0; i < N + 256; i++) g[i] = rnd_unit() * (i % 3 == 0 ? 1e-4f : 0.05f);
+    for (int i = 256; i < 512; i++) g[i] = (i % 2 ? 1.0f : -1.0f) * (0.02f + 0.03f * fabsf(g[i]));
     sg__update_args a;
     memset(&a, 0, sizeof a);
     a.param = p;
@@ -243,6 +250,7 @@ typedef struct result {
 typedef struct phase {
   int s0, s1;
   const char *load, *save;
+  int convert; /* sg_load_options.convert_optim_state */
 } phase;
 
 typedef struct run_arg {
@@ -285,7 +293,7 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
 
 #ifdef SG_HAVE_MPI
 static sg_status train(sg_comm *comm, const variant *v, result *out, int keep) {
-  return train_phase(comm, v, out, keep, (phase){0, STEPS, NULL, NULL});
+  return train_phase(comm, v, out, keep, (phase){0, STEPS, NULL, NULL, 0});
 }
 #endif
 
@@ -319,7 +327,13 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
     for (size_t i = 0; i < numels[p]; i++) buf[i] = (float)((i * 31 + (size_t)p) % 97) / 97.0f - 0.5f;
     st = sg_set_param(e, id[p], buf, SG_F32);
   }
-  if (st == SG_OK && ph.load) st = sg_load(e, ph.load);
+  if (st == SG_OK && ph.load && !ph.convert) st = sg_load(e, ph.load);
+  if (st == SG_OK && ph.load && ph.convert) {
+    sg_load_options lo;
+    st = sg_load_options_init(&lo, sizeof lo);
+    lo.convert_optim_state = 1;
+    if (st == SG_OK) st = sg_load_ex(e, ph.load, &lo);
+  }
   for (int s = ph.s0; s < ph.s1 && st == SG_OK; s++) {
     /* a buffer per parameter: on a GPU (the mock's lazy streams too) sg_grad_add reads its
      * source on the caller's stream, after it returns; the step waits for every read */
@@ -355,7 +369,7 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
 static void rank_main(sg_comm *c, void *arg) {
   run_arg *a = arg;
   const int keep = sg_comm_rank(c) == 0;
-  const phase ph = a->ph.s1 ? a->ph : (phase){0, STEPS, NULL, NULL};
+  const phase ph = a->ph.s1 ? a->ph : (phase){0, STEPS, NULL, NULL, 0};
   const sg_status st = train_phase(c, a->v, a->out, keep, ph);
   if (keep) a->out->st = st;
 }
@@ -382,7 +396,7 @@ static void run_phase(const variant *v, int world, result *out, phase ph) {
 }
 
 static void run_world(const variant *v, int world, result *out) {
-  run_phase(v, world, out, (phase){0, 0, NULL, NULL});
+  run_phase(v, world, out, (phase){0, 0, NULL, NULL, 0});
 }
 
 static int same_param(const result *a, const result *b, int p) {
@@ -504,9 +518,9 @@ static void test_ckpt_worlds(const variant *v, const char *dir) {
     const int a = pairs[k][0], b = pairs[k][1];
     rm_dir(dir);
     result saved, loaded, resumed;
-    run_phase(v, a, &saved, (phase){0, 3, NULL, dir});
-    run_phase(v, b, &loaded, (phase){3, 3, dir, NULL});
-    run_phase(v, b, &resumed, (phase){3, STEPS, dir, NULL});
+    run_phase(v, a, &saved, (phase){0, 3, NULL, dir, 0});
+    run_phase(v, b, &loaded, (phase){3, 3, dir, NULL, 0});
+    run_phase(v, b, &resumed, (phase){3, STEPS, dir, NULL, 0});
     int same_load = 1, same_end = 1;
     for (int p = 0; p < NP; p++) {
       same_load &= same_param(&saved, &loaded, p);
@@ -533,7 +547,7 @@ static void load_main(sg_comm *c, void *arg) {
   load_arg *a = arg;
   result r;
   result_alloc(&r);
-  const sg_status st = train_phase(c, a->v, &r, 1, (phase){3, 3, a->dir, NULL});
+  const sg_status st = train_phase(c, a->v, &r, 1, (phase){3, 3, a->dir, NULL, 0});
   if (sg_comm_rank(c) == 0) a->st = st, snprintf(a->err, sizeof a->err, "%s", r.err);
   result_free(&r);
 }
@@ -551,15 +565,143 @@ static void test_ckpt_mismatch(const char *dir) {
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
     rm_dir(dir);
     result saved;
-    run_phase(cases[k].save, 2, &saved, (phase){0, 3, NULL, dir});
+    run_phase(cases[k].save, 2, &saved, (phase){0, 3, NULL, dir, 0});
     result_free(&saved);
     load_arg a = {cases[k].load, dir, SG_OK, ""};
     sg_test_run_threads(2, load_main, &a);
-    CHECK(a.st == SG_ERR_MISMATCH && strstr(a.err, cases[k].word),
+    CHECK(a.st == SG_ERR_MISMATCH && strstr(a.err, cases[k].word) &&
+              (k == 2 || strstr(a.err, "convert_optim_state")),
           "saved %s, loaded into %s: %s (%s)", cases[k].save->name, cases[k].load->name,
           sg_status_string(a.st), a.err);
   }
   rm_dir(dir);
+}
+
+/* The codes of one block of state k (0: m, 1: v) of fp32 values x[0..n) by the reference
+ * (ref_encode), with the random bits of step t's key and the counters sr0 + i, decoded back as
+ * sg_get_optim_state decodes them. */
+static void ref_convert(const float *x, size_t n, int k, uint64_t sr0, uint64_t seed, uint64_t t,
+                        float *out) {
+  const float top = k ? 0.96875f : 0.9375f;
+  const int mb = k ? 4 : 3;
+  float y[256], amax = 0;
+  for (size_t i = 0; i < n; i++) {
+    y[i] = k ? sqrtf(x[i]) : x[i];
+    if (fabsf(y[i]) > amax) amax = fabsf(y[i]);
+  }
+  const float r = amax > 0 ? top / amax : 0.0f, unit = amax > 0 ? amax / top : 0.0f;
+  const uint64_t key = sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (t + 1));
+  for (size_t i = 0; i < n; i++) {
+    const uint64_t ix = sr0 + i;
+    const uint32_t h = (uint32_t)ix ^ ((uint32_t)(ix >> 32) * 0x9e3779b9u);
+    const uint32_t rnd = sg_elem_mix32(h ^ (uint32_t)(key >> (32 * k)));
+    const float d = ref_decode(ref_encode(fabsf(y[i]) * r, rnd, mb), mb) * unit;
+    out[i] = k ? d * d : (signbit(y[i]) ? -d : d);
+  }
+}
+
+static int same_floats(const float *a, const float *b, size_t n) {
+  return !memcmp(a, b, n * sizeof *a);
+}
+
+/* fp32-state checkpoint into 8-bit engines at W = 1, 2, 3 and back. */
+static void test_ckpt_convert(const char *dir) {
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_F32, 4096, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
+  const int worlds[3] = {1, 2, 3};
+  /* fp32 -> 8-bit: the reference's codes of the saved m and v */
+  rm_dir(dir);
+  result saved, conv[3], cont[3];
+  run_phase(&f, 2, &saved, (phase){0, 3, NULL, dir, 0});
+  for (int w = 0; w < 3; w++) {
+    run_phase(&q, worlds[w], &conv[w], (phase){3, 3, dir, NULL, 1});
+    run_phase(&q, worlds[w], &cont[w], (phase){3, STEPS, dir, NULL, 1});
+  }
+  for (int p = 0; p < NP; p++) {
+    const size_t n = numels[p];
+    float *wm = malloc(n * sizeof *wm), *wv = malloc(n * sizeof *wv);
+    for (size_t j = 0; j < n; j += 256) {
+      const size_t len = n - j < 256 ? n - j : 256;
+      const uint64_t sr0 = ((uint64_t)p << 40) + j;
+      if (n < 4096) { /* the small-tensor rule: the fp32 values */
+        memcpy(wm + j, saved.m[p] + j, len * sizeof *wm), memcpy(wv + j, saved.v[p] + j, len * sizeof *wv);
+        continue;
+      }
+      ref_convert(saved.m[p] + j, len, 0, sr0, 11, 3, wm + j);
+      ref_convert(saved.v[p] + j, len, 1, sr0, 11, 3, wv + j);
+    }
+    for (int w = 0; w < 3; w++) {
+      CHECK(same_floats(conv[w].m[p], wm, n) && same_floats(conv[w].v[p], wv, n) &&
+                same_floats(conv[w].p[p], saved.p[p], n),
+            "fp32 state (W=2) converted into 8 bits at W=%d, param %d (numel %zu): m and v the "
+            "reference's codes of the saved ones, parameters as saved", worlds[w], p, n);
+      CHECK(same_param(&cont[w], &cont[0], p), "converted at W=%d, 3 more steps, param %d: the "
+            "bits of W=1", worlds[w], p);
+    }
+    CHECK(cont[0].step == STEPS && rel_diff(cont[0].p[p], saved.p[p], n) < 0.05,
+          "param %d: training goes on after the conversion (%llu steps)", p,
+          (unsigned long long)cont[0].step);
+    free(wm), free(wv);
+  }
+  result_free(&saved);
+  for (int w = 0; w < 3; w++) result_free(&conv[w]), result_free(&cont[w]);
+  /* 8-bit -> fp32: the decoded values, as sg_get_optim_state gave them before the save */
+  rm_dir(dir);
+  run_phase(&q, 2, &saved, (phase){0, 3, NULL, dir, 0});
+  for (int w = 0; w < 3; w++) {
+    run_phase(&f, worlds[w], &conv[w], (phase){3, 3, dir, NULL, 1});
+    run_phase(&f, worlds[w], &cont[w], (phase){3, STEPS, dir, NULL, 1});
+  }
+  for (int p = 0; p < NP; p++)
+    for (int w = 0; w < 3; w++) {
+      CHECK(same_param(&conv[w], &saved, p), "8-bit state (W=2) converted into fp32 at W=%d, "
+            "param %d: parameters, m and v as sg_get_optim_state gave them", worlds[w], p);
+      CHECK(same_param(&cont[w], &cont[0], p) && cont[w].step == STEPS,
+            "decoded at W=%d, 3 more steps, param %d: the bits of W=1", worlds[w], p);
+    }
+  result_free(&saved);
+  for (int w = 0; w < 3; w++) result_free(&conv[w]), result_free(&cont[w]);
+  rm_dir(dir);
+}
+
+typedef struct opt_arg {
+  sg_status st_size, st_reserved, st_init;
+  char err[256];
+} opt_arg;
+
+/* Bad options: refused before the collective, with the field's name. */
+static void opts_main(sg_comm *c, void *arg) {
+  opt_arg *a = arg;
+  sg_config cfg;
+  config_of(&(variant){"opts", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0}, &cfg);
+  sg_engine *e = NULL;
+  int id = 0;
+  sg_status st = sg_engine_create(c, &cfg, &e);
+  if (st == SG_OK) st = sg_add_param(e, "w", 5000, 0, &id);
+  if (st == SG_OK) st = sg_finalize(e);
+  sg_load_options o;
+  a->st_init = sg_load_options_init(&o, sizeof o - 1);
+  sg_load_options_init(&o, sizeof o);
+  o.struct_size = 8;
+  a->st_size = st == SG_OK ? sg_load_ex(e, "/nonexistent", &o) : st;
+  snprintf(a->err, sizeof a->err, "%s", sg_last_error());
+  sg_load_options_init(&o, sizeof o);
+  o.reserved = 1;
+  a->st_reserved = st == SG_OK ? sg_load_ex(e, "/nonexistent", &o) : st;
+  sg_engine_destroy(e);
+}
+
+static void test_load_options(void) {
+  opt_arg a;
+  memset(&a, 0, sizeof a);
+  sg_test_run_threads(1, opts_main, &a);
+  CHECK(a.st_init == SG_ERR_INVALID_ARGUMENT, "sg_load_options_init with another size: %s",
+        sg_status_string(a.st_init));
+  CHECK(a.st_size == SG_ERR_INVALID_ARGUMENT && strstr(a.err, "struct_size"),
+        "sg_load_ex with a struct_size not from sg_load_options_init: %s (%s)",
+        sg_status_string(a.st_size), a.err);
+  CHECK(a.st_reserved == SG_ERR_INVALID_ARGUMENT, "sg_load_ex with reserved != 0: %s",
+        sg_status_string(a.st_reserved));
 }
 
 /* ---- bad configs --------------------------------------------------------------------------- */
@@ -656,5 +798,7 @@ int main(int argc, char **argv) {
   test_ckpt_worlds(&vs[2], dir);
   test_ckpt_worlds(&vs[4], dir);
   test_ckpt_mismatch(dir);
+  test_ckpt_convert(dir);
+  test_load_options();
   return sg_test_summary("");
 }

@@ -19,6 +19,14 @@ void sg__cpu_adamw_q8(const sg__update_args *a);
  * (map[j] != SG__Q8_CODED) copied from the pool. */
 void sg__cpu_q8_decode(float *dst, const uint8_t *code, const float *scale, const float *pool,
                        const uint32_t *map, size_t nblocks, int is_m);
+/* The value of one element's code under its block's scale (is_m as above): what
+ * sg__cpu_q8_decode gives, for a reader that holds the element but not its whole block. */
+float sg__cpu_q8_value(uint8_t code, float scale, int is_m);
+/* One block's n <= SG__Q8_BLOCK fp32 values x (m, or v whose square root is coded) coded as
+ * the update codes its new moments: the block's maximum into *scale, the codes into code, the
+ * random bits of the step's key (sg_elem_q8_key) and the elements' counters sr_index + i. */
+void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_t sr_index,
+                       uint8_t *code, float *scale);
 /* A cursor into the concatenation of segs[0..nsegs): segment *s begins at element *pos
  * (0, 0 to start). Moves it, back or forward, to the first segment holding element lo
  * (*s = nsegs, *pos = the total when lo is past the end). sg__cpu_adamw's threads each keep

@@ -56,9 +56,25 @@ SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, c
     sg_elem_store(param, pdt, i, p);
 }
 
+/* The codes of a block's new moments into qm, qv (32-bit lanes; a 32-bit counter: no 64-bit
+ * lanes). all_normal constant: the loop without the subnormal path where no value needs it. */
+SG_Q8_INLINE void code_tile(const float *restrict tm, const float *restrict ts, float rm,
+                            float rv, uint32_t lo, uint32_t k0, uint32_t k1, uint32_t n,
+                            uint32_t *restrict qm, uint32_t *restrict qv, const int all_normal) {
+  for (uint32_t i = 0; i < n; i++) {
+    const uint32_t x = lo + i;
+    qm[i] = sg_elem_q8_code_m(tm[i], rm, sg_elem_mix32(x ^ k0), all_normal);
+    qv[i] = sg_elem_q8_code_v(ts[i], rv, sg_elem_mix32(x ^ k1), all_normal);
+  }
+}
+
 /* One coded block: segment s (inside block j, from its start). Inlined with constant dtypes,
- * so that every dtype test folds away. Three loops, each vectorizable: the update (the new
- * moments into the tile), the maxima (integer maxima of the bits), the codes. */
+ * so that every dtype test folds away. Two loops, each vectorizable: the update (the new
+ * moments into the tile and the integer maxima of their bits), the codes (in 32-bit lanes,
+ * then stored as bytes: a loop that narrows as it computes packs and unpacks 16-bit halves,
+ * which cost more than the arithmetic they carry). Profiled (docs/optim-state-8bit.md, Speed):
+ * the coding is about half of the time, bound by the vector ALU ports, its hash a fifth of
+ * that; the two divisions and the square root of the AdamW element most of the rest. */
 SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
                               const int pdt, const int gdt, const int has_master, const int sr) {
   const size_t so = s->shard_off, fo = s->flat_off, n = s->len, j = so / B;
@@ -68,6 +84,7 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const float um = sg_elem_q8_unit(a->q8_scale[M][j], SG_ELEM_Q8_M_BITS);
   const float uv = sg_elem_q8_unit(a->q8_scale[V][j], SG_ELEM_Q8_V_BITS);
   float tm[B], ts[B];
+  uint32_t bm = 0, bv = 0, lm = 0xffffffffu, lv = 0xffffffffu; /* maxima, minima of the bits */
   for (size_t i = 0; i < n; i++) {
     const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
     float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
@@ -77,12 +94,11 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
     store_param(a->param, pdt, sr, fo + i, p, c, s->sr_index + i);
     tm[i] = m;
     ts[i] = sqrtf(v);
-  }
-  uint32_t bm = 0, bv = 0;
-  for (size_t i = 0; i < n; i++) {
     const uint32_t xm = sg_elem_q8_max_bits(tm[i]), xv = sg_elem_q8_max_bits(ts[i]);
     bm = xm > bm ? xm : bm;
     bv = xv > bv ? xv : bv;
+    lm = xm < lm ? xm : lm;
+    lv = xv < lv ? xv : lv;
   }
   const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
@@ -93,10 +109,14 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   const uint64_t idx = s->sr_index;
   const uint32_t lo = (uint32_t)idx, hi = (uint32_t)(idx >> 32) * 0x9e3779b9u;
   const uint32_t k0 = hi ^ (uint32_t)c->q8_key, k1 = hi ^ (uint32_t)(c->q8_key >> 32);
+  uint32_t qm[B], qv[B];
+  if (sg_elem_q8_all_normal(sg_elem_u2f(lm), rm) && sg_elem_q8_all_normal(sg_elem_u2f(lv), rv))
+    code_tile(tm, ts, rm, rv, lo, k0, k1, (uint32_t)n, qm, qv, 1); /* the usual block */
+  else
+    code_tile(tm, ts, rm, rv, lo, k0, k1, (uint32_t)n, qm, qv, 0);
   for (size_t i = 0; i < n; i++) {
-    const uint32_t x = lo + (uint32_t)i;
-    cm[i] = sg_elem_q8_encode_m(tm[i], rm, sg_elem_mix32(x ^ k0));
-    cv[i] = sg_elem_q8_encode_v(ts[i], rv, sg_elem_mix32(x ^ k1));
+    cm[i] = (uint8_t)qm[i];
+    cv[i] = (uint8_t)qv[i];
   }
   a->q8_scale[M][j] = am;
   a->q8_scale[V][j] = av;
@@ -182,4 +202,28 @@ void sg__cpu_q8_decode(float *dst, const uint8_t *code, const float *scale, cons
     for (size_t i = 0; i < B; i++)
       d[i] = is_m ? sg_elem_q8_decode_m(c[i], u) : sg_elem_q8_decode_v(c[i], u);
   }
+}
+
+float sg__cpu_q8_value(uint8_t code, float scale, int is_m) {
+  return is_m ? sg_elem_q8_decode_m(code, sg_elem_q8_unit(scale, SG_ELEM_Q8_M_BITS))
+              : sg_elem_q8_decode_v(code, sg_elem_q8_unit(scale, SG_ELEM_Q8_V_BITS));
+}
+
+void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_t sr_index,
+                       uint8_t *code, float *scale) {
+  float t[B];
+  uint32_t bits = 0;
+  for (size_t i = 0; i < n && i < B; i++) {
+    t[i] = is_m ? x[i] : sqrtf(x[i]);
+    const uint32_t b = sg_elem_q8_max_bits(t[i]);
+    bits = b > bits ? b : bits;
+  }
+  const float amax = sg_elem_u2f(bits);
+  const float r = sg_elem_q8_ratio(amax, is_m ? SG_ELEM_Q8_M_BITS : SG_ELEM_Q8_V_BITS);
+  for (size_t i = 0; i < n && i < B; i++) {
+    const uint32_t rnd = sg_elem_q8_rnd(key, sr_index + i, is_m ? 0 : 1);
+    const uint32_t q = is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd);
+    code[i] = (uint8_t)q;
+  }
+  *scale = amax;
 }

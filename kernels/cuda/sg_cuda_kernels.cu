@@ -639,9 +639,9 @@ __global__ void __launch_bounds__(kThreads)
     const float av = q8_block_max(sh, live ? sg_elem_q8_max_bits(sq) : 0u);
     if (live) {
       const uint64_t idx = s.sr_index + i;
-      a.cm[so] = sg_elem_q8_encode_m(m, sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS),
+      a.cm[so] = (uint8_t)sg_elem_q8_encode_m(m, sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS),
                                      sg_elem_q8_rnd(key, idx, 0));
-      a.cv[so] = sg_elem_q8_encode_v(sq, sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS),
+      a.cv[so] = (uint8_t)sg_elem_q8_encode_v(sq, sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS),
                                      sg_elem_q8_rnd(key, idx, 1));
     }
     if (i == 0) {  // every thread read the old scales before the maxima's barriers

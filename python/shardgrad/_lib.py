@@ -19,8 +19,8 @@ import os
 import sys
 import threading
 
-from ._structs import (SgConfig, SgHardware, SgHparams, SgMemoryStats, SgStepEstimate, SgStepInfo,
-                       SgTraceEvent, SgXport)
+from ._structs import (SgConfig, SgHardware, SgHparams, SgLoadOptions, SgMemoryStats,
+                       SgStepEstimate, SgStepInfo, SgTraceEvent, SgXport)
 
 __all__ = ["LibraryNotFoundError", "load", "library_path", "PROTOTYPES", "OPTIONAL"]
 
@@ -116,6 +116,9 @@ PROTOTYPES = {
     # a communicator over the caller's transport (torch.distributed: Comm.from_torch)
     "sg_comm_create_xport": (_status, [ctypes.POINTER(SgXport), _c_int, _c_int, _pp]),
     "sg_xport_done": (_status, [_vp, _c_int, _c_size, _c_char_p]),
+    # sg_load_ex: a checkpoint's optimizer state converted between fp32 and 8 bits
+    "sg_load_options_init": (_status, [ctypes.POINTER(SgLoadOptions), _c_size]),
+    "sg_load_ex": (_status, [_vp, _c_char_p, ctypes.POINTER(SgLoadOptions)]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
@@ -127,6 +130,7 @@ OPTIONAL = frozenset({
     "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
     "sg_comm_create_xport", "sg_xport_done",
     "sg_engine_create_hybrid", "sg_set_microbatches", "sg_grad_scale",
+    "sg_load_options_init", "sg_load_ex",
 })
 
 

@@ -182,6 +182,15 @@ class SgXport(ctypes.Structure):
                 ("release", XPORT_RELEASE)]
 
 
+class SgLoadOptions(ctypes.Structure):
+    """sg_load_options (sg_load_ex): filled by sg_load_options_init."""
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("convert_optim_state", ctypes.c_int),
+        ("reserved", ctypes.c_int),
+    ]
+
+
 # the step-time model (sg_hardware, sg_step_estimate; docs/planner.md)
 LEVELS = 2  # SG_LEVEL_NODE, SG_LEVEL_NET
 ALGO_HOST, ALGO_RING = 0, 1

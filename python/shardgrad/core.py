@@ -12,8 +12,8 @@ import weakref
 import numpy as np
 
 from . import _lib
-from ._structs import (DType, Device, PARAM_NO_DECAY, SgCommTraffic, SgHparams, SgMemoryStats,
-                       SgStepInfo, SgTraceEvent, TraceKind)
+from ._structs import (DType, Device, PARAM_NO_DECAY, SgCommTraffic, SgHparams, SgLoadOptions,
+                       SgMemoryStats, SgStepInfo, SgTraceEvent, TraceKind)
 from .config import Config, to_dtype
 from .errors import (InvalidArgumentError, InvalidStateError, ShardgradError, UnsupportedError,
                      check)
@@ -874,9 +874,21 @@ class Engine:
         `directory`, each rank writing its shard; crash-safe (see sg_save)."""
         _call("sg_save", self.handle, os.fsencode(directory))
 
-    def load(self, directory):
-        """Collective: restores a checkpoint saved at any world size, bucket size or strategy."""
-        _call("sg_load", self.handle, os.fsencode(directory))
+    def load(self, directory, convert_optim_state=False):
+        """Collective: restores a checkpoint saved at any world size, bucket size or strategy.
+        convert_optim_state: a checkpoint whose optimizer state is in the other format
+        (optim_state_dtype fp32 or q8) is converted (sg_load_options.convert_optim_state);
+        without it, MismatchError."""
+        if not isinstance(convert_optim_state, bool):
+            raise TypeError("load: convert_optim_state must be a bool, got %r"
+                            % (convert_optim_state,))
+        if not convert_optim_state:
+            _call("sg_load", self.handle, os.fsencode(directory))
+        else:
+            opt = SgLoadOptions()
+            _call("sg_load_options_init", ctypes.byref(opt), ctypes.sizeof(SgLoadOptions))
+            opt.convert_optim_state = 1
+            _call("sg_load_ex", self.handle, os.fsencode(directory), ctypes.byref(opt))
         self._lr = None  # restored from the checkpoint; the C API has no getter
 
     def export(self, path):

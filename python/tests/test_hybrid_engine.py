@@ -76,3 +76,46 @@ def test_engine_hybrid_arguments():
         c.close()
 
 
+
+
+def _codec_engine(comm, state, steps, load_dir=None, save_dir=None, convert=False):
+    """A 2x2 engine with int8 replica codes and `state` optimizer state; loads, trains, saves.
+    Returns (parameters, m of the first 8 elements) or the exception the load raised."""
+    shard, replica = comm.split_nodes(2)
+    e = sg.Engine(shard, replica_comm=replica, lr=1e-2, replica_codec="int8",
+                  optim_state_dtype=state, optim_state_min_numel=0, **FAST)
+    try:
+        pid = e.add_param("w", 4096)
+        e.finalize()
+        if load_dir is not None:
+            try:
+                e.load(load_dir, convert_optim_state=convert)
+            except sg.ShardgradError as ex:
+                return ex
+        for s in range(steps):
+            e.grad_add(pid, np.resize(exact_grads(comm.rank, s, 0), 4096))
+            e.backward_end()
+            e.step()
+        if save_dir is not None:
+            e.save(save_dir)
+        return e.get_param(pid).copy()
+    finally:
+        e.close()
+        shard.close()
+        replica.close()
+
+
+@pytest.mark.parametrize("saved,loaded", [("f32", "q8"), ("q8", "f32")])
+def test_codec_checkpoint_converts_optimizer_state(tmp_path, saved, loaded):
+    """A checkpoint with replica sections (the codec's residuals) after the optimizer's: the
+    format check reads the optimizer's last section, not the file's, and a conversion leaves
+    the residual sections as they are; every replica ends with the same parameters."""
+    d = str(tmp_path / "ck")
+    sg.run_threads(4, _codec_engine, saved, 2, None, d)
+    refused = sg.run_threads(4, _codec_engine, loaded, 1, d, None, False)
+    assert all(isinstance(x, sg.MismatchError) for x in refused), refused
+    assert "convert_optim_state" in str(refused[0])
+    out = sg.run_threads(4, _codec_engine, loaded, 2, d, None, True)
+    for r in range(1, 4):
+        assert np.array_equal(out[0].view(np.uint32), out[r].view(np.uint32)), r
+    assert np.isfinite(out[0]).all()

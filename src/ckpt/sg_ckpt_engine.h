@@ -58,6 +58,18 @@ float *sg__ck_state_array(const sg_engine *e, uint32_t kind);
  * rank holds (at shard offset `opt_off` in the master and state arrays). */
 char *sg__ck_state_ptr(const sg_engine *e, int kind, int id, size_t param_off, size_t opt_off);
 
+/* sg_load_options.convert_optim_state (sg_ckpt_convert.c). fp32 values as n 8-bit state
+ * records of class SG_CK_Q8_F32 (*out malloc'd, also on failure: the caller frees it). */
+sg_status sg__ck_records_of_f32(const float *v, size_t n, uint8_t **out);
+/* 1 when a piece begins inside a block (not at its first element): the record of the block's
+ * first element, *head (an element of the parameter), is read besides the piece's. */
+int sg__ck_piece_head(const sg__piece *pc, size_t *head);
+/* State k's records (opt_numel of them, then the heads of this rank's pieces in the order of
+ * sg__engine_for_pieces over the parameter ids) decoded into fp32 (*out: opt_numel floats,
+ * malloc'd, also on failure), 0 where no parameter's element is. */
+sg_status sg__ck_f32_of_records(sg_engine *e, int k, const uint8_t *rec, size_t opt_numel,
+                                float **out);
+
 /* Host-side all-gather of the working parameters, every bucket in place (after a load). */
 sg_status sg__ck_gather_params(sg_engine *e);
 

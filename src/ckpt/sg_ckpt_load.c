@@ -1,7 +1,9 @@
 /* sg_load: at any world size, bucket size or strategy. Each rank intersects the pieces its new
  * shard holds with the manifest's fragments, reads just those ranges (whole checksum chunks
  * around them, each verified) into host staging, and only when every rank has succeeded does
- * any rank copy the staging into the engine and all-gather the working parameters. */
+ * any rank copy the staging into the engine and all-gather the working parameters. With
+ * sg_load_options.convert_optim_state, optimizer state in the other format than the engine's
+ * is read as it is and converted in the staging (sg_ckpt_convert.c). */
 #define _DEFAULT_SOURCE /* close, madvise */
 
 #include <inttypes.h>
@@ -20,8 +22,15 @@ typedef struct {
   uint64_t elem, n, dst;
 } req_t;
 
+/* The checkpoint's optimizer state against the engine's: the same format, fp32 into an 8-bit
+ * engine, 8-bit into an fp32 engine. */
+enum { CONV_NONE = 0, CONV_FROM_F32 = 1, CONV_FROM_Q8 = 2 };
+
 typedef struct {
   const char *dir;
+  int convert; /* sg_load_options.convert_optim_state */
+  int conv;    /* CONV_* */
+  size_t nheads; /* CONV_FROM_Q8: block heads read after the staging's opt_numel elements */
   sg__ck_manifest m;
   int *map; /* engine id -> manifest parameter */
   req_t *reqs;
@@ -183,20 +192,80 @@ static void plan_replica_reads(sg_engine *e, load_ctx *c) {
   c->nkinds += sg__ck_rep_kinds(want, c->kinds + c->nkinds, c->esz + c->nkinds);
 }
 
+/* The record of the block a piece begins inside, after the staging's elements. */
+static sg_status add_head(sg_engine *e, const sg__piece *pc, void *arg) {
+  piece_arg *a = arg;
+  size_t head = 0;
+  if (!sg__ck_piece_head(pc, &head)) return SG_OK;
+  const sg__piece h = {head, a->c->opt_numel + a->c->nheads++, 1};
+  return add_piece(e, &h, arg);
+}
+
+static sg_status read_header(int fd, uint64_t bytes, const char *path, sg__ck_header *h);
+
+/* *q8: 1 when rank file 0's last optimizer section (before any replica section) is 8-bit
+ * optimizer state. */
+static sg_status file_is_q8(const load_ctx *c, int *q8) {
+  char *path = sg__ck_path(c->dir, c->m.files[0].name);
+  if (!path) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  int fd = -1;
+  uint64_t bytes = 0;
+  sg__ck_header h = {0};
+  sg_status st = sg__ck_open_read(path, 0, &fd, &bytes);
+  if (st == SG_OK) st = read_header(fd, bytes, path, &h);
+  if (st == SG_OK && h.nsections < c->nbase)
+    st = sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected at least %u", path, h.nsections,
+                 c->nbase);
+  if (st == SG_OK) *q8 = sg__ck_kind_q8(h.sec[c->nbase - 1].kind) >= 0;
+  if (fd >= 0) close(fd);
+  sg__ck_header_free(&h);
+  free(path);
+  return st;
+}
+
+/* An optimizer state section's kind in the other format (fp32 <-> 8-bit records), its element
+ * size into *esz. */
+static uint32_t other_kind(uint32_t kind, uint32_t *esz) {
+  const int q = sg__ck_kind_q8(kind);
+  *esz = q >= 0 ? 4 : SG_CK_Q8_RECORD;
+  return q >= 0 ? SG_CK_STATE0 + (uint32_t)q : SG_CK_Q8_STATE0 + (kind - SG_CK_STATE0);
+}
+
+/* The format of the checkpoint's optimizer state, from rank file 0's header (check_header then
+ * holds every file read to the same sections): the engine's, or with convert_optim_state the
+ * other one, whose sections this load reads (and converts after reading). */
+static sg_status match_format(load_ctx *c) {
+  int file_q8 = 0;
+  SG_TRY(file_is_q8(c, &file_q8));
+  const int mine_q8 = sg__ck_kind_q8(c->kinds[c->nbase - 1]) >= 0;
+  if (file_q8 == mine_q8) return SG_OK;
+  if (!c->convert)
+    return sg__err(SG_ERR_MISMATCH, "'%s' holds %s optimizer state, this engine keeps it in %s "
+                   "(cfg->optim_state_dtype); sg_load_ex with sg_load_options.convert_optim_state "
+                   "= 1 converts it", c->dir, file_q8 ? "8-bit" : "fp32",
+                   mine_q8 ? "8 bits" : "fp32");
+  for (uint32_t s = 0; s < c->nbase; s++)
+    if (c->kinds[s] >= SG_CK_STATE0) c->kinds[s] = other_kind(c->kinds[s], &c->esz[s]);
+  c->conv = file_q8 ? CONV_FROM_Q8 : CONV_FROM_F32;
+  return SG_OK;
+}
+
 static sg_status plan_reads(sg_engine *e, load_ctx *c) {
-  for (int id = 0; id < e->reg.nparams; id++) {
-    piece_arg a = {c, id};
-    SG_TRY(sg__engine_for_pieces(e, id, add_piece, &a));
-  }
-  if (c->nreq > 1) qsort(c->reqs, c->nreq, sizeof *c->reqs, req_cmp);
   c->nkinds = c->nbase = sg__ck_kinds(e, c->kinds, c->esz);
+  c->opt_numel = e->lay.opt_numel;
+  SG_TRY(match_format(c));
   uint32_t fk[SG_CK_KINDS], fe[SG_CK_KINDS];
   c->nfile = c->nbase + sg__ck_rep_kinds(c->m.rep_esz, fk, fe);
   plan_replica_reads(e, c);
-  c->opt_numel = e->lay.opt_numel;
+  for (int id = 0; id < e->reg.nparams; id++) {
+    piece_arg a = {c, id};
+    SG_TRY(sg__engine_for_pieces(e, id, add_piece, &a));
+    if (c->conv == CONV_FROM_Q8) SG_TRY(sg__engine_for_pieces(e, id, add_head, &a));
+  }
+  if (c->nreq > 1) qsort(c->reqs, c->nreq, sizeof *c->reqs, req_cmp);
   for (uint32_t s = 0; s < c->nkinds; s++) {
     c->kind_name[s] = sg__ck_kind_name(e, c->kinds[s]);
-    c->stage[s] = stage_alloc(c->opt_numel * c->esz[s]);
+    c->stage[s] = stage_alloc((c->opt_numel + c->nheads) * c->esz[s]);
     if (!c->stage[s])
       return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory for the staging of %zu elements",
                      c->opt_numel);
@@ -280,12 +349,6 @@ static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header
                    path);
   if (h->nsections != c->nfile)
     return sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected %u", path, h->nsections, c->nfile);
-  const int file_q8 = sg__ck_kind_q8(h->sec[c->nbase - 1].kind) >= 0;
-  const int mine_q8 = sg__ck_kind_q8(c->kinds[c->nbase - 1]) >= 0;
-  if (file_q8 != mine_q8)
-    return sg__err(SG_ERR_MISMATCH, "'%s' holds %s optimizer state, this engine keeps it in %s "
-                   "(cfg->optim_state_dtype); a load does not convert between them", path,
-                   file_q8 ? "8-bit" : "fp32", mine_q8 ? "8 bits" : "fp32");
   for (uint32_t s = 0; s < c->nbase; s++)
     if (h->sec[s].kind != c->kinds[s] || h->sec[s].elem_bytes != c->esz[s])
       return sg__err(SG_ERR_CORRUPT, "'%s': section %u is not the expected one", path, s);
@@ -386,10 +449,29 @@ static sg_status read_files(sg_engine *e, load_ctx *c) {
   return SG_OK;
 }
 
+/* The optimizer state read in the other format converted into the engine's, in the staging. */
+static sg_status convert_states(sg_engine *e, load_ctx *c) {
+  for (uint32_t s = 1; c->conv != CONV_NONE && s < c->nbase; s++) {
+    if (c->kinds[s] < SG_CK_STATE0) continue;
+    const int q = sg__ck_kind_q8(c->kinds[s]);
+    uint8_t *to = NULL;
+    sg_status st;
+    if (q >= 0)
+      st = sg__ck_f32_of_records(e, q, c->stage[s], c->opt_numel, (float **)&to);
+    else
+      st = sg__ck_records_of_f32((const float *)c->stage[s], c->opt_numel, &to);
+    free(c->stage[s]);
+    c->stage[s] = to;
+    SG_TRY(st);
+    c->kinds[s] = other_kind(c->kinds[s], &c->esz[s]);
+  }
+  return SG_OK;
+}
+
 /* 8-bit state: the records read are of the classes this engine's blocks have (before any rank
- * applies anything). */
+ * applies anything; converted fp32 values fit any block). */
 static sg_status check_records(sg_engine *e, const load_ctx *c) {
-  for (uint32_t s = 1; s < c->nbase; s++) {
+  for (uint32_t s = 1; c->conv == CONV_NONE && s < c->nbase; s++) {
     const int q8 = sg__ck_kind_q8(c->kinds[s]);
     if (q8 >= 0) SG_TRY(e->strat->place->records(e, q8, c->stage[s], SG__REC_CHECK));
   }
@@ -408,6 +490,7 @@ static sg_status load_local(sg_engine *e, const char *dir, load_ctx *c) {
   SG_TRY_GOTO(check_manifest(e, c, mpath), st, done);
   SG_TRY_GOTO(plan_reads(e, c), st, done);
   SG_TRY_GOTO(read_files(e, c), st, done);
+  SG_TRY_GOTO(convert_states(e, c), st, done);
   st = check_records(e, c);
 done:
   if (st != SG_OK) sg__err_prefix(st, "sg_load");
@@ -430,7 +513,8 @@ static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
   for (uint32_t s = 1; s < c->nbase; s++) {
     const int q8 = sg__ck_kind_q8(c->kinds[s]);
     if (q8 >= 0)
-      SG_TRY(e->strat->place->records(e, q8, c->stage[s], SG__REC_LOAD));
+      SG_TRY(e->strat->place->records(e, q8, c->stage[s],
+                                      c->conv == CONV_FROM_F32 ? SG__REC_CODE : SG__REC_LOAD));
     else
       SG_TRY(h2d(e, sg__ck_state_array(e, c->kinds[s]), c->stage[s], c->opt_numel * 4));
   }
@@ -443,6 +527,9 @@ static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
 }
 
 static sg_status apply(sg_engine *e, const load_ctx *c) {
+  /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. The
+   * step first: converted fp32 state is coded with the loaded step's random bits. */
+  sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
   SG_TRY(apply_arrays(e, c));
   /* Gradients accumulated before the load belong to the old state. */
   SG_TRY(sg__grads_clear(e));
@@ -455,19 +542,44 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
     ck.rec[k] = c->stage[s];
   }
   sg__replicas_restore(e, &ck);
-  /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
-  sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
   sg__scale_restore(e, (int)c->m.dynamic_scale, c->m.loss_scale, c->m.clean_steps);
   return SG_OK;
 }
 
-sg_status sg_load(sg_engine *e, const char *dir) {
-  SG_ENGINE_GUARD(e, "sg_load");
+sg_status sg_load_options_init(sg_load_options *opt, size_t struct_size) {
+  if (!opt) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_load_options_init: opt is NULL");
+  if (struct_size != sizeof *opt)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_load_options_init: struct_size %zu, expected %zu",
+                   struct_size, sizeof *opt);
+  memset(opt, 0, sizeof *opt);
+  opt->struct_size = sizeof *opt;
+  return SG_OK;
+}
+
+static sg_status check_options(const sg_load_options *o, const char *fn) {
+  if (!o) return SG_OK;
+  if (o->struct_size != sizeof *o)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: opt->struct_size %zu, expected %zu (fill it "
+                   "with sg_load_options_init)", fn, o->struct_size, sizeof *o);
+  if (o->convert_optim_state != 0 && o->convert_optim_state != 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: opt->convert_optim_state must be 0 or 1 (is %d)",
+                   fn, o->convert_optim_state);
+  if (o->reserved != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: opt->reserved must be 0 (is %d)", fn, o->reserved);
+  return SG_OK;
+}
+
+sg_status sg_load(sg_engine *e, const char *dir) { return sg_load_ex(e, dir, NULL); }
+
+sg_status sg_load_ex(sg_engine *e, const char *dir, const sg_load_options *opt) {
   static const char *fn = "sg_load";
-  /* As in sg_save: a rank in the middle of a micro-batch fails alone. */
+  SG_ENGINE_GUARD(e, fn);
+  /* As in sg_save: a rank in the middle of a micro-batch (or with bad options) fails alone. */
+  SG_TRY(check_options(opt, "sg_load_ex"));
   SG_TRY(sg__ck_check_call(e, dir, "dir", 1, fn));
   load_ctx c;
   memset(&c, 0, sizeof c);
+  c.convert = opt ? opt->convert_optim_state : 0;
   const sg_status local = load_local(e, dir, &c);
   const uint64_t v[4] = {c.m.generation, c.m.step, 0, 0};
   sg__ck_vote *all = NULL;

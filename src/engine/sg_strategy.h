@@ -130,14 +130,17 @@ typedef struct sg__state_ops {
    * SG__STATE_RECORD bytes in host memory, state coordinates (the format of src/ckpt/sg_ckpt.h,
    * SG_CK_Q8_RECORD). SG__REC_SAVE writes them from the state; SG__REC_CHECK checks those
    * present (class not SG__REC_PAD) against this engine's blocks (SG_ERR_MISMATCH: another
-   * threshold made them fp32 or coded); SG__REC_LOAD makes the state from them. The fp32
-   * placements keep no records: SG_ERR_INTERNAL. */
+   * threshold made them fp32 or coded); SG__REC_LOAD makes the state from them;
+   * SG__REC_CODE makes it from records of class SG__REC_F32 (an fp32-state checkpoint's
+   * values, sg_load_options.convert_optim_state), coding them where this engine's blocks are
+   * coded, with the update's rules and the random bits of step e->opt.step (the loaded one).
+   * The fp32 placements keep no records: SG_ERR_INTERNAL. */
   sg_status (*records)(sg_engine *e, int k, uint8_t *rec, int mode);
 } sg__state_ops;
 
 #define SG__STATE_RECORD 6
 enum { SG__REC_PAD = 0, SG__REC_CODED = 1, SG__REC_F32 = 2 };
-enum { SG__REC_SAVE = 0, SG__REC_CHECK = 1, SG__REC_LOAD = 2 };
+enum { SG__REC_SAVE = 0, SG__REC_CHECK = 1, SG__REC_LOAD = 2, SG__REC_CODE = 3 };
 
 extern const sg__slots_ops sg__slots_full, sg__slots_staging;
 extern const sg__shard_ops sg__shard_replicated, sg__shard_sharded;

@@ -833,14 +833,16 @@ class ShardedAdamW(torch.optim.Optimizer):
                                                                     else "")),
                                 function="python")
 
-    def load(self, directory):
+    def load(self, directory, convert_optim_state=False):
         """Collective: restores a save() made at any world size, bucket size or strategy; the
         model's parameters change in place. The learning rate stays param_groups' (the
-        scheduler's): it is applied again at the next step."""
+        scheduler's): it is applied again at the next step. convert_optim_state=True loads a
+        checkpoint whose optimizer state is in the other format (optim_state_dtype "fp32" or
+        "q8"), converting it (docs/optim-state-8bit.md); without it that is a MismatchError."""
         self._ensure_ready()
         self._check_shapes(directory)
         self._engine_waits()
-        self._engine.load(directory)
+        self._engine.load(directory, convert_optim_state=convert_optim_state)
         self._note_versions()  # the library's write: the loaded masters stand
         self._drop_grads()
         self._version += 1

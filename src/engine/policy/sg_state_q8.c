@@ -10,7 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_q8_decode */
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_q8_decode, sg__cpu_q8_encode */
+#include "../../../kernels/sg_elem.h"             /* sg_elem_q8_key */
 #include "sg_policy.h"
 
 enum { B = SG__Q8_BLOCK };
@@ -382,6 +383,58 @@ static void load_records(const sg__layout *l, const uint8_t *rec, host_q8 *h) {
     }
 }
 
+/* The counter (sg__seg.sr_index) of every block's first element, as the update's segments
+ * take it: the block's tensor and its index there; 0 for a block of padding. */
+static sg_status block_counters(sg_engine *e, uint64_t *ctr) {
+  const sg__plan *p = e->plan;
+  int *by_off = ids_by_offset(p);
+  if (!by_off) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_load: out of host memory");
+  memset(ctr, 0, e->lay.q8_blocks * sizeof *ctr);
+  sg_status st = SG_OK;
+  for (int b = 0; b < p->nbuckets && st == SG_OK; b++) {
+    sg__owned o;
+    e->strat->owned(p, e->rank, b, &o);
+    if (o.state0 % B) st = sg__err(SG_ERR_INTERNAL, "sg_load: bucket %d's state is not aligned "
+                                   "to the 8-bit state's blocks", b);
+    for (size_t at = 0; st == SG_OK && at < o.n; at += B) {
+      const size_t flat = o.flat0 + at;
+      const int id = param_at(p, by_off, flat);
+      const sg__plan_param *pp = &p->params[id];
+      if (flat >= pp->offset && flat < pp->offset + pp->numel)
+        ctr[(o.state0 + at) / B] = ((uint64_t)id << 40) + (flat - pp->offset);
+    }
+  }
+  free(by_off);
+  return st;
+}
+
+/* SG__REC_CODE: records of class SG__REC_F32 (an fp32-state checkpoint's values, 0 where it
+ * has none) into this state: coded blocks coded as the update codes (sg__cpu_q8_encode, with
+ * the random bits of the loaded step), fp32 blocks copied. */
+static sg_status code_records(sg_engine *e, int k, const uint8_t *rec, host_q8 *h) {
+  const sg__layout *l = &e->lay;
+  uint64_t *ctr = malloc(l->q8_blocks * sizeof *ctr);
+  if (!ctr) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_load: out of host memory");
+  sg_status st = block_counters(e, ctr);
+  const uint64_t key = sg_elem_q8_key(e->cfg.seed, e->opt.step);
+  memset(h->code, 0, l->opt_numel);
+  memset(h->scale, 0, l->q8_blocks * sizeof(float));
+  memset(h->pool, 0, pool_floats(l) * sizeof(float));
+  for (size_t j = 0; st == SG_OK && j < l->q8_blocks; j++) {
+    float x[B];
+    for (size_t i = 0; i < B; i++) {
+      const uint8_t *r = rec + (j * B + i) * SG__STATE_RECORD;
+      x[i] = r[0] == SG__REC_F32 ? rec_value(r) : 0.0f;
+    }
+    if (h->map[j] == SG__Q8_CODED)
+      sg__cpu_q8_encode(x, B, k == 0, key, ctr[j], h->code + j * B, &h->scale[j]);
+    else
+      memcpy(h->pool + (size_t)h->map[j] * B, x, sizeof x);
+  }
+  free(ctr);
+  return st;
+}
+
 static sg_status h2d(sg_engine *e, void *dev, const void *host, size_t bytes) {
   return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dev, host, bytes, SG_COPY_H2D);
 }
@@ -399,8 +452,11 @@ static sg_status q8_records(sg_engine *e, int k, uint8_t *rec, int mode) {
   } else if (mode == SG__REC_CHECK) {
     st = check_records(l, h.map, rec);
   } else {
-    load_records(l, rec, &h);
-    st = h2d(e, q->code[k], h.code, l->opt_numel);
+    if (mode == SG__REC_CODE)
+      st = code_records(e, k, rec, &h);
+    else
+      load_records(l, rec, &h);
+    if (st == SG_OK) st = h2d(e, q->code[k], h.code, l->opt_numel);
     if (st == SG_OK) st = h2d(e, q->scale[k], h.scale, l->q8_blocks * sizeof(float));
     if (st == SG_OK) st = h2d(e, q->pool[k], h.pool, pool_floats(l) * sizeof(float));
   }
