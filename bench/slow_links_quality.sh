@@ -5,7 +5,8 @@
 # --eval-every steps; one JSON per mode in OUT, then scripts/plot_slow_links.py draws the curves.
 #
 #   bench/slow_links_quality.sh [--out DIR] [--steps N] [--eval-every N] [--python PY]
-#                               [--modes "exact int8 int4 diloco8 diloco32 diloco8bf16 diloco8int8"]
+#                               [--modes "exact int8 int4 diloco8 diloco32 diloco8bf16 diloco8int8
+#                                         diloco8m5 diloco32m5 diloco8int8m5 diloco8avg"]
 #                               [-- extra train_lm.py flags]
 # Steps and the evaluation period should be multiples of the outer periods (8, 32): between
 # outer steps rank 0 holds its own replica's parameters, at them every replica's.
@@ -35,6 +36,11 @@ opts_of() {
     diloco32) echo "--opt outer_every=32" ;;
     diloco8bf16) echo "--opt outer_every=8 --opt replica_reduce_dtype=bf16" ;;
     diloco8int8) echo "--opt outer_every=8 --opt replica_codec=int8" ;;
+    # outer momentum 0.5 instead of the DiLoCo paper's 0.9 (tuned for H in the hundreds)
+    diloco8m5) echo "--opt outer_every=8 --opt outer_momentum=0.5" ;;
+    diloco32m5) echo "--opt outer_every=32 --opt outer_momentum=0.5" ;;
+    diloco8int8m5) echo "--opt outer_every=8 --opt replica_codec=int8 --opt outer_momentum=0.5" ;;
+    diloco8avg) echo "--opt outer_every=8 --opt outer_lr=1.0 --opt outer_momentum=0" ;;
     *) echo "bench/slow_links_quality.sh: unknown mode $1" >&2; exit 2 ;;
   esac
 }

@@ -17,6 +17,10 @@ LABELS = {
     "diloco32": "outer steps, H = 32",
     "diloco8bf16": "outer steps, H = 8, bf16 wire",
     "diloco8int8": "outer steps, H = 8, int8 codes + error feedback",
+    "diloco8m5": "outer steps, H = 8, outer momentum 0.5",
+    "diloco32m5": "outer steps, H = 32, outer momentum 0.5",
+    "diloco8int8m5": "outer steps, H = 8, int8 codes, outer momentum 0.5",
+    "diloco8avg": "outer steps, H = 8, plain averaging (lr 1, momentum 0)",
 }
 
 
@@ -32,17 +36,20 @@ def main(argv):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for m, r in runs.items():
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    for i, (m, r) in enumerate(runs.items()):
         steps, losses = zip(*r["evals"])
-        ax.plot(steps, losses, marker=".", label=LABELS.get(m, m))
+        # exact and codes solid; outer steps with DiLoCo's momentum 0.9 dashed, others dotted
+        style = "-" if not m.startswith("diloco") else ("--" if m[-2:] not in ("m5", "vg") else ":")
+        ax.plot(steps, losses, marker=".", linestyle=style, color="C%d" % (i % 10),
+                label=LABELS.get(m, m))
     a = runs[modes[0]]["args"]
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("held-out loss (nats/char)")
     ax.set_title("train_lm.py, 2 nodes x 2 ranks, %d steps, d=%d, %d layers"
                  % (a["steps"], a["d"], a["layers"]))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     base = runs["exact"]["evals"][-1][1] if "exact" in runs else None

@@ -27,6 +27,11 @@ ROWS = [
      "diloco32"),
     ("outer steps, H = 8, int8 codes + error feedback", "`outer_every = 8`, `SG_CODEC_INT8`",
      "shardgrad hybrid, outer steps H=8, int8", "diloco8int8"),
+    # the outer momentum changes no byte on the link: the same cluster rows
+    ("outer steps, H = 8, outer momentum 0.5", "`outer_every = 8`, `outer_momentum = 0.5`",
+     "shardgrad hybrid, outer steps H=8, f32", "diloco8m5"),
+    ("outer steps, H = 32, outer momentum 0.5", "`outer_every = 32`, `outer_momentum = 0.5`",
+     "shardgrad hybrid, outer steps H=32, f32", "diloco32m5"),
 ]
 
 
