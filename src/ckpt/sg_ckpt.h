@@ -31,10 +31,13 @@
  *            u64 numel, u32 header_crc}
  *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
  *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
- *   (manifest version 2 only) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
+ *   (manifest version 2 and 3) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
+ *   (manifest version 3 only) nparams x u64 step count of the parameter (<= step)
  *   u32 CRC-32C of all bytes before it
- * The manifest's version is SG_CK_MANIFEST_VERSION (version 1, without the groups, still
- * loads: every group then takes the saved lr); rank files stay at SG_CK_VERSION. */
+ * The manifest's version is 3 when some parameter's step count differs from the step (it was
+ * skipped in steps without a gradient), else 2, which a library before version 3 reads too.
+ * Version 1, without the groups, still loads: every group then takes the saved lr. Versions 1
+ * and 2 give every parameter the step as its count. Rank files stay at SG_CK_VERSION. */
 #ifndef SG_CKPT_H
 #define SG_CKPT_H
 
@@ -46,7 +49,9 @@
 #include "../../kernels/sg_kernel_args.h" /* SG__OPTIM_MAX_STATES */
 
 #define SG_CK_VERSION 1u          /* rank files */
-#define SG_CK_MANIFEST_VERSION 2u /* 2: parameter groups' lr and weight decay appended */
+#define SG_CK_MANIFEST_VERSION 3u /* 2: parameter groups' lr and weight decay appended;
+                                     3: per-parameter step counts appended (written only when
+                                     some parameter's differs from the step) */
 #define SG_CK_MANIFEST_NAME "manifest"
 #define SG_CK_MANIFEST_TMP "manifest.tmp"
 #define SG_CK_MAX_WORLD 4096u
@@ -130,6 +135,8 @@ typedef struct sg__ck_manifest {
   float group_lr[SG_MAX_GROUPS], group_wd[SG_MAX_GROUPS];
   uint32_t nparams;
   sg__ck_param *params; /* registration order of the saving engine */
+  uint64_t *param_steps; /* version 3: [nparams] each parameter's own step count (<= step, the
+                            steps it had a gradient in); NULL: every count is `step` */
   sg__ck_file *files;   /* [world] */
 } sg__ck_manifest;
 

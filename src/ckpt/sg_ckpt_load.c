@@ -413,6 +413,9 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
   sg__replicas_restore(e); /* a codec's residuals, the outer steps' period: afresh */
   /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
   sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
+  /* Per-parameter step counts (version 3, by name): a manifest without them gives the step. */
+  for (int id = 0; c->m.param_steps && id < e->reg.nparams; id++)
+    sg__optim_restore_param_step(e, id, c->m.param_steps[c->map[id]]);
   sg__scale_restore(e, (int)c->m.dynamic_scale, c->m.loss_scale, c->m.clean_steps);
   return SG_OK;
 }
