@@ -3,8 +3,13 @@
 # (scripts/cluster.sh), one rank per node, training tests/fault_run.c's model (gradients that
 # sum exactly: a run that completes must end with the clean run's bits). Cases:
 #   clean        no fault: the reference bits
-#   loss 1%      tc netem loss 1% on both ends of node 1's link, for the whole run
-#   jitter       tc netem delay 50ms 100ms (100 ms jitter) on both ends of node 1's link
+#   loss 1%      tc netem loss 1% on both ends of node 1's link, for the whole run; where the
+#                kernel has no sch_netem, the same loss by iptables' statistic match (1% of
+#                the packets dropped each way on node 1's eth0)
+#   jitter       tc netem delay 50ms 100ms (100 ms jitter) on both ends of node 1's link;
+#                without sch_netem, stalls instead: node 1's link drops everything for a
+#                random 0-100 ms, every 100-300 ms (iptables), which TCP sees as delay
+#                spikes with retransmits (labelled "stalls" in the table)
 #   down 10 s    node 1's switch port down 10 s, then up (timeout_ms 60000: must complete)
 #   down > timeout   the port down 30 s with timeout_ms 8000: every rank must fail within
 #                its deadline, and sg_engine_destroy / sg_comm_destroy must return (a rank
@@ -42,6 +47,7 @@ WORK=$(mktemp -d /tmp/sg_fault_XXXXXX)
 INJ_PID=""
 cleanup() {
   [ -n "$INJ_PID" ] && kill "$INJ_PID" 2>/dev/null
+  [ -n "${STALL_PID:-}" ] && kill "$STALL_PID" 2>/dev/null
   "${CL[@]}" down >/dev/null 2>&1
   rm -rf "$WORK"
 }
@@ -56,7 +62,26 @@ netem_on() {
   tc -n "$N1" qdisc replace dev eth0 root netem "$@" &&
     tc -n "$SW" qdisc replace dev port1 root netem "$@"
 }
+# without netem: iptables in node 1's namespace (it goes with the namespace at the end)
+ipt() { ip netns exec "$N1" iptables "$@"; }
+drop_on() { # drop_on PROBABILITY: that share of node 1's packets dropped both ways
+  ipt -I INPUT -i eth0 -m statistic --mode random --probability "$1" -j DROP &&
+    ipt -I OUTPUT -o eth0 -m statistic --mode random --probability "$1" -j DROP
+}
+drop_off() { ipt -F INPUT 2>/dev/null; ipt -F OUTPUT 2>/dev/null; }
+dropped() { ipt -L -v -x -n 2>/dev/null | awk '/DROP/ && /statistic/ {s += $1} END {print s + 0}'; }
+STALL_PID=""
+stalls() { # until killed: the link gone for 0-100 ms, every 100-300 ms
+  while :; do
+    sleep "0.$((100 + RANDOM % 200))"
+    drop_on 1 2>/dev/null
+    sleep "$(awk -v r=$((RANDOM % 100)) 'BEGIN{printf "%.3f", r / 1000}')"
+    drop_off
+  done
+}
 heal() {
+  [ -n "$STALL_PID" ] && { kill "$STALL_PID" 2>/dev/null; wait "$STALL_PID" 2>/dev/null; STALL_PID=""; }
+  [ "$HAVE_NETEM" = 0 ] && [ "$HAVE_IPT" = 1 ] && drop_off
   ip -n "$SW" link set port1 up 2>/dev/null
   "${CL[@]}" up --nodes 2 --rate "$RATE" >/dev/null 2>&1 # re-shapes: tbf back on every end
 }
@@ -80,24 +105,33 @@ inject() {
   esac
 }
 
-# netem is a kernel module (sch_netem) some kernels lack; the loss and jitter cases need it
-HAVE_NETEM=0
+# netem is a kernel module (sch_netem) some kernels lack; the loss and jitter cases use it, or
+# iptables' statistic match (Debian's iptables package) in node 1's namespace where it is missing
+HAVE_NETEM=0 HAVE_IPT=0
 if tc -n "$N1" qdisc add dev lo root netem delay 1ms 2>/dev/null; then
   HAVE_NETEM=1
   tc -n "$N1" qdisc del dev lo root 2>/dev/null
+elif command -v iptables >/dev/null && ipt -L INPUT >/dev/null 2>&1; then
+  HAVE_IPT=1
 fi
 
 ROWS=() CLEAN_HASH=""
 one_case() {
   local kind=$1 timeout=60000 dir=$WORK/$1 extra=() out t0 t1 outcome ranks hashes
-  if { [ "$kind" = loss ] || [ "$kind" = jitter ]; } && [ "$HAVE_NETEM" = 0 ]; then
-    ROWS+=("$kind|skipped: no sch_netem in this kernel|-|-|-")
+  local label=$kind
+  if { [ "$kind" = loss ] || [ "$kind" = jitter ]; } && [ "$HAVE_NETEM" = 0 ] && [ "$HAVE_IPT" = 0 ]; then
+    ROWS+=("$kind|skipped: neither sch_netem nor iptables here|-|-|-")
     return
   fi
   mkdir -p "$dir"
   case $kind in
-    loss) netem_on loss 1% ;;
-    jitter) netem_on delay 50ms 100ms ;;
+    loss) if [ "$HAVE_NETEM" = 1 ]; then netem_on loss 1%; else drop_on 0.01; label="loss(ipt)"; fi ;;
+    jitter)
+      if [ "$HAVE_NETEM" = 1 ]; then netem_on delay 50ms 100ms; else
+        stalls &
+        STALL_PID=$!
+        label="stalls"
+      fi ;;
     downlong) timeout=8000 ;;
     kill) timeout=8000 extra=(--mca orte_enable_recovery 1) ;;
   esac
@@ -108,6 +142,7 @@ one_case() {
   t1=$(date +%s%N)
   wait "$INJ_PID" 2>/dev/null
   INJ_PID=""
+  [ "$label" = "loss(ipt)" ] && label="loss(ipt, $(dropped) dropped)"
   heal
   echo "$out" | grep '^OUTCOME' >"$dir/outcome"
   echo "$out" | grep '^DESTROY' >"$dir/destroy"
@@ -156,15 +191,15 @@ one_case() {
       resume="FAILED: $(head -1 <<<"$rout")"
     fi
   fi
-  ROWS+=("$kind|$outcome|$ranks|$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", (b - a) / 1e9}')|$resume")
+  ROWS+=("$label|$outcome|$ranks|$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", (b - a) / 1e9}')|$resume")
 }
 
 for c in $CASES; do one_case "$c"; done
 
 echo
 echo "tests/fault_matrix.sh: 2 nodes x 1 rank, link $RATE, $STEPS steps after the checkpoint, $(getconf _NPROCESSORS_ONLN) cores"
-printf '%-9s %-32s %-7s %-20s %s\n' case outcome "run s" "resume" "ranks (status, time to error from the fault, destroy)"
+printf '%-24s %-32s %-7s %-20s %s\n' case outcome "run s" "resume" "ranks (status, time to error from the fault, destroy)"
 for r in "${ROWS[@]}"; do
   IFS='|' read -r k o ranks secs res <<<"$r"
-  printf '%-9s %-32s %-7s %-20s %s\n' "$k" "$o" "$secs" "$res" "$ranks"
+  printf '%-24s %-32s %-7s %-20s %s\n' "$k" "$o" "$secs" "$res" "$ranks"
 done
