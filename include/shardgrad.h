@@ -740,6 +740,10 @@ SG_API sg_status sg_import(sg_engine *e, const char *path);
 /* Optimizer steps taken so far (skipped steps do not count), as sg_step_info.step reports it;
  * restored by sg_load, so that a resumed training loop knows where it is. */
 SG_API sg_status sg_get_step(sg_engine *e, uint64_t *step);
+/* Parameter id's own step count: the steps that updated it, the t of its bias correction
+ * (torch.optim.AdamW's state['step']). sg_get_step's value less the steps in which no rank gave
+ * it a gradient (see sg_step); restored by sg_load. */
+SG_API sg_status sg_get_param_step(sg_engine *e, int id, uint64_t *step);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Tracing: when the bucket reductions ran, against the caller's backward pass               */

@@ -185,6 +185,12 @@ static void compare(sg_engine *e, const tcase *tc, const state *ref, float *buf,
     sok &= sg_get_optim_state(e, p, 0, buf) == SG_OK && same_bits(buf, ref->m[p], n);
     sok &= sg_get_optim_state(e, p, 1, buf) == SG_OK && same_bits(buf, ref->v[p], n);
   }
+  int tok = 1;
+  for (int p = 0; p < NP; p++) {
+    uint64_t t = 0;
+    tok &= sg_get_param_step(e, p, &t) == SG_OK && t == ref->t[p];
+  }
+  CHECK(tok, "sg_get_param_step: every parameter's own step count");
   CHECK(pok, "working params equal the reference (own step counts) bitwise");
   CHECK(mok, "master weights equal the reference bitwise");
   CHECK(sok, "m and v equal the reference bitwise");
@@ -350,6 +356,58 @@ static void check_old_manifest(void) {
   ref_free(&ref);
 }
 
+/* ---- 8-bit state: refused on every rank, nothing changed ----------------------------------- */
+
+static void *q8_rank(void *arg) {
+  rank_arg *ra = arg;
+  snprintf(sg_test_tag, sizeof sg_test_tag, "8-bit state r%d", ra->rank);
+  tcase tc = *ra->tc;
+  float *buf = malloc(MAXN * sizeof(float)), *before = malloc(MAXN * sizeof(float));
+  sg_config c = make_config(&tc);
+  c.optim_state_dtype = SG_Q8;
+  sg_engine *e = NULL;
+  int ok = sg_engine_create(ra->comm, &c, &e) == SG_OK, id = -1;
+  for (int p = 0; ok && p < NP; p++) {
+    char name[32];
+    snprintf(name, sizeof name, "p%d", p);
+    ok &= sg_add_param(e, name, k_numel[p], 0, &id) == SG_OK;
+  }
+  if (!CHECK(ok && sg_finalize(e) == SG_OK, "8-bit engine: %s", sg_last_error())) goto done;
+  ok = sg_get_param(e, 1, before, SG_F32) == SG_OK;
+  for (int p = NP - 1; p >= 0; p--)
+    if (p != 1) ok &= write_grad(e, &tc, ra->rank, 1, p, buf) == SG_OK;
+  const sg_status st = sg_step(e, NULL);
+  uint64_t steps = 9;
+  CHECK(ok && st == SG_ERR_UNSUPPORTED && strstr(sg_last_error(), "'p1'") &&
+            sg_get_step(e, &steps) == SG_OK && steps == 0,
+        "a step without p1's gradient: SG_ERR_UNSUPPORTED naming it, no step (%s: %s)",
+        sg_status_string(st), sg_last_error());
+  ok = sg_grad_zero(e) == SG_OK;
+  for (int p = NP - 1; p >= 0; p--) ok &= write_grad(e, &tc, ra->rank, 1, p, buf) == SG_OK;
+  CHECK(ok && sg_step(e, NULL) == SG_OK && sg_get_step(e, &steps) == SG_OK && steps == 1 &&
+            sg_get_param(e, 1, buf, SG_F32) == SG_OK && !same_bits(buf, before, k_numel[1]),
+        "then sg_grad_zero and every gradient: the step is taken (%s)", sg_last_error());
+done:
+  sg_engine_destroy(e);
+  free(buf);
+  free(before);
+  return NULL;
+}
+
+static void check_q8_refused(void) {
+  tcase tc = {2, 2, SG_SHARD_GRAD_OP, SG_F32};
+  sg_comm *comms[2] = {0};
+  if (!CHECK(sg_comm_create_local(2, comms) == SG_OK, "local comm W=2")) return;
+  pthread_t th[2];
+  rank_arg ra[2];
+  for (int r = 0; r < 2; r++) {
+    ra[r] = (rank_arg){&tc, NULL, comms[r], r, 0};
+    pthread_create(&th[r], NULL, q8_rank, &ra[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 2; r++) sg_comm_destroy(comms[r]);
+}
+
 int main(void) {
   const char *dev = getenv("SG_TEST_DEVICE");
   if (dev && strcmp(dev, "cuda") == 0) g_device = SG_DEVICE_CUDA;
@@ -366,6 +424,7 @@ int main(void) {
     for (int k = 0; k < 4; k++) run_case(&cases[k]);
   }
   check_old_manifest();
+  check_q8_refused();
   char cmd[300];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
   if (system(cmd) != 0) printf("note: could not remove %s\n", g_dir);

@@ -419,6 +419,14 @@ sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h) {
   return SG_OK;
 }
 
+sg_status sg_get_param_step(sg_engine *e, int id, uint64_t *step) {
+  SG_ENGINE_GUARD(e, "sg_get_param_step");
+  static const char *fn = "sg_get_param_step";
+  SG_TRY(sg__engine_check_param(e, id, step, "step", fn));
+  *step = sg__optim_param_step(e, id);
+  return SG_OK;
+}
+
 sg_status sg_get_step(sg_engine *e, uint64_t *step) {
   SG_ENGINE_GUARD(e, "sg_get_step");
   SG_TRY(sg__engine_check_out(e, step, "step", "sg_get_step"));
