@@ -147,7 +147,7 @@ static sg_status put_absent(sg_engine *e) {
  * ranks that missed some parameter's gradient. */
 sg_status sg__grads_sumsq(sg_engine *e, double out[3]) {
   const sg__state_ops *so = e->strat->place;
-  if (e->world == 1) {
+  if (e->world == 1 || (!e->strat->shard->sharded && !tracked(e))) {
     out[2] = locally_absent(e);
     return so->sumsq(e, out);
   }

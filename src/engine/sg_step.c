@@ -113,8 +113,10 @@ static sg_status outer_sync(sg_engine *e) {
 
 /* A state placement whose update cannot skip parameters (declared) refuses a step that would
  * have to: on every rank alike, since the presence is agreed. Nothing has changed yet. */
-static sg_status check_skips(const sg_engine *e, const uint8_t *present, const char *fn) {
-  if (e->strat->place->skips || (!present && !sg__optim_steps_differ(e))) return SG_OK;
+static sg_status check_skips(const sg_engine *e, const uint8_t *present, int npresent,
+                             const char *fn) {
+  if (e->strat->place->skips || (!present && !sg__optim_steps_differ(e)) || npresent == 0)
+    return SG_OK; /* no gradient at all: nothing is updated, nothing to skip */
   int id = 0;
   while (present && id < e->reg.nparams - 1 && present[id]) id++;
   const char *what = present ? "no rank gave parameter" : "after a load, parameter";
@@ -136,7 +138,7 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
   const uint8_t *present = NULL;
   int npresent = 0;
   SG_TRY(sg__err_prefix(sg__grads_presence(e, ss, &present, &npresent), fn));
-  SG_TRY(check_skips(e, present, fn));
+  SG_TRY(check_skips(e, present, npresent, fn));
   const int idle = npresent == 0;
   sg__grads_norm_drop(e); /* the next step computes its own */
   const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, NULL);
