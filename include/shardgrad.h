@@ -473,9 +473,10 @@ typedef struct sg_step_info {
  * parameter has a gradient changes nothing: info->step does not advance and the loss scale
  * stays. The ranks agree on this with the norm's all-reduce (one more double) and, only in a
  * step where some rank missed a parameter, an all-gather of a bit per parameter. sg_save keeps
- * the per-parameter step counts. Not with offload_optimizer or 8-bit optimizer state: such a
- * step fails with SG_ERR_UNSUPPORTED on every rank, nothing changed (give every parameter a
- * gradient, sg_grad_ready marking zeros). Hybrid engines (replicas) update every parameter
+ * the per-parameter step counts. Not with offload_optimizer or 8-bit optimizer state: a step
+ * that would skip some parameters but update others fails with SG_ERR_UNSUPPORTED on every
+ * rank, nothing changed (give every parameter a gradient, sg_grad_ready marking zeros); a step
+ * with no gradient at all changes nothing there too. Hybrid engines (replicas) update every parameter
  * as if its gradient were zeros, as before (docs/limits.md). */
 SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
 SG_API sg_status sg_set_lr(sg_engine *e, float lr);
