@@ -117,8 +117,10 @@ static sg_status check_skips(const sg_engine *e, const uint8_t *present, int npr
                              const char *fn) {
   if (e->strat->place->skips || (!present && !sg__optim_steps_differ(e)) || npresent == 0)
     return SG_OK; /* no gradient at all: nothing is updated, nothing to skip */
-  int id = 0;
-  while (present && id < e->reg.nparams - 1 && present[id]) id++;
+  int id = 0; /* the first skipped parameter, or the first one behind */
+  while (id < e->reg.nparams - 1 &&
+         (present ? present[id] : sg__optim_param_step(e, id) == e->opt.step))
+    id++;
   const char *what = present ? "no rank gave parameter" : "after a load, parameter";
   return sg__err(SG_ERR_UNSUPPORTED, "%s: %s '%s' %s, and this optimizer state ('%s': "
                  "offload or 8-bit) cannot skip a parameter (docs/limits.md): give every "
