@@ -280,6 +280,19 @@ static int manifest_drop_steps(void) {
   memset(&m, 0, sizeof m);
   int ok = sg__ck_read_file(path, 1u << 24, &buf, &len) == SG_OK &&
            sg__ck_manifest_parse(buf, len, path, &m) == SG_OK && m.param_steps != NULL;
+  if (ok) { /* a count above the step is refused as damage */
+    uint8_t *bad = NULL;
+    size_t blen = 0;
+    const uint64_t keep = m.param_steps[0];
+    m.param_steps[0] = m.step + 1;
+    sg__ck_manifest mb;
+    ok = sg__ck_manifest_encode(&m, &bad, &blen) == SG_OK &&
+         sg__ck_manifest_parse(bad, blen, "test", &mb) == SG_ERR_CORRUPT &&
+         strstr(sg_last_error(), "above the step");
+    CHECK(ok, "a step count above the step: SG_ERR_CORRUPT (%s)", sg_last_error());
+    m.param_steps[0] = keep;
+    free(bad);
+  }
   if (ok) {
     free(m.param_steps);
     m.param_steps = NULL; /* encodes version 2 */
