@@ -12,7 +12,8 @@
  * and a last sg_step with no gradient at all. After step 3 the engine is saved and the rest runs
  * on a fresh engine of another world size loaded from it (the per-parameter step counts travel
  * in the checkpoint). Then: a checkpoint whose manifest has no step counts (as before) loads with
- * every count at the saved step. SG_TEST_DEVICE=cuda: the mock CUDA device. */
+ * every count at the saved step. Two cases again over the caller's transport (a mailbox between
+ * threads; CPU only). SG_TEST_DEVICE=cuda: the mock CUDA device. */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -27,6 +28,7 @@
 
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
+#include "sg_test_ranks.h" /* sg_test_run_threads_xport: ranks over the caller's transport */
 
 #define NP 5
 #define CALLS 6 /* sg_step calls; the last has no gradient at all */
@@ -243,8 +245,27 @@ done:
   return NULL;
 }
 
+static int g_xport; /* run_phase over the caller's transport instead of the local backend */
+
+typedef struct {
+  const tcase *tc;
+  const state *ref;
+  int phase;
+} xport_arg;
+
+static void xport_rank(sg_comm *c, void *arg) {
+  const xport_arg *x = arg;
+  rank_arg ra = {x->tc, x->ref, c, sg_comm_rank(c), x->phase};
+  rank_main(&ra);
+}
+
 static void run_phase(const tcase *tc, const state *ref, int phase) {
   const int w = phase ? tc->world2 : tc->world;
+  if (g_xport) {
+    xport_arg x = {tc, ref, phase};
+    CHECK(sg_test_run_threads_xport(w, xport_rank, &x) == SG_OK, "xport W=%d", w);
+    return;
+  }
   sg_comm *comms[MAXW] = {0};
   if (!CHECK(sg_comm_create_local(w, comms) == SG_OK, "local comm W=%d", w)) return;
   pthread_t th[MAXW];
@@ -438,6 +459,9 @@ int main(void) {
   }
   check_old_manifest();
   check_q8_refused();
+  g_xport = g_device == SG_DEVICE_CPU; /* the caller's transport (host memory only) */
+  const tcase xc[2] = {{2, 3, SG_SHARD_GRAD_OP, SG_F32}, {3, 2, SG_NO_SHARD, SG_F32}};
+  for (int k = 0; g_xport && k < 2; k++) run_case(&xc[k]);
   char cmd[300];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
   if (system(cmd) != 0) printf("note: could not remove %s\n", g_dir);
