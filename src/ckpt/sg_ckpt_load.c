@@ -413,8 +413,14 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
   sg__replicas_restore(e); /* a codec's residuals, the outer steps' period: afresh */
   /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
   sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
-  /* Per-parameter step counts (version 3, by name): a manifest without them gives the step. */
-  for (int id = 0; c->m.param_steps && id < e->reg.nparams; id++)
+  /* Per-parameter step counts (version 3, by name): a manifest without them gives the step. A
+   * state that cannot skip parameters (offload, 8-bit) could never step with unequal counts:
+   * every parameter takes the step there, said in a warning (docs/limits.md). */
+  if (c->m.param_steps && !e->strat->place->skips)
+    SG_LOG(SG_LOG_WARN, e->rank, "sg_load: the checkpoint's per-parameter step counts differ "
+           "(parameters skipped for want of a gradient); this optimizer state ('%s') cannot keep "
+           "them: every parameter continues from step %" PRIu64, e->strat->place->name, c->m.step);
+  for (int id = 0; c->m.param_steps && e->strat->place->skips && id < e->reg.nparams; id++)
     sg__optim_restore_param_step(e, id, c->m.param_steps[c->map[id]]);
   sg__scale_restore(e, (int)c->m.dynamic_scale, c->m.loss_scale, c->m.clean_steps);
   return SG_OK;

@@ -115,18 +115,16 @@ static sg_status outer_sync(sg_engine *e) {
  * have to: on every rank alike, since the presence is agreed. Nothing has changed yet. */
 static sg_status check_skips(const sg_engine *e, const uint8_t *present, int npresent,
                              const char *fn) {
-  if (e->strat->place->skips || (!present && !sg__optim_steps_differ(e)) || npresent == 0)
+  /* (sg_load gives every parameter the step there: no counts differ) */
+  if (e->strat->place->skips || !present || npresent == 0)
     return SG_OK; /* no gradient at all: nothing is updated, nothing to skip */
-  int id = 0; /* the first skipped parameter, or the first one behind */
-  while (id < e->reg.nparams - 1 &&
-         (present ? present[id] : sg__optim_param_step(e, id) == e->opt.step))
-    id++;
-  const char *what = present ? "no rank gave parameter" : "after a load, parameter";
-  return sg__err(SG_ERR_UNSUPPORTED, "%s: %s '%s' %s, and this optimizer state ('%s': "
-                 "offload or 8-bit) cannot skip a parameter (docs/limits.md): give every "
-                 "parameter a gradient in every step (sg_grad_ready marks zeros), or sg_grad_zero "
-                 "to drop this step's gradients", fn, what, e->reg.names[id],
-                 present ? "a gradient in this step" : "is behind in steps", e->strat->place->name);
+  int id = 0; /* the first skipped parameter */
+  while (id < e->reg.nparams - 1 && present[id]) id++;
+  return sg__err(SG_ERR_UNSUPPORTED, "%s: no rank gave parameter '%s' a gradient in this step, "
+                 "and this optimizer state ('%s': offload or 8-bit) cannot skip a parameter "
+                 "(docs/limits.md): give every parameter a gradient in every step (sg_grad_ready "
+                 "marks zeros), or sg_grad_zero to drop this step's gradients", fn,
+                 e->reg.names[id], e->strat->place->name);
 }
 
 sg_status sg_step(sg_engine *e, sg_step_info *info) {
