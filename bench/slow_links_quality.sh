@@ -5,14 +5,14 @@
 # --eval-every steps; one JSON per mode in OUT, then scripts/plot_slow_links.py draws the curves.
 #
 #   bench/slow_links_quality.sh [--out DIR] [--steps N] [--eval-every N] [--python PY]
-#                               [--modes "exact int8 int4 diloco8 diloco32 diloco8bf16"]
+#                               [--modes "exact int8 int4 diloco8 diloco32 diloco8bf16 diloco8int8"]
 #                               [-- extra train_lm.py flags]
 # Steps and the evaluation period should be multiples of the outer periods (8, 32): between
 # outer steps rank 0 holds its own replica's parameters, at them every replica's.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$ROOT/bench/out/slow-links STEPS=320 EVAL=32 PY=${PY:-} EXTRA=()
-MODES="exact int8 int4 diloco8 diloco32 diloco8bf16"
+MODES="exact int8 int4 diloco8 diloco32 diloco8bf16 diloco8int8"
 while [ $# -gt 0 ]; do
   case $1 in
     --out) OUT=$2; shift 2 ;;
@@ -34,6 +34,7 @@ opts_of() {
     diloco8) echo "--opt outer_every=8" ;;
     diloco32) echo "--opt outer_every=32" ;;
     diloco8bf16) echo "--opt outer_every=8 --opt replica_reduce_dtype=bf16" ;;
+    diloco8int8) echo "--opt outer_every=8 --opt replica_codec=int8" ;;
     *) echo "bench/slow_links_quality.sh: unknown mode $1" >&2; exit 2 ;;
   esac
 }

@@ -285,8 +285,9 @@ typedef struct sg_config {
                                them decoded in replica order, encodes the sum (with a residual
                                of its own) and sends it to all. Needs an f32 accumulator, the
                                CPU device and a host communicator (threads, MPI, caller's
-                               transport) for replicas; a flat engine refuses it. The
-                               residuals are not in checkpoints: sg_load zeroes them. */
+                               transport) for replicas; a flat engine refuses it. Checkpoints
+                               hold every replica's residuals (sg_load at another node count:
+                               docs/slow-links.md); one without them loads with them zero. */
   int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
                                steps. The step's gradient is summed inside the node only (each
                                replica runs its own AdamW steps, averaged over its L ranks), and
@@ -296,9 +297,12 @@ typedef struct sg_config {
                                the wire) takes a Nesterov momentum SGD step of the outer
                                parameters, which become every replica's parameters. The outer
                                state (parameters and momentum, fp32) is sharded like the
-                               master. CPU device; not with replica_codec (yet). Not in
-                               checkpoints: sg_load begins a new period at the loaded
-                               parameters (replica 0's) with zero momentum. */
+                               master. CPU device. With replica_codec SG_CODEC_INT8 the
+                               pseudo-gradient crosses as int8 codes with error feedback
+                               (SG_CODEC_INT4: refused). Checkpoints hold the outer state and
+                               the position in the period; sg_load of one without them begins
+                               a new period at the loaded parameters (replica 0's) with zero
+                               momentum. */
   double outer_lr;          /* 0.7 (DiLoCo's): the outer step's learning rate, > 0 */
   double outer_momentum;    /* 0.9 (DiLoCo's): its Nesterov momentum, in [0, 1) */
   sg_dtype optim_state_dtype; /* SG_F32: the optimizer's state arrays (AdamW's m and v) in fp32.
@@ -311,15 +315,22 @@ typedef struct sg_config {
                                offload_optimizer on CUDA (SG_ERR_UNSUPPORTED). */
   int optim_state_min_numel;  /* 4096: with SG_Q8, tensors of fewer elements (their numel, never a
                                shard's part) keep fp32 state; 0 codes every tensor */
+  uint64_t magic;           /* written by sg_config_init (and copied with the struct); never set
+                               it. A config of this layout or a later one whose magic is not the
+                               library's was never initialised: every call that takes it refuses
+                               it (SG_ERR_INVALID_ARGUMENT, "call sg_config_init"). Configs of the
+                               older layouts (0.1-0.3) end before it and are told by struct_size
+                               alone. */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
    * src/core/sg_config.c (layouts) and python/shardgrad/_structs.py (SgConfig). */
 } sg_config;
 
-/* Fills the defaults above. struct_size must be the sizeof of a published layout (0.1: the
- * struct up to timeout_ms, 0.2 and later: this header's) and no larger than this library's
- * (SG_ERR_INVALID_ARGUMENT otherwise). A 0.1-sized config gets the defaults of every later field,
- * whatever its padding holds. */
+/* Fills the defaults above and the magic. struct_size must be the sizeof of a published layout
+ * (0.1: the struct up to timeout_ms, 0.2 and later: this header's) and no larger than this
+ * library's (SG_ERR_INVALID_ARGUMENT otherwise). A 0.1-sized config gets the defaults of every
+ * later field, whatever its padding holds. A config that is right-sized but was never passed
+ * through sg_config_init (stack garbage, memset 0) is refused by every call that takes it. */
 SG_API sg_status sg_config_init(sg_config *cfg, size_t struct_size);
 
 /* ---------------------------------------------------------------------------------------- */
@@ -607,11 +618,13 @@ typedef struct sg_hardware {
                                micro-batch handing it to the engine (writing into slots whose
                                pages were given back, the slot waits) beyond writing a buffer
                                of its own; >= 0 */
+  uint64_t magic;           /* written by sg_hardware_init; never set it (a description that was
+                               never initialised is refused: "call sg_hardware_init") */
 } sg_hardware;
 
 /* Defaults: one node per rank, SG_ALGO_HOST, 1 Gbit/s links (0.125e9 B/s, 50 us), 10 GB/s
- * device memory, no compute, backward 2/3, no offload rates, overlap 1. struct_size must be
- * sizeof. */
+ * device memory, no compute, backward 2/3, no offload rates, overlap 1, and the magic.
+ * struct_size must be sizeof. */
 SG_API sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size);
 
 /* What one optimizer step costs on one rank, by part. Times in seconds; bytes per step. */
@@ -649,8 +662,9 @@ typedef struct sg_step_estimate {
  * exposed_s[0] + exposed_s[1] + optim_s + copy_s. Replica codecs: the all-to-all and the
  * all-gather of each bucket's codes behind its reduction. Outer steps (cfg->outer_every = H):
  * the times are the mean over a period of H steps, the byte and collective counts those of the
- * period's last step (the one that syncs: the pseudo-gradient's all-reduce per bucket, then the
- * node's all-gathers). Not modelled: the codecs' and the outer step's host arithmetic,
+ * period's last step (the one that syncs: the pseudo-gradient's all-reduce per bucket, with
+ * replica_codec SG_CODEC_INT8 its codes' all-to-all and all-gather, then the node's
+ * all-gathers). Not modelled: the codecs' and the outer step's host arithmetic,
  * sg_set_sync(0) steps, a hybrid engine not told its micro-batch count (docs/planner.md). */
 SG_API sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams,
                                   int world, int microbatches, const sg_hardware *hw,

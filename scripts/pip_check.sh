@@ -136,6 +136,11 @@ if check "pip wheel . (the checkout's root) ${pip_args[*]}" "$work/venv-a/bin/pi
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 sys.exit(0 if 'shardgrad/lib/libshardgrad.so' in names else 'not in: %s' % names)" "$whl"
+  check "the wheel holds the shardgrad.torch package (subpackages are not left out)" python3 -c "
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+want = ['shardgrad/torch/__init__.py', 'shardgrad/torch/optim.py', 'shardgrad/torch/comm.py']
+sys.exit(0 if all(n in names for n in want) else 'not in: %s' % names)" "$whl"
   if check "fresh venv B" new_venv "$work/venv-b" &&
     check "venv B: pip install the wheel" "$work/venv-b/bin/pip" install -q "$whl"; then
     check "venv B: shardgrad loads the library from the wheel" lib_in_venv "$work/venv-b"

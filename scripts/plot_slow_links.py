@@ -16,6 +16,7 @@ LABELS = {
     "diloco8": "outer steps, H = 8",
     "diloco32": "outer steps, H = 32",
     "diloco8bf16": "outer steps, H = 8, bf16 wire",
+    "diloco8int8": "outer steps, H = 8, int8 codes + error feedback",
 }
 
 

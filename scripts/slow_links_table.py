@@ -25,6 +25,8 @@ ROWS = [
      "shardgrad hybrid, outer steps H=8, bf16", "diloco8bf16"),
     ("outer steps, H = 32", "`outer_every = 32`", "shardgrad hybrid, outer steps H=32, f32",
      "diloco32"),
+    ("outer steps, H = 8, int8 codes + error feedback", "`outer_every = 8`, `SG_CODEC_INT8`",
+     "shardgrad hybrid, outer steps H=8, int8", "diloco8int8"),
 ]
 
 

@@ -20,6 +20,12 @@ if(NOT SG_SANITIZE)
                 ${CMAKE_SOURCE_DIR}/python/tests/test_fork.py)
       set_tests_properties(python_fork PROPERTIES TIMEOUT 180 LABELS python
         ENVIRONMENT "SHARDGRAD_LIBRARY=$<TARGET_FILE:shardgrad>;PYTHONPATH=${CMAKE_SOURCE_DIR}/python")
+      # the package's layers: no import circle, no torch below shardgrad/torch/ (issue 25)
+      add_test(NAME python_layers
+        COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider
+                ${CMAKE_SOURCE_DIR}/python/tests/test_layers.py)
+      set_tests_properties(python_layers PROPERTIES TIMEOUT 120 LABELS python
+        ENVIRONMENT "SHARDGRAD_LIBRARY=$<TARGET_FILE:shardgrad>;PYTHONPATH=${CMAKE_SOURCE_DIR}/python")
     else()
       message(STATUS "python_binding test skipped: python3 lacks numpy or pytest")
     endif()

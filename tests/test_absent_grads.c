@@ -316,7 +316,8 @@ static int manifest_drop_steps(void) {
   }
   if (ok) {
     free(m.param_steps);
-    m.param_steps = NULL; /* encodes version 2 */
+    m.param_steps = NULL;
+    m.version = 0; /* the version a save without step counts writes */
     ok = sg__ck_manifest_encode(&m, &out, &olen) == SG_OK && olen < len;
   }
   if (ok) {

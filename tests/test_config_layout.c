@@ -219,11 +219,61 @@ static void test_memory_stats_sizes(void) {
         "an unpublished sg_memory_stats size is rejected: '%s'", sg_last_error());
 }
 
+/* Every call that takes a config refuses `c` with a message that says to call sg_config_init. */
+static void expect_uninitialised(const sg_config *c, const char *what) {
+  sg_comm *comm = NULL;
+  sg_engine *e = NULL;
+  sg_comm_create_local(1, &comm);
+  sg_status st = sg_engine_create(comm, c, &e);
+  CHECK(st == SG_ERR_INVALID_ARGUMENT && !e && strstr(sg_last_error(), "call sg_config_init"),
+        "%s: sg_engine_create refuses it (%d): '%s'", what, (int)st, sg_last_error());
+  sg_engine_destroy(e);
+  sg_comm_destroy(comm);
+  size_t numel = 1000;
+  sg_memory_stats ms;
+  ms.struct_size = sizeof ms;
+  st = sg_estimate_memory(c, &numel, 1, 1, &ms);
+  CHECK(st == SG_ERR_INVALID_ARGUMENT && strstr(sg_last_error(), "call sg_config_init"),
+        "%s: sg_estimate_memory refuses it (%d): '%s'", what, (int)st, sg_last_error());
+}
+
+/* A config of this header's size whose bytes never went through sg_config_init (zeroed, or
+ * whatever the stack held) is refused by name; struct_size alone cannot tell it from a real
+ * one. An initialised config, a copy of one and the older layouts (which end before the magic)
+ * still run. */
+static void test_uninitialised(void) {
+  printf("configs never initialised ...\n");
+  sg_config c;
+  memset(&c, 0, sizeof c);
+  c.struct_size = sizeof c;
+  expect_uninitialised(&c, "memset 0, struct_size set");
+  static const unsigned char fills[] = {0x01, 0xa5, 0xff};
+  for (int f = 0; f < 3; f++) {
+    memset(&c, fills[f], sizeof c);
+    c.struct_size = sizeof c;
+    char what[64];
+    snprintf(what, sizeof what, "garbage 0x%02x, struct_size set", fills[f]);
+    expect_uninitialised(&c, what);
+  }
+  sg_config good;
+  if (!CHECK(sg_config_init(&good, sizeof good) == SG_OK, "init")) return;
+  CHECK(run_engine(&good, "initialised") == 0, "an initialised config runs");
+  sg_config copy = good;
+  copy.lr = 0.01f;
+  CHECK(run_engine(&copy, "a copy of an initialised config") == 0, "a copy runs");
+  cfg_buf b;
+  memset(&b, 0xa5, sizeof b); /* a 0.3 caller owns only the bytes before 0.4's block */
+  const size_t v0_3 = offsetof(sg_config, replica_codec);
+  CHECK(sg_config_init(&b.cfg, v0_3) == SG_OK && run_engine(&b.cfg, "0.3-sized") == 0,
+        "a 0.3-sized config (no magic in its layout) still runs");
+}
+
 int main(void) {
   test_sizes();
   test_v0_1_caller();
   test_v0_2_caller();
   test_v0_3_caller();
   test_memory_stats_sizes();
+  test_uninitialised();
   return sg_test_summary("");
 }

@@ -176,15 +176,16 @@ static void test_traffic(void) {
                              0, 0};
       run_case(&k);
     }
-  /* the slow-links modes: codecs (int8, int4) and outer steps (the measured step is the
-   * second: with H = 1 or 2 it is the one that syncs); engines refuse them with one replica */
+  /* the slow-links modes: codecs (int8, int4), outer steps and outer steps with int8 codes
+   * (the measured step is the second: with H = 1 or 2 it is the one that syncs); engines
+   * refuse them with one replica */
   for (int i = 0; i < 5; i++)
-    for (int v = 0; v < 4 && NL[i][0] > 1; v++) {
-      const int codec = v == 0 ? SG_CODEC_INT8 : v == 1 ? SG_CODEC_INT4 : SG_CODEC_NONE;
+    for (int v = 0; v < 5 && NL[i][0] > 1; v++) {
+      const int codec = v == 0 || v == 4 ? SG_CODEC_INT8 : v == 1 ? SG_CODEC_INT4 : SG_CODEC_NONE;
       const layout_case k = {v == 3 ? SG_SHARD_OPT : SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1],
                              NL[i][1], v == 2 ? SG_BF16 : SG_F32, SG_DTYPE_AUTO,
                              v == 3 ? SG_BF16 : SG_F32, buckets[v % 3], 1 + (i + v) % 3,
-                             v == 2, codec, v < 2 ? 0 : v - 1};
+                             v == 2, codec, v < 2 ? 0 : v == 4 ? 2 : v - 1};
       run_case(&k);
     }
 }
@@ -356,6 +357,18 @@ static void test_arguments(void) {
   CHECK(sg_hardware_init(&hw, sizeof hw) == SG_OK, "init");
   sg_step_estimate e = {.struct_size = sizeof e};
   CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &hw, &e) == SG_OK, "the defaults work");
+  /* right-sized but never initialised: zeroed, or a valid-looking copy of another's fields */
+  sg_hardware raw;
+  memset(&raw, 0, sizeof raw);
+  raw.struct_size = sizeof raw;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &raw, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "call sg_hardware_init"),
+        "an sg_hardware never initialised (memset 0) is refused: %s", sg_last_error());
+  memset(&raw, 0xa5, sizeof raw);
+  raw.struct_size = sizeof raw;
+  CHECK(sg_estimate_step(&cfg, k_sizes, NP, 4, 1, &raw, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "call sg_hardware_init"),
+        "an sg_hardware never initialised (garbage) is refused: %s", sg_last_error());
   struct {
     const char *what, *msg;
     sg_hardware h;

@@ -10,6 +10,11 @@
  *    the codec delivered stays within the bound the residuals give (derived at ef_bound),
  *    while without feedback the systematic error would grow S-fold;
  *  - a non-finite gradient on one replica makes every rank skip the step;
+ *  - checkpoints: new engines that load one (also after 4x1 engines loaded it and saved it
+ *    again: every replica's residuals through another node count and size; also with 8-bit
+ *    optimizer state) go on bit for bit as the reference does without a reload; a load at
+ *    fewer nodes (4x1 saved, 2x2 loaded) gives each rank the residuals of the documented rule,
+ *    element by element;
  *  - sg_memory counts the codec's buffers as the formula of DESIGN.md section 3 says, and
  *    sg_estimate_memory agrees;
  *  - bad settings fail at create with a clear message.
@@ -30,6 +35,7 @@
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
 #include "sg_test_mailbox.h" /* mb_group: communicators over the caller's transport */
+#include "sg_test_codec_ref.h" /* ref_reduce: the scheme written out on its own */
 #include "sg_test_state.h"   /* sg_test_mix */
 
 static const size_t k_sizes[] = {700, 4097, 2500, 65};
@@ -38,7 +44,6 @@ static const size_t k_sizes[] = {700, 4097, 2500, 65};
 #define MAXW 8
 #define STEPS 6
 #define EF_STEPS 24
-#define BLK 256
 
 typedef struct {
   const char *name;
@@ -50,7 +55,12 @@ typedef struct {
   sg_strategy strategy;
   int xport; /* ranks over the caller's transport (an in-process mailbox): the point-to-point
                 algorithms MPI uses (src/comm/sg_coll.c), all-to-all included */
-  int reload; /* > 0: sg_save and sg_load after this many steps (the residuals restart at 0) */
+  int reload; /* > 0: after this many steps sg_save, the engines destroyed, new ones made and
+                sg_load: the run goes on bit for bit as without (every residual is in the
+                checkpoint) */
+  int via_l;  /* > 0: between those, engines of N L / via_l replicas x via_l ranks (the same
+                 ranks) load the checkpoint and save it again: another node count and size */
+  int q8;     /* the optimizer's state in 8 bits (its checkpoint sections before the codec's) */
 } tcase;
 
 /* One rank's view of a run: its accumulator before every step and its parameters after. */
@@ -93,7 +103,8 @@ typedef struct {
   const char *dir; /* the checkpoint of tc->reload */
 } run_arg;
 
-static sg_status make_engine(const run_arg *a, sg_comm **shard, sg_comm **rep, sg_engine **e) {
+static sg_status make_engine(const run_arg *a, int l, sg_comm **shard, sg_comm **rep,
+                             sg_engine **e) {
   sg_config cfg;
   sg_config_init(&cfg, sizeof cfg);
   cfg.strategy = a->tc->strategy;
@@ -102,8 +113,12 @@ static sg_status make_engine(const run_arg *a, sg_comm **shard, sg_comm **rep, s
   cfg.lr = 0.01f;
   cfg.timeout_ms = 60000;
   cfg.replica_codec = a->tc->codec;
-  sg_status st = sg_comm_split(a->world, a->rank / a->tc->l, a->rank, shard);
-  if (!st) st = sg_comm_split(a->world, a->rank % a->tc->l, a->rank, rep);
+  if (a->tc->q8) {
+    cfg.optim_state_dtype = SG_Q8;
+    cfg.optim_state_min_numel = 0;
+  }
+  sg_status st = sg_comm_split(a->world, a->rank / l, a->rank, shard);
+  if (!st) st = sg_comm_split(a->world, a->rank % l, a->rank, rep);
   if (!st) st = sg_engine_create_hybrid(*shard, *rep, &cfg, e);
   return st;
 }
@@ -147,13 +162,38 @@ static sg_status one_step(const run_arg *a, sg_engine *e, const int *ids, int s)
   return st;
 }
 
+static void drop_engine(sg_engine **e, sg_comm **shard, sg_comm **rep) {
+  sg_engine_destroy(*e);
+  sg_comm_destroy(*shard);
+  sg_comm_destroy(*rep);
+  *e = NULL, *shard = NULL, *rep = NULL;
+}
+
+/* tc->reload: the checkpoint, loaded by new engines (through engines of another layout first
+ * with tc->via_l), as a resumed run would. */
+static sg_status reload(const run_arg *a, sg_engine **e, sg_comm **shard, sg_comm **rep,
+                        int *ids) {
+  sg_status st = sg_save(*e, a->dir);
+  drop_engine(e, shard, rep);
+  if (!st && a->tc->via_l) {
+    st = make_engine(a, a->tc->via_l, shard, rep, e);
+    if (!st) st = setup(*e, ids);
+    if (!st) st = sg_load(*e, a->dir);
+    if (!st) st = sg_save(*e, a->dir);
+    drop_engine(e, shard, rep);
+  }
+  if (!st) st = make_engine(a, a->tc->l, shard, rep, e);
+  if (!st) st = setup(*e, ids);
+  return st ? st : sg_load(*e, a->dir);
+}
+
 static void *run_thread(void *arg) {
   run_arg *a = arg;
   result *r = a->res;
   sg_comm *shard = NULL, *rep = NULL;
   sg_engine *e = NULL;
   int ids[NP];
-  sg_status st = make_engine(a, &shard, &rep, &e);
+  sg_status st = make_engine(a, a->tc->l, &shard, &rep, &e);
   if (!st) st = setup(e, ids);
   if (!st) {
     r->shard_numel = e->plan->shard_numel;
@@ -166,8 +206,7 @@ static void *run_thread(void *arg) {
     st = sg_memory(e, &r->mem);
   }
   for (int s = 0; s < a->tc->steps && !st; s++) {
-    if (a->tc->reload && s == a->tc->reload) st = sg_save(e, a->dir);
-    if (!st && a->tc->reload && s == a->tc->reload) st = sg_load(e, a->dir);
+    if (a->tc->reload && s == a->tc->reload) st = reload(a, &e, &shard, &rep, ids);
     if (!st) st = one_step(a, e, ids, s);
   }
   r->ok = st == SG_OK;
@@ -189,70 +228,6 @@ typedef struct {
 } ref_state;
 
 static float qmax_of(sg_codec c) { return c == SG_CODEC_INT8 ? 127.0f : 7.0f; }
-
-/* The codes of x[0..m) (one block) decoded, and what they missed added to r (error feedback). */
-static void ref_block(const float *x, float *out, float *r, size_t m, float qmax) {
-  float amax = 0;
-  int bad = 0;
-  for (size_t i = 0; i < m; i++) {
-    if (!isfinite(x[i])) bad = 1;
-    if (fabsf(x[i]) > amax) amax = fabsf(x[i]);
-  }
-  const float s = amax / qmax;
-  for (size_t i = 0; i < m; i++) {
-    float q = s > 0 ? rintf(x[i] / s) : 0.0f;
-    if (q > qmax) q = qmax;
-    if (q < -qmax) q = -qmax;
-    const int code = (int)q; /* what goes on the wire: an integer (no -0) */
-    out[i] = bad ? NAN : (float)code * s;
-    r[i] = bad ? 0.0f : x[i] - out[i];
-  }
-}
-
-/* x + r encoded and decoded block by block into out; r becomes the new residual. */
-static void ref_code(const float *x, float *r, float *out, size_t n, float qmax) {
-  float t[BLK];
-  for (size_t o = 0; o < n; o += BLK) {
-    const size_t m = n - o < BLK ? n - o : BLK;
-    for (size_t i = 0; i < m; i++) t[i] = x[o + i] + r[o + i];
-    ref_block(t, out + o, r + o, m, qmax);
-  }
-}
-
-/* Replica k's chunk of a slice of n values: whole blocks, the first (nblocks % N) one longer. */
-static void ref_chunk(size_t n, int N, int k, size_t *off, size_t *len) {
-  const size_t nb = (n + BLK - 1) / BLK;
-  size_t b0 = 0;
-  for (int j = 0; j < k; j++) b0 += nb / (size_t)N + ((size_t)j < nb % (size_t)N);
-  const size_t nbk = nb / (size_t)N + ((size_t)k < nb % (size_t)N);
-  *off = b0 * BLK < n ? b0 * BLK : n;
-  const size_t end = (b0 + nbk) * BLK < n ? (b0 + nbk) * BLK : n;
-  *len = end - *off;
-}
-
-/* One bucket slice across N replicas: in[i] is replica i's slice (n values), out the sum every
- * replica must hold. r1[i] and r2[i] point at this slice's residuals of replica i. */
-static void ref_reduce(float *const *in, float *const *r1, float *const *r2, int N, size_t n,
-                       float qmax, float *out) {
-  float *dec[MAXW];
-  for (int i = 0; i < N; i++) {
-    dec[i] = malloc(n * sizeof(float));
-    ref_code(in[i], r1[i], dec[i], n, qmax);
-  }
-  for (int k = 0; k < N; k++) {
-    size_t off, len;
-    ref_chunk(n, N, k, &off, &len);
-    float *sum = malloc((len ? len : 1) * sizeof(float));
-    for (size_t e = 0; e < len; e++) {
-      float s = dec[0][off + e];
-      for (int i = 1; i < N; i++) s += dec[i][off + e];
-      sum[e] = s;
-    }
-    ref_code(sum, r2[k], out + off, len, qmax);
-    free(sum);
-  }
-  for (int i = 0; i < N; i++) free(dec[i]);
-}
 
 /* The slice of shard rank j of bucket b of node i's sum (its L ranks' gradients, rank order). */
 static void node_slice(const tcase *tc, const sg__plan *p, int i, int j, int b, int step,
@@ -283,12 +258,7 @@ static void ref_run(const tcase *tc, const sg__plan *p, int j, float **out) {
   }
   float *in[MAXW];
   for (int i = 0; i < N; i++) in[i] = malloc(p->shard_numel * sizeof(float));
-  for (int s = 0; s < tc->steps; s++) {
-    if (tc->reload && s == tc->reload)
-      for (int i = 0; i < N; i++) { /* sg_load: no residuals carried */
-        memset(rs.r1[i], 0, p->shard_numel * sizeof(float));
-        memset(rs.r2[i], 0, r2_len * sizeof(float));
-      }
+  for (int s = 0; s < tc->steps; s++) { /* a reload changes nothing: the residuals go on */
     size_t r2_off = 0;
     for (int b = 0; b < p->nbuckets; b++) {
       const size_t n = sg__plan_slice_numel(p, b), so = p->buckets[b].shard_offset;
@@ -417,6 +387,10 @@ static void check_memory(const tcase *tc, result *res) {
   cfg.strategy = tc->strategy;
   cfg.bucket_bytes = BUCKET_BYTES;
   cfg.shard_ranks = tc->l;
+  if (tc->q8) {
+    cfg.optim_state_dtype = SG_Q8;
+    cfg.optim_state_min_numel = 0;
+  }
   sg_memory_stats exact = {.struct_size = sizeof exact}, coded = {.struct_size = sizeof coded};
   CHECK(sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &exact) == SG_OK, "estimate");
   cfg.replica_codec = tc->codec;
@@ -533,18 +507,136 @@ static void check_errors(void) {
   sg_comm_destroy(one);
 }
 
+/* ---- a load at fewer nodes: the documented rule, element by element ------------------------ */
+
+/* 4 x 1 engines train, save and hand their residuals over (every element's: r1 of each replica,
+ * r2 of its chunk's owner); 2 x 2 engines load, and each rank's residuals must be the rule's:
+ * replica r's r1 the sum of the saved r1 of replicas r and r + 2 (in that order), each
+ * element's r2 the saved one wherever its chunk is now. The residuals are read where the
+ * codec keeps them: the layout's replica buffer, r1 (shard) then r2 (per bucket, from the
+ * start of each replica's chunk region). */
+#define FEW_TOTAL (700 + 4097 + 2500 + 65)
+static float g_r1a[4][FEW_TOTAL], g_r2a[FEW_TOTAL];
+
+static float *resid_of(sg_engine *e) {
+  return (float *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
+}
+
+/* Element e (all parameters, concatenated) of bucket b's slice position p, shard rank j (-1:
+ * padding). */
+static long elem_at(const sg__plan *p, int b, int j, size_t pos) {
+  const size_t f = sg__plan_slice_start(p, b, j) + pos;
+  long off = 0;
+  for (int q = 0; q < NP; off += (long)k_sizes[q], q++)
+    if (f >= p->params[q].offset && f < p->params[q].offset + k_sizes[q])
+      return off + (long)(f - p->params[q].offset);
+  return -1;
+}
+
+/* Visits every (bucket, slice position, element, r1 index, r2 index or -1) of this rank. */
+static int walk(sg_engine *e, int N, int me, int save) {
+  const sg__plan *p = e->plan;
+  const float *r1 = resid_of(e), *r2 = r1 + p->shard_numel;
+  size_t r2_base = 0;
+  int bad = 0;
+  for (int b = 0; b < p->nbuckets; b++) {
+    const size_t n = sg__plan_slice_numel(p, b), nb = (n + BLK - 1) / BLK;
+    size_t off, len;
+    ref_chunk(n, N, me, &off, &len);
+    for (size_t t = 0; t < n; t++) {
+      const long x = elem_at(p, b, e->rank, t);
+      if (x < 0) continue;
+      const float v1 = r1[p->buckets[b].shard_offset + t];
+      const int mine = t >= off && t < off + len;
+      const float v2 = mine ? r2[r2_base + t - off] : 0.0f;
+      if (save) {
+        g_r1a[me][x] = v1;
+        if (mine) g_r2a[x] = v2;
+        continue;
+      }
+      const float want = g_r1a[me][x] + g_r1a[me + 2][x];
+      bad += memcmp(&v1, &want, 4) != 0 || (mine && memcmp(&v2, &g_r2a[x], 4) != 0);
+    }
+    r2_base += (nb + (size_t)N - 1) / (size_t)N * BLK;
+  }
+  return bad;
+}
+
+typedef struct {
+  sg_comm *world;
+  int rank, bad;
+  char dir[64], err[400];
+} fewer_arg;
+
+static void *fewer_thread(void *arg) {
+  fewer_arg *f = arg;
+  static const tcase a4 = {"fewer 4x1", SG_CODEC_INT8, 4, 1, 3, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0};
+  static const tcase b2 = {"fewer 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0};
+  result r;
+  memset(&r, 0, sizeof r);
+  run_arg a = {&a4, f->world, f->rank, &r, f->dir};
+  sg_engine *e = run_thread(&a); /* 3 steps at 4 x 1 */
+  sg_status st = r.ok ? SG_OK : SG_ERR_INTERNAL;
+  if (!st) {
+    (void)walk(e, 4, f->rank, 1);
+    st = sg_save(e, f->dir);
+  }
+  sg_engine_destroy(e);
+  free_result(&a4, &r);
+  sg_comm *shard = NULL, *rep = NULL;
+  int ids[NP];
+  a.tc = &b2;
+  if (!st) st = make_engine(&a, 2, &shard, &rep, &e);
+  if (!st) st = setup(e, ids);
+  if (!st) st = sg_load(e, f->dir);
+  if (!st) f->bad = walk(e, 2, f->rank / 2, 0);
+  if (st)
+    snprintf(f->err, sizeof f->err, "%s: %.300s", sg_status_string(st), r.ok ? sg_last_error() : r.err);
+  else f->err[0] = 0;
+  drop_engine(&e, &shard, &rep);
+  return NULL;
+}
+
+static void check_fewer_nodes(void) {
+  sg_comm *comms[4];
+  if (!CHECK(sg_comm_create_local(4, comms) == SG_OK, "local comm of 4")) return;
+  fewer_arg f[4];
+  char dir[] = "/tmp/sg_codec_fewer_XXXXXX";
+  if (!CHECK(mkdtemp(dir) != NULL, "temp dir")) return;
+  pthread_t th[4];
+  for (int r = 0; r < 4; r++) {
+    f[r] = (fewer_arg){comms[r], r, 0, "", ""};
+    snprintf(f[r].dir, sizeof f[r].dir, "%s", dir);
+    pthread_create(&th[r], NULL, fewer_thread, &f[r]);
+  }
+  for (int r = 0; r < 4; r++) {
+    pthread_join(th[r], NULL);
+    CHECK(!f[r].err[0] && f[r].bad == 0, "4x1 saved, 2x2 loaded: rank %d's residuals are the "
+          "rule's (replica r: saved r and r + 2 summed; r2 to the chunk's owner; %d differ) %s",
+          r, f[r].bad, f[r].err);
+    sg_comm_destroy(comms[r]);
+  }
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  CHECK(system(cmd) == 0, "removed %s", dir);
+}
+
 static const tcase k_cases[] = {
-    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
-    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
-    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0, 0},
-    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
-    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
-    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0},
-    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0},
-    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0, 0},
-    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0},
-    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0},
-    {"int8 2x2 save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3},
+    {"int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 3x2", SG_CODEC_INT8, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 3x1 zero1", SG_CODEC_INT8, 3, 1, STEPS, 0, 0, SG_SHARD_OPT, 0, 0, 0, 0},
+    {"int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int4 3x2", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 feedback 2x2", SG_CODEC_INT8, 2, 2, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int4 feedback 3x1", SG_CODEC_INT4, 3, 1, EF_STEPS, 1, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 nan 2x2", SG_CODEC_INT8, 2, 2, 3, 0, 1, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+    {"int8 2x2 xport", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0, 0, 0},
+    {"int4 3x2 xport", SG_CODEC_INT4, 3, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 1, 0, 0, 0},
+    {"int8 2x2 save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3, 0, 0},
+    {"int4 2x2 save, load+save at 4x1, load", SG_CODEC_INT4, 2, 2, STEPS, 0, 0,
+     SG_SHARD_GRAD_OP, 0, 3, 1, 0},
+    {"int8 2x2 8-bit state save+load", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 3,
+     0, 1},
 };
 
 /* --mpi, under mpirun -np 4 as 2x2: each process one rank, which checks its own summed
@@ -556,8 +648,8 @@ static int run_mpi(void) {
   const int rank = sg_comm_rank(world), size = sg_comm_size(world);
   if (CHECK(size == 4, "run under mpirun -np 4 (got %d ranks)", size)) {
     static const tcase mpi_cases[] = {
-        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
-        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0},
+        {"mpi int8 2x2", SG_CODEC_INT8, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
+        {"mpi int4 2x2", SG_CODEC_INT4, 2, 2, STEPS, 0, 0, SG_SHARD_GRAD_OP, 0, 0, 0, 0},
     };
     for (int c = 0; c < 2; c++) {
       result r;
@@ -580,5 +672,6 @@ int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--mpi")) return run_mpi();
   check_errors();
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
+  check_fewer_nodes();
   return sg_test_summary("test_replica_codec");
 }

@@ -3,14 +3,20 @@
  * engine over that node's L ranks fed the same gradients (the inner steps: each replica trains
  * on its node's gradient, averaged over L), and the test's own outer step every H-th step (the
  * pseudo-gradient po - theta of every replica, summed in replica order in fp32 (through bf16
- * for a bf16 wire, as the all-reduce rounds it), divided by N, a Nesterov momentum step of po,
- * written back into every flat engine with sg_set_param). Checked, bit for bit:
+ * for a bf16 wire, as the all-reduce rounds it; with the int8 codec through the test's own
+ * two-stage scheme, sg_test_codec_ref.h, over each bucket's slices with residuals carried from
+ * one outer step to the next), divided by N, a Nesterov momentum step of po, written back into
+ * every flat engine with sg_set_param). Checked, bit for bit:
  *  - after every step each rank's parameters are its node's flat engine's;
  *  - after every outer step every rank of every node holds the same parameters, and between
  *    outer steps the nodes differ (nothing is summed across them);
  *  - sg_memory agrees with sg_estimate_memory and counts the outer state (2 x shard fp32);
- *  - sg_save and sg_load at an outer step: the run goes on from replica 0's state (its AdamW
- *    moments on every replica) with the outer momentum at 0;
+ *  - sg_save, new engines and sg_load, at an outer step or between (and through engines of
+ *    another node count and size that load and save again): the run goes on bit for bit with
+ *    the outer parameters, momentum and position in the period kept, from replica 0's inner
+ *    state (its parameters and AdamW moments on every replica, as the reference does);
+ *  - a checkpoint without the outer state (of an engine without outer steps): a new period
+ *    from the loaded parameters with zero momentum;
  *  - bad settings fail at create with a clear message.
  * Usage: test_replica_outer --local */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
@@ -20,12 +26,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/sg_elem.h" /* bf16 rounding of the reference's wire */
+#include "../kernels/sg_elem.h"       /* bf16 rounding of the reference's wire */
+#include "engine/sg_engine_internal.h" /* e->plan: the slices the codec's blocks follow */
 #include "shardgrad.h"
 
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
-#include "sg_test_state.h" /* sg_test_mix */
+#include "sg_test_codec_ref.h" /* ref_reduce: the codec's scheme */
+#include "sg_test_state.h"     /* sg_test_mix */
 
 static const size_t k_sizes[] = {700, 4097, 65};
 #define NP ((int)(sizeof k_sizes / sizeof k_sizes[0]))
@@ -38,8 +46,10 @@ typedef struct {
   int n, l, h, steps;
   sg_dtype wire;
   double lr, mu;
-  int reload; /* > 0: sg_save and sg_load of the hybrid engines before this step (a multiple of
-                 H: the outer step's parameters; the outer momentum restarts at 0) */
+  int reload; /* > 0: sg_save of the hybrid engines before this step, new engines, sg_load */
+  int via_l;  /* > 0: between those, engines of N L / via_l replicas x via_l ranks load and save */
+  int fresh;  /* 1: the new engines load node 0's flat checkpoint instead (no outer state) */
+  sg_codec codec; /* SG_CODEC_INT8: the pseudo-gradient through the int8 codec */
 } tcase;
 
 typedef struct {
@@ -64,6 +74,11 @@ typedef struct {
   int rank;
   result *res;
   float po[TOTAL], m[TOTAL]; /* the reference's outer state (every rank computes it whole) */
+  /* with a codec: the hybrid engine's plan (the slices), flat index -> index into TOTAL (-1:
+   * padding), and every replica's residuals by flat index (r2: from each slice's start) */
+  const sg__plan *plan;
+  int *fmap;
+  float *r1[MAXW], *r2[MAXW];
 } run_arg;
 
 static float grad_val(int rank, int step, int p, size_t i) {
@@ -83,6 +98,7 @@ static void fill_config(const tcase *tc, sg_config *cfg, int outer) {
   cfg->replica_reduce_dtype = tc->wire;
   if (!outer) return;
   cfg->outer_every = tc->h;
+  cfg->replica_codec = tc->codec;
   cfg->outer_lr = tc->lr;
   cfg->outer_momentum = tc->mu;
 }
@@ -133,18 +149,55 @@ static float wire_round(const tcase *tc, float x) {
   return tc->wire == SG_BF16 ? sg_elem_bf16_to_f32(sg_elem_f32_to_bf16(x)) : x;
 }
 
+/* The codec's sum of every node's pseudo-gradient, slice by slice of every shard rank j and
+ * bucket b (padding: 0), into sum (TOTAL). */
+static void ref_coded_sum(run_arg *a, float *sum) {
+  const tcase *tc = a->sh->tc;
+  const sg__plan *p = a->plan;
+  float *in[MAXW], *r1[MAXW], *r2[MAXW];
+  float *out = malloc(p->max_bucket_numel * sizeof(float));
+  for (int k = 0; k < tc->n; k++) in[k] = malloc(p->max_bucket_numel * sizeof(float));
+  for (int j = 0; j < p->world; j++)
+    for (int b = 0; b < p->nbuckets; b++) {
+      const size_t n = sg__plan_slice_numel(p, b), f0 = sg__plan_slice_start(p, b, j);
+      for (int k = 0; k < tc->n; k++) {
+        for (size_t t = 0; t < n; t++) {
+          const int i = a->fmap[f0 + t];
+          in[k][t] = i < 0 ? 0.0f : a->po[i] - a->sh->node[k][i];
+        }
+        r1[k] = a->r1[k] + f0;
+        r2[k] = a->r2[k] + f0;
+      }
+      ref_reduce(in, r1, r2, tc->n, n, 127.0f, out);
+      for (size_t t = 0; t < n; t++)
+        if (a->fmap[f0 + t] >= 0) sum[a->fmap[f0 + t]] = out[t];
+    }
+  for (int k = 0; k < tc->n; k++) free(in[k]);
+  free(out);
+}
+
 /* The reference's outer step over every node's parameters; theta receives the result. */
 static void ref_outer(run_arg *a, float *theta) {
   const tcase *tc = a->sh->tc;
   const float lr = (float)tc->lr, mu = (float)tc->mu;
+  static _Thread_local float coded[TOTAL];
+  if (tc->codec) ref_coded_sum(a, coded);
   for (size_t i = 0; i < TOTAL; i++) {
     float sum = wire_round(tc, a->po[i] - a->sh->node[0][i]);
     for (int k = 1; k < tc->n; k++) sum += wire_round(tc, a->po[i] - a->sh->node[k][i]);
+    if (tc->codec) sum = coded[i];
     const float d = wire_round(tc, sum) / (float)tc->n;
     a->m[i] = mu * a->m[i] + d;
     a->po[i] = a->po[i] - lr * (d + mu * a->m[i]);
     theta[i] = a->po[i];
   }
+}
+
+/* Step s ends an outer period: H steps after the last outer step, the first one H steps
+ * after the start, or after a load of a checkpoint without the outer state. */
+static int outer_at(const tcase *tc, int s) {
+  const int p0 = tc->fresh && s >= tc->reload ? tc->reload : 0;
+  return (s + 1 - p0) % tc->h == 0;
 }
 
 static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int s) {
@@ -154,7 +207,7 @@ static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int
   sg_status st = feed_and_step(flat, ids, a->rank, s);
   if (!st) st = read_all(flat, ids, ref);
   if (st) return st; /* the others then wait at the barrier: ctest's timeout ends the run */
-  if ((s + 1) % tc->h != 0) return SG_OK;
+  if (!outer_at(tc, s)) return SG_OK;
   if (a->rank % tc->l == 0) memcpy(a->sh->node[node], ref, sizeof(float) * TOTAL);
   pthread_barrier_wait(&a->sh->bar);
   ref_outer(a, ref);
@@ -162,19 +215,76 @@ static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int
   return write_all(flat, ids, ref);
 }
 
-/* The hybrid engines save and load: the checkpoint is replica 0's (its ranks write), so every
- * replica goes on with replica 0's AdamW moments too. The reference does the same: node 0's flat
- * engines save, every node's load that; the outer momentum restarts at 0. */
-static sg_status reload(run_arg *a, sg_engine *e, sg_engine *flat) {
+static sg_status make_hybrid(run_arg *a, int l, sg_comm **shard, sg_comm **rep, sg_engine **e,
+                             int *ids) {
+  sg_config cfg;
+  fill_config(a->sh->tc, &cfg, 1);
+  sg_status st = sg_comm_split(a->world, a->rank / l, a->rank, shard);
+  if (!st) st = sg_comm_split(a->world, a->rank % l, a->rank, rep);
+  if (!st) st = sg_engine_create_hybrid(*shard, *rep, &cfg, e);
+  return st ? st : setup(*e, ids);
+}
+
+static void drop_hybrid(sg_engine **e, sg_comm **shard, sg_comm **rep) {
+  sg_engine_destroy(*e);
+  sg_comm_destroy(*shard);
+  sg_comm_destroy(*rep);
+  *e = NULL, *shard = NULL, *rep = NULL;
+}
+
+/* The hybrid engines save, and new ones load (tc->via_l: through engines of another layout
+ * that load and save again): the checkpoint is replica 0's (its ranks write), so every replica
+ * goes on with replica 0's parameters and AdamW moments, and with the outer state and position
+ * saved. The reference does the same: node 0's flat engines save, every node's load that; its
+ * outer state goes on (tc->fresh: the new engines load that flat checkpoint, and the
+ * reference's outer period begins again there, from the loaded parameters, momentum 0). */
+static sg_status reload(run_arg *a, sg_engine **e, sg_comm **shard, sg_comm **rep, int *ids,
+                        sg_engine *flat, const int *fids) {
+  const tcase *tc = a->sh->tc;
   char fdir[80];
   snprintf(fdir, sizeof fdir, "%s/flat", a->sh->dir);
-  sg_status st = sg_save(e, a->sh->dir);
-  if (!st) st = sg_load(e, a->sh->dir);
-  if (!st && a->rank < a->sh->tc->l) st = sg_save(flat, fdir);
+  sg_status st = sg_save(*e, a->sh->dir);
+  if (!st && a->rank < tc->l) st = sg_save(flat, fdir);
   pthread_barrier_wait(&a->sh->bar);
+  drop_hybrid(e, shard, rep);
+  if (!st && tc->via_l) {
+    st = make_hybrid(a, tc->via_l, shard, rep, e, ids);
+    if (!st) st = sg_load(*e, a->sh->dir);
+    if (!st) st = sg_save(*e, a->sh->dir);
+    drop_hybrid(e, shard, rep);
+  }
+  if (!st) st = make_hybrid(a, tc->l, shard, rep, e, ids);
+  if (!st) st = sg_load(*e, tc->fresh ? fdir : a->sh->dir);
   if (!st) st = sg_load(flat, fdir);
-  memset(a->m, 0, sizeof a->m);
+  if (!st && tc->fresh) {
+    memset(a->m, 0, sizeof a->m);
+    st = read_all(flat, fids, a->po);
+  }
   return st;
+}
+
+/* The reference codec's view of the hybrid engine's plan, and its residuals (zero). */
+static int ref_codec_init(run_arg *a, const sg__plan *p) {
+  a->plan = p;
+  a->fmap = malloc(p->total_numel * sizeof *a->fmap);
+  if (!a->fmap) return 0;
+  for (size_t f = 0; f < p->total_numel; f++) a->fmap[f] = -1;
+  for (int id = 0, off = 0; id < NP; off += (int)k_sizes[id], id++)
+    for (size_t i = 0; i < k_sizes[id]; i++) a->fmap[p->params[id].offset + i] = off + (int)i;
+  for (int k = 0; k < a->sh->tc->n; k++) {
+    a->r1[k] = calloc(p->total_numel, sizeof(float));
+    a->r2[k] = calloc(p->total_numel, sizeof(float));
+    if (!a->r1[k] || !a->r2[k]) return 0;
+  }
+  return 1;
+}
+
+static void ref_codec_free(run_arg *a) {
+  free(a->fmap);
+  for (int k = 0; k < MAXW; k++) free(a->r1[k]), free(a->r2[k]);
+  memset(a->r1, 0, sizeof a->r1);
+  memset(a->r2, 0, sizeof a->r2);
+  a->fmap = NULL;
 }
 
 static void *run_thread(void *arg) {
@@ -183,15 +293,12 @@ static void *run_thread(void *arg) {
   sg_comm *shard = NULL, *rep = NULL, *node = NULL;
   sg_engine *e = NULL, *flat = NULL;
   int ids[NP], fids[NP];
-  sg_config cfg, fcfg;
-  fill_config(tc, &cfg, 1);
+  sg_config fcfg;
   fill_config(tc, &fcfg, 0);
-  sg_status st = sg_comm_split(a->world, a->rank / tc->l, a->rank, &shard);
-  if (!st) st = sg_comm_split(a->world, a->rank % tc->l, a->rank, &rep);
+  sg_status st = make_hybrid(a, tc->l, &shard, &rep, &e, ids);
+  if (!st && !ref_codec_init(a, e->plan)) st = SG_ERR_OUT_OF_MEMORY;
   if (!st) st = sg_comm_split(a->world, a->rank / tc->l, a->rank, &node);
-  if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = sg_engine_create(node, &fcfg, &flat);
-  if (!st) st = setup(e, ids);
   if (!st) st = setup(flat, fids);
   for (size_t i = 0, p = 0, off = 0; i < TOTAL; i++) {
     if (i - off == k_sizes[p]) off += k_sizes[p++];
@@ -201,11 +308,13 @@ static void *run_thread(void *arg) {
   a->res->mem.struct_size = sizeof a->res->mem;
   if (!st) st = sg_memory(e, &a->res->mem);
   for (int s = 0; s < tc->steps && !st; s++) {
-    if (tc->reload && s == tc->reload) st = reload(a, e, flat);
+    if (tc->reload && s == tc->reload) st = reload(a, &e, &shard, &rep, ids, flat, fids);
+    if (!st) a->plan = e->plan; /* a new engine's after a reload: the same slices */
     if (!st) st = feed_and_step(e, ids, a->rank, s);
     if (!st) st = read_all(e, ids, a->res->param[s]);
     if (!st) st = reference_step(a, flat, fids, s);
   }
+  ref_codec_free(a);
   a->res->ok = st == SG_OK;
   if (st) snprintf(a->res->err, sizeof a->res->err, "%s: %s", sg_status_string(st), sg_last_error());
   sg_engine_destroy(e);
@@ -223,13 +332,17 @@ static void check_memory(const tcase *tc, const result *res) {
   sg_memory_stats with = {.struct_size = sizeof with}, without = {.struct_size = sizeof without};
   sg_status s1 = sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &with);
   cfg.outer_every = 0;
+  cfg.replica_codec = SG_CODEC_NONE;
   sg_status s2 = sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &without);
   CHECK(s1 == SG_OK && s2 == SG_OK && with.comm_bytes == res->mem.comm_bytes &&
             with.total_bytes == res->mem.total_bytes,
         "[%s] sg_memory agrees with sg_estimate_memory (%zu comm bytes)", tc->name,
         with.comm_bytes);
   const size_t outer = with.comm_bytes - without.comm_bytes;
-  CHECK(outer >= 8 * with.shard_numel && outer <= 8 * with.shard_numel + 4 * with.shard_numel + 4096,
+  const size_t codec = tc->codec ? 4 * with.shard_numel : 0; /* at least the first residuals */
+  const size_t slack = tc->codec ? 4 * with.shard_numel : 0; /* r2 and the exchange buffers */
+  CHECK(outer >= 8 * with.shard_numel + codec &&
+            outer <= 8 * with.shard_numel + 4 * with.shard_numel + codec + slack + 4096,
         "[%s] the outer state is counted: %zu comm bytes for a shard of %zu", tc->name, outer,
         with.shard_numel);
 }
@@ -261,12 +374,12 @@ static void run_case(const tcase *tc) {
     for (int s = 0; s < tc->steps; s++)
       CHECK(!memcmp(res[r].param[s], res[r].ref[s], sizeof res[r].ref[s]),
             "[%s] rank %d step %d: the parameters are the reference's%s", tc->name, r, s,
-            (s + 1) % tc->h ? "" : " (an outer step)");
+            outer_at(tc, s) ? " (an outer step)" : "");
   for (int s = 0; s < tc->steps && ok; s++) {
     int same = 1;
     for (int r = 1; r < w; r++) same &= !memcmp(res[r].param[s], res[0].param[s], sizeof res[0].param[s]);
-    CHECK(same == ((s + 1) % tc->h == 0), "[%s] step %d: the ranks hold %s parameters", tc->name,
-          s, (s + 1) % tc->h ? "their node's own" : "the same");
+    CHECK(same == outer_at(tc, s), "[%s] step %d: the ranks hold %s parameters", tc->name, s,
+          outer_at(tc, s) ? "the same" : "their node's own");
   }
   if (ok) check_memory(tc, &res[0]);
   for (int r = 0; r < w; r++) sg_comm_destroy(comms[r]);
@@ -304,9 +417,9 @@ static void check_errors(void) {
             strstr(sg_last_error(), "outer_momentum"), "momentum 1 is refused: %s",
         sg_last_error());
   cfg.outer_momentum = 0.9;
-  cfg.replica_codec = SG_CODEC_INT8;
+  cfg.replica_codec = SG_CODEC_INT4;
   CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_UNSUPPORTED &&
-            strstr(sg_last_error(), "replica_codec"), "outer steps with a codec: %s",
+            strstr(sg_last_error(), "SG_CODEC_INT8"), "outer steps with the 4-bit codec: %s",
         sg_last_error());
   cfg.replica_codec = SG_CODEC_NONE;
   if (CHECK(sg_comm_create_local(1, &one[1]) == SG_OK, "comm")) {
@@ -364,10 +477,18 @@ static void check_outer_lr_agreement(void) {
 }
 
 static const tcase k_cases[] = {
-    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0},
-    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0},
-    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0},
-    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4},
+    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE},
+    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE},
+    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_NONE},
+    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4, 0, 0, SG_CODEC_NONE},
+    {"2x2 H=3 save at step 4, load+save at 4x1, load", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4, 1, 0,
+     SG_CODEC_NONE},
+    {"2x2 H=3 load at step 4 without outer state", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4, 0, 1,
+     SG_CODEC_NONE},
+    {"2x2 H=2 int8", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_INT8},
+    {"3x2 H=1 int8 lr 1 no momentum", 3, 2, 1, 4, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_INT8},
+    {"2x2 H=2 int8 save at step 3, load+save at 4x1, load", 2, 2, 2, 8, SG_F32, 0.7, 0.9, 3, 1,
+     0, SG_CODEC_INT8},
 };
 
 int main(void) {

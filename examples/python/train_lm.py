@@ -47,7 +47,7 @@ cuda:0, each with its own CUDA stream (as one process per GPU would have its own
 backward and step run inside `with torch.cuda.stream(s)`, and ShardedAdamW orders the library's
 work after that stream. Under mpirun each process takes GPU (local rank mod GPU count). With
 several ranks as threads ShardedAdamW hands the gradients over at step() instead of during the
-backward pass (see shardgrad/torch.py), so --trace shows no overlap there.
+backward pass (see shardgrad/torch/, the package text), so --trace shows no overlap there.
 
 --hybrid N: the ranks as N nodes of consecutive ranks (Comm.split_nodes); ShardedAdamW shards
 inside a node (the shard communicator) and is replicated across nodes (replica_comm): each

@@ -20,6 +20,36 @@ from .errors import (CommError, CorruptError, CudaError, InternalError, InvalidA
 from .tracing import trace_overlap
 
 
+# Comm.from_torch, Engine.param_tensor and Engine.grad_tensor come from the torch package
+# (shardgrad.torch.comm, shardgrad.torch.views): core.py and the ctypes layer under it import
+# no tensor framework. Attached here, the package's front door, they import shardgrad.torch on
+# their first call, so that `sg.Comm.from_torch()` works without `import shardgrad.torch` and
+# `import shardgrad` never imports torch.
+def _from_torch(cls, group=None):
+    """Collective: a communicator with the ranks of an initialized torch.distributed group
+    (default: the world); NCCL, MPI (under mpirun) or a transport over the group itself.
+    See shardgrad.torch.comm.comm_from_torch."""
+    from .torch.comm import comm_from_torch
+    return comm_from_torch(group)
+
+
+def _param_tensor(self, pid):
+    """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines).
+    After a step with overlap_param_gather, param_wait(pid) before reading it."""
+    from .torch.views import param_tensor
+    return param_tensor(self, pid)
+
+
+def _grad_tensor(self, pid):
+    """Zero-copy torch view of the gradient slot of `pid`, valid until grad_ready(pid)."""
+    from .torch.views import grad_tensor
+    return grad_tensor(self, pid)
+
+
+Comm.from_torch = classmethod(_from_torch)
+Engine.param_tensor = _param_tensor
+Engine.grad_tensor = _grad_tensor
+
 
 def __getattr__(name):
     # __version__ is the loaded library's (sg_version(): include/shardgrad.h, the one place the

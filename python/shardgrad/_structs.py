@@ -112,6 +112,10 @@ class SgConfig(ctypes.Structure):
         ("outer_momentum", ctypes.c_double),
         ("optim_state_dtype", ctypes.c_int),
         ("optim_state_min_numel", ctypes.c_int),
+        # written by sg_config_init, never by hand: a config of this layout whose magic is not
+        # the library's was never initialised and every call refuses it (Config always starts
+        # from sg_config_init, and copy() copies the whole struct)
+        ("magic", ctypes.c_uint64),
     ]
 
 
@@ -198,6 +202,7 @@ class SgHardware(ctypes.Structure):
         ("pcie_bytes_per_s", ctypes.c_double),
         ("overlap", ctypes.c_double * LEVELS),
         ("handover_s_per_byte", ctypes.c_double),
+        ("magic", ctypes.c_uint64),  # written by sg_hardware_init, never by hand
     ]
 
 

@@ -85,7 +85,7 @@ _ENUM_FIELDS = {
 _INT_TYPES = {ctypes.c_int: (-2**31, 2**31 - 1), ctypes.c_size_t: (0, 2**64 - 1),
               ctypes.c_uint64: (0, 2**64 - 1)}
 FIELDS = tuple(name for name, _ in SgConfig._fields_
-               if name != "struct_size" and not name.startswith("reserved"))
+               if name not in ("struct_size", "magic") and not name.startswith("reserved"))
 _FIELD_TYPES = dict(SgConfig._fields_)
 _BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overlap_param_gather",
                 "offload_optimizer")
@@ -96,7 +96,8 @@ _NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
 # Published sizes of sg_config, newest first (include/shardgrad.h, "Appending"): 0.2's, then
 # 0.1's (0.1 ended at timeout_ms plus tail padding, where 0.2's overlap_param_gather went).
 # 0.3 appended a block after reserved_0_2, so its fields lie past 0.2's struct_size; 0.4 one
-# after reserved_0_3 (replica_codec .. optim_state_min_numel).
+# after reserved_0_3 (replica_codec .. optim_state_min_numel, then the magic that
+# sg_config_init writes, which the older layouts do not have).
 _SIZES = (ctypes.sizeof(SgConfig), SgConfig.replica_codec.offset, SgConfig.offload_optimizer.offset,
           SgConfig.reserved_0_2.offset)
 

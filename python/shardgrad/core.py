@@ -6,7 +6,6 @@ import ctypes
 import dataclasses
 import math
 import os
-import sys
 import threading
 import weakref
 
@@ -132,14 +131,6 @@ class Comm:
         h = ctypes.c_void_p()
         _call("sg_comm_create_nccl_mpi", ptr, ctypes.byref(h))
         return cls(h.value, "nccl")
-
-    @classmethod
-    def from_torch(cls, group=None):
-        """Collective: a communicator with the ranks of an initialized torch.distributed group
-        (default: the world); NCCL, MPI (under mpirun) or a transport over the group itself.
-        See shardgrad.torch.comm_from_torch."""
-        from .torch import comm_from_torch
-        return comm_from_torch(group)
 
     @staticmethod
     def nccl_unique_id():
@@ -389,40 +380,10 @@ def _host_buffer(ptr, nbytes, owner):
     return buf
 
 
-class _CudaArray:
-    """Just enough __cuda_array_interface__ for torch.as_tensor / cupy / numba."""
-
-    def __init__(self, ptr, shape, typestr, owner):
-        self._owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 2,
-            "strides": None, "stream": None}
-
-
-_TORCH_DTYPE_NAMES = {DType.F32: "float32", DType.BF16: "bfloat16", DType.F16: "float16"}
-
-
-def _torch_view(ptr, numel, dtype, shape, device, owner):
-    import torch
-    tdt = getattr(torch, _TORCH_DTYPE_NAMES[dtype])
-    if device == Device.CUDA:
-        # CUDA array interface has no bf16 type string: view the bits as int16.
-        typestr = {DType.F32: "<f4", DType.BF16: "<i2", DType.F16: "<f2"}[dtype]
-        t = torch.as_tensor(_CudaArray(ptr, (numel,), typestr, owner), device="cuda")
-        if dtype == DType.BF16:
-            t = t.view(torch.bfloat16)
-        return t.view(shape)
-    buf = _host_buffer(ptr, numel * _ITEMSIZE[dtype], owner)
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t = torch.frombuffer(buf, dtype=tdt, count=numel)
-    return t.view(shape)
-
-
 def _is_tensor(x):
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    """A framework tensor (torch's), told by what is used of it: its address, detach and
+    contiguity; this module imports no framework."""
+    return all(hasattr(x, a) for a in ("data_ptr", "detach", "is_contiguous", "device"))
 
 
 def _src_pointer(src, numel, what, dtype=None, device=Device.CPU):
@@ -477,8 +438,9 @@ class Engine:
             e.set_param(w, init)
             ...  e.grad_add(w, g) ... e.step()
 
-    Views returned by param()/grad() and their torch variants point into library memory: they
-    keep the Engine object alive, but must not be used after close(). With
+    Views returned by param()/grad() and their torch variants (param_tensor()/grad_tensor(),
+    which shardgrad.torch.views provides) point into library memory: they keep the Engine
+    object alive, but must not be used after close(). With
     overlap_param_gather=1, step() returns while the parameters are still being all-gathered:
     call param_wait(pid) (or param_wait() for all) before reading a view after a step.
 
@@ -681,22 +643,12 @@ class Engine:
         buf = _host_buffer(ptr, n * _ITEMSIZE[dtype], self)
         return np.frombuffer(buf, dtype=_NP_DTYPE[dtype], count=n).reshape(self._shapes[pid])
 
-    def _tensor_view(self, ptr, pid, dtype):
-        """Zero-copy torch tensor of numel(pid) elements of dtype at ptr on the engine's device."""
-        return _torch_view(ptr, self._numels[pid], dtype, self._shapes[pid], self._device, self)
-
     def param(self, pid):
         """Zero-copy NumPy view of working parameter `pid` (bf16 as uint16). CPU only. After a
         step with overlap_param_gather, param_wait(pid) before reading it."""
         pid = self._check_id(pid)
         self._need_host("param")
         return self._host_view(self.param_ptr(pid), pid, self._pdtype)
-
-    def param_tensor(self, pid):
-        """Zero-copy torch tensor of working parameter `pid` (CPU, or CUDA for CUDA engines).
-        After a step with overlap_param_gather, param_wait(pid) before reading it."""
-        pid = self._check_id(pid)
-        return self._tensor_view(self.param_ptr(pid), pid, self._pdtype)
 
     def set_param(self, pid, src, dtype=None):
         """Sets working parameter and this rank's master fragments from host memory."""
@@ -756,11 +708,6 @@ class Engine:
         pid = self._check_id(pid)
         self._need_host("grad")
         return self._host_view(self.grad_ptr(pid), pid, self._gdtype)
-
-    def grad_tensor(self, pid):
-        """Zero-copy torch view of the gradient slot of `pid`, valid until grad_ready(pid)."""
-        pid = self._check_id(pid)
-        return self._tensor_view(self.grad_ptr(pid), pid, self._gdtype)
 
     def grad_ready(self, pid):
         _call("sg_grad_ready", self.handle, self._check_id(pid))

@@ -26,7 +26,7 @@ from . import _lib
 from ._structs import ALGO_HOST, ALGO_RING, SgHardware, SgStepEstimate
 from .config import Config
 from .core import Comm, Engine, _call, estimate_memory
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, ShardgradError
 
 __all__ = ["Hardware", "StepEstimate", "estimate_step", "llama_numels", "module_numels",
            "safetensors_numels", "layouts", "probe", "main"]
@@ -209,33 +209,61 @@ def _dtype_kwargs(dtype):
     return {"param_dtype": dtype, "grad_dtype": dtype}
 
 
-def _candidates(hw, world, dtype, device, buckets):
-    """(label, config kwargs) of every layout the engine offers on this cluster."""
+# The replica modes a hybrid layout can take: (label, config kwargs, what it costs in quality).
+# The quality column is what docs/slow-links.md measured, not something the model predicts.
+_REPLICA_MODES = (
+    ("hybrid f32", {"replica_reduce_dtype": "f32"}, "exact"),
+    ("hybrid bf16", {"replica_reduce_dtype": "bf16"}, "exact (bf16 wire)"),
+    ("hybrid int8", {"replica_codec": "int8"}, "int8 + error feedback"),
+    ("hybrid int4", {"replica_codec": "int4"}, "4-bit + error feedback"),
+    ("DiLoCo H=8", {"outer_every": 8, "replica_reduce_dtype": "bf16"}, "outer steps, H=8"),
+    ("DiLoCo H=32", {"outer_every": 32, "replica_reduce_dtype": "bf16"}, "outer steps, H=32"),
+    ("DiLoCo8 int8", {"outer_every": 8, "replica_codec": "int8"}, "outer steps, H=8, int8 + EF"),
+)
+
+
+def _candidates(hw, world, dtype, device, buckets, states=("f32",)):
+    """(label, config kwargs, quality) of every layout the engine offers on this cluster."""
     L = max(1, hw.ranks_per_node)
     hybrid = hw.nodes > 1 and L > 1 and world % L == 0
     for strategy in ("no_shard", "shard_opt", "shard_grad_op"):
-        layouts = [("flat", {})]
+        layouts = [("flat", {}, "exact")]
         if hybrid and strategy != "no_shard":
-            layouts += [("hybrid f32", {"shard_ranks": L, "replica_reduce_dtype": "f32"}),
-                        ("hybrid bf16", {"shard_ranks": L, "replica_reduce_dtype": "bf16"})]
+            layouts += [(name, dict(kw, shard_ranks=L), q) for name, kw, q in _REPLICA_MODES]
         offloads = [0, 1] if device == "cuda" and strategy != "no_shard" else [0]
-        for name, lk in layouts:
-            for off in offloads:
-                for b in buckets:
-                    kw = dict(strategy=strategy, device=device, bucket_bytes=int(b * (1 << 20)),
-                              offload_optimizer=off, overlap_param_gather=1, **lk)
-                    kw.update(_dtype_kwargs(dtype))
-                    yield name, kw
+        for name, lk, quality in layouts:
+            for state in states:
+                for off in offloads:
+                    for b in buckets:
+                        kw = dict(strategy=strategy, device=device,
+                                  bucket_bytes=int(b * (1 << 20)), offload_optimizer=off,
+                                  overlap_param_gather=1, optim_state_dtype=state, **lk)
+                        kw.update(_dtype_kwargs(dtype))
+                        yield name, kw, quality
+
+
+def _unsupported(kw):
+    """Why the engine would refuse this layout at create today, or "" (the planner still
+    predicts it): the codecs and outer steps run on the CPU device only (sg_replica_select.c)."""
+    if kw.get("device") == "cuda" and (kw.get("replica_codec") or kw.get("outer_every")):
+        return "CPU device only today"
+    return ""
 
 
 def layouts(numels, hw, world, microbatches, dtype="f32", device="cpu", buckets=(8, 32, 128),
-            device_gib=None, host_gib=None, reserve_gib=0.0):
-    """Every layout with its memory per rank and predicted step, fastest first; rows that do not
-    fit in device_gib (minus reserve_gib for activations) or host_gib per rank say why."""
+            device_gib=None, host_gib=None, reserve_gib=0.0, states=("f32",)):
+    """Every layout with its memory per rank and predicted step, fastest first: first those that
+    fit and run, then those that fit but the engine does not run yet (`runs` says why), then
+    those that do not fit in device_gib (minus reserve_gib for activations) or host_gib per
+    rank (`why` says why). Layouts the library's config check refuses are left out.
+    states: the optimizer-state formats to try ("f32", "q8")."""
     rows = []
-    for name, kw in _candidates(hw, world, dtype, device, buckets):
+    for name, kw, quality in _candidates(hw, world, dtype, device, buckets, states):
         cfg = Config(validate=False, **kw)
-        mem = estimate_memory(numels, world, cfg)
+        try:
+            mem = estimate_memory(numels, world, cfg)
+        except ShardgradError:
+            continue  # the library's config check refuses it: nothing to predict
         est = estimate_step(numels, world, microbatches, hw, cfg)
         dev = mem.total_bytes / GiB
         host = getattr(mem, "host_bytes", 0) / GiB
@@ -244,9 +272,10 @@ def layouts(numels, hw, world, microbatches, dtype="f32", device="cpu", buckets=
             why.append("device %.1f + %.1f GiB > %.1f" % (dev, reserve_gib, device_gib))
         if host_gib is not None and host > host_gib:
             why.append("host %.1f GiB > %.1f" % (host, host_gib))
-        rows.append({"layout": name, "config": kw, "device_gib": dev, "host_gib": host,
-                     "fits": not why, "why": "; ".join(why), "estimate": est})
-    rows.sort(key=lambda r: (not r["fits"], r["estimate"]["step_s"]))
+        rows.append({"layout": name, "config": kw, "quality": quality, "device_gib": dev,
+                     "host_gib": host, "fits": not why, "why": "; ".join(why),
+                     "runs": _unsupported(kw), "estimate": est})
+    rows.sort(key=lambda r: (not r["fits"], bool(r["runs"]), r["estimate"]["step_s"]))
     return rows
 
 
@@ -254,7 +283,8 @@ def best_per_layout(rows):
     """The first (best) row of each layout, strategy and offload setting: its best bucket."""
     seen, out = set(), []
     for r in rows:
-        k = (r["layout"], r["config"]["strategy"], r["config"]["offload_optimizer"])
+        k = (r["layout"], r["config"]["strategy"], r["config"]["offload_optimizer"],
+             r["config"].get("optim_state_dtype", "f32"))
         if k not in seen:
             seen.add(k)
             out.append(r)
@@ -263,21 +293,44 @@ def best_per_layout(rows):
 
 def _strategy_label(kw):
     s = {"no_shard": "NO_SHARD", "shard_opt": "SHARD_OPT", "shard_grad_op": "ZeRO-2"}
-    return s[kw["strategy"]] + (" +offload" if kw.get("offload_optimizer") else "")
+    return (s[kw["strategy"]] + (" +offload" if kw.get("offload_optimizer") else "")
+            + (" +q8" if kw.get("optim_state_dtype", "f32") == "q8" else ""))
+
+
+def _fits_label(r):
+    if not r["fits"]:
+        return "no: " + r["why"]
+    return "yes" + (" (%s)" % r["runs"] if r["runs"] else "")
 
 
 def format_rows(rows, top):
-    head = ("%-12s %-18s %6s %9s %8s %9s %9s %9s %9s %8s %8s  %s"
+    head = ("%-12s %-23s %6s %9s %8s %9s %9s %9s %9s %8s %8s  %s"
             % ("layout", "strategy", "bucket", "dev GiB", "host GiB", "step s", "compute",
                "x-node", "in-node", "optim", "copies", "fits"))
     lines = [head]
     for r in rows[:top]:
         e, kw = r["estimate"], r["config"]
-        lines.append("%-12s %-18s %5dM %9.2f %8.2f %9.3f %9.3f %9.3f %9.3f %8.3f %8.3f  %s"
+        lines.append("%-12s %-23s %5dM %9.2f %8.2f %9.3f %9.3f %9.3f %9.3f %8.3f %8.3f  %s"
                      % (r["layout"], _strategy_label(kw), kw["bucket_bytes"] >> 20,
                         r["device_gib"], r["host_gib"], e["step_s"], e["compute_s"],
                         e["exposed_net_s"], e["exposed_node_s"], e["optim_s"], e["copy_s"],
-                        "yes" if r["fits"] else "no: " + r["why"]))
+                        _fits_label(r)))
+    return "\n".join(lines)
+
+
+def markdown_rows(rows, top):
+    """The rows as a Markdown table (docs/planner.md's tables are this output)."""
+    lines = ["| layout | strategy | bucket | device GiB/rank | host GiB/rank | fits | step s | "
+             "compute | x-node exposed | in-node exposed | optimizer | copies | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows[:top]:
+        e, kw = r["estimate"], r["config"]
+        fits = ("yes" + (" (%s)" % r["runs"] if r["runs"] else "")) if r["fits"] else "**no**"
+        lines.append("| %s | %s | %d MiB | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.2f | %.2f "
+                     "| %.2f | %s |" % (r["layout"], _strategy_label(kw), kw["bucket_bytes"] >> 20,
+                                       r["device_gib"], r["host_gib"], fits, e["step_s"],
+                                       e["compute_s"], e["exposed_net_s"], e["exposed_node_s"],
+                                       e["optim_s"], e["copy_s"], r["quality"]))
     return "\n".join(lines)
 
 
@@ -670,8 +723,11 @@ def _parser():
     t.add_argument("--buckets", default="8,32,128", help="bucket sizes to try, MiB")
     t.add_argument("--all-buckets", action="store_true",
                    help="a row per bucket size (default: the best bucket size of each layout)")
+    t.add_argument("--states", default="f32,q8",
+                   help="optimizer-state formats to try: f32, q8 (8-bit AdamW moments)")
     t.add_argument("--top", type=int, default=20)
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
+    t.add_argument("--markdown", action="store_true", help="print the rows as a Markdown table")
     return p
 
 
@@ -752,11 +808,15 @@ def main(argv=None):
     buckets = [float(x) for x in a.buckets.split(",")]
     rows = layouts(numels, hw, world, a.micro, a.dtype, device, buckets,
                    a.device_gib or preset.get("device_gib"),
-                   a.host_gib or preset.get("host_gib"), a.reserve_gib)
+                   a.host_gib or preset.get("host_gib"), a.reserve_gib,
+                   tuple(x for x in a.states.split(",") if x))
     if not a.all_buckets:
         rows = best_per_layout(rows)
     if a.json:
         print(json.dumps([dict(r, estimate=dict(r["estimate"])) for r in rows], indent=1))
+        return 0
+    if a.markdown:
+        print(markdown_rows(rows, a.top))
         return 0
     print("model: %.3g parameters in %d tensors, %s; %d node(s) x %d ranks, %d micro-batch(es)"
           % (params, len(numels), a.dtype, hw.nodes, hw.ranks_per_node, a.micro))
@@ -769,7 +829,7 @@ def main(argv=None):
     print(format_rows(rows, a.top))
     print("times in seconds per optimizer step; x-node / in-node: communication not hidden "
           "behind compute; dev GiB: sg_estimate_memory per rank (model state only)")
-    best = next((r for r in rows if r["fits"]), None)
+    best = next((r for r in rows if r["fits"] and not r["runs"]), None)
     print("best that fits:\n" + (config_snippet(best) if best else "none"))
     return 0
 

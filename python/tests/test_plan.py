@@ -129,7 +129,7 @@ def test_layouts_fit_and_order():
     rows = plan.layouts(numels, hw, 4, 8, "bf16", "cuda", (32,), device_gib=40, host_gib=256)
     fits = [r for r in rows if r["fits"]]
     assert fits and all(r["fits"] for r in rows[:len(fits)])
-    steps = [r["estimate"]["step_s"] for r in fits]
+    steps = [r["estimate"]["step_s"] for r in fits if not r["runs"]]
     assert steps == sorted(steps)
     # plain data parallel keeps 16+ bytes per parameter: 7B cannot fit in 40 GiB
     assert not any(r["fits"] for r in rows if r["config"]["strategy"] == "no_shard")
@@ -139,6 +139,45 @@ def test_layouts_fit_and_order():
     flat = by[("flat", "shard_grad_op", 1)]["estimate"]
     hyb = by[("hybrid bf16", "shard_grad_op", 1)]["estimate"]
     assert hyb["link_net_bytes"] < flat["link_net_bytes"] / 4
+
+
+def test_slow_links_modes_and_8bit_state_are_layouts():
+    """On 2 nodes the codecs and outer steps are rows beside exact hybrid; on CUDA (where the
+    engine refuses them at create) they are predicted but marked, and never the recommendation;
+    8-bit state shrinks the device state of the same layout."""
+    numels = plan.llama_numels(*plan.LLAMA["7b"])
+    hw = plan.described(**plan.PRESETS["a100-2x2-1g"])
+    hw.compute_s = 1.0
+    rows = plan.layouts(numels, hw, 4, 8, "bf16", "cuda", (32,), device_gib=40, host_gib=256,
+                        states=("f32", "q8"))
+    names = {r["layout"] for r in rows}
+    assert {"hybrid int8", "hybrid int4", "DiLoCo H=8", "DiLoCo H=32"} <= names
+    by = {(r["layout"], r["config"]["strategy"], r["config"]["offload_optimizer"],
+           r["config"]["optim_state_dtype"]): r for r in rows}
+    for name in ("hybrid int8", "DiLoCo H=8"):
+        assert by[(name, "shard_grad_op", 1, "f32")]["runs"] == "CPU device only today"
+    assert by[("hybrid bf16", "shard_grad_op", 1, "f32")]["runs"] == ""
+    # fewer link bytes than the exact bf16 wire for int8 (about half); outer steps sync the
+    # same bytes once in H steps (the counts are the syncing step's, the time the period's mean)
+    e = {k[0]: by[k]["estimate"] for k in by if k[1:] == ("shard_grad_op", 1, "f32")}
+    assert e["hybrid int8"]["link_net_bytes"] < 0.6 * e["hybrid bf16"]["link_net_bytes"]
+    assert e["DiLoCo H=8"]["exposed_net_s"] < 0.2 * e["hybrid bf16"]["exposed_net_s"]
+    q8 = by[("flat", "shard_grad_op", 0, "q8")]["device_gib"]
+    assert q8 < by[("flat", "shard_grad_op", 0, "f32")]["device_gib"] - 5
+    # the library refuses 8-bit state with CUDA offload: no such row
+    assert ("flat", "shard_grad_op", 1, "q8") not in by
+    # order: fits and runs, then fits but refused at create, then does not fit
+    keys = [(not r["fits"], bool(r["runs"])) for r in rows]
+    assert keys == sorted(keys)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan.main(["--preset", "a100-2x2-1g", "--llama", "7b", "--dtype", "bf16", "--micro", "8",
+                   "--tokens", "4096", "--buckets", "32", "--top", "100"])
+    best = out.getvalue().split("best that fits:")[1]
+    assert "replica_codec" not in best and "outer_every" not in best
+    # on the CPU device the modes run
+    cpu = plan.layouts(numels[:8], hw, 4, 8, "f32", "cpu", (32,))
+    assert all(r["runs"] == "" for r in cpu)
 
 
 def test_command_line_with_a_preset():

@@ -8,7 +8,8 @@ against the exact hybrid engine (f32 wire) on the same batches:
    rest on the next step, so the run lags rather than drifts);
  - the codec's buffers show in memory_stats().comm_bytes;
  - outer steps (outer_every=4): after 12 steps (an outer step) every rank holds the same model,
-   after 10 (mid-period) the nodes differ; the loss falls;
+   after 10 (mid-period) the nodes differ; the loss falls; with replica_codec="int8" too (the
+   pseudo-gradient as int8 codes) the same, its residuals in comm_bytes;
  - a codec on a flat engine is refused at create, an unknown codec name is a ValueError.
 """
 
@@ -67,13 +68,18 @@ def test_sharded_adamw_outer_steps():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        runs = {n: sg.run_threads(W, body, "none", make_batches(1, n, MICRO, W, 4), base,
-                                  outer_every=4)
-                for n in (12, 10)}
+        runs = {(c, n): sg.run_threads(W, body, c, make_batches(1, n, MICRO, W, 4), base,
+                                       outer_every=4)
+                for c, n in (("none", 12), ("none", 10), ("int8", 12))}
     finally:
         torch.set_num_threads(threads)
+    coded = runs["int8", 12]
+    runs = {n: runs["none", n] for n in (12, 10)}
     for r in range(W):
         assert max_param_diff(runs[12][r][1], runs[12][0][1])[0] == 0.0, r
+        assert max_param_diff(coded[r][1], coded[0][1])[0] == 0.0, r
+        assert coded[r][2] > runs[12][r][2], r  # the codec's residuals and exchange buffers
+    assert np.mean(coded[0][0][-3:]) < np.mean(coded[0][0][:3])
     assert max_param_diff(runs[10][0][1], runs[10][1][1])[0] == 0.0  # one node's two ranks
     assert max_param_diff(runs[10][2][1], runs[10][0][1])[0] > 0.0  # the nodes apart
     losses = runs[12][0][0]

@@ -256,6 +256,36 @@ def test_clip_grad_norm_replacement_is_opt_in():
     comm.close()
 
 
+def test_patch_clip_grad_norm_routes_an_optimizers_parameters_to_it(monkeypatch):
+    """The opt-in: after patch_clip_grad_norm(), torch.nn.utils.clip_grad_norm_ on exactly an
+    optimizer's parameters is its clip_grad_norm_ (the coming step clips), on part of them it
+    raises, on other tensors it is torch's own."""
+    import torch.nn.utils as nnu
+    import torch.nn.utils.clip_grad as cg
+    for mod in (nnu, cg):  # process-wide: put torch's back after the test
+        monkeypatch.setattr(mod, "clip_grad_norm_", mod.clip_grad_norm_)
+    sgt.patch_clip_grad_norm()
+    sgt.patch_clip_grad_norm()  # idempotent
+    assert getattr(nnu.clip_grad_norm_, "_shardgrad", False)
+    m, opt, comm = _single()
+    calls = []
+    real = opt.clip_grad_norm_
+    monkeypatch.setattr(opt, "clip_grad_norm_", lambda *a, **k: calls.append(a) or real(*a, **k))
+    m(torch.ones(2, 4)).sum().backward()
+    n = nnu.clip_grad_norm_(m.parameters(), 1e-3)
+    assert calls == [(1e-3,)] and n.item() > 1e-3
+    with pytest.raises(RuntimeError, match="only part of"):
+        nnu.clip_grad_norm_(m[0].parameters(), 1.0)
+    other = torch.nn.Linear(3, 3)
+    other(torch.ones(1, 3)).sum().backward()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in other.parameters()]))
+    assert nnu.clip_grad_norm_(other.parameters(), 1.0).item() == pytest.approx(want.item())
+    opt.step()
+    assert opt.last_step_info.clip_coef < 1.0
+    opt.close()
+    comm.close()
+
+
 def test_second_optimizer_over_the_same_parameters_is_refused():
     """Issue 30 item 6: before, the second one was built and stepped with a norm of 0."""
     m, opt, comm = _single()

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import shardgrad as sg  # noqa: E402
-import shardgrad.torch as sgt  # noqa: E402
+import shardgrad.torch.comm as sgt_comm  # noqa: E402
 
 GROUP_RANKS = [2, 3]  # global ranks of the group's ranks 0 and 1
 
@@ -46,7 +46,7 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
-    monkeypatch.setattr(sgt, "has_backend", lambda name: name == "nccl")
+    monkeypatch.setattr(sgt_comm, "has_backend", lambda name: name == "nccl")
 
     def unique_id():
         made.append(g.rank)
@@ -79,7 +79,7 @@ def test_nccl_group_gives_an_nccl_comm_with_the_id_shared_through_the_group(fake
 
 def test_nccl_group_without_nccl_in_the_library(fake, monkeypatch):
     g, made, joined = fake
-    monkeypatch.setattr(sgt, "has_backend", lambda name: False)
+    monkeypatch.setattr(sgt_comm, "has_backend", lambda name: False)
     g.rank = 0
     with pytest.raises(sg.UnsupportedError, match="built without it"):
         sg.Comm.from_torch(g)

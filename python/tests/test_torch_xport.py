@@ -1,5 +1,5 @@
 """The torch.distributed transport of Comm.from_torch (sg_comm_create_xport filled by
-shardgrad._torch_xport), in one process: two gloo process groups on a shared HashStore, one
+shardgrad.torch.comm), in one process: two gloo process groups on a shared HashStore, one
 per thread, stand in for two torchrun processes. Training against the threads backend
 (bitwise), a peer that never calls (TimeoutError, not a hang), failures inside torch (CommError
 with torch's text), closing in every order, and the C API's argument checks.
@@ -25,7 +25,7 @@ from shardgrad import _lib  # noqa: E402
 if not _lib.has("sg_comm_create_xport"):
     pytest.skip("libshardgrad without sg_comm_create_xport", allow_module_level=True)
 
-from shardgrad import _torch_xport  # noqa: E402
+from shardgrad.torch import comm as _torch_xport  # noqa: E402
 from shardgrad._structs import XPORT_CANCEL, XPORT_SEND, SgXport  # noqa: E402
 from shardgrad.torch import ShardedAdamW  # noqa: E402
 

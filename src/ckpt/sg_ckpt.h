@@ -27,17 +27,21 @@
  *       dynamic_scale lr(f32)              nchunks x u32 CRC-32C of each chunk of each section
  *   u32 ncfg, ncfg x u64 config words      u32 CRC-32C of all header bytes before it
  *   u32 nparams                            section data, back to back (kinds ascending:
- *   world x {u16 len, name, u64 bytes,       working params, master, optimizer states)
+ *   world x {u16 len, name, u64 bytes,       working params, master, optimizer states,
+ *                                            replica state)
  *            u64 numel, u32 header_crc}
  *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
  *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
- *   (manifest version 2 and 3) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
- *   (manifest version 3 only) nparams x u64 step count of the parameter (<= step)
+ *   (manifest version 2 on) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
+ *   (manifest version 3 on) 4 x u32 record bytes of the replica sections, u64 outer position
+ *   (manifest version 4) nparams x u64 step count of the parameter (<= step)
  *   u32 CRC-32C of all bytes before it
- * The manifest's version is 3 when some parameter's step count differs from the step (it was
- * skipped in steps without a gradient), else 2, which a library before version 3 reads too.
- * Version 1, without the groups, still loads: every group then takes the saved lr. Versions 1
- * and 2 give every parameter the step as its count. Rank files stay at SG_CK_VERSION. */
+ * A save writes version 4 when some parameter's step count differs from the step (it was
+ * skipped in steps without a gradient), else version 3 when the engine's replica transport has
+ * state of its own (a codec, outer steps), else version 2, which older libraries read too;
+ * versions 1 (without the groups: every group then takes the saved lr), 2 (without replica
+ * sections: that state begins afresh) and 3 (without step counts: every parameter's is the
+ * step) still load. Rank files stay at SG_CK_VERSION. */
 #ifndef SG_CKPT_H
 #define SG_CKPT_H
 
@@ -49,9 +53,9 @@
 #include "../../kernels/sg_kernel_args.h" /* SG__OPTIM_MAX_STATES */
 
 #define SG_CK_VERSION 1u          /* rank files */
-#define SG_CK_MANIFEST_VERSION 3u /* 2: parameter groups' lr and weight decay appended;
-                                     3: per-parameter step counts appended (written only when
-                                     some parameter's differs from the step) */
+#define SG_CK_MANIFEST_VERSION 4u /* 2: parameter groups' lr and weight decay appended; 3: the
+                                     replica transport's sections and position; 4: per-parameter
+                                     step counts */
 #define SG_CK_MANIFEST_NAME "manifest"
 #define SG_CK_MANIFEST_TMP "manifest.tmp"
 #define SG_CK_MAX_WORLD 4096u
@@ -74,7 +78,14 @@ enum {
   /* 8-bit optimizer state (cfg.optim_state_dtype SG_Q8) in place of the fp32 kinds: state k as
    * kind SG_CK_Q8_STATE0 + k, one record of SG_CK_Q8_RECORD bytes per element (below) */
   SG_CK_Q8_STATE0 = 2 + SG__OPTIM_MAX_STATES,
-  SG_CK_KINDS = 2 + 2 * SG__OPTIM_MAX_STATES
+  /* A hybrid engine's replica transport's state (manifest version 3), after the optimizer's:
+   * kind SG_CK_REP0 + k for the engine's state k (SG__REP_*, src/engine/sg_engine_internal.h):
+   * the outer parameters (fp32), the outer momentum (fp32), a codec's residuals (fp32 r2, then
+   * r1 of every replica of the saving engine: 4 (N + 1) bytes per element) of the gradient or
+   * of the outer steps' pseudo-gradient */
+  SG_CK_REP0 = 2 + 2 * SG__OPTIM_MAX_STATES,
+  SG_CK_REP_STATES = 4,
+  SG_CK_KINDS = SG_CK_REP0 + SG_CK_REP_STATES
 };
 /* An element's 8-bit state record: byte 0 its class (0 padding, 1 coded, 2 fp32: a tensor
  * below optim_state_min_numel), byte 1 its code, bytes 2..5 (little-endian float bits) the
@@ -83,6 +94,13 @@ enum {
  * value of an fp32 element, else 0. The codes and scales as the engine holds them: a load at
  * any world size restores the same bits. */
 #define SG_CK_Q8_RECORD 6
+/* The replica states k of kind SG_CK_REP0 + k (the engine's SG__REP_*). */
+enum {
+  SG_CK_REP_OUTER_PARAMS = 0,
+  SG_CK_REP_OUTER_MOM = 1,
+  SG_CK_REP_RESID = 2,      /* the gradient codec's */
+  SG_CK_REP_OUTER_RESID = 3 /* the outer steps' codec's (the pseudo-gradient's) */
+};
 enum { SG_CK_Q8_PAD = 0, SG_CK_Q8_CODED = 1, SG_CK_Q8_F32 = 2 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -130,12 +148,17 @@ typedef struct sg__ck_manifest {
   uint32_t clean_steps, dynamic_scale;
   float lr;
   uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (sg__config_words) */
-  uint32_t version;         /* parsed: 1 or 2; encode writes 2 (1 only when set to 1) */
+  uint32_t version;         /* parsed: 1..4; encode writes this (0: 4 with step counts, else 3
+                               with replica sections, else 2) */
   uint32_t ngroups;         /* version 2: groups recorded (group_lr[0] is group 0's lr) */
   float group_lr[SG_MAX_GROUPS], group_wd[SG_MAX_GROUPS];
+  /* version 3: the record bytes of the replica transport's sections (kind SG_CK_REP0 + k; 0:
+   * not in the files) and the outer period's position; versions 1 and 2: none */
+  uint32_t rep_esz[SG_CK_REP_STATES];
+  uint64_t rep_position;
   uint32_t nparams;
   sg__ck_param *params; /* registration order of the saving engine */
-  uint64_t *param_steps; /* version 3: [nparams] each parameter's own step count (<= step, the
+  uint64_t *param_steps; /* version 4: [nparams] each parameter's own step count (<= step, the
                             steps it had a gradient in); NULL: every count is `step` */
   sg__ck_file *files;   /* [world] */
 } sg__ck_manifest;

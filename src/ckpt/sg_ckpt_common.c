@@ -9,6 +9,15 @@
 _Static_assert(SG_CK_Q8_RECORD == SG__STATE_RECORD && (int)SG_CK_Q8_PAD == (int)SG__REC_PAD &&
                    (int)SG_CK_Q8_CODED == (int)SG__REC_CODED && (int)SG_CK_Q8_F32 == (int)SG__REC_F32,
                "the checkpoint's 8-bit records are the state placement's");
+_Static_assert((int)SG_CK_REP_STATES == (int)SG__REP_STATES &&
+                   (int)SG_CK_REP_OUTER_PARAMS == (int)SG__REP_OUTER_PARAMS &&
+                   (int)SG_CK_REP_OUTER_MOM == (int)SG__REP_OUTER_MOM &&
+                   (int)SG_CK_REP_RESID == (int)SG__REP_RESID &&
+                   (int)SG_CK_REP_OUTER_RESID == (int)SG__REP_OUTER_RESID,
+               "the checkpoint's replica sections are the replica transports' states");
+
+static const char *const k_rep_names[SG_CK_REP_STATES] = {
+    "outer parameters", "outer momentum", "codec residuals", "outer codec residuals"};
 
 sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, int need_idle,
                             const char *fn) {
@@ -71,6 +80,24 @@ uint32_t sg__ck_kinds(const sg_engine *e, uint32_t *kinds, uint32_t *elem_bytes)
   return n;
 }
 
+uint32_t sg__ck_rep_kinds(const uint32_t rep_esz[SG_CK_REP_STATES], uint32_t *kinds,
+                          uint32_t *elem_bytes) {
+  uint32_t n = 0;
+  for (uint32_t k = 0; k < SG_CK_REP_STATES; k++)
+    if (rep_esz[k]) {
+      kinds[n] = SG_CK_REP0 + k;
+      elem_bytes[n++] = rep_esz[k];
+    }
+  return n;
+}
+
+int sg__ck_kind_rep(uint32_t kind) {
+  const uint32_t k = kind - SG_CK_REP0;
+  return kind >= SG_CK_REP0 && k < SG_CK_REP_STATES ? (int)k : -1;
+}
+
+const char *sg__ck_rep_name(int k) { return k_rep_names[k]; }
+
 int sg__ck_kind_q8(uint32_t kind) {
   const uint32_t k = kind - SG_CK_Q8_STATE0;
   return kind >= SG_CK_Q8_STATE0 && k < SG__OPTIM_MAX_STATES ? (int)k : -1;
@@ -79,6 +106,7 @@ int sg__ck_kind_q8(uint32_t kind) {
 const char *sg__ck_kind_name(const sg_engine *e, uint32_t kind) {
   if (kind == SG_CK_WORK) return "working params";
   if (kind == SG_CK_MASTER) return "master";
+  if (sg__ck_kind_rep(kind) >= 0) return k_rep_names[sg__ck_kind_rep(kind)];
   const int q = sg__ck_kind_q8(kind);
   if (q >= 0) return q < e->opt.nstates ? e->opt.od->state_name[q] : "unknown";
   const uint32_t k = kind - SG_CK_STATE0;

@@ -41,6 +41,13 @@ static inline size_t sg__ck_frag_end(const sg_engine *e, int id, int r) {
   return e->plan->frag_index[(size_t)id * (size_t)e->plan->world + (size_t)r + 1];
 }
 
+/* The replica transport's sections (record bytes rep_esz[k], 0: none) appended after n
+ * kinds; returns how many. */
+uint32_t sg__ck_rep_kinds(const uint32_t rep_esz[SG_CK_REP_STATES], uint32_t *kinds,
+                          uint32_t *elem_bytes);
+/* State k of a replica section (kind SG_CK_REP0 + k); -1 for any other kind. Its name. */
+int sg__ck_kind_rep(uint32_t kind);
+const char *sg__ck_rep_name(int k);
 /* State k of an 8-bit state section (kind SG_CK_Q8_STATE0 + k); -1 for any other kind. */
 int sg__ck_kind_q8(uint32_t kind);
 /* A section's name in messages: "working params", "master" or the optimizer's state name. */

@@ -103,8 +103,14 @@ static uint32_t bits_of(float f) {
 /* ---------------------------------------------------------------------------------------- */
 /* manifest: encode                                                                          */
 
+static int has_rep(const sg__ck_manifest *m) {
+  for (int k = 0; k < SG_CK_REP_STATES; k++)
+    if (m->rep_esz[k]) return 1;
+  return 0;
+}
+
 static void encode_body(const sg__ck_manifest *m, sg__ck_buf *b) {
-  const uint32_t version = m->version == 1 ? 1u : m->param_steps ? 3u : 2u;
+  const uint32_t version = m->version ? m->version : m->param_steps ? 4u : has_rep(m) ? 3u : 2u;
   sg__ck_buf_add(b, k_manifest_magic, 8);
   wb_u32(b, version);
   wb_u32(b, 0);
@@ -151,7 +157,10 @@ static void encode_body(const sg__ck_manifest *m, sg__ck_buf *b) {
     wb_u32(b, bits_of(m->group_wd[g]));
   }
   if (version < 3) return;
-  for (uint32_t i = 0; i < m->nparams; i++) wb_u64(b, m->param_steps[i]);
+  for (int k = 0; k < SG_CK_REP_STATES; k++) wb_u32(b, m->rep_esz[k]);
+  wb_u64(b, m->rep_position);
+  if (version < 4) return;
+  for (uint32_t i = 0; i < m->nparams; i++) wb_u64(b, m->param_steps ? m->param_steps[i] : m->step);
 }
 
 sg_status sg__ck_manifest_encode(const sg__ck_manifest *m, uint8_t **out, size_t *len) {
@@ -325,9 +334,33 @@ static sg_status parse_groups(rbuf *r, const char *what, sg__ck_manifest *m) {
   return SG_OK;
 }
 
-/* Version 3: each parameter's own step count, at most the step. */
-static sg_status parse_steps(rbuf *r, const char *what, sg__ck_manifest *m) {
+/* A replica section's record bytes: fp32 (the outer state), or a codec's residuals (r2 and
+ * at least two replicas' r1, at most SG_CK_MAX_WORLD). */
+static int rep_esz_ok(int k, uint32_t esz) {
+  if (esz == 0) return 1;
+  if (k != SG_CK_REP_RESID && k != SG_CK_REP_OUTER_RESID) return esz == 4;
+  return esz % 4 == 0 && esz >= 12 && esz <= 4 * (SG_CK_MAX_WORLD + 1);
+}
+
+/* Version 3: the replica sections' record bytes and the outer period's position. */
+static sg_status parse_rep(rbuf *r, const char *what, sg__ck_manifest *m) {
+  memset(m->rep_esz, 0, sizeof m->rep_esz);
+  m->rep_position = 0;
   if (m->version < 3) return SG_OK;
+  for (int k = 0; k < SG_CK_REP_STATES; k++) m->rep_esz[k] = rb_u32(r);
+  m->rep_position = rb_u64(r);
+  if (r->bad) return CORRUPT("%s: truncated replica state table", what);
+  for (int k = 0; k < SG_CK_REP_STATES; k++)
+    if (!rep_esz_ok(k, m->rep_esz[k]))
+      return CORRUPT("%s: replica section %d of %u bytes per element", what, k, m->rep_esz[k]);
+  if (m->rep_position > (uint64_t)INT32_MAX) return CORRUPT("%s: outer position %" PRIu64, what,
+                                                            m->rep_position);
+  return SG_OK;
+}
+
+/* Version 4: each parameter's own step count, at most the step. */
+static sg_status parse_steps(rbuf *r, const char *what, sg__ck_manifest *m) {
+  if (m->version < 4) return SG_OK;
   if (m->nparams > rb_left(r) / 8) return CORRUPT("%s: truncated step count table", what);
   m->param_steps = malloc((size_t)m->nparams * sizeof *m->param_steps);
   if (!m->param_steps) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", what);
@@ -358,6 +391,7 @@ static sg_status parse_params(rbuf *r, const char *what, sg__ck_manifest *m) {
     SG_TRY(parse_frags(r, what, m, p));
   }
   SG_TRY(parse_groups(r, what, m));
+  SG_TRY(parse_rep(r, what, m));
   SG_TRY(parse_steps(r, what, m));
   if (rb_left(r) != 0) return CORRUPT("%s: %zu stray bytes after the tables", what, rb_left(r));
   return SG_OK;
@@ -523,8 +557,11 @@ void sg__ck_header_free(sg__ck_header *h) {
   h->crcs = NULL;
 }
 
-/* Working params and fp32 arrays: 2 or 4 bytes; 8-bit state: its records. */
+/* Working params and fp32 arrays: 2 or 4 bytes; 8-bit state: its records; replica state: as
+ * the manifest's table. */
 static int elem_bytes_ok(const sg__ck_section *c) {
+  if (c->kind >= SG_CK_REP0)
+    return c->elem_bytes > 0 && rep_esz_ok((int)(c->kind - SG_CK_REP0), c->elem_bytes);
   if (c->kind >= SG_CK_Q8_STATE0) return c->elem_bytes == SG_CK_Q8_RECORD;
   return c->elem_bytes == 2 || c->elem_bytes == 4;
 }

@@ -27,6 +27,9 @@ typedef struct {
   req_t *reqs;
   size_t nreq, cap;
   uint32_t nkinds, kinds[SG_CK_KINDS], esz[SG_CK_KINDS];
+  uint32_t nbase;    /* kinds[0..nbase): the parameters' and the optimizer's; then the replica
+                        sections this engine loads */
+  uint32_t nfile;    /* sections of every rank file: nbase + the manifest's replica sections */
   uint8_t *stage[SG_CK_KINDS]; /* by section index: staging in shard coordinates */
   const char *kind_name[SG_CK_KINDS]; /* by section index: the section's name in messages */
   size_t opt_numel;
@@ -161,13 +164,35 @@ static int req_cmp(const void *x, const void *y) {
   return a->elem < b->elem ? -1 : a->elem > b->elem;
 }
 
+/* The replica transport's sections: those of the checkpoint that this engine keeps are read;
+ * the others are said once (INFO): a state the checkpoint lacks begins afresh (a checkpoint
+ * of a library before them, or of an engine without that mode), one the engine does not keep
+ * is left. */
+static void plan_replica_reads(sg_engine *e, load_ctx *c) {
+  sg__rep_ck mine;
+  sg__replicas_ck_describe(e, &mine);
+  uint32_t want[SG_CK_REP_STATES] = {0};
+  for (int k = 0; k < SG_CK_REP_STATES; k++) {
+    const int in_file = c->m.rep_esz[k] != 0, kept = mine.esz[k] != 0;
+    if (in_file && kept) want[k] = c->m.rep_esz[k];
+    if (in_file != kept && sg__ck_lead(e))
+      SG_LOG(SG_LOG_INFO, e->rank, "sg_load: '%s' %s %s%s", c->dir, in_file ? "holds" : "has no",
+             sg__ck_rep_name(k), in_file ? ", which this engine does not keep: not loaded"
+                                         : ": it begins afresh (docs/slow-links.md)");
+  }
+  c->nkinds += sg__ck_rep_kinds(want, c->kinds + c->nkinds, c->esz + c->nkinds);
+}
+
 static sg_status plan_reads(sg_engine *e, load_ctx *c) {
   for (int id = 0; id < e->reg.nparams; id++) {
     piece_arg a = {c, id};
     SG_TRY(sg__engine_for_pieces(e, id, add_piece, &a));
   }
   if (c->nreq > 1) qsort(c->reqs, c->nreq, sizeof *c->reqs, req_cmp);
-  c->nkinds = sg__ck_kinds(e, c->kinds, c->esz);
+  c->nkinds = c->nbase = sg__ck_kinds(e, c->kinds, c->esz);
+  uint32_t fk[SG_CK_KINDS], fe[SG_CK_KINDS];
+  c->nfile = c->nbase + sg__ck_rep_kinds(c->m.rep_esz, fk, fe);
+  plan_replica_reads(e, c);
   c->opt_numel = e->lay.opt_numel;
   for (uint32_t s = 0; s < c->nkinds; s++) {
     c->kind_name[s] = sg__ck_kind_name(e, c->kinds[s]);
@@ -253,17 +278,22 @@ static sg_status check_header(const load_ctx *c, uint32_t r, const sg__ck_header
                    "'%s' does not belong to this checkpoint (its header differs "
                    "from the manifest's record)",
                    path);
-  const int file_q8 = sg__ck_kind_q8(h->sec[h->nsections - 1].kind) >= 0;
-  const int mine_q8 = sg__ck_kind_q8(c->kinds[c->nkinds - 1]) >= 0;
+  if (h->nsections != c->nfile)
+    return sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected %u", path, h->nsections, c->nfile);
+  const int file_q8 = sg__ck_kind_q8(h->sec[c->nbase - 1].kind) >= 0;
+  const int mine_q8 = sg__ck_kind_q8(c->kinds[c->nbase - 1]) >= 0;
   if (file_q8 != mine_q8)
     return sg__err(SG_ERR_MISMATCH, "'%s' holds %s optimizer state, this engine keeps it in %s "
                    "(cfg->optim_state_dtype); a load does not convert between them", path,
                    file_q8 ? "8-bit" : "fp32", mine_q8 ? "8 bits" : "fp32");
-  if (h->nsections != c->nkinds)
-    return sg__err(SG_ERR_CORRUPT, "'%s': %u sections, expected %u", path, h->nsections, c->nkinds);
-  for (uint32_t s = 0; s < c->nkinds; s++)
+  for (uint32_t s = 0; s < c->nbase; s++)
     if (h->sec[s].kind != c->kinds[s] || h->sec[s].elem_bytes != c->esz[s])
       return sg__err(SG_ERR_CORRUPT, "'%s': section %u is not the expected one", path, s);
+  for (uint32_t s = c->nbase; s < c->nfile; s++) { /* the manifest's replica sections */
+    const int k = sg__ck_kind_rep(h->sec[s].kind);
+    if (k < 0 || h->sec[s].elem_bytes != c->m.rep_esz[k])
+      return sg__err(SG_ERR_CORRUPT, "'%s': section %u is not the expected one", path, s);
+  }
   const sg__ck_section *last = &h->sec[h->nsections - 1];
   if (last->offset + last->bytes != bytes)
     return sg__err(SG_ERR_CORRUPT, "'%s': %" PRIu64 " bytes, the header describes %" PRIu64, path,
@@ -287,9 +317,16 @@ static sg_status read_header(int fd, uint64_t bytes, const char *path, sg__ck_he
 }
 
 /* Requests [q0, q1) of file r, section by section. */
+/* The file's section of `kind` (check_header found every kind read there). */
+static const sg__ck_section *section_of(const sg__ck_header *h, uint32_t kind) {
+  for (uint32_t s = 0; s < h->nsections; s++)
+    if (h->sec[s].kind == kind) return &h->sec[s];
+  return &h->sec[0];
+}
+
 static sg_status read_sections(load_ctx *c, creader *rd, size_t q0, size_t q1) {
   for (uint32_t s = 0; s < c->nkinds; s++) {
-    rd->sec = &rd->h->sec[s];
+    rd->sec = section_of(rd->h, c->kinds[s]);
     rd->cached = 0;
     rd->sec_name = c->kind_name[s];
     const uint64_t es = c->esz[s];
@@ -352,7 +389,7 @@ static sg_status read_files(sg_engine *e, load_ctx *c) {
 /* 8-bit state: the records read are of the classes this engine's blocks have (before any rank
  * applies anything). */
 static sg_status check_records(sg_engine *e, const load_ctx *c) {
-  for (uint32_t s = 1; s < c->nkinds; s++) {
+  for (uint32_t s = 1; s < c->nbase; s++) {
     const int q8 = sg__ck_kind_q8(c->kinds[s]);
     if (q8 >= 0) SG_TRY(e->strat->place->records(e, q8, c->stage[s], SG__REC_CHECK));
   }
@@ -390,7 +427,7 @@ static sg_status h2d(sg_engine *e, void *dst, const void *src, size_t bytes) {
  * part of every bucket this rank owns (the gathers fill the rest). */
 static sg_status apply_arrays(sg_engine *e, const load_ctx *c) {
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (uint32_t s = 1; s < c->nkinds; s++) {
+  for (uint32_t s = 1; s < c->nbase; s++) {
     const int q8 = sg__ck_kind_q8(c->kinds[s]);
     if (q8 >= 0)
       SG_TRY(e->strat->place->records(e, q8, c->stage[s], SG__REC_LOAD));
@@ -410,7 +447,14 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
   /* Gradients accumulated before the load belong to the old state. */
   SG_TRY(sg__grads_clear(e));
   SG_TRY(sg__ck_gather_params(e));
-  sg__replicas_restore(e); /* a codec's residuals, the outer steps' period: afresh */
+  /* a codec's residuals, the outer state and period: the checkpoint's, or afresh */
+  sg__rep_ck ck = {.position = c->m.rep_position};
+  for (uint32_t s = c->nbase; s < c->nkinds; s++) {
+    const int k = sg__ck_kind_rep(c->kinds[s]);
+    ck.esz[k] = c->esz[s];
+    ck.rec[k] = c->stage[s];
+  }
+  sg__replicas_restore(e, &ck);
   /* Parameter groups (manifest version 2); an older checkpoint gives every group its lr. */
   sg__optim_restore(e, c->m.step, c->m.lr, c->m.ngroups, c->m.group_lr, c->m.group_wd);
   /* Per-parameter step counts (version 3, by name): a manifest without them gives the step. A

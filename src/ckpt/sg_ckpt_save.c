@@ -122,15 +122,31 @@ static sg_status write_fragments(sg_engine *e, writer *w, int kind, size_t esize
   return SG_OK;
 }
 
-/* One section. 8-bit state: its records, made on the host first. */
-static sg_status write_section(sg_engine *e, writer *w, int s) {
+static sg_status end_section(writer *w, int s) {
+  if (w->fill > 0) SG_TRY(flush(w));
+  if (w->sec_done != w->sec->bytes)
+    return sg__err(SG_ERR_INTERNAL, "section %d: wrote %" PRIu64 " of %" PRIu64 " bytes", s,
+                   w->sec_done, w->sec->bytes);
+  return SG_OK;
+}
+
+static sg_status write_replica_section(sg_engine *e, writer *w, const void *rec, size_t esize) {
+  if (!rec) return sg__err(SG_ERR_INTERNAL, "no records of the replica state");
+  SG_TRY(write_fragments(e, w, 0, esize, rec));
+  return end_section(w, (int)(w->sec - w->h->sec));
+}
+
+/* One section. 8-bit state: its records, made on the host first; replica state: the records
+ * the transport made (ck). */
+static sg_status write_section(sg_engine *e, writer *w, const sg__rep_ck *ck, int s) {
   const int kind = (int)w->h->sec[s].kind;
   const size_t esize = w->h->sec[s].elem_bytes;
   w->sec = &w->h->sec[s];
   w->sec_done = 0;
   w->fill = 0;
   w->crc_next = w->sec->crc_index;
-  const int q8 = sg__ck_kind_q8((uint32_t)kind);
+  const int q8 = sg__ck_kind_q8((uint32_t)kind), rk = sg__ck_kind_rep((uint32_t)kind);
+  if (rk >= 0) return write_replica_section(e, w, ck->rec[rk], esize);
   uint8_t *rec = NULL;
   if (q8 >= 0) {
     rec = malloc(e->lay.opt_numel * esize + 1);
@@ -144,11 +160,7 @@ static sg_status write_section(sg_engine *e, writer *w, int s) {
   const sg_status st = write_fragments(e, w, kind, esize, rec);
   free(rec);
   SG_TRY(st);
-  if (w->fill > 0) SG_TRY(flush(w));
-  if (w->sec_done != w->sec->bytes)
-    return sg__err(SG_ERR_INTERNAL, "section %d: wrote %" PRIu64 " of %" PRIu64 " bytes", s,
-                   w->sec_done, w->sec->bytes);
-  return SG_OK;
+  return end_section(w, s);
 }
 
 static size_t owned_numel(const sg_engine *e) {
@@ -164,8 +176,8 @@ typedef struct {
 } file_info;
 
 /* Data first (the checksums are known only then), the header last, then fsync. */
-static sg_status write_file_body(sg_engine *e, writer *w, file_info *info) {
-  for (uint32_t s = 0; s < w->h->nsections; s++) SG_TRY(write_section(e, w, (int)s));
+static sg_status write_file_body(sg_engine *e, writer *w, const sg__rep_ck *ck, file_info *info) {
+  for (uint32_t s = 0; s < w->h->nsections; s++) SG_TRY(write_section(e, w, ck, (int)s));
   uint8_t *hb = malloc(w->h->header_bytes);
   if (!hb) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   sg__ck_header_encode(w->h, hb);
@@ -177,7 +189,8 @@ static sg_status write_file_body(sg_engine *e, writer *w, file_info *info) {
   return SG_OK;
 }
 
-static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, file_info *info) {
+static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, const sg__rep_ck *ck,
+                                 file_info *info) {
   char tmp_name[64], name[64];
   sg__ck_shard_name(tmp_name, sizeof tmp_name, gen, e->rank, 1);
   sg__ck_shard_name(name, sizeof name, gen, e->rank, 0);
@@ -196,7 +209,9 @@ static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, fi
                       .world = (uint32_t)e->world,
                       .chunk_bytes = sg__ckpt_chunk_bytes(),
                       .numel = owned_numel(e)};
-  SG_TRY_GOTO(sg__ck_header_layout(&h, kinds, esz, sg__ck_kinds(e, kinds, esz)), st, done);
+  uint32_t nk = sg__ck_kinds(e, kinds, esz);
+  nk += sg__ck_rep_kinds(ck->esz, kinds + nk, esz + nk);
+  SG_TRY_GOTO(sg__ck_header_layout(&h, kinds, esz, nk), st, done);
   w.cap = SG_CK_IO_BUF / h.chunk_bytes * h.chunk_bytes;
   if (w.cap == 0) w.cap = h.chunk_bytes;
   w.buf = malloc(w.cap);
@@ -205,7 +220,7 @@ static sg_status write_rank_file(sg_engine *e, const char *dir, uint64_t gen, fi
     goto done;
   }
   SG_TRY_GOTO(sg__ck_open_write(tmp, &w.fd), st, done);
-  st = write_file_body(e, &w, info);
+  st = write_file_body(e, &w, ck, info);
   if (st == SG_OK)
     st = sg__ck_fsync_close(w.fd, tmp);
   else
@@ -295,7 +310,7 @@ static void free_manifest_tables(const sg_engine *e, sg__ck_manifest *m) {
 }
 
 static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
-                                const sg__ck_vote *all) {
+                                const sg__ck_vote *all, const sg__rep_ck *ck) {
   sg__ck_manifest m = {.generation = gen,
                        .world = (uint32_t)e->world,
                        .strategy = (uint32_t)e->cfg.strategy,
@@ -307,7 +322,9 @@ static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
                        .clean_steps = (uint32_t)e->sc.clean_steps,
                        .dynamic_scale = (uint32_t)e->sc.dynamic,
                        .lr = (float)e->opt.lr[0],
+                       .rep_position = ck->position,
                        .nparams = (uint32_t)e->reg.nparams};
+  memcpy(m.rep_esz, ck->esz, sizeof m.rep_esz);
   sg__config_words(&e->cfg, m.cfg, SG_CK_NCFG); /* informational: a load may change it */
   m.ngroups = SG_MAX_GROUPS;
   for (int g = 0; g < SG_MAX_GROUPS; g++) {
@@ -393,15 +410,14 @@ static sg_status round_prepare(sg_engine *e, const char *dir, uint64_t *gen, sg_
   return st;
 }
 
-static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
+static sg_status write_rounds(sg_engine *e, const char *dir, uint64_t gen, const sg__rep_ck *ck,
+                              sg_status local) {
   static const char *fn = "sg_save";
-  uint64_t gen = 0;
-  SG_TRY(round_prepare(e, dir, &gen, lock));
   /* Round 2: every rank's file is durable; rank 0 learns their sizes and header checksums. */
   file_info info = {0, 0, 0};
   /* one copy: the ranks of replica 0 write, the other replicas vote */
   const int writer = sg__replicas_writer(e);
-  sg_status local = writer ? write_rank_file(e, dir, gen, &info) : SG_OK;
+  if (local == SG_OK && writer) local = write_rank_file(e, dir, gen, ck, &info);
   const uint64_t v[4] = {info.bytes, info.numel, info.header_crc, 0};
   sg__ck_vote *all = NULL;
   sg_status st = sg__ck_agree(e, fn, local, v, &all);
@@ -416,7 +432,7 @@ static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
     return st;
   }
   /* Round 3: the manifest, the commit point. */
-  local = sg__ck_lead(e) ? write_manifest(e, dir, gen, all) : SG_OK;
+  local = sg__ck_lead(e) ? write_manifest(e, dir, gen, all, ck) : SG_OK;
   if (local != SG_OK) drop_generation(e, dir, gen);
   free(all);
   st = sg__ck_agree(e, fn, local, NULL, &all);
@@ -426,6 +442,42 @@ static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
   SG_LOG(SG_LOG_INFO, e->rank, "saved step %" PRIu64 " to '%s' (generation %" PRIu64 ")", e->opt.step,
          dir, gen);
   return SG_OK;
+}
+
+/* The replica transport's state (a codec's residuals, the outer state): its records on the
+ * writers, made through a collective over the replicas that every rank joins. Returns this
+ * rank's own failure (out of memory: it joins the collective without records, and votes it);
+ * *coll the collective's (the engine is then broken). */
+static sg_status collect_replica_state(sg_engine *e, sg__rep_ck *ck, sg_status *coll) {
+  sg__replicas_ck_describe(e, ck);
+  sg_status st = SG_OK;
+  for (int k = 0; k < SG__REP_STATES && sg__replicas_writer(e); k++) {
+    if (!ck->esz[k] || st != SG_OK) continue;
+    ck->rec[k] = calloc(e->lay.opt_numel ? e->lay.opt_numel : 1, ck->esz[k]);
+    if (!ck->rec[k]) st = sg__err(SG_ERR_OUT_OF_MEMORY, "sg_save: out of host memory (%s "
+                                  "records)", sg__ck_rep_name(k));
+  }
+  if (st != SG_OK)
+    for (int k = 0; k < SG__REP_STATES; k++) free(ck->rec[k]), ck->rec[k] = NULL;
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", st != SG_OK ? sg_last_error() : "");
+  *coll = sg__engine_broken(e, sg__replicas_ck_save(e, ck));
+  return *coll == SG_OK && st != SG_OK ? sg__err(st, "%s", msg) : st;
+}
+
+static void free_replica_state(sg__rep_ck *ck) {
+  for (int k = 0; k < SG__REP_STATES; k++) free(ck->rec[k]);
+}
+
+static sg_status save_rounds(sg_engine *e, const char *dir, sg__ck_lock *lock) {
+  uint64_t gen = 0;
+  SG_TRY(round_prepare(e, dir, &gen, lock));
+  sg__rep_ck ck;
+  sg_status coll = SG_OK;
+  sg_status st = collect_replica_state(e, &ck, &coll);
+  if (coll == SG_OK) st = write_rounds(e, dir, gen, &ck, st);
+  free_replica_state(&ck);
+  return coll != SG_OK ? coll : st;
 }
 
 sg_status sg_save(sg_engine *e, const char *dir) {

@@ -1,4 +1,4 @@
-/* sg_config: defaults, versioned copy (struct_size) and validation. */
+/* sg_config: defaults, versioned copy (struct_size and magic) and validation. */
 #include <math.h>   /* isfinite */
 #include <stddef.h> /* offsetof */
 #include <string.h> /* memcpy, memset */
@@ -21,11 +21,11 @@ static const sg__config_layout layouts[] = {
     {"0.1", SG__ROUND_UP(SG__END_OF(timeout_ms), _Alignof(sg_config)), SG__END_OF(timeout_ms)},
     {"0.2", SG__END_OF(reserved_0_2), SG__END_OF(reserved_0_2)},
     {"0.3", SG__END_OF(reserved_0_3), SG__END_OF(reserved_0_3)},
-    {"0.4", SG__END_OF(optim_state_min_numel), SG__END_OF(optim_state_min_numel)},
+    {"0.4", SG__END_OF(magic), SG__END_OF(magic)},
 };
 #define SG__NLAYOUTS ((int)(sizeof layouts / sizeof layouts[0]))
 #define SG__CONFIG_V1_SIZE (layouts[0].size)
-_Static_assert(sizeof(sg_config) == SG__END_OF(optim_state_min_numel),
+_Static_assert(sizeof(sg_config) == SG__END_OF(magic),
                "the newest sg_config block must end without tail padding (see layouts)");
 
 /* The layout a caller's struct_size names; NULL for a size no release published. */
@@ -36,6 +36,30 @@ static const sg__config_layout *sg__config_layout_of(size_t n) {
 }
 
 static int sg__config_size_ok(size_t n) { return sg__config_layout_of(n) != NULL; }
+
+/* What sg_config_init writes into `magic` ("SGconfig" in ASCII). struct_size tells which layout
+ * a caller built against; the magic tells that its bytes came from sg_config_init (or a copy of
+ * a config that did) and not from the stack: a right-sized config that was never initialised
+ * would otherwise run with whatever its fields held. Layouts that end before `magic` (0.1-0.3:
+ * callers built before it existed) cannot carry it and are told by struct_size alone. The value
+ * stays private, so that no binding can fill a config without the library's defaults. */
+#define SG__CONFIG_MAGIC UINT64_C(0x5347636f6e666967)
+
+/* The one version check of every config the API takes: a published layout, initialised. */
+static sg_status sg__config_version_ok(const sg_config *c, const char *fn) {
+  if (!sg__config_size_ok(c->struct_size))
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg->struct_size must be the size of a published sg_config "
+                   "(%zu for 0.1, %zu for this header) (got %zu); "
+                   "fill it with sg_config_init(&cfg, sizeof cfg)",
+                   fn, (size_t)SG__CONFIG_V1_SIZE, sizeof(sg_config), c->struct_size);
+  if (c->struct_size >= SG__END_OF(magic) && c->magic != SG__CONFIG_MAGIC)
+    return sg__err(SG_ERR_INVALID_ARGUMENT,
+                   "%s: cfg was never initialised (cfg->magic is 0x%llx, not sg_config_init's): "
+                   "call sg_config_init(&cfg, sizeof cfg) before setting its fields",
+                   fn, (unsigned long long)c->magic);
+  return SG_OK;
+}
 
 static void sg__config_defaults(sg_config *c) {
   memset(c, 0, sizeof *c); /* padding too: configs are hashed and compared bytewise */
@@ -76,6 +100,7 @@ static void sg__config_defaults(sg_config *c) {
   c->outer_momentum = 0.9;
   c->optim_state_dtype = SG_F32;
   c->optim_state_min_numel = 4096;
+  c->magic = SG__CONFIG_MAGIC;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
@@ -96,12 +121,7 @@ sg_status sg__config_copy(const sg_config *in, sg_config *out, const char *fn) {
   if (!fn) fn = "sg__config_copy";
   if (!in) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
   if (!out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: output config is NULL", fn);
-  if (!sg__config_size_ok(in->struct_size))
-    return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->struct_size must be the size of a published sg_config "
-                   "(%zu for 0.1, %zu for this header) (got %zu); "
-                   "fill it with sg_config_init(&cfg, sizeof cfg)",
-                   fn, (size_t)SG__CONFIG_V1_SIZE, sizeof(sg_config), in->struct_size);
+  SG_TRY(sg__config_version_ok(in, fn));
   sg_config c;
   sg__config_defaults(&c);
   memcpy(&c, in, sg__config_layout_of(in->struct_size)->end); /* its fields, not its padding */
@@ -227,10 +247,10 @@ static sg_status sg__config_check_0_4(const sg_config *c, const char *fn) {
   if (!(c->outer_momentum >= 0 && c->outer_momentum < 1))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_momentum must be in [0, 1) (got %g)",
                    fn, c->outer_momentum);
-  if (c->outer_every > 0 && c->replica_codec != SG_CODEC_NONE)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->outer_every with cfg->replica_codec: the outer "
-                   "steps' pseudo-gradient has no codec yet (use replica_reduce_dtype SG_BF16 "
-                   "for a smaller wire)", fn);
+  if (c->outer_every > 0 && c->replica_codec == SG_CODEC_INT4)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->outer_every with cfg->replica_codec "
+                   "SG_CODEC_INT4: the outer steps' pseudo-gradient takes the int8 codec only "
+                   "(SG_CODEC_INT8)", fn);
   if (c->optim_state_dtype != SG_F32 && c->optim_state_dtype != SG_Q8)
     return sg__err(SG_ERR_INVALID_ARGUMENT,
                    "%s: cfg->optim_state_dtype must be SG_F32 or SG_Q8 (got %d)", fn,
@@ -259,11 +279,7 @@ static sg_status sg__config_check_scale(const sg_config *c, const char *fn) {
 sg_status sg__config_check(const sg_config *c, const char *fn) {
   if (!fn) fn = "sg__config_check";
   if (!c) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", fn);
-  if (!sg__config_size_ok(c->struct_size))
-    return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "%s: cfg->struct_size must be the size of a published sg_config (%zu for 0.1, "
-                   "%zu for this header) (got %zu)",
-                   fn, (size_t)SG__CONFIG_V1_SIZE, sizeof(sg_config), c->struct_size);
+  SG_TRY(sg__config_version_ok(c, fn));
   SG_TRY(sg__config_check_enums(c, fn));
   SG_TRY(sg__config_check_sizes(c, fn));
   SG_TRY(sg__config_check_optim(c, fn));

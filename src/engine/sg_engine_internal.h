@@ -90,6 +90,22 @@ typedef struct sg__optim {
   sg__seg *cls;     /* [max params of a bucket]: the segments of one class of a bucket */
 } sg__optim;
 
+/* A replica transport's checkpointed state (sg__replica_ops.ck_*): the states, each a section
+ * of every rank file (one record per element, the kind SG_CK_REP0 + k of src/ckpt). */
+enum {
+  SG__REP_OUTER_PARAMS = 0, /* fp32: the parameters at the last outer step */
+  SG__REP_OUTER_MOM = 1,    /* fp32: the outer momentum */
+  SG__REP_RESID = 2,        /* a codec's residuals: fp32 r2 (the chunk owner's), then r1 of
+                               replica 0..N-1: 4 (N + 1) bytes */
+  SG__REP_OUTER_RESID = 3,  /* the same, of the outer steps' pseudo-gradient (outer, int8) */
+  SG__REP_STATES = 4
+};
+typedef struct sg__rep_ck {
+  uint32_t esz[SG__REP_STATES]; /* record bytes; 0: not kept / not in the checkpoint */
+  void *rec[SG__REP_STATES];    /* host records, opt_numel each, state coordinates */
+  uint64_t position;            /* outer steps: sg_steps since the last outer step */
+} sg__rep_ck;
+
 /* Replica transport (DESIGN.md section 1, "Hybrid engines"): how the accumulator's slices are
  * summed across the replicas of a hybrid engine, one never-NULL table per row of the table
  * there, chosen once at sg_engine_create (src/engine/policy/sg_replica_select.c): flat (one
@@ -133,10 +149,19 @@ typedef struct sg__replica_ops {
    * (the engine gathers them in the node after it); others: 0, nothing. */
   int (*sync_due)(sg_engine *e);
   sg_status (*sync)(sg_engine *e);
-  /* After sg_load: the transport's own state starts again from the loaded parameters (a
-   * codec's residuals zeroed, outer steps' period and outer parameters begun afresh). */
-  void (*restore)(sg_engine *e);
+  /* Checkpoints (src/ckpt): the per-element state the transport keeps beyond the optimizer's
+   * (a codec's residuals, the outer parameters and momentum) and the outer period's position.
+   * ck_describe: the record bytes of each state it keeps (0: none) and the position. ck_save:
+   * collective over the replicas (every rank calls it, idle): fills the records the caller
+   * allocated (ck->rec[k] for esz[k] > 0, lay.opt_numel records in state coordinates) on
+   * replica 0, whose ranks write; elsewhere rec is NULL. restore, after sg_load: from the
+   * loaded records (rec[k] NULL: not in the checkpoint, that state begins afresh; esz[k] the
+   * checkpoint's record bytes) or with ck NULL everything afresh. */
+  void (*ck_describe)(const sg_engine *e, struct sg__rep_ck *ck);
+  sg_status (*ck_save)(sg_engine *e, struct sg__rep_ck *ck);
+  void (*restore)(sg_engine *e, const struct sg__rep_ck *ck);
 } sg__replica_ops;
+
 
 /* The memory a replica channel's host-side collectives take (rep.mem, chosen with the table):
  * either kind, device memory only (attached to a CUDA device), host memory only (a host
@@ -369,8 +394,11 @@ int sg__replicas_grad_world(const sg_engine *e);
  * (collective over the replicas; the caller then gathers the parameters in the node). */
 int sg__replicas_sync_due(sg_engine *e);
 sg_status sg__replicas_sync(sg_engine *e);
-/* sg_load, once the state is in: the transport's own state begins again. */
-void sg__replicas_restore(sg_engine *e);
+/* Checkpoints: the transport's state (sg__replica_ops.ck_describe, ck_save); after sg_load,
+ * the transport's own state from ck (NULL, or a state not in it: begins again). */
+void sg__replicas_ck_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replicas_ck_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replicas_restore(sg_engine *e, const sg__rep_ck *ck);
 /* sg_finalize, after the shard's own agreement (st): every rank of the shard in the same
  * replica position, every replica with the same shard size, plan and config; any rank's
  * failure reaches every rank. Returns the verdict (SG_ERR_MISMATCH names the difference). */

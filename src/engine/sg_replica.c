@@ -64,7 +64,14 @@ int sg__replicas_sync_due(sg_engine *e) { return e->rep.ops->sync_due(e); }
 
 sg_status sg__replicas_sync(sg_engine *e) { return e->rep.ops->sync(e); }
 
-void sg__replicas_restore(sg_engine *e) { e->rep.ops->restore(e); }
+void sg__replicas_ck_describe(const sg_engine *e, sg__rep_ck *ck) {
+  memset(ck, 0, sizeof *ck);
+  e->rep.ops->ck_describe(e, ck);
+}
+
+sg_status sg__replicas_ck_save(sg_engine *e, sg__rep_ck *ck) { return e->rep.ops->ck_save(e, ck); }
+
+void sg__replicas_restore(sg_engine *e, const sg__rep_ck *ck) { e->rep.ops->restore(e, ck); }
 
 void sg__replicas_shape(const sg__plan *p, const sg_config *cfg, int n, sg__layout_shape *out) {
   out->replica_bytes = n >= 1 ? sg__replica_select_bytes(p, cfg, n) : 0; /* 0: flat */

@@ -217,15 +217,19 @@ static int at_step(const model *m) {
  * replica_reduce_dtype; a codec's all-to-all and all-gather of the codes (each replica sends
  * each other one code region per stage, sg_replica_codec.c; the encoding and decoding on the
  * host are not modelled); nothing with outer steps (their sync is at the period's end). */
+/* A codec's exchange of bucket b's slice, submitted at `ready`: the all-to-all, then the
+ * all-gather of the codes. */
+static sg_status codec_exchange(model *m, int b, double ready) {
+  const uint64_t S = (uint64_t)m->N * sg__replica_codec_region(slice_numel(m, b), m->N,
+                                                                 m->codec_bits);
+  const cost a2a = coll_cost(m, RS, m->replica, S), ag = coll_cost(m, AG, m->replica, S);
+  SG_TRY(run_coll(m, ready, &a2a, 1));
+  return run_coll(m, m->comm_free, &ag, 1);
+}
+
 static sg_status replica_sum(model *m, int b) {
   if (outer_steps(m)) return SG_OK;
-  if (m->codec_bits) {
-    const uint64_t S = (uint64_t)m->N * sg__replica_codec_region(slice_numel(m, b), m->N,
-                                                                   m->codec_bits);
-    const cost a2a = coll_cost(m, RS, m->replica, S), ag = coll_cost(m, AG, m->replica, S);
-    SG_TRY(run_coll(m, m->comm_free, &a2a, 1));
-    return run_coll(m, m->comm_free, &ag, 1);
-  }
+  if (m->codec_bits) return codec_exchange(m, b, m->comm_free);
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
   const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
   return run_coll(m, m->comm_free, &r, 1);
@@ -314,15 +318,16 @@ static double update_time(model *m, uint64_t n) {
 
 /* The last step of an outer period (sg_replica_outer.c, sg_step.c): once the step's gathers
  * landed, bucket by bucket the all-reduce of the rank's pseudo-gradient across the replicas in
- * replica_reduce_dtype, each waited for (the host's outer update between them is not
- * modelled), then the node's all-gathers of the new parameters. */
+ * replica_reduce_dtype (with the int8 codec its exchange, sg_replica_outer_int8.c), each waited
+ * for (the host's outer update and coding between them are not modelled), then the node's
+ * all-gathers of the new parameters. */
 static sg_status outer_sync(model *m, double *t) {
   if (!outer_steps(m) || !m->outer_sync) return SG_OK;
   *t = wait_until(m, *t, m->comm_free);
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
   for (int b = 0; b < m->p->nbuckets; b++) {
     const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
-    SG_TRY(run_coll(m, *t, &r, 1));
+    SG_TRY(m->codec_bits ? codec_exchange(m, b, *t) : run_coll(m, *t, &r, 1));
     *t = wait_until(m, *t, m->comm_free);
   }
   if (m->L < 2) return SG_OK;
@@ -399,6 +404,10 @@ static double per_elem_time(const sg_hardware *hw, const sg_config *cfg, int off
 /* ---------------------------------------------------------------------------------------- */
 /* arguments                                                                                 */
 
+/* What sg_hardware_init writes into `magic` ("SGhwdesc" in ASCII): a description of the right
+ * size that never went through sg_hardware_init (stack garbage, memset 0) is refused. */
+#define SG__HARDWARE_MAGIC UINT64_C(0x5347687764657363)
+
 sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size) {
   if (!hw) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg_hardware_init: hw is NULL");
   if (struct_size != sizeof *hw)
@@ -414,6 +423,7 @@ sg_status sg_hardware_init(sg_hardware *hw, size_t struct_size) {
   }
   hw->backward_fraction = 2.0 / 3.0;
   hw->device_bytes_per_s = 10e9;
+  hw->magic = SG__HARDWARE_MAGIC;
   return SG_OK;
 }
 
@@ -446,6 +456,10 @@ static sg_status check_hw(const sg_hardware *hw, int off, const char *fn) {
   if (hw->struct_size != sizeof *hw)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->struct_size %zu, expected %zu (use "
                    "sg_hardware_init)", fn, hw->struct_size, sizeof *hw);
+  if (hw->magic != SG__HARDWARE_MAGIC)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw was never initialised (hw->magic is 0x%llx, "
+                   "not sg_hardware_init's): call sg_hardware_init(&hw, sizeof hw) before setting "
+                   "its fields", fn, (unsigned long long)hw->magic);
   if (hw->ranks_per_node < 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->ranks_per_node must be >= 0 (got %d)", fn,
                    hw->ranks_per_node);

@@ -39,5 +39,5 @@ const sg__replica_ops sg__replica_at_step = {
     .name = "at-step", SG__REPLICA_ENTRIES, .share_scratch = 0,
     .prepare = sg__replica_no_prepare, .release = sg__replica_no_release,
     .claim = at_step_claim, .finish = at_step_finish, .run = sg__replica_run_comm,
-    .drain = sg__replica_no_drain, SG__REPLICA_EVERY_STEP, .restore = sg__replica_no_restore,
+    .drain = sg__replica_no_drain, SG__REPLICA_EVERY_STEP, SG__REPLICA_NO_CK,
 };

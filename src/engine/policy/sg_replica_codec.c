@@ -13,7 +13,8 @@
  * all-reduce sends. The codes themselves (kernels/cpu/sg_cpu_codec.c, element math in
  * kernels/sg_elem.h) are the codec tables' (sg_replica_int8.c, sg_replica_int4.c). This file
  * owns e->rep.codec: made by prepare in sg_finalize, freed by release, its residuals in the
- * layout's replica buffer (sg__replica_codec_bytes, counted in sg_memory's comm_bytes). */
+ * layout's replica buffer (sg__replica_codec_bytes, counted in sg_memory's comm_bytes) and in
+ * checkpoints (every replica's: sg__replica_codec_save, sg__replica_codec_restore). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,7 @@
 
 typedef struct sg__codec {
   int bits;
+  int ck_state;   /* its residuals' checkpoint state (SG__REP_RESID, SG__REP_OUTER_RESID) */
   float *r1;      /* this rank's slices' residuals, shard offsets (plan shard_numel) */
   float *r2;      /* the residual of this rank's chunk of each bucket, at r2_off[b] */
   size_t *r2_off; /* [nbuckets + 1] */
@@ -83,12 +85,11 @@ static void owner_sum(const sg__codec *k, float *acc, float *r2, size_t n, int N
   sg__cpu_code_encode(k->send + (size_t)me * region, acc + off, r2, len, k->bits);
 }
 
-sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
+sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   sg_comm *c = e->rep.comm;
   const int N = e->rep.n, me = e->rep.rank;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
-  float *acc = (float *)sg__accum_of(e, b);
   float *r1 = k->r1 + e->plan->buckets[b].shard_offset, *r2 = k->r2 + k->r2_off[b];
   for (int r = 0; r < N; r++) {
     size_t off, len;
@@ -103,6 +104,10 @@ sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
   return SG_OK;
 }
 
+sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
+  return sg__replica_codec_sum(e, b, (float *)sg__accum_of(e, b));
+}
+
 /* Both codecs' claim: the bucket's exchange queued behind its reduction. */
 sg_status sg__replica_codec_claim(sg_engine *e, int b) {
   return sg__replica_submit(e, b, sg__replica_codec_reduce);
@@ -110,7 +115,7 @@ sg_status sg__replica_codec_claim(sg_engine *e, int b) {
 
 /* ---- lifecycle ----------------------------------------------------------------------------- */
 
-sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_state) {
   const sg__plan *p = e->plan;
   const int N = e->rep.n;
   sg__codec *k = calloc(1, sizeof *k);
@@ -126,9 +131,10 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
     r2_off[b + 1] = r2_off[b] + max_chunk(n, N);
     if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
   }
-  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
-  memset(base, 0, e->lay.replica_bytes); /* no error carried yet */
+  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off + off;
+  memset(base, 0, sg__replica_codec_bytes(p, N, bits)); /* no error carried yet */
   k->bits = bits;
+  k->ck_state = ck_state;
   k->r1 = (float *)base;
   k->r2 = k->r1 + p->shard_numel;
   k->r2_off = r2_off;
@@ -138,11 +144,90 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits) {
   return SG_OK;
 }
 
-/* A load's state is not what the residuals corrected (they are not in checkpoints: each is at
- * most half a code step, so a resumed run loses one step's rounding, once). */
-void sg__replica_codec_restore(sg_engine *e) {
+/* ---- checkpoints --------------------------------------------------------------------------- */
+
+/* A checkpoint holds every replica's residuals, one record per element (state coordinates):
+ * r2, the residual of the replica whose chunk holds the element, then r1 of replicas 0..N-1.
+ * Replica 0 writes; it receives the others' residuals by one broadcast from each. */
+static size_t resid_words(const sg_engine *e, const sg__codec *k) {
+  return e->plan->shard_numel + k->r2_off[e->plan->nbuckets];
+}
+
+void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck) {
+  ck->esz[e->rep.codec->ck_state] = 4u * ((uint32_t)e->rep.n + 1u);
+}
+
+typedef struct {
+  sg_engine *e;
+  void *buf;
+  size_t bytes;
+  int root;
+} bcast_job;
+
+static sg_status bcast_fn(void *arg) {
+  const bcast_job *j = arg;
+  sg_comm *c = j->e->rep.comm;
+  return c->ops->broadcast(c, j->buf, j->bytes, j->root, sg__deadline(j->e->cfg.timeout_ms));
+}
+
+/* Replica j's residuals (vals: its r1, then its r2 regions) into the records. */
+static void scatter_records(const sg_engine *e, const sg__codec *k, const float *vals, int j,
+                            float *rec) {
+  const sg__plan *p = e->plan;
+  const size_t w = (size_t)e->rep.n + 1u, sn = p->shard_numel;
+  for (size_t i = 0; i < sn; i++) rec[i * w + 1u + (size_t)j] = vals[i];
+  for (int b = 0; b < p->nbuckets; b++) {
+    size_t off, len;
+    chunk_of(sg__plan_slice_numel(p, b), e->rep.n, j, &off, &len);
+    const size_t so = p->buckets[b].shard_offset + off;
+    for (size_t t = 0; t < len; t++) rec[(so + t) * w] = vals[sn + k->r2_off[b] + t];
+  }
+}
+
+sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck) {
+  const sg__codec *k = e->rep.codec;
+  const size_t bytes = resid_words(e, k) * sizeof(float);
+  float *tmp = malloc(bytes);
+  if (!tmp) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", bytes);
+  sg_status st = SG_OK;
+  for (int j = 0; j < e->rep.n && st == SG_OK; j++) {
+    bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : (void *)tmp, bytes, j};
+    st = sg__replica_run_comm(e, bcast_fn, &job);
+    if (st == SG_OK && ck->rec[k->ck_state])
+      scatter_records(e, k, job.buf, j, ck->rec[k->ck_state]);
+  }
+  free(tmp);
+  return st;
+}
+
+/* Saved at N_s replicas, loaded at N: replica r takes the sum of the saved r1 of the replicas
+ * j with j mod N == r (ascending j; N_s == N: its own, bit for bit; none: 0), and each
+ * element's r2 goes to the replica whose chunk holds it now. The sum over replicas of what the
+ * codes still owe is kept at any node count (up to the rounding of those sums). */
+static void gather_records(sg_engine *e, sg__codec *k, const float *rec, size_t ns) {
+  const sg__plan *p = e->plan;
+  const size_t w = ns + 1u, N = (size_t)e->rep.n, me = (size_t)e->rep.rank;
+  for (size_t i = 0; i < p->shard_numel; i++) {
+    float r = 0.0f;
+    for (size_t j = me; j < ns; j += N) r = j == me ? rec[i * w + 1u + j] : r + rec[i * w + 1u + j];
+    k->r1[i] = r;
+  }
+  for (int b = 0; b < p->nbuckets; b++) {
+    size_t off, len;
+    chunk_of(sg__plan_slice_numel(p, b), e->rep.n, e->rep.rank, &off, &len);
+    const size_t so = p->buckets[b].shard_offset + off;
+    for (size_t t = 0; t < len; t++) k->r2[k->r2_off[b] + t] = rec[(so + t) * w];
+  }
+}
+
+/* After sg_load: the checkpoint's residuals, or (a checkpoint without them) none carried: a
+ * resumed run then loses at most one step's rounding, once. */
+void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck) {
   sg__codec *k = e->rep.codec;
-  if (k) memset(k->r1, 0, (size_t)(k->send - (char *)k->r1));
+  if (!k) return;
+  memset(k->r1, 0, resid_words(e, k) * sizeof(float));
+  const int w = k->ck_state;
+  if (ck && ck->rec[w] && ck->esz[w] >= 8u) gather_records(e, k, ck->rec[w], ck->esz[w] / 4u - 1u);
 }
 
 void sg__replica_codec_release(sg_engine *e) {

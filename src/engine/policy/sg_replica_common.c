@@ -297,4 +297,11 @@ int sg__replica_never_due(sg_engine *e) {
   return 0;
 }
 
-void sg__replica_no_restore(sg_engine *e) { (void)e; }
+void sg__replica_no_ck_describe(const sg_engine *e, sg__rep_ck *ck) { (void)e, (void)ck; }
+
+sg_status sg__replica_no_ck_save(sg_engine *e, sg__rep_ck *ck) {
+  (void)e, (void)ck;
+  return SG_OK;
+}
+
+void sg__replica_no_restore(sg_engine *e, const sg__rep_ck *ck) { (void)e, (void)ck; }

@@ -14,7 +14,7 @@ static sg_status direct_claim(sg_engine *e, int b) {
 #define SG__DIRECT_OPS                                                                            \
   SG__REPLICA_ENTRIES, .prepare = sg__replica_no_prepare, .release = sg__replica_no_release,     \
   .claim = direct_claim, .finish = sg__replica_no_finish, .run = sg__replica_run_comm,           \
-  .drain = sg__replica_no_drain, SG__REPLICA_EVERY_STEP, .restore = sg__replica_no_restore
+  .drain = sg__replica_no_drain, SG__REPLICA_EVERY_STEP, SG__REPLICA_NO_CK
 
 /* Collectives of both channels run one at a time on the comm queue: one scratch serves both
  * where the channels take the same memory (an unbound channel never uses it on device buffers). */

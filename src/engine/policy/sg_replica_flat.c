@@ -50,5 +50,6 @@ const sg__replica_ops sg__replica_flat = {
     .allgather_host = flat_allgather_host, .broadcast_params = flat_bucket,
     .share_scratch = 0, .prepare = flat_ok, .release = flat_nothing, .claim = flat_bucket,
     .finish = flat_ok, .run = flat_run, .drain = flat_ok, .grad_replicas = flat_one,
-    .sync_due = flat_never, .sync = flat_ok, .restore = flat_nothing,
+    .sync_due = flat_never, .sync = flat_ok, .ck_describe = sg__replica_no_ck_describe,
+    .ck_save = sg__replica_no_ck_save, .restore = sg__replica_no_restore,
 };

@@ -10,9 +10,11 @@
  *
  * and the engine gathers the new parameters in the node (sg_step.c). Every replica computes
  * the same po from the same sum, so all hold the same bits after it. po and m are taken (po =
- * the parameters, m = 0) at the first step after sg_finalize or sg_load. The inner optimizer's state is
- * not touched. This file owns the outer state, in the layout's replica buffer (po, m, the wire of
- * one owned run: sg__replica_outer_bytes, counted in sg_memory's comm_bytes). */
+ * the parameters, m = 0) at the first step after sg_finalize, or after an sg_load of a
+ * checkpoint without them; checkpoints hold po, m and the position in the period (outer_save,
+ * outer_restore). The inner optimizer's state is not touched. This file owns the outer state,
+ * in the layout's replica buffer (po, m, the wire of one owned run: sg__replica_outer_bytes,
+ * counted in sg_memory's comm_bytes). */
 #include <string.h>
 
 #include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_outer_*, sg__cpu_cast */
@@ -34,8 +36,13 @@ static size_t max_run(const sg__plan *p) {
   return m;
 }
 
+/* A bf16 wire: the run in bf16 (a codec puts its codes on the wire instead). */
+static int has_wire(const sg_config *cfg) {
+  return cfg->replica_reduce_dtype != SG_F32 && cfg->replica_codec == SG_CODEC_NONE;
+}
+
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
-  const size_t wire = cfg->replica_reduce_dtype == SG_F32 ? 0 : 2u * max_run(p);
+  const size_t wire = has_wire(cfg) ? 2u * max_run(p) : 0;
   return 4u * (2u * p->shard_numel + max_run(p)) + wire + sizeof(outer_state) + 64u;
 }
 
@@ -48,21 +55,21 @@ static float *master_of(const sg_engine *e, const sg__owned *o) {
   return e->opt.master ? e->opt.master + o->state0 : (float *)e->params + o->flat0;
 }
 
-static sg_status outer_prepare(sg_engine *e) {
+sg_status sg__replica_outer_prepare(sg_engine *e) {
   char *base = (char *)state_of(e);
-  memset(base, 0, e->lay.replica_bytes);
+  memset(base, 0, sg__replica_outer_bytes(e->plan, &e->cfg));
   outer_state *k = (outer_state *)base;
   const size_t off = (sizeof *k + 63u) / 64u * 64u, sn = e->plan->shard_numel;
   k->po = (float *)(base + off);
   k->m = k->po + sn;
   k->d = k->m + sn;
-  k->wire = e->cfg.replica_reduce_dtype == SG_F32 ? NULL : (void *)(k->d + max_run(e->plan));
+  k->wire = has_wire(&e->cfg) ? (void *)(k->d + max_run(e->plan)) : NULL;
   k->fresh = 1;
   return SG_OK;
 }
 
 /* At the first step of a run (before its update): the outer parameters are the parameters. */
-static sg_status outer_finish(sg_engine *e) {
+sg_status sg__replica_outer_finish(sg_engine *e) {
   outer_state *k = state_of(e);
   if (!k->fresh) return SG_OK;
   for (int b = 0; b < e->plan->nbuckets; b++) {
@@ -76,7 +83,7 @@ static sg_status outer_finish(sg_engine *e) {
   return SG_OK;
 }
 
-static int outer_due(sg_engine *e) {
+int sg__replica_outer_due(sg_engine *e) {
   outer_state *k = state_of(e);
   if (++k->inner < e->cfg.outer_every) return 0;
   k->inner = 0;
@@ -85,25 +92,32 @@ static int outer_due(sg_engine *e) {
 
 typedef struct {
   sg_engine *e;
+  int b;
   size_t n;
+  sg__outer_sum_fn sum;
 } sum_job;
 
-/* The pseudo-gradient run summed over the replicas (on the comm queue). */
-static sg_status sum_fn(void *arg) {
+static sg_status sum_job_fn(void *arg) {
   const sum_job *j = arg;
-  sg_engine *e = j->e;
+  return j->sum(j->e, j->b, state_of(j->e)->d, j->n);
+}
+
+/* The pseudo-gradient run summed over the replicas (on the comm queue): all-reduced in fp32, or
+ * through the bf16 wire. */
+static sg_status wire_sum(sg_engine *e, int b, float *d, size_t n) {
+  (void)b;
   outer_state *k = state_of(e);
   sg_comm *c = e->rep.comm;
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
-  if (!k->wire) return c->ops->all_reduce(c, k->d, j->n, SG_F32, dl);
+  if (!k->wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
   const int w = e->cfg.replica_reduce_dtype;
-  sg__cpu_cast(k->wire, w, k->d, SG_F32, j->n);
-  SG_TRY(c->ops->all_reduce(c, k->wire, j->n, w, dl));
-  sg__cpu_cast(k->d, SG_F32, k->wire, w, j->n);
+  sg__cpu_cast(k->wire, w, d, SG_F32, n);
+  SG_TRY(c->ops->all_reduce(c, k->wire, n, w, dl));
+  sg__cpu_cast(d, SG_F32, k->wire, w, n);
   return SG_OK;
 }
 
-static sg_status outer_sync(sg_engine *e) {
+sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
   outer_state *k = state_of(e);
   const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
@@ -112,8 +126,8 @@ static sg_status outer_sync(sg_engine *e) {
     e->strat->owned(e->plan, e->rank, b, &o);
     float *theta = master_of(e, &o);
     sg__cpu_outer_delta(k->d, k->po + o.state0, theta, o.n);
-    sum_job j = {e, o.n};
-    SG_TRY(sg__replica_run_comm(e, sum_fn, &j));
+    sum_job j = {e, b, o.n, sum};
+    SG_TRY(sg__replica_run_comm(e, sum_job_fn, &j));
     sg__cpu_outer_step(k->po + o.state0, k->m + o.state0, theta, k->d, o.n, e->rep.n, lr, mu);
     /* bf16/f16 parameters: the working copy from the new master */
     if (e->opt.master) sg__cpu_cast(e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
@@ -121,23 +135,66 @@ static sg_status outer_sync(sg_engine *e) {
   return SG_OK;
 }
 
-static int outer_grad_replicas(const sg_engine *e) {
+static sg_status outer_sync(sg_engine *e) { return sg__replica_outer_sync(e, wire_sum); }
+
+int sg__replica_outer_grad_replicas(const sg_engine *e) {
   (void)e;
   return 1;
 }
 
 /* Nothing is summed across replicas at a step. */
-static sg_status outer_claim(sg_engine *e, int b) {
+sg_status sg__replica_outer_claim(sg_engine *e, int b) {
   (void)e, (void)b;
   return SG_OK;
 }
 
-static void outer_restore(sg_engine *e) { state_of(e)->fresh = 1; }
+/* ---- checkpoints: po and m (the same on every replica: replica 0's are written) and the
+ * position in the period. A save before the first step writes what that step would take (the
+ * parameters, zero momentum). ---- */
+
+void sg__replica_outer_describe(const sg_engine *e, sg__rep_ck *ck) {
+  const outer_state *k = state_of(e);
+  ck->esz[SG__REP_OUTER_PARAMS] = 4;
+  ck->esz[SG__REP_OUTER_MOM] = 4;
+  ck->position = k->fresh ? 0u : (uint64_t)k->inner;
+}
+
+sg_status sg__replica_outer_save(sg_engine *e, sg__rep_ck *ck) {
+  const outer_state *k = state_of(e);
+  float *po = ck->rec[SG__REP_OUTER_PARAMS], *m = ck->rec[SG__REP_OUTER_MOM];
+  if (!po || !m) return SG_OK; /* not a writer */
+  const size_t sn = e->plan->shard_numel;
+  memcpy(po, k->po, sn * sizeof(float));
+  memcpy(m, k->m, sn * sizeof(float));
+  if (!k->fresh) return SG_OK;
+  memset(m, 0, sn * sizeof(float));
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    sg__owned o;
+    e->strat->owned(e->plan, e->rank, b, &o);
+    memcpy(po + o.state0, master_of(e, &o), o.n * sizeof(float));
+  }
+  return SG_OK;
+}
+
+/* After sg_load: the checkpoint's outer state and position (a position at or past this
+ * engine's H: the next step ends the period), or, without it, a new period from the loaded
+ * parameters with zero momentum. */
+void sg__replica_outer_restore(sg_engine *e, const sg__rep_ck *ck) {
+  outer_state *k = state_of(e);
+  const void *po = ck ? ck->rec[SG__REP_OUTER_PARAMS] : NULL;
+  const void *m = ck ? ck->rec[SG__REP_OUTER_MOM] : NULL;
+  k->fresh = !po || !m;
+  if (k->fresh) return;
+  const size_t sn = e->plan->shard_numel;
+  memcpy(k->po, po, sn * sizeof(float));
+  memcpy(k->m, m, sn * sizeof(float));
+  const uint64_t last = (uint64_t)e->cfg.outer_every - 1u;
+  k->inner = (int)(ck->position < last ? ck->position : last);
+}
 
 const sg__replica_ops sg__replica_outer = {
-    .name = "host, outer steps", SG__REPLICA_ENTRIES, .share_scratch = 1,
-    .prepare = outer_prepare, .release = sg__replica_no_release, .claim = outer_claim,
-    .finish = outer_finish, .run = sg__replica_run_comm, .drain = sg__replica_no_drain,
-    .grad_replicas = outer_grad_replicas, .sync_due = outer_due, .sync = outer_sync,
-    .restore = outer_restore,
+    .name = "host, outer steps", SG__REPLICA_ENTRIES, SG__REPLICA_OUTER_STEPS,
+    .prepare = sg__replica_outer_prepare, .release = sg__replica_no_release, .sync = outer_sync,
+    .ck_describe = sg__replica_outer_describe, .ck_save = sg__replica_outer_save,
+    .restore = sg__replica_outer_restore,
 };

@@ -19,22 +19,50 @@ extern const sg__replica_ops sg__replica_at_step;  /* sg_replica_at_step.c */
 extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
 extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
 extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
-/* sg_replica_outer.c: the bytes of its state (outer parameters, momentum, a run's wire). */
+extern const sg__replica_ops sg__replica_outer_int8; /* sg_replica_outer_int8.c */
+/* sg_replica_outer_int8.c: the bytes of its state (the outer state, then the codec's). */
+size_t sg__replica_outer_int8_bytes(const sg__plan *p, const sg_config *cfg, int n);
+/* sg_replica_outer.c: the bytes of its state (outer parameters, momentum, a run's wire), and
+ * the pieces outer steps with int8 codes share: prepare (the state at the start of the replica
+ * buffer), the sum of bucket b's pseudo-gradient run d across replicas (on the comm queue) that
+ * sync takes, and the entries of the table. */
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg);
+typedef sg_status (*sg__outer_sum_fn)(sg_engine *e, int b, float *d, size_t n);
+sg_status sg__replica_outer_prepare(sg_engine *e);
+sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
+sg_status sg__replica_outer_finish(sg_engine *e);
+int sg__replica_outer_due(sg_engine *e);
+int sg__replica_outer_grad_replicas(const sg_engine *e);
+sg_status sg__replica_outer_claim(sg_engine *e, int b);
+void sg__replica_outer_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replica_outer_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replica_outer_restore(sg_engine *e, const sg__rep_ck *ck);
+#define SG__REPLICA_OUTER_STEPS                                                                   \
+  .share_scratch = 1, .claim = sg__replica_outer_claim, .finish = sg__replica_outer_finish,      \
+  .run = sg__replica_run_comm, .drain = sg__replica_no_drain,                                    \
+  .grad_replicas = sg__replica_outer_grad_replicas, .sync_due = sg__replica_outer_due
 
 /* sg_replica_select.c: the bytes of the layout's replica buffer (sg__replicas_shape). */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n);
 
 /* sg_replica_codec.c: the codecs' scheme. Its buffer's bytes (residuals and exchange buffers)
  * for a plan over n replicas; prepare (bits 8 or 4: e->rep.codec over the layout's replica
- * buffer, zeroed) and release; and bucket b's sum across replicas through it (a comm job). */
+ * buffer from byte off, zeroed; its residuals are checkpoint state ck_state) and release; bucket b's slice x (slice_numel values, this
+ * rank's residuals at the bucket's shard offset) summed across replicas in place, every replica
+ * with the same bits (on the comm queue); and bucket b's accumulator slice so (a comm job). */
 size_t sg__replica_codec_bytes(const sg__plan *p, int n, int bits);
 /* The code bytes each replica sends each other one per stage for a slice of n values (the step
  * model's bytes: an all-to-all and an all-gather of this many per replica). */
 size_t sg__replica_codec_region(size_t n, int N, int bits);
-sg_status sg__replica_codec_prepare(sg_engine *e, int bits);
+sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_state);
 void sg__replica_codec_release(sg_engine *e);
-void sg__replica_codec_restore(sg_engine *e);
+void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck);
+#define SG__REPLICA_CODEC_CK                                                                      \
+  .ck_describe = sg__replica_codec_describe, .ck_save = sg__replica_codec_save,                 \
+  .restore = sg__replica_codec_restore
+sg_status sg__replica_codec_sum(sg_engine *e, int b, float *x);
 sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
@@ -74,9 +102,15 @@ sg_status sg__replica_no_finish(sg_engine *e);
  * restore after a load. */
 int sg__replica_all_replicas(const sg_engine *e);
 int sg__replica_never_due(sg_engine *e);
-void sg__replica_no_restore(sg_engine *e);
+/* No state of its own in checkpoints. */
+void sg__replica_no_ck_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replica_no_ck_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replica_no_restore(sg_engine *e, const sg__rep_ck *ck);
 #define SG__REPLICA_EVERY_STEP                                                                    \
   .grad_replicas = sg__replica_all_replicas, .sync_due = sg__replica_never_due,                 \
   .sync = sg__replica_no_finish
+#define SG__REPLICA_NO_CK                                                                         \
+  .ck_describe = sg__replica_no_ck_describe, .ck_save = sg__replica_no_ck_save,                 \
+  .restore = sg__replica_no_restore
 
 #endif /* SG_REPLICA_POLICY_H */

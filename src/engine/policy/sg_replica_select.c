@@ -30,7 +30,8 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   return SG_OK;
 }
 
-/* Outer steps read and write the master and parameters on the host. */
+/* Outer steps read and write the master and parameters on the host; with the int8 codec their
+ * pseudo-gradient goes through its exchange. */
 static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
@@ -38,15 +39,23 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
   if (e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
                    "device has no outer step yet)");
-  *ops = &sg__replica_outer;
+  if (e->cfg.replica_codec == SG_CODEC_NONE) {
+    *ops = &sg__replica_outer;
+    return SG_OK;
+  }
+  if (!replica->ops->all_to_all)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
+                   "all-to-all (threads, MPI, a caller's transport); %s has none",
+                   replica->ops->name);
+  *ops = &sg__replica_outer_int8;
   return SG_OK;
 }
 
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                       sg__device **dev) {
   *dev = NULL;
-  if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
   if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops);
+  if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
     *ops = &sg__replica_host;
@@ -84,9 +93,11 @@ static size_t max_slice(const sg__plan *p) {
   return m;
 }
 
-/* A codec's residuals and exchange buffers, the outer state; else the wire buffer where the
+/* A codec's residuals and exchange buffers, the outer state (and the codec's with both); else the wire buffer where the
  * wire dtype is not the accumulator's and there is another replica to sum with. */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
+  if (cfg->outer_every > 0 && cfg->replica_codec != SG_CODEC_NONE)
+    return sg__replica_outer_int8_bytes(p, cfg, n);
   if (cfg->replica_codec != SG_CODEC_NONE)
     return sg__replica_codec_bytes(p, n, cfg->replica_codec == SG_CODEC_INT8 ? 8 : 4);
   if (cfg->outer_every > 0) return sg__replica_outer_bytes(p, cfg);

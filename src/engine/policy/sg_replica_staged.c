@@ -133,5 +133,5 @@ const sg__replica_ops sg__replica_staged = {
     .name = "staged", SG__REPLICA_ENTRIES, .share_scratch = 0, .prepare = staged_prepare,
     .release = staged_release, .claim = staged_claim, .finish = staged_finish,
     .run = staged_run, .drain = staged_drain, SG__REPLICA_EVERY_STEP,
-    .restore = sg__replica_no_restore,
+    SG__REPLICA_NO_CK,
 };

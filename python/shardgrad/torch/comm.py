@@ -1,6 +1,9 @@
-"""The torch.distributed transport of Comm.from_torch: a communicator (sg_comm_create_xport)
-whose bytes travel as torch.distributed sends and receives of uint8 CPU tensors over a process
-group (gloo), beside whatever else the application does with that group.
+"""Communicators from torch.distributed: comm_from_torch (what Comm.from_torch calls) and its
+transport over a process group.
+
+The transport: a communicator (sg_comm_create_xport) whose bytes travel as torch.distributed
+sends and receives of uint8 CPU tensors over a process group (gloo), beside whatever else the
+application does with that group.
 
 How a transfer runs. The engine's comm worker (a C thread) calls isend/irecv through ctypes,
 which takes the GIL for the callback: a send copies the library's bytes into a tensor of
@@ -41,15 +44,89 @@ point-to-point messages on the same group should use other tags or another group
 
 import ctypes
 import itertools
+import os
 import queue
 import threading
 
 import torch
 
-from . import _lib
-from ._structs import XPORT_CANCEL, XPORT_RECV, XPORT_RELEASE, XPORT_SEND, SgXport
+from .. import _lib
+from .._structs import XPORT_CANCEL, XPORT_RECV, XPORT_RELEASE, XPORT_SEND, SgXport
+from ..core import Comm, _call, has_backend
+from ..errors import InvalidStateError, MismatchError, UnsupportedError
 
-__all__ = ["create", "TorchTransport"]
+__all__ = ["comm_from_torch", "create", "TorchTransport"]
+
+
+# ------------------------------------------------------------------------------------------
+# communicators from torch.distributed
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def _dist_initialized():
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+def _started_by_mpirun():
+    return any(k in os.environ for k in _MPI_ENV)
+
+
+def comm_from_torch(group=None):
+    """Collective over `group` (default: the whole world): a shardgrad communicator with the
+    same ranks as an initialized torch.distributed process group (Comm.from_torch).
+
+    - NCCL group (CUDA): an NCCL communicator on torch's current CUDA device, its unique id made
+      by the group's rank 0 and shared through the group (broadcast_object_list).
+    - A job started by mpirun (the whole world only): Comm.mpi(), checked to give every process
+      the rank torch gave it.
+    - Otherwise (gloo on CPU under torchrun): a communicator whose transfers go through the
+      group itself, when the library has that transport (sg_comm_create_xport); else
+      UnsupportedError saying what to do instead.
+    """
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidStateError("Comm.from_torch: torch.distributed is not initialized (call "
+                                "torch.distributed.init_process_group first, e.g. under "
+                                "torchrun)", function="python")
+    g = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(g), dist.get_world_size(g)
+    backend = str(dist.get_backend(g)).lower()
+    if "nccl" in backend:
+        return _nccl_from_torch(dist, g, rank, world)
+    whole = world == dist.get_world_size()
+    if whole and _started_by_mpirun() and has_backend("mpi"):
+        comm = Comm.mpi()
+        if comm.size != world or comm.rank != rank:
+            got = (comm.rank, comm.size)
+            comm.close()
+            raise MismatchError("Comm.from_torch: MPI gives this process rank %d of %d, torch "
+                                "rank %d of %d: start torch with the ranks mpirun assigned "
+                                "(RANK=$OMPI_COMM_WORLD_RANK)" % (got + (rank, world)),
+                                function="python")
+        return comm
+    if not _lib.has("sg_comm_create_xport"):
+        raise UnsupportedError(
+            "Comm.from_torch: a %s process group needs shardgrad's torch.distributed transport, "
+            "which this libshardgrad lacks; start the job with mpirun instead of torchrun "
+            "(from_torch then uses MPI), or create the communicator with Comm.mpi()" % backend,
+            function="python")
+    return create(g, rank, world)
+
+
+def _nccl_from_torch(dist, g, rank, world):
+    if not has_backend("nccl"):
+        raise UnsupportedError("Comm.from_torch: the process group uses NCCL but this "
+                               "libshardgrad was built without it (sg_has_backend('nccl'))",
+                               function="python")
+    uid = [Comm.nccl_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid, src=dist.get_global_rank(g, 0), group=g)
+    return Comm.nccl(rank, world, uid[0], cuda_device=torch.cuda.current_device())
+
+
+# ------------------------------------------------------------------------------------------
+# the transport
 
 
 class _Waiters:
@@ -188,7 +265,6 @@ _CB_RELEASE = XPORT_RELEASE(_release)
 def create(group, rank, world, name=b"torch"):
     """A Comm of `world` ranks, this process being `rank`, over `group` (a torch ProcessGroup
     on CPU tensors, e.g. gloo). Not collective."""
-    from .core import Comm, _call
     key = next(_keys)
     _transports[key] = TorchTransport(group, rank, world)
     t = SgXport(struct_size=ctypes.sizeof(SgXport), name=name, user=key, threaded=1,

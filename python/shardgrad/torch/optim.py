@@ -1,102 +1,5 @@
-"""PyTorch integration: ShardedAdamW, a torch.optim.Optimizer backed by a shardgrad Engine.
-
-    import shardgrad as sg
-    from shardgrad.torch import ShardedAdamW
-
-    comm = sg.Comm.mpi()                         # one rank per process (mpirun -np 2 ...)
-    opt = ShardedAdamW(model, comm, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
-    for batch in data:                           # this rank's part of the global batch
-        loss = model(batch).mean()
-        loss.backward()                          # gradients go to the library as they appear
-        opt.step(); sched.step()
-
-What it does
- - Every trainable parameter's storage is re-pointed to the library's working parameters
-   (zero copy): sg_step's all-gather updates the model in place.
- - Parameter order and when the engine is built. param_order="registration" (the default):
-   in the constructor, in named_parameters order (the plan reduces buckets in the reverse
-   order, which is backward order when modules are registered in the order the forward pass
-   uses them, as in nn.Sequential and the usual transformer). The constructor briefly holds
-   the parameters twice (torch's and the library's), before any activation exists; every
-   training step, the first included, then peaks at the same memory (issue 16).
-   param_order="backward": the plan follows the order the first forward pass uses the
-   parameters (module registration order may differ from execution order; DDP rebuilds its
-   buckets for the same reason). Forward pre-hooks record it, and the engine is built when
-   the first gradient arrives, so no full gradient is held, but step 1 holds torch's copy of
-   the parameters (autograd's saved tensors use it) beside the library's until its backward
-   has passed them. Parameters used by no module's own forward go last in the backward order;
-   without an nn.Module the order is the iterable's.
- - A post-accumulate-grad hook hands each gradient to the library (sg_grad_add) as soon as
-   autograd has produced it, then drops it from `.grad`, so under SHARD_GRAD_OP the full
-   gradient never sits in memory. At the end of each backward sg_backward_end completes the
-   micro-batch (parameters that got no gradient count as zeros) and every parameter's `.grad`
-   becomes a ShardGrad: a tensor standing for the reduced gradient held in the library, whose
-   norm (torch.nn.utils.clip_grad_norm_, get_total_norm, accelerate's and Lightning's clipping)
-   is the true global norm and whose in-place scaling scales the library's gradient; any other
-   use raises (docs/torch-grads.md).
- - Several backward passes before step() accumulate (each is a micro-batch that is reduced
-   right away); inside `with opt.no_sync():` micro-batches accumulate locally without
-   communication.
- - The reduced gradient is the average over ranks (grad_average=1) of each rank's summed
-   gradient: exactly what DDP with .grad accumulation gives.
- - Every param group's 'lr' and 'weight_decay' are read at every step(), so torch LR
-   schedulers drive them.
- - Parameter groups (per-group lr and weight_decay, up to shardgrad.MAX_GROUPS): pass
-   torch-style groups, ShardedAdamW([{"params": [...], "lr": 1e-2}, {"params": [...],
-   "weight_decay": 0.0}], comm, lr=1e-3) (a group's "params" may hold (name, parameter)
-   pairs), or a model plus param_groups=[...] of some of its parameters (the others form one
-   more group, last, with the constructor's values); keys a group lacks take the
-   constructor's. betas and eps are the same for every group. With explicit groups every
-   parameter decays by its group's weight_decay, as in torch (no_decay still applies when
-   given).
- - Weight decay as torch.optim.AdamW: every parameter decays by its group's weight_decay.
-   no_decay="1d" exempts the parameters with ndim <= 1 (biases, norms; the usual GPT recipe),
-   a set of names or a callable (name, param) -> bool exempts those it names. Parameters with
-   requires_grad=False are left alone.
- - Bucket size: without bucket_bytes (and without config=), buckets are 1/8 of the model's
-   gradient bytes, rounded up to 64 KiB and kept within 64 KiB..32 MiB, so that the staging
-   buckets (2 by default) hold a quarter of the gradient and the first reductions start
-   while backward is still running; bucket_bytes= or config= choose otherwise.
-
-Overlapped all-gather (overlap_param_gather=True): step() returns as soon as the per-bucket
-all-gathers of the updated parameters are queued (the bucket of the first registered
-parameters first), and they overlap the next forward pass. A forward pre-hook on every module
-that directly owns parameters (recurse=False; tied parameters count for every module holding
-them) waits for exactly those parameters' buckets before the module runs, so each layer waits
-only for its own bucket, in whatever order the forward pass uses them. Parameters read
-outside their own module's forward (e.g. a parent module using child.weight in its own
-forward, or code inspecting p after step()) are not covered: call opt.wait_params() first.
-Needs an nn.Module as `model`. close() removes the hooks; library calls (state_dict, save,
-master_weights...) wait by themselves.
-
-Threads: with sg.Comm.local(n), build one model replica and one ShardedAdamW per rank, each in
-its own thread (sg.run_threads). Collective (every rank, same order): the constructor (with
-param_order="backward": the first backward), step, state_dict, param_state, master_weights.
-
-close() (or garbage collection of the optimizer) copies the parameters back into torch-owned
-memory and removes the hooks. Tensors made from the parameters before that (a user's
-p.detach(), autograd's saved tensors) still view the library's memory: the engine is then
-destroyed only when the last of them is gone (the communicator may be closed before; it is
-destroyed after the engine).
-
-CUDA parameters (the engine runs on the parameters' GPU):
- - Streams: the engine works on the stream that is current when it is set up (the
-   constructor; with param_order="backward" the first backward), e.g. a rank's own stream
-   inside `with torch.cuda.stream(s):` around forward, backward and step(). On torch's default
-   stream (handle 0, which sg_set_stream would read as "an internal stream") it gets a
-   stream of its own instead. Either way the streams are ordered with events: the engine's
-   stream waits for the current one before it reads a gradient and at step(), and the current
-   stream waits for the engine's after step(), load(), import_() and before close() copies
-   the parameters back.
- - Several ranks as threads of one process (Comm.local(n), n > 1): torch runs the backward of
-   every CUDA tensor, hooks and end-of-backward callbacks included, on one autograd thread per
-   GPU shared by all Python threads, so a collective started from there would wait for a peer
-   whose backward cannot run. The gradients therefore stay in .grad (accumulated by torch over
-   micro-batches) and step() hands them to the library on the rank's own thread, then reduces
-   them: no overlap of reductions with the backward pass, and no_sync() changes nothing. One
-   rank per process (Comm.mpi, NCCL) keeps the hook path.
-"""
+"""ShardedAdamW: a torch.optim.Optimizer backed by a shardgrad Engine (the package text,
+shardgrad.torch, says what it does)."""
 
 import contextlib
 import functools
@@ -109,306 +12,25 @@ import weakref
 import numpy as np
 import torch
 
+from .. import _lib
+from .._structs import DType, Device
+from ..config import Config
+from ..core import Comm, Engine
+from ..errors import (InvalidArgumentError, InvalidStateError, MismatchError, ShardgradError,
+                      UnsupportedError)
+from .clip import check_unowned, register_params, unregister_params
+from .comm import _dist_initialized
+from .dtypes import TO_SG, sg_dtype, torch_dtype
+from .grads import GradState, ShardGrad
+from .groups import check_one_dtype, check_shared_hparams, select_params
+from .hooks import add_grad_hooks, add_order_hooks, add_wait_hooks
+from .views import param_tensor
 
-def _require_torch(version):
-    """ImportError unless `version` (a torch version string) is 2.1 or newer: ShardedAdamW hands
-    each gradient over in a post-accumulate-grad hook (Tensor.register_post_accumulate_grad_hook,
-    new in torch 2.1)."""
-    parts = []
-    for x in str(version).split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in x if c.isdigit()) if x else ""
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 2:
-        parts.append(0)
-    if tuple(parts) < (2, 1):
-        raise ImportError("shardgrad.torch needs torch >= 2.1 (it hands gradients over with "
-                          "Tensor.register_post_accumulate_grad_hook, added in 2.1); this is "
-                          "torch %s: upgrade torch (pip install 'torch>=2.1')" % (version,))
-
-
-_require_torch(torch.__version__)
-
-from . import _lib  # noqa: E402
-from ._structs import MAX_GROUPS, DType, Device
-from ._torch_grad import GradNorm, GradState, ShardGrad  # noqa: E402
-from .config import Config  # noqa: E402
-from .core import Comm, Engine, has_backend  # noqa: E402
-from .errors import (InvalidArgumentError, InvalidStateError, MismatchError,  # noqa: E402
-                     ShardgradError, UnsupportedError)
-
-__all__ = ["ShardedAdamW", "ShardGrad", "GradNorm", "comm_from_torch", "default_bucket_bytes",
-           "torch_dtype", "sg_dtype", "patch_clip_grad_norm"]
-
-_TO_SG = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
-_TO_TORCH = {v: k for k, v in _TO_SG.items()}
-
-
-def sg_dtype(dt):
-    """DType of a torch dtype (float32, bfloat16, float16)."""
-    if dt not in _TO_SG:
-        raise InvalidArgumentError("no shardgrad dtype for %s" % dt, function="python")
-    return _TO_SG[dt]
-
-
-def torch_dtype(dt):
-    return _TO_TORCH[DType(dt)]
-
-
-# ------------------------------------------------------------------------------------------
-# communicators from torch.distributed
-
-_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-
-
-def _dist_initialized():
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized()
-
-
-def _started_by_mpirun():
-    return any(k in os.environ for k in _MPI_ENV)
-
-
-def comm_from_torch(group=None):
-    """Collective over `group` (default: the whole world): a shardgrad communicator with the
-    same ranks as an initialized torch.distributed process group (Comm.from_torch).
-
-    - NCCL group (CUDA): an NCCL communicator on torch's current CUDA device, its unique id made
-      by the group's rank 0 and shared through the group (broadcast_object_list).
-    - A job started by mpirun (the whole world only): Comm.mpi(), checked to give every process
-      the rank torch gave it.
-    - Otherwise (gloo on CPU under torchrun): a communicator whose transfers go through the
-      group itself, when the library has that transport (sg_comm_create_xport); else
-      UnsupportedError saying what to do instead.
-    """
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidStateError("Comm.from_torch: torch.distributed is not initialized (call "
-                                "torch.distributed.init_process_group first, e.g. under "
-                                "torchrun)", function="python")
-    g = group if group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(g), dist.get_world_size(g)
-    backend = str(dist.get_backend(g)).lower()
-    if "nccl" in backend:
-        return _nccl_from_torch(dist, g, rank, world)
-    whole = world == dist.get_world_size()
-    if whole and _started_by_mpirun() and has_backend("mpi"):
-        comm = Comm.mpi()
-        if comm.size != world or comm.rank != rank:
-            got = (comm.rank, comm.size)
-            comm.close()
-            raise MismatchError("Comm.from_torch: MPI gives this process rank %d of %d, torch "
-                                "rank %d of %d: start torch with the ranks mpirun assigned "
-                                "(RANK=$OMPI_COMM_WORLD_RANK)" % (got + (rank, world)),
-                                function="python")
-        return comm
-    if not _lib.has("sg_comm_create_xport"):
-        raise UnsupportedError(
-            "Comm.from_torch: a %s process group needs shardgrad's torch.distributed transport, "
-            "which this libshardgrad lacks; start the job with mpirun instead of torchrun "
-            "(from_torch then uses MPI), or create the communicator with Comm.mpi()" % backend,
-            function="python")
-    from . import _torch_xport
-    return _torch_xport.create(g, rank, world)
-
-
-def _nccl_from_torch(dist, g, rank, world):
-    if not has_backend("nccl"):
-        raise UnsupportedError("Comm.from_torch: the process group uses NCCL but this "
-                               "libshardgrad was built without it (sg_has_backend('nccl'))",
-                               function="python")
-    uid = [Comm.nccl_unique_id() if rank == 0 else None]
-    dist.broadcast_object_list(uid, src=dist.get_global_rank(g, 0), group=g)
-    return Comm.nccl(rank, world, uid[0], cuda_device=torch.cuda.current_device())
+__all__ = ["ShardedAdamW", "default_bucket_bytes", "MIN_BUCKET_BYTES", "MAX_BUCKET_BYTES"]
 
 
 # ------------------------------------------------------------------------------------------
 # the optimizer
-
-
-def _named_params(model):
-    """[(name, param)] of a Module, of (name, param) pairs, or of bare parameters."""
-    if isinstance(model, torch.nn.Module):
-        return list(model.named_parameters())
-    if isinstance(model, torch.Tensor):
-        raise TypeError("ShardedAdamW: pass a Module or an iterable of parameters, not a Tensor")
-    out = []
-    for i, item in enumerate(model):
-        if isinstance(item, dict):
-            raise TypeError("ShardedAdamW: parameter groups must all be dicts, or none")
-        if isinstance(item, tuple):
-            out.append((str(item[0]), item[1]))
-        else:
-            out.append(("param%d" % i, item))
-    return out
-
-
-_GROUP_KEYS = ("lr", "weight_decay", "betas", "eps")
-
-
-def _group_opts(group):
-    if not isinstance(group, dict) or "params" not in group:
-        raise TypeError("ShardedAdamW: a parameter group is a dict with 'params', got %r"
-                        % (group,))
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _group_params(group):
-    ps = group["params"]
-    if isinstance(ps, torch.Tensor):
-        return [ps]
-    return list(ps)
-
-
-def _grouped_params(model, param_groups):
-    """([(name, param)], [group index of each], [options of each group]) for torch-style
-    groups given as `model` (a list of dicts) or as param_groups= over a model; None, None
-    when there are no groups."""
-    items = None
-    if not isinstance(model, (torch.nn.Module, torch.Tensor)):
-        items = list(model)
-        if items and all(isinstance(g, dict) for g in items):
-            if param_groups is not None:
-                raise TypeError("ShardedAdamW: parameter groups given twice (as the first "
-                                "argument and as param_groups=)")
-            named, group_of, i = [], [], 0
-            for g, grp in enumerate(items):
-                for item in _group_params(grp):
-                    named.append((str(item[0]), item[1]) if isinstance(item, tuple)
-                                 else ("param%d" % i, item))
-                    group_of.append(g)
-                    i += 1
-            return named, group_of, [_group_opts(grp) for grp in items]
-    if param_groups is None:
-        return None, None, None
-    named = _named_params(model if items is None else items)
-    index = {id(p): i for i, (_, p) in enumerate(named)}
-    group_of = [None] * len(named)
-    opts = []
-    for g, grp in enumerate(param_groups):
-        opts.append(_group_opts(grp))
-        for item in _group_params(grp):
-            p = item[1] if isinstance(item, tuple) else item
-            if id(p) not in index:
-                raise InvalidArgumentError("ShardedAdamW: param_groups[%d] holds a parameter "
-                                           "that is not in the model" % g, function="python")
-            if group_of[index[id(p)]] is not None:
-                raise InvalidArgumentError("ShardedAdamW: a parameter is in two param_groups",
-                                           function="python")
-            group_of[index[id(p)]] = g
-    if any(g is None for g in group_of):  # the rest: one more group, constructor's values
-        group_of = [len(opts) if g is None else g for g in group_of]
-        opts.append({})
-    return named, group_of, opts
-
-
-# ------------------------------------------------------------------------------------------
-# which ShardedAdamW holds a parameter; torch.nn.utils.clip_grad_norm_ routed to it (opt-in)
-
-_OWNER = {}  # id(parameter) -> weakref to the ShardedAdamW holding its gradient
-
-
-def _check_unowned(named):
-    """A parameter re-pointed to one engine's memory and hooked to hand its gradient there
-    cannot serve a second one (it would step with a norm of 0 and overwrite the first's
-    updates): refused before anything is built."""
-    for name, p in named:
-        opt = _owner_of(p)
-        if opt is not None:
-            raise InvalidArgumentError(
-                "ShardedAdamW: parameter '%s' already belongs to another ShardedAdamW (%r); "
-                "one optimizer per parameter: close() the other first, or give each optimizer "
-                "its own parameters" % (name, opt), function="python")
-
-
-def _register_params(opt):
-    ref = weakref.ref(opt)
-    for _, p in opt._named:
-        _OWNER[id(p)] = ref
-
-
-def _unregister_params(opt):
-    for _, p in getattr(opt, "_named", []):
-        r = _OWNER.get(id(p))
-        if r is not None and r() in (opt, None):
-            del _OWNER[id(p)]
-
-
-def _owner_of(p):
-    r = _OWNER.get(id(p))
-    opt = r() if r is not None else None
-    if opt is None or opt._closed or not any(q is p for _, q in opt._named):
-        return None
-    return opt
-
-
-def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                     foreach=None):
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    owners = {}
-    for p in params:
-        opt = _owner_of(p)
-        if opt is not None:
-            owners[id(opt)] = opt
-    if not owners:
-        return _torch_clip_grad_norm_(params, max_norm, norm_type=norm_type,
-                                      error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    if len(owners) > 1:
-        raise RuntimeError("torch.nn.utils.clip_grad_norm_: these parameters belong to %d "
-                           "ShardedAdamW optimizers; their gradients live in the library: "
-                           "call opt.clip_grad_norm_(max_norm) on each"
-                           % len(owners))
-    opt = next(iter(owners.values()))
-    mine = {id(q) for _, q in opt._named}
-    given = {id(p) for p in params}
-    strays = [p for p in params if id(p) not in mine and p.grad is not None]
-    if strays or mine - given:
-        raise RuntimeError("torch.nn.utils.clip_grad_norm_: the parameters given are %s a "
-                           "ShardedAdamW's; it clips the global norm of all of its gradients "
-                           "(which live in the library), so pass exactly its "
-                           "parameters, or call opt.clip_grad_norm_(max_norm)"
-                           % ("more than" if strays else "only part of"))
-    return opt.clip_grad_norm_(max_norm, norm_type=norm_type,
-                               error_if_nonfinite=error_if_nonfinite)
-
-
-_torch_clip_grad_norm_ = None
-
-
-def patch_clip_grad_norm():
-    """Opt-in: torch.nn.utils.clip_grad_norm_ (and torch.nn.utils.clip_grad's) are replaced,
-    process-wide, by a function that sends a call on exactly the parameters of a live
-    ShardedAdamW to opt.clip_grad_norm_ (the library computes the clip coefficient itself) and
-    any other call to torch's, unchanged. Not needed for correct clipping: torch's own
-    clip_grad_norm_ on the parameters reads the true global norm through p.grad (ShardGrad,
-    docs/torch-grads.md) and clips. Idempotent."""
-    global _torch_clip_grad_norm_
-    import torch.nn.utils as nnu
-    import torch.nn.utils.clip_grad as cg
-    if getattr(nnu.clip_grad_norm_, "_shardgrad", False):
-        return
-    _torch_clip_grad_norm_ = nnu.clip_grad_norm_
-    wrapper = functools.wraps(_torch_clip_grad_norm_)(_clip_grad_norm_)
-    wrapper._shardgrad = True
-    nnu.clip_grad_norm_ = wrapper
-    if getattr(cg, "clip_grad_norm_", None) is _torch_clip_grad_norm_:
-        cg.clip_grad_norm_ = wrapper
-
-
-def _check_one_dtype(named):
-    """One engine holds one working dtype: a model mixing dtypes would silently become all one
-    dtype (and its forward fail inside torch), so it is refused by name."""
-    first = {}
-    for name, p in named:
-        first.setdefault(p.dtype, name)
-    if len(first) > 1:
-        which = ", ".join("'%s' is %s" % (n, str(dt).replace("torch.", ""))
-                          for dt, n in first.items())
-        raise InvalidArgumentError(
-            "ShardedAdamW: the parameters have %d dtypes (%s); one ShardedAdamW keeps one "
-            "working dtype: cast the model to one (e.g. model.to(torch.bfloat16)), or give each "
-            "dtype's parameters their own ShardedAdamW" % (len(first), which), function="python")
-    sg_dtype(named[0][1].dtype)  # float32, bfloat16 or float16
 
 
 MIN_BUCKET_BYTES = 64 << 10
@@ -433,33 +55,79 @@ def _f32_short(x):
     return float(str(np.float32(x)))
 
 
-def _grad_hook(opt_ref, pid, param):
-    opt = opt_ref()
-    if opt is not None:
-        opt._take_grad(pid, param)
+def _check_args(comm, replica_comm, param_order, no_decay):
+    if not isinstance(comm, Comm):
+        raise TypeError("ShardedAdamW: comm must be a shardgrad.Comm, got %r" % (comm,))
+    if replica_comm is not None and not isinstance(replica_comm, Comm):
+        raise TypeError("ShardedAdamW: replica_comm must be a shardgrad.Comm or None, got %r"
+                        % (replica_comm,))
+    if param_order not in ("backward", "registration"):
+        raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
+                         "(got %r)" % (param_order,))
+    if isinstance(no_decay, str) and no_decay != "1d":
+        raise ValueError("ShardedAdamW: no_decay must be None, \"1d\", a set of names or a "
+                         "callable (got %r)" % (no_decay,))
 
 
-def _drop_view_hook(opt_ref, i, grad):
-    """Before autograd accumulates a new gradient into p.grad: a ShardGrad there stands for
-    what the library holds already, so it leaves and the new gradient lands in .grad alone
-    (then _take_grad hands it over)."""
-    opt = opt_ref()
-    if opt is not None:
-        p = opt._named[i][1]
-        if isinstance(p.grad, ShardGrad):
-            p.grad = None
+def _hparam_defaults(config, lr, betas, eps, weight_decay):
+    """torch's defaults dict: the values given, the unset ones from `config`, else from the
+    library's defaults (which are torch.optim.AdamW's: 1e-3, (0.9, 0.999), 1e-8, 0.01)."""
+    src = config if config is not None else Config(validate=False)
+    return dict(lr=_f32_short(src.lr) if lr is None else float(lr),
+                betas=((_f32_short(src.beta1), _f32_short(src.beta2)) if betas is None
+                       else tuple(float(b) for b in betas)),
+                eps=_f32_short(src.eps) if eps is None else float(eps),
+                weight_decay=(_f32_short(src.weight_decay) if weight_decay is None
+                              else float(weight_decay)))
 
 
-def _order_hook(opt_ref, indices, module, args):
-    opt = opt_ref()
-    if opt is not None and not opt._ready:
-        opt._note_forward(indices)
+def _make_config(config, kwargs, named, defaults, model):
+    """The engine's Config: `config` (or the defaults) with the keyword fields and the
+    hyperparameters; without `config`, the fields the keywords leave out that the parameters
+    decide (_fields_from_params)."""
+    check_one_dtype(named)
+    dev = _one_device(named)
+    kw = dict(kwargs)
+    kw.update(lr=defaults["lr"], beta1=defaults["betas"][0], beta2=defaults["betas"][1],
+              eps=defaults["eps"], weight_decay=defaults["weight_decay"])
+    if config is not None:
+        cfg = config.copy(**kw).validate()
+    else:
+        cfg = Config(**{**_fields_from_params(named, dev, kwargs), **kw})
+    if cfg.overlap_param_gather and not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError("ShardedAdamW: overlap_param_gather needs an nn.Module "
+                                   "(forward pre-hooks on its modules wait for the "
+                                   "parameters)", function="python")
+    return cfg
 
 
-def _wait_hook(opt_ref, indices, module, args):
-    opt = opt_ref()
-    if opt is not None:
-        opt._wait_for(indices)
+def _one_device(named):
+    devices = {p.device for _, p in named}
+    if len(devices) != 1:
+        raise InvalidArgumentError("ShardedAdamW: parameters on several devices %s"
+                                   % sorted(map(str, devices)), function="python")
+    return devices.pop()
+
+
+def _fields_from_params(named, dev, kwargs):
+    """Config fields that follow the parameters when no config is given: their dtype, a bucket
+    size for their gradient bytes (default_bucket_bytes) and, unless `device` is given, their
+    CUDA device."""
+    p0 = named[0][1]
+    out = {"param_dtype": sg_dtype(p0.dtype),
+           "bucket_bytes": default_bucket_bytes(sum(p.numel() for _, p in named)
+                                                * p0.element_size())}
+    if dev.type == "cuda" and "device" not in kwargs:
+        out.update(device=Device.CUDA, cuda_device=dev.index if dev.index is not None else -1)
+    return out
+
+
+def _keep_accelerate_off(model, engine):
+    """accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel (with
+    any process group, even of one rank), which all-reduces .grad itself: this optimizer
+    already reduces every gradient."""
+    if isinstance(model, torch.nn.Module) and (engine.world_size > 1 or _dist_initialized()):
+        model._is_accelerate_prepared = True
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -483,13 +151,13 @@ class ShardedAdamW(torch.optim.Optimizer):
     the world has more than one rank.
     param_order: "registration" (finalize now, named_parameters order) or "backward"
     (finalize at the first gradient, parameters laid out in the reverse of the first forward
-    pass's order); see the module text.
+    pass's order); see the package text (shardgrad.torch).
     config / **config_kwargs: any other shardgrad.Config field (strategy, max_grad_norm,
     bucket_bytes, param_dtype, timeout_ms, overlap_param_gather, ...). param_dtype defaults to
     the parameters' dtype (one dtype for all of them); bucket_bytes to 1/8 of the gradient
-    (see the module text). overlap_param_gather=True: the all-gathers after step() overlap the
+    (see the package text). overlap_param_gather=True: the all-gathers after step() overlap the
     next forward pass, each module's forward pre-hook waiting for its own parameters (see the
-    module text; call wait_params() before reading parameters outside a forward pass).
+    package text; call wait_params() before reading parameters outside a forward pass).
     offload_optimizer=True: on CUDA tensors the fp32 master, the moments and the gradient
     accumulator live in pinned host memory and AdamW runs on the CPU (bitwise the same results;
     memory().host_bytes counts it); on CPU tensors it changes nothing.
@@ -501,160 +169,79 @@ class ShardedAdamW(torch.optim.Optimizer):
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
                  no_decay=None, broadcast=None, param_order="registration", config=None,
                  param_groups=None, replica_comm=None, **config_kwargs):
-        if not isinstance(comm, Comm):
-            raise TypeError("ShardedAdamW: comm must be a shardgrad.Comm, got %r" % (comm,))
-        if replica_comm is not None and not isinstance(replica_comm, Comm):
-            raise TypeError("ShardedAdamW: replica_comm must be a shardgrad.Comm or None, got %r"
-                            % (replica_comm,))
-        if param_order not in ("backward", "registration"):
-            raise ValueError("ShardedAdamW: param_order must be 'backward' or 'registration' "
-                             "(got %r)" % (param_order,))
-        self._param_order = param_order
-        all_named, group_of, opts = _grouped_params(model, param_groups)
-        if all_named is None:
-            all_named, group_of, opts = _named_params(model), None, [{}]
-            group_of = [0] * len(all_named)
-        if len(opts) > MAX_GROUPS:
-            raise InvalidArgumentError("ShardedAdamW: %d parameter groups (at most %d)"
-                                       % (len(opts), MAX_GROUPS), function="python")
-        keep = [i for i, (_, p) in enumerate(all_named) if p.requires_grad and p.numel() > 0]
-        named = [all_named[i] for i in keep]
-        self._group_of = [group_of[i] for i in keep]  # engine group of each entry of _named
-        if not named:
-            raise InvalidArgumentError("ShardedAdamW: no trainable parameters", function="python")
-        if len({id(p) for _, p in named}) != len(named):
-            raise InvalidArgumentError("ShardedAdamW: a parameter is listed twice",
-                                       function="python")
-        _check_unowned(named)
+        _check_args(comm, replica_comm, param_order, no_decay)
+        named, group_of, opts = select_params(model, param_groups)
+        check_unowned(named)
+        self._init_fields(named, group_of, param_order, no_decay, broadcast)
+        defaults = _hparam_defaults(config, lr, betas, eps, weight_decay)
+        check_shared_hparams(opts, defaults)
+        self._init_groups(opts, defaults)
+        cfg = _make_config(config, config_kwargs, named, defaults, model)
+        self._init_engine(comm, replica_comm, cfg, config_kwargs)
+        register_params(self)
+        _keep_accelerate_off(model, self._engine)
+        self._init_hooks(model)
+        if param_order == "registration":
+            self._setup(list(range(len(named))))
+
+    # -- construction ---------------------------------------------------------------------
+    def _init_fields(self, named, group_of, param_order, no_decay, broadcast):
+        """What close() and __del__ need come first: a constructor that fails later still
+        closes cleanly."""
         self._named = named
+        self._group_of = group_of  # engine group of each entry of _named
         self._engine = None
-        self._hooks = []
+        self._hooks = []         # per-parameter autograd hooks
+        self._wait_hooks = []    # forward pre-hooks (overlap_param_gather)
+        self._order_hooks = []   # forward pre-hooks recording the first forward's order
         self._closed = False
+        self._param_order = param_order
+        self._no_decay = no_decay
+        self._broadcast = broadcast
         self._callback_queued = False
-        self._handed = False  # gradients went to the library since the last step
+        self._handed = False     # gradients went to the library since the last step
         self._ready = False      # engine finalized, parameters adopted
         self._sync = True        # wanted sync state (no_sync may be entered before _ready)
         self._arrival = []       # indices in gradient arrival order, first backward only
         self._pid = [None] * len(named)  # index in _named -> engine parameter id
-        if isinstance(no_decay, str) and no_decay != "1d":
-            raise ValueError("ShardedAdamW: no_decay must be None, \"1d\", a set of names or a "
-                             "callable (got %r)" % (no_decay,))
-        self._no_decay = no_decay
-        self._broadcast = broadcast
+        self._unwaited = set()   # indices into _named whose all-gather may still be pending
+        self._forward_seen = {}  # index into _named -> position of first use
+        self._stream = None      # CUDA: the torch stream the engine works on
+        self._hand_order = []    # indices into _named, in gradient arrival (= plan) order
+        self._clip_once = None   # clip_grad_norm_'s max_norm for the coming step
+        self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
+        self._version = 0        # ... at this state (steps and loads so far)
         self.last_step_info = None
-        # Unset hyperparameters come from `config`, else from the library's defaults (which are
-        # torch.optim.AdamW's: 1e-3, (0.9, 0.999), 1e-8, 0.01).
-        src = config if config is not None else Config(validate=False)
-        lr = _f32_short(src.lr) if lr is None else float(lr)
-        betas = ((_f32_short(src.beta1), _f32_short(src.beta2)) if betas is None
-                 else tuple(float(b) for b in betas))
-        eps = _f32_short(src.eps) if eps is None else float(eps)
-        weight_decay = (_f32_short(src.weight_decay) if weight_decay is None
-                        else float(weight_decay))
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        for g, o in enumerate(opts):
-            for k in ("betas", "eps"):
-                if k in o and (tuple(float(b) for b in o[k]) if k == "betas" else float(o[k])) \
-                        != defaults[k]:
-                    raise UnsupportedError("ShardedAdamW: param group %d sets its own %s; betas "
-                                           "and eps are the same for every group (pass them to "
-                                           "the constructor)" % (g, k), function="python")
-        groups = [dict(o, params=[p for (_, p), gi in zip(named, self._group_of) if gi == g])
+
+    def _init_groups(self, opts, defaults):
+        """torch's param_groups, one per engine group, from the groups' own options and the
+        constructor's values."""
+        groups = [dict(o, params=[p for (_, p), gi in zip(self._named, self._group_of) if gi == g])
                   for g, o in enumerate(opts)]
         self._init_done = False
         super().__init__(groups, defaults)
         self._init_done = True
         self._fixed = self._group_hparams()
         self._sent = [None] * len(self.param_groups)  # (lr, wd) last given to the engine
-        cfg = self._make_config(config, config_kwargs, named, lr, betas, eps, weight_decay)
-        if cfg.overlap_param_gather and not isinstance(model, torch.nn.Module):
-            raise InvalidArgumentError("ShardedAdamW: overlap_param_gather needs an nn.Module "
-                                       "(forward pre-hooks on its modules wait for the "
-                                       "parameters)", function="python")
+
+    def _init_engine(self, comm, replica_comm, cfg, config_kwargs):
         self._engine = Engine(comm, cfg, replica_comm=replica_comm)
         # max_grad_norm as the caller's Python value (exact through sg_set_hparams)
         self._max_norm = (float(config_kwargs["max_grad_norm"]) if "max_grad_norm" in config_kwargs
                           else _f32_short(cfg.max_grad_norm))
-        self._clip_once = None  # clip_grad_norm_'s max_norm for the coming step
-        self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
-        self._version = 0  # ... at this state (steps and loads so far)
-        _register_params(self)
-        if isinstance(model, torch.nn.Module) and (self._engine.world_size > 1
-                                                   or _dist_initialized()):
-            # accelerate (transformers.Trainer) would wrap the model in DistributedDataParallel
-            # (with any process group, even of one rank), which all-reduces .grad itself: this
-            # optimizer already reduces every gradient
-            model._is_accelerate_prepared = True
         # CUDA engine, several ranks as threads: no library call from torch's autograd thread
-        # (see the module text); the gradients wait in .grad for step().
+        # (see the package text); the gradients wait in .grad for step().
         cuda = self._engine.config.device == Device.CUDA
         self._defer = cuda and comm.kind == "local" and self._engine.world_size > 1
-        self._stream = None     # CUDA: the torch stream the engine works on
-        self._hand_order = []   # indices into _named, in gradient arrival (= plan) order
-        ref = weakref.ref(self)
-        self._grads = GradState(ref, len(named))  # what the p.grad ShardGrads stand for
-        for i, (_, p) in enumerate(named):
-            self._hooks.append(p.register_post_accumulate_grad_hook(
-                functools.partial(_grad_hook, ref, i)))
-            self._hooks.append(p.register_hook(functools.partial(_drop_view_hook, ref, i)))
-        self._wait_hooks = []   # forward pre-hooks (overlap_param_gather)
-        self._unwaited = set()  # indices into _named whose all-gather may still be pending
+        self._grads = GradState(weakref.ref(self), len(self._named))  # what p.grad stands for
+
+    def _init_hooks(self, model):
+        self._hooks = add_grad_hooks(self)
         if self._engine.overlap_param_gather:
-            self._add_wait_hooks(model, ref)
-        self._order_hooks = []  # forward pre-hooks recording the first forward's order
-        self._forward_seen = {}  # index into _named -> position of first use
-        if param_order == "registration":
-            self._setup(list(range(len(named))))
-        elif isinstance(model, torch.nn.Module) and not self._defer:
-            self._add_order_hooks(model, ref)
-
-    # -- construction ---------------------------------------------------------------------
-    @staticmethod
-    def _make_config(config, kwargs, named, lr, betas, eps, weight_decay):
-        kw = dict(kwargs)
-        kw.update(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
-                  weight_decay=float(weight_decay))
-        _check_one_dtype(named)
-        if "param_dtype" not in kwargs and config is None:
-            kw["param_dtype"] = sg_dtype(named[0][1].dtype)
-        if "bucket_bytes" not in kwargs and config is None:
-            kw["bucket_bytes"] = default_bucket_bytes(
-                sum(p.numel() for _, p in named) * named[0][1].element_size())
-        devices = {p.device for _, p in named}
-        if len(devices) != 1:
-            raise InvalidArgumentError("ShardedAdamW: parameters on several devices %s"
-                                       % sorted(map(str, devices)), function="python")
-        dev = devices.pop()
-        if "device" not in kwargs and config is None and dev.type == "cuda":
-            kw["device"] = Device.CUDA
-            kw.setdefault("cuda_device", dev.index if dev.index is not None else -1)
-        if config is not None:
-            return config.copy(**kw).validate()
-        return Config(**kw)
-
-    def _add_wait_hooks(self, model, ref):
-        """overlap_param_gather: a forward pre-hook on every module that directly owns some of
-        the parameters (a tied parameter counts for each module holding it) waits for the
-        all-gather of those parameters only, so that each layer's forward overlaps the
-        gathers of the layers after it."""
-        index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        for m in model.modules():
-            own = sorted({index[id(p)] for p in m.parameters(recurse=False) if id(p) in index})
-            if own:
-                self._wait_hooks.append(m.register_forward_pre_hook(
-                    functools.partial(_wait_hook, ref, tuple(own))))
-
-    def _add_order_hooks(self, model, ref):
-        """param_order="backward": a forward pre-hook on every module that directly owns some
-        of the parameters notes when the first forward pass first uses them (removed once the
-        engine is built)."""
-        index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        for m in model.modules():
-            own = tuple(sorted({index[id(p)] for p in m.parameters(recurse=False)
-                                if id(p) in index}))
-            if own:
-                self._order_hooks.append(m.register_forward_pre_hook(
-                    functools.partial(_order_hook, ref, own)))
+            self._wait_hooks = add_wait_hooks(self, model)
+        if (self._param_order == "backward" and isinstance(model, torch.nn.Module)
+                and not self._defer):
+            self._order_hooks = add_order_hooks(self, model)
 
     def _note_forward(self, indices):
         for i in indices:
@@ -733,7 +320,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 place = torch.cuda.device(self._stream.device)
             with place, torch.no_grad():
                 for i, (_, p) in enumerate(self._named):
-                    p.data = e.param_tensor(self._pid[i])
+                    p.data = param_tensor(e, self._pid[i])
             self._note_versions()
             if not self._sync and not self._defer:
                 e.set_sync(False)
@@ -810,14 +397,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         p.grad = None
 
     def _hand_over(self, i, g):
-        if g.dtype not in _TO_SG:
+        if g.dtype not in TO_SG:
             g = g.float()
         if not g.is_contiguous():
             g = g.contiguous()
         if self._engine_waits():
             # g's memory must not be handed out again before the engine's stream has read it
             g.record_stream(self._stream)
-        self._engine.grad_add_ptr(self._pid[i], g.data_ptr(), _TO_SG[g.dtype])
+        self._engine.grad_add_ptr(self._pid[i], g.data_ptr(), TO_SG[g.dtype])
 
     def _engine_waits(self):
         """CUDA: the engine's stream waits for the work issued so far to the current stream
@@ -999,7 +586,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._engine_waits()
             e.set_param(self._pid[i], p.detach().to("cpu"))
             with torch.no_grad():
-                p.data = e.param_tensor(self._pid[i])
+                p.data = param_tensor(e, self._pid[i])
             self._pver[i] = p._version
 
     # -- step -----------------------------------------------------------------------------
@@ -1288,7 +875,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        _unregister_params(self)
+        unregister_params(self)
         self._drop_grads()
         for _, p in self._named:
             if isinstance(p.grad, ShardGrad):
