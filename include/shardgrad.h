@@ -434,8 +434,10 @@ SG_API sg_status sg_grad_ready(sg_engine *e, int id);
 /* Adds numel elements of src (host memory on CPU; device memory on CUDA) in src_dtype to the
  * slot of `id` and marks it ready. */
 SG_API sg_status sg_grad_add(sg_engine *e, int id, const void *src, sg_dtype src_dtype);
-/* Ends the micro-batch: parameters without a gradient count as zeros. Collective in effect
- * (launches the remaining reductions). Called by sg_step when needed. */
+/* Ends the micro-batch: parameters without a gradient count as zeros in its reductions.
+ * Collective in effect (launches the remaining reductions). Called by sg_step when needed.
+ * Completing a parameter here does not give it a gradient: see "Parameters without a
+ * gradient" at sg_step. */
 SG_API sg_status sg_backward_end(sg_engine *e);
 /* enabled = 0: following micro-batches accumulate locally with no communication (like DDP's
  * no_sync), in a full-size fp32 buffer allocated on first use. Re-enable before the last
@@ -471,7 +473,22 @@ typedef struct sg_step_info {
 /* Collective. Waits for the reductions, computes the global norm, clips, updates the loss scale,
  * applies AdamW to this rank's shard and all-gathers the working parameters, bucket by bucket
  * (each bucket's all-gather overlaps the next bucket's AdamW). With overlap_param_gather it
- * returns once the all-gathers are queued: see sg_param_wait. info may be NULL. */
+ * returns once the all-gathers are queued: see sg_param_wait. info may be NULL.
+ *
+ * Parameters without a gradient (torch.optim.AdamW's rule for a .grad of None): a parameter
+ * has a gradient in a step when some rank called sg_grad_ptr, sg_grad_add or sg_grad_ready for
+ * it in some micro-batch since the last sg_step, sg_grad_zero or sg_load (sg_grad_ready alone
+ * is a gradient of zeros: the parameter is updated). A parameter that no rank named is
+ * skipped: its working value, master, optimizer state and its own step count (the t of its
+ * bias correction) stay as they are; it counts as zeros in the norm. A step in which no
+ * parameter has a gradient changes nothing: info->step does not advance and the loss scale
+ * stays. The ranks agree on this with the norm's all-reduce (one more double) and, only in a
+ * step where some rank missed a parameter, an all-gather of a bit per parameter. sg_save keeps
+ * the per-parameter step counts. Not with offload_optimizer or 8-bit optimizer state: a step
+ * that would skip some parameters but update others fails with SG_ERR_UNSUPPORTED on every
+ * rank, nothing changed (give every parameter a gradient, sg_grad_ready marking zeros); a step
+ * with no gradient at all changes nothing there too. Hybrid engines (replicas) update every parameter
+ * as if its gradient were zeros, as before (docs/limits.md). */
 SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
 SG_API sg_status sg_set_lr(sg_engine *e, float lr);
 /* The learning rate in effect (config, sg_set_lr, or restored by sg_load). */
@@ -762,6 +779,10 @@ SG_API sg_status sg_import(sg_engine *e, const char *path);
 /* Optimizer steps taken so far (skipped steps do not count), as sg_step_info.step reports it;
  * restored by sg_load, so that a resumed training loop knows where it is. */
 SG_API sg_status sg_get_step(sg_engine *e, uint64_t *step);
+/* Parameter id's own step count: the steps that updated it, the t of its bias correction
+ * (torch.optim.AdamW's state['step']). sg_get_step's value less the steps in which no rank gave
+ * it a gradient (see sg_step); restored by sg_load. */
+SG_API sg_status sg_get_param_step(sg_engine *e, int id, uint64_t *step);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Tracing: when the bucket reductions ran, against the caller's backward pass               */

@@ -208,7 +208,7 @@ echo "$edges" | grep -q ' src/engine/sg_engine\.c$' &&
 #    tested in src/engine. Prints the count of such tests (0).
 policy_files='^src/engine/(policy|strategy)/'
 policy_ref='e->(strat(->(slots|shard|place))?|rep\.ops)->[a-z_]+'
-declared='->(sharded|host|coded|share_scratch|name|reduce_label)\b'
+declared='->(sharded|host|coded|skips|share_scratch|name|reduce_label)\b'
 kind_tests=0
 for f in $files; do
   [[ $f =~ ^src/ ]] || continue

@@ -20,3 +20,17 @@ if(SG_WITH_MPI)
   target_link_libraries(fault_run PRIVATE shardgrad_internal)
   target_compile_options(fault_run PRIVATE -Wall -Wextra -Wno-unused-parameter)
 endif()
+# Parameters with no gradient in a step are skipped (state and own step count untouched), at
+# W = 1..3 against a host AdamW with per-parameter step counts, across a checkpoint at another
+# world size (test_absent_grads); and on the mock CUDA device.
+sg_add_test(test_absent_grads SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/test_absent_grads.c
+            LABELS local TIMEOUT 120)
+if(TARGET shardgrad_cudamock)
+  add_executable(test_absent_grads_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_absent_grads.c)
+  target_link_libraries(test_absent_grads_cudamock PRIVATE shardgrad_cudamock)
+  target_compile_options(test_absent_grads_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+    -ffp-contract=off)
+  add_test(NAME test_absent_grads_cudamock COMMAND test_absent_grads_cudamock)
+  set_tests_properties(test_absent_grads_cudamock PROPERTIES TIMEOUT 120 LABELS cuda
+    ENVIRONMENT "SG_TEST_DEVICE=cuda")
+endif()

@@ -124,6 +124,7 @@ static void intrude(shared *s, sg_engine *e) {
       sg_export(e, path),
       sg_import(e, path),
       sg_get_step(e, &u),
+      sg_get_param_step(e, ids[0], &u),
       sg_trace_start(e, 16),
       sg_trace_stop(e),
       sg_trace_mark(e, "x"),

@@ -236,7 +236,8 @@ static void test_parts(void) {
 
 /* One bucket (one parameter), flat over 2 nodes x 1 rank, 1 micro-batch, by hand: forward and
  * backward, then the reduce-scatter (nothing to hide it behind: the bucket is ready at the end
- * of backward), the norm's all-reduce of 16 bytes (two passes), the update of the shard, the
+ * of backward), the norm's all-reduce of 24 bytes (two passes; the third double is the absent
+ * flag, DESIGN.md section 4), the update of the shard, the
  * all-gather. Every pass sends half the buffer. */
 static void test_by_hand(void) {
   snprintf(sg_test_tag, sizeof sg_test_tag, "by hand");
@@ -249,13 +250,13 @@ static void test_by_hand(void) {
   if (!CHECK(sg_estimate_step(&cfg, n, 1, 2, 1, &hw, &e) == SG_OK, "estimate")) return;
   const double a = hw.link_latency_s[SG_LEVEL_NET], B = hw.link_bytes_per_s[SG_LEVEL_NET];
   const double S = 4.0 * n[0];
-  const double rs = a + S / 2 / B, norm = 2 * (a + 8 / B), ag = a + S / 2 / B;
+  const double rs = a + S / 2 / B, norm = 2 * (a + 12 / B), ag = a + S / 2 / B;
   const double upd = n[0] / 2.0 / hw.optim_params_per_s;
   const double want = hw.compute_s + rs + norm + upd + ag;
   CHECK(fabs(e.step_s - want) < 1e-12, "step %.9f s == %.9f s", e.step_s, want);
   CHECK(fabs(e.exposed_s[SG_LEVEL_NET] - (rs + norm + ag)) < 1e-12 && e.exposed_s[0] == 0,
         "all of it exposed on the net: %.9f", e.exposed_s[SG_LEVEL_NET]);
-  CHECK(e.link_bytes[SG_LEVEL_NET] == (uint64_t)(S / 2) * 2 + 16, "link bytes %llu",
+  CHECK(e.link_bytes[SG_LEVEL_NET] == (uint64_t)(S / 2) * 2 + 24, "link bytes %llu",
         (unsigned long long)e.link_bytes[SG_LEVEL_NET]);
   /* with a long backward the same reduce-scatter cannot hide: one bucket is the last one */
   hw.compute_s = 10;
@@ -278,7 +279,7 @@ static void test_overlap(void) {
   sg_step_estimate e = {.struct_size = sizeof e}, o = {.struct_size = sizeof o};
   sg_estimate_step(&cfg, n, 16, 2, 1, &hw, &e);
   const double a = hw.link_latency_s[SG_LEVEL_NET], B = hw.link_bytes_per_s[SG_LEVEL_NET];
-  const double rs = a + 4.0 * n[0] / 2 / B, norm = 2 * (a + 8 / B);
+  const double rs = a + 4.0 * n[0] / 2 / B, norm = 2 * (a + 12 / B);
   const double gathers = 16 * rs; /* an all-gather moves what a reduce-scatter does */
   const double upd = n[0] / 2.0 / hw.optim_params_per_s;
   /* the gathers queue behind the updates; the last one ends one gather after the last update */

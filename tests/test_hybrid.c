@@ -73,6 +73,9 @@ typedef struct {
   int vw;         /* virtual ranks whose gradients are fed (the experiment's W) */
   int avg;        /* grad_average */
   int step0;      /* first step's index (data after a checkpoint) */
+  int zeros;      /* a step without gradients: the flat and one-rank references give every
+                     parameter zeros (sg_grad_ready), as the hybrid engine of several replicas
+                     they are compared with updates every parameter (docs/limits.md) */
   sg_comm *world; /* this rank's world communicator (K_SINGLE: a world of 1) */
   int rank;       /* rank in world */
   result *res;
@@ -207,6 +210,9 @@ static sg_status one_step(run_arg *a, sg_engine *e, const int *ids, int s) {
   const int step = a->step0 + s;
   const int mbs = a->tc->empty_step && step == 1 ? 0 : a->tc->mb;
   for (int k = 0; k < mbs && !st; k++) st = micro_batch(a, e, ids, step, k);
+  /* a step without gradients: see run_arg.zeros */
+  for (int p = 0; mbs == 0 && a->zeros && a->kind != K_HYBRID && p < NP && !st; p++)
+    st = sg_grad_ready(e, ids[p]);
   if (a->tc->redo && step == 1) {
     if (!st) st = sg_grad_zero(e);
     for (int k = 0; k < mbs && !st; k++) st = micro_batch(a, e, ids, step + 7, k);
@@ -345,6 +351,7 @@ static void run_matrix_case(const tcase *tc, int n, int l) {
   proto.tc = tc;
   proto.vw = w;
   proto.avg = avg_for(w);
+  proto.zeros = n > 1;
   result hy[MAXW], fl[MAXW], one[1];
   memset(hy, 0, sizeof hy);
   memset(fl, 0, sizeof fl);
@@ -1013,7 +1020,7 @@ static void run_mpi_case(const tcase *tc, sg_comm *world, int rank) {
   memset(&fl, 0, sizeof fl);
   memset(&one, 0, sizeof one);
   run_arg a = {.tc = tc, .kind = K_HYBRID, .n = 2, .l = 2, .vw = 4, .avg = 1, .world = world,
-               .rank = rank, .res = &hy};
+               .rank = rank, .res = &hy, .zeros = 1};
   device_fields(&a, &g_dev, K_HYBRID, NULL); /* --cuda local local: MPI on the (mock) GPU */
   run_thread(&a);
   a.cuda = a.offload = 0;
@@ -1025,7 +1032,7 @@ static void run_mpi_case(const tcase *tc, sg_comm *world, int rank) {
   sg_comm *solo = NULL;
   if (CHECK(sg_comm_create_local(1, &solo) == SG_OK, "local comm of 1")) {
     run_arg s1 = {.tc = tc, .kind = K_SINGLE, .n = 1, .l = 1, .vw = 4, .avg = 1, .world = solo,
-                  .rank = 0, .res = &one};
+                  .rank = 0, .res = &one, .zeros = 1};
     run_thread(&s1);
     CHECK(one.ok, "%s: one rank ran (%s)", tc->name, s1.err);
     sg_comm_destroy(solo);

@@ -96,6 +96,7 @@ PROTOTYPES = {
     "sg_export": (_status, [_vp, _c_char_p]),
     "sg_import": (_status, [_vp, _c_char_p]),
     "sg_get_step": (_status, [_vp, ctypes.POINTER(ctypes.c_uint64)]),
+    "sg_get_param_step": (_status, [_vp, _c_int, ctypes.POINTER(ctypes.c_uint64)]),
     "sg_trace_start": (_status, [_vp, _c_size]),
     "sg_trace_stop": (_status, [_vp]),
     "sg_trace_mark": (_status, [_vp, _c_char_p]),
@@ -129,7 +130,7 @@ OPTIONAL = frozenset({
     "sg_param_wait", "sg_set_param_group", "sg_set_group", "sg_get_group", "sg_comm_split",
     "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
     "sg_comm_create_xport", "sg_xport_done",
-    "sg_engine_create_hybrid", "sg_set_microbatches", "sg_grad_scale",
+    "sg_engine_create_hybrid", "sg_set_microbatches", "sg_grad_scale", "sg_get_param_step",
     "sg_load_options_init", "sg_load_ex",
 })
 

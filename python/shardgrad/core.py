@@ -841,6 +841,13 @@ class Engine:
         _call("sg_get_step", self.handle, ctypes.byref(v))
         return int(v.value)
 
+    def param_step(self, pid):
+        """Parameter pid's own step count (sg_get_param_step): the steps that updated it; a
+        step in which no rank gave it a gradient skips it, as torch.optim.AdamW does."""
+        v = ctypes.c_uint64()
+        _call("sg_get_param_step", self.handle, self._check_id(pid), ctypes.byref(v))
+        return int(v.value)
+
     @property
     def loss_scale(self):
         s = ctypes.c_float()

@@ -33,12 +33,15 @@
  *   nparams x {u16 len, name, u64 numel, u32 flags, u32 dtype, u32 nfrags,
  *              nfrags x {u32 rank, u64 param_off, u64 len, u64 elem_off}}
  *   (manifest version 2 on) u32 ngroups, ngroups x {u32 lr(f32), u32 weight_decay(f32)}
- *   (manifest version 3) 4 x u32 record bytes of the replica sections, u64 outer position
+ *   (manifest version 3 on) 4 x u32 record bytes of the replica sections, u64 outer position
+ *   (manifest version 4) nparams x u64 step count of the parameter (<= step)
  *   u32 CRC-32C of all bytes before it
- * A save writes version 3 when the engine's replica transport has state of its own (a codec,
- * outer steps), else version 2, which older libraries read too; versions 1 (without the
- * groups: every group then takes the saved lr) and 2 (without replica sections: that state
- * begins afresh) still load. Rank files stay at SG_CK_VERSION. */
+ * A save writes version 4 when some parameter's step count differs from the step (it was
+ * skipped in steps without a gradient), else version 3 when the engine's replica transport has
+ * state of its own (a codec, outer steps), else version 2, which older libraries read too;
+ * versions 1 (without the groups: every group then takes the saved lr), 2 (without replica
+ * sections: that state begins afresh) and 3 (without step counts: every parameter's is the
+ * step) still load. Rank files stay at SG_CK_VERSION. */
 #ifndef SG_CKPT_H
 #define SG_CKPT_H
 
@@ -50,8 +53,9 @@
 #include "../../kernels/sg_kernel_args.h" /* SG__OPTIM_MAX_STATES */
 
 #define SG_CK_VERSION 1u          /* rank files */
-#define SG_CK_MANIFEST_VERSION 3u /* 2: parameter groups' lr and weight decay appended; 3: the
-                                     replica transport's sections and position */
+#define SG_CK_MANIFEST_VERSION 4u /* 2: parameter groups' lr and weight decay appended; 3: the
+                                     replica transport's sections and position; 4: per-parameter
+                                     step counts */
 #define SG_CK_MANIFEST_NAME "manifest"
 #define SG_CK_MANIFEST_TMP "manifest.tmp"
 #define SG_CK_MAX_WORLD 4096u
@@ -144,8 +148,8 @@ typedef struct sg__ck_manifest {
   uint32_t clean_steps, dynamic_scale;
   float lr;
   uint64_t cfg[SG_CK_NCFG]; /* sg_config as recorded (sg__config_words) */
-  uint32_t version;         /* parsed: 1..3; encode writes this (0: 3 with replica sections,
-                               else 2) */
+  uint32_t version;         /* parsed: 1..4; encode writes this (0: 4 with step counts, else 3
+                               with replica sections, else 2) */
   uint32_t ngroups;         /* version 2: groups recorded (group_lr[0] is group 0's lr) */
   float group_lr[SG_MAX_GROUPS], group_wd[SG_MAX_GROUPS];
   /* version 3: the record bytes of the replica transport's sections (kind SG_CK_REP0 + k; 0:
@@ -154,6 +158,8 @@ typedef struct sg__ck_manifest {
   uint64_t rep_position;
   uint32_t nparams;
   sg__ck_param *params; /* registration order of the saving engine */
+  uint64_t *param_steps; /* version 4: [nparams] each parameter's own step count (<= step, the
+                            steps it had a gradient in); NULL: every count is `step` */
   sg__ck_file *files;   /* [world] */
 } sg__ck_manifest;
 

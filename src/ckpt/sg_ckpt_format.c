@@ -110,7 +110,7 @@ static int has_rep(const sg__ck_manifest *m) {
 }
 
 static void encode_body(const sg__ck_manifest *m, sg__ck_buf *b) {
-  const uint32_t version = m->version ? m->version : has_rep(m) ? 3u : 2u;
+  const uint32_t version = m->version ? m->version : m->param_steps ? 4u : has_rep(m) ? 3u : 2u;
   sg__ck_buf_add(b, k_manifest_magic, 8);
   wb_u32(b, version);
   wb_u32(b, 0);
@@ -159,6 +159,8 @@ static void encode_body(const sg__ck_manifest *m, sg__ck_buf *b) {
   if (version < 3) return;
   for (int k = 0; k < SG_CK_REP_STATES; k++) wb_u32(b, m->rep_esz[k]);
   wb_u64(b, m->rep_position);
+  if (version < 4) return;
+  for (uint32_t i = 0; i < m->nparams; i++) wb_u64(b, m->param_steps ? m->param_steps[i] : m->step);
 }
 
 sg_status sg__ck_manifest_encode(const sg__ck_manifest *m, uint8_t **out, size_t *len) {
@@ -195,6 +197,7 @@ void sg__ck_manifest_free(sg__ck_manifest *m) {
     for (uint32_t r = 0; r < m->world; r++) free(m->files[r].name);
   free(m->params);
   free(m->files);
+  free(m->param_steps);
   memset(m, 0, sizeof *m);
 }
 
@@ -355,6 +358,21 @@ static sg_status parse_rep(rbuf *r, const char *what, sg__ck_manifest *m) {
   return SG_OK;
 }
 
+/* Version 4: each parameter's own step count, at most the step. */
+static sg_status parse_steps(rbuf *r, const char *what, sg__ck_manifest *m) {
+  if (m->version < 4) return SG_OK;
+  if (m->nparams > rb_left(r) / 8) return CORRUPT("%s: truncated step count table", what);
+  m->param_steps = malloc((size_t)m->nparams * sizeof *m->param_steps);
+  if (!m->param_steps) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", what);
+  for (uint32_t i = 0; i < m->nparams; i++) {
+    m->param_steps[i] = rb_u64(r);
+    if (m->param_steps[i] > m->step)
+      return CORRUPT("%s: parameter '%s': step count %" PRIu64 " above the step %" PRIu64, what,
+                     m->params[i].name, m->param_steps[i], m->step);
+  }
+  return SG_OK;
+}
+
 static sg_status parse_params(rbuf *r, const char *what, sg__ck_manifest *m) {
   m->params = calloc(m->nparams, sizeof *m->params);
   if (!m->params) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: out of host memory", what);
@@ -374,6 +392,7 @@ static sg_status parse_params(rbuf *r, const char *what, sg__ck_manifest *m) {
   }
   SG_TRY(parse_groups(r, what, m));
   SG_TRY(parse_rep(r, what, m));
+  SG_TRY(parse_steps(r, what, m));
   if (rb_left(r) != 0) return CORRUPT("%s: %zu stray bytes after the tables", what, rb_left(r));
   return SG_OK;
 }

@@ -542,6 +542,16 @@ static sg_status apply(sg_engine *e, const load_ctx *c) {
     ck.rec[k] = c->stage[s];
   }
   sg__replicas_restore(e, &ck);
+  /* Per-parameter step counts (version 4, by name; sg__optim_restore above gave every one the
+   * step): a manifest without them keeps that. A state that cannot skip parameters (offload,
+   * 8-bit) could never step with unequal counts: every parameter takes the step there, said in a
+   * warning (docs/limits.md). */
+  if (c->m.param_steps && !e->strat->place->skips)
+    SG_LOG(SG_LOG_WARN, e->rank, "sg_load: the checkpoint's per-parameter step counts differ "
+           "(parameters skipped for want of a gradient); this optimizer state ('%s') cannot keep "
+           "them: every parameter continues from step %" PRIu64, e->strat->place->name, c->m.step);
+  for (int id = 0; c->m.param_steps && e->strat->place->skips && id < e->reg.nparams; id++)
+    sg__optim_restore_param_step(e, id, c->m.param_steps[c->map[id]]);
   sg__scale_restore(e, (int)c->m.dynamic_scale, c->m.loss_scale, c->m.clean_steps);
   return SG_OK;
 }
@@ -569,13 +579,10 @@ static sg_status check_options(const sg_load_options *o, const char *fn) {
   return SG_OK;
 }
 
-sg_status sg_load(sg_engine *e, const char *dir) { return sg_load_ex(e, dir, NULL); }
-
-sg_status sg_load_ex(sg_engine *e, const char *dir, const sg_load_options *opt) {
-  static const char *fn = "sg_load";
-  SG_ENGINE_GUARD(e, fn);
+/* sg_load and sg_load_ex, inside their guard. */
+static sg_status load(sg_engine *e, const char *dir, const sg_load_options *opt, const char *fn) {
   /* As in sg_save: a rank in the middle of a micro-batch (or with bad options) fails alone. */
-  SG_TRY(check_options(opt, "sg_load_ex"));
+  SG_TRY(check_options(opt, fn));
   SG_TRY(sg__ck_check_call(e, dir, "dir", 1, fn));
   load_ctx c;
   memset(&c, 0, sizeof c);
@@ -603,4 +610,14 @@ sg_status sg_load_ex(sg_engine *e, const char *dir, const sg_load_options *opt) 
            dir, c.m.world);
   ctx_free(&c);
   return st;
+}
+
+sg_status sg_load(sg_engine *e, const char *dir) {
+  SG_ENGINE_GUARD(e, "sg_load");
+  return load(e, dir, NULL, "sg_load");
+}
+
+sg_status sg_load_ex(sg_engine *e, const char *dir, const sg_load_options *opt) {
+  SG_ENGINE_GUARD(e, "sg_load_ex");
+  return load(e, dir, opt, "sg_load_ex");
 }

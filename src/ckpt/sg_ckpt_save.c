@@ -289,6 +289,16 @@ static sg_status fill_files(const sg_engine *e, uint64_t gen, const sg__ck_vote 
   return SG_OK;
 }
 
+/* Each parameter's own step count, recorded only when some differs from the step (a parameter
+ * skipped for want of a gradient): the manifest then has version 3, else 2 as before. */
+static sg_status fill_steps(const sg_engine *e, sg__ck_manifest *m) {
+  if (!sg__optim_steps_differ(e)) return SG_OK;
+  m->param_steps = malloc((size_t)e->reg.nparams * sizeof *m->param_steps);
+  if (!m->param_steps) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
+  for (int id = 0; id < e->reg.nparams; id++) m->param_steps[id] = sg__optim_param_step(e, id);
+  return SG_OK;
+}
+
 static void free_manifest_tables(const sg_engine *e, sg__ck_manifest *m) {
   if (m->params)
     for (int id = 0; id < e->reg.nparams; id++) free(m->params[id].frags); /* names are the engine's */
@@ -296,6 +306,7 @@ static void free_manifest_tables(const sg_engine *e, sg__ck_manifest *m) {
     for (int r = 0; r < e->world; r++) free(m->files[r].name);
   free(m->params);
   free(m->files);
+  free(m->param_steps);
 }
 
 static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
@@ -325,6 +336,7 @@ static sg_status write_manifest(sg_engine *e, const char *dir, uint64_t gen,
   sg_status st;
   SG_TRY_GOTO(fill_params(e, &m), st, done);
   SG_TRY_GOTO(fill_files(e, gen, all, &m), st, done);
+  SG_TRY_GOTO(fill_steps(e, &m), st, done);
   SG_TRY_GOTO(sg__ck_manifest_encode(&m, &buf, &len), st, done);
   st = sg__ck_write_atomic(dir, SG_CK_MANIFEST_NAME, SG_CK_MANIFEST_TMP, buf, len);
 done:

@@ -46,12 +46,19 @@ typedef struct sg__grads {
   int sync;
   int norm_valid;        /* norm_ss holds the sum of squares of `accum` (sg_grad_norm); 0 once
                             gradients arrive or accum is cleared */
-  double norm_ss[2];
+  double norm_ss[3];      /* sum of squares, non-finite count, ranks with an absent parameter */
   double user_scale;     /* sg_grad_scale's product since the accumulator was last cleared */
   uint8_t *empty;        /* [nbuckets]: no reduction of the bucket since accum was emptied, so
                             its part holds stale values: the next reduction writes it instead of
                             adding, and a norm or step before that zeroes it */
-  double *norm_host;     /* 2 doubles, pinned host memory: where the step's norm is read */
+  double *norm_host;     /* 4 doubles, pinned host memory: where the step's norm is read
+                            ([0..2], norm_ss's), and [3] this rank's absent flag on its way
+                            into the device's small piece */
+  uint8_t *present;      /* [nparams]: this rank gave the parameter a gradient (sg_grad_ptr,
+                            sg_grad_add, sg_grad_ready) since accum was last emptied */
+  uint8_t *agreed;       /* [nparams]: some rank did (sg__grads_presence) */
+  uint64_t *bits;        /* [nwords * world]: the presence bits all-gathered */
+  double small_flag;     /* what the small piece's absent count holds now; -1 unknown */
 } sg__grads;
 
 /* All-gathers of the last step (sg_gather.c). */
@@ -76,6 +83,11 @@ typedef struct sg__optim {
   sg__seg *segs;    /* this rank's update segments, bucket by bucket */
   int nsegs;
   int *bucket_seg;  /* [nbuckets+1]: segments of bucket b are [bucket_seg[b], bucket_seg[b+1]) */
+  uint64_t *lag;    /* [nparams]: steps the parameter was skipped in (no gradient on any rank):
+                       its own step count, the bias correction's t, is step - lag */
+  int nlag;         /* parameters with lag > 0 */
+  const uint8_t *present; /* during a step: which parameters it updates (NULL: all) */
+  sg__seg *cls;     /* [max params of a bucket]: the segments of one class of a bucket */
 } sg__optim;
 
 /* A replica transport's checkpointed state (sg__replica_ops.ck_*): the states, each a section
@@ -285,12 +297,17 @@ sg_status sg__grads_clear_accum(sg_engine *e);
 sg_status sg__grads_clear(sg_engine *e);
 /* Sum of squares and non-finite count of the reduced (still scaled) gradient over all ranks,
  * once every reduction of the step was submitted: the step's one host synchronization. */
-sg_status sg__grads_sumsq(sg_engine *e, double out[2]);
+sg_status sg__grads_sumsq(sg_engine *e, double out[3]);
+/* Which parameters some rank gave a gradient since the accumulator was emptied (sumsq's out[2]
+ * says whether any rank missed one: then the ranks exchange their bits, a collective).
+ * *present: NULL when every parameter has one, else [nparams] flags; *count: how many. */
+sg_status sg__grads_presence(sg_engine *e, const double ss[3], const uint8_t **present,
+                             int *count);
 /* sg_grad_scale: the step's gradient is multiplied by factor (reset to 1 with the accumulator). */
 void sg__grads_scale_by(sg_engine *e, double factor);
 /* The sum of squares of the reduced gradient kept by sg_grad_norm for the step's sg_step (its
  * norm_ss, valid until gradients arrive or the accumulator is cleared). */
-void sg__grads_norm_keep(sg_engine *e, const double ss[2]);
+void sg__grads_norm_keep(sg_engine *e, const double ss[3]);
 void sg__grads_norm_drop(sg_engine *e);
 
 /* sg_accum.c */
@@ -330,8 +347,16 @@ void sg__optim_restore(sg_engine *e, uint64_t step, float lr0, uint32_t ngroups,
                        const float *group_lr, const float *group_wd);
 /* The step's update of buckets [b1 .. b0] for the given gradient scale: `step` counted once
  * (sg__optim_begin), then bucket by bucket. */
-void sg__optim_begin(sg_engine *e);
+/* present: the parameters the step updates (NULL: all); the others keep their state and their
+ * own step count (DESIGN.md section 4, "Parameters without a gradient"). */
+void sg__optim_begin(sg_engine *e, const uint8_t *present);
 void sg__optim_undo_begin(sg_engine *e);
+/* Parameter id's own step count (the t of its bias correction). */
+uint64_t sg__optim_param_step(const sg_engine *e, int id);
+/* 1 when some parameter's own step count differs from the engine's step. */
+int sg__optim_steps_differ(const sg_engine *e);
+/* After sg__optim_restore: parameter id's own step count (<= the restored step). */
+void sg__optim_restore_param_step(sg_engine *e, int id, uint64_t step);
 sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale);
 /* Every segment at once (no gathers to overlap). */
 sg_status sg__optim_update_all(sg_engine *e, float grad_scale);

@@ -16,6 +16,9 @@ typedef struct {
 
 static size_t gsize(const sg_engine *e) { return sg__dtype_size(e->cfg.grad_dtype); }
 
+/* 64-bit words of one rank's presence bits. */
+static size_t nwords(const sg_engine *e) { return ((size_t)e->reg.nparams + 63) / 64; }
+
 sg_status sg__grads_init(sg_engine *e) {
   sg__grads *g = &e->g;
   const int nb = e->plan->nbuckets;
@@ -25,14 +28,19 @@ sg_status sg__grads_init(sg_engine *e) {
   g->pending = calloc((size_t)nb, sizeof *g->pending);
   g->nosync_dirty = calloc((size_t)nb, 1);
   g->empty = malloc((size_t)nb);
+  g->present = calloc((size_t)e->reg.nparams, 1);
+  g->agreed = calloc((size_t)e->reg.nparams, 1);
+  g->bits = calloc(nwords(e) * (size_t)e->world, sizeof *g->bits);
+  g->small_flag = -1;
   g->sync = 1;
   g->user_scale = 1.0;
-  if (!g->ready || !g->pending || !g->nosync_dirty || !g->empty) {
+  if (!g->ready || !g->pending || !g->nosync_dirty || !g->empty || !g->present || !g->agreed ||
+      !g->bits) {
     sg__grads_free(e);
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
   }
   memset(g->empty, 1, (size_t)nb);
-  sg_status hs = e->dev->ops->host_alloc(e->dev, 2 * sizeof(double), (void **)&g->norm_host);
+  sg_status hs = e->dev->ops->host_alloc(e->dev, 4 * sizeof(double), (void **)&g->norm_host);
   if (hs != SG_OK) {
     g->norm_host = NULL;
     sg__grads_free(e);
@@ -55,6 +63,11 @@ void sg__grads_free(sg_engine *e) {
   free(g->pending);
   free(g->nosync_dirty);
   free(g->empty);
+  free(g->present);
+  free(g->agreed);
+  free(g->bits);
+  g->present = g->agreed = NULL;
+  g->bits = NULL;
   g->empty = NULL;
   g->ready = NULL;
   g->pending = NULL;
@@ -68,9 +81,10 @@ void sg__grads_reset_microbatch(sg_engine *e) {
   e->g.touched = 0;
 }
 
-void sg__grads_norm_keep(sg_engine *e, const double ss[2]) {
+void sg__grads_norm_keep(sg_engine *e, const double ss[3]) {
   e->g.norm_ss[0] = ss[0];
   e->g.norm_ss[1] = ss[1];
+  e->g.norm_ss[2] = ss[2];
   e->g.norm_valid = 1;
 }
 
@@ -82,6 +96,7 @@ sg_status sg__grads_clear_accum(sg_engine *e) {
   e->g.norm_valid = 0;
   e->g.user_scale = 1.0;
   memset(e->g.empty, 1, (size_t)e->plan->nbuckets);
+  memset(e->g.present, 0, (size_t)e->reg.nparams);
   sg__replicas_reset(e);
   return e->strat->place->clear(e);
 }
@@ -92,19 +107,92 @@ static sg_status norm_job_fn(void *arg) {
   sg_engine *e = arg;
   double *dev = (double *)e->small;
   SG_TRY(e->strat->shard->sum_norm(e, dev));
-  return e->dev->ops->copy(e->dev, SG_Q_COMM, e->g.norm_host, dev, 2 * sizeof(double),
+  return e->dev->ops->copy(e->dev, SG_Q_COMM, e->g.norm_host, dev, 3 * sizeof(double),
                            SG_COPY_D2H);
 }
 
+/* A replicated state has no norm all-reduce: the absent count alone, summed (NO_SHARD). */
+static sg_status absent_job_fn(void *arg) {
+  sg_engine *e = arg;
+  double *dev = (double *)e->small + 2;
+  SG_TRY(e->comm->ops->all_reduce(e->comm, dev, 1, SG__F64, sg__deadline(e->cfg.timeout_ms)));
+  return e->dev->ops->copy(e->dev, SG_Q_COMM, e->g.norm_host + 2, dev, sizeof(double),
+                           SG_COPY_D2H);
+}
+
+/* Presence is tracked where every rank that sums the gradient takes part in the agreement: not
+ * across the replicas of a hybrid engine, which update every parameter as before. */
+static int tracked(const sg_engine *e) { return sg__replicas_world(e) == e->world; }
+
+/* 1 when this rank gave some parameter no gradient since the accumulator was emptied. */
+static int locally_absent(const sg_engine *e) {
+  return tracked(e) && memchr(e->g.present, 0, (size_t)e->reg.nparams) != NULL;
+}
+
+/* This rank's absent flag into the small piece's third double, where the norm's all-reduce
+ * sums it with the partials; copied only when the piece holds another value (after a step in
+ * which no rank missed a parameter it holds 0 already: no copy in the common case). */
+static sg_status put_absent(sg_engine *e) {
+  const double f = locally_absent(e) ? 1.0 : 0.0;
+  if (e->g.small_flag == f) return SG_OK;
+  e->g.norm_host[3] = f;
+  SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, (double *)e->small + 2, e->g.norm_host + 3,
+                           sizeof(double), SG_COPY_H2D));
+  e->g.small_flag = f;
+  return SG_OK;
+}
+
 /* The caller made the compute queue wait for every reduction. Across ranks the partials go
- * into device memory (e->small) and never through the host before they are final. */
-sg_status sg__grads_sumsq(sg_engine *e, double out[2]) {
+ * into device memory (e->small) and never through the host before they are final. out[2]: the
+ * ranks that missed some parameter's gradient. */
+sg_status sg__grads_sumsq(sg_engine *e, double out[3]) {
   const sg__state_ops *so = e->strat->place;
-  if (!e->strat->shard->sharded || e->world == 1) return so->sumsq(e, out);
-  SG_TRY(so->partials(e, (double *)e->small));
-  SG_TRY(sg__engine_run_comm(e, norm_job_fn, e));
-  out[0] = e->g.norm_host[0];
-  out[1] = e->g.norm_host[1];
+  if (e->world == 1 || (!e->strat->shard->sharded && !tracked(e))) {
+    out[2] = locally_absent(e);
+    return so->sumsq(e, out);
+  }
+  SG_TRY(put_absent(e));
+  if (!e->strat->shard->sharded) {
+    SG_TRY(so->sumsq(e, out));
+    SG_TRY(sg__engine_run_comm(e, absent_job_fn, e));
+  } else {
+    SG_TRY(so->partials(e, (double *)e->small));
+    SG_TRY(sg__engine_run_comm(e, norm_job_fn, e));
+    out[0] = e->g.norm_host[0];
+    out[1] = e->g.norm_host[1];
+  }
+  out[2] = e->g.small_flag = e->g.norm_host[2]; /* summed in place */
+  return SG_OK;
+}
+
+/* Some rank missed a parameter: every rank's bits, gathered, ORed. */
+static sg_status exchange_presence(sg_engine *e) {
+  const size_t nw = nwords(e), np = (size_t)e->reg.nparams;
+  uint64_t *mine = e->g.bits + (size_t)e->rank * nw;
+  memset(mine, 0, nw * sizeof *mine);
+  for (size_t i = 0; i < np; i++)
+    if (e->g.present[i]) mine[i / 64] |= (uint64_t)1 << (i % 64);
+  SG_TRY(sg__engine_broken(e, sg__engine_allgather_host(e, e->g.bits, nw * sizeof *mine)));
+  memset(e->g.agreed, 0, np);
+  for (int r = 0; r < e->world; r++)
+    for (size_t i = 0; i < np; i++)
+      e->g.agreed[i] |= (uint8_t)((e->g.bits[(size_t)r * nw + i / 64] >> (i % 64)) & 1);
+  return SG_OK;
+}
+
+sg_status sg__grads_presence(sg_engine *e, const double ss[3], const uint8_t **present,
+                             int *count) {
+  *present = NULL;
+  *count = e->reg.nparams;
+  if (!(ss[2] > 0)) return SG_OK;
+  if (e->world == 1)
+    memcpy(e->g.agreed, e->g.present, (size_t)e->reg.nparams);
+  else
+    SG_TRY(exchange_presence(e));
+  int n = 0;
+  for (int i = 0; i < e->reg.nparams; i++) n += e->g.agreed[i];
+  *present = e->g.agreed;
+  *count = n;
   return SG_OK;
 }
 
@@ -288,6 +376,7 @@ sg_status sg_grad_ptr(sg_engine *e, int id, void **ptr) {
   SG_TRY(param_slot(e, id, &p, fn));
   touch(e);
   e->g.norm_valid = 0; /* a sg_grad_norm before this gradient is stale */
+  e->g.present[id] = 1;
   *ptr = p;
   return SG_OK;
 }
@@ -300,6 +389,7 @@ sg_status sg_grad_ready(sg_engine *e, int id) {
   SG_TRY(check_not_ready(e, id, fn));
   char *p = NULL;
   SG_TRY(param_slot(e, id, &p, fn)); /* a parameter never written counts as zeros */
+  e->g.present[id] = 1; /* a gradient of zeros, named: the parameter is updated */
   return mark_ready(e, id);
 }
 
@@ -313,6 +403,7 @@ sg_status sg_grad_add(sg_engine *e, int id, const void *src, sg_dtype src_dtype)
   SG_TRY(param_slot(e, id, &p, fn));
   SG_TRY(e->dev->ops->accumulate(e->dev, SG_Q_COMPUTE, p, e->cfg.grad_dtype, src, src_dtype,
                                  e->reg.numels[id]));
+  e->g.present[id] = 1;
   return mark_ready(e, id);
 }
 

@@ -26,19 +26,33 @@ void sg__optim_init(sg_engine *e) {
   o->ngroups = 1;
 }
 
+/* s continues last: one segment. With stochastic rounding each parameter keeps its own
+ * counter base. */
+static int merges(const sg_engine *e, const sg__seg *last, const sg__seg *s) {
+  return last->decay == s->decay && last->group == s->group &&
+         last->shard_off + last->len == s->shard_off && last->flat_off + last->len == s->flat_off &&
+         (!e->cfg.stochastic_rounding || last->sr_index + last->len == s->sr_index);
+}
+
+/* The part of parameter id this rank owns in the owned run `ow` of its bucket: 0 when none. */
+static int param_run(const sg_engine *e, const sg__owned *ow, int id, sg__seg *s) {
+  const sg__plan *p = e->plan;
+  const size_t s0 = ow->flat0, s1 = ow->flat0 + ow->n;
+  const size_t a = p->params[id].offset, z = a + p->params[id].numel;
+  const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
+  if (x0 >= x1) return 0;
+  *s = (sg__seg){ow->state0 + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
+                 ((uint64_t)id << 40) + (x0 - a), e->reg.group[id]};
+  return 1;
+}
+
 /* Adjacent runs merge into one segment, but never across buckets: the step updates and gathers
  * bucket by bucket. */
 static sg_status push_seg(sg_engine *e, int *cap, int first_of_bucket, sg__seg s) {
   sg__optim *o = &e->opt;
-  if (o->nsegs > first_of_bucket) {
-    sg__seg *last = &o->segs[o->nsegs - 1];
-    /* With stochastic rounding each parameter keeps its own counter base. */
-    if (last->decay == s.decay && last->group == s.group &&
-        last->shard_off + last->len == s.shard_off && last->flat_off + last->len == s.flat_off &&
-        (!e->cfg.stochastic_rounding || last->sr_index + last->len == s.sr_index)) {
-      last->len += s.len;
-      return SG_OK;
-    }
+  if (o->nsegs > first_of_bucket && merges(e, &o->segs[o->nsegs - 1], &s)) {
+    o->segs[o->nsegs - 1].len += s.len;
+    return SG_OK;
   }
   if (o->nsegs == *cap) {
     int nc = *cap ? *cap * 2 : 64;
@@ -57,16 +71,10 @@ static sg_status bucket_segments(sg_engine *e, int b, int *cap) {
   const sg__bucket *bk = &p->buckets[b];
   sg__owned ow;
   e->strat->owned(p, e->rank, b, &ow);
-  const size_t s0 = ow.flat0, s1 = ow.flat0 + ow.n;
   const int first = e->opt.nsegs;
   for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
-    const int id = p->order[k];
-    const size_t a = p->params[id].offset, z = a + p->params[id].numel;
-    const size_t x0 = a > s0 ? a : s0, x1 = z < s1 ? z : s1;
-    if (x0 >= x1) continue;
-    sg__seg s = {ow.state0 + (x0 - s0), x0, x1 - x0, !(p->params[id].flags & SG_PARAM_NO_DECAY),
-                 ((uint64_t)id << 40) + (x0 - a), e->reg.group[id]};
-    SG_TRY(push_seg(e, cap, first, s));
+    sg__seg s;
+    if (param_run(e, &ow, p->order[k], &s)) SG_TRY(push_seg(e, cap, first, s));
   }
   return SG_OK;
 }
@@ -86,6 +94,20 @@ static sg_status build_segments(sg_engine *e) {
   return SG_OK;
 }
 
+/* The per-parameter step counts (all equal the engine's at first) and the segments of one
+ * class of a bucket, at most one per parameter. */
+static sg_status alloc_classes(sg_engine *e) {
+  sg__optim *o = &e->opt;
+  int most = 1;
+  for (int b = 0; b < e->plan->nbuckets; b++)
+    if (e->plan->buckets[b].param_count > most) most = e->plan->buckets[b].param_count;
+  o->lag = calloc((size_t)e->reg.nparams, sizeof *o->lag);
+  o->cls = malloc((size_t)most * sizeof *o->cls);
+  o->nlag = 0;
+  if (!o->lag || !o->cls) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  return SG_OK;
+}
+
 sg_status sg__optim_bind(sg_engine *e) {
   sg__optim *o = &e->opt;
   const sg__layout *l = &e->lay;
@@ -100,6 +122,7 @@ sg_status sg__optim_bind(sg_engine *e) {
   o->ngroups = 1;
   for (int i = 0; i < e->reg.nparams; i++)
     if (e->reg.group[i] + 1 > o->ngroups) o->ngroups = e->reg.group[i] + 1;
+  SG_TRY(alloc_classes(e));
   return build_segments(e);
 }
 
@@ -107,6 +130,11 @@ void sg__optim_free(sg_engine *e) {
   sg__optim *o = &e->opt;
   free(o->segs);
   free(o->bucket_seg);
+  free(o->lag);
+  free(o->cls);
+  o->lag = NULL;
+  o->cls = NULL;
+  o->nlag = 0;
   o->segs = NULL;
   o->bucket_seg = NULL;
   o->nsegs = 0;
@@ -119,12 +147,25 @@ void sg__optim_restore(sg_engine *e, uint64_t step, float lr0, uint32_t ngroups,
                        const float *group_lr, const float *group_wd) {
   sg__optim *o = &e->opt;
   o->step = step;
+  if (o->lag) memset(o->lag, 0, (size_t)e->reg.nparams * sizeof *o->lag);
+  o->nlag = 0;
   for (int g = 0; g < SG_MAX_GROUPS; g++) o->lr[g] = lr0;
   for (uint32_t g = 0; g < ngroups && g < SG_MAX_GROUPS; g++) {
     if (g > 0) o->lr[g] = group_lr[g]; /* group 0's lr is the saved lr */
     o->wd[g] = group_wd[g];
   }
 }
+
+void sg__optim_restore_param_step(sg_engine *e, int id, uint64_t step) {
+  sg__optim *o = &e->opt;
+  const uint64_t lag = step < o->step ? o->step - step : 0;
+  o->nlag += (lag > 0) - (o->lag[id] > 0);
+  o->lag[id] = lag;
+}
+
+uint64_t sg__optim_param_step(const sg_engine *e, int id) { return e->opt.step - e->opt.lag[id]; }
+
+int sg__optim_steps_differ(const sg_engine *e) { return e->opt.nlag > 0; }
 
 /* ---------------------------------------------------------------------------------------- */
 /* the update                                                                                */
@@ -135,7 +176,8 @@ static sg_hparams group_hparams(const sg__optim *o, int g) {
                       o->max_grad_norm};
 }
 
-static sg__update_args update_args(const sg_engine *e, float grad_scale) {
+/* The scalars of step t: the engine's step, or one class's own step count. */
+static sg__update_args update_args(const sg_engine *e, float grad_scale, uint64_t t) {
   const sg_config *c = &e->cfg;
   const sg__optim *o = &e->opt;
   sg__update_args a;
@@ -149,7 +191,7 @@ static sg__update_args update_args(const sg_engine *e, float grad_scale) {
   a.segs = o->segs;
   a.nsegs = o->nsegs;
   a.grad_scale = grad_scale;
-  a.step = o->step;
+  a.step = t;
   /* one group leaves ngroups at 0 (every segment is group 0's, as before groups) */
   a.ngroups = o->ngroups > 1 ? o->ngroups : 0;
   sg_hparams hp[SG_MAX_GROUPS];
@@ -160,22 +202,97 @@ static sg__update_args update_args(const sg_engine *e, float grad_scale) {
   return a;
 }
 
-void sg__optim_begin(sg_engine *e) { e->opt.step++; }
-void sg__optim_undo_begin(sg_engine *e) { e->opt.step--; }
+/* A skipped parameter falls one more step behind the engine's count (torch keeps a step count
+ * per parameter and advances only those with a gradient). */
+static void lag_absent(sg__optim *o, const uint8_t *present, int n, int by) {
+  for (int i = 0; i < n; i++) {
+    if (present[i]) continue;
+    const int was = o->lag[i] > 0;
+    o->lag[i] = by > 0 ? o->lag[i] + 1 : o->lag[i] - 1;
+    o->nlag += (o->lag[i] > 0) - was;
+  }
+}
+
+void sg__optim_begin(sg_engine *e, const uint8_t *present) {
+  sg__optim *o = &e->opt;
+  o->step++;
+  o->present = present;
+  if (present) lag_absent(o, present, e->reg.nparams, 1);
+}
+
+void sg__optim_undo_begin(sg_engine *e) {
+  sg__optim *o = &e->opt;
+  o->step--;
+  if (o->present) lag_absent(o, o->present, e->reg.nparams, -1);
+  o->present = NULL;
+}
 
 static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
-  sg__update_args a = update_args(e, grad_scale);
+  sg__update_args a = update_args(e, grad_scale, e->opt.step);
   a.segs = e->opt.segs ? e->opt.segs + s0 : NULL; /* no segments: a shard with no elements */
   a.nsegs = s1 - s0;
   return e->strat->place->update(e, &a);
 }
 
+static int updated(const sg__optim *o, int id) { return !o->present || o->present[id]; }
+
+/* The owned runs of bucket b's updated parameters whose own step count is t, merged. */
+static int class_segments(sg_engine *e, int b, uint64_t t) {
+  const sg__plan *p = e->plan;
+  const sg__bucket *bk = &p->buckets[b];
+  sg__optim *o = &e->opt;
+  sg__owned ow;
+  e->strat->owned(p, e->rank, b, &ow);
+  int n = 0;
+  for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
+    const int id = p->order[k];
+    sg__seg s;
+    if (!updated(o, id) || sg__optim_param_step(e, id) != t || !param_run(e, &ow, id, &s)) continue;
+    if (n > 0 && merges(e, &o->cls[n - 1], &s))
+      o->cls[n - 1].len += s.len;
+    else
+      o->cls[n++] = s;
+  }
+  return n;
+}
+
+/* The smallest own step count above `after` of bucket b's updated parameters; 0: none. */
+static uint64_t next_class(const sg_engine *e, int b, uint64_t after) {
+  const sg__bucket *bk = &e->plan->buckets[b];
+  uint64_t best = 0;
+  for (int k = bk->first_param; k < bk->first_param + bk->param_count; k++) {
+    const int id = e->plan->order[k];
+    const uint64_t t = sg__optim_param_step(e, id);
+    if (updated(&e->opt, id) && t > after && (best == 0 || t < best)) best = t;
+  }
+  return best;
+}
+
+/* Some parameter is skipped or behind: bucket b once per class of equal step counts, each with
+ * its own scalars (no kernel change: a class is a subset of the bucket's segments). */
+static sg_status update_classes(sg_engine *e, int b, float grad_scale) {
+  for (uint64_t t = next_class(e, b, 0); t != 0; t = next_class(e, b, t)) {
+    const int n = class_segments(e, b, t);
+    if (n == 0) continue;
+    sg__update_args a = update_args(e, grad_scale, t);
+    a.segs = e->opt.cls;
+    a.nsegs = n;
+    SG_TRY(e->strat->place->update(e, &a));
+  }
+  return SG_OK;
+}
+
+static int uniform(const sg__optim *o) { return !o->present && o->nlag == 0; }
+
 sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
+  if (!uniform(&e->opt)) return update_classes(e, b, grad_scale);
   return update_range(e, grad_scale, e->opt.bucket_seg[b], e->opt.bucket_seg[b + 1]);
 }
 
 sg_status sg__optim_update_all(sg_engine *e, float grad_scale) {
-  return update_range(e, grad_scale, 0, e->opt.nsegs);
+  if (uniform(&e->opt)) return update_range(e, grad_scale, 0, e->opt.nsegs);
+  for (int b = 0; b < e->plan->nbuckets; b++) SG_TRY(update_classes(e, b, grad_scale));
+  return SG_OK;
 }
 
 sg_status sg__optim_check_state(const sg_engine *e, int which, const char *fn) {
@@ -299,6 +416,14 @@ sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h) {
   o->beta2 = h->beta2;
   o->eps = h->eps;
   o->max_grad_norm = h->max_grad_norm;
+  return SG_OK;
+}
+
+sg_status sg_get_param_step(sg_engine *e, int id, uint64_t *step) {
+  SG_ENGINE_GUARD(e, "sg_get_param_step");
+  static const char *fn = "sg_get_param_step";
+  SG_TRY(sg__engine_check_param(e, id, step, "step", fn));
+  *step = sg__optim_param_step(e, id);
   return SG_OK;
 }
 

@@ -42,8 +42,8 @@ static sg_status check_info(const sg_step_info *info) {
   return SG_OK;
 }
 
-static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
-  sg__optim_begin(e);
+static sg_status apply(sg_engine *e, float grad_scale, int64_t trace, const uint8_t *present) {
+  sg__optim_begin(e, present);
   sg_status st = update_and_gather(e, grad_scale, trace);
   /* A failed first update leaves everything as it was; later failures break the engine. */
   if (st != SG_OK && e->state != SG_ES_BROKEN) sg__optim_undo_begin(e);
@@ -53,19 +53,20 @@ static sg_status apply(sg_engine *e, float grad_scale, int64_t trace) {
 /* Every reduction of the step submitted, the compute queue ordered after them (a stream wait on
  * CUDA, not a host wait), then the global sum of squares (once per step: a sg_grad_norm before
  * sg_step computed it already unless gradients came after). */
-static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[2]) {
+static sg_status step_sumsq(sg_engine *e, const char *fn, double ss[3]) {
   SG_TRY(sg__step_settle(e));
   SG_TRY(sg__grads_flush(e, fn));
   SG_TRY(sg__replicas_rest(e)); /* the buckets not summed across replicas yet */
   /* the way the state reads them: a stream wait on the device, a host wait for offload */
   SG_TRY(sg__engine_broken(e, e->strat->place->wait_reductions(e, sg__engine_host_deadline(e))));
   if (!e->g.norm_valid) {
-    double s[2] = {0, 0};
+    double s[3] = {0, 0, 0};
     SG_TRY(sg__grads_sumsq(e, s));
     sg__grads_norm_keep(e, s);
   }
   ss[0] = e->g.norm_ss[0];
   ss[1] = e->g.norm_ss[1];
+  ss[2] = e->g.norm_ss[2];
   return SG_OK;
 }
 
@@ -79,7 +80,7 @@ sg_status sg_grad_norm(sg_engine *e, float *norm) {
   static const char *fn = "sg_grad_norm";
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!norm) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: norm is NULL", fn);
-  double ss[2];
+  double ss[3];
   SG_TRY(sg__err_prefix(step_sumsq(e, fn, ss), fn));
   *norm = ss[1] > 0 ? NAN : (float)global_norm(e, ss);
   return SG_OK;
@@ -110,13 +111,35 @@ static sg_status outer_sync(sg_engine *e) {
   return sg__gathers_all(e);
 }
 
+/* A state placement whose update cannot skip parameters (declared) refuses a step that would
+ * have to: on every rank alike, since the presence is agreed. Nothing has changed yet. */
+static sg_status check_skips(const sg_engine *e, const uint8_t *present, int npresent,
+                             const char *fn) {
+  /* (sg_load gives every parameter the step there: no counts differ) */
+  if (e->strat->place->skips || !present || npresent == 0)
+    return SG_OK; /* no gradient at all: nothing is updated, nothing to skip */
+  int id = 0; /* the first skipped parameter */
+  while (id < e->reg.nparams - 1 && present[id]) id++;
+  return sg__err(SG_ERR_UNSUPPORTED, "%s: no rank gave parameter '%s' a gradient in this step, "
+                 "and this optimizer state ('%s': offload or 8-bit) cannot skip a parameter "
+                 "(docs/limits.md): give every parameter a gradient in every step (sg_grad_ready "
+                 "marks zeros), or sg_grad_zero to drop this step's gradients", fn,
+                 e->reg.names[id], e->strat->place->name);
+}
+
 sg_status sg_step(sg_engine *e, sg_step_info *info) {
   SG_ENGINE_GUARD(e, "sg_step");
   static const char *fn = "sg_step";
   SG_TRY(sg__engine_check(e, fn, 1));
   SG_TRY(check_info(info));
-  double ss[2] = {0, 0};
+  double ss[3] = {0, 0, 0};
   SG_TRY(step_sumsq(e, fn, ss));
+  /* Parameters no rank gave a gradient are skipped (torch's .grad None); none: no step. */
+  const uint8_t *present = NULL;
+  int npresent = 0;
+  SG_TRY(sg__err_prefix(sg__grads_presence(e, ss, &present, &npresent), fn));
+  SG_TRY(check_skips(e, present, npresent, fn));
+  const int idle = npresent == 0;
   sg__grads_norm_drop(e); /* the next step computes its own */
   const int64_t trace = sg__trace_new(e, SG_TRACE_STEP, -1, NULL);
   sg__trace_at(e, trace, 0, SG_Q_COMPUTE);
@@ -130,16 +153,17 @@ sg_status sg_step(sg_engine *e, sg_step_info *info) {
     clip = fmin(1.0, e->opt.max_grad_norm / (norm + 1e-6));
   sg_step_info v = {sizeof v, e->opt.step, (float)norm, (float)clip, e->sc.loss_scale, skip};
   sg_status st = SG_OK;
-  if (skip)
+  if (skip || idle)
     sg__trace_at(e, trace, 1, SG_Q_COMPUTE);
   else
-    st = apply(e, (float)(avg * inv_scale * clip * e->g.user_scale), trace);
+    st = apply(e, (float)(avg * inv_scale * clip * e->g.user_scale), trace, present);
   if (st == SG_OK) st = sg__grads_clear_accum(e);
   if (st == SG_OK) st = outer_sync(e);
   if (st != SG_OK) return st;
   v.step = e->opt.step;
-  sg__scale_update(e, overflow);
+  if (!idle) sg__scale_update(e, overflow);
   if (skip) SG_LOG(SG_LOG_INFO, e->rank, "step skipped: non-finite gradients");
+  if (idle) SG_LOG(SG_LOG_INFO, e->rank, "no parameter got a gradient: nothing updated");
   fill_info(info, &v);
   return SG_OK;
 }

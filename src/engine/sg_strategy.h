@@ -62,9 +62,10 @@ typedef struct sg__shard_ops {
   /* Declared: the state is sharded over the ranks (what a hybrid engine replicates across
    * nodes, what needs gathering after a step and for a full view of a state array). */
   int sharded;
-  /* On the comm queue: the step's norm partials (sum of squares, non-finite count: 2 doubles
-   * in device memory) summed in place over the ranks that share the gradient (replicated:
-   * every rank holds all of it already, nothing to do). */
+  /* On the comm queue: the step's norm partials (sum of squares, non-finite count, and the
+   * rank's absent flag, sg_grads.c: 3 doubles in device memory) summed in place over the ranks
+   * that share the gradient (replicated: every rank holds all of it already, nothing to do;
+   * sg_grads.c then sums the flag alone). */
   sg_status (*sum_norm)(sg_engine *e, double *dev_ss);
   /* On the comm queue, after bucket b's update: the other ranks' parts of its working
    * parameters (replicated: none). */
@@ -92,6 +93,11 @@ typedef struct sg__state_ops {
   /* Declared: elements of a state block that must not straddle two tensors or two ranks; the
    * planner aligns parameter starts and slices to it (SG_PLAN_ALIGN where state is fp32). */
   size_t align;
+  /* Declared: update() takes any subset of a bucket's segments, called once per class of
+   * parameters with equal step counts (sg_optim.c), so that parameters no rank gave a gradient
+   * are skipped (DESIGN.md section 4). 0: a step with such a parameter, or after a load that
+   * left parameters behind in step count, is refused (SG_ERR_UNSUPPORTED). */
+  int skips;
   /* sg_finalize, after the arenas and before the optimizer binds its arrays; free at destroy
    * (after the comm queue drained; nothing made: nothing). */
   sg_status (*init)(sg_engine *e);

@@ -345,10 +345,13 @@ static sg_status step(model *m, double t, double *end) {
   SG_TRY(replica_sums_at_step(m, t));
   t = wait_until(m, t, m->comm_free);
   const int sharded = sg__strategy_sharded(m->st);
-  /* a replicated strategy's gather and norm sum are no-ops: no collective */
+  /* a replicated strategy's gather is a no-op: no collective */
   const int gathers = sharded && m->L > 1;
-  if (sharded && m->L > 1) {
-    const cost c = coll_cost(m, AR, m->shard, 16); /* sum of squares, non-finite count: f64 */
+  /* sum of squares, non-finite count and the absent flag (f64); a replicated state sums the
+   * flag alone, where presence is tracked (no replicas: DESIGN.md section 4) */
+  const uint64_t norm_bytes = sharded ? 24 : m->N <= 1 ? 8 : 0;
+  if (norm_bytes && m->L > 1) {
+    const cost c = coll_cost(m, AR, m->shard, norm_bytes);
     SG_TRY(run_coll(m, t, &c, 0));
     t = wait_until(m, t, m->comm_free);
   }

@@ -748,7 +748,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Collective: {'step', 'exp_avg', 'exp_avg_sq', 'master'} of parameter p (fp32)."""
         e, pid = self._engine, self.param_id(p)
         self._sync_written()
-        if _lib.has("sg_get_step"):
+        if _lib.has("sg_get_param_step"):
+            step = e.param_step(pid)  # skipped steps (no gradient) do not count, as in torch
+        elif _lib.has("sg_get_step"):
             step = e.step_count
         else:
             step = self.last_step_info.step if self.last_step_info else 0

@@ -48,7 +48,7 @@ sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first) {
 }
 
 static sg_status sharded_sum_norm(sg_engine *e, double *dev_ss) {
-  return e->comm->ops->all_reduce(e->comm, dev_ss, 2, SG__F64, sg__deadline(e->cfg.timeout_ms));
+  return e->comm->ops->all_reduce(e->comm, dev_ss, 3, SG__F64, sg__deadline(e->cfg.timeout_ms));
 }
 
 static sg_status sharded_gather(sg_engine *e, int b) {

@@ -102,5 +102,5 @@ const sg__state_ops sg__state_device = {
     .partials = device_partials, .update = device_update, .clear = device_clear,
     .master_from_working = device_master_from_working, .read_state = device_read_state,
     .records = device_records,
-    .coded = 0, .align = SG_PLAN_ALIGN,
+    .coded = 0, .align = SG_PLAN_ALIGN, .skips = 1,
 };

@@ -165,6 +165,6 @@ const sg__state_ops sg__state_host = {
     .prepare = prepare, .submitted = submitted, .wait_reductions = wait_reductions,
     .settle = settle, .sumsq = sumsq, .partials = partials, .update = update, .clear = clear,
     .master_from_working = master_from_working, .read_state = host_read_state,
-    .records = host_records, .coded = 0,
+    .records = host_records, .coded = 0, .skips = 0, /* the host pipeline: not tried */
     .align = SG_PLAN_ALIGN,
 };

@@ -465,7 +465,7 @@ static sg_status q8_records(sg_engine *e, int k, uint8_t *rec, int mode) {
 }
 
 const sg__state_ops sg__state_q8 = {
-    .name = "device, 8-bit state", .host = 0, .coded = 1, .align = SG__Q8_BLOCK,
+    .name = "device, 8-bit state", .host = 0, .coded = 1, .align = SG__Q8_BLOCK, .skips = 0,
     .init = q8_init, .free = q8_free, .array = q8_array, .prepare = q8_prepare,
     .submitted = q8_submitted, .wait_reductions = q8_wait_reductions, .settle = q8_settle,
     .sumsq = q8_sumsq, .partials = q8_partials, .update = q8_update, .clear = q8_clear,
