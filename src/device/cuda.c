@@ -703,6 +703,22 @@ static sg_status sg__cudev_sumsq_to(sg__device *dev, sg__queue q, const void *x,
   return sg__cuda_after(d, q, fn);
 }
 
+/* One kernel of one thread, queue-ordered; the host reads host_out later without a wait. */
+static sg_status sg__cudev_step_outcome(sg__device *dev, sg__queue q, const double *ss_dev,
+                                        const struct sg_elem_step_in *in, void *out_dev,
+                                        void *host_out, uint64_t seq) {
+  static const char fn[] = "sg__device_cuda.step_outcome";
+  sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
+  if (!d || !ss_dev || !in || !out_dev)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU_LAUNCH(sg__cuda_step_outcome(sg__cuda_launch_on(d, q), ss_dev, in, out_dev, host_out,
+                                      seq), fn);
+  return sg__cuda_after(d, q, fn);
+}
+
 /* ---- segment tables ------------------------------------------------------------------------
  *
  * The engine calls update once per bucket, each time with a sub-array of one stable segment
@@ -1283,6 +1299,7 @@ static const sg__device_ops sg__cuda_ops = {
     NULL, /* alloc_zeroed: alloc, then zero */
     NULL, /* zero_release: zero (device memory stays allocated) */
     sg__cudev_comm_start,
+    sg__cudev_step_outcome,
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

@@ -139,6 +139,15 @@ typedef struct sg__device_ops {
    * on the caller, so that the caller still reaches the collective that tells every rank.
    * SG_OK where jobs run inline anyway (stream-ordered, or not threaded). */
   sg_status (*comm_start)(sg__device *d);
+  /* Optional (NULL: the engine decides the step on the host, after a host wait for the norm):
+   * the step's outcome (kernels/sg_elem.h, sg_elem_step_outcome) from ss_dev (the summed sum of
+   * squares and non-finite count, 2 doubles of device memory) into out_dev (device memory, which
+   * the update reads through sg__update_args.outcome) and, unless NULL, host_out (pinned host
+   * memory from host_alloc; seq written last, after the rest is visible to the host), in the
+   * order of queue q: nothing waits. */
+  sg_status (*step_outcome)(sg__device *d, sg__queue q, const double *ss_dev,
+                            const struct sg_elem_step_in *in, void *out_dev, void *host_out,
+                            uint64_t seq);
 } sg__device_ops;
 
 struct sg__device {

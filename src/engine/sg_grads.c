@@ -108,6 +108,23 @@ sg_status sg__grads_sumsq(sg_engine *e, double out[2]) {
   return SG_OK;
 }
 
+/* On the comm queue: the partials summed over the ranks in place (device memory). */
+static sg_status norm_sum_job_fn(void *arg) {
+  sg_engine *e = arg;
+  return e->strat->shard->sum_norm(e, (double *)e->small);
+}
+
+/* As sg__grads_sumsq, into device memory (e->small) with the compute queue ordered after the
+ * sum over the ranks (a stream wait, not a host wait): the step's outcome is decided there. */
+sg_status sg__grads_sumsq_dev(sg_engine *e) {
+  SG_TRY(e->strat->place->partials(e, (double *)e->small));
+  if (!e->strat->shard->sharded || e->world == 1) return SG_OK;
+  uint64_t t = 0;
+  SG_TRY(sg__engine_broken(e, sg__engine_submit(e, norm_sum_job_fn, NULL, e, &t)));
+  return sg__engine_broken(e, e->dev->ops->compute_wait_comm(e->dev, t,
+                                                             sg__engine_host_deadline(e)));
+}
+
 sg_status sg__grads_clear(sg_engine *e) {
   SG_TRY(sg__grads_clear_accum(e));
   if (e->g.nosync)

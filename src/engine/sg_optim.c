@@ -163,19 +163,22 @@ static sg__update_args update_args(const sg_engine *e, float grad_scale) {
 void sg__optim_begin(sg_engine *e) { e->opt.step++; }
 void sg__optim_undo_begin(sg_engine *e) { e->opt.step--; }
 
-static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
+static sg_status update_range(sg_engine *e, float grad_scale, const sg_elem_step_out *outcome,
+                              int s0, int s1) {
   sg__update_args a = update_args(e, grad_scale);
+  a.outcome = outcome;
   a.segs = e->opt.segs ? e->opt.segs + s0 : NULL; /* no segments: a shard with no elements */
   a.nsegs = s1 - s0;
   return e->strat->place->update(e, &a);
 }
 
-sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
-  return update_range(e, grad_scale, e->opt.bucket_seg[b], e->opt.bucket_seg[b + 1]);
+sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale,
+                                  const sg_elem_step_out *outcome) {
+  return update_range(e, grad_scale, outcome, e->opt.bucket_seg[b], e->opt.bucket_seg[b + 1]);
 }
 
-sg_status sg__optim_update_all(sg_engine *e, float grad_scale) {
-  return update_range(e, grad_scale, 0, e->opt.nsegs);
+sg_status sg__optim_update_all(sg_engine *e, float grad_scale, const sg_elem_step_out *outcome) {
+  return update_range(e, grad_scale, outcome, 0, e->opt.nsegs);
 }
 
 sg_status sg__optim_check_state(const sg_engine *e, int which, const char *fn) {
@@ -302,9 +305,3 @@ sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h) {
   return SG_OK;
 }
 
-sg_status sg_get_step(sg_engine *e, uint64_t *step) {
-  SG_ENGINE_GUARD(e, "sg_get_step");
-  SG_TRY(sg__engine_check_out(e, step, "step", "sg_get_step"));
-  *step = e->opt.step;
-  return SG_OK;
-}
