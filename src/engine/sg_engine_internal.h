@@ -239,6 +239,12 @@ sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg)
                             uint64_t *ticket);
 /* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
+/* The same for a job on the replica channel: the device's replica lane (a stream of its own
+ * where both channels are stream-ordered: the next bucket's reduction does not wait for it),
+ * or the comm queue. Every job that calls the replica channel goes this way. */
+sg_status sg__engine_submit_replica(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg),
+                                    void *arg, uint64_t *ticket);
+sg_status sg__engine_run_replica(sg_engine *e, sg__job_fn fn, void *arg);
 /* In-place all-gather of device memory through the comm queue, waited for. */
 sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank);
 /* Broadcast of `bytes` of device memory from shard rank root through the comm queue, waited for. */
