@@ -218,6 +218,52 @@ SG_HD float sg_elem_outer_nesterov(float po, float d, float *m, float lr, float 
   return po - lr * (d + mu * mi);
 }
 
+/* ---- the step's outcome (src/engine/sg_step.c and the CUDA step kernel) ------------------ */
+
+/* What the step decides from the global sum of squares ss0 and non-finite count ss1, in double
+ * as the host always did: the host (sg_step) and the device (the step kernel, which hands the
+ * factor to AdamW through device memory so that no host wait sits between them) call the same
+ * function, and IEEE double sqrt, division and fmin give both the same bits. */
+typedef struct sg_elem_step_in {
+  double avg;        /* 1/(ranks sharing the gradient) with grad_average, else 1 */
+  double inv_scale;  /* 1.0 / (double)loss_scale */
+  double user_scale; /* sg_grad_scale's product */
+  double max_norm;   /* clip above this norm; <= 0: no clipping */
+  int skip_enabled;  /* skip_nonfinite or dynamic loss scaling */
+  int pad_;
+} sg_elem_step_in;
+
+/* 32 bytes; seq last: the device writes it after the rest (sg__cuda_step_outcome). */
+typedef struct sg_elem_step_out {
+  float factor;     /* the gradient's factor of AdamW: avg * inv_scale * clip * user_scale */
+  float norm;       /* global L2 norm of the unscaled gradient (inf/NaN if not finite) */
+  float clip;       /* clip coefficient, 1 without clipping */
+  int32_t overflow; /* non-finite gradients (or norm) */
+  int32_t skip;     /* overflow and skip_enabled: nothing is updated */
+  int32_t pad_;
+  uint64_t seq;     /* which step wrote it */
+} sg_elem_step_out;
+
+SG_HD double sg_elem_step_norm(double ss0, const sg_elem_step_in *in) {
+  return sqrt(ss0) * in->avg * in->inv_scale * fabs(in->user_scale);
+}
+
+SG_HD sg_elem_step_out sg_elem_step_outcome(double ss0, double ss1, const sg_elem_step_in *in) {
+  const double norm = sg_elem_step_norm(ss0, in);
+  const int finite = norm - norm == 0.0; /* not inf, not NaN */
+  sg_elem_step_out o;
+  double clip = 1.0;
+  if (in->max_norm > 0 && finite) clip = fmin(1.0, in->max_norm / (norm + 1e-6));
+  o.factor = (float)(in->avg * in->inv_scale * clip * in->user_scale);
+  o.norm = (float)norm;
+  o.clip = (float)clip;
+  o.overflow = ss1 > 0 || !finite;
+  o.skip = o.overflow && in->skip_enabled;
+  o.pad_ = 0;
+  o.seq = 0;
+  return o;
+}
+
 /* ---- AdamW ------------------------------------------------------------------------------- */
 
 /* Per-step constants of one AdamW update (see kernels/sg_kernel_args.h for how the host

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "../include/shardgrad.h" /* SG_MAX_GROUPS */
+#include "sg_elem.h"                /* sg_elem_step_out: the step's outcome an update may read */
 
 /* A contiguous run of a rank's shard that belongs to one parameter (or to several adjacent
  * parameters with the same decay flag and group). Padding is in no segment and is never
@@ -48,6 +49,10 @@ typedef struct sg__update_args {
   const sg__seg *segs;      /* host memory */
   int nsegs;
   float grad_scale;         /* (1/W if averaging) * (1/loss_scale) * clip_coef */
+  /* NULL, or the step's outcome in the update's memory (kernels/sg_elem.h; the CUDA device's
+   * step kernel writes it on the same queue): its factor replaces grad_scale, and with its skip
+   * set the update writes nothing. */
+  const sg_elem_step_out *outcome;
   float scalar[SG__OPTIM_MAX_SCALARS]; /* step-wide, computed on the host in double */
   int stochastic_rounding;  /* bf16 params only */
   uint64_t seed;            /* stochastic rounding: hash of (seed, step, sr_index + i) */

@@ -301,6 +301,89 @@ static void test_adamw() {
   }
 }
 
+// ---- the step's outcome read by AdamW from device memory (issue 28, defect 4) ---------------
+
+// The step kernel's record against sg_elem_step_outcome on the host, and AdamW reading its
+// factor (a.outcome; a.grad_scale is then ignored) against the CPU loop given that factor as
+// grad_scale, bit for bit; with a non-finite count the kernel writes nothing. Clipping on and
+// off, averaging, a user scale.
+static void test_step_outcome() {
+  struct {
+    double ss0, ss1, max_norm;
+    int skip_enabled;
+  } steps[] = {{1234.5678, 0, 1.0, 1},  {1234.5678, 0, 0.001, 1}, {99.0, 0, 0.0, 1},
+               {5.0, 1, 1.0, 1},        {5.0, 1, 1.0, 0},      {INFINITY, 0, 1.0, 1}};
+  char what[200];
+  for (const auto &st : steps) {
+    sg_elem_step_in in;
+    memset(&in, 0, sizeof in);
+    in.avg = 1.0 / 3.0, in.inv_scale = 1.0 / 1024.0, in.user_scale = -0.75;
+    in.max_norm = st.max_norm, in.skip_enabled = st.skip_enabled;
+    const sg_elem_step_out want = sg_elem_step_outcome(st.ss0, st.ss1, &in);
+    const double ss[2] = {st.ss0, st.ss1};
+    sg_elem_step_out dev, host;
+    memset(&dev, 0xff, sizeof dev), memset(&host, 0, sizeof host);
+    sg__cuda_launch L1 = {nullptr, 1};
+    const int rc = sg__cuda_step_outcome(L1, ss, &in, &dev, &host, 42);
+    snprintf(what, sizeof what, "step kernel ss (%g, %g) max_norm %g skip %d: factor %a norm %a "
+             "clip %a skip %d, seq 42 in both records", st.ss0, st.ss1, st.max_norm,
+             st.skip_enabled, (double)want.factor, (double)want.norm, (double)want.clip,
+             want.skip);
+    check(rc == 0 && dev.seq == 42 && host.seq == 42 &&
+              memcmp(&dev.factor, &want.factor, 5 * 4) == 0 &&
+              memcmp(&host.factor, &want.factor, 5 * 4) == 0,
+          what);
+    for (int pdt : {0, 1}) {
+      const int gdt = 0;
+      const bool master = pdt != 0, sr = pdt == 1;
+      sg__seg segs[32];
+      size_t sn, fn;
+      const int nsegs = make_segments(segs, &sn, &fn);
+      adamw_state s0;
+      s0.param.resize(fn * esize(pdt));
+      s0.grad.resize(sn * esize(gdt));
+      s0.master.resize(sn), s0.m.resize(sn), s0.v.resize(sn);
+      fill_random(s0.param.data(), pdt, fn, 1.0f, false);
+      fill_random(s0.grad.data(), gdt, sn, 0.1f, false);
+      fill_random(s0.master.data(), 0, sn, 1.0f, false);
+      fill_random(s0.m.data(), 0, sn, 0.01f, false);
+      for (float &x : s0.v) x = std::fabs(rnd_unit()) * 1e-4f;
+      adamw_state ref = s0, s = s0;
+      sg__adamw_args a;
+      if (!want.skip) {
+        adamw_args(&a, &ref, pdt, gdt, master, sr, segs, nsegs, 5, 5);
+        a.grad_scale = want.factor;
+        sg__cpu_adamw(&a);
+      }
+      std::vector<char> table(sg__cuda_seg_table_bytes(nsegs));
+      uint64_t work = 0;
+      sg__cuda_seg_table_build(table.data(), segs, nsegs, &work);
+      adamw_args(&a, &s, pdt, gdt, master, sr, segs, nsegs, 5, 5);
+      a.grad_scale = 7.0f; /* not read */
+      a.outcome = &dev;
+      sg__cuda_launch L = {nullptr, 3};
+      const int rk = sg__cuda_adamw(L, &a, table.data(), work);
+      snprintf(what, sizeof what, "adamw param %d reading the step's record (ss %g, %g; skip %d) "
+               "== the CPU loop with its factor", pdt, st.ss0, st.ss1, want.skip);
+      check(rk == 0 && same(ref.param.data(), s.param.data(), pdt, fn) &&
+                same(ref.master.data(), s.master.data(), 0, sn) &&
+                same(ref.m.data(), s.m.data(), 0, sn) && same(ref.v.data(), s.v.data(), 0, sn),
+            what);
+      /* the CPU loop reads the record the same way */
+      adamw_state c = s0;
+      adamw_args(&a, &c, pdt, gdt, master, sr, segs, nsegs, 5, 5);
+      a.grad_scale = 7.0f;
+      a.outcome = &dev;
+      sg__cpu_adamw(&a);
+      snprintf(what, sizeof what, "cpu adamw param %d reading the record (skip %d)", pdt,
+               want.skip);
+      check(same(ref.param.data(), c.param.data(), pdt, fn) &&
+                same(ref.m.data(), c.m.data(), 0, sn) && same(ref.v.data(), c.v.data(), 0, sn),
+            what);
+    }
+  }
+}
+
 // ---- adamw over 8-bit state ------------------------------------------------------------------
 
 // Blocks of state: coded ones (random codes and scales, one all-zero block) and fp32 ones (the
@@ -394,6 +477,7 @@ int main() {
   test_reduce_sum();
   test_sumsq();
   test_adamw();
+  test_step_outcome();
   test_adamw_q8();
   printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail ? 1 : 0;

@@ -734,11 +734,12 @@ void sg__cpu_adamw(const sg__update_args *a) {
       !a->state[SG__ADAMW_V] || !a->grad)
     return;
   if (!sg__update_groups_ok(a)) return;
+  if (a->outcome && a->outcome->skip) return; /* the step's outcome: skipped */
   const int ng = a->ngroups > 1 ? a->ngroups : 1;
   adamw_ctx cs[2 * SG_MAX_GROUPS];
   for (int g = 0; g < ng; g++) {
     adamw_ctx c;
-    c.grad_scale = a->grad_scale;
+    c.grad_scale = a->outcome ? a->outcome->factor : a->grad_scale;
     c.seed = a->seed;
     c.step = a->step;
     c.k = sg__adamw_consts(a, g, 1);

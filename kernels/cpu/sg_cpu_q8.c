@@ -159,7 +159,7 @@ SG_Q8_HOT static void q8_block(const sg__update_args *a, const sg__seg *s, const
 static q8_ctx ctx_of(const sg__update_args *a, int g, int decay) {
   q8_ctx c;
   c.k = sg__adamw_consts(a, g, decay);
-  c.grad_scale = a->grad_scale;
+  c.grad_scale = a->outcome ? a->outcome->factor : a->grad_scale;
   c.seed = a->seed;
   c.step = a->step;
   c.q8_key = sg_elem_q8_key(a->seed, a->step);
@@ -170,6 +170,7 @@ void sg__cpu_adamw_q8(const sg__update_args *a) {
   if (!a || !a->segs || a->nsegs <= 0 || !a->param || !a->grad || !a->q8_f32) return;
   if (!a->q8_code[M] || !a->q8_code[V] || !a->q8_scale[M] || !a->q8_scale[V]) return;
   if (!a->state[M] || !a->state[V] || !sg__update_groups_ok(a)) return;
+  if (a->outcome && a->outcome->skip) return; /* the step's outcome: skipped */
   for (int s = 0; s < a->nsegs; s++) /* every segment inside one block, from its start */
     if (a->segs[s].shard_off % B != 0 || a->segs[s].len > B) return;
   const int ng = a->ngroups > 1 ? a->ngroups : 1;

@@ -181,6 +181,32 @@ __global__ void fill_kernel(T *dst, T value, size_t n) {
   for (uint64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = value;
 }
 
+// ---- the step's outcome ------------------------------------------------------------------
+
+// One thread: the step's factor, norm and skip from the summed partials (sg_elem_step_outcome,
+// the host's function), into device memory for AdamW and, where host_out is given, into pinned
+// host memory, which the host reads without a wait: seq last, after a system-scope fence, so a
+// host that sees this step's seq sees the rest.
+__global__ void step_outcome_kernel(const double *ss, sg_elem_step_in in, sg_elem_step_out *out,
+                                    sg_elem_step_out *host_out, uint64_t seq) {
+  if (global_thread() != 0) return;
+  sg_elem_step_out o = sg_elem_step_outcome(ss[0], ss[1], &in);
+  o.seq = seq;
+  *out = o;
+  if (!host_out) return;
+  host_out->factor = o.factor;
+  host_out->norm = o.norm;
+  host_out->clip = o.clip;
+  host_out->overflow = o.overflow;
+  host_out->skip = o.skip;
+#ifdef SG_CUDA_EMULATE
+  __atomic_store_n(&host_out->seq, seq, __ATOMIC_RELEASE);
+#else
+  __threadfence_system();
+  *(volatile uint64_t *)&host_out->seq = seq;
+#endif
+}
+
 // ---- reduce_sum ----------------------------------------------------------------------------
 
 // The source pointers travel by value in the kernel's parameters (no device table to upload
@@ -306,6 +332,7 @@ struct adamw_params {
   sg_elem_adamw_k k[SG_MAX_GROUPS][2];
   int ngroups;  // 1: every segment uses k[0] whatever its group
   float grad_scale;
+  const sg_elem_step_out *outcome;  // NULL, or the step's factor and skip (step_outcome_kernel)
   int sr;  // stochastic rounding (bf16 params only)
   uint64_t seed;
   uint64_t step;
@@ -327,6 +354,14 @@ __device__ __forceinline__ int find_segment(const seg_entry *tab, int nsegs, uin
 
 template <int PDT, int GDT>
 __global__ void adamw_kernel(const seg_entry *tab, int nsegs, uint64_t work, adamw_params a) {
+  // The step's outcome, written by the step kernel earlier on this stream: no host wait. Into a
+  // local, not into `a`: a written parameter struct is copied to local memory, and pointers read
+  // from that copy lose their global address space (generic LD.E instead of LDG.E.128).
+  float grad_scale = a.grad_scale;
+  if (a.outcome) {
+    if (a.outcome->skip) return;
+    grad_scale = a.outcome->factor;
+  }
   for (uint64_t g = global_thread(); g < work; g += grid_threads()) {
     const seg_entry s = tab[find_segment(tab, nsegs, g)];
     const size_t i0 = (size_t)((g - s.start) * 4u);
@@ -342,7 +377,7 @@ __global__ void adamw_kernel(const seg_entry *tab, int nsegs, uint64_t work, ada
     load4<0>(a.m, so, cnt, m);
     load4<0>(a.v, so, cnt, v);
     const sg_elem_adamw_k k = a.k[a.ngroups > 1 ? s.group : 0u][s.decay ? 0 : 1];
-    for (int j = 0; j < cnt; j++) p[j] = sg_elem_adamw(p[j], gr[j] * a.grad_scale, &m[j], &v[j], k);
+    for (int j = 0; j < cnt; j++) p[j] = sg_elem_adamw(p[j], gr[j] * grad_scale, &m[j], &v[j], k);
     store4<0>(a.m, so, cnt, m);
     store4<0>(a.v, so, cnt, v);
     if (a.master) store4<0>(a.master, so, cnt, p);
@@ -470,6 +505,17 @@ extern "C" int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, 
   return launch_result();
 }
 
+extern "C" int sg__cuda_step_outcome(sg__cuda_launch L, const double *ss,
+                                     const struct sg_elem_step_in *in, void *out, void *host_out,
+                                     uint64_t seq) {
+  if (!ss || !in || !out) return (int)cudaErrorInvalidValue;
+  void (*k)(const double *, sg_elem_step_in, sg_elem_step_out *, sg_elem_step_out *, uint64_t) =
+      step_outcome_kernel;
+  SG_LAUNCH(k, 1, 32, (cudaStream_t)L.stream, ss, *in, (sg_elem_step_out *)out,
+            (sg_elem_step_out *)host_out, seq);
+  return launch_result();
+}
+
 extern "C" size_t sg__cuda_sumsq_scratch_bytes(size_t n) {
   const size_t nchunks = (n + SG__CUDA_SUMSQ_CHUNK - 1) / SG__CUDA_SUMSQ_CHUNK;
   return (2 + 2 * (nchunks > 0 ? nchunks : 1)) * sizeof(double);
@@ -538,6 +584,7 @@ extern "C" int sg__cuda_adamw(sg__cuda_launch L, const sg__update_args *a, const
     p.k[g][1] = sg__adamw_consts(a, g, 0);
   }
   p.grad_scale = a->grad_scale;
+  p.outcome = a->outcome;
   p.sr = a->stochastic_rounding && a->param_dtype == 1;
   p.seed = a->seed;
   p.step = a->step;
@@ -576,6 +623,7 @@ struct adamw_q8_params {
   sg_elem_adamw_k k[SG_MAX_GROUPS][2];
   int ngroups;
   float grad_scale;
+  const sg_elem_step_out *outcome;  // as adamw_params'
   int sr;
   uint64_t seed;
   uint64_t step;
@@ -601,6 +649,11 @@ template <int PDT, int GDT>
 __global__ void __launch_bounds__(kThreads)
     adamw_q8_kernel(const seg_entry *tab, int nsegs, adamw_q8_params a) {
   __shared__ uint32_t sh[kThreads];
+  float grad_scale = a.grad_scale;  // a local, as in adamw_kernel
+  if (a.outcome) {  // uniform over the grid: every thread leaves, or none
+    if (a.outcome->skip) return;
+    grad_scale = a.outcome->factor;
+  }
   const uint64_t key = sg_elem_q8_key(a.seed, a.step);
   for (int b = (int)blockIdx.x; b < nsegs; b += (int)gridDim.x) {
     const seg_entry s = tab[b];
@@ -612,7 +665,7 @@ __global__ void __launch_bounds__(kThreads)
     float m = 0.0f, v = 0.0f;
     if (live) {
       const sg_elem_adamw_k k = a.k[a.ngroups > 1 ? s.group : 0u][s.decay ? 0 : 1];
-      const float g = sg_elem_load(a.grad, GDT, so) * a.grad_scale;
+      const float g = sg_elem_load(a.grad, GDT, so) * grad_scale;
       float p = a.master ? a.master[so] : sg_elem_load(a.param, PDT, fo);
       if (f != SG__Q8_CODED) {
         m = a.fm[at];
@@ -688,6 +741,7 @@ extern "C" int sg__cuda_adamw_q8(sg__cuda_launch L, const sg__update_args *a,
     p.k[g][1] = sg__adamw_consts(a, g, 0);
   }
   p.grad_scale = a->grad_scale;
+  p.outcome = a->outcome;
   p.sr = a->stochastic_rounding && a->param_dtype == 1;
   p.seed = a->seed;
   p.step = a->step;

@@ -55,6 +55,12 @@ int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, double valu
  * memory of sg__cuda_sumsq_scratch_bytes(n) bytes. */
 #define SG__CUDA_SUMSQ_CHUNK SG__SUMSQ_CHUNK /* sg_kernel_args.h */
 size_t sg__cuda_sumsq_scratch_bytes(size_t n);
+/* The step's outcome (kernels/sg_elem.h, sg_elem_step_outcome) from the 2 doubles ss (sum of
+ * squares, non-finite count; device memory) into out (device memory) and, unless NULL, host_out
+ * (pinned host memory, seq written last, after a system fence): one thread. */
+struct sg_elem_step_in;
+int sg__cuda_step_outcome(sg__cuda_launch L, const double *ss, const struct sg_elem_step_in *in,
+                          void *out, void *host_out, uint64_t seq);
 int sg__cuda_sumsq(sg__cuda_launch L, const void *x, int dtype, size_t n, void *scratch,
                    double *result2);
 

@@ -24,6 +24,8 @@ sg_status sg__ck_check_call(sg_engine *e, const char *path, const char *what, in
   SG_TRY(sg__engine_check(e, fn, 1));
   if (!path || !path[0])
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s is NULL or empty", fn, what);
+  /* the step count and loss scale written or replaced are the last step's, decided */
+  SG_TRY(sg__err_prefix(sg__outcome_settle(e, NULL), fn));
   return need_idle ? sg__grads_idle(e, fn) : SG_OK;
 }
 

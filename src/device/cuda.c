@@ -99,12 +99,22 @@ typedef struct sg__cuda_dev {
   cudaStream_t comm;
   cudaEvent_t order_ev; /* compute -> comm ordering at submit, stream switches */
   cudaEvent_t ring[SG__CUDA_RING];
+  /* The replica lane (issue 28, defect 2): a hybrid engine's replica channel, stream-ordered
+   * beside its shard channel, gets a stream of its own, made at its attach, so that a slow
+   * cross-node all-reduce does not hold up the next bucket's reduce-scatter. Its jobs
+   * (comm_submit_lane 1) run their SG_Q_COMM work on it, after the comm stream's work so far
+   * (lane_ev); a ticket's wait covers both lanes: ring[] on the job's lane, ring2[] recorded on
+   * the other lane after the job. NULL while no replica channel is attached stream-ordered. */
+  cudaStream_t rep;
+  cudaEvent_t lane_ev;
+  cudaEvent_t *ring2; /* SG__CUDA_RING events, with rep */
   sg__jobq q; /* comm jobs: tickets, the first failure, the worker */
   int q_ready;
   int sync_ready; /* mu and tab_mu exist */
   /* Under mu: the ring bookkeeping and the attachment. */
   pthread_mutex_t mu;
   uint64_t ring_tk[SG__CUDA_RING];        /* the ticket that last used each slot */
+  unsigned char ring_two[SG__CUDA_RING];  /* 1: that ticket's ring2 event covers the other lane */
   unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is host-driven (queue waits) */
   uint64_t done_ticket; /* every stream-ordered ticket <= this one is known to be complete */
   sg__comm_attach att[SG__CUDA_MAX_ATT]; /* the attached communicators, in attach order */
@@ -285,8 +295,13 @@ static sg_status sg__cuda_check_queue(sg__queue q, const char *fn) {
   return SG_OK;
 }
 
+/* The device whose replica-lane job this thread submits or runs (stream-ordered jobs run
+ * inline, on the submitting thread): its SG_Q_COMM work goes to the replica stream. */
+static _Thread_local const struct sg__cuda_dev *sg__cuda_lane_of;
+
 static cudaStream_t sg__cuda_stream(sg__cuda_dev *d, sg__queue q) {
-  return q == SG_Q_COMM ? d->comm : d->compute;
+  if (q != SG_Q_COMM) return d->compute;
+  return sg__cuda_lane_of == d && d->rep ? d->rep : d->comm;
 }
 
 static sg__cuda_launch sg__cuda_launch_on(sg__cuda_dev *d, sg__queue q) {
@@ -396,13 +411,13 @@ static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out)
   return sg__cuda_alloc_any(dev, bytes, out, 1);
 }
 
-/* Whether streams `first` and d->comm ran everything queued before `deadline_ms` (polled, no
- * hooks). */
+/* Whether streams `first`, d->comm and d->rep ran everything queued before `deadline_ms`
+ * (polled, no hooks). */
 static int sg__cuda_drained_by(sg__cuda_dev *d, cudaStream_t first, int64_t deadline_ms) {
   for (unsigned iter = 0;; iter++) {
     int busy = 0;
-    cudaStream_t s[2] = {first, d->comm};
-    for (int i = 0; i < 2; i++) {
+    cudaStream_t s[3] = {first, d->comm, d->rep};
+    for (int i = 0; i < 3; i++) {
       const cudaError_t e = s[i] ? cudaStreamQuery(s[i]) : cudaSuccess;
       if (e == cudaErrorNotReady) (void)cudaGetLastError();
       if (e == cudaErrorNotReady) busy = 1;
@@ -703,6 +718,22 @@ static sg_status sg__cudev_sumsq_to(sg__device *dev, sg__queue q, const void *x,
   return sg__cuda_after(d, q, fn);
 }
 
+/* One kernel of one thread, queue-ordered; the host reads host_out later without a wait. */
+static sg_status sg__cudev_step_outcome(sg__device *dev, sg__queue q, const double *ss_dev,
+                                        const struct sg_elem_step_in *in, void *out_dev,
+                                        void *host_out, uint64_t seq) {
+  static const char fn[] = "sg__device_cuda.step_outcome";
+  sg__cuda_dev *d = sg__cuda(dev);
+  SG__CUDA_SCOPE(d);
+  if (!d || !ss_dev || !in || !out_dev)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  SG_TRY(sg__cuda_queue_op(d, q, fn));
+  SG_TRY(sg__cuda_enter(d, fn));
+  SG__CU_LAUNCH(sg__cuda_step_outcome(sg__cuda_launch_on(d, q), ss_dev, in, out_dev, host_out,
+                                      seq), fn);
+  return sg__cuda_after(d, q, fn);
+}
+
 /* ---- segment tables ------------------------------------------------------------------------
  *
  * The engine calls update once per bucket, each time with a sub-array of one stable segment
@@ -946,6 +977,7 @@ static sg_status sg__cuda_job_mark(void *ctx, uint64_t t, int worker) {
   if (e == cudaSuccess) {
     d->ring_tk[slot] = t;
     d->ring_host[slot] = (unsigned char)host;
+    d->ring_two[slot] = (unsigned char)(!host && d->rep != NULL);
   }
   pthread_mutex_unlock(&d->mu);
   if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventRecord(job input)", __FILE__, __LINE__);
@@ -958,8 +990,17 @@ static sg_status sg__cuda_run_stream_job(sg__cuda_dev *d, sg__jobq_fn job, void 
                                          uint64_t t, const char *fn) {
   SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
   SG__CU(cudaStreamWaitEvent(d->comm, d->order_ev, 0), fn);
+  /* A replica-lane job: after everything queued on the comm stream so far (its bucket's
+   * reduce-scatter), on the replica stream; the comm stream goes on without it. */
+  const int lane = sg__cuda_lane_of == d && d->rep;
+  cudaStream_t s = lane ? d->rep : d->comm, other = lane ? d->comm : d->rep;
+  if (lane) {
+    SG__CU(cudaEventRecord(d->lane_ev, d->comm), fn);
+    SG__CU(cudaStreamWaitEvent(d->rep, d->lane_ev, 0), fn);
+  }
   const sg_status st = job(arg);
-  SG__CU(cudaEventRecord(sg__cuda_ticket_event(d, t), d->comm), fn);
+  SG__CU(cudaEventRecord(sg__cuda_ticket_event(d, t), s), fn);
+  if (d->rep) SG__CU(cudaEventRecord(d->ring2[t & (SG__CUDA_RING - 1)], other), fn);
   return st;
 }
 
@@ -989,8 +1030,16 @@ static sg_status sg__cuda_job_run(void *ctx, sg__jobq_fn job, void *arg, uint64_
 
 static const sg__jobq_ops sg__cuda_jobq_ops = {sg__cuda_job_mark, sg__cuda_job_run};
 
+static sg_status sg__cudev_comm_submit_lane(sg__device *dev, int lane, sg__job_fn job,
+                                            void (*drop)(void *), void *arg, uint64_t *ticket);
+
 static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void (*drop)(void *),
                                        void *arg, uint64_t *ticket) {
+  return sg__cudev_comm_submit_lane(dev, 0, job, drop, arg, ticket);
+}
+
+static sg_status sg__cudev_comm_submit_lane(sg__device *dev, int lane, sg__job_fn job,
+                                            void (*drop)(void *), void *arg, uint64_t *ticket) {
   static const char fn[] = "sg__device_cuda.comm_submit";
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
@@ -1004,7 +1053,38 @@ static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void (*d
     if (drop) drop(arg);
     return st;
   }
-  return sg__jobq_submit(&d->q, job, drop, arg, ticket);
+  /* host-driven jobs run on the worker, all on the comm stream: the lane is stream-ordered */
+  const struct sg__cuda_dev *was = sg__cuda_lane_of;
+  sg__cuda_lane_of = lane == 1 ? d : NULL;
+  const sg_status sub = sg__jobq_submit(&d->q, job, drop, arg, ticket);
+  sg__cuda_lane_of = was;
+  return sub;
+}
+
+/* The replica lane's stream and events (kept until destroy: a detach and a new attach reuse
+ * them). */
+static sg_status sg__cuda_lane_open(sg__cuda_dev *d, const char *fn) {
+  if (d->rep) return SG_OK;
+  int least = 0, greatest = 0;
+  SG__CU(cudaDeviceGetStreamPriorityRange(&least, &greatest), fn);
+  cudaEvent_t *ring2 = (cudaEvent_t *)calloc(SG__CUDA_RING, sizeof *ring2);
+  if (!ring2) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: replica lane events", fn);
+  cudaError_t e = cudaEventCreateWithFlags(&d->lane_ev, cudaEventDisableTiming);
+  for (int i = 0; i < SG__CUDA_RING && e == cudaSuccess; i++)
+    e = cudaEventCreateWithFlags(&ring2[i], cudaEventDisableTiming);
+  cudaStream_t s = NULL;
+  if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest);
+  if (e != cudaSuccess) {
+    for (int i = 0; i < SG__CUDA_RING; i++)
+      if (ring2[i]) (void)cudaEventDestroy(ring2[i]);
+    free(ring2);
+    return sg__cuda_err(e, fn, "replica lane (stream, events)", __FILE__, __LINE__);
+  }
+  d->ring2 = ring2;
+  pthread_mutex_lock(&d->mu);
+  d->rep = s; /* read by the waits under mu (ring_two) */
+  pthread_mutex_unlock(&d->mu);
+  return SG_OK;
 }
 
 /* Pending jobs finish before the mode changes. A second attachment (a hybrid engine's replica
@@ -1036,11 +1116,23 @@ static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a
   /* stream-ordered jobs only enqueue: inline, on the caller's thread */
   if (n == 0) sg__jobq_set_threaded(&d->q, !a->stream_ordered && a->threaded);
   out->stream = (void *)d->comm;
+  if (n == 1 && stream) {
+    const sg_status st = sg__cuda_lane_open(d, fn);
+    if (st != SG_OK) {
+      pthread_mutex_lock(&d->mu);
+      memset(&d->att[1], 0, sizeof d->att[1]);
+      d->attached = 1;
+      pthread_mutex_unlock(&d->mu);
+      return st;
+    }
+    out->stream = (void *)d->rep;
+  }
   out->ordinal = d->ordinal;
   return SG_OK;
 }
 
 /* Detaches the latest attachment (channels unbind in the reverse order of their binds). */
+/* The replica lane stays; jobs submitted on it after the detach run on the comm stream. */
 static void sg__cudev_comm_detach(sg__device *dev) {
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
@@ -1065,7 +1157,7 @@ static sg_status sg__cudev_comm_start(sg__device *dev) {
  * *wait_for is the ticket to wait for (the one now in the ticket's ring slot: a later one waits
  * longer, since jobs complete in ticket order) and *host says whether it is host-driven. */
 static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const char *fn,
-                                       int *done, uint64_t *wait_for, int *host) {
+                                       int *done, uint64_t *wait_for, int *host, int *two) {
   *done = 1;
   SG_TRY(sg__cuda_failed(d));
   const uint64_t last = sg__jobq_last(&d->q);
@@ -1076,6 +1168,7 @@ static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const c
   pthread_mutex_lock(&d->mu);
   *wait_for = d->ring_tk[slot];
   *host = d->ring_host[slot];
+  *two = d->ring_two[slot];
   *done = !*host && ticket <= d->done_ticket;
   pthread_mutex_unlock(&d->mu);
   if (*host && sg__jobq_done(&d->q) >= *wait_for) *done = 1;
@@ -1086,21 +1179,25 @@ static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const c
  * stream waits; the deadline applies to whoever waits on the host later). A host-driven
  * worker job's CUDA work is complete when the job is: for it, a host wait on the queue. */
 static sg_status sg__cuda_ticket_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms,
-                                      int stream_wait, const char *fn) {
+                                      int stream_wait, int own_lane, const char *fn) {
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  int done, host = 0;
+  int done, host = 0, two = 0;
   uint64_t w = 0;
-  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host));
+  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host, &two));
   if (done) return SG_OK;
   if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
+  /* with the replica lane: the other lane's work up to the ticket too */
+  cudaEvent_t other = two && !(own_lane && w == ticket) ? d->ring2[w & (SG__CUDA_RING - 1)] : NULL;
   if (stream_wait) {
     SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
+    if (other) SG__CU(cudaStreamWaitEvent(d->compute, other, 0), fn);
     return SG_OK;
   }
   SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, w), NULL, deadline_ms, fn));
+  if (other) SG_TRY(sg__cuda_wait(d, other, NULL, deadline_ms, fn));
   pthread_mutex_lock(&d->mu);
   if (d->done_ticket < ticket) d->done_ticket = ticket;
   pthread_mutex_unlock(&d->mu);
@@ -1108,12 +1205,19 @@ static sg_status sg__cuda_ticket_wait(sg__device *dev, uint64_t ticket, int64_t 
 }
 
 static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
-  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 0, "sg__device_cuda.comm_wait");
+  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 0, 0, "sg__device_cuda.comm_wait");
 }
 
 static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
                                              int64_t deadline_ms) {
-  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 1, "sg__device_cuda.compute_wait_comm");
+  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 1, 0, "sg__device_cuda.compute_wait_comm");
+}
+
+/* Job `ticket` and the jobs of its lane before it; a replica-lane job still running does not
+ * hold up the compute stream here (a staging slot that a reduction zeroed). */
+static sg_status sg__cudev_compute_wait_job(sg__device *dev, uint64_t ticket,
+                                            int64_t deadline_ms) {
+  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 1, 1, "sg__device_cuda.compute_wait_job");
 }
 
 static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
@@ -1223,6 +1327,8 @@ static void sg__cudev_destroy(sg__device *dev) {
   if (d->comm && can_free) {
     for (int q = 0; q < 2; q++)
       if (d->use_ev[q]) (void)cudaStreamWaitEvent(d->comm, d->use_ev[q], 0);
+    if (d->rep && cudaEventRecord(d->lane_ev, d->rep) == cudaSuccess)
+      (void)cudaStreamWaitEvent(d->comm, d->lane_ev, 0);
     for (int q = 0; q < 2; q++)
       if (d->red_dev[q]) (void)cudaFreeAsync(d->red_dev[q], d->comm);
   }
@@ -1242,6 +1348,11 @@ static void sg__cudev_destroy(sg__device *dev) {
   for (int i = 0; i < SG__CUDA_RING; i++)
     if (d->ring[i]) (void)cudaEventDestroy(d->ring[i]);
   if (d->order_ev) (void)cudaEventDestroy(d->order_ev);
+  for (int i = 0; d->ring2 && i < SG__CUDA_RING; i++)
+    if (d->ring2[i]) (void)cudaEventDestroy(d->ring2[i]);
+  free(d->ring2);
+  if (d->lane_ev) (void)cudaEventDestroy(d->lane_ev);
+  if (d->rep) (void)cudaStreamDestroy(d->rep);
   for (int q = 0; q < 2; q++)
     if (d->use_ev[q]) (void)cudaEventDestroy(d->use_ev[q]);
   if (d->comm) (void)cudaStreamDestroy(d->comm);
@@ -1283,6 +1394,9 @@ static const sg__device_ops sg__cuda_ops = {
     NULL, /* alloc_zeroed: alloc, then zero */
     NULL, /* zero_release: zero (device memory stays allocated) */
     sg__cudev_comm_start,
+    sg__cudev_step_outcome,
+    sg__cudev_comm_submit_lane,
+    sg__cudev_compute_wait_job,
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

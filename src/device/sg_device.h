@@ -139,6 +139,27 @@ typedef struct sg__device_ops {
    * on the caller, so that the caller still reaches the collective that tells every rank.
    * SG_OK where jobs run inline anyway (stream-ordered, or not threaded). */
   sg_status (*comm_start)(sg__device *d);
+  /* Optional (NULL: the engine decides the step on the host, after a host wait for the norm):
+   * the step's outcome (kernels/sg_elem.h, sg_elem_step_outcome) from ss_dev (the summed sum of
+   * squares and non-finite count, 2 doubles of device memory) into out_dev (device memory, which
+   * the update reads through sg__update_args.outcome) and, unless NULL, host_out (pinned host
+   * memory from host_alloc; seq written last, after the rest is visible to the host), in the
+   * order of queue q: nothing waits. */
+  sg_status (*step_outcome)(sg__device *d, sg__queue q, const double *ss_dev,
+                            const struct sg_elem_step_in *in, void *out_dev, void *host_out,
+                            uint64_t seq);
+  /* Optional (NULL: comm_submit): comm_submit on a lane. Lane 1 is a hybrid engine's replica
+   * channel: where it is stream-ordered beside the shard channel, its jobs (their collectives
+   * and their SG_Q_COMM work) run on a stream of their own, after the comm queue's work
+   * submitted before them, and later lane-0 jobs do not wait for them; comm_wait and
+   * compute_wait_comm of a ticket cover both lanes. Lane 0 is comm_submit. A lane-1 job must
+   * not touch memory that later lane-0 jobs use before a wait for its ticket. */
+  sg_status (*comm_submit_lane)(sg__device *d, int lane, sg__job_fn fn, void (*drop)(void *arg),
+                                void *arg, uint64_t *ticket);
+  /* Optional (NULL: compute_wait_comm): the compute queue waits for job `ticket` and the jobs of
+   * its lane before it only, not for the other lane's earlier jobs (a slot that a reduction job
+   * zeroed need not wait for a slow replica all-reduce queued before it). */
+  sg_status (*compute_wait_job)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
 } sg__device_ops;
 
 struct sg__device {

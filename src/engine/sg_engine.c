@@ -145,6 +145,7 @@ static void free_registration(sg_engine *e) {
 }
 
 static void free_finalized(sg_engine *e) {
+  sg__outcome_free(e);
   sg__replicas_free(e);
   sg__grads_free(e);
   sg__optim_free(e);
@@ -399,6 +400,7 @@ static sg_status finalize_local(sg_engine *e) {
   if (st == SG_OK) st = sg__gathers_init(e);
   if (st == SG_OK) st = sg__grads_init(e);
   if (st == SG_OK) st = sg__replicas_init(e);
+  if (st == SG_OK) st = sg__outcome_init(e);
   return sg__err_prefix(st, "sg_finalize");
 }
 

@@ -96,6 +96,24 @@ sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
   return sg__engine_broken(e, st);
 }
 
+/* The device's replica lane where it has one (sg_device.h, comm_submit_lane), else the queue. */
+sg_status sg__engine_submit_replica(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg),
+                                    void *arg, uint64_t *ticket) {
+  sg__device *d = e->dev;
+  if (!d->ops->comm_submit_lane) return sg__engine_submit(e, fn, drop, arg, ticket);
+  *ticket = 0;
+  sg_status st = d->ops->comm_submit_lane(d, 1, fn, drop, arg, ticket);
+  if (*ticket > e->last_ticket) e->last_ticket = *ticket;
+  return st;
+}
+
+sg_status sg__engine_run_replica(sg_engine *e, sg__job_fn fn, void *arg) {
+  uint64_t t = 0;
+  sg_status st = sg__engine_submit_replica(e, fn, NULL, arg, &t);
+  if (st == SG_OK) st = e->dev->ops->comm_wait(e->dev, t, sg__engine_host_deadline(e));
+  return sg__engine_broken(e, st);
+}
+
 static sg_status run_coll(sg_engine *e, void *buf, size_t n, int root) {
   coll_job j = {e, buf, n, root};
   return sg__engine_run_comm(e, coll_job_fn, &j);

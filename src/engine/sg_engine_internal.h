@@ -209,6 +209,14 @@ typedef struct sg__scale {
   int dynamic;
 } sg__scale;
 
+/* The step's outcome decided on the device (sg_outcome.c). */
+typedef struct sg__outcome {
+  sg_elem_step_out *host; /* pinned: the device's copy of the last record; NULL: the host
+                             decides every step (no step kernel, or offloaded state) */
+  uint64_t seq;           /* the last step decided on the device */
+  int pending;            /* its outcome not yet applied to the step count and loss scale */
+} sg__outcome;
+
 struct sg_engine {
   /* lifecycle (sg_engine.c) */
   sg_config cfg;
@@ -229,6 +237,7 @@ struct sg_engine {
   sg__gathers gat;
   sg__optim opt;
   sg__scale sc;
+  sg__outcome out;
   sg__replicas rep;
   struct sg__trace *trace; /* sg_trace.c; NULL until first started */
   struct sg__offload *off; /* the offloaded optimizer state (src/offload/sg_offload.c, made and
@@ -267,6 +276,12 @@ sg_status sg__engine_submit(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg)
                             uint64_t *ticket);
 /* Runs fn(arg) on the comm queue and waits for it (host), with the deadline. */
 sg_status sg__engine_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
+/* The same for a job on the replica channel: the device's replica lane (a stream of its own
+ * where both channels are stream-ordered: the next bucket's reduction does not wait for it),
+ * or the comm queue. Every job that calls the replica channel goes this way. */
+sg_status sg__engine_submit_replica(sg_engine *e, sg__job_fn fn, void (*drop)(void *arg),
+                                    void *arg, uint64_t *ticket);
+sg_status sg__engine_run_replica(sg_engine *e, sg__job_fn fn, void *arg);
 /* In-place all-gather of device memory through the comm queue, waited for. */
 sg_status sg__engine_allgather(sg_engine *e, void *dev_buf, size_t bytes_per_rank);
 /* Broadcast of `bytes` of device memory from shard rank root through the comm queue, waited for. */
@@ -299,10 +314,17 @@ sg_status sg__grads_clear(sg_engine *e);
  * once every reduction of the step was submitted: the step's one host synchronization. */
 sg_status sg__grads_sumsq(sg_engine *e, double out[3]);
 /* Which parameters some rank gave a gradient since the accumulator was emptied (sumsq's out[2]
- * says whether any rank missed one: then the ranks exchange their bits, a collective).
+ * counts the ranks that missed one: when every rank did, they exchange their bits, a
+ * collective; when some rank missed none, every parameter has a gradient).
  * *present: NULL when every parameter has one, else [nparams] flags; *count: how many. */
 sg_status sg__grads_presence(sg_engine *e, const double ss[3], const uint8_t **present,
                              int *count);
+/* 1 when this rank gave some (tracked) parameter no gradient since the accumulator was emptied:
+ * such a rank must learn the others' presence on the host (sg_step's host path). */
+int sg__grads_locally_absent(const sg_engine *e);
+/* The same sum into e->small (device memory), the compute queue ordered after it: no wait. The
+ * same collectives as sg__grads_sumsq, so that ranks may take either. */
+sg_status sg__grads_sumsq_dev(sg_engine *e);
 /* sg_grad_scale: the step's gradient is multiplied by factor (reset to 1 with the accumulator). */
 void sg__grads_scale_by(sg_engine *e, double factor);
 /* The sum of squares of the reduced gradient kept by sg_grad_norm for the step's sg_step (its
@@ -357,9 +379,12 @@ uint64_t sg__optim_param_step(const sg_engine *e, int id);
 int sg__optim_steps_differ(const sg_engine *e);
 /* After sg__optim_restore: parameter id's own step count (<= the restored step). */
 void sg__optim_restore_param_step(sg_engine *e, int id, uint64_t step);
-sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale);
+/* outcome: NULL, or the step's record in device memory, whose factor and skip the update
+ * reads instead of grad_scale (sg_outcome.c). */
+sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale,
+                                  const sg_elem_step_out *outcome);
 /* Every segment at once (no gathers to overlap). */
-sg_status sg__optim_update_all(sg_engine *e, float grad_scale);
+sg_status sg__optim_update_all(sg_engine *e, float grad_scale, const sg_elem_step_out *outcome);
 /* The master from the working params, for every owned segment (after sg_broadcast_params). */
 sg_status sg__optim_master_from_working(sg_engine *e);
 /* SG_OK when `which` indexes a state array of the optimizer (message naming them otherwise). */
@@ -371,6 +396,25 @@ void sg__scale_init(sg_engine *e);
 void sg__scale_update(sg_engine *e, int overflow);
 /* From a checkpoint saved with dynamic scaling, when this engine scales dynamically. */
 void sg__scale_restore(sg_engine *e, int saved_dynamic, float loss_scale, uint32_t clean_steps);
+
+/* sg_outcome.c: the step's outcome decided on the device, so that no host wait sits between
+ * the norm and the update (DESIGN.md section 4). init at sg_finalize, after the strategy's state
+ * (nothing where the device has no step kernel or the state is the host's); free at destroy. */
+sg_status sg__outcome_init(sg_engine *e);
+void sg__outcome_free(sg_engine *e);
+/* 1: sg_step may decide on the device. */
+int sg__outcome_on_device(const sg_engine *e);
+/* The record the updates read (device memory; sg__update_args.outcome). */
+const sg_elem_step_out *sg__outcome_dev(const sg_engine *e);
+/* On the compute queue: the outcome of the summed partials in e->small for `in`. */
+sg_status sg__outcome_decide(sg_engine *e, const sg_elem_step_in *in);
+/* The step that sg__outcome_decide decided is enqueued (counted speculatively, its loss scale
+ * update not done): sg__outcome_settle applies them. */
+void sg__outcome_defer(sg_engine *e);
+/* The deferred outcome applied to the host's counters (a skipped step uncounted, the dynamic
+ * loss scale updated), read from pinned memory without a wait once the device wrote it, else
+ * after one host wait; *out (may be NULL) gets the record. Nothing deferred: nothing. */
+sg_status sg__outcome_settle(sg_engine *e, sg_elem_step_out *out);
 
 /* sg_replica.c */
 /* sg_engine_create: the transport (flat when replica is NULL); sg_engine_create_hybrid: binds

@@ -124,8 +124,7 @@ static sg_status absent_job_fn(void *arg) {
  * across the replicas of a hybrid engine, which update every parameter as before. */
 static int tracked(const sg_engine *e) { return sg__replicas_world(e) == e->world; }
 
-/* 1 when this rank gave some parameter no gradient since the accumulator was emptied. */
-static int locally_absent(const sg_engine *e) {
+int sg__grads_locally_absent(const sg_engine *e) {
   return tracked(e) && memchr(e->g.present, 0, (size_t)e->reg.nparams) != NULL;
 }
 
@@ -133,7 +132,7 @@ static int locally_absent(const sg_engine *e) {
  * sums it with the partials; copied only when the piece holds another value (after a step in
  * which no rank missed a parameter it holds 0 already: no copy in the common case). */
 static sg_status put_absent(sg_engine *e) {
-  const double f = locally_absent(e) ? 1.0 : 0.0;
+  const double f = sg__grads_locally_absent(e) ? 1.0 : 0.0;
   if (e->g.small_flag == f) return SG_OK;
   e->g.norm_host[3] = f;
   SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, (double *)e->small + 2, e->g.norm_host + 3,
@@ -148,7 +147,7 @@ static sg_status put_absent(sg_engine *e) {
 sg_status sg__grads_sumsq(sg_engine *e, double out[3]) {
   const sg__state_ops *so = e->strat->place;
   if (e->world == 1 || (!e->strat->shard->sharded && !tracked(e))) {
-    out[2] = locally_absent(e);
+    out[2] = sg__grads_locally_absent(e);
     return so->sumsq(e, out);
   }
   SG_TRY(put_absent(e));
@@ -184,7 +183,11 @@ sg_status sg__grads_presence(sg_engine *e, const double ss[3], const uint8_t **p
                              int *count) {
   *present = NULL;
   *count = e->reg.nparams;
-  if (!(ss[2] > 0)) return SG_OK;
+  /* A rank that missed none gave every parameter a gradient: all are present. Only when every
+   * rank missed some (ss[2] counts them) can a parameter lack one everywhere. Ranks that missed
+   * none may have taken sg_step's device path, which never reads the count and would not join
+   * an exchange: this rule keeps them out of it. */
+  if (!(ss[2] >= (double)e->world)) return SG_OK;
   if (e->world == 1)
     memcpy(e->g.agreed, e->g.present, (size_t)e->reg.nparams);
   else
@@ -194,6 +197,28 @@ sg_status sg__grads_presence(sg_engine *e, const double ss[3], const uint8_t **p
   *present = e->g.agreed;
   *count = n;
   return SG_OK;
+}
+
+/* On the comm queue: the partials summed over the ranks in place (device memory). */
+static sg_status norm_sum_job_fn(void *arg) {
+  sg_engine *e = arg;
+  return e->strat->shard->sum_norm(e, (double *)e->small);
+}
+
+/* As sg__grads_sumsq, into device memory (e->small) with the compute queue ordered after the
+ * sum over the ranks (a stream wait, not a host wait): the step's outcome is decided there. */
+sg_status sg__grads_sumsq_dev(sg_engine *e) {
+  SG_TRY(e->strat->place->partials(e, (double *)e->small));
+  if (e->world == 1 || (!e->strat->shard->sharded && !tracked(e))) return SG_OK;
+  /* the absent flag (0 here: this path is for ranks that missed none) in the collective that
+   * sg__grads_sumsq's ranks run too */
+  SG_TRY(put_absent(e));
+  uint64_t t = 0;
+  SG_TRY(sg__engine_broken(e, sg__engine_submit(e, e->strat->shard->sharded ? norm_sum_job_fn
+                                                                            : absent_job_fn,
+                                                NULL, e, &t)));
+  return sg__engine_broken(e, e->dev->ops->compute_wait_comm(e->dev, t,
+                                                             sg__engine_host_deadline(e)));
 }
 
 sg_status sg__grads_clear(sg_engine *e) {

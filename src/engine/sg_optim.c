@@ -227,8 +227,10 @@ void sg__optim_undo_begin(sg_engine *e) {
   o->present = NULL;
 }
 
-static sg_status update_range(sg_engine *e, float grad_scale, int s0, int s1) {
+static sg_status update_range(sg_engine *e, float grad_scale, const sg_elem_step_out *outcome,
+                              int s0, int s1) {
   sg__update_args a = update_args(e, grad_scale, e->opt.step);
+  a.outcome = outcome;
   a.segs = e->opt.segs ? e->opt.segs + s0 : NULL; /* no segments: a shard with no elements */
   a.nsegs = s1 - s0;
   return e->strat->place->update(e, &a);
@@ -270,11 +272,13 @@ static uint64_t next_class(const sg_engine *e, int b, uint64_t after) {
 
 /* Some parameter is skipped or behind: bucket b once per class of equal step counts, each with
  * its own scalars (no kernel change: a class is a subset of the bucket's segments). */
-static sg_status update_classes(sg_engine *e, int b, float grad_scale) {
+static sg_status update_classes(sg_engine *e, int b, float grad_scale,
+                                const sg_elem_step_out *outcome) {
   for (uint64_t t = next_class(e, b, 0); t != 0; t = next_class(e, b, t)) {
     const int n = class_segments(e, b, t);
     if (n == 0) continue;
     sg__update_args a = update_args(e, grad_scale, t);
+    a.outcome = outcome;
     a.segs = e->opt.cls;
     a.nsegs = n;
     SG_TRY(e->strat->place->update(e, &a));
@@ -284,14 +288,15 @@ static sg_status update_classes(sg_engine *e, int b, float grad_scale) {
 
 static int uniform(const sg__optim *o) { return !o->present && o->nlag == 0; }
 
-sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale) {
-  if (!uniform(&e->opt)) return update_classes(e, b, grad_scale);
-  return update_range(e, grad_scale, e->opt.bucket_seg[b], e->opt.bucket_seg[b + 1]);
+sg_status sg__optim_update_bucket(sg_engine *e, int b, float grad_scale,
+                                  const sg_elem_step_out *outcome) {
+  if (!uniform(&e->opt)) return update_classes(e, b, grad_scale, outcome);
+  return update_range(e, grad_scale, outcome, e->opt.bucket_seg[b], e->opt.bucket_seg[b + 1]);
 }
 
-sg_status sg__optim_update_all(sg_engine *e, float grad_scale) {
-  if (uniform(&e->opt)) return update_range(e, grad_scale, 0, e->opt.nsegs);
-  for (int b = 0; b < e->plan->nbuckets; b++) SG_TRY(update_classes(e, b, grad_scale));
+sg_status sg__optim_update_all(sg_engine *e, float grad_scale, const sg_elem_step_out *outcome) {
+  if (uniform(&e->opt)) return update_range(e, grad_scale, outcome, 0, e->opt.nsegs);
+  for (int b = 0; b < e->plan->nbuckets; b++) SG_TRY(update_classes(e, b, grad_scale, outcome));
   return SG_OK;
 }
 
@@ -419,17 +424,3 @@ sg_status sg_set_hparams(sg_engine *e, int group, const sg_hparams *h) {
   return SG_OK;
 }
 
-sg_status sg_get_param_step(sg_engine *e, int id, uint64_t *step) {
-  SG_ENGINE_GUARD(e, "sg_get_param_step");
-  static const char *fn = "sg_get_param_step";
-  SG_TRY(sg__engine_check_param(e, id, step, "step", fn));
-  *step = sg__optim_param_step(e, id);
-  return SG_OK;
-}
-
-sg_status sg_get_step(sg_engine *e, uint64_t *step) {
-  SG_ENGINE_GUARD(e, "sg_get_step");
-  SG_TRY(sg__engine_check_out(e, step, "step", "sg_get_step"));
-  *step = e->opt.step;
-  return SG_OK;
-}

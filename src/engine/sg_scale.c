@@ -1,5 +1,6 @@
 /* The loss scale (DESIGN.md section 5): its start from the config, the dynamic update after
- * each step, the restore from a checkpoint and the public getter. */
+ * each step and the restore from a checkpoint (the public getter, which waits for a step's
+ * outcome decided on the device, is sg_outcome.c's). */
 #include <math.h>
 
 #include "sg_engine_internal.h"
@@ -35,9 +36,3 @@ void sg__scale_restore(sg_engine *e, int saved_dynamic, float loss_scale, uint32
   e->sc.clean_steps = (int)clean_steps;
 }
 
-sg_status sg_get_loss_scale(sg_engine *e, float *scale) {
-  SG_ENGINE_GUARD(e, "sg_get_loss_scale");
-  SG_TRY(sg__engine_check_out(e, scale, "scale", "sg_get_loss_scale"));
-  *scale = e->sc.loss_scale;
-  return SG_OK;
-}

@@ -113,6 +113,13 @@ void sg_ncclmock_hold(int ms);
 int sg_ncclmock_inside(void);
 /* Background threads of non-blocking init/split that have not written their handle yet. */
 int sg_ncclmock_background(void);
+/* A slow link: from now on every stream on which a communicator of `nranks` ranks queues a
+ * collective is stalled right after it (sg_cudamock_stall), until sg_ncclmock_stall_size(0)
+ * releases them all. */
+void sg_ncclmock_stall_size(int nranks);
+/* Collectives of communicators of `nranks` ranks computed so far (every rank's stream reached
+ * its item), all threads. */
+long long sg_ncclmock_done(int nranks);
 
 #ifdef __cplusplus
 }

@@ -88,6 +88,9 @@ long long g_dead_calls = 0;  // calls that passed a dead handle
 int g_hold_ms = 0;           // collectives sleep this long on entry (sg_ncclmock_hold)
 int g_inside = 0;            // collective calls now inside the mock
 int g_background = 0;        // background writers of handles still running
+int g_stall_size = 0;        // sg_ncclmock_stall_size: stall the streams of collectives of it
+std::vector<cudaStream_t> g_stalled;   // the streams it stalled
+std::map<int, long long> g_done_by_size;  // collectives computed, by communicator size
 thread_local int t_depth = 0;
 thread_local std::vector<std::function<void()>> t_pending;
 thread_local std::vector<ncclComm *> t_touched;
@@ -162,6 +165,7 @@ bool gate(const std::shared_ptr<Coll> &c, int rank) {
       if (!sg_cudamock_at(p.s, p.pos)) return false;
     if (!c->mismatch) compute(*c);
     c->done = true;
+    g_done_by_size[(int)c->parts.size()]++;
   }
   if (!c->mismatch && (size_t)rank < c->out.size() && !c->out[rank].empty()) {
     memcpy(c->parts[rank].recv, c->out[rank].data(), c->out[rank].size());
@@ -205,6 +209,10 @@ void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count
   const int rank = comm->rank;
   p.pos = sg_cudamock_push_gate(s, [held, rank] { return gate(held, rank); });
   c->joined++;
+  if (g_stall_size && g_stall_size == g.world) { /* a slow link: its stream stops here */
+    sg_cudamock_stall(s, 1);
+    g_stalled.push_back(s);
+  }
 }
 
 thread_local char t_last[256] = "mock NCCL";
@@ -597,6 +605,20 @@ int sg_ncclmock_inside(void) {
 int sg_ncclmock_background(void) {
   std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
   return g_background;
+}
+
+void sg_ncclmock_stall_size(int nranks) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  g_stall_size = nranks;
+  if (nranks) return;
+  for (cudaStream_t s : g_stalled) sg_cudamock_stall(s, 0);
+  g_stalled.clear();
+}
+
+long long sg_ncclmock_done(int nranks) {
+  std::lock_guard<std::recursive_mutex> lk(sg_cudamock_lock());
+  auto it = g_done_by_size.find(nranks);
+  return it == g_done_by_size.end() ? 0 : it->second;
 }
 
 }  // extern "C"

@@ -235,7 +235,7 @@ sg_status sg__replica_submit(sg_engine *e, int b, sg_status (*reduce)(sg_engine 
                      reduce};
   e->rep.claimed[b] = SG__CLAIM_QUEUED;
   uint64_t t = 0;
-  return sg__engine_broken(e, sg__engine_submit(e, replica_job_fn, free, j, &t));
+  return sg__engine_broken(e, sg__engine_submit_replica(e, replica_job_fn, free, j, &t));
 }
 
 /* Bucket b's sum across replicas begins (the transport's claim). */
@@ -270,7 +270,7 @@ sg_status sg__replica_broadcast_params(sg_engine *e, int root) {
 /* ---- pieces of several transports ----------------------------------------------------------- */
 
 sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
-  return sg__engine_run_comm(e, fn, arg);
+  return sg__engine_run_replica(e, fn, arg);
 }
 
 sg_status sg__replica_no_drain(sg_engine *e) {

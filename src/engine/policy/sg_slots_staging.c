@@ -84,8 +84,11 @@ static sg_status acquire(sg_engine *e, pool *s, int b, const char *fn) {
     sg_status st = add_staging(e, s, &best);
     if (st != SG_OK) return sg__err_prefix(st, fn);
   }
-  sg_status st = e->dev->ops->compute_wait_comm(e->dev, s->ticket[best],
-                                                sg__deadline(e->cfg.timeout_ms));
+  /* the job that zeroed it, not a replica all-reduce queued before that job */
+  sg__device *d = e->dev;
+  sg_status (*wait)(sg__device *, uint64_t, int64_t) =
+      d->ops->compute_wait_job ? d->ops->compute_wait_job : d->ops->compute_wait_comm;
+  sg_status st = wait(d, s->ticket[best], sg__deadline(e->cfg.timeout_ms));
   if (st != SG_OK) return sg__engine_broken(e, st);
   s->owner[best] = b;
   s->bucket_staging[b] = best;
