@@ -75,9 +75,11 @@ EXCEPTIONS=(
 )
 # system headers -> the only files (regex over the path) that may include them
 declare -A SYSTEM=(
-  [cuda_runtime.h]='^(src/device/cuda\.c|src/comm/backend/nccl\.c|kernels/cuda/.*)$'
-  [cuda.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
-  [cuda_bf16.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
+  # the CUDA device: cuda.c and its internal header (shared with sg_cuda_queue.c and
+  # sg_cuda_segtab.c, the device's queue/waits and segment tables)
+  [cuda_runtime.h]='^(src/device/cuda\.c|src/device/sg_cuda_internal\.h|src/comm/backend/nccl\.c|kernels/cuda/.*)$'
+  [cuda.h]='^(src/device/cuda\.c|src/device/sg_cuda_internal\.h|kernels/cuda/.*)$'
+  [cuda_bf16.h]='^(src/device/cuda\.c|src/device/sg_cuda_internal\.h|kernels/cuda/.*)$'
   [cuda_fp16.h]='^(src/device/cuda\.c|kernels/cuda/.*)$'
   [nccl.h]='^(src/comm/backend/nccl\.c|src/comm/backend/sg_nccl_dl\.h)$'
   [mpi.h]='^(src/comm/backend/mpi\.c|src/comm/backend/sg_nccl_boot\.c)$' # boot: the MPI bootstrap of the NCCL id
@@ -85,6 +87,7 @@ declare -A SYSTEM=(
 # folder-internal headers that other folders must not reach even where the folder is allowed
 declare -A PRIVATE=(
   [src/device/sg_device_cuda.h]='^(src/device/.*)$'
+  [src/device/sg_cuda_internal.h]='^src/device/(cuda\.c|sg_cuda_queue\.c|sg_cuda_segtab\.c)$'
 )
 
 fail=0

@@ -38,141 +38,33 @@
  * cudaDeviceSynchronize anywhere. */
 #define _POSIX_C_SOURCE 200809L /* nanosleep under -std=c11 */
 
-#include <errno.h>   /* ETIMEDOUT */
-#include <pthread.h> /* the host-driven comm worker */
-#include <stdint.h>  /* uint64_t, INT64_MAX */
-#include <stdlib.h> /* calloc, free */
-#include <string.h> /* memcpy, memset */
-#include <stdio.h>  /* snprintf */
-#include <time.h>   /* nanosleep */
+#include "sg_cuda_internal.h"
 
-#include <cuda_runtime.h> /* the runtime API: only this file (and kernels/cuda) include it */
-
-#include "../../kernels/cuda/sg_cuda_kernels.h" /* sg__cuda_* launchers */
-#include "sg_device.h"                          /* sg__device, sg__device_ops */
-#include "sg_device_cuda.h"                     /* sg__device_cuda_pick, _mem_kind */
-#include "sg_jobq.h"                            /* the comm job queue */
-
-#define SG__CUDA_RING 1024 /* ticket events; power of two */
-#define SG__CUDA_FAIL_CAP 512
-/* Attachments at a time: an engine's shard channel and a hybrid engine's replica channel. */
-#define SG__CUDA_MAX_ATT 2
-/* Segment table cache bounds: past either one, every cached table is dropped (after a host wait
- * for their last users) before the next upload. Far above what an engine needs: one table per
- * bucket, a few dozen bytes per segment. */
-#define SG__CUDA_TAB_MAX 4096
-#define SG__CUDA_TAB_MAX_BYTES ((size_t)64 << 20)
-#define SG__CUDA_STAGE_CHUNK ((size_t)64 << 10)
-#define SG__CUDA_COPY_CHUNK ((size_t)8 << 20) /* pinned staging of pageable copies, per queue */
-/* A free after a failure waits this long past the attachment's deadline for the aborted
- * collectives' kernels to leave before it gives the memory up as lost. */
-#define SG__CUDA_FREE_GRACE_MS 2000
-
-/* One cached update segment table, keyed by the segments' content. */
-typedef struct sg__cuda_segtab {
-  uint64_t hash;
-  int nsegs;
-  sg__seg *segs;          /* host copy of the key */
-  void *dev;              /* device table (cudaMallocAsync on the upload stream) */
-  size_t bytes;
-  uint64_t work;          /* groups of 4 over all segments */
-  cudaEvent_t ready;      /* recorded after the upload */
-  cudaStream_t synced[2]; /* streams known to run after the upload: no wait needed there */
-} sg__cuda_segtab;
-
-/* Pinned staging for table uploads: chunks handed out front to back, never reused while the
- * cache lives (an upload may still read its slice), all freed together. Also the outgrown
- * staging buffers of pageable copies, kept until destroy (cudaFreeHost waits for the whole
- * device, with no deadline). */
-typedef struct sg__cuda_stage {
-  struct sg__cuda_stage *next;
-  char *base;
-  size_t cap, used;
-} sg__cuda_stage;
-
-typedef struct sg__cuda_dev {
-  sg__device base;
-  int ordinal;
-  int max_blocks;       /* grid-stride launches: 8 blocks per SM */
-  cudaStream_t compute; /* the caller's stream or own_compute */
-  cudaStream_t own_compute;
-  cudaStream_t comm;
-  cudaEvent_t order_ev; /* compute -> comm ordering at submit, stream switches */
-  cudaEvent_t ring[SG__CUDA_RING];
-  /* The replica lane (issue 28, defect 2): a hybrid engine's replica channel, stream-ordered
-   * beside its shard channel, gets a stream of its own, made at its attach, so that a slow
-   * cross-node all-reduce does not hold up the next bucket's reduce-scatter. Its jobs
-   * (comm_submit_lane 1) run their SG_Q_COMM work on it, after the comm stream's work so far
-   * (lane_ev); a ticket's wait covers both lanes: ring[] on the job's lane, ring2[] recorded on
-   * the other lane after the job. NULL while no replica channel is attached stream-ordered. */
-  cudaStream_t rep;
-  cudaEvent_t lane_ev;
-  cudaEvent_t *ring2; /* SG__CUDA_RING events, with rep */
-  sg__jobq q; /* comm jobs: tickets, the first failure, the worker */
-  int q_ready;
-  int sync_ready; /* mu and tab_mu exist */
-  /* Under mu: the ring bookkeeping and the attachment. */
-  pthread_mutex_t mu;
-  uint64_t ring_tk[SG__CUDA_RING];        /* the ticket that last used each slot */
-  unsigned char ring_two[SG__CUDA_RING];  /* 1: that ticket's ring2 event covers the other lane */
-  unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is host-driven (queue waits) */
-  uint64_t done_ticket; /* every stream-ordered ticket <= this one is known to be complete */
-  sg__comm_attach att[SG__CUDA_MAX_ATT]; /* the attached communicators, in attach order */
-  int attached;    /* how many */
-  int stream_mode; /* 1: jobs are stream-ordered (the attachments say so) */
-  pthread_mutex_t tab_mu; /* the segment-table cache and use_ev: updates on either thread */
-  /* update segment tables (see "segment tables" below) */
-  struct sg__cuda_segtab *tabs;
-  int ntabs, tabs_cap;
-  int tab_next;            /* where the next lookup looks first (the entry after the last hit) */
-  size_t tab_bytes;        /* device bytes of all cached tables */
-  struct sg__cuda_stage *stage; /* pinned staging chunks of the uploads, newest first */
-  cudaEvent_t use_ev[2];   /* per queue: after its last upload or update kernel */
-  uint64_t tab_uploads;    /* tables uploaded so far (log line on eviction) */
-  /* sumsq: device scratch (stream-ordered allocation) and a pinned result pair, per queue */
-  void *red_dev[2];
-  size_t red_cap[2];
-  double *red_host; /* 4 doubles: queue q's pair at 2q */
-  /* per queue: pinned staging of copies from and to pageable host memory */
-  void *cstage[2];
-  size_t cstage_cap[2];
-  struct sg__cuda_stage *cretired; /* outgrown cstage buffers (base only), freed at destroy */
-  int leaking; /* a free could not wait for the GPU: memory is given up from then on */
-} sg__cuda_dev;
+/* The device whose replica-lane job this thread submits or runs (stream-ordered jobs run
+ * inline, on the submitting thread): its SG_Q_COMM work goes to the replica stream. */
+_Thread_local const struct sg__cuda_dev *sg__cuda_lane_of;
 
 /* ---- errors ---------------------------------------------------------------------------- */
 
 /* Every CUDA failure: status, function, the call, CUDA's name and text, file:line. Running out
  * of memory is SG_ERR_OUT_OF_MEMORY so that the engine can report it as such. */
-static sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, const char *file,
-                              int line) {
+sg_status sg__cuda_err(cudaError_t e, const char *fn, const char *call, const char *file,
+                       int line) {
   sg_status st = e == cudaErrorMemoryAllocation ? SG_ERR_OUT_OF_MEMORY : SG_ERR_CUDA;
   if (e == cudaErrorMemoryAllocation) (void)cudaGetLastError(); /* not sticky: clear it */
   return sg__err_at(st, file, line, "%s: %s failed: %s (%s)", fn, call, cudaGetErrorString(e),
                     cudaGetErrorName(e));
 }
 
-#define SG__CU(call, fn)                                                                     \
-  do {                                                                                       \
-    cudaError_t sg__e_ = (call);                                                             \
-    if (sg__e_ != cudaSuccess) return sg__cuda_err(sg__e_, (fn), #call, __FILE__, __LINE__); \
-  } while (0)
 
-/* A launcher's result (a cudaError_t value). */
-#define SG__CU_LAUNCH(expr, fn)                                                                   \
-  do {                                                                                            \
-    int sg__rc_ = (expr);                                                                         \
-    if (sg__rc_ != 0) return sg__cuda_err((cudaError_t)sg__rc_, (fn), #expr, __FILE__, __LINE__); \
-  } while (0)
 
-static sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
+sg__cuda_dev *sg__cuda(sg__device *d) { return (sg__cuda_dev *)d; }
 
-static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[]);
 
 /* Aborts every stream-ordered communicator attached (a hybrid engine's shard and replica
  * channels): after one failed, the other's collectives may wait forever for peers that gave
  * up, and every cudaFree/cudaFreeHost would then block behind their kernels. */
-static void sg__cuda_abort_all(sg__cuda_dev *d) {
+void sg__cuda_abort_all(sg__cuda_dev *d) {
   sg__comm_attach h[SG__CUDA_MAX_ATT];
   const int hooked = sg__cuda_hooks_get(d, h);
   for (int i = 0; i < hooked; i++)
@@ -181,17 +73,17 @@ static void sg__cuda_abort_all(sg__cuda_dev *d) {
 
 /* Keeps the first failure; the engine is broken from then on and every wait returns it. The
  * text is the calling thread's last error (the thread that saw the failure). */
-static sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
+sg_status sg__cuda_record_failure(sg__cuda_dev *d, sg_status st) {
   sg__cuda_abort_all(d);
   return sg__jobq_fail(&d->q, st, NULL);
 }
 
 /* The recorded failure with its text in the calling thread's error; SG_OK while healthy. */
-static sg_status sg__cuda_failed(sg__cuda_dev *d) { return sg__jobq_failed(&d->q); }
+sg_status sg__cuda_failed(sg__cuda_dev *d) { return sg__jobq_failed(&d->q); }
 
 /* Copies of the attachments when they take part in waits (stream-ordered): how many; 0
  * otherwise. */
-static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[]) {
+int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[]) {
   pthread_mutex_lock(&d->mu);
   const int have = d->stream_mode ? d->attached : 0;
   for (int i = 0; i < have; i++) h[i] = d->att[i];
@@ -200,7 +92,7 @@ static int sg__cuda_hooks_get(sg__cuda_dev *d, sg__comm_attach h[]) {
 }
 
 /* The calling thread runs a host-driven job of d (its comm work completes call by call). */
-static int sg__cuda_in_host_job(sg__cuda_dev *d) {
+int sg__cuda_in_host_job(sg__cuda_dev *d) {
   if (!sg__jobq_in_job(&d->q)) return 0;
   pthread_mutex_lock(&d->mu);
   const int host = !d->stream_mode;
@@ -210,18 +102,12 @@ static int sg__cuda_in_host_job(sg__cuda_dev *d) {
 
 /* Binds the calling thread to our GPU: the engine may run on another thread than the one that
  * created the device, and the runtime's current device is per thread. */
-static sg_status sg__cuda_enter(sg__cuda_dev *d, const char *fn) {
+sg_status sg__cuda_enter(sg__cuda_dev *d, const char *fn) {
   if (sg__device_cuda_current() == d->ordinal) return SG_OK;
   SG__CU(cudaSetDevice(d->ordinal), fn);
   return SG_OK;
 }
 
-/* Every vtable call leaves the calling thread's current device as it found it (the caller's
- * framework, e.g. torch, keeps its own): SG__CUDA_SCOPE(d) at the top of a call restores it on
- * every return path. */
-typedef struct sg__cuda_scope {
-  int prev; /* -1: unknown, nothing to restore */
-} sg__cuda_scope;
 
 /* The driver's cuCtxGetCurrent, found through the runtime (no link to libcuda); NULL where the
  * runtime cannot give it. */
@@ -270,117 +156,36 @@ int sg__device_cuda_count(void) {
   return n;
 }
 
-static sg__cuda_scope sg__cuda_scope_begin(const sg__cuda_dev *d) {
+sg__cuda_scope sg__cuda_scope_begin(const sg__cuda_dev *d) {
   (void)d;
   sg__cuda_scope sc = {sg__device_cuda_current()};
   return sc;
 }
 
-static void sg__cuda_scope_end(const sg__cuda_scope *sc) {
+void sg__cuda_scope_end(const sg__cuda_scope *sc) {
   int cur = -1;
   if (sc->prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != sc->prev)
     (void)cudaSetDevice(sc->prev);
 }
 
-#if defined(__GNUC__) /* gcc, clang */
-#define SG__CUDA_SCOPE(d) \
-  __attribute__((cleanup(sg__cuda_scope_end))) const sg__cuda_scope sg__scope_ = sg__cuda_scope_begin(d)
-#else
-#error "src/device/cuda.c restores the current CUDA device with __attribute__((cleanup))"
-#endif
 
-static sg_status sg__cuda_check_queue(sg__queue q, const char *fn) {
+sg_status sg__cuda_check_queue(sg__queue q, const char *fn) {
   if (q != SG_Q_COMPUTE && q != SG_Q_COMM)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: unknown queue (%d)", fn, (int)q);
   return SG_OK;
 }
 
-/* The device whose replica-lane job this thread submits or runs (stream-ordered jobs run
- * inline, on the submitting thread): its SG_Q_COMM work goes to the replica stream. */
-static _Thread_local const struct sg__cuda_dev *sg__cuda_lane_of;
 
-static cudaStream_t sg__cuda_stream(sg__cuda_dev *d, sg__queue q) {
+cudaStream_t sg__cuda_stream(sg__cuda_dev *d, sg__queue q) {
   if (q != SG_Q_COMM) return d->compute;
   return sg__cuda_lane_of == d && d->rep ? d->rep : d->comm;
 }
 
-static sg__cuda_launch sg__cuda_launch_on(sg__cuda_dev *d, sg__queue q) {
+sg__cuda_launch sg__cuda_launch_on(sg__cuda_dev *d, sg__queue q) {
   sg__cuda_launch L;
   L.stream = (void *)sg__cuda_stream(d, q);
   L.max_blocks = d->max_blocks;
   return L;
-}
-
-/* ---- polling waits ------------------------------------------------------------------------ */
-
-/* Spin briefly (collectives of small buckets finish in microseconds), then sleep with a growing
- * pause up to SG__CUDA_NAP_MAX_NS: a wait sits between GPU phases (the norm, then the update), so a
- * nap of a millisecond would leave the GPU idle that long; 50 us still frees the core. */
-#define SG__CUDA_NAP_MAX_NS 50000L
-static void sg__cuda_backoff(unsigned iter) {
-  if (iter < 64) return;
-  long ns = 1000L << (iter < 70 ? iter - 64 : 6);
-  struct timespec ts = {0, ns > SG__CUDA_NAP_MAX_NS ? SG__CUDA_NAP_MAX_NS : ns};
-  nanosleep(&ts, NULL);
-}
-
-/* Waits for ev (or, when ev is NULL, for all of stream s) until deadline_ms. Comm failures seen
- * through the hooks and timeouts are recorded: the comm queue's state is unknown afterwards. */
-static sg_status sg__cuda_wait(sg__cuda_dev *d, cudaEvent_t ev, cudaStream_t s, int64_t deadline_ms,
-                               const char *fn) {
-  /* The device's own waits (copies, sumsq, host-driven jobs) end at the attached communicator's
-   * timeout: the GPU work they wait for may sit behind a collective that never completes. */
-  if (deadline_ms == INT64_MAX) {
-    pthread_mutex_lock(&d->mu);
-    const int timeout_ms = d->attached ? d->att[0].timeout_ms : 0;
-    pthread_mutex_unlock(&d->mu);
-    deadline_ms = sg__deadline(timeout_ms);
-  }
-  for (unsigned iter = 0;; iter++) {
-    cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(s);
-    if (e == cudaSuccess) return SG_OK;
-    /* NotReady is not a failure, but the runtime keeps it as the thread's last error, which the
-     * next launcher's cudaGetLastError would report: clear it. */
-    if (e == cudaErrorNotReady) (void)cudaGetLastError();
-    if (e != cudaErrorNotReady)
-      return sg__cuda_record_failure(
-          d, sg__cuda_err(e, fn, ev ? "cudaEventQuery" : "cudaStreamQuery", __FILE__, __LINE__));
-    sg__comm_attach h[SG__CUDA_MAX_ATT];
-    const int hooked = sg__cuda_hooks_get(d, h);
-    for (int i = 0; i < hooked; i++) {
-      sg_status st = h[i].poll ? h[i].poll(h[i].arg) : SG_OK;
-      if (st != SG_OK) return sg__cuda_record_failure(d, sg__err_prefix(st, fn));
-    }
-    if (deadline_ms != INT64_MAX && sg__now_ms() > deadline_ms) {
-      return sg__cuda_record_failure( /* which aborts the attached communicators */
-          d, sg__err_at(SG_ERR_TIMEOUT, __FILE__, __LINE__,
-                        "%s: deadline passed while waiting for the GPU (rank %d, device %d)", fn,
-                        d->base.rank, d->ordinal));
-    }
-    sg__cuda_backoff(iter);
-  }
-}
-
-/* Host-driven jobs (see the top of the file): their comm-queue work completes before the call
- * that issued it returns. */
-static sg_status sg__cuda_after(sg__cuda_dev *d, sg__queue q, const char *fn) {
-  if (q != SG_Q_COMM || !sg__cuda_in_host_job(d)) return SG_OK;
-  return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
-}
-
-/* Before SG_Q_COMM work issued outside a job: every queued job finishes first (the order a
- * stream would give). */
-static sg_status sg__cuda_enter_queue(sg__cuda_dev *d, sg__queue q, const char *fn) {
-  if (q != SG_Q_COMM) return SG_OK;
-  return sg__jobq_wait_all(&d->q, INT64_MAX, fn);
-}
-
-/* The checks of every op that issues work to queue q: a device, a known queue, and (see
- * sg__cuda_enter_queue) the queued jobs finished first. */
-static sg_status sg__cuda_queue_op(sg__cuda_dev *d, sg__queue q, const char *fn) {
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_check_queue(q, fn));
-  return sg__cuda_enter_queue(d, q, fn);
 }
 
 /* ---- memory ----------------------------------------------------------------------------- */
@@ -585,7 +390,7 @@ static sg_status sg__cudev_zero(sg__device *dev, sg__queue q, void *dst, size_t 
 
 /* ---- kernels ---------------------------------------------------------------------------- */
 
-static int sg__cuda_dtype_ok(int dt) { return dt == SG_F32 || dt == SG_BF16 || dt == SG_F16; }
+int sg__cuda_dtype_ok(int dt) { return dt == SG_F32 || dt == SG_BF16 || dt == SG_F16; }
 
 /* accumulate and cast: one launcher of that shape over dst and src, each f32/bf16/f16. */
 typedef struct sg__cuda_conv_op {
@@ -732,518 +537,6 @@ static sg_status sg__cudev_step_outcome(sg__device *dev, sg__queue q, const doub
   SG__CU_LAUNCH(sg__cuda_step_outcome(sg__cuda_launch_on(d, q), ss_dev, in, out_dev, host_out,
                                       seq), fn);
   return sg__cuda_after(d, q, fn);
-}
-
-/* ---- segment tables ------------------------------------------------------------------------
- *
- * The engine calls update once per bucket, each time with a sub-array of one stable segment
- * array, so that the all-gather of a bucket overlaps the update of the next one. Each distinct
- * table is uploaded once (pinned staging, an asynchronous copy on the calling stream) and kept,
- * so a steady state of per-bucket calls neither uploads nor waits on the host. A table used on
- * another stream than the one it was uploaded on makes that stream wait for its upload once.
- * use_ev[q] marks the last upload or kernel on queue q: eviction (past SG__CUDA_TAB_MAX tables
- * or SG__CUDA_TAB_MAX_BYTES) waits for both on the host, destroy makes the comm stream wait for
- * both before the stream-ordered frees. */
-
-/* Key hash over every field (sr_index included: it changes the stochastic rounding bits; group
- * too: it picks the lr and weight decay). */
-static uint64_t sg__cuda_mix(uint64_t h, uint64_t x) {
-  h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-  return h * 0xff51afd7ed558ccdull;
-}
-
-static uint64_t sg__cuda_segs_hash(const sg__seg *segs, int n) {
-  uint64_t h = (uint64_t)n;
-  for (int i = 0; i < n; i++) {
-    h = sg__cuda_mix(h, segs[i].shard_off);
-    h = sg__cuda_mix(h, segs[i].flat_off);
-    h = sg__cuda_mix(h, segs[i].len);
-    h = sg__cuda_mix(h, (uint64_t)segs[i].decay);
-    h = sg__cuda_mix(h, segs[i].sr_index);
-    h = sg__cuda_mix(h, (uint64_t)(uint32_t)segs[i].group);
-  }
-  return h;
-}
-
-/* Field by field: sg__seg has padding that memcmp would read. */
-static int sg__cuda_segs_equal(const sg__seg *a, const sg__seg *b, int n) {
-  for (int i = 0; i < n; i++)
-    if (a[i].shard_off != b[i].shard_off || a[i].flat_off != b[i].flat_off ||
-        a[i].len != b[i].len || a[i].decay != b[i].decay || a[i].sr_index != b[i].sr_index ||
-        a[i].group != b[i].group)
-      return 0;
-  return 1;
-}
-
-static int sg__cuda_tab_matches(const sg__cuda_segtab *t, uint64_t h, const sg__seg *segs, int n) {
-  return t->hash == h && t->nsegs == n && sg__cuda_segs_equal(t->segs, segs, n);
-}
-
-/* The cached table of segs, or -1. Calls come bucket after bucket in a fixed order: the entry
- * after the last hit is tried first, then all of them. */
-static int sg__cuda_tab_find(const sg__cuda_dev *d, uint64_t h, const sg__seg *segs, int n) {
-  if (d->tab_next < d->ntabs && sg__cuda_tab_matches(&d->tabs[d->tab_next], h, segs, n))
-    return d->tab_next;
-  for (int i = 0; i < d->ntabs; i++)
-    if (sg__cuda_tab_matches(&d->tabs[i], h, segs, n)) return i;
-  return -1;
-}
-
-/* Frees every table and staging chunk. Device tables go in stream order on s: the caller made s
- * wait for their last users (or waited on the host). */
-static void sg__cuda_tabs_release(sg__cuda_dev *d, cudaStream_t s) {
-  for (int i = 0; i < d->ntabs; i++) {
-    sg__cuda_segtab *t = &d->tabs[i];
-    if (t->dev && s) (void)cudaFreeAsync(t->dev, s);
-    if (t->ready) (void)cudaEventDestroy(t->ready);
-    free(t->segs);
-  }
-  d->ntabs = 0;
-  d->tab_next = 0;
-  d->tab_bytes = 0;
-  /* cudaFreeHost waits for the device: a staging slice whose upload is still queued is safe. */
-  while (d->stage) {
-    sg__cuda_stage *c = d->stage;
-    d->stage = c->next;
-    if (c->base) (void)cudaFreeHost(c->base);
-    free(c);
-  }
-}
-
-/* Drops the whole cache when one more table of `bytes` would pass a bound. Rare: a host wait
- * for every upload and kernel that may still read a table. */
-static sg_status sg__cuda_tabs_make_room(sg__cuda_dev *d, cudaStream_t s, size_t bytes,
-                                         const char *fn) {
-  if (d->ntabs < SG__CUDA_TAB_MAX && d->tab_bytes + bytes <= SG__CUDA_TAB_MAX_BYTES) return SG_OK;
-  SG_LOG(SG_LOG_INFO, d->base.rank,
-         "cuda device %d: dropping %d cached segment tables (%zu bytes, %llu uploads so far)",
-         d->ordinal, d->ntabs, d->tab_bytes, (unsigned long long)d->tab_uploads);
-  for (int q = 0; q < 2; q++) SG_TRY(sg__cuda_wait(d, d->use_ev[q], NULL, INT64_MAX, fn));
-  sg__cuda_tabs_release(d, s);
-  return SG_OK;
-}
-
-/* A pinned slice of `bytes` (16-byte aligned) for an upload. */
-static sg_status sg__cuda_stage_take(sg__cuda_dev *d, size_t bytes, void **out, const char *fn) {
-  bytes = (bytes + 15u) & ~(size_t)15u;
-  sg__cuda_stage *c = d->stage;
-  if (!c || c->cap - c->used < bytes) {
-    c = (sg__cuda_stage *)calloc(1, sizeof *c);
-    if (!c) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: staging chunk", fn);
-    c->cap = bytes > SG__CUDA_STAGE_CHUNK ? bytes : SG__CUDA_STAGE_CHUNK;
-    cudaError_t e = cudaMallocHost((void **)&c->base, c->cap);
-    if (e != cudaSuccess) {
-      free(c);
-      return sg__cuda_err(e, fn, "cudaMallocHost(segment staging)", __FILE__, __LINE__);
-    }
-    c->next = d->stage;
-    d->stage = c;
-  }
-  *out = c->base + c->used;
-  c->used += bytes;
-  return SG_OK;
-}
-
-/* Uploads entry t's table on s through a pinned slice. */
-static sg_status sg__cuda_tab_upload(sg__cuda_dev *d, cudaStream_t s, sg__cuda_segtab *t,
-                                     const char *fn) {
-  void *stage = NULL;
-  SG_TRY(sg__cuda_stage_take(d, t->bytes, &stage, fn));
-  SG__CU(cudaEventCreateWithFlags(&t->ready, cudaEventDisableTiming), fn);
-  SG__CU(cudaMallocAsync(&t->dev, t->bytes, s), fn);
-  sg__cuda_seg_table_build(stage, t->segs, t->nsegs, &t->work);
-  SG__CU(cudaMemcpyAsync(t->dev, stage, t->bytes, cudaMemcpyHostToDevice, s), fn);
-  SG__CU(cudaEventRecord(t->ready, s), fn);
-  t->synced[0] = s;
-  return SG_OK;
-}
-
-/* A new cache entry for segs, uploaded on s; its index in *idx. A failed upload leaves no
- * entry behind (a half-built one would be found again and skip the update). */
-static sg_status sg__cuda_tab_add(sg__cuda_dev *d, cudaStream_t s, uint64_t h, const sg__seg *segs,
-                                  int n, int *idx, const char *fn) {
-  const size_t bytes = sg__cuda_seg_table_bytes(n);
-  SG_TRY(sg__cuda_tabs_make_room(d, s, bytes, fn));
-  if (d->ntabs == d->tabs_cap) {
-    int cap = d->tabs_cap ? 2 * d->tabs_cap : 16;
-    sg__cuda_segtab *grown = (sg__cuda_segtab *)realloc(d->tabs, (size_t)cap * sizeof *grown);
-    if (!grown) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: segment table cache (%d)", fn, cap);
-    d->tabs = grown;
-    d->tabs_cap = cap;
-  }
-  sg__cuda_segtab *t = &d->tabs[d->ntabs];
-  memset(t, 0, sizeof *t);
-  t->segs = (sg__seg *)malloc((size_t)n * sizeof *segs);
-  if (!t->segs) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: segment cache (%d segments)", fn, n);
-  memcpy(t->segs, segs, (size_t)n * sizeof *segs);
-  t->hash = h;
-  t->nsegs = n;
-  t->bytes = bytes;
-  sg_status st = sg__cuda_tab_upload(d, s, t, fn);
-  if (st != SG_OK) {
-    if (t->dev) (void)cudaFreeAsync(t->dev, s);
-    if (t->ready) (void)cudaEventDestroy(t->ready);
-    free(t->segs);
-    memset(t, 0, sizeof *t);
-    return st;
-  }
-  d->tab_bytes += bytes;
-  d->tab_uploads++;
-  *idx = d->ntabs++;
-  return SG_OK;
-}
-
-/* The device table for segs, usable on s (uploaded now, or s made to wait for its upload). */
-static sg_status sg__cuda_tab_get(sg__cuda_dev *d, cudaStream_t s, const sg__seg *segs, int n,
-                                  sg__cuda_segtab **out, const char *fn) {
-  const uint64_t h = sg__cuda_segs_hash(segs, n);
-  int i = sg__cuda_tab_find(d, h, segs, n);
-  if (i < 0) SG_TRY(sg__cuda_tab_add(d, s, h, segs, n, &i, fn));
-  sg__cuda_segtab *t = &d->tabs[i];
-  if (t->synced[0] != s && t->synced[1] != s) {
-    SG__CU(cudaStreamWaitEvent(s, t->ready, 0), fn);
-    t->synced[1] = s; /* one slot for the other queue (or the caller's latest stream) */
-  }
-  d->tab_next = i + 1 < d->ntabs ? i + 1 : 0;
-  *out = t;
-  return SG_OK;
-}
-
-static sg_status sg__cuda_update_check(const sg__optim_desc *od, const sg__update_args *a,
-                                       const char *fn) {
-  if (!od) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL optimizer", fn);
-  if (!od->cuda_update)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: optimizer %s has no CUDA kernel", fn, od->name);
-  if (!a) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL args", fn);
-  if (!sg__cuda_dtype_ok(a->param_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad param_dtype (%d)", fn, a->param_dtype);
-  if (!sg__cuda_dtype_ok(a->grad_dtype))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad grad_dtype (%d)", fn, a->grad_dtype);
-  if (a->nsegs < 0 || (a->nsegs > 0 && !a->segs))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad segments (%d)", fn, a->nsegs);
-  int bad = a->nsegs > 0 && (!a->param || !a->grad);
-  for (int k = 0; a->nsegs > 0 && k < od->nstates; k++) bad |= !a->state[k];
-  if (bad) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL buffer", fn);
-  if (a->param_dtype != SG_F32 && a->nsegs > 0 && !a->master)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s params need a master copy", fn,
-                   sg__dtype_name((sg_dtype)a->param_dtype));
-  if (!sg__update_groups_ok(a))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad parameter groups (ngroups %d)", fn,
-                   a->ngroups);
-  return SG_OK;
-}
-
-static sg_status sg__cudev_update(sg__device *dev, sg__queue q, const sg__optim_desc *od,
-                                  const sg__update_args *a) {
-  static const char fn[] = "sg__device_cuda.update";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  SG_TRY(sg__cuda_queue_op(d, q, fn));
-  SG_TRY(sg__cuda_update_check(od, a, fn));
-  if (a->nsegs == 0) return SG_OK;
-  SG_TRY(sg__cuda_enter(d, fn));
-  cudaStream_t s = sg__cuda_stream(d, q);
-  sg__cuda_segtab *t = NULL;
-  pthread_mutex_lock(&d->tab_mu); /* the cache is shared by both queues' threads */
-  sg_status st = sg__cuda_tab_get(d, s, a->segs, a->nsegs, &t, fn);
-  if (st == SG_OK && t->work > 0) {
-    int rc = od->cuda_update(sg__cuda_launch_on(d, q), a, t->dev, t->work);
-    if (rc != 0) st = sg__cuda_err((cudaError_t)rc, fn, od->name, __FILE__, __LINE__);
-  }
-  /* Even after a failure: an upload may have been queued, and eviction and destroy wait here. */
-  cudaError_t e = cudaEventRecord(d->use_ev[q], s);
-  pthread_mutex_unlock(&d->tab_mu);
-  if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventRecord(use_ev)", __FILE__, __LINE__);
-  SG_TRY(st);
-  return sg__cuda_after(d, q, fn);
-}
-
-/* ---- queues ----------------------------------------------------------------------------- */
-
-static cudaEvent_t sg__cuda_ticket_event(sg__cuda_dev *d, uint64_t ticket) {
-  return d->ring[ticket & (SG__CUDA_RING - 1)];
-}
-
-/* Queue hook, submitting thread, queue lock held: job t's bookkeeping, and for a host-driven
- * job its input (the compute stream now) on its ring event. */
-static sg_status sg__cuda_job_mark(void *ctx, uint64_t t, int worker) {
-  static const char fn[] = "sg__device_cuda.comm_submit";
-  sg__cuda_dev *d = (sg__cuda_dev *)ctx;
-  (void)worker;
-  const size_t slot = t & (SG__CUDA_RING - 1);
-  pthread_mutex_lock(&d->mu);
-  const int host = !d->stream_mode;
-  cudaError_t e = host ? cudaEventRecord(d->ring[slot], d->compute) : cudaSuccess;
-  if (e == cudaSuccess) {
-    d->ring_tk[slot] = t;
-    d->ring_host[slot] = (unsigned char)host;
-    d->ring_two[slot] = (unsigned char)(!host && d->rep != NULL);
-  }
-  pthread_mutex_unlock(&d->mu);
-  if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventRecord(job input)", __FILE__, __LINE__);
-  return SG_OK;
-}
-
-/* A stream-ordered job: the comm stream after the compute work issued so far, the job, the
- * ticket's ring event after it (recorded even when the job failed: waits look at it). */
-static sg_status sg__cuda_run_stream_job(sg__cuda_dev *d, sg__jobq_fn job, void *arg,
-                                         uint64_t t, const char *fn) {
-  SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
-  SG__CU(cudaStreamWaitEvent(d->comm, d->order_ev, 0), fn);
-  /* A replica-lane job: after everything queued on the comm stream so far (its bucket's
-   * reduce-scatter), on the replica stream; the comm stream goes on without it. */
-  const int lane = sg__cuda_lane_of == d && d->rep;
-  cudaStream_t s = lane ? d->rep : d->comm, other = lane ? d->comm : d->rep;
-  if (lane) {
-    SG__CU(cudaEventRecord(d->lane_ev, d->comm), fn);
-    SG__CU(cudaStreamWaitEvent(d->rep, d->lane_ev, 0), fn);
-  }
-  const sg_status st = job(arg);
-  SG__CU(cudaEventRecord(sg__cuda_ticket_event(d, t), s), fn);
-  if (d->rep) SG__CU(cudaEventRecord(d->ring2[t & (SG__CUDA_RING - 1)], other), fn);
-  return st;
-}
-
-/* A host-driven job: its input (the ring event), earlier comm-stream work, the job with its
- * SG_Q_COMM work waited for call by call, then the comm stream idle (its marks). */
-static sg_status sg__cuda_run_host_job(sg__cuda_dev *d, sg__jobq_fn job, void *arg, uint64_t t,
-                                       const char *fn) {
-  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, t), NULL, INT64_MAX, fn));
-  SG_TRY(sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn));
-  SG_TRY(job(arg));
-  return sg__cuda_wait(d, NULL, d->comm, INT64_MAX, fn);
-}
-
-/* Queue hook: runs job t on the worker or inline. */
-static sg_status sg__cuda_job_run(void *ctx, sg__jobq_fn job, void *arg, uint64_t t) {
-  static const char fn[] = "sg__device_cuda.comm_job";
-  sg__cuda_dev *d = (sg__cuda_dev *)ctx;
-  SG_TRY(sg__cuda_enter(d, fn)); /* the worker thread's first job binds it to our GPU */
-  pthread_mutex_lock(&d->mu);
-  const int stream = d->stream_mode;
-  pthread_mutex_unlock(&d->mu);
-  const sg_status st = stream ? sg__cuda_run_stream_job(d, job, arg, t, fn)
-                              : sg__cuda_run_host_job(d, job, arg, t, fn);
-  if (st != SG_OK) sg__cuda_abort_all(d); /* the queue records it: the engine is broken */
-  return st;
-}
-
-static const sg__jobq_ops sg__cuda_jobq_ops = {sg__cuda_job_mark, sg__cuda_job_run};
-
-static sg_status sg__cudev_comm_submit_lane(sg__device *dev, int lane, sg__job_fn job,
-                                            void (*drop)(void *), void *arg, uint64_t *ticket);
-
-static sg_status sg__cudev_comm_submit(sg__device *dev, sg__job_fn job, void (*drop)(void *),
-                                       void *arg, uint64_t *ticket) {
-  return sg__cudev_comm_submit_lane(dev, 0, job, drop, arg, ticket);
-}
-
-static sg_status sg__cudev_comm_submit_lane(sg__device *dev, int lane, sg__job_fn job,
-                                            void (*drop)(void *), void *arg, uint64_t *ticket) {
-  static const char fn[] = "sg__device_cuda.comm_submit";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d || !job || !ticket) {
-    if (drop) drop(arg);
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  }
-  *ticket = 0;
-  const sg_status st = sg__cuda_enter(d, fn);
-  if (st != SG_OK) {
-    if (drop) drop(arg);
-    return st;
-  }
-  /* host-driven jobs run on the worker, all on the comm stream: the lane is stream-ordered */
-  const struct sg__cuda_dev *was = sg__cuda_lane_of;
-  sg__cuda_lane_of = lane == 1 ? d : NULL;
-  const sg_status sub = sg__jobq_submit(&d->q, job, drop, arg, ticket);
-  sg__cuda_lane_of = was;
-  return sub;
-}
-
-/* The replica lane's stream and events (kept until destroy: a detach and a new attach reuse
- * them). */
-static sg_status sg__cuda_lane_open(sg__cuda_dev *d, const char *fn) {
-  if (d->rep) return SG_OK;
-  int least = 0, greatest = 0;
-  SG__CU(cudaDeviceGetStreamPriorityRange(&least, &greatest), fn);
-  cudaEvent_t *ring2 = (cudaEvent_t *)calloc(SG__CUDA_RING, sizeof *ring2);
-  if (!ring2) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: replica lane events", fn);
-  cudaError_t e = cudaEventCreateWithFlags(&d->lane_ev, cudaEventDisableTiming);
-  for (int i = 0; i < SG__CUDA_RING && e == cudaSuccess; i++)
-    e = cudaEventCreateWithFlags(&ring2[i], cudaEventDisableTiming);
-  cudaStream_t s = NULL;
-  if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest);
-  if (e != cudaSuccess) {
-    for (int i = 0; i < SG__CUDA_RING; i++)
-      if (ring2[i]) (void)cudaEventDestroy(ring2[i]);
-    free(ring2);
-    return sg__cuda_err(e, fn, "replica lane (stream, events)", __FILE__, __LINE__);
-  }
-  d->ring2 = ring2;
-  pthread_mutex_lock(&d->mu);
-  d->rep = s; /* read by the waits under mu (ring_two) */
-  pthread_mutex_unlock(&d->mu);
-  return SG_OK;
-}
-
-/* Pending jobs finish before the mode changes. A second attachment (a hybrid engine's replica
- * channel beside its shard channel) must run its jobs the same way as the first: both
- * stream-ordered (their collectives share the comm stream, every wait polls both), or both
- * host-driven (the first one's threading stays). */
-static sg_status sg__cudev_comm_attach(sg__device *dev, const sg__comm_attach *a,
-                                       sg__comm_native *out) {
-  static const char fn[] = "sg__device_cuda.comm_attach";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d || !a || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  SG_TRY(sg__jobq_wait_all(&d->q, INT64_MAX, fn));
-  pthread_mutex_lock(&d->mu);
-  const int n = d->attached, stream = a->stream_ordered != 0;
-  const int fits = n == 0 || (n < SG__CUDA_MAX_ATT && stream == d->stream_mode);
-  if (fits) {
-    d->att[n] = *a;
-    d->attached = n + 1;
-    d->stream_mode = stream;
-  }
-  pthread_mutex_unlock(&d->mu);
-  if (!fits && n >= SG__CUDA_MAX_ATT)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: %d communicators are already attached", fn, n);
-  if (!fits)
-    return sg__err(SG_ERR_INVALID_STATE, "%s: a %s communicator is attached; a %s one cannot "
-                   "share its comm queue", fn, stream ? "host-driven" : "stream-ordered",
-                   stream ? "stream-ordered" : "host-driven");
-  /* stream-ordered jobs only enqueue: inline, on the caller's thread */
-  if (n == 0) sg__jobq_set_threaded(&d->q, !a->stream_ordered && a->threaded);
-  out->stream = (void *)d->comm;
-  if (n == 1 && stream) {
-    const sg_status st = sg__cuda_lane_open(d, fn);
-    if (st != SG_OK) {
-      pthread_mutex_lock(&d->mu);
-      memset(&d->att[1], 0, sizeof d->att[1]);
-      d->attached = 1;
-      pthread_mutex_unlock(&d->mu);
-      return st;
-    }
-    out->stream = (void *)d->rep;
-  }
-  out->ordinal = d->ordinal;
-  return SG_OK;
-}
-
-/* Detaches the latest attachment (channels unbind in the reverse order of their binds). */
-/* The replica lane stays; jobs submitted on it after the detach run on the comm stream. */
-static void sg__cudev_comm_detach(sg__device *dev) {
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d) return;
-  (void)sg__jobq_wait_all(&d->q, INT64_MAX, "sg__device_cuda.comm_detach");
-  pthread_mutex_lock(&d->mu);
-  const int left = d->attached > 0 ? d->attached - 1 : 0;
-  memset(&d->att[left], 0, sizeof d->att[left]);
-  d->attached = left;
-  if (left == 0) d->stream_mode = 0;
-  pthread_mutex_unlock(&d->mu);
-  if (left == 0) sg__jobq_set_threaded(&d->q, 1);
-}
-
-static sg_status sg__cudev_comm_start(sg__device *dev) {
-  sg__cuda_dev *d = sg__cuda(dev);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda.comm_start: NULL device");
-  return sg__jobq_start(&d->q, "sg__device_cuda.comm_start");
-}
-
-/* Common checks of comm_wait and compute_wait_comm. *done: nothing left to wait for; else
- * *wait_for is the ticket to wait for (the one now in the ticket's ring slot: a later one waits
- * longer, since jobs complete in ticket order) and *host says whether it is host-driven. */
-static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const char *fn,
-                                       int *done, uint64_t *wait_for, int *host, int *two) {
-  *done = 1;
-  SG_TRY(sg__cuda_failed(d));
-  const uint64_t last = sg__jobq_last(&d->q);
-  if (ticket > last)
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: ticket %llu was never issued (last %llu)", fn,
-                   (unsigned long long)ticket, (unsigned long long)last);
-  const size_t slot = ticket & (SG__CUDA_RING - 1);
-  pthread_mutex_lock(&d->mu);
-  *wait_for = d->ring_tk[slot];
-  *host = d->ring_host[slot];
-  *two = d->ring_two[slot];
-  *done = !*host && ticket <= d->done_ticket;
-  pthread_mutex_unlock(&d->mu);
-  if (*host && sg__jobq_done(&d->q) >= *wait_for) *done = 1;
-  return SG_OK;
-}
-
-/* comm_wait (the host waits until deadline_ms) and compute_wait_comm (stream_wait: the compute
- * stream waits; the deadline applies to whoever waits on the host later). A host-driven
- * worker job's CUDA work is complete when the job is: for it, a host wait on the queue. */
-static sg_status sg__cuda_ticket_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms,
-                                      int stream_wait, int own_lane, const char *fn) {
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  int done, host = 0, two = 0;
-  uint64_t w = 0;
-  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host, &two));
-  if (done) return SG_OK;
-  if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
-  SG_TRY(sg__cuda_enter(d, fn));
-  /* with the replica lane: the other lane's work up to the ticket too */
-  cudaEvent_t other = two && !(own_lane && w == ticket) ? d->ring2[w & (SG__CUDA_RING - 1)] : NULL;
-  if (stream_wait) {
-    SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
-    if (other) SG__CU(cudaStreamWaitEvent(d->compute, other, 0), fn);
-    return SG_OK;
-  }
-  SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, w), NULL, deadline_ms, fn));
-  if (other) SG_TRY(sg__cuda_wait(d, other, NULL, deadline_ms, fn));
-  pthread_mutex_lock(&d->mu);
-  if (d->done_ticket < ticket) d->done_ticket = ticket;
-  pthread_mutex_unlock(&d->mu);
-  return SG_OK;
-}
-
-static sg_status sg__cudev_comm_wait(sg__device *dev, uint64_t ticket, int64_t deadline_ms) {
-  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 0, 0, "sg__device_cuda.comm_wait");
-}
-
-static sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
-                                             int64_t deadline_ms) {
-  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 1, 0, "sg__device_cuda.compute_wait_comm");
-}
-
-/* Job `ticket` and the jobs of its lane before it; a replica-lane job still running does not
- * hold up the compute stream here (a staging slot that a reduction zeroed). */
-static sg_status sg__cudev_compute_wait_job(sg__device *dev, uint64_t ticket,
-                                            int64_t deadline_ms) {
-  return sg__cuda_ticket_wait(dev, ticket, deadline_ms, 1, 1, "sg__device_cuda.compute_wait_job");
-}
-
-static sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms) {
-  static const char fn[] = "sg__device_cuda.sync";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  SG_TRY(sg__cuda_enter(d, fn));
-  SG_TRY(sg__cuda_wait(d, NULL, d->compute, deadline_ms, fn));
-  return sg__cuda_failed(d);
-}
-
-/* NULL goes back to our own stream. Work already issued to the old stream stays ahead of
- * anything issued to the new one. */
-static sg_status sg__cudev_set_stream(sg__device *dev, void *stream) {
-  static const char fn[] = "sg__device_cuda.set_stream";
-  sg__cuda_dev *d = sg__cuda(dev);
-  SG__CUDA_SCOPE(d);
-  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  cudaStream_t next = stream ? (cudaStream_t)stream : d->own_compute;
-  if (next == d->compute) return SG_OK;
-  SG_TRY(sg__cuda_enter(d, fn));
-  SG__CU(cudaEventRecord(d->order_ev, d->compute), fn);
-  SG__CU(cudaStreamWaitEvent(next, d->order_ev, 0), fn);
-  d->compute = next;
-  return SG_OK;
 }
 
 /* ---- timing marks: events with timing, read against each other ------------------------- */
