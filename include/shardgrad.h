@@ -678,8 +678,9 @@ typedef struct sg_step_estimate {
  * replica_codec SG_CODEC_INT8 its codes' all-to-all and all-gather, then the node's
  * all-gathers). Streaming (cfg->outer_streaming): step k of the period syncs group k - 1; the
  * times are the mean over the period, the counts the period's last step's (group H - 1's
- * buckets; none when H exceeds the bucket count). Not modelled: the codecs' and the outer step's host arithmetic,
- * sg_set_sync(0) steps, a hybrid engine not told its micro-batch count (docs/planner.md). */
+ * buckets; none when H exceeds the bucket count). Not modelled: the codecs' and the outer
+ * step's host arithmetic, sg_set_sync(0) steps, a hybrid engine not told its micro-batch
+ * count (docs/planner.md). */
 SG_API sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams,
                                   int world, int microbatches, const sg_hardware *hw,
                                   sg_step_estimate *out);

@@ -158,7 +158,9 @@ sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
   return sync_buckets(e, sum, 0, 1);
 }
 
-static sg_status outer_sync(sg_engine *e) { return sg__replica_outer_sync(e, sg__replica_outer_wire_sum); }
+static sg_status outer_sync(sg_engine *e) {
+  return sg__replica_outer_sync(e, sg__replica_outer_wire_sum);
+}
 
 /* Streaming (sg_replica_outer_stream.c): the k-th step of a period (k = 1..H) syncs group k - 1,
  * the buckets b with b mod H = k - 1; a group without buckets (H > nbuckets) has nothing to do.

@@ -29,7 +29,9 @@ sg_status sg__replica_outer_int8_sum(sg_engine *e, int b, float *d, size_t n) {
   return sg__replica_codec_sum(e, b, d);
 }
 
-static sg_status sync(sg_engine *e) { return sg__replica_outer_sync(e, sg__replica_outer_int8_sum); }
+static sg_status sync(sg_engine *e) {
+  return sg__replica_outer_sync(e, sg__replica_outer_int8_sum);
+}
 
 void sg__replica_outer_int8_describe(const sg_engine *e, sg__rep_ck *ck) {
   sg__replica_outer_describe(e, ck);
