@@ -488,10 +488,12 @@ static void check_errors(void) {
   sg_comm_destroy(one[0]);
 }
 
-/* Two replicas of one rank each whose outer lr differ: both refused at sg_finalize. */
+/* Two replicas of one rank each whose outer lr (or streaming) differ: both refused at
+ * sg_finalize. */
 typedef struct {
   sg_comm *shard, *replica;
   double lr;
+  int stream;
   sg_status st;
   char msg[512];
 } lr_arg;
@@ -502,6 +504,7 @@ static void *lr_thread(void *arg) {
   sg_config_init(&cfg, sizeof cfg);
   cfg.outer_every = 2;
   cfg.outer_lr = a->lr;
+  cfg.outer_streaming = a->stream;
   sg_engine *e = NULL;
   int id = 0;
   a->st = sg_engine_create_hybrid(a->shard, a->replica, &cfg, &e);
@@ -512,19 +515,20 @@ static void *lr_thread(void *arg) {
   return NULL;
 }
 
-static void check_outer_lr_agreement(void) {
+static void check_outer_agreement(double lr1, int stream1, const char *field) {
   sg_comm *rep[2] = {NULL, NULL}, *sh[2] = {NULL, NULL};
   if (!CHECK(sg_comm_create_local(2, rep) == SG_OK && sg_comm_create_local(1, &sh[0]) == SG_OK &&
                  sg_comm_create_local(1, &sh[1]) == SG_OK,
              "comms"))
     return;
-  lr_arg a[2] = {{sh[0], rep[0], 0.7, SG_OK, ""}, {sh[1], rep[1], 0.5, SG_OK, ""}};
+  lr_arg a[2] = {{sh[0], rep[0], 0.7, 0, SG_OK, ""}, {sh[1], rep[1], lr1, stream1, SG_OK, ""}};
   pthread_t t[2];
   for (int r = 0; r < 2; r++) pthread_create(&t[r], NULL, lr_thread, &a[r]);
   for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
   for (int r = 0; r < 2; r++)
-    CHECK(a[r].st == SG_ERR_MISMATCH && strstr(a[r].msg, "outer_lr"),
-          "replica %d: outer lr 0.7 against 0.5 refused at finalize: %s", r, a[r].msg);
+    CHECK(a[r].st == SG_ERR_MISMATCH && strstr(a[r].msg, field),
+          "replica %d: outer lr 0.7 against %g, streaming 0 against %d refused at finalize: %s",
+          r, lr1, stream1, a[r].msg);
   for (int r = 0; r < 2; r++) {
     sg_comm_destroy(rep[r]);
     sg_comm_destroy(sh[r]);
@@ -558,7 +562,8 @@ static const tcase k_cases[] = {
 
 int main(void) {
   check_errors();
-  check_outer_lr_agreement();
+  check_outer_agreement(0.5, 0, "outer_lr");
+  check_outer_agreement(0.7, 1, "outer_streaming");
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
   return sg_test_summary("test_replica_outer");
 }
