@@ -219,8 +219,6 @@ _REPLICA_MODES = (
     ("DiLoCo H=8", {"outer_every": 8, "replica_reduce_dtype": "bf16"}, "outer steps, H=8"),
     ("DiLoCo H=32", {"outer_every": 32, "replica_reduce_dtype": "bf16"}, "outer steps, H=32"),
     ("DiLoCo8 int8", {"outer_every": 8, "replica_codec": "int8"}, "outer steps, H=8, int8 + EF"),
-    ("DiLoCo8 strm", {"outer_every": 8, "outer_streaming": 1, "replica_reduce_dtype": "bf16"},
-     "streaming outer steps, H=8 (quality not measured)"),
 )
 
 
