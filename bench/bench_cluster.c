@@ -11,7 +11,8 @@
  *                    the last backward pass; --wire f32|bf16: replica_reduce_dtype;
  *                    --codec none|int8|int4: replica_codec; --outer H: outer_every (outer
  *                    steps every H steps: time the steps in multiples of H, and read
- *                    step_mean_ms, the mean, which counts the outer steps' share)
+ *                    step_mean_ms, the mean, which counts the outer steps' share); --stream 1:
+ *                    outer_streaming (a group of buckets synced every step)
  *   --mode compute   the model alone, no library and no communication: each rank's forward
  *                    and backward passes, its gradients written into a buffer of its own (as
  *                    they are into the engine's), no optimizer: the least a step can take on
@@ -49,7 +50,7 @@ typedef struct options {
   int sync_last, micro, steps, warmup, batch, hidden, layers, ranks_per_node, profile;
   sg_dtype dtype, wire;
   sg_codec codec;
-  int outer;
+  int outer, stream;
   double bucket_mb;
 } options;
 
@@ -107,6 +108,7 @@ static void fill_config(const options *o, sg_config *cfg) {
   cfg->replica_reduce_dtype = o->wire;
   cfg->replica_codec = o->codec;
   cfg->outer_every = o->outer;
+  cfg->outer_streaming = o->stream;
   cfg->lr = 1e-4f; /* 1e-3 makes the 30M-parameter MLP's loss rise in the first steps */
   cfg->timeout_ms = 600000;
 }
@@ -335,7 +337,8 @@ static int usage(void) {
   fprintf(stderr,
           "usage: sg_bench_cluster [--mode flat|hybrid|compute] [--sync every|last] [--micro N] "
           "[--steps N] [--warmup N] [--batch N] [--hidden N] [--layers N] [--dtype f32|bf16] "
-          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--codec none|int8|int4] [--outer H] [--ranks-per-node K] "
+          "[--bucket-mb X] [--iface NAME] [--wire f32|bf16] [--codec none|int8|int4] [--outer H] [--stream 0|1] "
+          "[--ranks-per-node K] "
           "[--profile]   "
           "(under mpirun)\n");
   return -1;
@@ -377,7 +380,8 @@ static int parse_args(int argc, char **argv, options *o) {
                                  {"--hidden", 1, 1 << 30, &o->hidden},
                                  {"--layers", 1, MLP_MAX_LAYERS, &o->layers},
                                  {"--ranks-per-node", 0, 1 << 30, &o->ranks_per_node},
-                                 {"--outer", 0, 1 << 30, &o->outer}};
+                                 {"--outer", 0, 1 << 30, &o->outer},
+                                 {"--stream", 0, 1, &o->stream}};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     int bad = 0;
@@ -420,12 +424,12 @@ int main(int argc, char **argv) {
     st = run(&o, comm, node, &r);
   if (st == SG_OK && rank == 0)
     printf("RESULT impl=shardgrad mode=%s sync=%s micro=%d W=%d nodes=%d params=%zu dtype=%s "
-           "wire=%s codec=%d outer=%d batch=%d steps=%d step_ms=%.1f step_mean_ms=%.1f "
+           "wire=%s codec=%d outer=%d stream=%d batch=%d steps=%d step_ms=%.1f step_mean_ms=%.1f "
            "link_sent_per_step=%.0f "
            "link_sent_max_node=%.0f loss_first=%.6f loss_last=%.6f\n",
            o.mode, o.sync_last ? "last" : "every", o.micro, world, r.nodes, r.params,
            o.dtype == SG_BF16 ? "bf16" : "f32", o.wire == SG_BF16 ? "bf16" : "f32", (int)o.codec,
-           o.outer, o.batch, o.steps, r.step_ms, r.step_mean_ms, r.sent_per_step,
+           o.outer, o.stream, o.batch, o.steps, r.step_ms, r.step_mean_ms, r.sent_per_step,
            r.sent_max_node, (double)r.first_loss, (double)r.last_loss);
   sg_comm_destroy(comm);
   MPI_Comm_free(&node);

@@ -29,7 +29,8 @@
 #   bench/cluster.sh --rates 1gbit --micro 8 --flat-sync every --wires bf16 --torch-sync allreduce-last
 # --slow: hybrid rows of the slow-link modes (docs/slow-links.md): intN (replica_codec, f32
 # accumulator) and outerH (outer steps every H, f32 wire; outerHbf16: bf16 wire; outerHint8: the
-# pseudo-gradient as int8 codes with error feedback), each outer row
+# pseudo-gradient as int8 codes with error feedback; outerHstream: streaming outer steps, a group
+# of buckets every step, also after bf16/int8 as outerHbf16stream), each outer row
 # timed over H steps so that one outer step falls in it (read "mean ms" there: the median
 # leaves the outer step out). --no-flat leaves out the flat row (at 100 Mbit/s with 8
 # micro-batches it alone takes minutes); "vs flat" then divides by the first row.
@@ -125,10 +126,12 @@ for rate in $RATES; do
     for m in $SLOW; do
       case $m in
         int8|int4) one "$rate" "$micro" "shardgrad hybrid, $m codes + feedback" "$BENCH" --mode hybrid --codec "$m" --micro "$micro" "${model[@]}" --bucket-mb "$BUCKET" $PROFILE ;;
-        outer*) h=${m#outer} w=f32 c=none
+        outer*) h=${m#outer} w=f32 c=none s=0
+          [[ $h == *stream ]] && { h=${h%stream}; s=1; }
+          kind="outer steps"; [ "$s" = 1 ] && kind="streaming outer steps"
           [[ $h == *bf16 ]] && { h=${h%bf16}; w=bf16; }
           [[ $h == *int8 ]] && { h=${h%int8}; c=int8; }
-          one "$rate" "$micro" "shardgrad hybrid, outer steps H=$h, $([ "$c" = int8 ] && echo int8 || echo "$w")" "$BENCH" --mode hybrid --outer "$h" --wire "$w" --codec "$c" --micro "$micro" --steps "$h" --warmup "$WARMUP" --batch "$BATCH" --hidden "$HIDDEN" --layers "$LAYERS" --bucket-mb "$BUCKET" $PROFILE ;;
+          one "$rate" "$micro" "shardgrad hybrid, $kind H=$h, $([ "$c" = int8 ] && echo int8 || echo "$w")" "$BENCH" --mode hybrid --outer "$h" --stream "$s" --wire "$w" --codec "$c" --micro "$micro" --steps "$h" --warmup "$WARMUP" --batch "$BATCH" --hidden "$HIDDEN" --layers "$LAYERS" --bucket-mb "$BUCKET" $PROFILE ;;
         *) echo "bench/cluster.sh: unknown --slow mode $m" >&2; exit 64 ;;
       esac
     done

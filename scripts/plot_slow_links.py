@@ -21,6 +21,8 @@ LABELS = {
     "diloco32m5": "outer steps, H = 32, outer momentum 0.5",
     "diloco8int8m5": "outer steps, H = 8, int8 codes, outer momentum 0.5",
     "diloco8avg": "outer steps, H = 8, plain averaging (lr 1, momentum 0)",
+    "diloco8stream": "streaming outer steps, H = 8, outer momentum 0.5",
+    "diloco8stream256k": "streaming outer steps, H = 8, outer momentum 0.5, 256 KiB buckets",
 }
 
 
@@ -40,7 +42,8 @@ def main(argv):
     for i, (m, r) in enumerate(runs.items()):
         steps, losses = zip(*r["evals"])
         # exact and codes solid; outer steps with DiLoCo's momentum 0.9 dashed, others dotted
-        style = "-" if not m.startswith("diloco") else ("--" if m[-2:] not in ("m5", "vg") else ":")
+        style = ("-" if not m.startswith("diloco") else
+                 "--" if m[-2:] not in ("m5", "vg", "am", "6k") else ":")
         ax.plot(steps, losses, marker=".", linestyle=style, color="C%d" % (i % 10),
                 label=LABELS.get(m, m))
     a = runs[modes[0]]["args"]

@@ -26,7 +26,9 @@ typedef struct layout_case {
   sg_dtype param, reduce, replica;
   size_t bucket_bytes;
   int micro, overlap;
-  int codec, outer; /* cfg.replica_codec, cfg.outer_every (1 or 2: the measured step syncs) */
+  int codec, outer; /* cfg.replica_codec, cfg.outer_every (the measured step is the period's
+                       last: it syncs) */
+  int stream;       /* cfg.outer_streaming: the measured step syncs group H - 1 */
 } layout_case;
 
 static void config_of(const layout_case *k, sg_config *cfg) {
@@ -41,6 +43,7 @@ static void config_of(const layout_case *k, sg_config *cfg) {
   cfg->shard_ranks = k->shard_ranks;
   cfg->replica_codec = (sg_codec)k->codec;
   cfg->outer_every = k->outer;
+  cfg->outer_streaming = k->stream;
 }
 
 typedef struct traffic {
@@ -125,7 +128,8 @@ static void check_counts(const layout_case *k, const traffic *a, const traffic *
         (unsigned long long)est.replica_bytes, (unsigned long long)est.replica_collectives);
 }
 
-/* Per rank: the layout's engine, one warm-up step, then a step between two readings. */
+/* Per rank: the layout's engine, warm-up steps (one, or H - 1 for H > 2: the measured step ends
+ * the outer period), then a step between two readings. */
 static void traffic_rank(sg_comm *world, void *arg) {
   const layout_case *k = arg;
   const int rank = sg_comm_rank(world);
@@ -134,7 +138,7 @@ static void traffic_rank(sg_comm *world, void *arg) {
   sg_engine *e = NULL;
   sg_status st = split_layout(k, world, &shard, &replica);
   if (!st) st = make_engine(k, world, shard, replica, &e);
-  if (!st) st = run_step(k, e);
+  for (int w = 0; w < (k->outer > 2 ? k->outer - 1 : 1) && !st; w++) st = run_step(k, e);
   traffic a, b;
   if (!st) read_traffic(replica ? shard : world, replica, &a);
   if (!st) st = run_step(k, e);
@@ -148,9 +152,9 @@ static void traffic_rank(sg_comm *world, void *arg) {
 }
 
 static void run_case(const layout_case *k) {
-  snprintf(sg_test_tag, sizeof sg_test_tag, "s%d W%d L%d p%d r%d x%d b%zu m%d o%d c%d H%d",
+  snprintf(sg_test_tag, sizeof sg_test_tag, "s%d W%d L%d p%d r%d x%d b%zu m%d o%d c%d H%d S%d",
            k->strategy, k->world, k->shard_ranks, k->param, k->reduce, k->replica,
-           k->bucket_bytes, k->micro, k->overlap, k->codec, k->outer);
+           k->bucket_bytes, k->micro, k->overlap, k->codec, k->outer, k->stream);
   CHECK(sg_test_run_threads(k->world, traffic_rank, (void *)k) == SG_OK, "threads");
 }
 
@@ -163,7 +167,7 @@ static void test_traffic(void) {
       for (int b = 0; b < 4; b++) {
         const layout_case k = {strategies[s], worlds[w], 0, b % 2 ? SG_BF16 : SG_F32,
                                b == 2 ? SG_F32 : SG_DTYPE_AUTO, SG_F32, buckets[b],
-                               1 + (b + w) % 3, b == 1, 0, 0};
+                               1 + (b + w) % 3, b == 1, 0, 0, 0};
         run_case(&k);
       }
   /* hybrid: N x L with both wire dtypes */
@@ -173,7 +177,7 @@ static void test_traffic(void) {
       const layout_case k = {b == 2 ? SG_SHARD_OPT : SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1],
                              NL[i][1], b == 1 ? SG_BF16 : SG_F32, SG_DTYPE_AUTO,
                              b == 0 ? SG_F32 : SG_BF16, buckets[b], 1 + (i + b) % 3, i == 2,
-                             0, 0};
+                             0, 0, 0};
       run_case(&k);
     }
   /* the slow-links modes: codecs (int8, int4), outer steps and outer steps with int8 codes
@@ -185,7 +189,18 @@ static void test_traffic(void) {
       const layout_case k = {v == 3 ? SG_SHARD_OPT : SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1],
                              NL[i][1], v == 2 ? SG_BF16 : SG_F32, SG_DTYPE_AUTO,
                              v == 3 ? SG_BF16 : SG_F32, buckets[v % 3], 1 + (i + v) % 3,
-                             v == 2, codec, v < 2 ? 0 : v == 4 ? 2 : v - 1};
+                             v == 2, codec, v < 2 ? 0 : v == 4 ? 2 : v - 1, 0};
+      run_case(&k);
+    }
+  /* streaming outer steps: the period's last step syncs group H - 1 (f32 wire, H = 2, many
+   * buckets; int8 codes, H = 3; bf16 wire, H = 3 over one bucket: that step sends nothing) */
+  for (int i = 0; i < 5; i++)
+    for (int v = 0; v < 3 && NL[i][0] > 1; v++) {
+      const layout_case k = {SG_SHARD_GRAD_OP, NL[i][0] * NL[i][1], NL[i][1], SG_F32,
+                             SG_DTYPE_AUTO, v == 2 ? SG_BF16 : SG_F32,
+                             v == 0 ? buckets[0] : v == 1 ? buckets[1] : buckets[3],
+                             1 + (i + v) % 3, 0, v == 1 ? SG_CODEC_INT8 : SG_CODEC_NONE,
+                             v == 0 ? 2 : 3, 1};
       run_case(&k);
     }
 }

@@ -17,6 +17,10 @@
  *    state (its parameters and AdamW moments on every replica, as the reference does);
  *  - a checkpoint without the outer state (of an engine without outer steps): a new period
  *    from the loaded parameters with zero momentum;
+ *  - streaming outer steps (cfg.outer_streaming: step k of each period syncs the buckets b with
+ *    b mod H = k - 1, the test's reference syncs those elements only), also with the int8 codes,
+ *    a bf16 wire, H above the number of buckets and a save/load in the middle of a period: bit
+ *    for bit, and every rank holds the same bits in the synced group after each step;
  *  - bad settings fail at create with a clear message.
  * Usage: test_replica_outer --local */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
@@ -50,6 +54,8 @@ typedef struct {
   int via_l;  /* > 0: between those, engines of N L / via_l replicas x via_l ranks load and save */
   int fresh;  /* 1: the new engines load node 0's flat checkpoint instead (no outer state) */
   sg_codec codec; /* SG_CODEC_INT8: the pseudo-gradient through the int8 codec */
+  int stream;     /* 1: streaming outer steps (cfg.outer_streaming): step k of a period syncs
+                     the buckets b with b mod H = k - 1 */
 } tcase;
 
 typedef struct {
@@ -79,6 +85,7 @@ typedef struct {
   const sg__plan *plan;
   int *fmap;
   float *r1[MAXW], *r2[MAXW];
+  int group[TOTAL]; /* streaming: the group of each element's bucket (bucket mod H) */
 } run_arg;
 
 static float grad_val(int rank, int step, int p, size_t i) {
@@ -91,7 +98,7 @@ static float init_val(int p, size_t i) { return (float)sin(0.3 * (double)i + p) 
 
 static void fill_config(const tcase *tc, sg_config *cfg, int outer) {
   sg_config_init(cfg, sizeof *cfg);
-  cfg->bucket_bytes = 8192;
+  cfg->bucket_bytes = tc->stream ? 2048 : 8192; /* streaming: a bucket per parameter */
   cfg->lr = 0.01f;
   cfg->timeout_ms = 60000;
   cfg->max_grad_norm = 1.0f; /* each replica clips by its own node's norm */
@@ -101,6 +108,7 @@ static void fill_config(const tcase *tc, sg_config *cfg, int outer) {
   cfg->replica_codec = tc->codec;
   cfg->outer_lr = tc->lr;
   cfg->outer_momentum = tc->mu;
+  cfg->outer_streaming = tc->stream;
 }
 
 static sg_status setup(sg_engine *e, int *ids) {
@@ -151,7 +159,7 @@ static float wire_round(const tcase *tc, float x) {
 
 /* The codec's sum of every node's pseudo-gradient, slice by slice of every shard rank j and
  * bucket b (padding: 0), into sum (TOTAL). */
-static void ref_coded_sum(run_arg *a, float *sum) {
+static void ref_coded_sum(run_arg *a, int g, float *sum) {
   const tcase *tc = a->sh->tc;
   const sg__plan *p = a->plan;
   float *in[MAXW], *r1[MAXW], *r2[MAXW];
@@ -159,6 +167,7 @@ static void ref_coded_sum(run_arg *a, float *sum) {
   for (int k = 0; k < tc->n; k++) in[k] = malloc(p->max_bucket_numel * sizeof(float));
   for (int j = 0; j < p->world; j++)
     for (int b = 0; b < p->nbuckets; b++) {
+      if (g >= 0 && b % tc->h != g) continue; /* streaming: the step's group only */
       const size_t n = sg__plan_slice_numel(p, b), f0 = sg__plan_slice_start(p, b, j);
       for (int k = 0; k < tc->n; k++) {
         for (size_t t = 0; t < n; t++) {
@@ -176,13 +185,15 @@ static void ref_coded_sum(run_arg *a, float *sum) {
   free(out);
 }
 
-/* The reference's outer step over every node's parameters; theta receives the result. */
-static void ref_outer(run_arg *a, float *theta) {
+/* The reference's outer step over every node's parameters (g >= 0: over the elements of group
+ * g's buckets only); theta receives the result. */
+static void ref_outer(run_arg *a, int g, float *theta) {
   const tcase *tc = a->sh->tc;
   const float lr = (float)tc->lr, mu = (float)tc->mu;
   static _Thread_local float coded[TOTAL];
-  if (tc->codec) ref_coded_sum(a, coded);
+  if (tc->codec) ref_coded_sum(a, g, coded);
   for (size_t i = 0; i < TOTAL; i++) {
+    if (g >= 0 && a->group[i] != g) continue;
     float sum = wire_round(tc, a->po[i] - a->sh->node[0][i]);
     for (int k = 1; k < tc->n; k++) sum += wire_round(tc, a->po[i] - a->sh->node[k][i]);
     if (tc->codec) sum = coded[i];
@@ -200,6 +211,12 @@ static int outer_at(const tcase *tc, int s) {
   return (s + 1 - p0) % tc->h == 0;
 }
 
+/* Streaming: the group step s syncs (its position in the period). */
+static int group_at(const tcase *tc, int s) {
+  const int p0 = tc->fresh && s >= tc->reload ? tc->reload : 0;
+  return (s - p0) % tc->h;
+}
+
 static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int s) {
   const tcase *tc = a->sh->tc;
   const int node = a->rank / tc->l;
@@ -207,10 +224,10 @@ static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int
   sg_status st = feed_and_step(flat, ids, a->rank, s);
   if (!st) st = read_all(flat, ids, ref);
   if (st) return st; /* the others then wait at the barrier: ctest's timeout ends the run */
-  if (!outer_at(tc, s)) return SG_OK;
+  if (!tc->stream && !outer_at(tc, s)) return SG_OK;
   if (a->rank % tc->l == 0) memcpy(a->sh->node[node], ref, sizeof(float) * TOTAL);
   pthread_barrier_wait(&a->sh->bar);
-  ref_outer(a, ref);
+  ref_outer(a, tc->stream ? group_at(tc, s) : -1, ref);
   pthread_barrier_wait(&a->sh->bar); /* nobody publishes the next one before all read this */
   return write_all(flat, ids, ref);
 }
@@ -270,7 +287,10 @@ static int ref_codec_init(run_arg *a, const sg__plan *p) {
   if (!a->fmap) return 0;
   for (size_t f = 0; f < p->total_numel; f++) a->fmap[f] = -1;
   for (int id = 0, off = 0; id < NP; off += (int)k_sizes[id], id++)
-    for (size_t i = 0; i < k_sizes[id]; i++) a->fmap[p->params[id].offset + i] = off + (int)i;
+    for (size_t i = 0; i < k_sizes[id]; i++) {
+      a->fmap[p->params[id].offset + i] = off + (int)i;
+      a->group[off + i] = p->params[id].bucket % a->sh->tc->h;
+    }
   for (int k = 0; k < a->sh->tc->n; k++) {
     a->r1[k] = calloc(p->total_numel, sizeof(float));
     a->r2[k] = calloc(p->total_numel, sizeof(float));
@@ -332,6 +352,7 @@ static void check_memory(const tcase *tc, const result *res) {
   sg_memory_stats with = {.struct_size = sizeof with}, without = {.struct_size = sizeof without};
   sg_status s1 = sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &with);
   cfg.outer_every = 0;
+  cfg.outer_streaming = 0;
   cfg.replica_codec = SG_CODEC_NONE;
   sg_status s2 = sg_estimate_memory(&cfg, k_sizes, NP, tc->n * tc->l, &without);
   CHECK(s1 == SG_OK && s2 == SG_OK && with.comm_bytes == res->mem.comm_bytes &&
@@ -345,6 +366,19 @@ static void check_memory(const tcase *tc, const result *res) {
             outer <= 8 * with.shard_numel + 4 * with.shard_numel + codec + slack + 4096,
         "[%s] the outer state is counted: %zu comm bytes for a shard of %zu", tc->name, outer,
         with.shard_numel);
+}
+
+/* Streaming: after step s every rank holds the same bits in the elements of the step's group
+ * (the group has elements: a group without buckets, H > nbuckets, syncs nothing). */
+static void check_group_same(const tcase *tc, const result *res, const int *group, int w, int s) {
+  const int g = group_at(tc, s);
+  int n = 0, same = 1;
+  for (size_t i = 0; i < TOTAL; i++) {
+    if (group[i] != g) continue;
+    n++;
+    for (int r = 1; r < w; r++) same &= res[r].param[s][i] == res[0].param[s][i];
+  }
+  CHECK(same, "[%s] step %d: every rank holds the same %d elements of group %d", tc->name, s, n, g);
 }
 
 static void run_case(const tcase *tc) {
@@ -378,6 +412,12 @@ static void run_case(const tcase *tc) {
   for (int s = 0; s < tc->steps && ok; s++) {
     int same = 1;
     for (int r = 1; r < w; r++) same &= !memcmp(res[r].param[s], res[0].param[s], sizeof res[0].param[s]);
+    if (tc->stream) {
+      check_group_same(tc, res, a[0].group, w, s);
+      CHECK(same == (tc->h == 1), "[%s] step %d: the ranks hold %s parameters", tc->name, s,
+            tc->h == 1 ? "the same" : "their node's own outside the group");
+      continue;
+    }
     CHECK(same == outer_at(tc, s), "[%s] step %d: the ranks hold %s parameters", tc->name, s,
           outer_at(tc, s) ? "the same" : "their node's own");
   }
@@ -422,6 +462,21 @@ static void check_errors(void) {
             strstr(sg_last_error(), "SG_CODEC_INT8"), "outer steps with the 4-bit codec: %s",
         sg_last_error());
   cfg.replica_codec = SG_CODEC_NONE;
+  CHECK(cfg.outer_streaming == 0, "streaming is off by default");
+  cfg.outer_streaming = 2;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "outer_streaming must be 0 or 1"),
+        "outer_streaming 2 is refused: %s", sg_last_error());
+  cfg.outer_streaming = 1;
+  cfg.outer_every = 0;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "outer_streaming needs outer steps"),
+        "streaming without outer_every is refused: %s", sg_last_error());
+  cfg.outer_every = 4;
+  CHECK(sg_engine_create(one[0], &cfg, &e) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "hybrid"),
+        "streaming outer steps on a flat engine are refused: %s", sg_last_error());
+  cfg.outer_streaming = 0;
   if (CHECK(sg_comm_create_local(1, &one[1]) == SG_OK, "comm")) {
     CHECK(sg_engine_create_hybrid(one[0], one[1], &cfg, &e) == SG_ERR_INVALID_ARGUMENT && !e &&
               strstr(sg_last_error(), "one replica"),
@@ -433,10 +488,12 @@ static void check_errors(void) {
   sg_comm_destroy(one[0]);
 }
 
-/* Two replicas of one rank each whose outer lr differ: both refused at sg_finalize. */
+/* Two replicas of one rank each whose outer lr (or streaming) differ: both refused at
+ * sg_finalize. */
 typedef struct {
   sg_comm *shard, *replica;
   double lr;
+  int stream;
   sg_status st;
   char msg[512];
 } lr_arg;
@@ -447,6 +504,7 @@ static void *lr_thread(void *arg) {
   sg_config_init(&cfg, sizeof cfg);
   cfg.outer_every = 2;
   cfg.outer_lr = a->lr;
+  cfg.outer_streaming = a->stream;
   sg_engine *e = NULL;
   int id = 0;
   a->st = sg_engine_create_hybrid(a->shard, a->replica, &cfg, &e);
@@ -457,19 +515,20 @@ static void *lr_thread(void *arg) {
   return NULL;
 }
 
-static void check_outer_lr_agreement(void) {
+static void check_outer_agreement(double lr1, int stream1, const char *field) {
   sg_comm *rep[2] = {NULL, NULL}, *sh[2] = {NULL, NULL};
   if (!CHECK(sg_comm_create_local(2, rep) == SG_OK && sg_comm_create_local(1, &sh[0]) == SG_OK &&
                  sg_comm_create_local(1, &sh[1]) == SG_OK,
              "comms"))
     return;
-  lr_arg a[2] = {{sh[0], rep[0], 0.7, SG_OK, ""}, {sh[1], rep[1], 0.5, SG_OK, ""}};
+  lr_arg a[2] = {{sh[0], rep[0], 0.7, 0, SG_OK, ""}, {sh[1], rep[1], lr1, stream1, SG_OK, ""}};
   pthread_t t[2];
   for (int r = 0; r < 2; r++) pthread_create(&t[r], NULL, lr_thread, &a[r]);
   for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
   for (int r = 0; r < 2; r++)
-    CHECK(a[r].st == SG_ERR_MISMATCH && strstr(a[r].msg, "outer_lr"),
-          "replica %d: outer lr 0.7 against 0.5 refused at finalize: %s", r, a[r].msg);
+    CHECK(a[r].st == SG_ERR_MISMATCH && strstr(a[r].msg, field),
+          "replica %d: outer lr 0.7 against %g, streaming 0 against %d refused at finalize: %s",
+          r, lr1, stream1, a[r].msg);
   for (int r = 0; r < 2; r++) {
     sg_comm_destroy(rep[r]);
     sg_comm_destroy(sh[r]);
@@ -477,23 +536,34 @@ static void check_outer_lr_agreement(void) {
 }
 
 static const tcase k_cases[] = {
-    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE},
-    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE},
-    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_NONE},
-    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4, 0, 0, SG_CODEC_NONE},
+    {"2x2 H=3", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 0},
+    {"3x1 H=2 bf16 wire", 3, 1, 2, 5, SG_BF16, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 0},
+    {"3x2 H=1 lr 1 no momentum", 3, 2, 1, 3, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_NONE, 0},
+    {"2x2 H=2 save+load at step 4", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 4, 0, 0, SG_CODEC_NONE, 0},
     {"2x2 H=3 save at step 4, load+save at 4x1, load", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4, 1, 0,
-     SG_CODEC_NONE},
+     SG_CODEC_NONE, 0},
     {"2x2 H=3 load at step 4 without outer state", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4, 0, 1,
-     SG_CODEC_NONE},
-    {"2x2 H=2 int8", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_INT8},
-    {"3x2 H=1 int8 lr 1 no momentum", 3, 2, 1, 4, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_INT8},
+     SG_CODEC_NONE, 0},
+    {"2x2 H=2 int8", 2, 2, 2, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_INT8, 0},
+    {"3x2 H=1 int8 lr 1 no momentum", 3, 2, 1, 4, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_INT8, 0},
     {"2x2 H=2 int8 save at step 3, load+save at 4x1, load", 2, 2, 2, 8, SG_F32, 0.7, 0.9, 3, 1,
-     0, SG_CODEC_INT8},
+     0, SG_CODEC_INT8, 0},
+    {"2x2 H=2 streaming", 2, 2, 2, 6, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 1},
+    {"3x2 H=3 streaming", 3, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 1},
+    {"3x2 H=2 streaming bf16 wire", 3, 2, 2, 5, SG_BF16, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 1},
+    {"2x2 H=3 streaming int8", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_INT8, 1},
+    {"2x2 H=5 streaming (more groups than buckets)", 2, 2, 5, 7, SG_F32, 0.7, 0.5, 0, 0, 0,
+     SG_CODEC_NONE, 1},
+    {"2x2 H=3 streaming save at step 4, load+save at 4x1, load", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4,
+     1, 0, SG_CODEC_NONE, 1},
+    {"3x2 H=2 streaming int8 save at step 3, load", 3, 2, 2, 6, SG_F32, 0.7, 0.9, 3, 0, 0,
+     SG_CODEC_INT8, 1},
 };
 
 int main(void) {
   check_errors();
-  check_outer_lr_agreement();
+  check_outer_agreement(0.5, 0, "outer_lr");
+  check_outer_agreement(0.7, 1, "outer_streaming");
   for (size_t k = 0; k < sizeof k_cases / sizeof k_cases[0]; k++) run_case(&k_cases[k]);
   return sg_test_summary("test_replica_outer");
 }

@@ -116,6 +116,9 @@ class SgConfig(ctypes.Structure):
         # the library's was never initialised and every call refuses it (Config always starts
         # from sg_config_init, and copy() copies the whole struct)
         ("magic", ctypes.c_uint64),
+        # --- 0.5 ---
+        ("outer_streaming", ctypes.c_int),
+        ("reserved_0_5", ctypes.c_int),
     ]
 
 

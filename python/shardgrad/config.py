@@ -88,6 +88,7 @@ FIELDS = tuple(name for name, _ in SgConfig._fields_
                if name not in ("struct_size", "magic") and not name.startswith("reserved"))
 _FIELD_TYPES = dict(SgConfig._fields_)
 _BOOL_FIELDS = ("grad_average", "skip_nonfinite", "stochastic_rounding", "overlap_param_gather",
+                "outer_streaming",
                 "offload_optimizer")
 # Fields appended after 0.1, with the C function that tells whether the loaded library knows
 # them. An older library takes an older struct_size (_SIZES) and would ignore the value, so a
@@ -97,8 +98,9 @@ _NEWER_FIELDS = {"overlap_param_gather": "sg_param_wait"}
 # 0.1's (0.1 ended at timeout_ms plus tail padding, where 0.2's overlap_param_gather went).
 # 0.3 appended a block after reserved_0_2, so its fields lie past 0.2's struct_size; 0.4 one
 # after reserved_0_3 (replica_codec .. optim_state_min_numel, then the magic that
-# sg_config_init writes, which the older layouts do not have).
-_SIZES = (ctypes.sizeof(SgConfig), SgConfig.replica_codec.offset, SgConfig.offload_optimizer.offset,
+# sg_config_init writes, which the older layouts do not have); 0.5 one after the magic
+# (outer_streaming, reserved_0_5).
+_SIZES = (ctypes.sizeof(SgConfig), SgConfig.outer_streaming.offset, SgConfig.replica_codec.offset, SgConfig.offload_optimizer.offset,
           SgConfig.reserved_0_2.offset)
 
 

@@ -236,7 +236,7 @@ def test_config_init_defaults_and_struct_size():
                 timeout_ms=600000, overlap_param_gather=0, offload_optimizer=0,
                 replica_reduce_dtype=sg.DType.F32, shard_ranks=0, replica_codec=sg.Codec.NONE,
                 outer_every=0, outer_lr=0.7, outer_momentum=0.9,
-                optim_state_dtype=sg.DType.F32, optim_state_min_numel=4096)
+                optim_state_dtype=sg.DType.F32, optim_state_min_numel=4096, outer_streaming=0)
     got = cfg.as_dict()
     assert set(got) == set(want)
     for k, v in want.items():

@@ -10,6 +10,8 @@ against the exact hybrid engine (f32 wire) on the same batches:
  - outer steps (outer_every=4): after 12 steps (an outer step) every rank holds the same model,
    after 10 (mid-period) the nodes differ; the loss falls; with replica_codec="int8" too (the
    pseudo-gradient as int8 codes) the same, its residuals in comm_bytes;
+ - streaming outer steps (outer_streaming=1): at H = 1 bit for bit the outer steps of H = 1,
+   at H = 2 the loss falls; bad settings refused;
  - a codec on a flat engine is refused at create, an unknown codec name is a ValueError.
 """
 
@@ -86,6 +88,28 @@ def test_sharded_adamw_outer_steps():
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
 
 
+def test_sharded_adamw_streaming_outer_steps():
+    """outer_streaming=1: with H = 1 the one group is every bucket, so each step is the outer step
+    of outer_every=1 without streaming, bit for bit; with H = 2 over small buckets the run
+    trains (each step syncs every other bucket)."""
+    base = make_model(0)
+    batches = make_batches(1, 6, MICRO, W, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        h1 = {s: sg.run_threads(W, body, "none", batches, base, outer_every=1, outer_streaming=s)
+              for s in (0, 1)}
+        h2 = sg.run_threads(W, body, "none", batches, base, outer_every=2, outer_streaming=True,
+                            bucket_bytes=4096)
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(W):
+        assert max_param_diff(h1[1][r][1], h1[0][r][1])[0] == 0.0, r
+        assert max_param_diff(h1[1][r][1], h1[1][0][1])[0] == 0.0, r
+    losses = h2[0][0]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2])
+
+
 def test_replica_codec_refused():
     comms = sg.Comm.local(1)
     try:
@@ -95,5 +119,9 @@ def test_replica_codec_refused():
             sg.Config(replica_codec="int2")
         with pytest.raises(sg.InvalidArgumentError, match="outer_every"):
             ShardedAdamW(make_model(0), comms[0], outer_every=8)
+        with pytest.raises(sg.InvalidArgumentError, match="outer_streaming needs outer steps"):
+            sg.Config(outer_streaming=1)
+        with pytest.raises(sg.InvalidArgumentError, match="outer_streaming must be 0 or 1"):
+            sg.Config(outer_every=2, outer_streaming=2)
     finally:
         comms[0].close()

@@ -22,10 +22,11 @@ static const sg__config_layout layouts[] = {
     {"0.2", SG__END_OF(reserved_0_2), SG__END_OF(reserved_0_2)},
     {"0.3", SG__END_OF(reserved_0_3), SG__END_OF(reserved_0_3)},
     {"0.4", SG__END_OF(magic), SG__END_OF(magic)},
+    {"0.5", SG__END_OF(reserved_0_5), SG__END_OF(reserved_0_5)},
 };
 #define SG__NLAYOUTS ((int)(sizeof layouts / sizeof layouts[0]))
 #define SG__CONFIG_V1_SIZE (layouts[0].size)
-_Static_assert(sizeof(sg_config) == SG__END_OF(magic),
+_Static_assert(sizeof(sg_config) == SG__END_OF(reserved_0_5),
                "the newest sg_config block must end without tail padding (see layouts)");
 
 /* The layout a caller's struct_size names; NULL for a size no release published. */
@@ -101,6 +102,8 @@ static void sg__config_defaults(sg_config *c) {
   c->optim_state_dtype = SG_F32;
   c->optim_state_min_numel = 4096;
   c->magic = SG__CONFIG_MAGIC;
+  c->outer_streaming = 0;
+  c->reserved_0_5 = 0;
 }
 
 sg_status sg_config_init(sg_config *cfg, size_t struct_size) {
@@ -264,6 +267,19 @@ static sg_status sg__config_check_0_4(const sg_config *c, const char *fn) {
   return SG_OK;
 }
 
+static sg_status sg__config_check_0_5(const sg_config *c, const char *fn) {
+  if (c->outer_streaming != 0 && c->outer_streaming != 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_streaming must be 0 or 1 (got %d)",
+                   fn, c->outer_streaming);
+  if (c->outer_streaming && c->outer_every < 1)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->outer_streaming needs outer steps "
+                   "(cfg->outer_every = H >= 1: the period its groups are spread over)", fn);
+  if (c->reserved_0_5 != 0)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->reserved_0_5 must be 0 (got %d)", fn,
+                   c->reserved_0_5);
+  return SG_OK;
+}
+
 static sg_status sg__config_check_scale(const sg_config *c, const char *fn) {
   SG_TRY(sg__check_min(fn, "loss_scale", c->loss_scale, 0.0f, 0));
   SG_TRY(sg__check_min(fn, "init_loss_scale", c->init_loss_scale, 0.0f, 1));
@@ -286,6 +302,7 @@ sg_status sg__config_check(const sg_config *c, const char *fn) {
   SG_TRY(sg__config_check_scale(c, fn));
   SG_TRY(sg__config_check_0_3(c, fn));
   SG_TRY(sg__config_check_0_4(c, fn));
+  SG_TRY(sg__config_check_0_5(c, fn));
   return SG_OK;
 }
 

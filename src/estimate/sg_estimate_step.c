@@ -44,7 +44,9 @@ typedef struct model {
   int hybrid;                 /* cfg->shard_ranks set: a replica stage, even of one replica (its
                                  all-reduces over one rank move nothing but are issued) */
   int codec_bits;             /* cfg->replica_codec: 8 or 4; 0 none */
-  int outer_sync;             /* outer steps: 1 models the period's last step (it syncs) */
+  int outer_first;            /* outer steps: the first bucket the modelled step syncs (-1:
+                                 none), then every outer_stride-th (1: all; streaming: H) */
+  int outer_stride;
   span shard, replica;
   int nstaging;               /* staging buffers (0: a full gradient buffer) */
   double per_elem_s;          /* norm + update time per shard element */
@@ -316,23 +318,25 @@ static double update_time(model *m, uint64_t n) {
   return h2d > upd ? h2d : upd;
 }
 
-/* The last step of an outer period (sg_replica_outer.c, sg_step.c): once the step's gathers
- * landed, bucket by bucket the all-reduce of the rank's pseudo-gradient across the replicas in
- * replica_reduce_dtype (with the int8 codec its exchange, sg_replica_outer_int8.c), each waited
- * for (the host's outer update and coding between them are not modelled), then the node's
- * all-gathers of the new parameters. */
+/* The last step of an outer period (sg_replica_outer.c, sg_step.c), or with streaming any step
+ * whose group has buckets (sg_replica_outer_stream.c): once the step's gathers landed, bucket
+ * by bucket (all, or the group's) the all-reduce of the rank's pseudo-gradient across the
+ * replicas in replica_reduce_dtype (with the int8 codec its exchange, sg_replica_outer_int8.c),
+ * each waited for (the host's outer update and coding between them are not modelled), then the
+ * node's all-gathers of those buckets' new parameters. */
 static sg_status outer_sync(model *m, double *t) {
-  if (!outer_steps(m) || !m->outer_sync) return SG_OK;
+  if (!outer_steps(m) || m->outer_first < 0) return SG_OK;
   *t = wait_until(m, *t, m->comm_free);
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
-  for (int b = 0; b < m->p->nbuckets; b++) {
+  const int b0 = m->outer_first, db = m->outer_stride;
+  for (int b = b0; b < m->p->nbuckets; b += db) {
     const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
     SG_TRY(m->codec_bits ? codec_exchange(m, b, *t) : run_coll(m, *t, &r, 1));
     *t = wait_until(m, *t, m->comm_free);
   }
   if (m->L < 2) return SG_OK;
   const uint64_t P = sg__dtype_size(m->cfg->param_dtype);
-  for (int b = m->p->nbuckets - 1; b >= 0; b--) {
+  for (int b = b0; b < m->p->nbuckets; b += db) {
     const cost c = coll_cost(m, AG, m->shard, m->p->buckets[b].numel * P);
     SG_TRY(run_coll(m, *t, &c, 0));
   }
@@ -561,12 +565,15 @@ static sg_status run_model(model *m, int microbatches) {
   return SG_OK;
 }
 
-/* One step through the model: with outer steps, the period's last one (sync 1) or another. */
-static sg_status estimate_once(model *m, int microbatches, int sync, sg_step_estimate *e) {
+/* One step through the model: with outer steps, one that syncs the buckets first, first +
+ * stride, ... (the period's last one: 0, 1; streaming: a group, g, H) or none (first -1). */
+static sg_status estimate_once(model *m, int microbatches, int first, int stride,
+                               sg_step_estimate *e) {
   memset(e, 0, sizeof *e);
   e->struct_size = sizeof *e;
   m->out = e;
-  m->outer_sync = sync;
+  m->outer_first = first;
+  m->outer_stride = stride;
   m->njobs = 0;
   m->comm_free = 0;
   memset(m->contention, 0, sizeof m->contention);
@@ -593,6 +600,43 @@ static void period_mean(sg_step_estimate *e, const sg_step_estimate *inner, int 
   }
 }
 
+/* acc's times += w x's. */
+static void add_times(sg_step_estimate *acc, const sg_step_estimate *x, double w) {
+  acc->step_s += w * x->step_s;
+  acc->compute_s += w * x->compute_s;
+  acc->optim_s += w * x->optim_s;
+  acc->copy_s += w * x->copy_s;
+  acc->handover_s += w * x->handover_s;
+  for (int l = 0; l < SG_LEVELS; l++) {
+    acc->exposed_s[l] += w * x->exposed_s[l];
+    acc->comm_s[l] += w * x->comm_s[l];
+  }
+}
+
+/* Streaming outer steps: step k of a period syncs group k - 1 (the buckets b with b mod H =
+ * k - 1; none when k > nbuckets). The times are the mean over the period; the byte and
+ * collective counts are the period's last step's (group H - 1), what sg_comm_stats counts
+ * across that step, as without streaming. */
+static sg_status stream_estimate(model *m, int microbatches, sg_step_estimate *out) {
+  const int H = m->cfg->outer_every, nb = m->p->nbuckets, G = H < nb ? H : nb;
+  const int last = H <= nb ? H - 1 : G; /* G: a step whose group has no bucket */
+  sg_step_estimate x, mean;
+  memset(&mean, 0, sizeof mean);
+  for (int g = 0; g <= G; g++) {
+    const double w = (g < G ? 1.0 : (double)(H - G)) / H;
+    if (g == G && H == G) break;
+    SG_TRY(estimate_once(m, microbatches, g < G ? g : -1, H, &x));
+    add_times(&mean, &x, w);
+    if (g == last) *out = x;
+  }
+  mean.struct_size = out->struct_size;
+  out->step_s = mean.step_s, out->compute_s = mean.compute_s, out->optim_s = mean.optim_s;
+  out->copy_s = mean.copy_s, out->handover_s = mean.handover_s;
+  memcpy(out->exposed_s, mean.exposed_s, sizeof mean.exposed_s);
+  memcpy(out->comm_s, mean.comm_s, sizeof mean.comm_s);
+  return SG_OK;
+}
+
 sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams, int world,
                            int microbatches, const sg_hardware *hw, sg_step_estimate *out) {
   static const char *fn = "sg_estimate_step";
@@ -613,10 +657,15 @@ sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int npara
   m.codec_bits = !m.hybrid ? 0 : c.replica_codec == SG_CODEC_INT8 ? 8
                                 : c.replica_codec == SG_CODEC_INT4 ? 4 : 0;
   sg_step_estimate e, inner;
-  sg_status st = estimate_once(&m, microbatches, 1, &e);
-  if (st == SG_OK && outer_steps(&m) && c.outer_every > 1) {
-    st = estimate_once(&m, microbatches, 0, &inner);
-    if (st == SG_OK) period_mean(&e, &inner, c.outer_every);
+  sg_status st = SG_OK;
+  if (outer_steps(&m) && c.outer_streaming) {
+    st = stream_estimate(&m, microbatches, &e);
+  } else {
+    st = estimate_once(&m, microbatches, 0, 1, &e);
+    if (st == SG_OK && outer_steps(&m) && c.outer_every > 1) {
+      st = estimate_once(&m, microbatches, -1, 1, &inner);
+      if (st == SG_OK) period_mean(&e, &inner, c.outer_every);
+    }
   }
   sg__plan_free(p);
   if (st == SG_OK) *out = e;

@@ -10,12 +10,13 @@
 /* What the ranks of both communicators must agree on about the wire: its dtype, the codec and
  * the outer steps' period, in one word. */
 /* What the replicas (and a node's ranks) must agree on beyond the plan: the wire dtype, the
- * codec, H and the outer optimizer's lr and momentum (replicas that took different outer steps
- * would hold different parameters, silently). */
+ * codec, H, streaming and the outer optimizer's lr and momentum (replicas that took different
+ * outer steps would hold different parameters, silently). */
 static uint64_t wire_dtype(const sg_engine *e) {
   const double outer[2] = {e->cfg.outer_lr, e->cfg.outer_momentum};
   const uint64_t w = (uint64_t)e->cfg.replica_reduce_dtype | (uint64_t)e->cfg.replica_codec << 4 |
-                     (uint64_t)(unsigned)e->cfg.outer_every << 8;
+                     (uint64_t)(unsigned)e->cfg.outer_every << 8 |
+                     (uint64_t)(unsigned)e->cfg.outer_streaming << 40;
   return e->cfg.outer_every > 0 ? sg__hash_bytes(w, outer, sizeof outer) : w;
 }
 
@@ -86,7 +87,8 @@ static sg_status round_a(sg_engine *e) {
                    e->rank, e->rep.rank, e->rep.n);
     else if (o[RA_WIRE] != mine[RA_WIRE])
       st = sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec, "
-                   "outer_every, outer_lr or outer_momentum differ between shard ranks %d and %d",
+                   "outer_every, outer_streaming, outer_lr or outer_momentum differ between shard "
+                   "ranks %d and %d",
                    r, e->rank);
   }
   free(all);
@@ -157,8 +159,8 @@ static sg_status check_round_b(sg_engine *e, const uint64_t *all, const uint64_t
                      (int)o[RB_SHARD_RANK]);
     if (o[RB_WIRE] != mine[RB_WIRE])
       return sg__err(SG_ERR_MISMATCH, "config fields replica_reduce_dtype, replica_codec, "
-                     "outer_every, outer_lr or outer_momentum differ between replica %d and this "
-                     "rank's (replica %d)", r, e->rep.rank);
+                     "outer_every, outer_streaming, outer_lr or outer_momentum differ between "
+                     "replica %d and this rank's (replica %d)", r, e->rep.rank);
     if (o[RB_HASH] != mine[RB_HASH])
       return sg__err(SG_ERR_MISMATCH, "replica %d registered different parameters or a "
                      "different config (its plan differs from replica %d's)", r, e->rep.rank);

@@ -8,13 +8,14 @@
  *                             replica order), divided by N in fp32
  *   m = mu m + d, po -= lr (d + mu m), theta = po    Nesterov momentum SGD
  *
- * and the engine gathers the new parameters in the node (sg_step.c). Every replica computes
+ * and the node gathers the new parameters (here, on the comm queue). Every replica computes
  * the same po from the same sum, so all hold the same bits after it. po and m are taken (po =
  * the parameters, m = 0) at the first step after sg_finalize, or after an sg_load of a
  * checkpoint without them; checkpoints hold po, m and the position in the period (outer_save,
  * outer_restore). The inner optimizer's state is not touched. This file owns the outer state,
  * in the layout's replica buffer (po, m, the wire of one owned run: sg__replica_outer_bytes,
- * counted in sg_memory's comm_bytes). */
+ * counted in sg_memory's comm_bytes). The streaming variant (sg_replica_outer_stream.c) takes the
+ * same steps one group of buckets at a time: sg__replica_outer_stream_due and _sync below. */
 #include <string.h>
 
 #include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_outer_*, sg__cpu_cast */
@@ -26,7 +27,8 @@ typedef struct {
   float *po, *m, *d;
   void *wire; /* NULL: the fp32 run goes on the wire itself */
   int fresh;  /* po and m are to be taken from the parameters at the next step */
-  int inner;  /* steps since the last outer step */
+  int inner;  /* steps since the last outer step (streaming: since the period began) */
+  int group;  /* streaming: the group of buckets the step that just ended syncs */
 } outer_state;
 
 static size_t max_run(const sg__plan *p) {
@@ -104,7 +106,7 @@ static sg_status sum_job_fn(void *arg) {
 
 /* The pseudo-gradient run summed over the replicas (on the comm queue): all-reduced in fp32, or
  * through the bf16 wire. */
-static sg_status wire_sum(sg_engine *e, int b, float *d, size_t n) {
+sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
   (void)b;
   outer_state *k = state_of(e);
   sg_comm *c = e->rep.comm;
@@ -117,11 +119,26 @@ static sg_status wire_sum(sg_engine *e, int b, float *d, size_t n) {
   return SG_OK;
 }
 
-sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
+/* The node's gathers of the buckets first, first + stride, ... (their new parameters). */
+typedef struct {
+  sg_engine *e;
+  int first, stride;
+} gather_job;
+
+static sg_status gather_job_fn(void *arg) {
+  const gather_job *j = arg;
+  for (int b = j->first; b < j->e->plan->nbuckets; b += j->stride)
+    SG_TRY(j->e->strat->shard->gather(j->e, b));
+  return SG_OK;
+}
+
+/* The outer step of the buckets first, first + stride, ... (all of them: 0, 1), then the
+ * node's gathers of their new parameters. */
+static sg_status sync_buckets(sg_engine *e, sg__outer_sum_fn sum, int first, int stride) {
   outer_state *k = state_of(e);
   const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (int b = 0; b < e->plan->nbuckets; b++) {
+  for (int b = first; b < e->plan->nbuckets; b += stride) {
     sg__owned o;
     e->strat->owned(e->plan, e->rank, b, &o);
     float *theta = master_of(e, &o);
@@ -132,10 +149,32 @@ sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
     /* bf16/f16 parameters: the working copy from the new master */
     if (e->opt.master) sg__cpu_cast(e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
   }
-  return SG_OK;
+  if (!sg__gathers_needed(e)) return SG_OK;
+  gather_job g = {e, first, stride};
+  return sg__replica_run_comm(e, gather_job_fn, &g);
 }
 
-static sg_status outer_sync(sg_engine *e) { return sg__replica_outer_sync(e, wire_sum); }
+sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
+  return sync_buckets(e, sum, 0, 1);
+}
+
+static sg_status outer_sync(sg_engine *e) {
+  return sg__replica_outer_sync(e, sg__replica_outer_wire_sum);
+}
+
+/* Streaming (sg_replica_outer_stream.c): the k-th step of a period (k = 1..H) syncs group k - 1,
+ * the buckets b with b mod H = k - 1; a group without buckets (H > nbuckets) has nothing to do.
+ * The position in the period (inner) is what checkpoints keep, as without streaming. */
+int sg__replica_outer_stream_due(sg_engine *e) {
+  outer_state *k = state_of(e);
+  k->group = k->inner++;
+  if (k->inner >= e->cfg.outer_every) k->inner = 0;
+  return k->group < e->plan->nbuckets;
+}
+
+sg_status sg__replica_outer_stream_sync(sg_engine *e, sg__outer_sum_fn sum) {
+  return sync_buckets(e, sum, state_of(e)->group, e->cfg.outer_every);
+}
 
 int sg__replica_outer_grad_replicas(const sg_engine *e) {
   (void)e;

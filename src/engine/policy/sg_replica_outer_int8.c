@@ -7,7 +7,7 @@
  * outer step. The residuals carry what the codes missed into the next outer step (error
  * feedback on the pseudo-gradient). The layout's replica buffer holds the outer state, then
  * the codec's residuals and exchange buffers (sg__replica_outer_int8_bytes); checkpoints hold
- * both. */
+ * both. The streaming variant (sg_replica_outer_stream.c) shares these entries. */
 #include "sg_replica_policy.h"
 
 /* The codec's part begins after the outer state, 64-byte aligned. */
@@ -19,35 +19,38 @@ size_t sg__replica_outer_int8_bytes(const sg__plan *p, const sg_config *cfg, int
   return codec_off(p, cfg) + sg__replica_codec_bytes(p, n, 8);
 }
 
-static sg_status prepare(sg_engine *e) {
+sg_status sg__replica_outer_int8_prepare(sg_engine *e) {
   SG_TRY(sg__replica_outer_prepare(e));
   return sg__replica_codec_prepare(e, 8, codec_off(e->plan, &e->cfg), SG__REP_OUTER_RESID);
 }
 
-static sg_status coded_sum(sg_engine *e, int b, float *d, size_t n) {
+sg_status sg__replica_outer_int8_sum(sg_engine *e, int b, float *d, size_t n) {
   (void)n; /* the bucket's slice: n values */
   return sg__replica_codec_sum(e, b, d);
 }
 
-static sg_status sync(sg_engine *e) { return sg__replica_outer_sync(e, coded_sum); }
+static sg_status sync(sg_engine *e) {
+  return sg__replica_outer_sync(e, sg__replica_outer_int8_sum);
+}
 
-static void describe(const sg_engine *e, sg__rep_ck *ck) {
+void sg__replica_outer_int8_describe(const sg_engine *e, sg__rep_ck *ck) {
   sg__replica_outer_describe(e, ck);
   sg__replica_codec_describe(e, ck);
 }
 
-static sg_status save(sg_engine *e, sg__rep_ck *ck) {
+sg_status sg__replica_outer_int8_save(sg_engine *e, sg__rep_ck *ck) {
   SG_TRY(sg__replica_outer_save(e, ck));
   return sg__replica_codec_save(e, ck);
 }
 
-static void restore(sg_engine *e, const sg__rep_ck *ck) {
+void sg__replica_outer_int8_restore(sg_engine *e, const sg__rep_ck *ck) {
   sg__replica_outer_restore(e, ck);
   sg__replica_codec_restore(e, ck);
 }
 
 const sg__replica_ops sg__replica_outer_int8 = {
     .name = "host, outer steps, int8 codes", SG__REPLICA_ENTRIES, SG__REPLICA_OUTER_STEPS,
-    .prepare = prepare, .release = sg__replica_codec_release, .sync = sync,
-    .ck_describe = describe, .ck_save = save, .restore = restore,
+    .prepare = sg__replica_outer_int8_prepare, .release = sg__replica_codec_release, .sync = sync,
+    .ck_describe = sg__replica_outer_int8_describe, .ck_save = sg__replica_outer_int8_save,
+    .restore = sg__replica_outer_int8_restore,
 };

@@ -20,8 +20,17 @@ extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
 extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
 extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
 extern const sg__replica_ops sg__replica_outer_int8; /* sg_replica_outer_int8.c */
-/* sg_replica_outer_int8.c: the bytes of its state (the outer state, then the codec's). */
+extern const sg__replica_ops sg__replica_outer_stream;      /* sg_replica_outer_stream.c */
+extern const sg__replica_ops sg__replica_outer_stream_int8; /* sg_replica_outer_stream.c */
+/* sg_replica_outer_int8.c: the bytes of its state (the outer state, then the codec's), and the
+ * entries the streaming variant with int8 codes shares: prepare, the coded sum of a bucket's
+ * pseudo-gradient run, the checkpoint entries. */
 size_t sg__replica_outer_int8_bytes(const sg__plan *p, const sg_config *cfg, int n);
+sg_status sg__replica_outer_int8_prepare(sg_engine *e);
+sg_status sg__replica_outer_int8_sum(sg_engine *e, int b, float *d, size_t n);
+void sg__replica_outer_int8_describe(const sg_engine *e, sg__rep_ck *ck);
+sg_status sg__replica_outer_int8_save(sg_engine *e, sg__rep_ck *ck);
+void sg__replica_outer_int8_restore(sg_engine *e, const sg__rep_ck *ck);
 /* sg_replica_outer.c: the bytes of its state (outer parameters, momentum, a run's wire), and
  * the pieces outer steps with int8 codes share: prepare (the state at the start of the replica
  * buffer), the sum of bucket b's pseudo-gradient run d across replicas (on the comm queue) that
@@ -29,7 +38,12 @@ size_t sg__replica_outer_int8_bytes(const sg__plan *p, const sg_config *cfg, int
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg);
 typedef sg_status (*sg__outer_sum_fn)(sg_engine *e, int b, float *d, size_t n);
 sg_status sg__replica_outer_prepare(sg_engine *e);
+sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n);
 sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
+/* Streaming: due at every step whose group (the buckets b with b mod H = the step's position in
+ * the period) has a bucket, and that group's outer step. */
+int sg__replica_outer_stream_due(sg_engine *e);
+sg_status sg__replica_outer_stream_sync(sg_engine *e, sg__outer_sum_fn sum);
 sg_status sg__replica_outer_finish(sg_engine *e);
 int sg__replica_outer_due(sg_engine *e);
 int sg__replica_outer_grad_replicas(const sg_engine *e);
@@ -37,10 +51,13 @@ sg_status sg__replica_outer_claim(sg_engine *e, int b);
 void sg__replica_outer_describe(const sg_engine *e, sg__rep_ck *ck);
 sg_status sg__replica_outer_save(sg_engine *e, sg__rep_ck *ck);
 void sg__replica_outer_restore(sg_engine *e, const sg__rep_ck *ck);
-#define SG__REPLICA_OUTER_STEPS                                                                   \
+#define SG__REPLICA_OUTER_COMMON                                                                  \
   .share_scratch = 1, .claim = sg__replica_outer_claim, .finish = sg__replica_outer_finish,      \
   .run = sg__replica_run_comm, .drain = sg__replica_no_drain,                                    \
-  .grad_replicas = sg__replica_outer_grad_replicas, .sync_due = sg__replica_outer_due
+  .grad_replicas = sg__replica_outer_grad_replicas
+#define SG__REPLICA_OUTER_STEPS SG__REPLICA_OUTER_COMMON, .sync_due = sg__replica_outer_due
+#define SG__REPLICA_OUTER_STREAM_STEPS                                                            \
+  SG__REPLICA_OUTER_COMMON, .sync_due = sg__replica_outer_stream_due
 
 /* sg_replica_select.c: the bytes of the layout's replica buffer (sg__replicas_shape). */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n);

@@ -31,7 +31,7 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
 }
 
 /* Outer steps read and write the master and parameters on the host; with the int8 codec their
- * pseudo-gradient goes through its exchange. */
+ * pseudo-gradient goes through its exchange; streaming: one group of buckets per step. */
 static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
@@ -39,15 +39,16 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
   if (e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
                    "device has no outer step yet)");
+  const int stream = e->cfg.outer_streaming;
   if (e->cfg.replica_codec == SG_CODEC_NONE) {
-    *ops = &sg__replica_outer;
+    *ops = stream ? &sg__replica_outer_stream : &sg__replica_outer;
     return SG_OK;
   }
   if (!replica->ops->all_to_all)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
                    "all-to-all (threads, MPI, a caller's transport); %s has none",
                    replica->ops->name);
-  *ops = &sg__replica_outer_int8;
+  *ops = stream ? &sg__replica_outer_stream_int8 : &sg__replica_outer_int8;
   return SG_OK;
 }
 
