@@ -18,7 +18,8 @@
  * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device, and 8-bit state
  * with offload_optimizer (the state and its update on the host) bit for bit the CPU device's
  * 8-bit engine at W = 1, 2 (clipping and groups; f16 loss scaling with a NaN-skipped step),
- * checkpoints across W and between the two, its host bytes (sg_memory = sg_estimate_memory). */
+ * checkpoints across W and between the two, a hybrid engine (2 x 2), its host bytes
+ * (sg_memory = sg_estimate_memory). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -799,6 +800,23 @@ static void test_offload(const variant *on, const char *dir) {
   result_free(&ref);
 }
 
+/* A hybrid engine (2 nodes x 2 ranks) with offload: the accumulator summed across the nodes
+ * on the host at the step, the 8-bit update as flat: the CPU device's one-rank bits. */
+static void test_offload_hybrid(void) {
+  const variant cpu = {"cpu grad_op bf16 clip groups",
+      SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 1, 0};
+  const variant h = {"offload hybrid 2x2",
+      SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2, 0, 1, 0, 0};
+  result one, r;
+  run_world(&cpu, 1, &one);
+  run_world(&h, 4, &r);
+  CHECK(same_all(&r, &one), "offload hybrid 2 nodes x 2 ranks: parameters, m and v bit for bit "
+        "the CPU device's one rank");
+  CHECK(!memcmp(&r.mem, &r.est, sizeof r.mem) && r.mem.host_bytes > 0,
+        "offload hybrid: sg_memory = sg_estimate_memory (host %zu)", r.mem.host_bytes);
+  result_free(&one), result_free(&r);
+}
+
 /* The host bytes of 8-bit state with offload: about 2.05 bytes per shard element for m and v
  * instead of 8, the accumulator and the master as with fp32 state. */
 static void test_offload_estimate(void) {
@@ -884,6 +902,7 @@ int main(int argc, char **argv) {
     };
     test_offload(&off[0], dir);
     test_offload(&off[1], dir);
+    test_offload_hybrid();
     test_offload_estimate();
     return sg_test_summary("");
   }
