@@ -17,9 +17,9 @@
  *  - bad configs refused at sg_engine_create with a message naming the field.
  * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device, and 8-bit state
  * with offload_optimizer (the state and its update on the host) bit for bit the CPU device's
- * 8-bit engine at W = 1, 2 (clipping and groups; f16 loss scaling with a NaN-skipped step),
- * checkpoints across W and between the two, a hybrid engine (2 x 2), its host bytes
- * (sg_memory = sg_estimate_memory). */
+ * 8-bit engine at W = 1, 2 (bf16 with clipping and groups; f32; f16 loss scaling with a
+ * NaN-skipped step), checkpoints across W and between the two, a hybrid engine (2 x 2), its
+ * host bytes (sg_memory = sg_estimate_memory). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -897,11 +897,12 @@ int main(int argc, char **argv) {
     static const variant off[] = {
         {"offload grad_op bf16 clip groups",
             SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 1, 0, 0},
+        /* f32 parameters: no master, the host pipeline copies the working values in */
+        {"offload grad_op f32 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0, 1, 0, 0},
         {"offload shard_opt f16 scaled, NaN at step 2",
             SG_SHARD_OPT, SG_F16, 0, SG_Q8, 4096, 0, 2, 1, 0, 1},
     };
-    test_offload(&off[0], dir);
-    test_offload(&off[1], dir);
+    for (size_t k = 0; k < sizeof off / sizeof off[0]; k++) test_offload(&off[k], dir);
     test_offload_hybrid();
     test_offload_estimate();
     return sg_test_summary("");
