@@ -103,7 +103,8 @@ def table_summary(sg):
 
 
 def table_offload(sg):
-    """Bytes per parameter per rank with offload_optimizer, on the GPU and in host memory."""
+    """Bytes per parameter per rank with offload_optimizer, on the GPU and in host memory (and
+    the host's with 8-bit optimizer state: the GPU's is the same)."""
     lines = ["| strategy + offload | params | accumulator | memory | " +
              " | ".join("W=%d" % w for w in WORLDS) + " |",
              "|---|---|---|---|" + "---|" * len(WORLDS)]
@@ -115,6 +116,12 @@ def table_offload(sg):
                 lines.append("| %s | %s | %s | %s | %s |" % (
                     label, pdt, acc, "host (pinned)" if host else "GPU",
                     " | ".join(fmt(v) for v in vals)))
+            if (pdt, acc) == ("bf16", "f32"):  # 8-bit AdamW state: the host's moments shrink
+                vals = [bytes_per_param(sg, w, True, strategy=s, param_dtype=pdt,
+                                        accum_dtype=acc, optim_state_dtype="q8", **OFFLOAD)
+                        for w in WORLDS]
+                lines.append("| %s | %s | %s | host (pinned), 8-bit state | %s |" % (
+                    label, pdt, acc, " | ".join(fmt(v) for v in vals)))
     return lines
 
 
@@ -179,14 +186,11 @@ def table_q8_llama(sg):
         for w in (1, 2, 4):
             for state in ("f32", "q8"):
                 plain = sg.estimate_memory(numels, w, optim_state_dtype=state, **cfg)
-                if state == "f32":
-                    off = sg.estimate_memory(numels, w, offload_optimizer=1, **cfg)
-                    cells = (gib(off.total_bytes), gib(off.host_bytes))
-                else:
-                    cells = ("not yet", "not yet")  # 8-bit state with offload (docs)
+                off = sg.estimate_memory(numels, w, optim_state_dtype=state, offload_optimizer=1,
+                                         **cfg)
                 lines.append("| %s (%.2fB) | %d | %s | %s | %s | %s |" % (
                     name, sum(numels) / 1e9, w, "fp32" if state == "f32" else "8-bit",
-                    gib(plain.total_bytes), cells[0], cells[1]))
+                    gib(plain.total_bytes), gib(off.total_bytes), gib(off.host_bytes)))
     return lines
 
 

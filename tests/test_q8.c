@@ -15,7 +15,11 @@
  *    reference's codes of its m and v, the same at W = 1, 2, 3) and an 8-bit one decoded (the
  *    values sg_get_optim_state gave before the save), training going on bit for bit across W;
  *  - bad configs refused at sg_engine_create with a message naming the field.
- * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device. */
+ * SG_TEST_DEVICE=cuda (test_q8_cudamock): a subset on the mock CUDA device, and 8-bit state
+ * with offload_optimizer (the state and its update on the host) bit for bit the CPU device's
+ * 8-bit engine at W = 1, 2 (bf16 with clipping and groups; f32; f16 loss scaling with a
+ * NaN-skipped step), checkpoints across W and between the two, a hybrid engine (2 x 2), its
+ * host bytes (sg_memory = sg_estimate_memory). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -235,6 +239,9 @@ typedef struct variant {
   int min_numel;
   int hybrid; /* ranks per node of a hybrid engine (sharded within, replicated across); 0 flat */
   int inf_step; /* > 0: rank 0's gradient has an infinity at this step (skipped everywhere) */
+  int offload;  /* cfg.offload_optimizer (on the CUDA device: the state in host memory) */
+  int cpu;      /* on SG_DEVICE_CPU whatever SG_TEST_DEVICE says (the offload's reference) */
+  int nan;      /* inf_step's value is a NaN */
 } variant;
 
 typedef struct result {
@@ -274,8 +281,9 @@ static int g_maxw = MAXW; /* the largest world of the matrices */
 
 static void config_of(const variant *v, sg_config *c) {
   sg_config_init(c, sizeof *c);
-  c->device = g_device;
+  c->device = v->cpu ? SG_DEVICE_CPU : g_device;
   c->cuda_device = 0;
+  c->offload_optimizer = v->offload;
   c->strategy = v->strategy;
   c->param_dtype = v->pdt;
   c->grad_dtype = SG_F32;
@@ -339,7 +347,8 @@ static sg_status train_phase(sg_comm *comm, const variant *v, result *out, int k
      * source on the caller's stream, after it returns; the step waits for every read */
     for (int p = NP - 1; p >= 0 && st == SG_OK; p--) { /* backward order */
       for (size_t i = 0; i < numels[p]; i++) gb[p][i] = grad_of(p, i, s, rank, world);
-      if (v->inf_step > 0 && v->inf_step == s && rank == 0 && p == 5) gb[p][7] = INFINITY;
+      if (v->inf_step > 0 && v->inf_step == s && rank == 0 && p == 5)
+        gb[p][7] = v->nan ? NAN : INFINITY;
       st = sg_grad_add(e, id[p], gb[p], SG_F32);
     }
     if (st == SG_OK) st = sg_step(e, NULL);
@@ -442,9 +451,9 @@ static void test_worlds(const variant *v) {
 
 /* q8 against fp32 state at W = 4: the small tensors bit for bit, the others coded and close. */
 static void test_small_rule(void) {
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0};
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0};
-  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0, 0, 0, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0, 0, 0, 0};
+  const variant all = {"q8 all", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0, 0, 0, 0};
   result rq, rf, ra;
   run_world(&q, MAXW, &rq);
   run_world(&f, MAXW, &rf);
@@ -487,8 +496,9 @@ static void test_small_rule(void) {
 
 /* A hybrid engine, 2 nodes x 2 ranks (and 1 x ... as 4 x 1): the bits of one rank. */
 static void test_hybrid(void) {
-  const variant f = {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
-  const variant h = {"hybrid 2x2", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2, 0};
+  const variant f = {"grad_op bf16 clip groups",
+      SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 0, 0};
+  const variant h = {"hybrid 2x2", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2, 0, 0, 0, 0};
   result one, r;
   run_world(&f, 1, &one);
   run_world(&h, 4, &r);
@@ -554,9 +564,9 @@ static void load_main(sg_comm *c, void *arg) {
 
 /* Loads across the state formats and thresholds are refused with a message that says why. */
 static void test_ckpt_mismatch(const char *dir) {
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0};
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0};
-  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0, 0, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0, 0, 0, 0};
+  const variant q0 = {"q8 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0, 0, 0, 0};
   const struct {
     const variant *save, *load;
     const char *word;
@@ -606,8 +616,8 @@ static int same_floats(const float *a, const float *b, size_t n) {
 
 /* fp32-state checkpoint into 8-bit engines at W = 1, 2, 3 and back. */
 static void test_ckpt_convert(const char *dir) {
-  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_F32, 4096, 0, 0};
-  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
+  const variant f = {"f32", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_F32, 4096, 0, 0, 0, 0, 0};
+  const variant q = {"q8", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 0, 0};
   const int worlds[3] = {1, 2, 3};
   /* fp32 -> 8-bit: the reference's codes of the saved m and v */
   rm_dir(dir);
@@ -673,7 +683,7 @@ typedef struct opt_arg {
 static void opts_main(sg_comm *c, void *arg) {
   opt_arg *a = arg;
   sg_config cfg;
-  config_of(&(variant){"opts", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0}, &cfg);
+  config_of(&(variant){"opts", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0, 0, 0, 0}, &cfg);
   sg_engine *e = NULL;
   int id = 0;
   sg_status st = sg_engine_create(c, &cfg, &e);
@@ -732,9 +742,101 @@ static void test_bad_config(void) {
   c.param_dtype = SG_Q8;
   expect_create(&c, SG_ERR_INVALID_ARGUMENT, "param_dtype");
   c.param_dtype = SG_F32;
+  if (g_device != SG_DEVICE_CUDA) return;
+  /* with offload: a sharded strategy, as with fp32 state */
   c.device = SG_DEVICE_CUDA;
   c.offload_optimizer = 1;
+  c.strategy = SG_NO_SHARD;
   expect_create(&c, SG_ERR_UNSUPPORTED, "offload_optimizer");
+}
+
+/* ---- optimizer offload (the mock CUDA device) ----------------------------------------------- */
+
+static int same_all(const result *a, const result *b) {
+  int same = 1;
+  for (int p = 0; p < NP; p++) same &= same_param(a, b, p);
+  return same;
+}
+
+/* 8-bit state with offload_optimizer on the CUDA device (the state and its update on the
+ * host): bit for bit the CPU device's 8-bit engine of the same config at W = 1 and 2;
+ * sg_memory = sg_estimate_memory, the state in host memory (none on the device); a checkpoint
+ * saved with offload at W = 2 loads at W = 1 on the CPU device and the reverse, the runs going
+ * on with the bits of the uninterrupted one. */
+static void test_offload(const variant *on, const char *dir) {
+  variant cpu = *on;
+  cpu.offload = 0, cpu.cpu = 1;
+  result ref;
+  run_world(&cpu, 1, &ref);
+  const uint64_t steps = (uint64_t)(on->inf_step ? STEPS - 1 : STEPS);
+  for (int w = 1; w <= 2; w++) {
+    result r;
+    run_world(on, w, &r);
+    CHECK(r.step == steps && same_all(&r, &ref), "%s W=%d: %llu steps, parameters, m and v bit "
+          "for bit the CPU device's 8-bit engine", on->name, w, (unsigned long long)r.step);
+    CHECK(!memcmp(&r.mem, &r.est, sizeof r.mem), "%s W=%d: sg_memory = sg_estimate_memory",
+          on->name, w);
+    CHECK(r.mem.host_bytes > 0 && r.mem.optim_bytes == 0 && r.mem.master_bytes == 0,
+          "%s W=%d: the state in host memory (%zu bytes), none on the device (optim %zu, "
+          "master %zu)", on->name, w, r.mem.host_bytes, r.mem.optim_bytes, r.mem.master_bytes);
+    result_free(&r);
+  }
+  const struct {
+    const variant *save, *load;
+    int ws, wl;
+  } pairs[] = {{on, &cpu, 2, 1}, {&cpu, on, 1, 2}, {on, on, 2, 1}};
+  for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+    rm_dir(dir);
+    result saved, resumed;
+    run_phase(pairs[k].save, pairs[k].ws, &saved, (phase){0, 3, NULL, dir, 0});
+    run_phase(pairs[k].load, pairs[k].wl, &resumed, (phase){3, STEPS, dir, NULL, 0});
+    CHECK(same_all(&resumed, &ref), "%s: saved by %s at W=%d after 3 steps, 3 more by %s at "
+          "W=%d: the bits of the uninterrupted run", on->name, pairs[k].save->offload ?
+          "offload" : "the CPU device", pairs[k].ws, pairs[k].load->offload ? "offload" :
+          "the CPU device", pairs[k].wl);
+    result_free(&saved), result_free(&resumed);
+  }
+  rm_dir(dir);
+  result_free(&ref);
+}
+
+/* A hybrid engine (2 nodes x 2 ranks) with offload: the accumulator summed across the nodes
+ * on the host at the step, the 8-bit update as flat: the CPU device's one-rank bits. */
+static void test_offload_hybrid(void) {
+  const variant cpu = {"cpu grad_op bf16 clip groups",
+      SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 1, 0};
+  const variant h = {"offload hybrid 2x2",
+      SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 2, 0, 1, 0, 0};
+  result one, r;
+  run_world(&cpu, 1, &one);
+  run_world(&h, 4, &r);
+  CHECK(same_all(&r, &one), "offload hybrid 2 nodes x 2 ranks: parameters, m and v bit for bit "
+        "the CPU device's one rank");
+  CHECK(!memcmp(&r.mem, &r.est, sizeof r.mem) && r.mem.host_bytes > 0,
+        "offload hybrid: sg_memory = sg_estimate_memory (host %zu)", r.mem.host_bytes);
+  result_free(&one), result_free(&r);
+}
+
+/* The host bytes of 8-bit state with offload: about 2.05 bytes per shard element for m and v
+ * instead of 8, the accumulator and the master as with fp32 state. */
+static void test_offload_estimate(void) {
+  const variant q = {"q8 offload", SG_SHARD_GRAD_OP, SG_BF16, 0, SG_Q8, 4096, 0, 0, 1, 0, 0};
+  sg_config c;
+  config_of(&q, &c);
+  c.bucket_bytes = (size_t)32 << 20;
+  const size_t big[1] = {(size_t)1 << 24};
+  sg_memory_stats sq, sf;
+  memset(&sq, 0, sizeof sq), memset(&sf, 0, sizeof sf);
+  sq.struct_size = sf.struct_size = sizeof sq;
+  CHECK(sg_estimate_memory(&c, big, 1, 2, &sq) == SG_OK, "estimate q8 offload: %s",
+        sg_last_error());
+  c.optim_state_dtype = SG_F32;
+  CHECK(sg_estimate_memory(&c, big, 1, 2, &sf) == SG_OK, "estimate f32 offload");
+  const double saved = (double)(sf.host_bytes - sq.host_bytes) / (double)sq.shard_numel;
+  CHECK(sq.shard_numel == sf.shard_numel && saved > 5.95 && saved < 6.0 &&
+        sq.optim_bytes == 0 && sq.total_bytes == sf.total_bytes,
+        "offload host bytes per shard element: %.3f fewer with 8-bit state (8 - 2.05), the "
+        "device's the same (%zu, %zu)", saved, sq.total_bytes, sf.total_bytes);
 }
 
 /* ---- MPI: W = np against one rank ---------------------------------------------------------- */
@@ -743,7 +845,8 @@ static void test_bad_config(void) {
 static int run_mpi(void) {
   int world = 0, rank = 0;
   sg_test_mpi_init(&world, &rank);
-  const variant v = {"mpi grad_op bf16 groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0};
+  const variant v = {"mpi grad_op bf16 groups",
+      SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 0, 0};
   sg_comm *c = NULL;
   result r, one;
   result_alloc(&r);
@@ -775,13 +878,14 @@ int main(int argc, char **argv) {
   test_kernel_reference();
   test_bad_config();
   static const variant vs[] = {
-      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0},
-      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0},
-      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0},
-      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096, 0, 0},
-      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0, 0, 0},
+      {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0, 0, 0, 0},
+      {"grad_op f32", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 4096, 0, 0, 0, 0, 0},
+      {"grad_op bf16 clip groups", SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 0, 0},
+      {"shard_opt bf16 clip groups", SG_SHARD_OPT, SG_BF16, 1, SG_Q8, 4096, 0, 0, 0, 0, 0},
+      {"no_shard f32 min 0", SG_NO_SHARD, SG_F32, 0, SG_Q8, 0, 0, 0, 0, 0, 0},
       /* f16 params: dynamic loss scaling; an infinity at step 2 skips it on every rank */
-      {"grad_op f16 scaled, inf at step 2", SG_SHARD_GRAD_OP, SG_F16, 0, SG_Q8, 4096, 0, 2},
+      {"grad_op f16 scaled, inf at step 2",
+          SG_SHARD_GRAD_OP, SG_F16, 0, SG_Q8, 4096, 0, 2, 0, 0, 0},
   };
   char dir[256];
   snprintf(dir, sizeof dir, "/tmp/sg_test_q8_%d", (int)getpid());
@@ -790,6 +894,17 @@ int main(int argc, char **argv) {
     g_maxw = 2;
     test_worlds(&vs[2]);
     test_ckpt_worlds(&vs[2], dir);
+    static const variant off[] = {
+        {"offload grad_op bf16 clip groups",
+            SG_SHARD_GRAD_OP, SG_BF16, 1, SG_Q8, 4096, 0, 0, 1, 0, 0},
+        /* f32 parameters: no master, the host pipeline copies the working values in */
+        {"offload grad_op f32 min 0", SG_SHARD_GRAD_OP, SG_F32, 0, SG_Q8, 0, 0, 0, 1, 0, 0},
+        {"offload shard_opt f16 scaled, NaN at step 2",
+            SG_SHARD_OPT, SG_F16, 0, SG_Q8, 4096, 0, 2, 1, 0, 1},
+    };
+    for (size_t k = 0; k < sizeof off / sizeof off[0]; k++) test_offload(&off[k], dir);
+    test_offload_hybrid();
+    test_offload_estimate();
     return sg_test_summary("");
   }
   for (size_t k = 0; k < sizeof vs / sizeof vs[0]; k++) test_worlds(&vs[k]);

@@ -261,9 +261,6 @@ static sg_status sg__config_check_0_4(const sg_config *c, const char *fn) {
   if (c->optim_state_min_numel < 0)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: cfg->optim_state_min_numel must be >= 0 (got %d)",
                    fn, c->optim_state_min_numel);
-  if (c->optim_state_dtype == SG_Q8 && c->offload_optimizer && c->device == SG_DEVICE_CUDA)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s: cfg->optim_state_dtype SG_Q8 with offload_optimizer on "
-                   "the CUDA device is not supported (the offloaded state is fp32)", fn);
   return SG_OK;
 }
 

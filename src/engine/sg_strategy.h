@@ -150,7 +150,7 @@ enum { SG__REC_SAVE = 0, SG__REC_CHECK = 1, SG__REC_LOAD = 2, SG__REC_CODE = 3 }
 
 extern const sg__slots_ops sg__slots_full, sg__slots_staging;
 extern const sg__shard_ops sg__shard_replicated, sg__shard_sharded;
-extern const sg__state_ops sg__state_device, sg__state_host, sg__state_q8;
+extern const sg__state_ops sg__state_device, sg__state_host, sg__state_q8, sg__state_host_q8;
 
 typedef struct sg__strategy_ops {
   const char *name;         /* "SHARD_GRAD_OP": trace metadata, logs */

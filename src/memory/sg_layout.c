@@ -15,6 +15,9 @@
 static size_t align_up(size_t x) { return (x + SG_MEM_ALIGN - 1) / SG_MEM_ALIGN * SG_MEM_ALIGN; }
 
 static size_t mul_sat(size_t a, size_t b) { return sg__mem_mul_sat(a, b); }
+static size_t sat_add(size_t a, size_t b) {
+  return a > SG__ARENA_MAX || b > SG__ARENA_MAX - a ? SIZE_MAX : a + b;
+}
 
 /* Appends a piece of `bytes` to arena `kind`, returns its offset. An arena that would pass
  * SG__ARENA_MAX is marked SIZE_MAX (sg__layout_compute refuses it). */
@@ -41,12 +44,27 @@ static sg_status check_fits(const sg__layout *l) {
   return SG_OK;
 }
 
+/* 8-bit state in host memory (sg_state_q8.c, sg__state_q8_make_host): per state array its
+ * codes, scales and fp32 blocks, then the block map, each allocated on its own. */
+static size_t q8_host_bytes(const sg__layout *l, const sg__layout_shape *sh) {
+  const size_t per = sat_add(sat_add(l->opt_numel, mul_sat(sh->q8_blocks, 4)),
+                             mul_sat(mul_sat(sh->q8_f32_blocks, SG__Q8_BLOCK), 4));
+  return sat_add(mul_sat(per, (size_t)sh->nstates), mul_sat(sh->q8_blocks, 4));
+}
+
 /* Optimizer offload: the accumulator, the master (not for f32 params) and the state arrays in
- * pinned host memory, each allocated on its own (no arena alignment), plus the strategy's
- * pipeline buffers. Saturates like the arenas. */
+ * pinned host memory (fp32, or 8-bit blocks where q8_blocks), each allocated on its own (no
+ * arena alignment), plus the strategy's pipeline buffers. Saturates like the arenas. */
 static void host_arrays(sg__layout *l, const sg__layout_shape *sh, size_t P, size_t A) {
-  const size_t per = A + (P < 4 ? 4 : 0) + 4 * (size_t)sh->nstates;
-  const size_t arrays = mul_sat(l->opt_numel, per);
+  const size_t per = A + (P < 4 ? 4 : 0) + (sh->q8_blocks ? 0 : 4 * (size_t)sh->nstates);
+  size_t arrays = mul_sat(l->opt_numel, per);
+  if (sh->q8_blocks) {
+    l->q8_blocks = sh->q8_blocks;
+    l->q8_f32_blocks = sh->q8_f32_blocks;
+    arrays = sat_add(arrays, q8_host_bytes(l, sh));
+    for (int k = 0; k < sh->nstates; k++) l->q8_code_off[k] = l->q8_scale_off[k] = SIZE_MAX;
+    l->q8_map_off = SIZE_MAX;
+  }
   l->host_state = 1;
   l->accum_off = l->master_off = SIZE_MAX;
   for (int k = 0; k < sh->nstates; k++) l->state_off[k] = SIZE_MAX;

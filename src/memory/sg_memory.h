@@ -73,7 +73,9 @@ typedef struct sg__layout {
   int host_state;               /* accum, master and states live in pinned host memory: their
                                    offsets are SIZE_MAX and host_bytes counts them */
   size_t host_bytes;            /* pinned host bytes: (A + 4 unless f32 + 4 x nstates) x
-                                   opt_numel + host_extra */
+                                   opt_numel + host_extra; with 8-bit state (q8_blocks) the
+                                   states' codes, scales, fp32 blocks and the map instead of
+                                   4 x nstates x opt_numel (their offsets SIZE_MAX) */
   size_t replica_off;           /* COMM: replica wire buffer, replica_bytes (SIZE_MAX: none or
                                    on the host) */
   size_t replica_bytes;

@@ -53,7 +53,6 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *
                            const size_t *len, size_t chunk, int nland, size_t land_bytes) {
   if (!o) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: NULL state");
   memset(o, 0, sizeof *o);
-  if (!od) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_init: NULL optimizer");
   SG_TRY(check_init(d, numel, param_dtype, accum_dtype, nbuckets, off, len));
   size_t maxlen = 0;
   for (int k = 0; k < nbuckets; k++) maxlen = len[k] > maxlen ? len[k] : maxlen;
@@ -80,7 +79,7 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *
   }
   void *p = NULL;
   sg_status st = pinned(o, numel * esz(accum_dtype), &o->accum);
-  for (int k = 0; k < od->nstates && st == SG_OK; k++)
+  for (int k = 0; od && k < od->nstates && st == SG_OK; k++)
     st = pinned(o, numel * 4, &p), o->state[k] = p;
   if (st == SG_OK && param_dtype != SG_F32) st = pinned(o, numel * 4, &p), o->master = p;
   if (st == SG_OK) st = alloc_landing(o, nland, land_bytes);
@@ -296,9 +295,11 @@ sg_status sg__offload_norm(sg__offload *o, double out[2]) {
   return SG_OK;
 }
 
-sg_status sg__offload_update(sg__offload *o, const sg__update_args *a, void *dev_params,
-                             int64_t deadline_ms, uint64_t *last) {
-  if (!o || !o->dev || !a) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: NULL");
+sg_status sg__offload_update_with(sg__offload *o, const sg__optim_desc *od,
+                                  const sg__update_args *a, void *dev_params,
+                                  int64_t deadline_ms, uint64_t *last) {
+  if (!o || !o->dev || !od || !a)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: NULL");
   if (a->param_dtype != o->param_dtype || a->grad_dtype != o->accum_dtype)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: dtypes (param %d, grad %d) are "
                    "not the state's (%d, %d)", a->param_dtype, a->grad_dtype, o->param_dtype,
@@ -309,8 +310,18 @@ sg_status sg__offload_update(sg__offload *o, const sg__update_args *a, void *dev
                      "shard", s);
   sg__update_args h = *a;
   h.master = o->master, h.grad = o->accum;
+  return sg__host_pipe_update(&o->pipe, od, &h, dev_params, deadline_ms, last);
+}
+
+sg_status sg__offload_update(sg__offload *o, const sg__update_args *a, void *dev_params,
+                             int64_t deadline_ms, uint64_t *last) {
+  if (!o || !o->dev || !a) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_update: NULL");
+  if (!o->od)
+    return sg__err(SG_ERR_INVALID_STATE, "sg__offload_update: the state keeps no optimizer "
+                   "arrays (sg__offload_update_with)");
+  sg__update_args h = *a;
   for (int k = 0; k < o->od->nstates; k++) h.state[k] = o->state[k];
-  return sg__host_pipe_update(&o->pipe, o->od, &h, dev_params, deadline_ms, last);
+  return sg__offload_update_with(o, o->od, &h, dev_params, deadline_ms, last);
 }
 
 sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms) {

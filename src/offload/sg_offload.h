@@ -77,8 +77,9 @@ typedef struct sg__offload {
   unsigned char *part_ok;
 } sg__offload;
 
-/* Allocates and zeroes optimizer od's state for a shard of numel elements whose buckets'
- * slices are [off[k], off[k] + len[k]) (disjoint, inside the shard). chunk: the update
+/* Allocates and zeroes optimizer od's state for a shard of numel elements (od NULL: the
+ * master and the accumulator only, the optimizer's state kept by the caller, an 8-bit
+ * placement: sg_state_host_q8.c) whose buckets' slices are [off[k], off[k] + len[k]) (disjoint, inside the shard). chunk: the update
  * pipeline's (0: default); nland landing buffers (>= 1) of land_bytes (>= every slice in any
  * arriving dtype). On failure nothing stays allocated. */
 sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *od, size_t numel,
@@ -103,6 +104,13 @@ sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms);
 /* The accumulator is rewritten outside the folds (a hybrid engine sums it across replicas):
  * no partial a fold computed holds any more, the norm computes them all. */
 void sg__offload_accum_rewritten(sg__offload *o);
+
+/* sg__offload_update (below) with the caller's optimizer state: a->state and a->q8_* as
+ * given (host memory in shard coordinates), od's cpu_update; master and accumulator this
+ * state's. */
+sg_status sg__offload_update_with(sg__offload *o, const sg__optim_desc *od,
+                                  const sg__update_args *a, void *dev_params,
+                                  int64_t deadline_ms, uint64_t *last);
 
 /* Sum of squares (double) and non-finite count over the whole accumulator, in the order of
  * the device's sumsq (CUDA: sg__cpu_sumsq_gpu; CPU: sg__cpu_sumsq). Slices no gradient arrived

@@ -24,10 +24,22 @@ sg_status sg__sharded_reduce(sg_engine *e, int b, char *wire, int first);
  * reduce (the reduce-scatter, its slice delivered to the host). */
 void sg__state_host_shape(const sg__plan *p, const sg_config *cfg, sg__layout_shape *out);
 sg_status sg__state_host_reduce(sg_engine *e, int b, char *wire, int first);
+/* Its state (e->off) with optimizer od's fp32 arrays (od NULL: master and accumulator only,
+ * `others` pinned bytes of the layout's host_bytes kept by the caller: sg_state_host_q8.c). */
+sg_status sg__state_host_make(sg_engine *e, const sg__optim_desc *od, size_t others);
+/* The host update of a->segs with od's loop over a's state arrays (a->state, a->q8_*). */
+sg_status sg__state_host_update_with(sg_engine *e, const sg__optim_desc *od,
+                                     const sg__update_args *a);
 
 /* sg_state_q8.c: the 8-bit state's blocks (the q8 strategies' shape; `owned` the strategy's). */
 void sg__state_q8_shape(const sg__plan *p, const sg_config *cfg,
                         void (*owned)(const sg__plan *, int, int, sg__owned *),
                         sg__layout_shape *out);
+/* Its arrays in pinned host memory instead of the OPTIM arena (the host placement,
+ * sg_state_host_q8.c): made (e->q8; *bytes: the pinned bytes held, the layout's count) and
+ * freed; the update's arguments over them (a->segs cut at blocks, the 8-bit arrays). */
+sg_status sg__state_q8_make_host(sg_engine *e, size_t *bytes);
+void sg__state_q8_free(sg_engine *e);
+sg_status sg__state_q8_args(sg_engine *e, const sg__update_args *a, sg__update_args *out);
 
 #endif /* SG_POLICY_H */

@@ -30,7 +30,7 @@ void sg__state_host_shape(const sg__plan *p, const sg_config *cfg, sg__layout_sh
 
 /* ---- the state's lifecycle ----------------------------------------------------------------- */
 
-static sg_status make_state(sg_engine *e, sg__offload *o) {
+static sg_status make_state(sg_engine *e, const sg__optim_desc *od, sg__offload *o) {
   const sg__plan *p = e->plan;
   const sg_config *c = &e->cfg;
   size_t *off = calloc((size_t)p->nbuckets, sizeof *off);
@@ -43,7 +43,7 @@ static sg_status make_state(sg_engine *e, sg__offload *o) {
     len[b] = ow.n;
   }
   if (st == SG_OK)
-    st = sg__offload_init(o, e->dev, e->opt.od, e->lay.opt_numel, c->param_dtype,
+    st = sg__offload_init(o, e->dev, od, e->lay.opt_numel, c->param_dtype,
                           c->accum_dtype, p->nbuckets, off, len, pipe_chunk(p), nland(p, c),
                           land_bytes(p, c));
   free(off);
@@ -51,13 +51,13 @@ static sg_status make_state(sg_engine *e, sg__offload *o) {
   return st;
 }
 
-static sg_status state_init(sg_engine *e) {
+sg_status sg__state_host_make(sg_engine *e, const sg__optim_desc *od, size_t others) {
   sg__offload *o = calloc(1, sizeof *o);
   if (!o) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
-  sg_status st = make_state(e, o);
+  sg_status st = make_state(e, od, o);
   /* sg_memory reports the layout's count: it must be what was allocated (a hybrid engine's
-   * host wire buffer is sg_replica.c's) */
-  const size_t mine = e->lay.host_bytes - e->lay.replica_host_bytes;
+   * host wire buffer is sg_replica.c's, a coded state's arrays their placement's) */
+  const size_t mine = e->lay.host_bytes - e->lay.replica_host_bytes - others;
   if (st == SG_OK && o->host_bytes != mine) {
     st = sg__err(SG_ERR_INTERNAL, "offload: %zu pinned bytes allocated, %zu in the layout",
                  o->host_bytes, mine);
@@ -70,6 +70,8 @@ static sg_status state_init(sg_engine *e) {
   e->off = o;
   return SG_OK;
 }
+
+static sg_status state_init(sg_engine *e) { return sg__state_host_make(e, e->opt.od, 0); }
 
 static void state_free(sg_engine *e) {
   if (!e->off) return;
@@ -107,12 +109,19 @@ static sg_status sumsq(sg_engine *e, double out[2]) {
   return sg__offload_norm(e->off, out);
 }
 
-static sg_status update(sg_engine *e, const sg__update_args *a) {
+sg_status sg__state_host_update_with(sg_engine *e, const sg__optim_desc *od,
+                                     const sg__update_args *a) {
   uint64_t last = 0;
-  SG_TRY(sg__offload_update(e->off, a, e->params, sg__engine_host_deadline(e), &last));
+  SG_TRY(sg__offload_update_with(e->off, od, a, e->params, sg__engine_host_deadline(e), &last));
   /* No gather follows (one rank): the caller's queue waits for the copies themselves. */
   if (last == 0 || sg__gathers_needed(e)) return SG_OK;
   return e->dev->ops->compute_wait_comm(e->dev, last, sg__engine_host_deadline(e));
+}
+
+static sg_status update(sg_engine *e, const sg__update_args *a) {
+  sg__update_args h = *a;
+  for (int k = 0; k < e->opt.od->nstates; k++) h.state[k] = sg__offload_state(e->off, 1 + k);
+  return sg__state_host_update_with(e, e->opt.od, &h);
 }
 
 /* Every arrival landed and folded: the host accumulator holds this rank's sums, which the

@@ -6,7 +6,10 @@
  * parameter starts and slices to them (`align`), so an element's state has the same bits at
  * any world size. Tensors below cfg.optim_state_min_numel elements keep fp32 blocks (a pool,
  * mapped per block). The update is the optimizer's q8 variant (sg__optim_desc.q8) over this
- * placement's own segments: the engine's, cut at every block boundary. */
+ * placement's own segments: the engine's, cut at every block boundary. With optimizer
+ * offload (sg_state_host_q8.c) the same arrays are pinned host memory this file allocates
+ * (sg__state_q8_make_host) and the CPU updates them; every reader below goes through the
+ * device's copies, which take pinned host memory on either side. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,6 +29,8 @@ typedef struct sg__q8 {
   float *scale[SG__OPTIM_MAX_STATES];
   float *pool[SG__OPTIM_MAX_STATES];
   uint32_t *map; /* device memory: per block SG__Q8_CODED or its fp32 block in the pool */
+  int host;      /* the arrays above are pinned host memory of this file (the host placement) */
+  size_t host_bytes; /* host: the pinned bytes held */
 } sg__q8;
 
 /* ---- the small-tensor rule, by tensor numel ------------------------------------------------ */
@@ -85,13 +90,19 @@ static sg_status make_map(sg_engine *e, sg__q8 *q) {
   return st;
 }
 
-static sg_status q8_init(sg_engine *e) {
+static sg_status check_layout(const sg_engine *e) {
   const sg__layout *l = &e->lay;
   if (!e->opt.od->q8)
     return sg__err(SG_ERR_UNSUPPORTED, "sg_finalize: optimizer %s has no 8-bit state "
                    "(cfg->optim_state_dtype SG_Q8)", e->opt.od->name);
   if (!l->q8_blocks || l->opt_numel % B)
     return sg__err(SG_ERR_INTERNAL, "sg_finalize: the layout has no 8-bit state blocks");
+  return SG_OK;
+}
+
+static sg_status q8_init(sg_engine *e) {
+  const sg__layout *l = &e->lay;
+  SG_TRY(check_layout(e));
   sg__q8 *q = calloc(1, sizeof *q);
   if (!q) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
   char *optim = e->ar.base[SG_MEM_OPTIM];
@@ -110,8 +121,55 @@ static sg_status q8_init(sg_engine *e) {
   return SG_OK;
 }
 
-static void q8_free(sg_engine *e) {
+/* ---- the host placement's arrays ------------------------------------------------------------ */
+
+static sg_status pin(sg_engine *e, sg__q8 *q, size_t bytes, void **out) {
+  SG_TRY(e->dev->ops->host_alloc(e->dev, bytes, out));
+  memset(*out, 0, bytes);
+  q->host_bytes += bytes;
+  return SG_OK;
+}
+
+static void unpin(sg_engine *e, sg__q8 *q) {
+  for (int k = 0; k < SG__OPTIM_MAX_STATES; k++) {
+    if (q->code[k]) e->dev->ops->host_free(e->dev, q->code[k]);
+    if (q->scale[k]) e->dev->ops->host_free(e->dev, q->scale[k]);
+    if (q->pool[k]) e->dev->ops->host_free(e->dev, q->pool[k]);
+  }
+  if (q->map) e->dev->ops->host_free(e->dev, q->map);
+}
+
+/* The arrays the layout counts in host_bytes (sg_layout.c, host_arrays): per state its codes,
+ * scales and fp32 blocks, then the map. */
+sg_status sg__state_q8_make_host(sg_engine *e, size_t *bytes) {
+  const sg__layout *l = &e->lay;
+  *bytes = 0;
+  SG_TRY(check_layout(e));
+  sg__q8 *q = calloc(1, sizeof *q);
+  if (!q) return sg__err(SG_ERR_OUT_OF_MEMORY, "sg_finalize: out of host memory");
+  q->host = 1;
+  sg_status st = SG_OK;
+  for (int k = 0; k < l->nstates && st == SG_OK; k++) {
+    st = pin(e, q, l->opt_numel, (void **)&q->code[k]);
+    if (st == SG_OK) st = pin(e, q, l->q8_blocks * sizeof(float), (void **)&q->scale[k]);
+    if (st == SG_OK)
+      st = pin(e, q, l->q8_f32_blocks * B * sizeof(float), (void **)&q->pool[k]);
+  }
+  if (st == SG_OK) st = pin(e, q, l->q8_blocks * sizeof(uint32_t), (void **)&q->map);
+  if (st == SG_OK) st = make_map(e, q);
+  if (st != SG_OK) {
+    unpin(e, q);
+    free(q);
+    return st;
+  }
+  e->q8 = q;
+  *bytes = q->host_bytes;
+  return SG_OK;
+}
+
+void sg__state_q8_free(sg_engine *e) {
   if (!e->q8) return;
+  if (e->q8->host) unpin(e, e->q8);
   free(e->q8->segs);
   free(e->q8->first);
   free(e->q8);
@@ -220,7 +278,7 @@ static sg_status make_segs(sg_engine *e, sg__q8 *q) {
   return SG_OK;
 }
 
-static sg_status q8_update(sg_engine *e, const sg__update_args *a) {
+sg_status sg__state_q8_args(sg_engine *e, const sg__update_args *a, sg__update_args *out) {
   sg__q8 *q = e->q8;
   if (!q->first) SG_TRY(make_segs(e, q));
   sg__update_args b = *a;
@@ -233,6 +291,13 @@ static sg_status q8_update(sg_engine *e, const sg__update_args *a) {
     b.q8_scale[k] = q->scale[k];
   }
   b.q8_f32 = q->map;
+  *out = b;
+  return SG_OK;
+}
+
+static sg_status q8_update(sg_engine *e, const sg__update_args *a) {
+  sg__update_args b;
+  SG_TRY(sg__state_q8_args(e, a, &b));
   return e->dev->ops->update(e->dev, SG_Q_COMPUTE, e->opt.od->q8, &b);
 }
 
@@ -273,6 +338,20 @@ static void bucket_blocks(const sg_engine *e, int id, size_t *j0, size_t *j1) {
   *j1 = (o.state0 + o.n + B - 1) / B;
 }
 
+/* The reader's view of opt_numel floats: device memory, or pinned host memory for the host
+ * placement (whose readers read host arrays; a view that large on its GPU would not fit). */
+static sg_status view_alloc(sg_engine *e, size_t bytes, void **out) {
+  if (e->q8->host) return e->dev->ops->host_alloc(e->dev, bytes, out);
+  return e->dev->ops->alloc(e->dev, bytes, out);
+}
+
+static void view_free(sg_engine *e, void *p) {
+  if (e->q8->host)
+    e->dev->ops->host_free(e->dev, p);
+  else
+    e->dev->ops->free(e->dev, p);
+}
+
 static sg_status q8_read_state(sg_engine *e, int k, int id,
                                sg_status (*fn)(sg_engine *e, const float *view, void *ctx),
                                void *ctx) {
@@ -284,11 +363,11 @@ static sg_status q8_read_state(sg_engine *e, int k, int id,
   void *dev = NULL;
   if (!host) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", part);
   sg_status st = decode_host(e, k, j0, j1, host);
-  if (st == SG_OK) st = e->dev->ops->alloc(e->dev, bytes ? bytes : 1, &dev);
+  if (st == SG_OK) st = view_alloc(e, bytes ? bytes : 1, &dev);
   if (st == SG_OK && part)
     st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, (float *)dev + j0 * B, host, part, SG_COPY_H2D);
   if (st == SG_OK) st = fn(e, dev, ctx);
-  if (dev) e->dev->ops->free(e->dev, dev);
+  if (dev) view_free(e, dev);
   free(host);
   return st;
 }
@@ -466,7 +545,7 @@ static sg_status q8_records(sg_engine *e, int k, uint8_t *rec, int mode) {
 
 const sg__state_ops sg__state_q8 = {
     .name = "device, 8-bit state", .host = 0, .coded = 1, .align = SG__Q8_BLOCK, .skips = 0,
-    .init = q8_init, .free = q8_free, .array = q8_array, .prepare = q8_prepare,
+    .init = q8_init, .free = sg__state_q8_free, .array = q8_array, .prepare = q8_prepare,
     .submitted = q8_submitted, .wait_reductions = q8_wait_reductions, .settle = q8_settle,
     .sumsq = q8_sumsq, .partials = q8_partials, .update = q8_update, .clear = q8_clear,
     .master_from_working = q8_master_from_working, .read_state = q8_read_state,
