@@ -222,11 +222,14 @@ _REPLICA_MODES = (
 )
 
 
-def _candidates(hw, world, dtype, device, buckets, states=("f32",)):
+STRATEGIES = ("no_shard", "shard_opt", "shard_grad_op")
+
+
+def _candidates(hw, world, dtype, device, buckets, states=("f32",), strategies=STRATEGIES):
     """(label, config kwargs, quality) of every layout the engine offers on this cluster."""
     L = max(1, hw.ranks_per_node)
     hybrid = hw.nodes > 1 and L > 1 and world % L == 0
-    for strategy in ("no_shard", "shard_opt", "shard_grad_op"):
+    for strategy in strategies:
         layouts = [("flat", {}, "exact")]
         if hybrid and strategy != "no_shard":
             layouts += [(name, dict(kw, shard_ranks=L), q) for name, kw, q in _REPLICA_MODES]
@@ -251,14 +254,15 @@ def _unsupported(kw):
 
 
 def layouts(numels, hw, world, microbatches, dtype="f32", device="cpu", buckets=(8, 32, 128),
-            device_gib=None, host_gib=None, reserve_gib=0.0, states=("f32",)):
+            device_gib=None, host_gib=None, reserve_gib=0.0, states=("f32",),
+            strategies=STRATEGIES):
     """Every layout with its memory per rank and predicted step, fastest first: first those that
     fit and run, then those that fit but the engine does not run yet (`runs` says why), then
     those that do not fit in device_gib (minus reserve_gib for activations) or host_gib per
     rank (`why` says why). Layouts the library's config check refuses are left out.
-    states: the optimizer-state formats to try ("f32", "q8")."""
+    states: the optimizer-state formats to try ("f32", "q8"); strategies: of STRATEGIES."""
     rows = []
-    for name, kw, quality in _candidates(hw, world, dtype, device, buckets, states):
+    for name, kw, quality in _candidates(hw, world, dtype, device, buckets, states, strategies):
         cfg = Config(validate=False, **kw)
         try:
             mem = estimate_memory(numels, world, cfg)
@@ -725,6 +729,8 @@ def _parser():
                    help="a row per bucket size (default: the best bucket size of each layout)")
     t.add_argument("--states", default="f32,q8",
                    help="optimizer-state formats to try: f32, q8 (8-bit AdamW moments)")
+    t.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="strategies to try: no_shard, shard_opt, shard_grad_op")
     t.add_argument("--top", type=int, default=20)
     t.add_argument("--json", action="store_true", help="print the rows as JSON")
     t.add_argument("--markdown", action="store_true", help="print the rows as a Markdown table")
@@ -809,7 +815,8 @@ def main(argv=None):
     rows = layouts(numels, hw, world, a.micro, a.dtype, device, buckets,
                    a.device_gib or preset.get("device_gib"),
                    a.host_gib or preset.get("host_gib"), a.reserve_gib,
-                   tuple(x for x in a.states.split(",") if x))
+                   tuple(x for x in a.states.split(",") if x),
+                   tuple(x for x in a.strategies.split(",") if x))
     if not a.all_buckets:
         rows = best_per_layout(rows)
     if a.json:
