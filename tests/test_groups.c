@@ -28,6 +28,7 @@
 
 #define SG_TEST_PRINT_PASSES 0
 #include "sg_test_check.h"
+#include "sg_test_grad.h" /* sg_test_put_grad */
 
 #define NP 8
 #define STEPS 4
@@ -126,20 +127,8 @@ typedef struct {
 
 /* This rank's gradient of parameter p at step t, in the grad dtype, into its slot. */
 static sg_status write_grad(sg_engine *e, const tcase *tc, int rank, int t, int p, float *buf) {
-  void *g = NULL;
-  sg_status st = sg_grad_ptr(e, p, &g);
-  if (st != SG_OK) return st;
-  uint16_t *h = (uint16_t *)buf;
-  for (size_t i = 0; i < k_numel[p]; i++) {
-    const float v = grad_val(rank, t, p, i);
-    if (tc->dtype == SG_F32)
-      buf[i] = v;
-    else
-      h[i] = sg_elem_f32_to_bf16(v); /* exact: multiples of 1/8 */
-  }
-  st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, g, buf, k_numel[p] * (tc->dtype == SG_F32 ? 4u : 2u),
-                         SG_COPY_H2D);
-  return st != SG_OK ? st : sg_grad_ready(e, p);
+  for (size_t i = 0; i < k_numel[p]; i++) buf[i] = grad_val(rank, t, p, i);
+  return sg_test_put_grad(e, p, tc->dtype, buf, k_numel[p]);
 }
 
 static int same_bits(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }

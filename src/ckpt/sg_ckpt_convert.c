@@ -7,31 +7,16 @@
  *    sg_load also reads the record of the block that each piece begins inside (its "head",
  *    sg__ck_piece_head), after the staging's opt_numel elements, in piece order. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_q8_value */
 #include "sg_ckpt_engine.h"
-
-static float rec_value(const uint8_t *r) {
-  uint32_t u = 0;
-  for (int i = 0; i < 4; i++) u |= (uint32_t)r[2 + i] << (8 * i);
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 sg_status sg__ck_records_of_f32(const float *v, size_t n, uint8_t **out) {
   uint8_t *rec = malloc(n * SG_CK_Q8_RECORD + 1);
   *out = rec;
   if (!rec) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (state conversion)");
-  for (size_t i = 0; i < n; i++) {
-    uint8_t *r = rec + i * SG_CK_Q8_RECORD;
-    uint32_t u;
-    memcpy(&u, &v[i], sizeof u);
-    r[0] = SG_CK_Q8_F32;
-    r[1] = 0;
-    for (int b = 0; b < 4; b++) r[2 + b] = (uint8_t)(u >> (8 * b));
-  }
+  for (size_t i = 0; i < n; i++)
+    sg__state_rec_put(rec + i * SG_CK_Q8_RECORD, SG_CK_Q8_F32, 0, v[i]);
   return SG_OK;
 }
 
@@ -59,9 +44,9 @@ static sg_status decode_piece(sg_engine *e, const sg__piece *pc, void *ctx) {
     if (el % SG__Q8_BLOCK == 0) first = r;
     float v = 0.0f; /* padding records (never among a parameter's elements): 0, as a load */
     if (r[0] == SG_CK_Q8_F32)
-      v = rec_value(r);
+      v = sg__state_rec_value(r);
     else if (r[0] == SG_CK_Q8_CODED && first[0] == SG_CK_Q8_CODED)
-      v = sg__cpu_q8_value(r[1], rec_value(first), a->is_m);
+      v = sg__cpu_q8_value(r[1], sg__state_rec_value(first), a->is_m);
     else if (r[0] != SG_CK_Q8_PAD)
       return sg__err(SG_ERR_CORRUPT, "the 8-bit state record of element %zu of a parameter has "
                      "class %u in a block of class %u", el, (unsigned)r[0], (unsigned)first[0]);

@@ -147,6 +147,11 @@ typedef struct sg__state_ops {
 #define SG__STATE_RECORD 6
 enum { SG__REC_PAD = 0, SG__REC_CODED = 1, SG__REC_F32 = 2 };
 enum { SG__REC_SAVE = 0, SG__REC_CHECK = 1, SG__REC_LOAD = 2, SG__REC_CODE = 3 };
+/* One record: its class, its code, then a float in little-endian bytes (a coded block's first
+ * record: the block's scale; an fp32 one: the value). sg_state_q8.c owns the format; the
+ * checkpoint's conversions (src/ckpt/sg_ckpt_convert.c) write and read it through these. */
+void sg__state_rec_put(uint8_t *r, int cls, uint8_t code, float value);
+float sg__state_rec_value(const uint8_t *r);
 
 extern const sg__slots_ops sg__slots_full, sg__slots_staging;
 extern const sg__shard_ops sg__shard_replicated, sg__shard_sharded;

@@ -397,7 +397,7 @@ static sg_status host_get(sg_engine *e, int k, host_q8 *h) {
   return st;
 }
 
-static void put_rec(uint8_t *r, int cls, uint8_t code, float value) {
+void sg__state_rec_put(uint8_t *r, int cls, uint8_t code, float value) {
   uint32_t u;
   memcpy(&u, &value, sizeof u);
   r[0] = (uint8_t)cls;
@@ -405,7 +405,7 @@ static void put_rec(uint8_t *r, int cls, uint8_t code, float value) {
   for (int i = 0; i < 4; i++) r[2 + i] = (uint8_t)(u >> (8 * i));
 }
 
-static float rec_value(const uint8_t *r) {
+float sg__state_rec_value(const uint8_t *r) {
   uint32_t u = 0;
   for (int i = 0; i < 4; i++) u |= (uint32_t)r[2 + i] << (8 * i);
   float f;
@@ -418,9 +418,9 @@ static void save_records(const sg__layout *l, const host_q8 *h, uint8_t *rec) {
     for (size_t i = 0; i < B; i++) {
       uint8_t *r = rec + (j * B + i) * SG__STATE_RECORD;
       if (h->map[j] == SG__Q8_CODED)
-        put_rec(r, SG__REC_CODED, h->code[j * B + i], i == 0 ? h->scale[j] : 0.0f);
+        sg__state_rec_put(r, SG__REC_CODED, h->code[j * B + i], i == 0 ? h->scale[j] : 0.0f);
       else
-        put_rec(r, SG__REC_F32, 0, h->pool[(size_t)h->map[j] * B + i]);
+        sg__state_rec_put(r, SG__REC_F32, 0, h->pool[(size_t)h->map[j] * B + i]);
     }
 }
 
@@ -454,11 +454,11 @@ static void load_records(const sg__layout *l, const uint8_t *rec, host_q8 *h) {
       const uint8_t *r = rec + (j * B + i) * SG__STATE_RECORD;
       if (r[0] == SG__REC_PAD) continue;
       if (h->map[j] != SG__Q8_CODED) {
-        h->pool[(size_t)h->map[j] * B + i] = rec_value(r);
+        h->pool[(size_t)h->map[j] * B + i] = sg__state_rec_value(r);
         continue;
       }
       h->code[j * B + i] = r[1];
-      if (i == 0) h->scale[j] = rec_value(r);
+      if (i == 0) h->scale[j] = sg__state_rec_value(r);
     }
 }
 
@@ -503,7 +503,7 @@ static sg_status code_records(sg_engine *e, int k, const uint8_t *rec, host_q8 *
     float x[B];
     for (size_t i = 0; i < B; i++) {
       const uint8_t *r = rec + (j * B + i) * SG__STATE_RECORD;
-      x[i] = r[0] == SG__REC_F32 ? rec_value(r) : 0.0f;
+      x[i] = r[0] == SG__REC_F32 ? sg__state_rec_value(r) : 0.0f;
     }
     if (h->map[j] == SG__Q8_CODED)
       sg__cpu_q8_encode(x, B, k == 0, key, ctr[j], h->code + j * B, &h->scale[j]);
