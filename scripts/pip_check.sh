@@ -12,7 +12,9 @@
 # appended after their own site-packages, so shardgrad itself still comes from the venv. Without
 # that torch the torch steps are reported as SKIP and a NumPy-only engine step runs instead.
 # CUDA is off (-C cmake.define.SG_WITH_CUDA=OFF; nvcc would add minutes): SG_PIP_ARGS replaces
-# the pip options. Usage: pip_check.sh [WORK_DIR]. Ends with "N passed, M failed, K skipped".
+# the pip options. The build backend and numpy come at the versions of
+# scripts/pydeps/constraints-build.txt (PIP_CONSTRAINT; SG_PIP_NEWEST=1: the newest releases, as
+# a new user gets them). Usage: pip_check.sh [WORK_DIR]. Ends with "N passed, M failed, K skipped".
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$(mktemp -d /tmp/shardgrad-pip-check.XXXXXX)}
@@ -21,6 +23,7 @@ read -r -a pip_args <<<"${SG_PIP_ARGS:--C cmake.define.SG_WITH_CUDA=OFF}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 unset SHARDGRAD_LIBRARY PYTHONPATH
+[ "${SG_PIP_NEWEST:-0}" = 1 ] || export PIP_CONSTRAINT=$ROOT/scripts/pydeps/constraints-build.txt
 pass=0 fail=0 skipped=0
 rm -rf "$work" && mkdir -p "$work/run"
 
