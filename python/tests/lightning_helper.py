@@ -116,9 +116,19 @@ def main():
     got = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     steps = opt.step_count
     opt.close()
-    res = [None] * world
-    dist.all_gather_object(res, dict(seen=seen, params=got, steps=steps))
+    # Each rank's result goes through a file, not dist.all_gather_object: gloo's worker thread
+    # drops the all-gather's tensors (views with Python objects) after wait() returned, and a
+    # rank that exits at once aborts ("terminate called without an active exception") when
+    # that thread needs the GIL of a finalizing interpreter (a torch race, seen 1 run in 6).
+    with open("%s.rank%d" % (out, rank), "w") as f:
+        json.dump(dict(seen=seen, params=got, steps=steps), f)
+    dist.barrier()  # no tensors: nothing for gloo's thread to release late
     if rank == 0:
+        res = []
+        for r in range(world):
+            with open("%s.rank%d" % (out, r)) as f:
+                res.append(json.load(f))
+            os.unlink("%s.rank%d" % (out, r))
         ref_norms, ref_params = _reference(world)
         with open(out, "w") as f:
             json.dump(dict(ranks=res, ref_norms=ref_norms, ref_params=ref_params), f)
