@@ -65,8 +65,8 @@ SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, c
  * selects, the same for the 256 blocks of every 65536 counters. The bits stay
  * sg_elem_mix32's: base + tab[i] is its first round, sg_elem_mix32_tail the rest. */
 typedef struct q8_rnd_tab {
-  uint32_t low;      /* K & 255 of the table; 256: none yet */
-  uint32_t tab[B];
+  _Alignas(64) uint32_t tab[B]; /* whole cache lines: the loop's vector loads never split */
+  uint32_t low;                  /* K & 255 of the table; 256: none yet */
 } q8_rnd_tab;
 
 static uint32_t rnd_base(q8_rnd_tab *t, uint32_t x, uint32_t k) {
