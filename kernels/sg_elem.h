@@ -386,12 +386,13 @@ SG_HD int sg_elem_q8_all_normal(float xmin, float ratio) {
   return xmin * ratio >= sg_elem_u2f(112u << 23);
 }
 
-/* The value of a code (before the block's unit). */
+/* The value of a code (before the block's unit). The code's bits e << M | f shifted into the
+ * f32 mantissa's top are (e << 23) + (f << (23 - M)), so one addition rebiases the exponent
+ * (e + 111) and places f; with e = 0 the code is f itself, converted and scaled exactly. */
 SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) {
-  const uint32_t e = c >> mbits, f = c & ((1u << mbits) - 1u);
-  const float normal = sg_elem_u2f(((e + 111u) << 23) | (f << (23 - mbits)));
-  const float sub = (float)(int32_t)f * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
-  return sg_elem_select_mask(0u - (uint32_t)(e == 0u), sub, normal); /* no branch: vectorizes */
+  const float normal = sg_elem_u2f((c << (23 - mbits)) + (111u << 23));
+  const float sub = (float)(int32_t)c * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
+  return sg_elem_select_mask(0u - (uint32_t)(c < (1u << mbits)), sub, normal); /* no branch */
 }
 
 /* m: sign bit 7, magnitude in the low 7 bits. The codes come back in 32 bits (below 256): a
@@ -433,14 +434,20 @@ SG_HD uint64_t sg_elem_q8_key(uint64_t seed, uint64_t step) {
 
 /* A 32-bit mixing function (xor-shift / multiply rounds with odd constants, "lowbias32"):
  * 32-bit multiplies, which every vector ISA has (the 64-bit ones of sg_elem_mix64 need
- * AVX-512). */
-SG_HD uint32_t sg_elem_mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
+ * AVX-512). In two parts: its first round, (x ^ x >> 16) * SG_ELEM_MIX32_MUL1, and the rest,
+ * sg_elem_mix32_tail, which a CPU loop over a block of consecutive counters runs on the
+ * first round's products taken from a table (kernels/cpu/sg_cpu_q8.c). */
+#define SG_ELEM_MIX32_MUL1 0x7feb352du
+SG_HD uint32_t sg_elem_mix32_tail(uint32_t x) {
   x ^= x >> 15;
   x *= 0x846ca68bu;
   x ^= x >> 16;
   return x;
+}
+
+SG_HD uint32_t sg_elem_mix32(uint32_t x) {
+  x ^= x >> 16;
+  return sg_elem_mix32_tail(x * SG_ELEM_MIX32_MUL1);
 }
 
 /* 32 random bits for state k's code (0: m, 1: v) of element `index` (sg__seg.sr_index,

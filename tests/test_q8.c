@@ -36,6 +36,18 @@ static const size_t numels[NP] = {5000, 300, 6144, 4096, 4095, 70001, 1000};
 
 /* ---- the codes ----------------------------------------------------------------------------- */
 
+/* lowbias32 (the codes' random bits), written out here apart from sg_elem_mix32. */
+static uint32_t ref_mix32(uint32_t x) {
+  x = (x ^ (x >> 16)) * 0x7feb352du;
+  x = (x ^ (x >> 15)) * 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+static float ref_decode(int code, int mb) { /* the value by its definition */
+  const int e = code >> mb, f = code & ((1 << mb) - 1);
+  return e == 0 ? (float)ldexp((double)f, -15 - mb) : (float)ldexp(1.0 + f / (double)(1 << mb), e - 16);
+}
+
 static void test_codes(void) {
   for (int kind = 0; kind < 2; kind++) {
     const int mb = kind ? SG_ELEM_Q8_V_BITS : SG_ELEM_Q8_M_BITS, ncode = 1 << (4 + mb);
@@ -47,6 +59,9 @@ static void test_codes(void) {
       if (c > 0) mono &= x > sg_elem_q8_decode((uint32_t)c - 1, mb);
     }
     CHECK(back, "kind %d: every code decodes and codes back to itself, any random bits", kind);
+    int defined = 1; /* the format: each code's value by its definition (ref_decode) */
+    for (int c = 0; c < ncode; c++) defined &= sg_elem_q8_decode((uint32_t)c, mb) == ref_decode(c, mb);
+    CHECK(defined, "kind %d: every code decodes to the value its definition gives", kind);
     CHECK(mono, "kind %d: decoded values increase with the code", kind);
     CHECK(sg_elem_q8_decode((uint32_t)ncode - 1, mb) == sg_elem_q8_top(mb),
           "kind %d: the largest code is top", kind);
@@ -69,10 +84,6 @@ static void test_codes(void) {
 
 /* ---- an independent implementation of one block's update ----------------------------------- */
 
-static float ref_decode(int code, int mb) { /* the value by its definition */
-  const int e = code >> mb, f = code & ((1 << mb) - 1);
-  return e == 0 ? (float)ldexp((double)f, -15 - mb) : (float)ldexp(1.0 + f / (double)(1 << mb), e - 16);
-}
 
 /* The code of x in [0, top]: the neighbours found in the table, rounded up with probability
  * frac by the random bits (the dropped bits of the fraction against the random ones). */
@@ -133,7 +144,7 @@ static void ref_step(ref_block *b, float *p, const float *g, size_t n, uint64_t 
     const uint64_t key = sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (t + 1));
     const uint64_t ix = sr0 + i;
     const uint32_t x = (uint32_t)ix ^ ((uint32_t)(ix >> 32) * 0x9e3779b9u);
-    const uint32_t r0 = sg_elem_mix32(x ^ (uint32_t)key), r1 = sg_elem_mix32(x ^ (uint32_t)(key >> 32));
+    const uint32_t r0 = ref_mix32(x ^ (uint32_t)key), r1 = ref_mix32(x ^ (uint32_t)(key >> 32));
     b->cm[i] = (uint8_t)((nm[i] < 0 || (nm[i] == 0 && signbit(nm[i])) ? 0x80 : 0) |
                          ref_encode(fabsf(nm[i]) * rm, r0, 3));
     b->cv[i] = (uint8_t)ref_encode(ns[i] * rv, r1, 4);
@@ -149,8 +160,10 @@ static float rnd_unit(void) {
 }
 
 /* Three blocks (full, full, a tensor's partial last one) and one fp32 block, 5 steps, the
- * kernel against the reference. */
-static void test_kernel_reference(void) {
+ * kernel against the reference. The blocks' first counters from sr0: any (1000), or
+ * multiples of 256 as the planner cuts them (the kernel's random bits from a table that
+ * changes with the counters' third byte: the blocks here straddle a multiple of 65536). */
+static void test_kernel_reference(uint64_t sr0) {
   enum { NB = 3, N = NB * 256 };
   const size_t lens[NB] = {256, 256, 77};
   float p[N + 256], pr[N], g[N + 256], pool_m[256] = {0}, pool_v[256] = {0};
@@ -163,7 +176,7 @@ static void test_kernel_reference(void) {
   memcpy(pr, p, sizeof pr);
   sg__seg segs[NB];
   for (int b = 0; b < NB; b++)
-    segs[b] = (sg__seg){(size_t)b * 256, (size_t)b * 256, lens[b], 1, 1000u + (uint64_t)b * 256, 0};
+    segs[b] = (sg__seg){(size_t)b * 256, (size_t)b * 256, lens[b], 1, sr0 + (uint64_t)b * 256, 0};
   int same = 1;
   for (uint64_t t = 1; t <= 5; t++) {
     /* blocks 0 and 2: values down to far below 2^-15 of the block's maximum (the codes'
@@ -188,14 +201,15 @@ static void test_kernel_reference(void) {
     a.q8_f32 = map;
     sg__cpu_adamw_q8(&a);
     for (int b = 0; b < NB; b++) {
-      ref_step(&rb[b], pr + b * 256, g + b * 256, lens[b], 1000u + (uint64_t)b * 256, 3, t, 1e-3,
+      ref_step(&rb[b], pr + b * 256, g + b * 256, lens[b], sr0 + (uint64_t)b * 256, 3, t, 1e-3,
                0.01);
       same &= memcmp(rb[b].cm, cm + b * 256, lens[b]) == 0 && memcmp(rb[b].cv, cv + b * 256, lens[b]) == 0;
       same &= rb[b].sm == sm[b] && rb[b].sv == sv[b];
       same &= memcmp(pr + b * 256, p + b * 256, lens[b] * sizeof(float)) == 0;
     }
   }
-  CHECK(same, "the CPU kernel's codes, scales and parameters are the reference's, bit for bit");
+  CHECK(same, "the CPU kernel's codes, scales and parameters are the reference's, bit for bit "
+        "(first counter %llu)", (unsigned long long)sr0);
   int untouched = 1;
   for (size_t i = 256 * 2 + 77; i < 256 * 3; i++) untouched &= cm[i] == 0 && cv[i] == 0;
   CHECK(untouched, "the codes past a tensor's end are never written");
@@ -604,7 +618,7 @@ static void ref_convert(const float *x, size_t n, int k, uint64_t sr0, uint64_t 
   for (size_t i = 0; i < n; i++) {
     const uint64_t ix = sr0 + i;
     const uint32_t h = (uint32_t)ix ^ ((uint32_t)(ix >> 32) * 0x9e3779b9u);
-    const uint32_t rnd = sg_elem_mix32(h ^ (uint32_t)(key >> (32 * k)));
+    const uint32_t rnd = ref_mix32(h ^ (uint32_t)(key >> (32 * k)));
     const float d = ref_decode(ref_encode(fabsf(y[i]) * r, rnd, mb), mb) * unit;
     out[i] = k ? d * d : (signbit(y[i]) ? -d : d);
   }
@@ -875,7 +889,8 @@ int main(int argc, char **argv) {
   const char *dev = getenv("SG_TEST_DEVICE");
   if (dev && !strcmp(dev, "cuda")) g_device = SG_DEVICE_CUDA;
   test_codes();
-  test_kernel_reference();
+  test_kernel_reference(1000u);
+  test_kernel_reference((3ull << 40) + 5 * 65536 - 256);
   test_bad_config();
   static const variant vs[] = {
       {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0, 0, 0, 0},

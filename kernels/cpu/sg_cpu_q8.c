@@ -56,64 +56,125 @@ SG_Q8_INLINE void store_param(void *param, int pdt, int sr, size_t i, float p, c
     sg_elem_store(param, pdt, i, p);
 }
 
-/* The codes of a block's new moments into qm, qv (32-bit lanes; a 32-bit counter: no 64-bit
- * lanes). all_normal constant: the loop without the subnormal path where no value needs it. */
-SG_Q8_INLINE void code_tile(const float *restrict tm, const float *restrict ts, float rm,
-                            float rv, uint32_t lo, uint32_t k0, uint32_t k1, uint32_t n,
-                            uint32_t *restrict qm, uint32_t *restrict qv, const int all_normal) {
+/* The random bits of a block's codes (sg_elem_q8_rnd), for the element counters x + i of a
+ * block whose first counter's low 32 bits x are a multiple of 256 (every block the planner
+ * cuts: sg_state_q8.c) and the key's half k (the counter's high half folded in). Then
+ * x + i = x | i, the first round's shift, (x ^ k) >> 16, is the same for the whole block, and
+ * its product is ((K & ~255) + ((K ^ i) & 255)) * MUL1 with K = x ^ k ^ ((x ^ k) >> 16): a
+ * constant plus tab[i] = (i ^ (K & 255)) * MUL1, a table that only the low byte of K
+ * selects, the same for the 256 blocks of every 65536 counters. The bits stay
+ * sg_elem_mix32's: base + tab[i] is its first round, sg_elem_mix32_tail the rest. */
+typedef struct q8_rnd_tab {
+  _Alignas(64) uint32_t tab[B]; /* whole cache lines: the loop's vector loads never split */
+  uint32_t low;                  /* K & 255 of the table; 256: none yet */
+} q8_rnd_tab;
+
+static uint32_t rnd_base(q8_rnd_tab *t, uint32_t x, uint32_t k) {
+  uint32_t kk = x ^ k;
+  kk ^= kk >> 16;
+  if (t->low != (kk & 255u)) {
+    t->low = kk & 255u;
+    for (uint32_t i = 0; i < B; i++) t->tab[i] = (i ^ t->low) * SG_ELEM_MIX32_MUL1;
+  }
+  return (kk & ~255u) * SG_ELEM_MIX32_MUL1;
+}
+
+/* Any other first counter (the tests' blocks): the first round of every element into tab. */
+static void rnd_any(uint32_t *restrict tab, uint32_t x, uint32_t k, uint32_t n) {
   for (uint32_t i = 0; i < n; i++) {
-    const uint32_t x = lo + i;
-    qm[i] = sg_elem_q8_code_m(tm[i], rm, sg_elem_mix32(x ^ k0), all_normal);
-    qv[i] = sg_elem_q8_code_v(ts[i], rv, sg_elem_mix32(x ^ k1), all_normal);
+    uint32_t y = (x + i) ^ k;
+    tab[i] = (y ^ (y >> 16)) * SG_ELEM_MIX32_MUL1;
   }
 }
 
+/* The codes of a block's new moments into qm, qv (32-bit lanes), the random bits of element
+ * i sg_elem_mix32_tail(b + t[i]). all_normal constant: the loop without the subnormal path
+ * where no value needs it. */
+SG_Q8_INLINE void code_tile(const float *restrict tm, const float *restrict ts, float rm,
+                            float rv, const uint32_t *restrict t0, uint32_t b0,
+                            const uint32_t *restrict t1, uint32_t b1, uint32_t n,
+                            uint32_t *restrict qm, uint32_t *restrict qv, const int all_normal) {
+  for (uint32_t i = 0; i < n; i++) {
+    qm[i] = sg_elem_q8_code_m(tm[i], rm, sg_elem_mix32_tail(b0 + t0[i]), all_normal);
+    qv[i] = sg_elem_q8_code_v(ts[i], rv, sg_elem_mix32_tail(b1 + t1[i]), all_normal);
+  }
+}
+
+/* The exact maxima and minima of the bits (sg_elem_q8_max_bits, NaN as 0) of a tile that
+ * holds a NaN or a negative square root: the update loop's plain ones see these as large. */
+static void tile_bits(const float *t, size_t n, uint32_t *hi, uint32_t *lo) {
+  uint32_t h = 0, l = 0xffffffffu;
+  for (size_t i = 0; i < n; i++) {
+    const uint32_t x = sg_elem_q8_max_bits(t[i]);
+    h = x > h ? x : h;
+    l = x < l ? x : l;
+  }
+  *hi = h, *lo = l;
+}
+
 /* One coded block: segment s (inside block j, from its start). Inlined with constant dtypes,
- * so that every dtype test folds away. Two loops, each vectorizable: the update (the new
- * moments into the tile and the integer maxima of their bits), the codes (in 32-bit lanes,
+ * so that every dtype test folds away, and with lerp 1 (1 - beta1 < 0.5, as for every usual
+ * beta1) the lerp's other form left out. Two loops, each vectorizable: the update (the new
+ * moments into the tile and the maxima and minima of their bits), the codes (in 32-bit lanes,
  * then stored as bytes: a loop that narrows as it computes packs and unpacks 16-bit halves,
  * which cost more than the arithmetic they carry). Profiled (docs/optim-state-8bit.md, Speed):
- * the coding is about half of the time, bound by the vector ALU ports, its hash a fifth of
- * that; the two divisions and the square root of the AdamW element most of the rest. */
+ * bound by the vector ALU ports, so every operation per element that gives the same bits
+ * another way was taken out (the hash's first round from a table, the NaN test of the maxima
+ * moved out of the loop). */
 SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
-                              const int pdt, const int gdt, const int has_master, const int sr) {
+                              q8_rnd_tab *rt, const int pdt, const int gdt, const int has_master,
+                              const int sr, const int lerp) {
   const size_t so = s->shard_off, fo = s->flat_off, n = s->len, j = so / B;
   uint8_t *restrict cm = a->q8_code[M] + so;
   uint8_t *restrict cv = a->q8_code[V] + so;
   float *restrict mst = a->master;
   const float um = sg_elem_q8_unit(a->q8_scale[M][j], SG_ELEM_Q8_M_BITS);
   const float uv = sg_elem_q8_unit(a->q8_scale[V][j], SG_ELEM_Q8_V_BITS);
+  sg_elem_adamw_k k = c->k;
+  if (lerp) k.lerp_small = 0xffffffffu; /* a constant: the select folds away */
   float tm[B], ts[B];
   uint32_t bm = 0, bv = 0, lm = 0xffffffffu, lv = 0xffffffffu; /* maxima, minima of the bits */
   for (size_t i = 0; i < n; i++) {
     const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
     float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
     float m = sg_elem_q8_decode_m(cm[i], um), v = sg_elem_q8_decode_v(cv[i], uv);
-    p = sg_elem_adamw(p, g, &m, &v, c->k);
+    p = sg_elem_adamw(p, g, &m, &v, k);
     if (has_master) mst[so + i] = p;
     store_param(a->param, pdt, sr, fo + i, p, c, s->sr_index + i);
     tm[i] = m;
     ts[i] = sqrtf(v);
-    const uint32_t xm = sg_elem_q8_max_bits(tm[i]), xv = sg_elem_q8_max_bits(ts[i]);
+    /* |m|'s bits and sqrt(v)'s (>= +0 unless NaN): a NaN, or a sign, makes a maximum above
+     * infinity's bits, and the tile's exact ones are found again below */
+    const uint32_t xm = sg_elem_f2u(tm[i]) & 0x7fffffffu, xv = sg_elem_f2u(ts[i]);
     bm = xm > bm ? xm : bm;
     bv = xv > bv ? xv : bv;
     lm = xm < lm ? xm : lm;
     lv = xv < lv ? xv : lv;
   }
+  if (bm > 0x7f800000u) tile_bits(tm, n, &bm, &lm);
+  if (bv > 0x7f800000u) tile_bits(ts, n, &bv, &lv);
   const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
   const float rv = sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS);
   /* sg_elem_q8_rnd(key, sr_index + i, k) in 32-bit lanes: a block starts at a multiple of 256
    * of its tensor's counter, so the counter's high half is the same for the whole block and
-   * its low half does not wrap */
+   * its low half does not wrap (rnd_base); other first counters (rnd_any) are not split */
   const uint64_t idx = s->sr_index;
   const uint32_t lo = (uint32_t)idx, hi = (uint32_t)(idx >> 32) * 0x9e3779b9u;
   const uint32_t k0 = hi ^ (uint32_t)c->q8_key, k1 = hi ^ (uint32_t)(c->q8_key >> 32);
+  uint32_t any0[B], any1[B], b0 = 0, b1 = 0;
+  const uint32_t *t0 = any0, *t1 = any1;
+  if ((lo & 255u) == 0) { /* every block of the planner's */
+    b0 = rnd_base(&rt[0], lo, k0), b1 = rnd_base(&rt[1], lo, k1);
+    t0 = rt[0].tab, t1 = rt[1].tab;
+  } else {
+    rnd_any(any0, lo, k0, (uint32_t)n), rnd_any(any1, lo, k1, (uint32_t)n);
+  }
   uint32_t qm[B], qv[B];
   if (sg_elem_q8_all_normal(sg_elem_u2f(lm), rm) && sg_elem_q8_all_normal(sg_elem_u2f(lv), rv))
-    code_tile(tm, ts, rm, rv, lo, k0, k1, (uint32_t)n, qm, qv, 1); /* the usual block */
+    code_tile(tm, ts, rm, rv, t0, b0, t1, b1, (uint32_t)n, qm, qv, 1); /* the usual block */
   else
-    code_tile(tm, ts, rm, rv, lo, k0, k1, (uint32_t)n, qm, qv, 0);
+    code_tile(tm, ts, rm, rv, t0, b0, t1, b1, (uint32_t)n, qm, qv, 0);
   for (size_t i = 0; i < n; i++) {
     cm[i] = (uint8_t)qm[i];
     cv[i] = (uint8_t)qv[i];
@@ -136,23 +197,28 @@ static void f32_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *
   }
 }
 
-/* The specialised loop of a coded block for the common dtypes; the general one otherwise. */
-SG_Q8_HOT static void q8_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *c) {
+/* The specialised loop of a coded block for the common dtypes and 1 - beta1 < 0.5; the
+ * general one otherwise. */
+SG_Q8_HOT static void q8_block(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
+                               q8_rnd_tab *rt) {
   const size_t j = s->shard_off / B;
   if (a->q8_f32[j] != SG__Q8_CODED) {
     f32_block(a, s, c, (size_t)a->q8_f32[j] * B);
     return;
   }
   const int sr = a->stochastic_rounding && a->param_dtype == 1;
-  const int key = a->param_dtype * 100 + a->grad_dtype * 10 + (a->master != NULL) * 2 + sr;
+  const int key = c->k.lerp_small
+                      ? a->param_dtype * 100 + a->grad_dtype * 10 + (a->master != NULL) * 2 + sr
+                      : -1;
   switch (key) {
-    case 0: coded_block(a, s, c, 0, 0, 0, 0); break;    /* f32 params and grads */
-    case 10: coded_block(a, s, c, 0, 1, 0, 0); break;   /* f32 params, bf16 grads */
-    case 102: coded_block(a, s, c, 1, 0, 1, 0); break;  /* bf16 params, fp32 master */
-    case 103: coded_block(a, s, c, 1, 0, 1, 1); break;
-    case 112: coded_block(a, s, c, 1, 1, 1, 0); break;
-    case 202: coded_block(a, s, c, 2, 0, 1, 0); break;
-    default: coded_block(a, s, c, a->param_dtype, a->grad_dtype, a->master != NULL, sr);
+    case 0: coded_block(a, s, c, rt, 0, 0, 0, 0, 1); break;    /* f32 params and grads */
+    case 10: coded_block(a, s, c, rt, 0, 1, 0, 0, 1); break;   /* f32 params, bf16 grads */
+    case 102: coded_block(a, s, c, rt, 1, 0, 1, 0, 1); break;  /* bf16 params, fp32 master */
+    case 103: coded_block(a, s, c, rt, 1, 0, 1, 1, 1); break;
+    case 112: coded_block(a, s, c, rt, 1, 1, 1, 0, 1); break;
+    case 202: coded_block(a, s, c, rt, 2, 0, 1, 0, 1); break;
+    default:
+      coded_block(a, s, c, rt, a->param_dtype, a->grad_dtype, a->master != NULL, sr, 0);
   }
 }
 
@@ -182,11 +248,18 @@ void sg__cpu_adamw_q8(const sg__update_args *a) {
   const long ns = a->nsegs;
 #ifdef SG_Q8_OMP
   const int nt = (size_t)ns * B >= SG_Q8_PAR_MIN ? sg__cpu_threads() : 1;
-#pragma omp parallel for schedule(dynamic, 64) num_threads(nt) if (nt > 1)
+#pragma omp parallel num_threads(nt) if (nt > 1)
 #endif
-  for (long s = 0; s < ns; s++) {
-    const sg__seg *sg = &a->segs[s];
-    q8_block(a, sg, &cs[2 * sg__update_group_of(a, sg) + (sg->decay ? 0 : 1)]);
+  {
+    q8_rnd_tab rt[2]; /* each thread's tables of the random bits' first round (m, v) */
+    rt[0].low = rt[1].low = 256u;
+#ifdef SG_Q8_OMP
+#pragma omp for schedule(dynamic, 64)
+#endif
+    for (long s = 0; s < ns; s++) {
+      const sg__seg *sg = &a->segs[s];
+      q8_block(a, sg, &cs[2 * sg__update_group_of(a, sg) + (sg->decay ? 0 : 1)], rt);
+    }
   }
 }
 
