@@ -151,7 +151,7 @@ typedef struct arrival { sg__offload *o; int k; const void *src; int dt; } arriv
 
 static sg_status arrival_fn(void *arg) {
   const arrival *j = arg;
-  return sg__offload_arrive_job(j->o, j->k, j->src, j->dt);
+  return sg__offload_arrive_job(j->o, j->k, j->src, j->dt, 1);
 }
 
 static void shard_init(shard *s, const options *o) {

@@ -502,6 +502,12 @@ typedef struct sg_step_info {
  * with no gradient at all changes nothing there too. Hybrid engines (replicas) update every parameter
  * as if its gradient were zeros, as before (docs/limits.md). */
 SG_API sg_status sg_step(sg_engine *e, sg_step_info *info);
+/* The info of the latest sg_step, as sg_step(e, &info) would have filled it, for a caller that
+ * passed NULL there (a step with info asked for waits once for the device; one without it need
+ * not wait at all: DESIGN.md section 4). Where the device decided that step, the first call
+ * after it reads its outcome, waiting for the device if it has not written it yet; otherwise
+ * nothing waits. Not collective. SG_ERR_INVALID_STATE before the first step. */
+SG_API sg_status sg_last_step_info(sg_engine *e, sg_step_info *info);
 SG_API sg_status sg_set_lr(sg_engine *e, float lr);
 /* The learning rate in effect (config, sg_set_lr, or restored by sg_load). */
 SG_API sg_status sg_get_lr(sg_engine *e, float *lr);

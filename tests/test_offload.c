@@ -83,7 +83,7 @@ static int d2h(sg__device *d, void *dst, const void *src, size_t bytes) {
 typedef struct arrive_job { sg__offload *o; int k; const void *src; int dt; } arrive_job;
 static sg_status arrive_fn(void *arg) {
   arrive_job *j = arg;
-  return sg__offload_arrive_job(j->o, j->k, j->src, j->dt);
+  return sg__offload_arrive_job(j->o, j->k, j->src, j->dt, 1);
 }
 
 static sg__adamw_args args_for(const tcase *c, const layout *l, int k, uint64_t t, float scale) {
@@ -228,7 +228,7 @@ static void test_errors(sg__device *d, const char *dn) {
             says("bucket 2 of 2"), "%s arrive: bucket out of range", dn);
   CHECK(sg__offload_arrive_plan(&o, 0, 1, INT64_MAX) == SG_OK && o.b[0].mode == SG__ARRIVE_LAND &&
             o.b[0].land >= 0, "%s arrive: a bf16 slice into an f32 accumulator lands first", dn);
-  CHECK(sg__offload_arrive_job(&o, 0, NULL, 0) == SG_ERR_INVALID_STATE && says("not planned"),
+  CHECK(sg__offload_arrive_job(&o, 0, NULL, 0, 0) == SG_ERR_INVALID_STATE && says("not planned"),
         "%s arrive: a job with another dtype than planned refused", dn);
   sg__offload_arrive_submitted(&o, 0, 0); /* never queued: the landing buffer is free again */
   CHECK(o.b[0].land < 0 && o.land_owner[0] < 0 && o.land_owner[1] < 0,

@@ -120,6 +120,8 @@ PROTOTYPES = {
     # sg_load_ex: a checkpoint's optimizer state converted between fp32 and 8 bits
     "sg_load_options_init": (_status, [ctypes.POINTER(SgLoadOptions), _c_size]),
     "sg_load_ex": (_status, [_vp, _c_char_p, ctypes.POINTER(SgLoadOptions)]),
+    # the latest step's info, read when wanted (sg_step without info needs no host sync)
+    "sg_last_step_info": (_status, [_vp, ctypes.POINTER(SgStepInfo)]),
 }
 
 # Functions the library may lack (see above); every other entry must be exported.
@@ -131,7 +133,7 @@ OPTIONAL = frozenset({
     "sg_comm_stats", "sg_comm_split_nodes", "sg_get_hparams", "sg_set_hparams", "sg_grad_norm",
     "sg_comm_create_xport", "sg_xport_done",
     "sg_engine_create_hybrid", "sg_set_microbatches", "sg_grad_scale", "sg_get_param_step",
-    "sg_load_options_init", "sg_load_ex",
+    "sg_load_options_init", "sg_load_ex", "sg_last_step_info",
 })
 
 

@@ -291,6 +291,11 @@ class StepInfo:
     skipped: bool
 
 
+def _step_info(v):
+    return StepInfo(int(v.step), float(v.grad_norm), float(v.clip_coef), float(v.loss_scale),
+                    bool(v.skipped))
+
+
 @dataclasses.dataclass
 class MemoryStats:
     params_bytes: int
@@ -750,14 +755,30 @@ class Engine:
         _call("sg_grad_zero", self.handle)
 
     # -- step -----------------------------------------------------------------------------
-    def step(self):
+    def step(self, info=True):
         """Collective: reductions, global norm, clipping, AdamW on the shard, all-gather
         (bucket by bucket, last bucket first). With overlap_param_gather it returns once the
-        all-gathers are queued: param_wait before reading parameters through views."""
-        info = SgStepInfo(struct_size=ctypes.sizeof(SgStepInfo))
-        _call("sg_step", self.handle, ctypes.byref(info))
-        return StepInfo(int(info.step), float(info.grad_norm), float(info.clip_coef),
-                        float(info.loss_scale), bool(info.skipped))
+        all-gathers are queued: param_wait before reading parameters through views.
+        Returns the step's StepInfo; with info=False, None, and the step asks the library for
+        no result, so that a step decided on the GPU waits for nothing on the host
+        (last_step_info() reads the result later)."""
+        if not info:
+            _call("sg_step", self.handle, None)
+            return None
+        v = SgStepInfo(struct_size=ctypes.sizeof(SgStepInfo))
+        _call("sg_step", self.handle, ctypes.byref(v))
+        return _step_info(v)
+
+    def last_step_info(self):
+        """StepInfo of the latest step() (sg_last_step_info). Not collective. After a step
+        decided on the GPU the first call waits for its outcome if the GPU has not written it
+        yet; otherwise nothing waits. InvalidStateError before the first step."""
+        if not _lib.has("sg_last_step_info"):
+            raise UnsupportedError("Engine.last_step_info: this libshardgrad has no "
+                                   "sg_last_step_info", function="python")
+        v = SgStepInfo(struct_size=ctypes.sizeof(SgStepInfo))
+        _call("sg_last_step_info", self.handle, ctypes.byref(v))
+        return _step_info(v)
 
     def set_lr(self, lr):
         _call("sg_set_lr", self.handle, float(lr))

@@ -112,6 +112,8 @@ def test_c_argument_checks_reachable_with_null_handles():
             calls[name] = (None, None)
     if _lib.has("sg_param_wait"):
         calls["sg_param_wait"] = (None, -1)
+    if _lib.has("sg_last_step_info"):
+        calls["sg_last_step_info"] = (None, ctypes.byref(st))
     if _lib.has("sg_set_group"):
         calls["sg_set_param_group"] = (None, 0, 0)
         calls["sg_set_group"] = (None, 0, 1e-3, 0.0)
@@ -484,6 +486,36 @@ def test_engine_single_rank_numpy_views_and_adamw():
         assert mem.numel == est.numel and mem.optim_bytes == est.optim_bytes
         assert mem.peak_bytes >= mem.total_bytes and mem.shard_numel == mem.numel
         print("memory:", mem)
+
+
+def test_step_info_read_later():
+    """step(info=False) asks for no result (no host sync on a GPU); last_step_info() gives what
+    step() would have returned, and refuses before the first step."""
+    if not _lib.has("sg_last_step_info"):
+        pytest.skip("library without sg_last_step_info")
+    rng = np.random.default_rng(1)
+    comm = sg.Comm.local(1)[0]
+    infos = []
+    for later in (False, True):
+        with sg.Engine(comm, lr=0.01, max_grad_norm=0.5, **FAST) as e:
+            pid = e.add_param("w", (64,))
+            e.finalize()
+            e.set_param(pid, np.ones(64, np.float32))
+            if later:
+                with pytest.raises(sg.InvalidStateError):
+                    e.last_step_info()
+            got = []
+            for _ in range(3):
+                e.grad_add(pid, rng.standard_normal(64).astype(np.float32))
+                info = e.step(info=not later)
+                assert (info is None) == later
+                got.append(e.last_step_info() if later else info)
+                assert e.last_step_info() == got[-1]
+            infos.append((got, e.get_param(pid)))
+        rng = np.random.default_rng(1)
+    (eager, p0), (lazy, p1) = infos
+    assert eager == lazy and eager[-1].step == 3 and eager[-1].clip_coef < 1.0
+    np.testing.assert_array_equal(p0, p1)
 
 
 def test_bf16_params_as_uint16_views():

@@ -86,6 +86,13 @@ typedef struct sg__comm_ops {
    * an all-gather of world*bytes (what each rank sends and receives is the same). */
   sg_status (*all_to_all)(sg_comm *c, const void *send, void *recv, size_t bytes,
                           int64_t deadline_ms);
+  /* Optional (NULL: not offered): reduce_scatter out of place, on a channel whose buffers are
+   * device memory (stream-ordered): recv[count] becomes the sum over ranks of
+   * send[rank*count .. +count), the same bits as reduce_scatter of send followed by a copy of
+   * this rank's slice; send is left as it was; send and recv do not overlap. Counted as a
+   * reduce_scatter. The engine's first micro-batch reduces straight into the accumulator. */
+  sg_status (*reduce_scatter_to)(sg_comm *c, const void *send, void *recv, size_t count,
+                                 int dtype, int64_t deadline_ms);
 } sg__comm_ops;
 
 struct sg_comm {

@@ -43,6 +43,7 @@
 /* The device whose replica-lane job this thread submits or runs (stream-ordered jobs run
  * inline, on the submitting thread): its SG_Q_COMM work goes to the replica stream. */
 _Thread_local const struct sg__cuda_dev *sg__cuda_lane_of;
+_Thread_local const struct sg__cuda_dev *sg__cuda_out_of;
 
 /* ---- errors ---------------------------------------------------------------------------- */
 
@@ -178,6 +179,7 @@ sg_status sg__cuda_check_queue(sg__queue q, const char *fn) {
 
 cudaStream_t sg__cuda_stream(sg__cuda_dev *d, sg__queue q) {
   if (q != SG_Q_COMM) return d->compute;
+  if (sg__cuda_out_of == d) return d->out;
   return sg__cuda_lane_of == d && d->rep ? d->rep : d->comm;
 }
 
@@ -216,13 +218,13 @@ static sg_status sg__cudev_host_alloc(sg__device *dev, size_t bytes, void **out)
   return sg__cuda_alloc_any(dev, bytes, out, 1);
 }
 
-/* Whether streams `first`, d->comm and d->rep ran everything queued before `deadline_ms`
- * (polled, no hooks). */
+/* Whether streams `first`, d->comm, d->rep and d->out ran everything queued before
+ * `deadline_ms` (polled, no hooks). */
 static int sg__cuda_drained_by(sg__cuda_dev *d, cudaStream_t first, int64_t deadline_ms) {
   for (unsigned iter = 0;; iter++) {
     int busy = 0;
-    cudaStream_t s[3] = {first, d->comm, d->rep};
-    for (int i = 0; i < 3; i++) {
+    cudaStream_t s[4] = {first, d->comm, d->rep, d->out};
+    for (int i = 0; i < 4; i++) {
       const cudaError_t e = s[i] ? cudaStreamQuery(s[i]) : cudaSuccess;
       if (e == cudaErrorNotReady) (void)cudaGetLastError();
       if (e == cudaErrorNotReady) busy = 1;
@@ -622,6 +624,8 @@ static void sg__cudev_destroy(sg__device *dev) {
       if (d->use_ev[q]) (void)cudaStreamWaitEvent(d->comm, d->use_ev[q], 0);
     if (d->rep && cudaEventRecord(d->lane_ev, d->rep) == cudaSuccess)
       (void)cudaStreamWaitEvent(d->comm, d->lane_ev, 0);
+    if (d->out && cudaEventRecord(d->out_ev, d->out) == cudaSuccess)
+      (void)cudaStreamWaitEvent(d->comm, d->out_ev, 0);
     for (int q = 0; q < 2; q++)
       if (d->red_dev[q]) (void)cudaFreeAsync(d->red_dev[q], d->comm);
   }
@@ -646,6 +650,11 @@ static void sg__cudev_destroy(sg__device *dev) {
   free(d->ring2);
   if (d->lane_ev) (void)cudaEventDestroy(d->lane_ev);
   if (d->rep) (void)cudaStreamDestroy(d->rep);
+  for (int i = 0; d->ring3 && i < SG__CUDA_RING; i++)
+    if (d->ring3[i]) (void)cudaEventDestroy(d->ring3[i]);
+  free(d->ring3);
+  if (d->out_ev) (void)cudaEventDestroy(d->out_ev);
+  if (d->out) (void)cudaStreamDestroy(d->out);
   for (int q = 0; q < 2; q++)
     if (d->use_ev[q]) (void)cudaEventDestroy(d->use_ev[q]);
   if (d->comm) (void)cudaStreamDestroy(d->comm);
@@ -690,6 +699,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_step_outcome,
     sg__cudev_comm_submit_lane,
     sg__cudev_compute_wait_job,
+    sg__cudev_copy_out,
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

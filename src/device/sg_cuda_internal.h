@@ -75,6 +75,15 @@ typedef struct sg__cuda_dev {
   cudaStream_t rep;
   cudaEvent_t lane_ev;
   cudaEvent_t *ring2; /* SG__CUDA_RING events, with rep */
+  /* The copy-out lane (issue 28, defect 2): offload's D2H copies of reduced slices (copy_out)
+   * on a stream of their own, made by the first one, so that a slow copy does not hold up the
+   * next bucket's reduce-scatter on the comm stream. A stream-ordered job that calls copy_out
+   * moves the rest of its SG_Q_COMM work there, after the comm stream's work so far (out_ev).
+   * Once the stream exists every stream-ordered job records ring3[its slot] on it after the
+   * job (ring_three), and a ticket's waits cover it. NULL until the first copy_out. */
+  cudaStream_t out;
+  cudaEvent_t out_ev;
+  cudaEvent_t *ring3; /* SG__CUDA_RING events, with out */
   sg__jobq q; /* comm jobs: tickets, the first failure, the worker */
   int q_ready;
   int sync_ready; /* mu and tab_mu exist */
@@ -83,6 +92,7 @@ typedef struct sg__cuda_dev {
   uint64_t ring_tk[SG__CUDA_RING];        /* the ticket that last used each slot */
   unsigned char ring_two[SG__CUDA_RING];  /* 1: that ticket's ring2 event covers the other lane */
   unsigned char ring_host[SG__CUDA_RING]; /* 1: that ticket is host-driven (queue waits) */
+  unsigned char ring_three[SG__CUDA_RING]; /* 1: that ticket's ring3 event covers the out lane */
   uint64_t done_ticket; /* every stream-ordered ticket <= this one is known to be complete */
   sg__comm_attach att[SG__CUDA_MAX_ATT]; /* the attached communicators, in attach order */
   int attached;    /* how many */
@@ -137,6 +147,9 @@ typedef struct sg__cuda_scope {
 /* The device whose replica-lane job this thread submits or runs (stream-ordered jobs run
  * inline, on the submitting thread): its SG_Q_COMM work goes to the replica stream. */
 extern _Thread_local const struct sg__cuda_dev *sg__cuda_lane_of;
+/* The device whose stream-ordered job, running on this thread, moved its SG_Q_COMM work to the
+ * copy-out lane (copy_out). */
+extern _Thread_local const struct sg__cuda_dev *sg__cuda_out_of;
 
 /* Shared between the files (each defined, with its comment, where it belongs). */
 sg__cuda_dev *sg__cuda(sg__device *d);
@@ -171,6 +184,7 @@ sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
                                       int64_t deadline_ms);
 sg_status sg__cudev_compute_wait_job(sg__device *dev, uint64_t ticket,
                                      int64_t deadline_ms);
+sg_status sg__cudev_copy_out(sg__device *dev, void *dst, const void *src, size_t bytes);
 sg_status sg__cudev_set_stream(sg__device *dev, void *stream);
 sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms);
 sg_status sg__cudev_update(sg__device *dev, sg__queue q, const sg__optim_desc *od,

@@ -97,6 +97,7 @@ static sg_status sg__cuda_job_mark(void *ctx, uint64_t t, int worker) {
     d->ring_tk[slot] = t;
     d->ring_host[slot] = (unsigned char)host;
     d->ring_two[slot] = (unsigned char)(!host && d->rep != NULL);
+    d->ring_three[slot] = 0; /* set after the job, if the copy-out lane exists by then */
   }
   pthread_mutex_unlock(&d->mu);
   if (e != cudaSuccess) return sg__cuda_err(e, fn, "cudaEventRecord(job input)", __FILE__, __LINE__);
@@ -118,8 +119,15 @@ static sg_status sg__cuda_run_stream_job(sg__cuda_dev *d, sg__jobq_fn job, void 
     SG__CU(cudaStreamWaitEvent(d->rep, d->lane_ev, 0), fn);
   }
   const sg_status st = job(arg);
+  sg__cuda_out_of = NULL; /* the next job starts on the comm stream again */
   SG__CU(cudaEventRecord(sg__cuda_ticket_event(d, t), s), fn);
   if (d->rep) SG__CU(cudaEventRecord(d->ring2[t & (SG__CUDA_RING - 1)], other), fn);
+  if (d->out) { /* the copy-out lane up to this job: waits for the ticket cover it */
+    SG__CU(cudaEventRecord(d->ring3[t & (SG__CUDA_RING - 1)], d->out), fn);
+    pthread_mutex_lock(&d->mu);
+    d->ring_three[t & (SG__CUDA_RING - 1)] = 1;
+    pthread_mutex_unlock(&d->mu);
+  }
   return st;
 }
 
@@ -204,6 +212,52 @@ static sg_status sg__cuda_lane_open(sg__cuda_dev *d, const char *fn) {
   return SG_OK;
 }
 
+/* The copy-out lane's stream and events (kept until destroy). */
+static sg_status sg__cuda_out_open(sg__cuda_dev *d, const char *fn) {
+  if (d->out) return SG_OK;
+  cudaEvent_t *ring3 = (cudaEvent_t *)calloc(SG__CUDA_RING, sizeof *ring3);
+  if (!ring3) return sg__err(SG_ERR_OUT_OF_MEMORY, "%s: copy-out lane events", fn);
+  cudaError_t e = d->out_ev ? cudaSuccess
+                            : cudaEventCreateWithFlags(&d->out_ev, cudaEventDisableTiming);
+  for (int i = 0; i < SG__CUDA_RING && e == cudaSuccess; i++)
+    e = cudaEventCreateWithFlags(&ring3[i], cudaEventDisableTiming);
+  cudaStream_t s = NULL;
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    for (int i = 0; i < SG__CUDA_RING; i++)
+      if (ring3[i]) (void)cudaEventDestroy(ring3[i]);
+    free(ring3);
+    return sg__cuda_err(e, fn, "copy-out lane (stream, events)", __FILE__, __LINE__);
+  }
+  pthread_mutex_lock(&d->mu);
+  d->ring3 = ring3;
+  d->out = s; /* read by the waits under mu (ring_three) */
+  pthread_mutex_unlock(&d->mu);
+  return SG_OK;
+}
+
+/* Inside a stream-ordered job of the shard lane: the copy on the copy-out lane, after the comm
+ * stream's work so far, and the job's later SG_Q_COMM work after it there (sg__cuda_stream).
+ * Elsewhere (a host-driven job, whose copies complete within it anyway; the replica lane;
+ * outside a job) the comm queue's copy. */
+sg_status sg__cudev_copy_out(sg__device *dev, void *dst, const void *src, size_t bytes) {
+  static const char fn[] = "sg__device_cuda.copy_out";
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
+  pthread_mutex_lock(&d->mu);
+  const int stream = d->stream_mode;
+  pthread_mutex_unlock(&d->mu);
+  if (stream && sg__jobq_in_job(&d->q) && sg__cuda_lane_of != d && sg__cuda_out_of != d) {
+    SG__CUDA_SCOPE(d);
+    SG_TRY(sg__cuda_enter(d, fn));
+    SG_TRY(sg__cuda_out_open(d, fn));
+    SG__CU(cudaEventRecord(d->out_ev, d->comm), fn);
+    SG__CU(cudaStreamWaitEvent(d->out, d->out_ev, 0), fn);
+    sg__cuda_out_of = d;
+  }
+  return dev->ops->copy(dev, SG_Q_COMM, dst, src, bytes, SG_COPY_D2H);
+}
+
 /* Pending jobs finish before the mode changes. A second attachment (a hybrid engine's replica
  * channel beside its shard channel) must run its jobs the same way as the first: both
  * stream-ordered (their collectives share the comm stream, every wait polls both), or both
@@ -274,7 +328,8 @@ sg_status sg__cudev_comm_start(sg__device *dev) {
  * *wait_for is the ticket to wait for (the one now in the ticket's ring slot: a later one waits
  * longer, since jobs complete in ticket order) and *host says whether it is host-driven. */
 static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const char *fn,
-                                       int *done, uint64_t *wait_for, int *host, int *two) {
+                                       int *done, uint64_t *wait_for, int *host, int *two,
+                                       int *three) {
   *done = 1;
   SG_TRY(sg__cuda_failed(d));
   const uint64_t last = sg__jobq_last(&d->q);
@@ -286,6 +341,7 @@ static sg_status sg__cuda_ticket_check(sg__cuda_dev *d, uint64_t ticket, const c
   *wait_for = d->ring_tk[slot];
   *host = d->ring_host[slot];
   *two = d->ring_two[slot];
+  *three = d->ring_three[slot];
   *done = !*host && ticket <= d->done_ticket;
   pthread_mutex_unlock(&d->mu);
   if (*host && sg__jobq_done(&d->q) >= *wait_for) *done = 1;
@@ -300,21 +356,25 @@ static sg_status sg__cuda_ticket_wait(sg__device *dev, uint64_t ticket, int64_t 
   sg__cuda_dev *d = sg__cuda(dev);
   SG__CUDA_SCOPE(d);
   if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: NULL device", fn);
-  int done, host = 0, two = 0;
+  int done, host = 0, two = 0, three = 0;
   uint64_t w = 0;
-  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host, &two));
+  SG_TRY(sg__cuda_ticket_check(d, ticket, fn, &done, &w, &host, &two, &three));
   if (done) return SG_OK;
   if (host) return sg__jobq_wait(&d->q, w, deadline_ms, fn);
   SG_TRY(sg__cuda_enter(d, fn));
   /* with the replica lane: the other lane's work up to the ticket too */
   cudaEvent_t other = two && !(own_lane && w == ticket) ? d->ring2[w & (SG__CUDA_RING - 1)] : NULL;
+  /* with the copy-out lane: its copies (and what their jobs queued after them) up to the ticket */
+  cudaEvent_t out = three ? d->ring3[w & (SG__CUDA_RING - 1)] : NULL;
   if (stream_wait) {
     SG__CU(cudaStreamWaitEvent(d->compute, sg__cuda_ticket_event(d, w), 0), fn);
     if (other) SG__CU(cudaStreamWaitEvent(d->compute, other, 0), fn);
+    if (out) SG__CU(cudaStreamWaitEvent(d->compute, out, 0), fn);
     return SG_OK;
   }
   SG_TRY(sg__cuda_wait(d, sg__cuda_ticket_event(d, w), NULL, deadline_ms, fn));
   if (other) SG_TRY(sg__cuda_wait(d, other, NULL, deadline_ms, fn));
+  if (out) SG_TRY(sg__cuda_wait(d, out, NULL, deadline_ms, fn));
   pthread_mutex_lock(&d->mu);
   if (d->done_ticket < ticket) d->done_ticket = ticket;
   pthread_mutex_unlock(&d->mu);

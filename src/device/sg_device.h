@@ -160,6 +160,12 @@ typedef struct sg__device_ops {
    * its lane before it only, not for the other lane's earlier jobs (a slot that a reduction job
    * zeroed need not wait for a slow replica all-reduce queued before it). */
   sg_status (*compute_wait_job)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
+  /* Optional (NULL: copy on SG_Q_COMM, SG_COPY_D2H): inside a comm job, a device-to-host copy
+   * into pinned host memory on a lane of its own (CUDA with stream-ordered jobs: the copy-out
+   * stream), after the job's SG_Q_COMM work so far; the job's later SG_Q_COMM work follows it
+   * there, and later jobs do not wait for either. Every wait for the job's ticket covers them.
+   * src must not be memory that a later job rewrites on the comm queue (it may run first). */
+  sg_status (*copy_out)(sg__device *d, void *dst, const void *src, size_t bytes);
 } sg__device_ops;
 
 struct sg__device {
@@ -186,6 +192,14 @@ static inline sg_status sg__device_zero_release(sg__device *d, sg__queue q, void
                                                 size_t bytes) {
   if (d->ops->zero_release) return d->ops->zero_release(d, q, dst, bytes);
   return d->ops->zero(d, q, dst, bytes);
+}
+
+/* A comm job's copy of device memory into pinned host memory on the device's copy-out lane
+ * (copy_out), or on SG_Q_COMM where it has none. */
+static inline sg_status sg__device_copy_out(sg__device *d, void *dst, const void *src,
+                                            size_t bytes) {
+  if (d->ops->copy_out) return d->ops->copy_out(d, dst, src, bytes);
+  return d->ops->copy(d, SG_Q_COMM, dst, src, bytes, SG_COPY_D2H);
 }
 
 /* cpu.c. threaded_comm = 0 runs comm jobs inline on the submitting thread (no overlap) until a

@@ -215,6 +215,9 @@ typedef struct sg__outcome {
                              decides every step (no step kernel, or offloaded state) */
   uint64_t seq;           /* the last step decided on the device */
   int pending;            /* its outcome not yet applied to the step count and loss scale */
+  sg_step_info last;      /* the latest sg_step's info (sg_last_step_info) */
+  int last_valid;         /* a step completed since the engine was made */
+  int last_pending;       /* last's norm, clip, skip and step await the record of seq */
 } sg__outcome;
 
 struct sg_engine {
@@ -415,6 +418,9 @@ void sg__outcome_defer(sg_engine *e);
  * loss scale updated), read from pinned memory without a wait once the device wrote it, else
  * after one host wait; *out (may be NULL) gets the record. Nothing deferred: nothing. */
 sg_status sg__outcome_settle(sg_engine *e, sg_elem_step_out *out);
+/* The info of the step that sg_step completed (sg_last_step_info); pending: decided on the
+ * device, its norm, clip, skip and step count filled in by the settle that reads its record. */
+void sg__outcome_keep(sg_engine *e, const sg_step_info *info, int pending);
 
 /* sg_replica.c */
 /* sg_engine_create: the transport (flat when replica is NULL); sg_engine_create_hybrid: binds

@@ -74,7 +74,37 @@ sg_status sg__outcome_settle(sg_engine *e, sg_elem_step_out *out) {
     SG_LOG(SG_LOG_INFO, e->rank, "step skipped: non-finite gradients");
   }
   sg__scale_update(e, r.overflow);
+  if (e->out.last_pending) { /* the step's info (sg_last_step_info) */
+    e->out.last.step = e->opt.step;
+    e->out.last.grad_norm = r.norm;
+    e->out.last.clip_coef = r.clip;
+    e->out.last.skipped = r.skip;
+    e->out.last_pending = 0;
+  }
   if (out) *out = r;
+  return SG_OK;
+}
+
+void sg__outcome_keep(sg_engine *e, const sg_step_info *info, int pending) {
+  e->out.last = *info;
+  e->out.last_valid = 1;
+  e->out.last_pending = pending;
+}
+
+sg_status sg_last_step_info(sg_engine *e, sg_step_info *info) {
+  SG_ENGINE_GUARD(e, "sg_last_step_info");
+  static const char fn[] = "sg_last_step_info";
+  SG_TRY(sg__engine_check_out(e, info, "info", fn));
+  if (info->struct_size != sizeof(sg_step_info))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: info->struct_size %zu, expected %zu", fn,
+                   info->struct_size, sizeof(sg_step_info));
+  if (!e->out.last_valid)
+    return sg__err(SG_ERR_INVALID_STATE, "%s: no sg_step has completed yet", fn);
+  /* a step the device decided and the host has not read yet: its outcome first */
+  SG_TRY(sg__err_prefix(sg__outcome_settle(e, NULL), fn));
+  const size_t size = info->struct_size;
+  *info = e->out.last;
+  info->struct_size = size;
   return SG_OK;
 }
 

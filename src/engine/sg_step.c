@@ -182,6 +182,7 @@ static sg_status step_on_host(sg_engine *e, sg_step_info *info, const char *fn) 
   if (!idle) sg__scale_update(e, o.overflow);
   if (o.skip) SG_LOG(SG_LOG_INFO, e->rank, "step skipped: non-finite gradients");
   if (idle) SG_LOG(SG_LOG_INFO, e->rank, "no parameter got a gradient: nothing updated");
+  sg__outcome_keep(e, &v, 0);
   fill_info(info, &v);
   return SG_OK;
 }
@@ -205,11 +206,12 @@ static sg_status step_on_device(sg_engine *e, sg_step_info *info) {
   if (st == SG_OK) st = outer_sync(e);
   if (st != SG_OK) return st;
   sg__outcome_defer(e);
+  /* the rest of its info comes with the outcome (sg__outcome_settle) */
+  const sg_step_info partial = {sizeof partial, e->opt.step, 0.0f, 1.0f, scale, 0};
+  sg__outcome_keep(e, &partial, 1);
   if (!info) return SG_OK;
-  sg_elem_step_out o;
-  SG_TRY(sg__outcome_settle(e, &o));
-  const sg_step_info v = {sizeof v, e->opt.step, o.norm, o.clip, scale, o.skip};
-  fill_info(info, &v);
+  SG_TRY(sg__outcome_settle(e, NULL));
+  fill_info(info, &e->out.last);
   return SG_OK;
 }
 

@@ -2,7 +2,7 @@
 #include "sg_offload.h"
 
 #include <stdlib.h> /* calloc, free */
-#include <string.h> /* memset */
+#include <string.h> /* memset, strerror */
 
 #include "../../kernels/cpu/sg_cpu_kernels.h"   /* sumsq, accumulate, cast, fold + partials */
 #include "../../kernels/sg_kernel_args.h"       /* SG__SUMSQ_CHUNK: the partials' chunks */
@@ -36,9 +36,14 @@ static sg_status check_init(sg__device *d, size_t numel, int param_dtype, int ac
 static sg_status alloc_landing(sg__offload *o, int nland, size_t land_bytes) {
   o->land = calloc((size_t)nland, sizeof *o->land);
   o->land_owner = calloc((size_t)nland, sizeof *o->land_owner);
-  o->land_ticket = calloc((size_t)nland, sizeof *o->land_ticket);
-  if (!o->land || !o->land_owner || !o->land_ticket)
+  o->lrec = calloc((size_t)nland, sizeof *o->lrec);
+  if (!o->land || !o->land_owner || !o->lrec)
     return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: out of host memory");
+  /* the fold worker: its thread starts with the first landed arrival */
+  const int rc = sg__jobq_init(&o->fq, NULL, NULL, 1);
+  if (rc != 0)
+    return sg__err(SG_ERR_OUT_OF_MEMORY, "sg__offload_init: fold queue (%s)", strerror(rc));
+  o->fq_ready = 1;
   o->nland = nland;
   o->land_bytes = land_bytes;
   for (int j = 0; j < nland; j++) {
@@ -104,6 +109,9 @@ void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
   /* a copy still running after the deadline keeps its buffer (a leak, not a use after free);
    * so does the state the pipe's copies read */
   const int landed = last == 0 || d->ops->comm_wait(d, last, deadline_ms) == SG_OK;
+  /* the folds still queued run first (each wait bounded by its deadline, or failing at once
+   * on a recorded failure): they write the accumulator */
+  if (o->fq_ready) sg__jobq_destroy(&o->fq);
   for (int j = 0; o->land && j < o->nland && landed; j++)
     if (o->land[j]) d->ops->host_free(d, o->land[j]);
   sg__host_pipe_free(&o->pipe, deadline_ms);
@@ -119,7 +127,7 @@ void sg__offload_free(sg__offload *o, int64_t deadline_ms) {
   free(o->part_ok);
   free(o->land);
   free(o->land_owner);
-  free(o->land_ticket);
+  free(o->lrec);
   memset(o, 0, sizeof *o);
 }
 
@@ -132,25 +140,83 @@ static sg_status check_bucket(const sg__offload *o, int k, const char *fn) {
   return SG_OK;
 }
 
-/* A landing buffer for bucket k: a free one, else the one filled first (its arrival folded). */
-static sg_status take_landing(sg__offload *o, int64_t deadline_ms, int *out) {
-  int best = -1;
-  for (int j = 0; j < o->nland; j++) {
-    if (o->land_owner[j] < 0) {
-      best = j;
-      break;
-    }
-    if (best < 0 || o->land_ticket[j] < o->land_ticket[best]) best = j;
-  }
-  if (o->land_owner[best] >= 0) SG_TRY(sg__offload_fold(o, o->land_owner[best], deadline_ms));
-  *out = best;
-  return SG_OK;
-}
-
 /* The partials of the chunks that [lo, hi) touches no longer hold. */
 static void stale(sg__offload *o, size_t lo, size_t hi) {
   const size_t C = SG__SUMSQ_CHUNK;
   if (lo < hi) memset(o->part_ok + lo / C, 0, (hi + C - 1) / C - lo / C);
+}
+
+/* accum[lo, hi) of landed arrival l from its slice src: 0 + x as the device path's zeroed
+ * accumulator gives, a cast where the slice is the bucket's first since the step. */
+static void fold_plain(sg__offload *o, const sg__offload_landing *l, const void *src, size_t lo,
+                       size_t hi) {
+  if (lo >= hi) return;
+  void *acc = (char *)o->accum + lo * esz(o->accum_dtype);
+  const void *s = (const char *)src + (lo - l->off) * esz(l->dtype);
+  if (l->first)
+    sg__cpu_cast(acc, o->accum_dtype, s, l->dtype, hi - lo);
+  else
+    sg__cpu_accumulate(acc, o->accum_dtype, s, l->dtype, hi - lo);
+  stale(o, lo, hi);
+}
+
+/* The fold of a landed slice; the chunks wholly inside the slice (the shard's last, shorter one
+ * included) get their norm partials in the same pass. */
+static void fold_slice(sg__offload *o, const sg__offload_landing *l, const void *src) {
+  const size_t C = SG__SUMSQ_CHUNK, lo = l->off, hi = l->off + l->len;
+  size_t a = o->gpu_order ? (lo + C - 1) / C * C : hi, z = hi == o->numel ? hi : hi / C * C;
+  if (a > hi) a = hi;
+  if (z < a) z = a;
+  fold_plain(o, l, src, lo, a);
+  if (a < z) {
+    sg__cpu_fold_sumsq_gpu((char *)o->accum + a * esz(o->accum_dtype), o->accum_dtype,
+                           (const char *)src + (a - lo) * esz(l->dtype), l->dtype, z - a,
+                           l->first, o->part_ss + a / C, o->part_nf + a / C);
+    memset(o->part_ok + a / C, 1, (z + C - 1) / C - a / C);
+  }
+  fold_plain(o, l, src, z, hi);
+}
+
+/* A fold job (the fold worker): the arrival's copy landed, then its slice is added. Folds run
+ * one at a time in arrival order, so a bucket's micro-batches are summed in the order the
+ * device path sums them. */
+static sg_status fold_job(void *arg) {
+  const sg__offload_landing *l = arg;
+  sg__offload *o = l->o;
+  SG_TRY(sg__err_prefix(o->dev->ops->comm_wait(o->dev, l->ticket, l->deadline_ms),
+                        "offload fold"));
+  fold_slice(o, l, o->land[l->j]);
+  return SG_OK;
+}
+
+/* Landing buffer j is free: nothing planned into it, or its fold ran. */
+static int land_free(sg__offload *o, int j) {
+  if (o->land_owner[j] < 0) return 1;
+  if (!o->lrec[j].fold || sg__jobq_done(&o->fq) < o->lrec[j].fold) return 0;
+  o->land_owner[j] = -1;
+  return 1;
+}
+
+/* A free landing buffer; when none is, a host wait for the fold of the one filled first (the
+ * fold worker is nland arrivals behind: the only wait of an arrival on the caller's thread). */
+static sg_status take_landing(sg__offload *o, int64_t deadline_ms, int *out) {
+  int best = -1;
+  for (int j = 0; j < o->nland; j++) {
+    if (land_free(o, j)) {
+      *out = j;
+      return SG_OK;
+    }
+    if (best < 0 || o->lrec[j].fold < o->lrec[best].fold) best = j;
+  }
+  if (!o->lrec[best].fold) { /* its fold could not be queued: the queue says why */
+    SG_TRY(sg__jobq_failed(&o->fq));
+    return sg__err(SG_ERR_INTERNAL, "sg__offload_arrive_plan: landing buffer %d is held by an "
+                   "arrival with no fold", best);
+  }
+  SG_TRY(sg__jobq_wait(&o->fq, o->lrec[best].fold, deadline_ms, "sg__offload_arrive_plan"));
+  o->land_owner[best] = -1;
+  *out = best;
+  return SG_OK;
 }
 
 sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms) {
@@ -159,102 +225,77 @@ sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t 
   if (!sg__dtype_valid(src_dtype))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: bad dtype %d", fn, src_dtype);
   sg__offload_bucket *b = &o->b[k];
-  /* the job of the previous arrival reads b->mode: it must have run (a micro-batch ago) */
-  if (b->ticket) SG_TRY(o->dev->ops->comm_wait(o->dev, b->ticket, deadline_ms));
+  /* the job of the previous arrival reads the plan: a host-driven comm worker may not have run
+   * it yet (a stream-ordered job ran inline, inside its submit) */
+  if (b->ticket && atomic_load(&b->job_pending))
+    SG_TRY(o->dev->ops->comm_wait(o->dev, b->ticket, deadline_ms));
   b->ticket = 0;
-  SG_TRY(sg__offload_fold(o, k, deadline_ms));
+  SG_TRY(sg__jobq_failed(&o->fq)); /* a fold failed: the accumulator is not what it should be */
+  /* Direct: the bucket's first arrival since the step. No partial of a chunk it touches holds
+   * (folds set only those of chunks wholly inside their own slices, and every clear drops them
+   * all), so none is marked stale here, where part_ok is the fold worker's. */
   if (!b->filled && src_dtype == o->accum_dtype) {
     b->mode = SG__ARRIVE_DIRECT;
-    stale(o, b->off, b->off + b->len);
+    b->land = -1;
   } else {
     if (b->len * esz(src_dtype) > o->land_bytes)
       return sg__err(SG_ERR_INTERNAL, "%s: bucket %d's slice does not fit a landing buffer", fn, k);
     int j = -1;
     SG_TRY(take_landing(o, deadline_ms, &j));
     o->land_owner[j] = k;
-    o->land_ticket[j] = UINT64_MAX; /* until submitted */
+    o->lrec[j] = (sg__offload_landing){o, b->off, b->len, src_dtype, !b->filled, 0, 0,
+                                       deadline_ms, j};
     b->land = j;
     b->land_dtype = src_dtype;
     b->land_first = !b->filled;
     b->mode = SG__ARRIVE_LAND;
   }
   b->filled = 1;
+  atomic_store(&b->job_pending, 1);
   return SG_OK;
 }
 
-sg_status sg__offload_arrive_job(sg__offload *o, int k, const void *dev_slice, int src_dtype) {
+sg_status sg__offload_arrive_job(sg__offload *o, int k, const void *dev_slice, int src_dtype,
+                                 int own_lane) {
   static const char fn[] = "sg__offload_arrive_job";
   SG_TRY(check_bucket(o, k, fn));
-  const sg__offload_bucket *b = &o->b[k];
+  sg__offload_bucket *b = &o->b[k];
+  const int direct = b->mode == SG__ARRIVE_DIRECT, land = b->land, land_dtype = b->land_dtype;
+  atomic_store(&b->job_pending, 0); /* the plan is read: the next one may change it */
   if (b->len == 0) return SG_OK;
-  const int direct = b->mode == SG__ARRIVE_DIRECT;
   void *dst = direct ? (char *)o->accum + b->off * esz(o->accum_dtype)
-                     : b->land >= 0 ? o->land[b->land] : NULL;
-  if (!dst || (!direct && src_dtype != b->land_dtype) || (direct && src_dtype != o->accum_dtype))
+                     : land >= 0 ? o->land[land] : NULL;
+  if (!dst || (!direct && src_dtype != land_dtype) || (direct && src_dtype != o->accum_dtype))
     return sg__err(SG_ERR_INVALID_STATE, "%s: bucket %d's arrival was not planned for dtype %d",
                    fn, k, src_dtype);
-  return o->dev->ops->copy(o->dev, SG_Q_COMM, dst, dev_slice, b->len * esz(src_dtype), SG_COPY_D2H);
+  const size_t bytes = b->len * esz(src_dtype);
+  if (own_lane) return sg__device_copy_out(o->dev, dst, dev_slice, bytes);
+  return o->dev->ops->copy(o->dev, SG_Q_COMM, dst, dev_slice, bytes, SG_COPY_D2H);
 }
 
 void sg__offload_arrive_submitted(sg__offload *o, int k, uint64_t ticket) {
   if (!o || !o->dev || k < 0 || k >= o->nbuckets) return;
   sg__offload_bucket *b = &o->b[k];
   b->ticket = ticket;
+  if (!ticket) atomic_store(&b->job_pending, 0); /* never queued: no job reads the plan */
   if (b->land < 0) return;
-  if (ticket) {
-    o->land_ticket[b->land] = ticket;
+  const int j = b->land; /* the job may still read b->land (a host-driven comm worker) */
+  if (!ticket) {
+    o->land_owner[j] = -1; /* never queued: nothing will land */
+    b->land = -1;
     return;
   }
-  o->land_owner[b->land] = -1; /* never queued: nothing will land */
-  b->land = -1;
-}
-
-/* accum[lo, hi) of bucket b from its landed slice src: 0 + x as the device path's zeroed
- * accumulator gives, a cast where the slice is the bucket's first since the step. */
-static void fold_plain(sg__offload *o, const sg__offload_bucket *b, const void *src, size_t lo,
-                       size_t hi) {
-  if (lo >= hi) return;
-  void *acc = (char *)o->accum + lo * esz(o->accum_dtype);
-  const void *s = (const char *)src + (lo - b->off) * esz(b->land_dtype);
-  if (b->land_first)
-    sg__cpu_cast(acc, o->accum_dtype, s, b->land_dtype, hi - lo);
-  else
-    sg__cpu_accumulate(acc, o->accum_dtype, s, b->land_dtype, hi - lo);
-  stale(o, lo, hi);
-}
-
-/* The fold of bucket b's landed slice; the chunks wholly inside the slice (the shard's last,
- * shorter one included) get their norm partials in the same pass. */
-static void fold_slice(sg__offload *o, const sg__offload_bucket *b, const void *src) {
-  const size_t C = SG__SUMSQ_CHUNK, lo = b->off, hi = b->off + b->len;
-  size_t a = o->gpu_order ? (lo + C - 1) / C * C : hi, z = hi == o->numel ? hi : hi / C * C;
-  if (a > hi) a = hi;
-  if (z < a) z = a;
-  fold_plain(o, b, src, lo, a);
-  if (a < z) {
-    sg__cpu_fold_sumsq_gpu((char *)o->accum + a * esz(o->accum_dtype), o->accum_dtype,
-                           (const char *)src + (a - lo) * esz(b->land_dtype), b->land_dtype,
-                           z - a, b->land_first, o->part_ss + a / C, o->part_nf + a / C);
-    memset(o->part_ok + a / C, 1, (z + C - 1) / C - a / C);
-  }
-  fold_plain(o, b, src, z, hi);
-}
-
-sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms) {
-  SG_TRY(check_bucket(o, k, "sg__offload_fold"));
-  sg__offload_bucket *b = &o->b[k];
-  if (b->land < 0) return SG_OK;
-  const int j = b->land;
-  SG_TRY(o->dev->ops->comm_wait(o->dev, o->land_ticket[j], deadline_ms));
-  fold_slice(o, b, o->land[j]);
-  o->land_owner[j] = -1;
-  b->land = -1;
-  return SG_OK;
+  sg__offload_landing *l = &o->lrec[j];
+  l->ticket = ticket;
+  const sg_status st = sg__jobq_submit(&o->fq, fold_job, NULL, l, &l->fold);
+  /* not queued (out of memory, or a fold failed before): kept, so that every later wait of
+   * the queue says so; the buffer stays held */
+  if (st != SG_OK && sg__jobq_failed(&o->fq) == SG_OK) (void)sg__jobq_fail(&o->fq, st, NULL);
 }
 
 sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms) {
-  for (int k = 0; o && k < o->nbuckets; k++) SG_TRY(sg__offload_fold(o, k, deadline_ms));
-  return SG_OK;
+  if (!o || !o->dev) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_fold_all: no state");
+  return sg__jobq_wait_all(&o->fq, deadline_ms, "sg__offload_fold_all");
 }
 
 void sg__offload_accum_rewritten(sg__offload *o) {
@@ -265,10 +306,12 @@ void sg__offload_accum_rewritten(sg__offload *o) {
 
 sg_status sg__offload_norm(sg__offload *o, double out[2]) {
   if (!o || !o->dev || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_norm: NULL");
+  if (sg__jobq_done(&o->fq) < sg__jobq_last(&o->fq))
+    return sg__err(SG_ERR_INVALID_STATE, "sg__offload_norm: arrivals not folded yet "
+                   "(sg__offload_fold_all first)");
+  SG_TRY(sg__jobq_failed(&o->fq));
   for (int k = 0; k < o->nbuckets; k++) {
     sg__offload_bucket *b = &o->b[k];
-    if (b->land >= 0)
-      return sg__err(SG_ERR_INVALID_STATE, "sg__offload_norm: bucket %d not folded", k);
     if (!b->filled) { /* empty since the last step: zeros, as the device path's zeroed slice */
       memset((char *)o->accum + b->off * esz(o->accum_dtype), 0, b->len * esz(o->accum_dtype));
       stale(o, b->off, b->off + b->len);
@@ -328,8 +371,13 @@ sg_status sg__offload_clear(sg__offload *o, int64_t deadline_ms) {
   if (!o || !o->dev) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__offload_clear: no state");
   const uint64_t last = last_arrival(o);
   if (last) SG_TRY(o->dev->ops->comm_wait(o->dev, last, deadline_ms));
+  SG_TRY(sg__offload_fold_all(o, deadline_ms)); /* the folds write the accumulator */
   for (int j = 0; j < o->nland; j++) o->land_owner[j] = -1;
-  for (int k = 0; k < o->nbuckets; k++) o->b[k].filled = 0, o->b[k].ticket = 0, o->b[k].land = -1;
+  for (int k = 0; k < o->nbuckets; k++) {
+    sg__offload_bucket *b = &o->b[k];
+    b->filled = 0, b->ticket = 0, b->land = -1;
+    atomic_store(&b->job_pending, 0); /* the jobs ran (waited for above) */
+  }
   memset(o->part_ok, 0, o->nq); /* a load or the caller may write the accumulator now */
   return SG_OK;
 }

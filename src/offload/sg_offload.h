@@ -10,8 +10,10 @@
  *             bucket's accumulator is empty and the dtypes agree (the usual single micro-batch
  *             of fp32 or bf16-accumulated gradients: no host pass at all, and it works for
  *             stream-ordered jobs, NCCL's), or else into a landing buffer of a small pinned
- *             pool, which sg__offload_fold adds on the host later: when the buffer is needed
- *             for a later bucket, when the bucket arrives again, or at the step.
+ *             pool, which a fold job adds on the fold worker (issue 28, defect 7): that job
+ *             waits for the copy, not the caller, so sg_grad_ready neither waits for a D2H
+ *             copy nor folds; the caller waits only when every landing buffer still holds an
+ *             arrival that is not folded yet (the worker is that far behind).
  *   step      sg__offload_fold_all; sg__offload_norm (sum of squares and non-finite count in
  *             the order of the device's own sumsq, so every decision matches the device path
  *             bit for bit; the partials of chunks a fold already computed are not recomputed); sg__offload_update per bucket (the host update pipeline: each chunk
@@ -22,15 +24,23 @@
  *             memcpy where the device path copies D2H/H2D).
  *   memory    host_bytes: every pinned byte held.
  *
- * Landing buffers and the accumulator are only touched by the caller's thread except for the
- * D2H a job issues into them, and each such job's ticket is waited for before the host reads. */
+ * Threads. While arrivals are pending the accumulator and the norm's partials belong to the
+ * fold worker (fq: one job per landed arrival, in arrival order, so the sums of a bucket's
+ * micro-batches are added in the same order as before); the caller's thread touches them only
+ * after sg__offload_fold_all (or clear, or free) waited for every fold. The landing buffers'
+ * ownership (land_owner, lrec) is the caller's: a buffer is free again once its fold job
+ * completed. A bucket's plan (mode, land) is written by the caller and read by the arrival's
+ * job, which may run on the device's comm worker (host-driven communicators): `job_pending`
+ * says the job has not read it yet, and only then does the next plan of the bucket wait. */
 #ifndef SG_OFFLOAD_H
 #define SG_OFFLOAD_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#include "sg_host_step.h" /* sg__host_pipe */
+#include "../device/sg_jobq.h" /* the fold worker's queue */
+#include "sg_host_step.h"       /* sg__host_pipe */
 
 typedef enum {
   SG__ARRIVE_DIRECT = 0, /* D2H into the accumulator slice */
@@ -42,10 +52,22 @@ typedef struct sg__offload_bucket {
   int filled;       /* the accumulator slice holds a gradient since the last step */
   sg__arrive_mode mode; /* of the latest arrival (read by its job) */
   uint64_t ticket;  /* the latest arrival's job; 0 once known complete */
-  int land;         /* landing buffer holding an arrival not folded yet, -1 none */
+  int land;         /* landing buffer of the latest arrival's plan, -1 none */
   int land_dtype;
   int land_first;   /* the landed slice is the bucket's first since the step: cast, not add */
+  atomic_int job_pending; /* 1: the latest arrival's job has not read the plan yet */
 } sg__offload_bucket;
+
+/* One landed arrival, from its plan until its fold job (on the fold worker) added it. */
+typedef struct sg__offload_landing {
+  struct sg__offload *o;
+  size_t off, len;     /* the bucket's slice */
+  int dtype, first;    /* the slice's dtype; 1: a cast (the bucket's first since the step) */
+  uint64_t ticket;     /* the reduction job whose D2H fills the buffer */
+  uint64_t fold;       /* the fold job in o->fq; 0: none queued */
+  int64_t deadline_ms; /* of the fold's wait for the copy */
+  int j;               /* the landing buffer */
+} sg__offload_landing;
 
 typedef struct sg__offload {
   sg__device *dev;
@@ -61,7 +83,9 @@ typedef struct sg__offload {
   size_t land_bytes;
   void **land;             /* [nland] pinned */
   int *land_owner;         /* [nland]: bucket whose arrival it holds, -1 free */
-  uint64_t *land_ticket;   /* [nland]: that arrival's job */
+  sg__offload_landing *lrec; /* [nland]: that arrival */
+  sg__jobq fq;             /* the fold worker: folds of landed arrivals, in arrival order */
+  int fq_ready;
   sg__host_pipe pipe;
   size_t host_bytes;       /* every pinned byte held (state, landing buffers, pipe) */
   /* The norm's partials, one pair per chunk of the CUDA sumsq's partition of the shard
@@ -88,18 +112,25 @@ sg_status sg__offload_init(sg__offload *o, sg__device *d, const sg__optim_desc *
 /* Waits (bounded) for copies in flight and frees everything; NULL or zeroed o: nothing. */
 void sg__offload_free(sg__offload *o, int64_t deadline_ms);
 
-/* Caller's thread, before submitting bucket k's reduction job whose slice has src_dtype: waits
- * for the bucket's previous arrival, picks the mode (folding the landing buffer it takes if
- * that still holds another bucket's arrival) and records it. */
+/* Caller's thread, before submitting bucket k's reduction job whose slice has src_dtype: picks
+ * the mode and, to land, a free landing buffer, and records them. It waits (bounded) only for
+ * a job of the bucket's previous arrival that has not run yet (a host-driven comm worker a
+ * micro-batch behind) or for a fold when no landing buffer is free; never for a D2H copy of its
+ * own, and it folds nothing. */
 sg_status sg__offload_arrive_plan(sg__offload *o, int k, int src_dtype, int64_t deadline_ms);
-/* Inside the job: D2H of the reduced slice (device memory, src_dtype) on SG_Q_COMM, as planned. */
-sg_status sg__offload_arrive_job(sg__offload *o, int k, const void *dev_slice, int src_dtype);
-/* Caller's thread, after submitting the job: its ticket (what fold waits for; 0: not queued,
- * the arrival is forgotten). */
+/* Inside the job: D2H of the reduced slice (device memory, src_dtype), as planned: on SG_Q_COMM,
+ * or with own_lane on the device's copy-out lane (sg__device_copy_out: a slow copy then does not
+ * hold up the next bucket's reduction), which needs a slice that no later job rewrites on the
+ * comm queue before the job's ticket completes. */
+sg_status sg__offload_arrive_job(sg__offload *o, int k, const void *dev_slice, int src_dtype,
+                                 int own_lane);
+/* Caller's thread, after submitting the job: its ticket (0: not queued, the arrival is
+ * forgotten). A landed arrival's fold job is queued on the fold worker here: it waits for the
+ * ticket, then adds the slice. */
 void sg__offload_arrive_submitted(sg__offload *o, int k, uint64_t ticket);
-/* Adds bucket k's landed slice into the accumulator (waits for its job first); nothing pending:
- * nothing. */
-sg_status sg__offload_fold(sg__offload *o, int k, int64_t deadline_ms);
+/* Host wait until every fold queued so far ran: the accumulator then holds every landed
+ * arrival, and the caller's thread may read it. A fold's failure (its copy's wait) is returned
+ * here and at every later call. */
 sg_status sg__offload_fold_all(sg__offload *o, int64_t deadline_ms);
 /* The accumulator is rewritten outside the folds (a hybrid engine sums it across replicas):
  * no partial a fold computed holds any more, the norm computes them all. */

@@ -137,6 +137,10 @@ void sg_cudamock_set_devices(int n);
 /* A stalled stream runs nothing (queries say cudaErrorNotReady), like a stream stuck behind a
  * collective that never completes. */
 void sg_cudamock_stall(cudaStream_t s, int on);
+/* A slow copy-out: from now on every stream on which an asynchronous device-to-host copy into
+ * pinned memory is queued is stalled right before that copy runs (sg_cudamock_stall), until
+ * sg_cudamock_stall_d2h(0) releases them all. */
+void sg_cudamock_stall_d2h(int on);
 /* Work items queued on s and not yet run. */
 size_t sg_cudamock_pending(cudaStream_t s);
 /* Runs everything that can run (all streams), as time passing on a real GPU would. */

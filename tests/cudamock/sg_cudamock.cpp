@@ -54,6 +54,8 @@ struct CUevent_st {
 namespace {
 
 std::recursive_mutex g_mu;
+bool g_stall_d2h = false;                 // sg_cudamock_stall_d2h
+std::vector<CUstream_st *> g_d2h_stalled;  // the streams it stalled
 int g_devices = 1;
 thread_local int g_current = 0;
 // Contexts, as CUDA >= 12 has them: a thread has none until cudaSetDevice (or a call that needs
@@ -465,6 +467,10 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
                                   (kind == cudaMemcpyDeviceToHost && !is_pinned(dst)));
   if (!pageable) {
     push_fn(s, [=] { memmove(dst, src, bytes); });
+    if (g_stall_d2h && kind == cudaMemcpyDeviceToHost) {  // a slow copy-out: it waits here
+      s->stalled = true;
+      g_d2h_stalled.push_back(s);
+    }
     return cudaSuccess;
   }
   counted(kHostSync);
@@ -638,6 +644,15 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 void sg_cudamock_set_devices(int n) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   g_devices = n;
+}
+
+void sg_cudamock_stall_d2h(int on) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  g_stall_d2h = on != 0;
+  if (on) return;
+  for (CUstream_st *s : g_d2h_stalled)
+    if (valid_stream(s)) s->stalled = false;
+  g_d2h_stalled.clear();
 }
 
 void sg_cudamock_stall(cudaStream_t s, int on) {

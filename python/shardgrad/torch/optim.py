@@ -211,7 +211,22 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._clip_once = None   # clip_grad_norm_'s max_norm for the coming step
         self._token = uuid.uuid4().hex  # state_dict() made by this optimizer ...
         self._version = 0        # ... at this state (steps and loads so far)
-        self.last_step_info = None
+        self._info = None        # last_step_info, once read ...
+        self._info_due = False   # ... or still in the library (read on first access)
+
+    @property
+    def last_step_info(self):
+        """StepInfo of the latest step() (None before the first, and after load()). Read from
+        the library on first access: a step whose result nobody reads waits for nothing on
+        the host (the GPU decides clipping and skipping itself)."""
+        if self._info_due:
+            self._info = self._engine.last_step_info()
+            self._info_due = False
+        return self._info
+
+    @last_step_info.setter
+    def last_step_info(self, info):
+        self._info, self._info_due = info, False
 
     def _init_groups(self, opts, defaults):
         """torch's param_groups, one per engine group, from the groups' own options and the
@@ -644,7 +659,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._apply_hparams()
         self._grads.check_uniform("step()")
         self._engine_waits()  # the backward pass still reads the parameters AdamW overwrites
-        self.last_step_info = self._engine.step()
+        if _lib.has("sg_last_step_info"):  # its info read when wanted (last_step_info)
+            self._engine.step(info=False)
+            self._info, self._info_due = None, True
+        else:
+            self.last_step_info = self._engine.step()
         self._drop_grads()
         self._handed = False
         self._callback_queued = False  # the step completed any micro-batch left open

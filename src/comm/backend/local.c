@@ -515,6 +515,7 @@ static const sg__comm_ops local_ops = {
     local_broadcast, local_bind,       local_unbind,         local_destroy,
     sg__comm_split_threads, NULL, /* node_leader: by host name (all threads share one) */
     local_reduce_scatter_fold, local_all_to_all,
+    NULL, /* reduce_scatter_to: the engine's fold (reduce_scatter_fold) serves host memory */
 };
 
 static sg_status group_create(int world, lgroup **out) {

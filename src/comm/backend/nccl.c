@@ -246,6 +246,7 @@ typedef struct sg__nccl_call {
   size_t count;
   int dtype;
   int root;
+  void *recv; /* reduce-scatter out of place: this rank's slice (device memory); NULL: in place */
 } sg__nccl_call;
 
 static size_t sg__nccl_esize(int dtype) {
@@ -278,7 +279,8 @@ static ncclResult_t sg__nccl_issue(sg_comm *c, ncclComm_t comm, const sg__nccl_c
   switch (k->kind) {
     case SG__NC_ALL_REDUCE: return nc->AllReduce(buf, buf, k->count, t, ncclSum, comm, s);
     case SG__NC_REDUCE_SCATTER: /* in place: NCCL wants recvbuff = sendbuff + rank*count */
-      return nc->ReduceScatter(buf, buf + slice, k->count, t, ncclSum, comm, s);
+      return nc->ReduceScatter(buf, k->recv ? k->recv : buf + slice, k->count, t, ncclSum, comm,
+                               s);
     case SG__NC_ALL_GATHER: /* in place: sendbuff = recvbuff + rank*count */
       return nc->AllGather(buf + slice, buf, k->count, ncclInt8, comm, s);
     case SG__NC_BROADCAST:
@@ -369,7 +371,7 @@ static sg_status sg__nccl_all_reduce(sg_comm *c, void *buf, size_t count, int dt
   static const char fn[] = "sg_comm(nccl) all_reduce";
   if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
   SG_TRY(sg__nccl_check_dtype(dtype, fn));
-  sg__nccl_call k = {SG__NC_ALL_REDUCE, count, dtype, 0};
+  sg__nccl_call k = {SG__NC_ALL_REDUCE, count, dtype, 0, NULL};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
 }
 
@@ -380,14 +382,31 @@ static sg_status sg__nccl_reduce_scatter(sg_comm *c, void *buf, size_t count, in
     sg__comm_count(c, SG__COUNT_REDUCE_SCATTER,
                    (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
   SG_TRY(sg__nccl_check_dtype(dtype, fn));
-  sg__nccl_call k = {SG__NC_REDUCE_SCATTER, count, dtype, 0};
+  sg__nccl_call k = {SG__NC_REDUCE_SCATTER, count, dtype, 0, NULL};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
+}
+
+/* Out of place, device memory only (no staging through host memory: the engine offers it
+ * device buffers, and a staged copy would be the pass this saves). */
+static sg_status sg__nccl_reduce_scatter_to(sg_comm *c, const void *send, void *recv,
+                                            size_t count, int dtype, int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(nccl) reduce_scatter_to";
+  if (c)
+    sg__comm_count(c, SG__COUNT_REDUCE_SCATTER,
+                   (size_t)c->world * count * sg__comm_elem_bytes(dtype), -1);
+  SG_TRY(sg__nccl_check_dtype(dtype, fn));
+  if (count && (!recv || sg__device_cuda_mem_kind(recv) != SG__CUDA_MEM_DEVICE ||
+                !send || sg__device_cuda_mem_kind(send) != SG__CUDA_MEM_DEVICE))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: send %p and recv %p must be device memory",
+                   fn, send, recv);
+  sg__nccl_call k = {SG__NC_REDUCE_SCATTER, count, dtype, 0, recv};
+  return sg__nccl_run(c, &k, (void *)send, fn, deadline_ms);
 }
 
 static sg_status sg__nccl_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t deadline_ms) {
   static const char fn[] = "sg_comm(nccl) all_gather";
   if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
-  sg__nccl_call k = {SG__NC_ALL_GATHER, bytes, SG__NCCL_BYTES, 0};
+  sg__nccl_call k = {SG__NC_ALL_GATHER, bytes, SG__NCCL_BYTES, 0, NULL};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
 }
 
@@ -398,7 +417,7 @@ static sg_status sg__nccl_broadcast(sg_comm *c, void *buf, size_t bytes, int roo
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: root %d out of range (world %d)", fn, root,
                    c->world);
   sg__comm_count(c, SG__COUNT_BROADCAST, bytes, root);
-  sg__nccl_call k = {SG__NC_BROADCAST, bytes, SG__NCCL_BYTES, root};
+  sg__nccl_call k = {SG__NC_BROADCAST, bytes, SG__NCCL_BYTES, root, NULL};
   return sg__nccl_run(c, &k, buf, fn, deadline_ms);
 }
 
@@ -474,6 +493,7 @@ static const sg__comm_ops sg__nccl_ops = {
     NULL, /* node_leader: by host name */
     NULL, /* reduce_scatter_fold: device memory */
     NULL, /* all_to_all: the replica codecs run on host buffers */
+    sg__nccl_reduce_scatter_to,
 };
 
 /* ---- channels --------------------------------------------------------------------------------- */

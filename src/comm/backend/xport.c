@@ -314,6 +314,7 @@ static const sg__comm_ops xcomm_ops = {
     "xport", x_all_reduce, x_reduce_scatter, x_all_gather, x_broadcast,
     x_bind,  x_unbind,     x_destroy,        x_split,      NULL,
     x_reduce_scatter_fold, x_all_to_all,
+    NULL, /* reduce_scatter_to: the engine's fold (reduce_scatter_fold) serves host memory */
 };
 
 /* The algorithms' state for x, named after the transport in messages. */

@@ -1,6 +1,6 @@
 /* Optimizer offload (issue 12, DESIGN.md section 4): the shard's fp32 master, moments and
  * accumulator in pinned host memory (src/offload/sg_offload.c owns them, in e->off), the
- * reduced slices copied D2H on the comm queue and folded on the host, the CPU updating the
+ * reduced slices copied D2H (the copy-out lane) and folded on the host, the CPU updating the
  * state bucket by bucket, each bucket's new working values copied H2D before its gather. */
 #include <stdlib.h>
 
@@ -94,12 +94,17 @@ static void submitted(sg_engine *e, int b, uint64_t ticket) {
   sg__offload_arrive_submitted(e->off, b, ticket);
 }
 
-/* `first` is the device accumulator's: the host fold keeps its own (sg_offload.c). */
+/* `first` is the device accumulator's: the host fold keeps its own (sg_offload.c). The slice
+ * goes out on the device's copy-out lane (issue 28, defect 2) where it lies in the bucket's own
+ * staging slot (reduce dtype = gradient dtype: the slot's next holder waits for the ticket);
+ * in the shared reduce buffer the next job's cast rewrites it on the comm queue, so there the
+ * copy stays on the comm queue, in order. */
 sg_status sg__state_host_reduce(sg_engine *e, int b, char *wire, int first) {
   (void)first;
   const char *mine = NULL;
   SG_TRY(sg__sharded_reduce_scatter(e, b, wire, &mine));
-  return sg__offload_arrive_job(e->off, b, mine, e->cfg.reduce_dtype);
+  const int own_slot = e->cfg.reduce_dtype == e->cfg.grad_dtype;
+  return sg__offload_arrive_job(e->off, b, mine, e->cfg.reduce_dtype, own_slot);
 }
 
 /* ---- the step ------------------------------------------------------------------------------ */
