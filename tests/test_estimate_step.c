@@ -331,6 +331,34 @@ static void test_contention(void) {
             strstr(sg_last_error(), "overlap"), "overlap 1.5 refused");
 }
 
+/* What a collective takes from the cores (overlap < 1) slows the compute beside it, and so the
+ * step only where the compute is on the critical path: two buckets, flat over 2 nodes, the
+ * first bucket's reduce-scatter beside the second bucket's backward (1/3 of compute_s). A fast
+ * link: the reduction ends within that backward, which runs (1 - overlap) x the reduction's
+ * time longer, and so does the step. A slow link: the step waits for the reduction anyway, and
+ * the slower backward costs nothing. */
+static void test_contention_path(void) {
+  snprintf(sg_test_tag, sizeof sg_test_tag, "contention path");
+  const size_t n[2] = {1 << 16, 1 << 16};
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.bucket_bytes = 4u << 16; /* one parameter per bucket */
+  for (int slow = 0; slow <= 1; slow++) {
+    sg_hardware hw = some_hw(slow ? 1e5 : 1e9, 0.3);
+    hw.ranks_per_node = 1;
+    hw.optim_params_per_s = 1e15; /* the updates take no time: nothing else runs beside */
+    sg_step_estimate a = {.struct_size = sizeof a}, b = {.struct_size = sizeof b};
+    sg_estimate_step(&cfg, n, 2, 2, 1, &hw, &a);
+    hw.overlap[SG_LEVEL_NET] = 0.5;
+    sg_estimate_step(&cfg, n, 2, 2, 1, &hw, &b);
+    const double rs = hw.link_latency_s[SG_LEVEL_NET] + 4.0 * n[0] / 2 / hw.link_bytes_per_s[1];
+    const double want = slow ? 0 : 0.5 * rs;
+    CHECK(fabs(b.step_s - a.step_s - want) < 1e-9 && fabs(parts_sum(&b) - b.step_s) < 1e-9,
+          "%s link: overlap 0.5 adds %.6f s to the step (want %.6f)", slow ? "slow" : "fast",
+          b.step_s - a.step_s, want);
+  }
+}
+
 /* Slower links never make a step faster; hybrid sends less over the node link than flat. */
 static void test_monotone(void) {
   snprintf(sg_test_tag, sizeof sg_test_tag, "monotone");
@@ -448,6 +476,7 @@ int main(void) {
   test_parts();
   test_monotone();
   test_contention();
+  test_contention_path();
   test_traffic();
   return sg_test_summary("");
 }
