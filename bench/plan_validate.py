@@ -94,9 +94,10 @@ def table(args):
                  # outer steps: the estimate counts the syncing step's bytes; measured is the
                  # mean over the H timed steps
                  link_mb_predicted=e["link_net_bytes"] / 1e6 / max(1, int(r.get("outer", 0))))
-        # sg_bench_cluster --profile: where the measured step went (mean over ranks, ms)
-        d.update({k[2:]: float(v.split("/")[0]) / 1e3 for k, v in r.items()
-                  if k.startswith("p_")})
+        # sg_bench_cluster --profile: where the measured step went (p_NAME_ms=mean/largest
+        # over ranks, ms per step) as measured_NAME_s, the mean
+        d.update({"measured_%s_s" % k[2:-3]: float(v.split("/")[0]) / 1e3
+                  for k, v in r.items() if k.startswith("p_") and k.endswith("_ms")})
         out.append(d)
     return out
 
@@ -128,6 +129,24 @@ def show(out):
     if len(exact) < len(out):
         summary(exact, "flat and exact hybrid")
         summary([d for d in out if d not in exact], "slow-links modes")
+
+
+def show_profile(out):
+    """With --profile: the comm queue's spans measured (mean over ranks, per step) beside what
+    the model put on it: reductions inside the engine's communicator, sums across nodes, gathers
+    (spans include waiting for the peers)."""
+    rows = [d for d in out if "measured_reduce_scatter_s" in d]
+    if not rows:
+        return
+    print("\n| link | micro | variant | comm predicted in-node / x-node s | measured spans: "
+          "reduce-scatter / x-node sums / all-gather s | measured fwd+bwd / sg_step s |")
+    print("|---|---|---|---|---|---|")
+    for d in rows:
+        print("| %s | %d | %s | %.3f / %.3f | %.3f / %.3f / %.3f | %.3f / %.3f |"
+              % (d["rate"], d["micro"], label(d["variant"]), d["comm_node_s"], d["comm_net_s"],
+                 d["measured_reduce_scatter_s"], d.get("measured_replica_allreduce_s", 0),
+                 d.get("measured_all_gather_s", 0), d.get("measured_fwd_bwd_s", 0),
+                 d.get("measured_sg_step_s", 0)))
 
 
 def plot(out, path):
@@ -168,6 +187,7 @@ def main():
     a = p.parse_args()
     out = table(a)
     show(out)
+    show_profile(out)
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
