@@ -630,6 +630,12 @@ typedef struct sg_hardware {
                                micro-batch handing it to the engine (writing into slots whose
                                pages were given back, the slot waits) beyond writing a buffer
                                of its own; >= 0 */
+  double replica_bytes_per_s; /* 0: link_bytes_per_s[SG_LEVEL_NET]. Else what one node's link
+                               carries each way while a hybrid engine sums its buckets across
+                               nodes behind their reductions (every rank of the node its own
+                               flow to its counterparts, the node's ranks meeting in the next
+                               bucket's reduction): the rate of the exact and codec sums; the
+                               sums at the step (offload, outer steps) keep the link rate. >= 0 */
   uint64_t magic;           /* written by sg_hardware_init; never set it (a description that was
                                never initialised is refused: "call sg_hardware_init") */
 } sg_hardware;

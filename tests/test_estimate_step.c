@@ -387,6 +387,44 @@ static void test_monotone(void) {
         (unsigned long long)flat.link_bytes[SG_LEVEL_NET], flat.step_s);
 }
 
+/* replica_bytes_per_s: a hybrid step's sums across nodes behind the reductions run at it (0:
+ * the link's rate); nothing else moves, and a flat step does not see it. One bucket of n f32
+ * over 2 nodes x 2 ranks: each rank's slice is n/2 elements, its all-reduce puts 2 x n/2 x 4
+ * bytes of each of the node's 2 ranks on the node's link, all of it exposed (the last bucket). */
+static void test_replica_rate(void) {
+  snprintf(sg_test_tag, sizeof sg_test_tag, "replica rate");
+  const size_t n[1] = {1 << 16};
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.shard_ranks = 2;
+  sg_hardware hw = some_hw(1e7, 0.01);
+  sg_step_estimate e0 = {.struct_size = sizeof e0}, e1 = e0, e2 = e0;
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e0);
+  hw.replica_bytes_per_s = hw.link_bytes_per_s[SG_LEVEL_NET];
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e1);
+  hw.replica_bytes_per_s = hw.link_bytes_per_s[SG_LEVEL_NET] / 2;
+  if (!CHECK(sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e2) == SG_OK, "estimate")) return;
+  const double extra = 4.0 * n[0] / hw.link_bytes_per_s[SG_LEVEL_NET];
+  CHECK(e0.step_s == e1.step_s, "0 is the link's rate: %.9f == %.9f s", e0.step_s, e1.step_s);
+  CHECK(fabs(e2.comm_s[SG_LEVEL_NET] - e0.comm_s[SG_LEVEL_NET] - extra) < 1e-12 &&
+            fabs(e2.step_s - e0.step_s - extra) < 1e-12,
+        "half the rate: the sum's %.0f node-link bytes take %.6f s more (comm %+.6f, step %+.6f)",
+        4.0 * n[0], extra, e2.comm_s[SG_LEVEL_NET] - e0.comm_s[SG_LEVEL_NET],
+        e2.step_s - e0.step_s);
+  CHECK(e2.link_bytes[SG_LEVEL_NET] == e0.link_bytes[SG_LEVEL_NET] &&
+            e2.exposed_s[SG_LEVEL_NODE] == e0.exposed_s[SG_LEVEL_NODE],
+        "the bytes and the in-node part do not move");
+  cfg.shard_ranks = 0;
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e2);
+  hw.replica_bytes_per_s = 0;
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e1);
+  CHECK(e1.step_s == e2.step_s, "a flat step does not see it");
+  hw.replica_bytes_per_s = -1;
+  CHECK(sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e1) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "replica_bytes_per_s"),
+        "a negative rate is refused: %s", sg_last_error());
+}
+
 /* ---------------------------------------------------------------------------------------- */
 
 static void test_arguments(void) {
@@ -477,6 +515,7 @@ int main(void) {
   test_monotone();
   test_contention();
   test_contention_path();
+  test_replica_rate();
   test_traffic();
   return sg_test_summary("");
 }

@@ -50,7 +50,7 @@ class Hardware:
 
     FIELDS = ("ranks_per_node", "algorithm", "compute_s", "backward_fraction",
               "optim_params_per_s", "device_bytes_per_s", "host_optim_params_per_s",
-              "pcie_bytes_per_s", "handover_s_per_byte")
+              "pcie_bytes_per_s", "handover_s_per_byte", "replica_bytes_per_s")
 
     def __init__(self, **kwargs):
         s = SgHardware()

@@ -88,7 +88,8 @@ static double pass_steps(const model *m, span sp) {
   return m->hw->algorithm == SG_ALGO_RING ? sp.w - 1 : 1;
 }
 
-static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
+/* rate: what a node's link carries each way for this collective. */
+static cost coll_cost_at(const model *m, int op, span sp, uint64_t S, double net_rate) {
   cost c;
   memset(&c, 0, sizeof c);
   c.bus = bus_bytes(op, sp.w, S);
@@ -100,9 +101,22 @@ static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
     if (bytes[l] <= 0) continue;
     c.link[l] = (uint64_t)(passes * bytes[l]);
     c.s[l] = passes * (pass_steps(m, sp) * m->hw->link_latency_s[l] +
-                       bytes[l] / m->hw->link_bytes_per_s[l]);
+                       bytes[l] / (l == SG_LEVEL_NET ? net_rate : m->hw->link_bytes_per_s[l]));
   }
   return c;
+}
+
+static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
+  return coll_cost_at(m, op, sp, S, m->hw->link_bytes_per_s[SG_LEVEL_NET]);
+}
+
+/* A hybrid engine's sums behind the buckets' reductions: each rank of a node sums its slice
+ * with its counterparts as a flow of its own, and the node's ranks meet in every bucket's
+ * reduction, so the link runs at one flow's rate whenever their sums end apart. Where the probe
+ * measured that (replica_bytes_per_s), the sums run at its rate. */
+static cost sum_cost(const model *m, int op, uint64_t S) {
+  const double r = m->hw->replica_bytes_per_s;
+  return coll_cost_at(m, op, m->replica, S, r > 0 ? r : m->hw->link_bytes_per_s[SG_LEVEL_NET]);
 }
 
 /* The level a collective waits on: the slower one (both run at once). */
@@ -260,7 +274,7 @@ static int at_step(const model *m) {
 static sg_status codec_exchange(model *m, int b, double ready) {
   const uint64_t S = (uint64_t)m->N * sg__replica_codec_region(slice_numel(m, b), m->N,
                                                                  m->codec_bits);
-  const cost a2a = coll_cost(m, RS, m->replica, S), ag = coll_cost(m, AG, m->replica, S);
+  const cost a2a = sum_cost(m, RS, S), ag = sum_cost(m, AG, S);
   SG_TRY(run_coll(m, ready, &a2a, 1));
   return run_coll(m, m->comm_free, &ag, 1);
 }
@@ -269,7 +283,7 @@ static sg_status replica_sum(model *m, int b) {
   if (outer_steps(m)) return SG_OK;
   if (m->codec_bits) return codec_exchange(m, b, m->comm_free);
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
-  const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
+  const cost r = sum_cost(m, AR, slice_numel(m, b) * X);
   return run_coll(m, m->comm_free, &r, 1);
 }
 
@@ -505,10 +519,11 @@ static sg_status check_hw(const sg_hardware *hw, int off, const char *fn) {
   SG_TRY(check_links(hw, fn));
   SG_TRY(check_overlap(hw, fn));
   if (!nonneg(hw->compute_s) || !nonneg(hw->optim_params_per_s) ||
-      !nonneg(hw->handover_s_per_byte))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s, hw->optim_params_per_s and "
-                   "hw->handover_s_per_byte must be finite and >= 0 (got %g, %g, %g)", fn,
-                   hw->compute_s, hw->optim_params_per_s, hw->handover_s_per_byte);
+      !nonneg(hw->handover_s_per_byte) || !nonneg(hw->replica_bytes_per_s))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s, hw->optim_params_per_s, "
+                   "hw->handover_s_per_byte and hw->replica_bytes_per_s must be finite and >= 0 "
+                   "(got %g, %g, %g, %g)", fn, hw->compute_s, hw->optim_params_per_s,
+                   hw->handover_s_per_byte, hw->replica_bytes_per_s);
   if (!(hw->backward_fraction > 0 && hw->backward_fraction <= 1))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->backward_fraction must be in (0, 1] (got "
                    "%g)", fn, hw->backward_fraction);
