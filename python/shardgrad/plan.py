@@ -522,7 +522,7 @@ def _fit_level(comm, bytes_of, barrier, rank, label, budget_s):
     return rate, lat, big
 
 
-def _hybrid_sums(shard, replica, barrier, hw, rank, nbytes=4 << 20, buckets=4, rounds=3):
+def _hybrid_sums(shard, replica, barrier, hw, rank, nbytes=8 << 20, buckets=3, rounds=3):
     """What one node's link carries each way while a hybrid engine sums its buckets across nodes
     as it does in a step: an engine over (shard, replica) with `buckets` buckets of nbytes, every
     rank's slice summed with its counterparts by an all-reduce of its own (the node's ranks each
