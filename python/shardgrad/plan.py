@@ -884,6 +884,9 @@ def main(argv=None):
           " compute %.3f s per micro-batch" % (hw.node_bytes_per_s / 1e9, hw.node_latency_s * 1e6,
                                                hw.net_bytes_per_s / 1e9, hw.net_latency_s * 1e6,
                                                hw.compute_s))
+    if hw.replica_bytes_per_s > 0:
+        print("  hybrid sums across nodes (probed as the engine runs them): %.3g GB/s per node "
+              "link" % (hw.replica_bytes_per_s / 1e9))
     for n in hw.notes:
         print("  - " + n)
     print(format_rows(rows, a.top))
