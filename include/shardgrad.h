@@ -636,6 +636,12 @@ typedef struct sg_hardware {
                                micro-batch handing it to the engine (writing into slots whose
                                pages were given back, the slot waits) beyond writing a buffer
                                of its own; >= 0 */
+  double replica_bytes_per_s; /* 0: link_bytes_per_s[SG_LEVEL_NET]. Else what one node's link
+                               carries each way while a hybrid engine sums its buckets across
+                               nodes behind their reductions (every rank of the node its own
+                               flow to its counterparts, the node's ranks meeting in the next
+                               bucket's reduction): the rate of the exact and codec sums; the
+                               sums at the step (offload, outer steps) keep the link rate. >= 0 */
   uint64_t magic;           /* written by sg_hardware_init; never set it (a description that was
                                never initialised is refused: "call sg_hardware_init") */
 } sg_hardware;
@@ -651,7 +657,8 @@ typedef struct sg_step_estimate {
   double step_s;                /* predicted wall time of one optimizer step */
   double compute_s;             /* microbatches x forward + backward */
   double exposed_s[SG_LEVELS];  /* communication not hidden behind compute, by the level that
-                                   bounds it, plus (1 - overlap) of what was hidden */
+                                   bounds it, plus what the hidden part took from the compute
+                                   beside it where that delayed the step (hw->overlap < 1) */
   double comm_s[SG_LEVELS];     /* all communication time per level, hidden or not */
   double optim_s;               /* norm + AdamW (device or host), on the step's critical path */
   double copy_s;                /* offload: host<->device copies not hidden */
@@ -675,8 +682,9 @@ typedef struct sg_step_estimate {
  * the comm queue in plan order as the backward pass hands over each bucket (staging_buckets
  * in flight), the cross-node sums behind each bucket's reduction in the last micro-batch, the
  * norm, the update bucket by bucket with each bucket's all-gather behind it, and the gathers
- * behind the next forward pass with overlap_param_gather. Hidden communication costs
- * (1 - hw->overlap) of itself where ranks share cores; step_s = compute_s + handover_s +
+ * behind the next forward pass with overlap_param_gather. Where ranks share cores, compute
+ * beside a collective runs slower by (1 - hw->overlap) of the collective's time, which
+ * delays the step where compute is on its critical path; step_s = compute_s + handover_s +
  * exposed_s[0] + exposed_s[1] + optim_s + copy_s. Replica codecs: the all-to-all and the
  * all-gather of each bucket's codes behind its reduction. Outer steps (cfg->outer_every = H):
  * the times are the mean over a period of H steps, the byte and collective counts those of the

@@ -331,6 +331,34 @@ static void test_contention(void) {
             strstr(sg_last_error(), "overlap"), "overlap 1.5 refused");
 }
 
+/* What a collective takes from the cores (overlap < 1) slows the compute beside it, and so the
+ * step only where the compute is on the critical path: two buckets, flat over 2 nodes, the
+ * first bucket's reduce-scatter beside the second bucket's backward (1/3 of compute_s). A fast
+ * link: the reduction ends within that backward, which runs (1 - overlap) x the reduction's
+ * time longer, and so does the step. A slow link: the step waits for the reduction anyway, and
+ * the slower backward costs nothing. */
+static void test_contention_path(void) {
+  snprintf(sg_test_tag, sizeof sg_test_tag, "contention path");
+  const size_t n[2] = {1 << 16, 1 << 16};
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.bucket_bytes = 4u << 16; /* one parameter per bucket */
+  for (int slow = 0; slow <= 1; slow++) {
+    sg_hardware hw = some_hw(slow ? 1e5 : 1e9, 0.3);
+    hw.ranks_per_node = 1;
+    hw.optim_params_per_s = 1e15; /* the updates take no time: nothing else runs beside */
+    sg_step_estimate a = {.struct_size = sizeof a}, b = {.struct_size = sizeof b};
+    sg_estimate_step(&cfg, n, 2, 2, 1, &hw, &a);
+    hw.overlap[SG_LEVEL_NET] = 0.5;
+    sg_estimate_step(&cfg, n, 2, 2, 1, &hw, &b);
+    const double rs = hw.link_latency_s[SG_LEVEL_NET] + 4.0 * n[0] / 2 / hw.link_bytes_per_s[1];
+    const double want = slow ? 0 : 0.5 * rs;
+    CHECK(fabs(b.step_s - a.step_s - want) < 1e-9 && fabs(parts_sum(&b) - b.step_s) < 1e-9,
+          "%s link: overlap 0.5 adds %.6f s to the step (want %.6f)", slow ? "slow" : "fast",
+          b.step_s - a.step_s, want);
+  }
+}
+
 /* Slower links never make a step faster; hybrid sends less over the node link than flat. */
 static void test_monotone(void) {
   snprintf(sg_test_tag, sizeof sg_test_tag, "monotone");
@@ -357,6 +385,44 @@ static void test_monotone(void) {
         "8 micro-batches: hybrid %llu node-link bytes, %.4f s < flat %llu, %.4f s",
         (unsigned long long)hyb.link_bytes[SG_LEVEL_NET], hyb.step_s,
         (unsigned long long)flat.link_bytes[SG_LEVEL_NET], flat.step_s);
+}
+
+/* replica_bytes_per_s: a hybrid step's sums across nodes behind the reductions run at it (0:
+ * the link's rate); nothing else moves, and a flat step does not see it. One bucket of n f32
+ * over 2 nodes x 2 ranks: each rank's slice is n/2 elements, its all-reduce puts 2 x n/2 x 4
+ * bytes of each of the node's 2 ranks on the node's link, all of it exposed (the last bucket). */
+static void test_replica_rate(void) {
+  snprintf(sg_test_tag, sizeof sg_test_tag, "replica rate");
+  const size_t n[1] = {1 << 16};
+  sg_config cfg;
+  sg_config_init(&cfg, sizeof cfg);
+  cfg.shard_ranks = 2;
+  sg_hardware hw = some_hw(1e7, 0.01);
+  sg_step_estimate e0 = {.struct_size = sizeof e0}, e1 = e0, e2 = e0;
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e0);
+  hw.replica_bytes_per_s = hw.link_bytes_per_s[SG_LEVEL_NET];
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e1);
+  hw.replica_bytes_per_s = hw.link_bytes_per_s[SG_LEVEL_NET] / 2;
+  if (!CHECK(sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e2) == SG_OK, "estimate")) return;
+  const double extra = 4.0 * n[0] / hw.link_bytes_per_s[SG_LEVEL_NET];
+  CHECK(e0.step_s == e1.step_s, "0 is the link's rate: %.9f == %.9f s", e0.step_s, e1.step_s);
+  CHECK(fabs(e2.comm_s[SG_LEVEL_NET] - e0.comm_s[SG_LEVEL_NET] - extra) < 1e-12 &&
+            fabs(e2.step_s - e0.step_s - extra) < 1e-12,
+        "half the rate: the sum's %.0f node-link bytes take %.6f s more (comm %+.6f, step %+.6f)",
+        4.0 * n[0], extra, e2.comm_s[SG_LEVEL_NET] - e0.comm_s[SG_LEVEL_NET],
+        e2.step_s - e0.step_s);
+  CHECK(e2.link_bytes[SG_LEVEL_NET] == e0.link_bytes[SG_LEVEL_NET] &&
+            e2.exposed_s[SG_LEVEL_NODE] == e0.exposed_s[SG_LEVEL_NODE],
+        "the bytes and the in-node part do not move");
+  cfg.shard_ranks = 0;
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e2);
+  hw.replica_bytes_per_s = 0;
+  sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e1);
+  CHECK(e1.step_s == e2.step_s, "a flat step does not see it");
+  hw.replica_bytes_per_s = -1;
+  CHECK(sg_estimate_step(&cfg, n, 1, 4, 1, &hw, &e1) == SG_ERR_INVALID_ARGUMENT &&
+            strstr(sg_last_error(), "replica_bytes_per_s"),
+        "a negative rate is refused: %s", sg_last_error());
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -448,6 +514,8 @@ int main(void) {
   test_parts();
   test_monotone();
   test_contention();
+  test_contention_path();
+  test_replica_rate();
   test_traffic();
   return sg_test_summary("");
 }

@@ -214,6 +214,7 @@ class SgHardware(ctypes.Structure):
         ("pcie_bytes_per_s", ctypes.c_double),
         ("overlap", ctypes.c_double * LEVELS),
         ("handover_s_per_byte", ctypes.c_double),
+        ("replica_bytes_per_s", ctypes.c_double),
         ("magic", ctypes.c_uint64),  # written by sg_hardware_init, never by hand
     ]
 

@@ -50,7 +50,7 @@ class Hardware:
 
     FIELDS = ("ranks_per_node", "algorithm", "compute_s", "backward_fraction",
               "optim_params_per_s", "device_bytes_per_s", "host_optim_params_per_s",
-              "pcie_bytes_per_s", "handover_s_per_byte")
+              "pcie_bytes_per_s", "handover_s_per_byte", "replica_bytes_per_s")
 
     def __init__(self, **kwargs):
         s = SgHardware()
@@ -522,6 +522,50 @@ def _fit_level(comm, bytes_of, barrier, rank, label, budget_s):
     return rate, lat, big
 
 
+def _hybrid_sums(shard, replica, barrier, hw, rank, nbytes=8 << 20, buckets=3, rounds=3):
+    """What one node's link carries each way while a hybrid engine sums its buckets across nodes
+    as it does in a step: an engine over (shard, replica) with `buckets` buckets of nbytes, every
+    rank's slice summed with its counterparts by an all-reduce of its own (the node's ranks each
+    a flow of their own on the link), the node's ranks meeting in every bucket's in-node
+    reduce-scatter. The time from the first bucket handed over to grad_norm (median of the
+    rounds), less what the model charges besides the sums (the in-node reduce-scatters and the
+    hand-over at the rates measured before, the sums' message latency), gives the rate; never
+    more than the link's (the sums cannot outrun it). Returns (bytes per second, seconds)."""
+    L, N = shard.size, replica.size
+    e = Engine(shard, replica_comm=replica, bucket_bytes=nbytes, strategy="shard_grad_op")
+    try:
+        for i in range(buckets):
+            e.add_param("probe%d" % i, (nbytes // 4,))
+        e.finalize()
+
+        def sums():
+            for i in reversed(range(buckets)):  # backward order: each bucket reduces at once
+                e.grad_ptr(i)
+                e.grad_ready(i)
+            e.backward_end()
+            e.grad_norm()
+
+        sums()
+        e.step()
+        times = []
+        for _ in range(rounds):
+            barrier.wait()
+            times.append(_timed(sums))
+            e.step()
+        t = statistics.median(times)
+    finally:
+        e.close()
+    inner = buckets * (hw.node_latency_s + (L - 1) / L * nbytes / hw.node_bytes_per_s +
+                       nbytes * hw.handover_s_per_byte + 2 * hw.net_latency_s)
+    moved = buckets * 2 * (N - 1) / N * nbytes  # an all-reduce of S/L by each of the L ranks
+    rate = min(hw.net_bytes_per_s, moved / max(t - inner, 1e-9))
+    _say(rank, "      %.1f MB/s (%d buckets of %d MiB: %.0f ms, %.0f ms of it in-node and "
+               "hand-over; the link alone: %.1f MB/s)" % (rate / 1e6, buckets, nbytes >> 20,
+                                                        t * 1e3, inner * 1e3,
+                                                        hw.net_bytes_per_s / 1e6))
+    return rate, t
+
+
 def _optim_rate(numel=1 << 22, reps=3):
     """Norm + AdamW elements per second of a one-rank engine step (f32)."""
     comm = Comm.local(1)[0]
@@ -583,14 +627,16 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def probe(comm=None, budget_s=0.3):
+def probe(comm=None, budget_s=0.3, ranks_per_node=0):
     """Measures this cluster (every rank calls it; MPI: one rank per process): the link rate and
     latency inside a node (reductions over the node's ranks) and between nodes (over one rank
     per node, every node rank at once, as a hybrid engine's replicas share the node's link),
-    the norm + AdamW rate of a step and the memory copy rate. Returns a Hardware."""
+    a hybrid engine's sums across nodes as it runs them, the norm + AdamW rate of a step and the
+    memory copy rate. ranks_per_node: the nodes (0: the ranks sharing a host, as
+    Comm.split_nodes). Returns a Hardware."""
     world = comm if comm is not None else Comm.mpi()
     rank, W = world.rank, world.size
-    shard, replica = world.split_nodes(0)
+    shard, replica = world.split_nodes(ranks_per_node)
     L, N = shard.size, replica.size
     hw = Hardware(ranks_per_node=L)
     hw.nodes = N
@@ -598,32 +644,39 @@ def probe(comm=None, budget_s=0.3):
     try:
         _say(rank, "%d ranks: %d node(s) x %d (by host name)" % (W, N, L))
         if L > 1:
-            _say(rank, "[1/5] inside a node: reduce-scatter over the node's %d ranks" % L)
+            _say(rank, "[1/6] inside a node: reduce-scatter over the node's %d ranks" % L)
             hw.node_bytes_per_s, hw.node_latency_s, big = _fit_level(
                 shard, lambda S: (L - 1) / L * S, barrier, rank, "in-node", budget_s)
             hw.node_overlap = _overlap(shard, big, barrier, rank, "in-node")
         else:
             hw.notes.append("one rank per node: the in-node level is not measured")
         if N > 1:
-            _say(rank, "[2/5] between nodes: reduce-scatter over one rank per node, all %d "
+            _say(rank, "[2/6] between nodes: reduce-scatter over one rank per node, all %d "
                        "at once" % L)
             hw.net_bytes_per_s, hw.net_latency_s, big = _fit_level(
                 replica, lambda S: L * (N - 1) / N * S, barrier, rank, "between nodes", budget_s)
             hw.net_overlap = _overlap(replica, big, barrier, rank, "between nodes")
         else:
             hw.notes.append("one node: the between-nodes level is not measured")
-        _say(rank, "[3/5] hand-over: a micro-batch's gradients written into the engine's slots")
+        _say(rank, "[3/6] hand-over: a micro-batch's gradients written into the engine's slots")
         barrier.wait()
         hw.handover_s_per_byte = _handover()
         _say(rank, "      %.2f ns per byte beyond writing a resident buffer"
                    % (hw.handover_s_per_byte * 1e9))
-        _say(rank, "[4/5] norm + AdamW of a 4M-element step (f32), every rank at once")
+        if L > 1 and N > 1:
+            _say(rank, "[4/6] between nodes: a hybrid engine's sums, the node's %d ranks each "
+                       "its own all-reduce, meeting per bucket" % L)
+            hw.replica_bytes_per_s = _hybrid_sums(shard, replica, barrier, hw, rank)[0]
+        else:
+            hw.notes.append("replica_bytes_per_s not measured (needs 2 nodes of 2 ranks or "
+                            "more): hybrid sums at the link's rate")
+        _say(rank, "[5/6] norm + AdamW of a 4M-element step (f32), every rank at once")
         barrier.wait()
         rate = _optim_rate()
         hw.optim_params_per_s = rate
         hw.device_bytes_per_s = rate * 32  # an f32 step moves 32 bytes per element
         _say(rank, "      %.1f M elements/s" % (rate / 1e6))
-        _say(rank, "[5/5] memory copy")
+        _say(rank, "[6/6] memory copy")
         barrier.wait()
         hw.notes.append("memcpy %.2f GB/s (read + write)" % (_memcpy_rate() / 1e9))
         hw.notes.append("probed on %s, %d ranks, %s" % (socket.gethostname(), W,
@@ -831,6 +884,9 @@ def main(argv=None):
           " compute %.3f s per micro-batch" % (hw.node_bytes_per_s / 1e9, hw.node_latency_s * 1e6,
                                                hw.net_bytes_per_s / 1e9, hw.net_latency_s * 1e6,
                                                hw.compute_s))
+    if hw.replica_bytes_per_s > 0:
+        print("  hybrid sums across nodes (probed as the engine runs them): %.3g GB/s per node "
+              "link" % (hw.replica_bytes_per_s / 1e9))
     for n in hw.notes:
         print("  - " + n)
     print(format_rows(rows, a.top))

@@ -202,3 +202,17 @@ def test_probe_on_threads():
     assert hw.node_bytes_per_s > 0 and hw.optim_params_per_s > 0
     assert 0 <= hw.node_overlap <= 1 and hw.handover_s_per_byte >= 0
     assert any("between-nodes level is not measured" in n for n in hw.notes)
+
+
+def test_probe_hybrid_sums_on_threads():
+    """2 'nodes' of 2 threads: the probe measures a hybrid engine's sums across them; their rate
+    is positive and never above the between-nodes link's."""
+    hws = sg.run_threads(4, plan.probe, budget_s=0.02, ranks_per_node=2)
+    hw = hws[0]
+    assert hw.nodes == 2 and hw.ranks_per_node == 2
+    assert 0 < hw.replica_bytes_per_s <= hw.net_bytes_per_s
+    back = plan.Hardware.from_dict(hw.as_dict())
+    assert back.replica_bytes_per_s == hw.replica_bytes_per_s
+    old = hw.as_dict()
+    del old["replica_bytes_per_s"]  # a probe file from before the field: the link's rate
+    assert plan.Hardware.from_dict(old).replica_bytes_per_s == 0

@@ -33,6 +33,7 @@ typedef struct job {
   int kind;
   double s[SG_LEVELS];        /* the collective's time at each level (both run at once) */
   double waited;              /* of it, the time the compute queue waited for it */
+  double stolen;              /* what it took from the compute queue's work beside it */
 } job;
 
 typedef struct model {
@@ -53,7 +54,7 @@ typedef struct model {
   job *jobs;                  /* the comm queue's jobs that may still end after the compute
                                  queue's present (older ones are dropped) */
   size_t njobs, cap;
-  double contention[SG_LEVELS]; /* what the hidden parts of the jobs take from compute */
+  size_t live;                /* jobs before it ended before the compute queue's present */
   double comm_free;           /* when the comm queue is next idle */
   sg_step_estimate *out;
 } model;
@@ -87,7 +88,8 @@ static double pass_steps(const model *m, span sp) {
   return m->hw->algorithm == SG_ALGO_RING ? sp.w - 1 : 1;
 }
 
-static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
+/* rate: what a node's link carries each way for this collective. */
+static cost coll_cost_at(const model *m, int op, span sp, uint64_t S, double net_rate) {
   cost c;
   memset(&c, 0, sizeof c);
   c.bus = bus_bytes(op, sp.w, S);
@@ -99,9 +101,22 @@ static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
     if (bytes[l] <= 0) continue;
     c.link[l] = (uint64_t)(passes * bytes[l]);
     c.s[l] = passes * (pass_steps(m, sp) * m->hw->link_latency_s[l] +
-                       bytes[l] / m->hw->link_bytes_per_s[l]);
+                       bytes[l] / (l == SG_LEVEL_NET ? net_rate : m->hw->link_bytes_per_s[l]));
   }
   return c;
+}
+
+static cost coll_cost(const model *m, int op, span sp, uint64_t S) {
+  return coll_cost_at(m, op, sp, S, m->hw->link_bytes_per_s[SG_LEVEL_NET]);
+}
+
+/* A hybrid engine's sums behind the buckets' reductions: each rank of a node sums its slice
+ * with its counterparts as a flow of its own, and the node's ranks meet in every bucket's
+ * reduction, so the link runs at one flow's rate whenever their sums end apart. Where the probe
+ * measured that (replica_bytes_per_s), the sums run at its rate. */
+static cost sum_cost(const model *m, int op, uint64_t S) {
+  const double r = m->hw->replica_bytes_per_s;
+  return coll_cost_at(m, op, m->replica, S, r > 0 ? r : m->hw->link_bytes_per_s[SG_LEVEL_NET]);
 }
 
 /* The level a collective waits on: the slower one (both run at once). */
@@ -116,15 +131,22 @@ static double cost_time(const cost *c) {
 /* ---------------------------------------------------------------------------------------- */
 /* the comm queue                                                                            */
 
-/* Communication the queues hid behind compute or updates still takes (1 - overlap) of its
- * time from them where they share cores: each level's part of a job, in the share of the job
- * nobody waited for. */
-static void settle_job(model *m, const job *j) {
+/* Seconds of the compute queue's work a job takes per second of it where they share cores:
+ * each level's part of it costs (1 - overlap) of itself. */
+static double job_steal(const model *m, const job *j) {
   const double len = j->end - j->start;
-  if (len <= 0) return;
-  const double hidden = 1 - j->waited / len;
+  double cpu = 0;
+  for (int l = 0; l < SG_LEVELS; l++) cpu += (1 - m->hw->overlap[l]) * j->s[l];
+  return len > 0 ? cpu / len : 0;
+}
+
+/* What a job took from the compute queue, charged to its levels in proportion to their cost. */
+static void settle_job(model *m, const job *j) {
+  double cpu = 0;
+  for (int l = 0; l < SG_LEVELS; l++) cpu += (1 - m->hw->overlap[l]) * j->s[l];
+  if (cpu <= 0 || j->stolen <= 0) return;
   for (int l = 0; l < SG_LEVELS; l++)
-    m->contention[l] += (1 - m->hw->overlap[l]) * j->s[l] * (hidden > 0 ? hidden : 0);
+    m->out->exposed_s[l] += j->stolen * (1 - m->hw->overlap[l]) * j->s[l] / cpu;
 }
 
 /* Drops the jobs that ended by `now`: the compute queue never waits before its present. */
@@ -134,6 +156,7 @@ static void forget_jobs(model *m, double now) {
   if (k == 0) return;
   memmove(m->jobs, m->jobs + k, (m->njobs - k) * sizeof *m->jobs);
   m->njobs -= k;
+  m->live = m->live > k ? m->live - k : 0;
 }
 
 static sg_status push_job(model *m, double start, double len, int kind, const double *s) {
@@ -145,7 +168,7 @@ static sg_status push_job(model *m, double start, double len, int kind, const do
     m->cap = cap;
   }
   job *j = &m->jobs[m->njobs++];
-  *j = (job){start, start + len, kind, {0, 0}, 0};
+  *j = (job){start, start + len, kind, {0, 0}, 0, 0};
   if (s) memcpy(j->s, s, sizeof j->s);
   m->comm_free = start + len;
   return SG_OK;
@@ -200,6 +223,33 @@ static double wait_until(model *m, double t, double until) {
   return until;
 }
 
+/* `work` seconds of the compute queue's own work (forward, backward, hand-over, updates)
+ * started at t; returns when it ends. Beside a comm job it progresses at 1 - job_steal(j) per
+ * second (below 0: it loses ground, the job's cost beyond its length paid after it), so a job
+ * slows the step only where the compute queue is on its critical path: work that would have
+ * waited for the comm queue anyway absorbs what the job takes. */
+static double compute_for(model *m, double t, double work) {
+  /* the queue runs one job at a time: ends grow with the index, and t never goes back */
+  while (m->live < m->njobs && m->jobs[m->live].end <= t) m->live++;
+  for (size_t i = m->live; i < m->njobs && work > 0; i++) {
+    job *j = &m->jobs[i];
+    if (j->start > t) {
+      if (j->start - t >= work) break;
+      work -= j->start - t;
+      t = j->start;
+    }
+    const double steal = job_steal(m, j), rate = 1 - steal, d = j->end - t;
+    if (rate > 0 && d * rate >= work) {
+      j->stolen += work / rate - work;
+      return t + work / rate;
+    }
+    j->stolen += d * steal;
+    work -= d * rate;
+    t = j->end;
+  }
+  return t + work;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* the step                                                                                  */
 
@@ -224,7 +274,7 @@ static int at_step(const model *m) {
 static sg_status codec_exchange(model *m, int b, double ready) {
   const uint64_t S = (uint64_t)m->N * sg__replica_codec_region(slice_numel(m, b), m->N,
                                                                  m->codec_bits);
-  const cost a2a = coll_cost(m, RS, m->replica, S), ag = coll_cost(m, AG, m->replica, S);
+  const cost a2a = sum_cost(m, RS, S), ag = sum_cost(m, AG, S);
   SG_TRY(run_coll(m, ready, &a2a, 1));
   return run_coll(m, m->comm_free, &ag, 1);
 }
@@ -233,7 +283,7 @@ static sg_status replica_sum(model *m, int b) {
   if (outer_steps(m)) return SG_OK;
   if (m->codec_bits) return codec_exchange(m, b, m->comm_free);
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
-  const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
+  const cost r = sum_cost(m, AR, slice_numel(m, b) * X);
   return run_coll(m, m->comm_free, &r, 1);
 }
 
@@ -280,12 +330,12 @@ static sg_status backward_passes(model *m, int M, double *t_out) {
   sg_status st = SG_OK;
   for (int mb = 0; mb < M && st == SG_OK; mb++) {
     forget_jobs(m, t);
-    t += fwd;
+    t = compute_for(m, t, fwd);
     for (int b = 0; b < nb && st == SG_OK; b++) {
       const size_t k = (size_t)mb * (size_t)nb + (size_t)b;
       t = wait_until(m, t, slot_ready(m, freed, k));
-      t += bwd * (double)m->p->buckets[b].numel / (double)m->p->total_numel;
-      t += handover * (double)m->p->buckets[b].numel;
+      t = compute_for(m, t, bwd * (double)m->p->buckets[b].numel / (double)m->p->total_numel +
+                                handover * (double)m->p->buckets[b].numel);
       st = reduce_bucket(m, b, t, mb == M - 1, &freed[k % slot_lag(m)]);
     }
   }
@@ -305,17 +355,20 @@ static sg_status replica_sums_at_step(model *m, double t) {
   return SG_OK;
 }
 
-/* Norm + update time of bucket b's part, and its H2D copy under offload (pipelined in chunks
- * with the host update: the slower of the two). */
-static double update_time(model *m, uint64_t n) {
+/* Norm + update of n shard elements started at t (beside the gathers before it), and its H2D
+ * copy under offload (pipelined in chunks with the host update: the slower of the two).
+ * Returns when both are done. */
+static double update(model *m, double t, uint64_t n) {
   const double upd = (double)n * m->per_elem_s;
   m->out->optim_s += upd;
-  if (!offloaded(m)) return upd;
+  const double end = compute_for(m, t, upd);
+  if (!offloaded(m)) return end;
   const uint64_t P = sg__dtype_size(m->cfg->param_dtype);
   const double h2d = (double)(n * P) / m->hw->pcie_bytes_per_s;
   m->out->copy_bytes += n * P;
-  if (h2d > upd) m->out->copy_s += h2d - upd;
-  return h2d > upd ? h2d : upd;
+  if (t + h2d <= end) return end;
+  m->out->copy_s += t + h2d - end;
+  return t + h2d;
 }
 
 /* The last step of an outer period (sg_replica_outer.c, sg_step.c), or with streaming any step
@@ -362,28 +415,21 @@ static sg_status step(model *m, double t, double *end) {
   const uint64_t P = sg__dtype_size(m->cfg->param_dtype);
   for (int b = m->p->nbuckets - 1; b >= 0; b--) {
     const uint64_t n = sharded ? slice_numel(m, b) : m->p->buckets[b].numel;
-    t += update_time(m, n);
+    t = update(m, t, n);
     if (gathers) {
       const cost c = coll_cost(m, AG, m->shard, m->p->buckets[b].numel * P);
       SG_TRY(run_coll(m, t, &c, 0));
     }
   }
   SG_TRY(outer_sync(m, &t));
-  /* overlap_param_gather: the next forward pass runs beside the gathers */
+  /* overlap_param_gather: the next forward pass runs beside the gathers (slowed by them as
+   * any compute is; what they take from it belongs to this step) */
   const double fwd = m->hw->compute_s * (1 - m->hw->backward_fraction);
+  const double next = m->cfg->overlap_param_gather ? compute_for(m, t, fwd) : t;
   const double hidden = m->cfg->overlap_param_gather ? fwd : 0;
-  *end = m->comm_free > t + hidden ? m->comm_free - hidden : t;
-  charge_wait(m, t + hidden, m->comm_free);
+  *end = (m->comm_free > next ? m->comm_free : next) - hidden;
+  charge_wait(m, next, m->comm_free);
   return SG_OK;
-}
-
-/* The contention of every job, added to the step and charged to its level. */
-static void contention(model *m) {
-  forget_jobs(m, 1e300);
-  for (int l = 0; l < SG_LEVELS; l++) {
-    m->out->exposed_s[l] += m->contention[l];
-    m->out->step_s += m->contention[l];
-  }
 }
 
 /* Bytes the norm and the update move per shard element: the accumulator read by the norm and
@@ -473,10 +519,11 @@ static sg_status check_hw(const sg_hardware *hw, int off, const char *fn) {
   SG_TRY(check_links(hw, fn));
   SG_TRY(check_overlap(hw, fn));
   if (!nonneg(hw->compute_s) || !nonneg(hw->optim_params_per_s) ||
-      !nonneg(hw->handover_s_per_byte))
-    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s, hw->optim_params_per_s and "
-                   "hw->handover_s_per_byte must be finite and >= 0 (got %g, %g, %g)", fn,
-                   hw->compute_s, hw->optim_params_per_s, hw->handover_s_per_byte);
+      !nonneg(hw->handover_s_per_byte) || !nonneg(hw->replica_bytes_per_s))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->compute_s, hw->optim_params_per_s, "
+                   "hw->handover_s_per_byte and hw->replica_bytes_per_s must be finite and >= 0 "
+                   "(got %g, %g, %g, %g)", fn, hw->compute_s, hw->optim_params_per_s,
+                   hw->handover_s_per_byte, hw->replica_bytes_per_s);
   if (!(hw->backward_fraction > 0 && hw->backward_fraction <= 1))
     return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: hw->backward_fraction must be in (0, 1] (got "
                    "%g)", fn, hw->backward_fraction);
@@ -561,7 +608,7 @@ static sg_status run_model(model *m, int microbatches) {
   double t = 0;
   SG_TRY(backward_passes(m, microbatches, &t));
   SG_TRY(step(m, t, &m->out->step_s));
-  contention(m);
+  forget_jobs(m, 1e300); /* what each job took from the compute queue, charged to its level */
   return SG_OK;
 }
 
@@ -575,8 +622,8 @@ static sg_status estimate_once(model *m, int microbatches, int first, int stride
   m->outer_first = first;
   m->outer_stride = stride;
   m->njobs = 0;
+  m->live = 0;
   m->comm_free = 0;
-  memset(m->contention, 0, sizeof m->contention);
   const sg_status st = run_model(m, microbatches);
   free(m->jobs);
   m->jobs = NULL;
