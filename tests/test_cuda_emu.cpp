@@ -472,7 +472,40 @@ static void test_adamw_q8() {
   }
 }
 
+// ---- outer steps -------------------------------------------------------------------------------
+
+// outer_delta and outer_step against the CPU loops (kernels/cpu/sg_cpu_outer.c), bitwise, with
+// specials among the inputs, every grid limit and the unaligned paths.
+static void test_outer() {
+  char what[128];
+  for (size_t n : k_sizes)
+    for (size_t off = 0; off < 2; off++)
+      for (int g : k_grids) {
+        sg__cuda_launch L = {nullptr, g};
+        const size_t m = n + off;
+        std::vector<float> po(m), theta(m), mom(m), dsum(m), d(m, 0.0f), dref(m, 0.0f);
+        fill_random(po.data(), 0, m, 2.0f, true);
+        fill_random(theta.data(), 0, m, 2.0f, true);
+        fill_random(mom.data(), 0, m, 0.5f, false);
+        fill_random(dsum.data(), 0, m, 3.0f, true);
+        sg__cpu_outer_delta(dref.data() + off, po.data() + off, theta.data() + off, n);
+        int rc = sg__cuda_outer_delta(L, d.data() + off, po.data() + off, theta.data() + off, n);
+        snprintf(what, sizeof what, "outer_delta n %zu off %zu grid %d", n, off, g);
+        check(rc == 0 && same(dref.data(), d.data(), 0, m), what);
+        std::vector<float> po2 = po, mom2 = mom, th2 = theta;
+        sg__cpu_outer_step(po.data() + off, mom.data() + off, theta.data() + off, dsum.data() + off,
+                           n, 3, 0.7f, 0.9f);
+        rc = sg__cuda_outer_step(L, po2.data() + off, mom2.data() + off, th2.data() + off,
+                                 dsum.data() + off, n, 3, 0.7f, 0.9f);
+        snprintf(what, sizeof what, "outer_step n %zu off %zu grid %d", n, off, g);
+        check(rc == 0 && same(po.data(), po2.data(), 0, m) && same(mom.data(), mom2.data(), 0, m) &&
+                  same(theta.data(), th2.data(), 0, m),
+              what);
+      }
+}
+
 int main() {
+  test_outer();
   test_elementwise();
   test_reduce_sum();
   test_sumsq();

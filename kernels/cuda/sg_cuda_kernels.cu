@@ -181,6 +181,41 @@ __global__ void fill_kernel(T *dst, T value, size_t n) {
   for (uint64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = value;
 }
 
+// ---- outer steps (DiLoCo) ------------------------------------------------------------------
+
+// d = po - theta, groups of 4 as the elementwise kernels above.
+__global__ void outer_delta_kernel(float *d, const float *po, const float *theta, size_t n) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float p[4], t[4];
+    load4<0>(po, i0, cnt, p);
+    load4<0>(theta, i0, cnt, t);
+    for (int j = 0; j < cnt; j++) p[j] = sg_elem_outer_delta(p[j], t[j]);
+    store4<0>(d, i0, cnt, p);
+  }
+}
+
+// The Nesterov step of po and m from the replicas' sum dsum; theta takes the new po.
+__global__ void outer_step_kernel(float *po, float *m, float *theta, const float *dsum, size_t n,
+                                  float nrep, float lr, float mu) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float p[4], mm[4], s[4];
+    load4<0>(po, i0, cnt, p);
+    load4<0>(m, i0, cnt, mm);
+    load4<0>(dsum, i0, cnt, s);
+    for (int j = 0; j < cnt; j++)
+      p[j] = sg_elem_outer_nesterov(p[j], sg_elem_outer_mean(s[j], nrep), &mm[j], lr, mu);
+    store4<0>(po, i0, cnt, p);
+    store4<0>(m, i0, cnt, mm);
+    store4<0>(theta, i0, cnt, p);
+  }
+}
+
 // ---- the step's outcome ------------------------------------------------------------------
 
 // One thread: the step's factor, norm and skip from the summed partials (sg_elem_step_outcome,
@@ -502,6 +537,27 @@ extern "C" int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, 
     const uint16_t h = dtype == 1 ? sg_elem_f32_to_bf16(f) : sg_elem_f32_to_f16(f);
     SG_LAUNCH(k, grid, kThreads, s, (uint16_t *)dst, h, n);
   }
+  return launch_result();
+}
+
+extern "C" int sg__cuda_outer_delta(sg__cuda_launch L, float *d, const float *po,
+                                    const float *theta, size_t n) {
+  if (n == 0) return 0;
+  if (!d || !po || !theta) return (int)cudaErrorInvalidValue;
+  void (*k)(float *, const float *, const float *, size_t) = outer_delta_kernel;
+  SG_LAUNCH(k, grid_for(groups_of(n), L.max_blocks), kThreads, (cudaStream_t)L.stream, d, po,
+            theta, n);
+  return launch_result();
+}
+
+extern "C" int sg__cuda_outer_step(sg__cuda_launch L, float *po, float *m, float *theta,
+                                   const float *dsum, size_t n, int nrep, float lr, float mu) {
+  if (n == 0) return 0;
+  if (!po || !m || !theta || !dsum || nrep < 1) return (int)cudaErrorInvalidValue;
+  void (*k)(float *, float *, float *, const float *, size_t, float, float, float) =
+      outer_step_kernel;
+  SG_LAUNCH(k, grid_for(groups_of(n), L.max_blocks), kThreads, (cudaStream_t)L.stream, po, m,
+            theta, dsum, n, (float)nrep, lr, mu);
   return launch_result();
 }
 

@@ -247,9 +247,14 @@ def _candidates(hw, world, dtype, device, buckets, states=("f32",), strategies=S
 
 def _unsupported(kw):
     """Why the engine would refuse this layout at create today, or "" (the planner still
-    predicts it): the codecs and outer steps run on the CPU device only (sg_replica_select.c)."""
-    if kw.get("device") == "cuda" and (kw.get("replica_codec") or kw.get("outer_every")):
+    predicts it): on CUDA the codecs run on the CPU device only, and outer steps not with an
+    offloaded optimizer (sg_replica_select.c)."""
+    if kw.get("device") != "cuda":
+        return ""
+    if kw.get("replica_codec"):
         return "CPU device only today"
+    if kw.get("outer_every") and kw.get("offload_optimizer"):
+        return "not with offload on CUDA yet"
     return ""
 
 

@@ -160,6 +160,14 @@ typedef struct sg__device_ops {
    * its lane before it only, not for the other lane's earlier jobs (a slot that a reduction job
    * zeroed need not wait for a slow replica all-reduce queued before it). */
   sg_status (*compute_wait_job)(sg__device *d, uint64_t ticket, int64_t deadline_ms);
+  /* Outer steps (DiLoCo, src/engine/policy/sg_replica_outer.c; element math sg_elem_outer_* of
+   * kernels/sg_elem.h), fp32 device memory, in the order of queue q: the pseudo-gradient
+   * d[i] = po[i] - theta[i]; and the step from the replicas' sum dsum of it: the mean dsum / nrep,
+   * po[i] and m[i] by Nesterov momentum (lr, mu), theta[i] = the new po[i]. */
+  sg_status (*outer_delta)(sg__device *d, sg__queue q, float *dst, const float *po,
+                           const float *theta, size_t n);
+  sg_status (*outer_step)(sg__device *d, sg__queue q, float *po, float *m, float *theta,
+                          const float *dsum, size_t n, int nrep, float lr, float mu);
 } sg__device_ops;
 
 struct sg__device {

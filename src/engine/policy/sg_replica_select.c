@@ -30,15 +30,36 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   return SG_OK;
 }
 
-/* Outer steps read and write the master and parameters on the host; with the int8 codec their
- * pseudo-gradient goes through its exchange; streaming: one group of buckets per step. */
-static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+/* Outer steps: their element work goes through the device (either kind), each bucket's
+ * pseudo-gradient summed by the replica channel inside one job on the engine's device. On a
+ * CUDA device that channel is bound to it beside the shard channel, the same way (both NCCL,
+ * or both host-driven: threads, MPI, a caller's transport); the mixed pairs, whose replica
+ * collectives take host memory or run apart from the device's comm queue, and an offloaded
+ * optimizer (its master on the host) are not done. With the int8 codec the pseudo-gradient
+ * goes through its exchange (CPU device only); streaming: one group of buckets per step. */
+static sg_status pick_outer_cuda(sg_engine *e, const sg_comm *replica, sg__device **dev) {
+  if (e->cfg.replica_codec != SG_CODEC_NONE)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every with cfg->replica_codec runs on the CPU "
+                   "device only (the CUDA device has no codec yet); on CUDA use outer steps with "
+                   "an fp32 or bf16 replica_reduce_dtype");
+  if (e->strat->place->host)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every with cfg->offload_optimizer is not "
+                   "supported yet (the outer step works on the device's master)");
+  if (e->comm->stream_ordered != replica->stream_ordered)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every on the CUDA device needs shard and "
+                   "replica communicators of the same kind (both NCCL, or both host-driven: "
+                   "threads, MPI, a caller's transport); %s inside and %s across is not "
+                   "supported yet", e->comm->ops->name, replica->ops->name);
+  *dev = e->dev;
+  return SG_OK;
+}
+
+static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                            sg__device **dev) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
                    "other replicas to agree with (use 0)");
-  if (e->dev->kind != SG_DEVICE_CPU)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
-                   "device has no outer step yet)");
+  if (e->dev->kind != SG_DEVICE_CPU) SG_TRY(pick_outer_cuda(e, replica, dev));
   const int stream = e->cfg.outer_streaming;
   if (e->cfg.replica_codec == SG_CODEC_NONE) {
     *ops = stream ? &sg__replica_outer_stream : &sg__replica_outer;
@@ -55,7 +76,7 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                       sg__device **dev) {
   *dev = NULL;
-  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops);
+  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops, dev);
   if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
