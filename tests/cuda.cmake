@@ -193,6 +193,8 @@ if(SG_WITH_CUDA)
       set_tests_properties(test_replica_dev_cudamock_${kind} PROPERTIES TIMEOUT 300 LABELS cuda
         SKIP_RETURN_CODE 77)
     endforeach()
+    sg_add_mpi_test(test_replica_dev_cudamock_mpi_np4 EXE test_replica_dev_cudamock NP 4
+      ARGS --mpi --cuda local TIMEOUT 300)
     # MPI inside and across the nodes of a hybrid engine on the (mock) GPU (both channels
     # host-driven, pinned staging), 2x2 against the CPU's flat and one-rank engines.
     sg_add_mpi_test(test_hybrid_cudamock_mpi_np4 EXE test_hybrid_cudamock NP 4

@@ -12,7 +12,10 @@
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: a codec with outer steps, a codec alone, outer steps with an offloaded
  *    optimizer, and (nccl) threads inside the node with NCCL across.
- * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind) */
+ * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
+ *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
+ *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
+ *                      the cases without a save and load, compared rank by rank) */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t, mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -322,14 +325,57 @@ static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, 
   }
 }
 
+/* --mpi: this process's rank of every case without a save and load, on the CPU device and then
+ * on the CUDA device, over communicators split from MPI. */
+static int run_mpi(void) {
+  sg_comm *world = NULL;
+  if (!CHECK(sg_comm_create_mpi(NULL, &world) == SG_OK, "MPI communicator: %s", sg_last_error()))
+    return sg_test_summary("test_replica_dev (mpi): ");
+  const int rank = sg_comm_rank(world);
+  snprintf(sg_test_tag, sizeof sg_test_tag, "[rank %d]", rank);
+  if (CHECK(sg_comm_size(world) == W, "run under mpirun -np %d (got %d ranks)", W,
+            sg_comm_size(world))) {
+    for (int c = 0; c < NCASES; c++) {
+      const tcase *tc = &k_cases[c];
+      if (tc->reload >= 0) continue;
+      static result cpu, gpu;
+      memset(&cpu, 0, sizeof cpu);
+      memset(&gpu, 0, sizeof gpu);
+      run_arg a = {tc, 0, 0, world, NULL, NULL, NULL, rank, &cpu};
+      run_thread(&a);
+      a.cuda = 1, a.res = &gpu;
+      run_thread(&a);
+      const int before = sg_test_failures();
+      CHECK(cpu.ok && gpu.ok, "[%s] both ran (cpu: %s; cuda: %s)", tc->name, cpu.err, gpu.err);
+      compare(tc, &gpu, &cpu, rank);
+      sg_test_free_state(NP, SG_TEST_STATE_OF(&cpu));
+      sg_test_free_state(NP, SG_TEST_STATE_OF(&gpu));
+      if (rank == 0)
+        printf("%s  %s (mpi)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name);
+    }
+  }
+  sg_comm_destroy(world);
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "test_replica_dev (mpi rank %d): ", rank);
+  return sg_test_summary(prefix);
+}
+
 int main(int argc, char **argv) {
-  int nccl = -1;
-  for (int i = 1; i + 1 < argc; i++)
-    if (!strcmp(argv[i], "--cuda")) nccl = !strcmp(argv[i + 1], "nccl") ? 1 : !strcmp(argv[i + 1], "local") ? 0 : -1;
-  if (nccl < 0) {
-    fprintf(stderr, "usage: test_replica_dev --cuda local|nccl\n");
+  int nccl = -1, mpi = 0;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--mpi")) mpi = 1;
+    if (!strcmp(argv[i], "--cuda") && i + 1 < argc)
+      nccl = !strcmp(argv[i + 1], "nccl") ? 1 : !strcmp(argv[i + 1], "local") ? 0 : -1;
+  }
+  if (nccl < 0 || (mpi && nccl)) {
+    fprintf(stderr, "usage: test_replica_dev [--mpi] --cuda local|nccl (--mpi: local only)\n");
     return 2;
   }
+  if (!sg_has_backend("cuda") || (mpi && !sg_has_backend("mpi"))) {
+    printf("test_replica_dev: built without CUDA or MPI\n");
+    return 77;
+  }
+  if (mpi) return run_mpi();
   if (!sg_has_backend("cuda") || (nccl && !sg_has_backend("nccl"))) {
     printf("test_replica_dev: built without CUDA or NCCL\n");
     return 77;
