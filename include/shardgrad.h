@@ -300,8 +300,8 @@ typedef struct sg_config {
                                state (parameters and momentum, fp32) is sharded like the
                                master. CPU device; CUDA device (the same bits as the CPU's)
                                with a shard and a replica communicator of one kind (both NCCL,
-                               or both host-driven: threads, MPI, caller's transport) and no
-                               offload_optimizer (others: SG_ERR_UNSUPPORTED at create). With
+                               or both threads or MPI) and no offload_optimizer (others:
+                               SG_ERR_UNSUPPORTED at create). With
                                replica_codec SG_CODEC_INT8 (CPU device only) the
                                pseudo-gradient crosses as int8 codes with error feedback
                                (SG_CODEC_INT4: refused). Checkpoints hold the outer state and

@@ -243,9 +243,9 @@ static void run_case(const tcase *tc, int nccl) {
   static result cpu[W], gpu[W];
   memset(cpu, 0, sizeof cpu);
   memset(gpu, 0, sizeof gpu);
+  const int before = sg_test_failures();
   run_on(tc, 0, 0, cpu);
   run_on(tc, 1, nccl, gpu);
-  const int before = sg_test_failures();
   for (int r = 0; r < W; r++) compare(tc, &gpu[r], &cpu[r], r);
   check_agree(tc, gpu);
   if (tc->inject && gpu[0].ok)

@@ -33,7 +33,7 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
 /* Outer steps: their element work goes through the device (either kind), each bucket's
  * pseudo-gradient summed by the replica channel inside one job on the engine's device. On a
  * CUDA device that channel is bound to it beside the shard channel, the same way (both NCCL,
- * or both host-driven: threads, MPI, a caller's transport); the mixed pairs, whose replica
+ * or both host-driven: threads or MPI); the mixed pairs, whose replica
  * collectives take host memory or run apart from the device's comm queue, and an offloaded
  * optimizer (its master on the host) are not done. With the int8 codec the pseudo-gradient
  * goes through its exchange (CPU device only); streaming: one group of buckets per step. */
@@ -48,8 +48,8 @@ static sg_status pick_outer_cuda(sg_engine *e, const sg_comm *replica, sg__devic
   if (e->comm->stream_ordered != replica->stream_ordered)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every on the CUDA device needs shard and "
                    "replica communicators of the same kind (both NCCL, or both host-driven: "
-                   "threads, MPI, a caller's transport); %s inside and %s across is not "
-                   "supported yet", e->comm->ops->name, replica->ops->name);
+                   "threads or MPI); %s inside and %s across is not supported yet",
+                   e->comm->ops->name, replica->ops->name);
   *dev = e->dev;
   return SG_OK;
 }
