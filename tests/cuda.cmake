@@ -189,7 +189,8 @@ if(SG_WITH_CUDA)
     target_compile_options(test_replica_dev_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
       -ffp-contract=off)
     foreach(kind local nccl)
-      add_test(NAME test_replica_dev_cudamock_${kind} COMMAND test_replica_dev_cudamock --cuda ${kind})
+      add_test(NAME test_replica_dev_cudamock_${kind}
+        COMMAND test_replica_dev_cudamock --cuda ${kind})
       set_tests_properties(test_replica_dev_cudamock_${kind} PROPERTIES TIMEOUT 300 LABELS cuda
         SKIP_RETURN_CODE 77)
     endforeach()
@@ -230,7 +231,8 @@ if(SG_WITH_CUDA)
   target_compile_definitions(test_hybrid_cuda PRIVATE ${_sg_cuda_defs})
   # Outer steps on the GPU against the CPU (test_replica_dev.c --cuda local: ranks as threads on
   # one GPU; --cuda nccl needs a GPU per rank).
-  add_executable(test_replica_dev_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_dev.c)
+  add_executable(test_replica_dev_cuda EXCLUDE_FROM_ALL
+    ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_dev.c)
   target_link_libraries(test_replica_dev_cuda PRIVATE shardgrad_internal)
   target_compile_options(test_replica_dev_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter
     -ffp-contract=off)

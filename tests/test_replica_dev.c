@@ -175,7 +175,8 @@ static void *run_thread(void *arg) {
   if (!st) st = train(a, e, ids);
   if (!st) st = sg_test_read_state(e, ids, k_sizes, NP, SG_TEST_STATE_OF(a->res));
   a->res->ok = st == SG_OK;
-  if (st) snprintf(a->res->err, sizeof a->res->err, "%s: %s", sg_status_string(st), sg_last_error());
+  if (st)
+    snprintf(a->res->err, sizeof a->res->err, "%s: %s", sg_status_string(st), sg_last_error());
   sg_engine_destroy(e);
   sg_comm_destroy(shard);
   sg_comm_destroy(rep);
@@ -234,7 +235,8 @@ static void check_agree(const tcase *tc, const result *res) {
   for (int s = tc->h - 1; !tc->stream && res[0].ok && s < tc->steps; s += tc->h) {
     int same = 1;
     for (int r = 1; r < W; r++)
-      same &= res[r].ok && memcmp(res[r].step_param[s], res[0].step_param[s], sizeof res[0].step_param[s]) == 0;
+      same &= res[r].ok && memcmp(res[r].step_param[s], res[0].step_param[s],
+                                  sizeof res[0].step_param[s]) == 0;
     CHECK(same, "[%s] step %d (an outer step): every rank holds the same parameters", tc->name, s);
   }
 }
