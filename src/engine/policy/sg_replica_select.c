@@ -14,7 +14,15 @@ static int channel_mem(const sg_engine *e, const sg_comm *replica, const sg__dev
   return replica->stream_ordered ? SG__REP_MEM_ANY : SG__REP_MEM_HOST;
 }
 
-/* A codec's exchange runs on host buffers through the replica communicator's all-to-all. */
+/* A codec's exchange runs on host buffers through a host communicator's all-to-all (NCCL has
+ * one now, grouped sends and receives, but the codecs over it are not done). */
+static sg_status codec_comm(const sg_comm *replica) {
+  if (replica->ops->all_to_all && !replica->stream_ordered) return SG_OK;
+  return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a host replica communicator with "
+                 "an all-to-all (threads, MPI, a caller's transport); not %s",
+                 replica->ops->name);
+}
+
 static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
@@ -22,10 +30,7 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   if (e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec runs on the CPU device only (its "
                    "codes are encoded by the CPU loops; the CUDA device has no codec yet)");
-  if (!replica->ops->all_to_all)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
-                   "all-to-all (threads, MPI, a caller's transport); %s has none",
-                   replica->ops->name);
+  SG_TRY(codec_comm(replica));
   *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_int8 : &sg__replica_int4;
   return SG_OK;
 }
@@ -65,10 +70,7 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     *ops = stream ? &sg__replica_outer_stream : &sg__replica_outer;
     return SG_OK;
   }
-  if (!replica->ops->all_to_all)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
-                   "all-to-all (threads, MPI, a caller's transport); %s has none",
-                   replica->ops->name);
+  SG_TRY(codec_comm(replica));
   *ops = stream ? &sg__replica_outer_stream_int8 : &sg__replica_outer_int8;
   return SG_OK;
 }
