@@ -1,21 +1,23 @@
-/* Outer steps (cfg.outer_every, DiLoCo) of hybrid engines on the CUDA device against the same
- * hybrid engines on the CPU device, bit for bit: 2 replicas x 2 shard ranks as threads, their
- * shard and replica communicators split from a world of threads (local) or of NCCL ranks
- * (nccl); in CI the mock CUDA runtime and mock NCCL (tests/cudamock), on a GPU machine the real
- * ones. The CPU engine's outer steps are checked against independent references by
- * test_replica_outer; here the CUDA engine must give the CPU engine's bits:
+/* Outer steps (cfg.outer_every, DiLoCo) and replica codecs (cfg.replica_codec) of hybrid
+ * engines on the CUDA device against the same hybrid engines on the CPU device, bit for bit:
+ * 2 replicas x 2 shard ranks as threads, their shard and replica communicators split from a
+ * world of threads (local) or of NCCL ranks (nccl); in CI the mock CUDA runtime and mock NCCL (tests/cudamock), on a GPU machine the real
+ * ones. The CPU engine's modes are checked against independent references by test_replica_outer
+ * and test_replica_codec; here the CUDA engine must give the CPU engine's bits:
  *  - every rank's parameters after every step, and its master, AdamW moments at the end;
  *  - after every outer step every rank holds the same parameters;
  *  - fp32 and bf16 wires, bf16 parameters with clipping, f16 with dynamic loss scaling and a
  *    non-finite gradient on one node (that node skips its inner step), streaming outer steps,
  *    and a sg_save / sg_load in the middle of a period (the outer state through the host);
+ *  - int8 and 4-bit codes, outer steps with int8 codes (streaming too), and a save / load of
+ *    the residuals;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: a codec with outer steps, a codec alone, outer steps with an offloaded
- *    optimizer, and (nccl) threads inside the node with NCCL across.
+ *    naming the setting: either mode with an offloaded optimizer, mixed communicators (nccl:
+ *    threads inside the node with NCCL across, and the reverse), a codec over MPI (--mpi).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
  *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
- *                      the cases without a save and load, compared rank by rank) */
+ *                      the outer-step cases without a save and load, compared rank by rank) */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t, mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -46,6 +48,7 @@ typedef struct {
   float clip;
   int inject; /* +inf in one gradient of rank W - 1 at step 1 (f16: dynamic loss scale) */
   int reload; /* >= 0: sg_save before this step, then sg_load of it into the same engines */
+  sg_codec codec;
 } tcase;
 
 typedef struct {
@@ -85,6 +88,8 @@ static void fill_config(const run_arg *a, sg_config *cfg) {
   cfg->loss_scale = tc->pdt == SG_F16 ? 0.0f : 1.0f; /* f16: dynamic */
   cfg->init_loss_scale = 8.0f;
   cfg->replica_reduce_dtype = tc->wire;
+  cfg->replica_codec = tc->codec;
+  if (tc->codec) cfg->accum_dtype = SG_F32; /* the codecs' */
   cfg->outer_every = tc->h;
   cfg->outer_lr = 0.7;
   cfg->outer_momentum = 0.9;
@@ -230,14 +235,17 @@ static void compare(const tcase *tc, const result *got, const result *ref, int r
   }
 }
 
-/* After every outer step (not streaming) every rank holds the same parameters. */
+/* After every outer step (not streaming; codes alone: every step) every rank holds the same
+ * parameters. */
 static void check_agree(const tcase *tc, const result *res) {
-  for (int s = tc->h - 1; !tc->stream && res[0].ok && s < tc->steps; s += tc->h) {
+  const int every = tc->h > 0 ? tc->h : 1;
+  for (int s = every - 1; !tc->stream && res[0].ok && s < tc->steps; s += every) {
     int same = 1;
     for (int r = 1; r < W; r++)
       same &= res[r].ok && memcmp(res[r].step_param[s], res[0].step_param[s],
                                   sizeof res[0].step_param[s]) == 0;
-    CHECK(same, "[%s] step %d (an outer step): every rank holds the same parameters", tc->name, s);
+    CHECK(same, "[%s] step %d (a synchronising step): every rank holds the same parameters",
+          tc->name, s);
   }
 }
 
@@ -264,12 +272,21 @@ static void run_case(const tcase *tc, int nccl) {
 }
 
 static const tcase k_cases[] = {
-    {"f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1},
-    {"bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1},
-    {"f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1},
-    {"streaming, bf16 wire, H=3", SG_F32, SG_BF16, 3, 1, 6, 0.0f, 0, -1},
-    {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4},
-    {"save before the first step, streaming, H=2", SG_BF16, SG_F32, 2, 1, 4, 0.0f, 0, 0},
+    {"f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE},
+    {"bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
+     SG_CODEC_NONE},
+    {"f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
+     SG_CODEC_NONE},
+    {"streaming, bf16 wire, H=3", SG_F32, SG_BF16, 3, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE},
+    {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4, SG_CODEC_NONE},
+    {"save before the first step, streaming, H=2", SG_BF16, SG_F32, 2, 1, 4, 0.0f, 0, 0,
+     SG_CODEC_NONE},
+    {"int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8},
+    {"4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1, SG_CODEC_INT4},
+    {"int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8},
+    {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8},
+    {"streaming outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 1, 6, 0.0f,
+     0, 4, SG_CODEC_INT8},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -304,7 +321,7 @@ static void *refuse_thread(void *arg) {
 
 static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, sg_codec codec,
                    int outer, const char *needle) {
-  static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1};
+  static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1, SG_CODEC_NONE};
   sg_comm *world[W] = {NULL};
   unsigned char id[128];
   if (!CHECK(sg_comm_create_local(W, world) == SG_OK, "local world")) return;
@@ -339,7 +356,7 @@ static int run_mpi(void) {
             sg_comm_size(world))) {
     for (int c = 0; c < NCASES; c++) {
       const tcase *tc = &k_cases[c];
-      if (tc->reload >= 0) continue;
+      if (tc->reload >= 0 || tc->codec) continue;
       static result cpu, gpu;
       memset(&cpu, 0, sizeof cpu);
       memset(&gpu, 0, sizeof gpu);
@@ -356,6 +373,16 @@ static int run_mpi(void) {
         printf("%s  %s (mpi)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name);
     }
   }
+  /* a codec on CUDA needs an all-to-all on device memory, which MPI's is not */
+  static const tcase codec = {"refused", SG_F32, SG_F32, 0, 0, 1, 0.0f, 0, -1, SG_CODEC_INT8};
+  refuse_arg ra;
+  memset(&ra, 0, sizeof ra);
+  ra.a = (run_arg){&codec, 1, 0, world, NULL, NULL, NULL, rank, NULL};
+  ra.codec = SG_CODEC_INT8;
+  refuse_thread(&ra);
+  CHECK(ra.st == SG_ERR_UNSUPPORTED && strstr(ra.msg, "takes device memory"),
+        "the int8 codec on CUDA over MPI: refused at create (%s: %s)", sg_status_string(ra.st),
+        ra.msg);
   sg_comm_destroy(world);
   char prefix[64];
   snprintf(prefix, sizeof prefix, "test_replica_dev (mpi rank %d): ", rank);
@@ -383,9 +410,11 @@ int main(int argc, char **argv) {
     return 77;
   }
   for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
-  refuse("outer steps with the int8 codec", nccl, nccl, 0, SG_CODEC_INT8, 2, "replica_codec");
-  refuse("the int8 codec", nccl, nccl, 0, SG_CODEC_INT8, 0, "replica_codec");
+  refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, "offload_optimizer");
   refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, "offload_optimizer");
-  if (nccl) refuse("threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, "same kind");
+  if (nccl) {
+    refuse("outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, "same kind");
+    refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, "same kind");
+  }
   return sg_test_summary("test_replica_dev: ");
 }

@@ -411,6 +411,29 @@ static sg_status cpu_outer_step(sg__device *d, sg__queue q, float *po, float *m,
   return SG_OK;
 }
 
+static sg_status cpu_code_encode(sg__device *d, sg__queue q, void *out, const float *src,
+                                 float *resid, size_t n, int bits) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "code_encode: NULL device");
+  if (bits != 8 && bits != 4)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "code_encode: bits must be 8 or 4 (%d)", bits);
+  if (n && (!out || !src || !resid))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "code_encode: NULL buffer");
+  SG_TRY(enter_queue(d, q, "code_encode"));
+  sg__cpu_code_encode(out, src, resid, n, bits);
+  return SG_OK;
+}
+
+static sg_status cpu_code_decode(sg__device *d, sg__queue q, float *dst, const void *in, size_t n,
+                                 int bits, int add) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "code_decode: NULL device");
+  if (bits != 8 && bits != 4)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "code_decode: bits must be 8 or 4 (%d)", bits);
+  if (n && (!dst || !in)) return sg__err(SG_ERR_INVALID_ARGUMENT, "code_decode: NULL buffer");
+  SG_TRY(enter_queue(d, q, "code_decode"));
+  sg__cpu_code_decode(dst, in, n, bits, add);
+  return SG_OK;
+}
+
 static const sg__device_ops cpu_ops = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -442,6 +465,8 @@ static const sg__device_ops cpu_ops = {
     .zero_release = cpu_zero_release,
     .outer_delta = cpu_outer_delta,
     .outer_step = cpu_outer_step,
+    .code_encode = cpu_code_encode,
+    .code_decode = cpu_code_decode,
 };
 
 /* ---- create -------------------------------------------------------------------------------- */

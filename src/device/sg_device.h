@@ -168,6 +168,14 @@ typedef struct sg__device_ops {
                            const float *theta, size_t n);
   sg_status (*outer_step)(sg__device *d, sg__queue q, float *po, float *m, float *theta,
                           const float *dsum, size_t n, int nrep, float lr, float mu);
+  /* The replica codecs' blockwise codes (src/engine/policy/sg_replica_codec.c; bits 8 or 4,
+   * kernels/sg_elem.h's sg_elem_code*), device memory, in the order of queue q: n values src +
+   * resid encoded into out (sg__cpu_code_bytes(n, bits) bytes), resid becoming what the codes
+   * missed; and n values decoded from in into dst (add: dst + them, fp32). */
+  sg_status (*code_encode)(sg__device *d, sg__queue q, void *out, const float *src, float *resid,
+                           size_t n, int bits);
+  sg_status (*code_decode)(sg__device *d, sg__queue q, float *dst, const void *in, size_t n,
+                           int bits, int add);
 } sg__device_ops;
 
 struct sg__device {

@@ -512,6 +512,7 @@ static const sg__comm_ops sg__nccl_ops = {
     NULL, /* node_leader: by host name */
     NULL, /* reduce_scatter_fold: device memory */
     sg__nccl_all_to_all,
+    1, /* all_to_all_device */
 };
 
 /* ---- channels --------------------------------------------------------------------------------- */

@@ -313,7 +313,7 @@ static sg_status x_split(sg_comm *chan, const int *colors, const int *keys, int6
 static const sg__comm_ops xcomm_ops = {
     "xport", x_all_reduce, x_reduce_scatter, x_all_gather, x_broadcast,
     x_bind,  x_unbind,     x_destroy,        x_split,      NULL,
-    x_reduce_scatter_fold, x_all_to_all,
+    x_reduce_scatter_fold, x_all_to_all, 0 /* all_to_all_device: host memory only */,
 };
 
 /* The algorithms' state for x, named after the transport in messages. */
