@@ -283,9 +283,13 @@ typedef struct sg_config {
                                the next step's. Two stages, so every replica ends with the same
                                bits: each replica's codes of chunk k go to replica k, which sums
                                them decoded in replica order, encodes the sum (with a residual
-                               of its own) and sends it to all. Needs an f32 accumulator, the
-                               CPU device and a host communicator (threads, MPI, caller's
-                               transport) for replicas; a flat engine refuses it. Checkpoints
+                               of its own) and sends it to all. Needs an f32 accumulator; on
+                               the CPU device a host communicator (threads, MPI, caller's
+                               transport) for replicas; on the CUDA device (the same bits as
+                               the CPU's) a shard and a replica communicator of one kind, both
+                               NCCL or both threads, and no offload_optimizer (others, MPI
+                               included: SG_ERR_UNSUPPORTED at create); a flat engine refuses
+                               it. Checkpoints
                                hold every replica's residuals (sg_load at another node count:
                                docs/slow-links.md); one without them loads with them zero. */
   int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
@@ -297,7 +301,11 @@ typedef struct sg_config {
                                the wire) takes a Nesterov momentum SGD step of the outer
                                parameters, which become every replica's parameters. The outer
                                state (parameters and momentum, fp32) is sharded like the
-                               master. CPU device. With replica_codec SG_CODEC_INT8 the
+                               master. CPU device; CUDA device (the same bits as the CPU's)
+                               with a shard and a replica communicator of one kind (both NCCL,
+                               or both threads or MPI) and no offload_optimizer (others:
+                               SG_ERR_UNSUPPORTED at create). With
+                               replica_codec SG_CODEC_INT8 (and its communicators) the
                                pseudo-gradient crosses as int8 codes with error feedback
                                (SG_CODEC_INT4: refused). Checkpoints hold the outer state and
                                the position in the period; sg_load of one without them begins

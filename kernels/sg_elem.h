@@ -209,6 +209,12 @@ SG_HD float sg_elem_code_residual(float x, float decoded) {
 
 /* ---- outer steps (DiLoCo, src/engine/policy/sg_replica_outer.c) --------------------------- */
 
+/* The pseudo-gradient of one element: the parameter at the last outer step minus now. */
+SG_HD float sg_elem_outer_delta(float po, float theta) { return po - theta; }
+
+/* The replicas' mean of it from their fp32 sum (nrep: the replica count as fp32). */
+SG_HD float sg_elem_outer_mean(float dsum, float nrep) { return dsum / nrep; }
+
 /* One Nesterov momentum SGD step of an outer parameter po, on the replicas' mean
  * pseudo-gradient d (the parameter at the last outer step minus now), as torch.optim.SGD with
  * nesterov=True: m = mu m + d, then po - lr (d + mu m). Returns the new po. */

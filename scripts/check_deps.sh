@@ -76,7 +76,7 @@ EXCEPTIONS=(
 # system headers -> the only files (regex over the path) that may include them
 declare -A SYSTEM=(
   # the CUDA device: cuda.c and its internal header (shared with sg_cuda_queue.c and
-  # sg_cuda_segtab.c, the device's queue/waits and segment tables)
+  # sg_cuda_segtab.c, the device's queue/waits and segment tables, and sg_cuda_replica.c)
   [cuda_runtime.h]='^(src/device/cuda\.c|src/device/sg_cuda_internal\.h|src/comm/backend/nccl\.c|kernels/cuda/.*)$'
   [cuda.h]='^(src/device/cuda\.c|src/device/sg_cuda_internal\.h|kernels/cuda/.*)$'
   [cuda_bf16.h]='^(src/device/cuda\.c|src/device/sg_cuda_internal\.h|kernels/cuda/.*)$'
@@ -87,7 +87,7 @@ declare -A SYSTEM=(
 # folder-internal headers that other folders must not reach even where the folder is allowed
 declare -A PRIVATE=(
   [src/device/sg_device_cuda.h]='^(src/device/.*)$'
-  [src/device/sg_cuda_internal.h]='^src/device/(cuda\.c|sg_cuda_queue\.c|sg_cuda_segtab\.c)$'
+  [src/device/sg_cuda_internal.h]='^src/device/(cuda\.c|sg_cuda_queue\.c|sg_cuda_segtab\.c|sg_cuda_replica\.c)$'
 )
 
 fail=0

@@ -183,6 +183,21 @@ if(SG_WITH_CUDA)
       add_test(NAME ${name} COMMAND test_hybrid_cudamock ${run})
       set_tests_properties(${name} PROPERTIES TIMEOUT 600 LABELS cuda SKIP_RETURN_CODE 77)
     endforeach()
+    # Outer steps (cfg.outer_every) of hybrid engines on the mock CUDA device against the same
+    # engines on the CPU device, bitwise (tests/test_replica_dev.c): 2x2, threads or NCCL for
+    # both communicators; and what CUDA still refuses at create.
+    add_executable(test_replica_dev_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_dev.c)
+    target_link_libraries(test_replica_dev_cudamock PRIVATE shardgrad_cudamock)
+    target_compile_options(test_replica_dev_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
+      -ffp-contract=off)
+    foreach(kind local nccl)
+      add_test(NAME test_replica_dev_cudamock_${kind}
+        COMMAND test_replica_dev_cudamock --cuda ${kind})
+      set_tests_properties(test_replica_dev_cudamock_${kind} PROPERTIES TIMEOUT 300 LABELS cuda
+        SKIP_RETURN_CODE 77)
+    endforeach()
+    sg_add_mpi_test(test_replica_dev_cudamock_mpi_np4 EXE test_replica_dev_cudamock NP 4
+      ARGS --mpi --cuda local TIMEOUT 300)
     # MPI inside and across the nodes of a hybrid engine on the (mock) GPU (both channels
     # host-driven, pinned staging), 2x2 against the CPU's flat and one-rank engines.
     sg_add_mpi_test(test_hybrid_cudamock_mpi_np4 EXE test_hybrid_cudamock NP 4
@@ -216,6 +231,14 @@ if(SG_WITH_CUDA)
   target_link_libraries(test_hybrid_cuda PRIVATE shardgrad_internal)
   target_compile_options(test_hybrid_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)
   target_compile_definitions(test_hybrid_cuda PRIVATE ${_sg_cuda_defs})
+  # Outer steps on the GPU against the CPU (test_replica_dev.c --cuda local: ranks as threads on
+  # one GPU; --cuda nccl needs a GPU per rank).
+  add_executable(test_replica_dev_cuda EXCLUDE_FROM_ALL
+    ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_dev.c)
+  target_link_libraries(test_replica_dev_cuda PRIVATE shardgrad_internal)
+  target_compile_options(test_replica_dev_cuda PRIVATE -Wall -Wextra -Wno-unused-parameter
+    -ffp-contract=off)
+  target_compile_definitions(test_replica_dev_cuda PRIVATE ${_sg_cuda_defs})
   # The same tests with their engines under test on the GPU (SG_TEST_DEVICE=cuda, --nccl).
   foreach(t test_engine test_fp16_scale test_trace test_groups)
     add_executable(${t}_cuda EXCLUDE_FROM_ALL ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)

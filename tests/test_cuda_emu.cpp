@@ -472,7 +472,75 @@ static void test_adamw_q8() {
   }
 }
 
+// ---- outer steps -------------------------------------------------------------------------------
+
+// outer_delta and outer_step against the CPU loops (kernels/cpu/sg_cpu_outer.c), bitwise, with
+// specials among the inputs, every grid limit and the unaligned paths.
+static void test_outer() {
+  char what[128];
+  for (size_t n : k_sizes)
+    for (size_t off = 0; off < 2; off++)
+      for (int g : k_grids) {
+        sg__cuda_launch L = {nullptr, g};
+        const size_t m = n + off;
+        std::vector<float> po(m), theta(m), mom(m), dsum(m), d(m, 0.0f), dref(m, 0.0f);
+        fill_random(po.data(), 0, m, 2.0f, true);
+        fill_random(theta.data(), 0, m, 2.0f, true);
+        fill_random(mom.data(), 0, m, 0.5f, false);
+        fill_random(dsum.data(), 0, m, 3.0f, true);
+        sg__cpu_outer_delta(dref.data() + off, po.data() + off, theta.data() + off, n);
+        int rc = sg__cuda_outer_delta(L, d.data() + off, po.data() + off, theta.data() + off, n);
+        snprintf(what, sizeof what, "outer_delta n %zu off %zu grid %d", n, off, g);
+        check(rc == 0 && same(dref.data(), d.data(), 0, m), what);
+        std::vector<float> po2 = po, mom2 = mom, th2 = theta;
+        sg__cpu_outer_step(po.data() + off, mom.data() + off, theta.data() + off, dsum.data() + off,
+                           n, 3, 0.7f, 0.9f);
+        rc = sg__cuda_outer_step(L, po2.data() + off, mom2.data() + off, th2.data() + off,
+                                 dsum.data() + off, n, 3, 0.7f, 0.9f);
+        snprintf(what, sizeof what, "outer_step n %zu off %zu grid %d", n, off, g);
+        check(rc == 0 && same(po.data(), po2.data(), 0, m) && same(mom.data(), mom2.data(), 0, m) &&
+                  same(theta.data(), th2.data(), 0, m),
+              what);
+      }
+}
+
+// ---- blockwise codes -------------------------------------------------------------------------
+
+// code_encode and code_decode against kernels/cpu/sg_cpu_codec.c: the same bytes and residuals,
+// the same decoded values (added or not), with specials (NaN, inf blocks) and every grid limit.
+static void test_codes() {
+  char what[128];
+  static const size_t sizes[] = {1, 255, 256, 257, 1000, 4097};
+  for (size_t n : sizes)
+    for (int bits = 8; bits >= 4; bits -= 4)
+      for (int g : k_grids) {
+        sg__cuda_launch L = {nullptr, g};
+        const size_t cb = sg__cpu_code_bytes(n, bits);
+        std::vector<float> src(n), r1(n);
+        fill_random(src.data(), 0, n, 5.0f, n > 300);
+        fill_random(r1.data(), 0, n, 0.01f, false);
+        std::vector<float> r2(r1);
+        std::vector<unsigned char> c1(cb, 0xab), c2(cb, 0xcd);
+        sg__cpu_code_encode(c1.data(), src.data(), r1.data(), n, bits);
+        int rc = sg__cuda_code_encode(L, c2.data(), src.data(), r2.data(), n, bits);
+        snprintf(what, sizeof what, "code_encode bits %d n %zu grid %d", bits, n, g);
+        check(rc == 0 && memcmp(c1.data(), c2.data(), cb) == 0 && same(r1.data(), r2.data(), 0, n),
+              what);
+        for (int add = 0; add < 2; add++) {
+          std::vector<float> d1(n);
+          fill_random(d1.data(), 0, n, 1.0f, false);
+          std::vector<float> d2(d1);
+          sg__cpu_code_decode(d1.data(), c1.data(), n, bits, add);
+          rc = sg__cuda_code_decode(L, d2.data(), c1.data(), n, bits, add);
+          snprintf(what, sizeof what, "code_decode bits %d n %zu add %d grid %d", bits, n, add, g);
+          check(rc == 0 && same(d1.data(), d2.data(), 0, n), what);
+        }
+      }
+}
+
 int main() {
+  test_codes();
+  test_outer();
   test_elementwise();
   test_reduce_sum();
   test_sumsq();

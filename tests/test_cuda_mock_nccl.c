@@ -1,7 +1,7 @@
 /* src/comm/nccl.c on the mock CUDA runtime and mock NCCL of tests/cudamock (ranks are threads):
- *  - every collective and wire dtype, on device buffers (unbound: complete on return), on host
- *    buffers (staged through device memory), and bound to a CUDA device inside comm jobs
- *    (stream-ordered, finished by the device's waits);
+ *  - every collective (the all-to-all too: grouped sends and receives) and wire dtype, on device
+ *    buffers (unbound: complete on return), on host buffers (staged through device memory), and
+ *    bound to a CUDA device inside comm jobs (stream-ordered, finished by the device's waits);
  *  - the SG_NCCL_ID_FILE bootstrap (file removed afterwards);
  *  - deadlines and failures: initialization without every rank times out; a collective a peer
  *    never joins times out in the device's wait, which aborts the communicator; an
@@ -92,6 +92,7 @@ typedef struct op_job {
   int op, dt, root;
   void *buf;
   size_t n;
+  void *recv; /* all_to_all's */
 } op_job;
 
 static sg_status op_run(void *arg) {
@@ -102,7 +103,8 @@ static sg_status op_run(void *arg) {
     case 0: return j->c->ops->all_reduce(j->c, j->buf, j->n, j->dt, dl);
     case 1: return j->c->ops->reduce_scatter(j->c, j->buf, j->n, j->dt, dl);
     case 2: return j->c->ops->all_gather(j->c, j->buf, j->n * es, dl);
-    default: return j->c->ops->broadcast(j->c, j->buf, j->n * es, j->root, dl);
+    case 3: return j->c->ops->broadcast(j->c, j->buf, j->n * es, j->root, dl);
+    default: return j->c->ops->all_to_all(j->c, j->buf, j->recv, j->n * es, dl);
   }
 }
 
@@ -118,6 +120,11 @@ static int expected(int op, int dt, int w, int r, size_t n, const void *buf) {
       const size_t k = (size_t)q * n + i;
       want = val(dt, q, k);
       got = get(buf, dt, k);
+    } else if (op == 4) { /* all_to_all: part q of recv is part r of rank q's send */
+      for (int q = 0; q < w; q++)
+        if ((float)val(dt, q, (size_t)r * n + i) != (float)get(buf, dt, (size_t)q * n + i))
+          return 0;
+      continue;
     } else {
       want = val(dt, w - 1, i);
       got = get(buf, dt, i);
@@ -132,7 +139,8 @@ static int expected(int op, int dt, int w, int r, size_t n, const void *buf) {
  * device, issued from comm jobs and waited for through the device. */
 static void collectives(rank_ctx *x, int mode) {
   static const char *const kinds[] = {"device", "host (staged)", "bound device"};
-  static const char *const ops[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
+  static const char *const ops[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                    "all_to_all"};
   sg_comm *c = x->c;
   const int w = x->world, r = x->rank;
   const size_t n = 1000; /* not a multiple of 13: every rank's parts hold different values */
@@ -143,15 +151,19 @@ static void collectives(rank_ctx *x, int mode) {
   }
   for (int dt = 0; dt <= SG__F64; dt++) {
     const size_t bytes = n * esize(dt) * (size_t)w;
-    char *h = (char *)malloc(bytes), *buf = NULL;
-    if (mode == 1)
+    char *h = (char *)malloc(bytes), *buf = NULL, *recv = NULL;
+    if (mode == 1) {
       buf = (char *)malloc(bytes);
-    else
+      recv = (char *)malloc(bytes);
+    } else {
       cudaMalloc((void **)&buf, bytes);
-    for (int op = 0; op < 4; op++) {
+      cudaMalloc((void **)&recv, bytes);
+    }
+    for (int op = 0; op < 5; op++) {
       for (size_t i = 0; i < n * (size_t)w; i++) put(h, dt, i, val(dt, r, i));
       memcpy(buf, h, bytes); /* mock device memory is host memory, with nothing queued on it */
-      op_job j = {c, op, dt, w - 1, buf, n};
+      memset(recv, 0, bytes);
+      op_job j = {c, op, dt, w - 1, buf, n, recv};
       sg_status st;
       if (mode == 2) {
         uint64_t t = 0;
@@ -163,13 +175,16 @@ static void collectives(rank_ctx *x, int mode) {
       char what[160];
       snprintf(what, sizeof what, "rank %d: %s dtype %d on %s buffers", r, ops[op], dt,
                kinds[mode]);
-      check(st == SG_OK && expected(op, dt, w, r, n, buf), what);
+      check(st == SG_OK && expected(op, dt, w, r, n, op == 4 ? recv : buf), what);
     }
     free(h);
-    if (mode == 1)
+    if (mode == 1) {
       free(buf);
-    else
+      free(recv);
+    } else {
       cudaFree(buf);
+      cudaFree(recv);
+    }
   }
   if (d) {
     sg__comm_unbind(c);

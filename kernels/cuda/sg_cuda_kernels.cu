@@ -181,6 +181,107 @@ __global__ void fill_kernel(T *dst, T value, size_t n) {
   for (uint64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = value;
 }
 
+// ---- outer steps (DiLoCo) ------------------------------------------------------------------
+
+// d = po - theta, groups of 4 as the elementwise kernels above.
+__global__ void outer_delta_kernel(float *d, const float *po, const float *theta, size_t n) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float p[4], t[4];
+    load4<0>(po, i0, cnt, p);
+    load4<0>(theta, i0, cnt, t);
+    for (int j = 0; j < cnt; j++) p[j] = sg_elem_outer_delta(p[j], t[j]);
+    store4<0>(d, i0, cnt, p);
+  }
+}
+
+// The Nesterov step of po and m from the replicas' sum dsum; theta takes the new po.
+__global__ void outer_step_kernel(float *po, float *m, float *theta, const float *dsum, size_t n,
+                                  float nrep, float lr, float mu) {
+  const uint64_t ng = groups_of(n);
+  for (uint64_t g = global_thread(); g < ng; g += grid_threads()) {
+    size_t i0;
+    const int cnt = group_span(g, n, &i0);
+    float p[4], mm[4], s[4];
+    load4<0>(po, i0, cnt, p);
+    load4<0>(m, i0, cnt, mm);
+    load4<0>(dsum, i0, cnt, s);
+    for (int j = 0; j < cnt; j++)
+      p[j] = sg_elem_outer_nesterov(p[j], sg_elem_outer_mean(s[j], nrep), &mm[j], lr, mu);
+    store4<0>(po, i0, cnt, p);
+    store4<0>(m, i0, cnt, mm);
+    store4<0>(theta, i0, cnt, p);
+  }
+}
+
+// ---- blockwise codes (the replica codecs) --------------------------------------------------
+
+constexpr unsigned kCodeBlock = SG_ELEM_CODE_BLOCK;  // one block of threads per code block
+
+// One thread block per code block of n fp32 values (grid-stride over the code blocks): x = src +
+// resid, the block's largest magnitude (a tree over sg_elem_code_amax: its result, NaN absorbing
+// and otherwise the maximum, does not depend on the order), the scale, each value's code and
+// what it missed into resid. Layout of kernels/cpu/sg_cpu_codec.c: the scales, then the codes
+// (4 bits: two per byte, low nibble first; a short last block's tail zero).
+template <int BITS>
+__global__ void __launch_bounds__(kCodeBlock)
+    code_encode_kernel(uint8_t *out, const float *src, float *resid, size_t n) {
+  __shared__ float amax[kCodeBlock];
+  __shared__ int codes_sh[kCodeBlock];
+  const size_t nb = (n + kCodeBlock - 1) / kCodeBlock, cb = (size_t)kCodeBlock * BITS / 8;
+  const float qmax = BITS == 4 ? 7.0f : 127.0f;
+  uint8_t *codes = out + 4u * nb;
+  const unsigned t = threadIdx.x;
+  for (size_t k = blockIdx.x; k < nb; k += gridDim.x) {
+    const size_t o = k * kCodeBlock, m = n - o < kCodeBlock ? n - o : kCodeBlock;
+    const bool live = t < m;
+    const float x = live ? src[o + t] + resid[o + t] : 0.0f;
+    amax[t] = live ? sg_elem_code_amax(0.0f, x) : 0.0f;
+    __syncthreads();
+    for (unsigned h = kCodeBlock / 2; h > 0; h >>= 1) {
+      if (t < h) amax[t] = sg_elem_code_amax(amax[t], amax[t + h]);
+      __syncthreads();
+    }
+    const float sc = sg_elem_code_scale(amax[0], qmax);
+    const int q = live ? sg_elem_code(x, sc, qmax) : 0;
+    if (live) resid[o + t] = sg_elem_code_residual(x, sg_elem_decode(q, sc));
+    if (BITS == 8) {
+      codes[k * cb + t] = (uint8_t)(int8_t)q;
+    } else {
+      codes_sh[t] = q;
+      __syncthreads();
+      if (t < kCodeBlock / 2)
+        codes[k * cb + t] = (uint8_t)(((unsigned)codes_sh[2 * t] & 0xfu) |
+                                      (((unsigned)codes_sh[2 * t + 1] & 0xfu) << 4));
+    }
+    if (t == 0) memcpy(out + 4u * k, &sc, sizeof sc);
+    __syncthreads();  // the shared arrays are the next code block's
+  }
+}
+
+// dst[i] = (add ? dst[i] + : ) the decoded value i (grid-stride over the elements).
+template <int BITS>
+__global__ void code_decode_kernel(float *dst, const uint8_t *in, size_t n, int add) {
+  const size_t nb = (n + kCodeBlock - 1) / kCodeBlock, cb = (size_t)kCodeBlock * BITS / 8;
+  const uint8_t *codes = in + 4u * nb;
+  for (uint64_t i = global_thread(); i < n; i += grid_threads()) {
+    const size_t k = (size_t)i / kCodeBlock, t = (size_t)i % kCodeBlock;
+    float sc;
+    memcpy(&sc, in + 4u * k, sizeof sc);
+    int q;
+    if (BITS == 8) {
+      q = (int)(int8_t)codes[k * cb + t];
+    } else {
+      const unsigned nib = (codes[k * cb + t / 2] >> (t % 2 ? 4 : 0)) & 0xfu;
+      q = nib >= 8u ? (int)nib - 16 : (int)nib;  // 4-bit two's complement
+    }
+    const float d = sg_elem_decode(q, sc);
+    dst[i] = add ? sg_elem_accumulate(dst[i], d) : d;
+  }
+}
+
 // ---- the step's outcome ------------------------------------------------------------------
 
 // One thread: the step's factor, norm and skip from the summed partials (sg_elem_step_outcome,
@@ -502,6 +603,52 @@ extern "C" int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, 
     const uint16_t h = dtype == 1 ? sg_elem_f32_to_bf16(f) : sg_elem_f32_to_f16(f);
     SG_LAUNCH(k, grid, kThreads, s, (uint16_t *)dst, h, n);
   }
+  return launch_result();
+}
+
+extern "C" int sg__cuda_outer_delta(sg__cuda_launch L, float *d, const float *po,
+                                    const float *theta, size_t n) {
+  if (n == 0) return 0;
+  if (!d || !po || !theta) return (int)cudaErrorInvalidValue;
+  void (*k)(float *, const float *, const float *, size_t) = outer_delta_kernel;
+  SG_LAUNCH(k, grid_for(groups_of(n), L.max_blocks), kThreads, (cudaStream_t)L.stream, d, po,
+            theta, n);
+  return launch_result();
+}
+
+extern "C" int sg__cuda_outer_step(sg__cuda_launch L, float *po, float *m, float *theta,
+                                   const float *dsum, size_t n, int nrep, float lr, float mu) {
+  if (n == 0) return 0;
+  if (!po || !m || !theta || !dsum || nrep < 1) return (int)cudaErrorInvalidValue;
+  void (*k)(float *, float *, float *, const float *, size_t, float, float, float) =
+      outer_step_kernel;
+  SG_LAUNCH(k, grid_for(groups_of(n), L.max_blocks), kThreads, (cudaStream_t)L.stream, po, m,
+            theta, dsum, n, (float)nrep, lr, mu);
+  return launch_result();
+}
+
+extern "C" int sg__cuda_code_encode(sg__cuda_launch L, void *out, const float *src, float *resid,
+                                    size_t n, int bits) {
+  if (n == 0) return 0;
+  if (!out || !src || !resid || (bits != 8 && bits != 4)) return (int)cudaErrorInvalidValue;
+  const size_t nb = (n + kCodeBlock - 1) / kCodeBlock;
+  const unsigned grid = nb < (size_t)(L.max_blocks > 0 ? L.max_blocks : 1)
+                            ? (unsigned)nb
+                            : (unsigned)(L.max_blocks > 0 ? L.max_blocks : 1);
+  void (*k)(uint8_t *, const float *, float *, size_t) =
+      bits == 8 ? code_encode_kernel<8> : code_encode_kernel<4>;
+  SG_LAUNCH_SYNC(k, grid, kCodeBlock, (cudaStream_t)L.stream, (uint8_t *)out, src, resid, n);
+  return launch_result();
+}
+
+extern "C" int sg__cuda_code_decode(sg__cuda_launch L, float *dst, const void *in, size_t n,
+                                    int bits, int add) {
+  if (n == 0) return 0;
+  if (!dst || !in || (bits != 8 && bits != 4)) return (int)cudaErrorInvalidValue;
+  void (*k)(float *, const uint8_t *, size_t, int) =
+      bits == 8 ? code_decode_kernel<8> : code_decode_kernel<4>;
+  SG_LAUNCH(k, grid_for(n, L.max_blocks), kThreads, (cudaStream_t)L.stream, dst,
+            (const uint8_t *)in, n, add);
   return launch_result();
 }
 

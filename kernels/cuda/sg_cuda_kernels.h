@@ -45,6 +45,22 @@ int sg__cuda_cast(sg__cuda_launch L, void *dst, int dst_dtype, const void *src, 
 int sg__cuda_reduce_sum(sg__cuda_launch L, void *dst, const void *const *srcs, int nsrc, int dtype,
                         size_t n);
 
+/* Outer steps (DiLoCo), fp32, the loops of kernels/cpu/sg_cpu_outer.c: d[i] = po[i] - theta[i];
+ * and from the replicas' sum dsum: po[i], m[i] by Nesterov momentum on dsum[i] / nrep (lr, mu),
+ * theta[i] = po[i]. */
+int sg__cuda_outer_delta(sg__cuda_launch L, float *d, const float *po, const float *theta,
+                         size_t n);
+int sg__cuda_outer_step(sg__cuda_launch L, float *po, float *m, float *theta, const float *dsum,
+                        size_t n, int nrep, float lr, float mu);
+
+/* The replica codecs' blockwise codes (bits 8 or 4), the layout and math of
+ * kernels/cpu/sg_cpu_codec.c: n values src + resid encoded into out (resid: what the codes
+ * missed), and n values decoded from in into dst (add: dst + them). */
+int sg__cuda_code_encode(sg__cuda_launch L, void *out, const float *src, float *resid, size_t n,
+                         int bits);
+int sg__cuda_code_decode(sg__cuda_launch L, float *dst, const void *in, size_t n, int bits,
+                         int add);
+
 /* dst[i] = value rounded to dtype (0..3). */
 int sg__cuda_fill(sg__cuda_launch L, void *dst, int dtype, size_t n, double value);
 

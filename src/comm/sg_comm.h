@@ -80,10 +80,12 @@ typedef struct sg__comm_ops {
    * reads it again. buf's contents afterwards are unspecified. Counted as a reduce_scatter. */
   sg_status (*reduce_scatter_fold)(sg_comm *c, void *buf, size_t count, int dtype,
                                    const sg__fold *f, int64_t deadline_ms);
-  /* Optional (NULL: not offered): host memory; send and recv hold world*bytes each and do not
-   * overlap. Afterwards recv[k*bytes .. +bytes) holds rank k's send[rank*bytes .. +bytes): the
-   * exchange of a compressed reduce-scatter (src/engine/policy/sg_replica_codec.c). Counted as
-   * an all-gather of world*bytes (what each rank sends and receives is the same). */
+  /* Optional (NULL: not offered): host memory (and device memory where all_to_all_device says
+   * so; NCCL: either, host memory through its staging); send and recv hold world*bytes each and
+   * do not overlap. Afterwards recv[k*bytes .. +bytes) holds rank k's
+   * send[rank*bytes .. +bytes): the exchange of a compressed reduce-scatter
+   * (src/engine/policy/sg_replica_codec.c). Counted as an all-gather of world*bytes (what each
+   * rank sends and receives is the same). */
   sg_status (*all_to_all)(sg_comm *c, const void *send, void *recv, size_t bytes,
                           int64_t deadline_ms);
   /* Optional (NULL: not offered): reduce_scatter out of place, on a channel whose buffers are
@@ -93,6 +95,9 @@ typedef struct sg__comm_ops {
    * reduce_scatter. The engine's first micro-batch reduces straight into the accumulator. */
   sg_status (*reduce_scatter_to)(sg_comm *c, const void *send, void *recv, size_t count,
                                  int dtype, int64_t deadline_ms);
+  /* Declared: all_to_all also takes the device memory of a channel bound to a CUDA device
+   * (local: the device's copies; NCCL) */
+  int all_to_all_device;
 } sg__comm_ops;
 
 struct sg_comm {

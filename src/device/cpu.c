@@ -390,6 +390,50 @@ static void cpu_destroy(sg__device *d) {
   free(cd);
 }
 
+static sg_status cpu_outer_delta(sg__device *d, sg__queue q, float *dst, const float *po,
+                                 const float *theta, size_t n) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "outer_delta: NULL device");
+  if (n && (!dst || !po || !theta))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "outer_delta: NULL buffer");
+  SG_TRY(enter_queue(d, q, "outer_delta"));
+  sg__cpu_outer_delta(dst, po, theta, n);
+  return SG_OK;
+}
+
+static sg_status cpu_outer_step(sg__device *d, sg__queue q, float *po, float *m, float *theta,
+                                const float *dsum, size_t n, int nrep, float lr, float mu) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "outer_step: NULL device");
+  if (nrep < 1) return sg__err(SG_ERR_INVALID_ARGUMENT, "outer_step: nrep must be >= 1 (%d)", nrep);
+  if (n && (!po || !m || !theta || !dsum))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "outer_step: NULL buffer");
+  SG_TRY(enter_queue(d, q, "outer_step"));
+  sg__cpu_outer_step(po, m, theta, dsum, n, nrep, lr, mu);
+  return SG_OK;
+}
+
+static sg_status cpu_code_encode(sg__device *d, sg__queue q, void *out, const float *src,
+                                 float *resid, size_t n, int bits) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "code_encode: NULL device");
+  if (bits != 8 && bits != 4)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "code_encode: bits must be 8 or 4 (%d)", bits);
+  if (n && (!out || !src || !resid))
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "code_encode: NULL buffer");
+  SG_TRY(enter_queue(d, q, "code_encode"));
+  sg__cpu_code_encode(out, src, resid, n, bits);
+  return SG_OK;
+}
+
+static sg_status cpu_code_decode(sg__device *d, sg__queue q, float *dst, const void *in, size_t n,
+                                 int bits, int add) {
+  if (!d) return sg__err(SG_ERR_INVALID_ARGUMENT, "code_decode: NULL device");
+  if (bits != 8 && bits != 4)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "code_decode: bits must be 8 or 4 (%d)", bits);
+  if (n && (!dst || !in)) return sg__err(SG_ERR_INVALID_ARGUMENT, "code_decode: NULL buffer");
+  SG_TRY(enter_queue(d, q, "code_decode"));
+  sg__cpu_code_decode(dst, in, n, bits, add);
+  return SG_OK;
+}
+
 static const sg__device_ops cpu_ops = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -419,6 +463,10 @@ static const sg__device_ops cpu_ops = {
     .destroy = cpu_destroy,
     .alloc_zeroed = cpu_alloc_zeroed,
     .zero_release = cpu_zero_release,
+    .outer_delta = cpu_outer_delta,
+    .outer_step = cpu_outer_step,
+    .code_encode = cpu_code_encode,
+    .code_decode = cpu_code_decode,
 };
 
 /* ---- create -------------------------------------------------------------------------------- */

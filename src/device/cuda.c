@@ -700,6 +700,10 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_comm_submit_lane,
     sg__cudev_compute_wait_job,
     sg__cudev_copy_out,
+    sg__cudev_outer_delta, /* sg_cuda_replica.c */
+    sg__cudev_outer_step,
+    sg__cudev_code_encode,
+    sg__cudev_code_decode,
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {

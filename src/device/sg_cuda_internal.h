@@ -185,6 +185,14 @@ sg_status sg__cudev_compute_wait_comm(sg__device *dev, uint64_t ticket,
 sg_status sg__cudev_compute_wait_job(sg__device *dev, uint64_t ticket,
                                      int64_t deadline_ms);
 sg_status sg__cudev_copy_out(sg__device *dev, void *dst, const void *src, size_t bytes);
+sg_status sg__cudev_outer_delta(sg__device *dev, sg__queue q, float *dst, const float *po,
+                                const float *theta, size_t n); /* sg_cuda_replica.c */
+sg_status sg__cudev_outer_step(sg__device *dev, sg__queue q, float *po, float *m, float *theta,
+                               const float *dsum, size_t n, int nrep, float lr, float mu);
+sg_status sg__cudev_code_encode(sg__device *dev, sg__queue q, void *out, const float *src,
+                                float *resid, size_t n, int bits); /* sg_cuda_replica.c */
+sg_status sg__cudev_code_decode(sg__device *dev, sg__queue q, float *dst, const void *in,
+                                size_t n, int bits, int add);
 sg_status sg__cudev_set_stream(sg__device *dev, void *stream);
 sg_status sg__cudev_sync(sg__device *dev, int64_t deadline_ms);
 sg_status sg__cudev_update(sg__device *dev, sg__queue q, const sg__optim_desc *od,

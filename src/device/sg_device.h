@@ -166,6 +166,22 @@ typedef struct sg__device_ops {
    * there, and later jobs do not wait for either. Every wait for the job's ticket covers them.
    * src must not be memory that a later job rewrites on the comm queue (it may run first). */
   sg_status (*copy_out)(sg__device *d, void *dst, const void *src, size_t bytes);
+  /* Outer steps (DiLoCo, src/engine/policy/sg_replica_outer.c; element math sg_elem_outer_* of
+   * kernels/sg_elem.h), fp32 device memory, in the order of queue q: the pseudo-gradient
+   * d[i] = po[i] - theta[i]; and the step from the replicas' sum dsum of it: the mean dsum / nrep,
+   * po[i] and m[i] by Nesterov momentum (lr, mu), theta[i] = the new po[i]. */
+  sg_status (*outer_delta)(sg__device *d, sg__queue q, float *dst, const float *po,
+                           const float *theta, size_t n);
+  sg_status (*outer_step)(sg__device *d, sg__queue q, float *po, float *m, float *theta,
+                          const float *dsum, size_t n, int nrep, float lr, float mu);
+  /* The replica codecs' blockwise codes (src/engine/policy/sg_replica_codec.c; bits 8 or 4,
+   * kernels/sg_elem.h's sg_elem_code*), device memory, in the order of queue q: n values src +
+   * resid encoded into out (sg__cpu_code_bytes(n, bits) bytes), resid becoming what the codes
+   * missed; and n values decoded from in into dst (add: dst + them, fp32). */
+  sg_status (*code_encode)(sg__device *d, sg__queue q, void *out, const float *src, float *resid,
+                           size_t n, int bits);
+  sg_status (*code_decode)(sg__device *d, sg__queue q, float *dst, const void *in, size_t n,
+                           int bits, int add);
 } sg__device_ops;
 
 struct sg__device {

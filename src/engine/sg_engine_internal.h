@@ -196,6 +196,14 @@ typedef struct sg__replicas {
   /* A replica codec (cfg.replica_codec): its residuals and code buffers, in the layout's
    * replica buffer (src/engine/policy/sg_replica_codec.c owns it); NULL without one. */
   struct sg__codec *codec;
+  /* Outer steps (cfg.outer_every; src/engine/policy/sg_replica_outer.c owns it): where the
+   * period stands, on the host (the outer parameters and momentum themselves are in the
+   * layout's replica buffer, device memory on a CUDA device). */
+  struct {
+    int fresh; /* the outer parameters and momentum are to be taken at the next step */
+    int inner; /* steps since the last outer step (streaming: since the period began) */
+    int group; /* streaming: the group of buckets the step that just ended syncs */
+  } outer;
 } sg__replicas;
 
 /* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (at-step);

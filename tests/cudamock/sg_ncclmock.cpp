@@ -2,7 +2,9 @@
 // id (ranks are threads of this process). The k-th collective of every rank is one Coll; each
 // rank's call queues a gated item on its (mock CUDA) stream, and the data moves when the first
 // of those items is forced and every rank's stream has reached its own item. Everything runs
-// under the CUDA mock's global lock.
+// under the CUDA mock's global lock. Point-to-point (ncclSend, ncclRecv) is modelled as grouped
+// exchanges in which every rank of the communicator takes part, as an all-to-all is: one
+// collective per group (a lone send or receive is a group of its own).
 //
 // As unkind as NCCL >= 2.18 in non-blocking mode: ncclCommInitRankConfig and ncclCommSplit
 // return ncclInProgress with the handle still NULL, and a background thread writes it later
@@ -25,7 +27,15 @@
 
 namespace {
 
-enum Kind { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
+enum Kind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kSendRecv };
+
+// One send or receive of a rank's grouped point-to-point call (ncclSend, ncclRecv in a group).
+struct P2p {
+  bool send;
+  int peer;
+  void *buf;
+  size_t bytes;
+};
 
 struct Part {
   bool joined = false;
@@ -33,6 +43,7 @@ struct Part {
   uint64_t pos = 0;
   const void *send = nullptr;
   void *recv = nullptr;
+  std::vector<P2p> p2p;  // kSendRecv: this rank's sends and receives, in call order
 };
 
 struct Coll {
@@ -94,6 +105,8 @@ std::map<int, long long> g_done_by_size;  // collectives computed, by communicat
 thread_local int t_depth = 0;
 thread_local std::vector<std::function<void()>> t_pending;
 thread_local std::vector<ncclComm *> t_touched;
+// This thread's sends and receives inside the open group, per communicator (stream, ops).
+thread_local std::map<ncclComm *, std::pair<cudaStream_t, std::vector<P2p>>> t_p2p;
 
 int elem_code(ncclDataType_t dt) {
   return dt == ncclBfloat16  ? 1
@@ -123,6 +136,31 @@ void reduce(const std::vector<const char *> &src, ncclDataType_t dt, size_t n, c
   }
 }
 
+// The j-th send of part `from` to rank `to`, or nullptr.
+const P2p *nth_send(const Part &from, int to, int j) {
+  for (const P2p &o : from.p2p)
+    if (o.send && o.peer == to && j-- == 0) return &o;
+  return nullptr;
+}
+
+// A grouped exchange of sends and receives in which every rank takes part (the all-to-all):
+// the j-th receive of rank r from p gets the j-th send of p to r, of the same size; false when
+// one does not match (nothing moves then).
+bool compute_p2p(Coll &c) {
+  const int w = (int)c.parts.size();
+  for (int r = 0; r < w; r++) {
+    std::vector<int> seen(w, 0);
+    for (const P2p &o : c.parts[r].p2p) {
+      if (o.send) continue;
+      const P2p *m = o.peer >= 0 && o.peer < w ? nth_send(c.parts[o.peer], r, seen[o.peer]++)
+                                               : nullptr;
+      if (!m || m->bytes != o.bytes) return false;
+      c.out[r].insert(c.out[r].end(), (const char *)m->buf, (const char *)m->buf + o.bytes);
+    }
+  }
+  return true;
+}
+
 // The result of a collective whose every rank has reached it: what each rank's recv buffer
 // receives, computed from the send buffers as they are now (every rank's stream is at its item,
 // so they are final). Each rank's recv is written only when its own stream passes its item, as
@@ -131,7 +169,9 @@ void compute(Coll &c) {
   const int w = (int)c.parts.size();
   const size_t es = esize(c.dt), bytes = c.count * es;
   c.out.assign(w, std::vector<char>());
-  if (c.kind == kAllReduce) {
+  if (c.kind == kSendRecv) {
+    if (!compute_p2p(c)) c.mismatch = true;
+  } else if (c.kind == kAllReduce) {
     std::vector<const char *> src;
     for (const Part &p : c.parts) src.push_back((const char *)p.send);
     std::vector<char> out(bytes);
@@ -168,7 +208,13 @@ bool gate(const std::shared_ptr<Coll> &c, int rank) {
     g_done_by_size[(int)c->parts.size()]++;
   }
   if (!c->mismatch && (size_t)rank < c->out.size() && !c->out[rank].empty()) {
-    memcpy(c->parts[rank].recv, c->out[rank].data(), c->out[rank].size());
+    if (c->kind == kSendRecv) {  // the receives' data one after the other
+      size_t off = 0;
+      for (const P2p &o : c->parts[rank].p2p)
+        if (!o.send) memcpy(o.buf, c->out[rank].data() + off, o.bytes), off += o.bytes;
+    } else {
+      memcpy(c->parts[rank].recv, c->out[rank].data(), c->out[rank].size());
+    }
     std::vector<char>().swap(c->out[rank]);
   }
   return true;
@@ -191,7 +237,7 @@ ncclResult_t usable(ncclComm_t comm) {
 
 // Joins this rank to the comm's next collective; queues its gated item on s.
 void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count, ncclDataType_t dt,
-          int root, cudaStream_t s) {
+          int root, cudaStream_t s, const std::vector<P2p> *ops = nullptr) {
   Group &g = *comm->g;
   std::shared_ptr<Coll> &c = g.colls[comm->seq++];
   if (!c) {
@@ -206,6 +252,7 @@ void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count
   std::shared_ptr<Coll> held = c;
   Part &p = c->parts[comm->rank];
   p.joined = true, p.s = s, p.send = send, p.recv = recv;
+  if (ops) p.p2p = *ops;
   const int rank = comm->rank;
   p.pos = sg_cudamock_push_gate(s, [held, rank] { return gate(held, rank); });
   c->joined++;
@@ -213,6 +260,12 @@ void join(ncclComm_t comm, Kind kind, const void *send, void *recv, size_t count
     sg_cudamock_stall(s, 1);
     g_stalled.push_back(s);
   }
+}
+
+// Joins this rank's sends and receives of one group to the comm's next collective (every rank of
+// the communicator must take part, as in an all-to-all); its gated item on s.
+void join_p2p(ncclComm_t comm, cudaStream_t s, const std::vector<P2p> &ops) {
+  join(comm, kSendRecv, nullptr, nullptr, 0, ncclInt8, 0, s, &ops);
 }
 
 thread_local char t_last[256] = "mock NCCL";
@@ -533,6 +586,8 @@ ncclResult_t ncclGroupEnd(void) {
   if (--t_depth > 0) return ncclSuccess;
   for (auto &f : t_pending) f();
   t_pending.clear();
+  for (auto &kv : t_p2p) join_p2p(kv.first, kv.second.first, kv.second.second);
+  t_p2p.clear();
   bool in_progress = false;
   for (ncclComm *c : t_touched)
     if (!c->blocking) c->settling = in_progress = true;
@@ -564,6 +619,52 @@ ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
                            cudaStream_t stream) {
   if (!comm || root < 0 || root >= comm->g->world) return ncclInvalidArgument;
   return call(comm, kBroadcast, sendbuff, recvbuff, count, datatype, root, stream);
+}
+
+namespace {
+
+// A send or receive of count elements with peer: inside a group, collected until ncclGroupEnd
+// (the mock's point-to-point is grouped exchanges in which every rank takes part); alone, a
+// group of its own.
+ncclResult_t p2p(bool send, const void *buf, size_t count, ncclDataType_t dt, int peer,
+                 ncclComm_t comm, cudaStream_t s) {
+  std::unique_lock<std::recursive_mutex> lk(sg_cudamock_lock());
+  hold(lk);
+  ncclResult_t r = usable(comm);
+  if (r != ncclSuccess) return r;
+  const size_t bytes = count * esize(dt);
+  if (!sg_cudamock_valid_stream(s) || peer < 0 || peer >= comm->g->world || (count && !buf))
+    return ncclInvalidArgument;
+  if (count && !on_device(buf, bytes)) {
+    snprintf(t_last, sizeof t_last, "mock NCCL: %s buffer %p not in device memory",
+             send ? "send" : "recv", buf);
+    return ncclInvalidArgument;
+  }
+  sg_cudamock_count_collective();
+  const P2p op = {send, peer, (void *)buf, bytes};
+  if (t_depth == 0) {
+    join_p2p(comm, s, {op});
+    return ncclSuccess;
+  }
+  auto &e = t_p2p[comm];
+  if (e.second.empty()) {
+    e.first = s;
+    t_touched.push_back(comm);
+  }
+  e.second.push_back(op);
+  return ncclSuccess;
+}
+
+}  // namespace
+
+ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
+                      ncclComm_t comm, cudaStream_t stream) {
+  return p2p(true, sendbuff, count, datatype, peer, comm, stream);
+}
+
+ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
+                      ncclComm_t comm, cudaStream_t stream) {
+  return p2p(false, recvbuff, count, datatype, peer, comm, stream);
 }
 
 void sg_ncclmock_fail(ncclComm_t comm, ncclResult_t r) {

@@ -1,7 +1,8 @@
 /* GPU only (tests/gpu/run.sh; not in ctest): every CUDA kernel against the CPU kernels on the
- * same inputs. accumulate, cast, reduce_sum and adamw must give the same bits (the build uses
- * -fmad=false and the shared element math of kernels/sg_elem.h); a NaN counts as equal to any
- * NaN, since the GPU's float add returns a canonical NaN where x86 keeps the operand's payload.
+ * same inputs. accumulate, cast, the outer steps, the codes, reduce_sum and adamw must give the
+ * same bits (the build uses -fmad=false and the shared element math of kernels/sg_elem.h); a NaN
+ * counts as equal to any NaN, since the GPU's float add returns a canonical NaN where x86 keeps
+ * the operand's payload.
  * sumsq must equal the CPU's within 1e-12 relative, with the same non-finite count. Results
  * must not depend on the launch shape: the launchers are also called directly with different
  * grid limits and must give the same bits.
@@ -176,6 +177,89 @@ static void test_elementwise(void) {
       for (int ddt = 0; ddt < 3; ddt++)
         for (int sdt = 0; sdt < 3; sdt++) test_cast_one(ddt, sdt, k_sizes[k], off);
     }
+}
+
+/* ---- outer steps (DiLoCo) ------------------------------------------------------------------ */
+
+/* The device's outer_delta and outer_step against the CPU loops, bitwise (specials included). */
+static void test_outer_one(size_t n, size_t off) {
+  const size_t b = (n + off) * 4u;
+  float *po = malloc(b), *th = malloc(b), *m = malloc(b), *ds = malloc(b), *d = calloc(1, b);
+  float *got = malloc(b);
+  fill_random(po, 0, n + off, 2.0f, 1);
+  fill_random(th, 0, n + off, 2.0f, 1);
+  fill_random(m, 0, n + off, 0.5f, 0);
+  fill_random(ds, 0, n + off, 3.0f, 1);
+  float *dpo = dev_alloc(b), *dth = dev_alloc(b), *dm = dev_alloc(b), *dds = dev_alloc(b),
+        *dd = dev_alloc(b);
+  h2d(dpo, po, b), h2d(dth, th, b), h2d(dm, m, b), h2d(dds, ds, b), h2d(dd, d, b);
+  char what[96];
+  snprintf(what, sizeof what, "outer_delta off %zu", off);
+  sg_status st = g_dev->ops->outer_delta(g_dev, SG_Q_COMPUTE, dd + off, dpo + off, dth + off, n);
+  sg__cpu_outer_delta(d + off, po + off, th + off, n);
+  check(st == SG_OK, what, "launch");
+  d2h(got, dd, b);
+  compare(d, got, 0, n + off, what);
+  snprintf(what, sizeof what, "outer_step off %zu", off);
+  st = g_dev->ops->outer_step(g_dev, SG_Q_COMPUTE, dpo + off, dm + off, dth + off, dds + off, n, 3,
+                              0.7f, 0.9f);
+  sg__cpu_outer_step(po + off, m + off, th + off, ds + off, n, 3, 0.7f, 0.9f);
+  check(st == SG_OK, what, "launch");
+  float *const host[3] = {po, m, th}, *const dev[3] = {dpo, dm, dth};
+  for (int k = 0; k < 3; k++) {
+    d2h(got, dev[k], b);
+    compare(host[k], got, 0, n + off, what);
+    g_dev->ops->free(g_dev, dev[k]);
+  }
+  g_dev->ops->free(g_dev, dds);
+  g_dev->ops->free(g_dev, dd);
+  free(po), free(th), free(m), free(ds), free(d), free(got);
+}
+
+static void test_outer(void) {
+  for (size_t k = 0; k < nsizes(); k++)
+    for (size_t off = 0; off < 2; off++) test_outer_one(k_sizes[k], off);
+}
+
+/* ---- blockwise codes (the replica codecs) ----------------------------------------------- */
+
+/* The device's code_encode (bytes and residuals) and code_decode (plain and added) against the
+ * CPU loops, bitwise, specials included (a NaN or inf block: NaN scale, zero residuals). */
+static void test_codes_one(size_t n, int bits) {
+  const size_t fb = n * 4u, cb = sg__cpu_code_bytes(n, bits);
+  float *src = malloc(fb), *r = malloc(fb), *got = malloc(fb), *dst = malloc(fb);
+  unsigned char *codes = malloc(cb), *gc = malloc(cb);
+  fill_random(src, 0, n, 5.0f, 1);
+  fill_random(r, 0, n, 0.01f, 0);
+  fill_random(dst, 0, n, 1.0f, 0);
+  float *dsrc = dev_alloc(fb), *dr = dev_alloc(fb), *dd = dev_alloc(fb);
+  unsigned char *dc = dev_alloc(cb);
+  h2d(dsrc, src, fb), h2d(dr, r, fb), h2d(dd, dst, fb);
+  char what[96];
+  snprintf(what, sizeof what, "code_encode bits %d", bits);
+  sg_status st = g_dev->ops->code_encode(g_dev, SG_Q_COMPUTE, dc, dsrc, dr, n, bits);
+  sg__cpu_code_encode(codes, src, r, n, bits);
+  check(st == SG_OK, what, "launch");
+  d2h(gc, dc, cb);
+  check(memcmp(codes, gc, cb) == 0, what, "the same bytes");
+  d2h(got, dr, fb);
+  compare(r, got, 0, n, what);
+  for (int add = 0; add < 2; add++) {
+    snprintf(what, sizeof what, "code_decode bits %d add %d", bits, add);
+    st = g_dev->ops->code_decode(g_dev, SG_Q_COMPUTE, dd, dc, n, bits, add);
+    sg__cpu_code_decode(dst, codes, n, bits, add);
+    check(st == SG_OK, what, "launch");
+    d2h(got, dd, fb);
+    compare(dst, got, 0, n, what);
+  }
+  g_dev->ops->free(g_dev, dsrc), g_dev->ops->free(g_dev, dr), g_dev->ops->free(g_dev, dd);
+  g_dev->ops->free(g_dev, dc);
+  free(src), free(r), free(got), free(dst), free(codes), free(gc);
+}
+
+static void test_codes(void) {
+  for (size_t k = 0; k < nsizes(); k++)
+    for (int bits = 8; bits >= 4; bits -= 4) test_codes_one(k_sizes[k], bits);
 }
 
 /* ---- reduce_sum --------------------------------------------------------------------------- */
@@ -562,6 +646,8 @@ int main(int argc, char **argv) {
   }
   cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking);
   test_elementwise();
+  test_outer();
+  test_codes();
   test_reduce_sum();
   test_sumsq();
   test_fill();

@@ -402,22 +402,25 @@ static sg_status local_all_gather(sg_comm *c, void *buf, size_t bytes, int64_t d
 }
 
 /* Slice `rank` of every peer's send buffer into slot k of this rank's own recv buffer, which
- * nobody else reads; the closing barrier keeps the send buffers until every rank copied. */
+ * nobody else reads (a bound device's copies on its memory); the closing barrier keeps the send
+ * buffers until every rank copied. */
 static sg_status local_all_to_all(sg_comm *c, const void *send, void *recv, size_t bytes,
                                   int64_t deadline_ms) {
   static const char fn[] = "sg_comm(local) all_to_all";
   const lpost mine = {(void *)send, bytes, OP_ALL_TO_ALL, 0, -1, -1};
-  if (c && bytes > 0 && (!recv || !host_path(c))) {
+  if (c && bytes > 0 && !recv) {
     SG_TRY(sg__comm_usable(c, fn));
-    sg__err(SG_ERR_INVALID_ARGUMENT, "%s: %s", fn,
-            recv ? "device memory (host memory only)" : "recv is NULL");
+    sg__err(SG_ERR_INVALID_ARGUMENT, "%s: recv is NULL", fn);
     return fail_args(c, "passed invalid arguments");
   }
   SG_TRY(enter(c, fn, &mine, deadline_ms));
   const lgroup *g = group_of(c);
   const size_t mine_off = (size_t)c->rank * bytes;
-  for (int k = 0; k < g->world && bytes > 0; k++)
-    memcpy((char *)recv + (size_t)k * bytes, (const char *)g->posts[k].buf + mine_off, bytes);
+  for (int k = 0; k < g->world && bytes > 0; k++) {
+    const sg_status st = lcopy(c, (char *)recv + (size_t)k * bytes,
+                               (const char *)g->posts[k].buf + mine_off, bytes);
+    if (st != SG_OK) return fail_data(c, fn, st);
+  }
   return barrier(c, fn, deadline_ms, 1, 0);
 }
 
@@ -516,6 +519,7 @@ static const sg__comm_ops local_ops = {
     sg__comm_split_threads, NULL, /* node_leader: by host name (all threads share one) */
     local_reduce_scatter_fold, local_all_to_all,
     NULL, /* reduce_scatter_to: the engine's fold (reduce_scatter_fold) serves host memory */
+    1 /* all_to_all_device */,
 };
 
 static sg_status group_create(int world, lgroup **out) {

@@ -186,7 +186,7 @@ static sg_status host_broadcast(sg_comm *c, void *buf, size_t bytes, int root, i
 /* The host-memory collectives, for the staging wrapper. */
 static const sg__comm_ops mpi_host_ops = {"mpi", host_all_reduce, host_reduce_scatter,
                                           host_all_gather, host_broadcast, NULL, NULL, NULL, NULL,
-                                          NULL, NULL, NULL, NULL};
+                                          NULL, NULL, NULL, NULL, 0};
 
 static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
   if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
@@ -320,6 +320,7 @@ static const sg__comm_ops mpi_ops = {
     mpi_bind, mpi_unbind,     mpi_destroy,        mpi_split,      mpi_node_leader,
     mpi_reduce_scatter_fold, mpi_all_to_all,
     NULL, /* reduce_scatter_to: the engine's fold (reduce_scatter_fold) serves host memory */
+    0 /* all_to_all_device: host memory only */,
 };
 
 /* Every rank has arrived (sg_comm_split gathered the colors over this channel), so the blocking

@@ -235,7 +235,8 @@ typedef enum {
   SG__NC_ALL_REDUCE,
   SG__NC_REDUCE_SCATTER,
   SG__NC_ALL_GATHER,
-  SG__NC_BROADCAST
+  SG__NC_BROADCAST,
+  SG__NC_ALL_TO_ALL
 } sg__nccl_kind;
 
 /* One collective: count elements of dtype (per rank for reduce-scatter / all-gather). Byte
@@ -246,7 +247,8 @@ typedef struct sg__nccl_call {
   size_t count;
   int dtype;
   int root;
-  void *recv; /* reduce-scatter out of place: this rank's slice (device memory); NULL: in place */
+  char *recv; /* the receive buffer, device memory: a reduce-scatter out of place (this
+               * rank's slice; NULL: in place), an all-to-all (the call's buffer sends) */
 } sg__nccl_call;
 
 static size_t sg__nccl_esize(int dtype) {
@@ -266,8 +268,24 @@ static ncclDataType_t sg__nccl_type(int dtype) {
 /* Bytes of the whole in-place buffer. */
 static size_t sg__nccl_total(const sg_comm *c, const sg__nccl_call *k) {
   size_t b = k->count * sg__nccl_esize(k->dtype);
-  return (k->kind == SG__NC_REDUCE_SCATTER || k->kind == SG__NC_ALL_GATHER) ? b * (size_t)c->world
-                                                                            : b;
+  return (k->kind == SG__NC_REDUCE_SCATTER || k->kind == SG__NC_ALL_GATHER ||
+          k->kind == SG__NC_ALL_TO_ALL)
+             ? b * (size_t)c->world
+             : b;
+}
+
+/* NCCL has no all-to-all: part p of buf to rank p and rank p's part into part p of recv, as
+ * sends and receives inside the caller's group (count bytes each). */
+static ncclResult_t sg__nccl_all_to_all_issue(sg_comm *c, ncclComm_t comm, const char *buf,
+                                              char *recv, size_t count, cudaStream_t s) {
+  const sg__nccl_lib *nc = ((sg__nccl *)c->impl)->nc;
+  ncclResult_t r = ncclSuccess;
+  for (int p = 0; p < c->world && r == ncclSuccess; p++) {
+    const size_t off = (size_t)p * count;
+    r = nc->Send(buf + off, count, ncclInt8, p, comm, s);
+    if (r == ncclSuccess) r = nc->Recv(recv + off, count, ncclInt8, p, comm, s);
+  }
+  return r;
 }
 
 /* Under the base's lock, comm its live handle. */
@@ -285,6 +303,7 @@ static ncclResult_t sg__nccl_issue(sg_comm *c, ncclComm_t comm, const sg__nccl_c
       return nc->AllGather(buf + slice, buf, k->count, ncclInt8, comm, s);
     case SG__NC_BROADCAST:
       return nc->Broadcast(buf, buf, k->count, ncclInt8, k->root, comm, s);
+    case SG__NC_ALL_TO_ALL: return sg__nccl_all_to_all_issue(c, comm, buf, k->recv, k->count, s);
   }
   return ncclInvalidArgument;
 }
@@ -317,20 +336,25 @@ static sg_status sg__nccl_staged(sg_comm *c, const sg__nccl_call *k, void *buf, 
                                  const char *fn, int64_t deadline_ms) {
   sg__nccl *n = (sg__nccl *)c->impl;
   const size_t total = sg__nccl_total(c, k);
+  const int a2a = k->kind == SG__NC_ALL_TO_ALL; /* received into the stage's second half */
+  const size_t need = a2a ? 2u * total : total;
   cudaError_t e;
-  if (total > n->stage_cap) {
+  if (need > n->stage_cap) {
     if (n->stage) (void)cudaFreeAsync(n->stage, s);
     n->stage = NULL;
     n->stage_cap = 0;
-    if ((e = cudaMallocAsync(&n->stage, total, s)) != cudaSuccess)
+    if ((e = cudaMallocAsync(&n->stage, need, s)) != cudaSuccess)
       return sg__nccl_cuda_fail(c, fn, "cudaMallocAsync(staging)", e, __LINE__);
-    n->stage_cap = total;
+    n->stage_cap = need;
   }
   if ((e = cudaMemcpyAsync(n->stage, buf, total, cudaMemcpyHostToDevice, s)) != cudaSuccess)
     return sg__nccl_cuda_fail(c, fn, "cudaMemcpyAsync(H2D)", e, __LINE__);
-  SG_TRY(sg__nccl_enqueue(c, k, n->stage, s, fn, deadline_ms));
+  sg__nccl_call ks = *k;
+  if (a2a) ks.recv = (char *)n->stage + total;
+  SG_TRY(sg__nccl_enqueue(c, &ks, n->stage, s, fn, deadline_ms));
   SG_TRY(sg__nccl_wait_stream(c, s, fn, deadline_ms));
-  if ((e = cudaMemcpyAsync(buf, n->stage, total, cudaMemcpyDeviceToHost, s)) != cudaSuccess)
+  if ((e = cudaMemcpyAsync(a2a ? k->recv : buf, a2a ? ks.recv : n->stage, total,
+                           cudaMemcpyDeviceToHost, s)) != cudaSuccess)
     return sg__nccl_cuda_fail(c, fn, "cudaMemcpyAsync(D2H)", e, __LINE__);
   return sg__nccl_wait_stream(c, s, fn, deadline_ms);
 }
@@ -350,7 +374,9 @@ static sg_status sg__nccl_run(sg_comm *c, const sg__nccl_call *k, void *buf, con
   int bound;
   sg__nccl_stream(c, &s, &bound);
   sg_status st;
-  if (sg__device_cuda_mem_kind(buf) != SG__CUDA_MEM_DEVICE) { /* NCCL can use device memory */
+  const int on_dev = sg__device_cuda_mem_kind(buf) == SG__CUDA_MEM_DEVICE &&
+                     (!k->recv || sg__device_cuda_mem_kind(k->recv) == SG__CUDA_MEM_DEVICE);
+  if (!on_dev) { /* NCCL can use device memory */
     st = sg__nccl_staged(c, k, buf, s, fn, deadline_ms);
   } else {
     st = sg__nccl_enqueue(c, k, buf, s, fn, deadline_ms);
@@ -480,6 +506,18 @@ static sg_status sg__nccl_split_op(sg_comm *chan, const int *colors, const int *
 static sg_status sg__nccl_new(const sg__nccl_lib *nc, int rank, int world, const ncclUniqueId *id,
                               ncclComm_t made, int ordinal, sg_comm **out, const char *fn);
 
+/* Part p of send (bytes each) to rank p, rank p's part of its send into part p of recv. Device
+ * memory, or host memory through the staging buffer (both buffers of one kind or the other). */
+static sg_status sg__nccl_all_to_all(sg_comm *c, const void *send, void *recv, size_t bytes,
+                                     int64_t deadline_ms) {
+  static const char fn[] = "sg_comm(nccl) all_to_all";
+  if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
+  if (c && bytes > 0 && !recv)
+    return sg__err(SG_ERR_INVALID_ARGUMENT, "%s: recv is NULL (%zu bytes)", fn, bytes);
+  sg__nccl_call k = {SG__NC_ALL_TO_ALL, bytes, SG__NCCL_BYTES, 0, (char *)recv};
+  return sg__nccl_run(c, &k, (void *)send, fn, deadline_ms);
+}
+
 static const sg__comm_ops sg__nccl_ops = {
     "nccl",
     sg__nccl_all_reduce,
@@ -492,8 +530,9 @@ static const sg__comm_ops sg__nccl_ops = {
     sg__nccl_split_op,
     NULL, /* node_leader: by host name */
     NULL, /* reduce_scatter_fold: device memory */
-    NULL, /* all_to_all: the replica codecs run on host buffers */
+    sg__nccl_all_to_all,
     sg__nccl_reduce_scatter_to,
+    1, /* all_to_all_device */
 };
 
 /* ---- channels --------------------------------------------------------------------------------- */

@@ -66,6 +66,8 @@ static const char *sg__nccl_bind(void *h, sg__nccl_lib *t) {
   SG__NCCL_BIND(ReduceScatter);
   SG__NCCL_BIND(AllGather);
   SG__NCCL_BIND(Broadcast);
+  SG__NCCL_BIND(Send);
+  SG__NCCL_BIND(Recv);
 #undef SG__NCCL_BIND
   t->CommSplit = (__typeof__(t->CommSplit))dlsym(h, "ncclCommSplit"); /* optional */
   return NULL;

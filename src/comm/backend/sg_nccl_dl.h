@@ -35,6 +35,8 @@ typedef struct sg__nccl_lib {
   __typeof__(ncclReduceScatter) *ReduceScatter;
   __typeof__(ncclAllGather) *AllGather;
   __typeof__(ncclBroadcast) *Broadcast;
+  __typeof__(ncclSend) *Send; /* the all-to-all: a group of sends and receives */
+  __typeof__(ncclRecv) *Recv;
   /* Optional (NCCL >= 2.18; NULL before): a second engine on one communicator splits it. Not
    * __typeof__: older headers do not declare it. */
   ncclResult_t (*CommSplit)(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,

@@ -315,6 +315,7 @@ static const sg__comm_ops xcomm_ops = {
     x_bind,  x_unbind,     x_destroy,        x_split,      NULL,
     x_reduce_scatter_fold, x_all_to_all,
     NULL, /* reduce_scatter_to: the engine's fold (reduce_scatter_fold) serves host memory */
+    0 /* all_to_all_device: host memory only */,
 };
 
 /* The algorithms' state for x, named after the transport in messages. */

@@ -10,15 +10,16 @@
  *      to every replica (all-gather), and every replica, k included, decodes every chunk.
  *
  * Each rank sends 2 (N-1)/N of its slice's code bytes: at 8 bits 0.254x what the exact fp32
- * all-reduce sends. The codes themselves (kernels/cpu/sg_cpu_codec.c, element math in
- * kernels/sg_elem.h) are the codec tables' (sg_replica_int8.c, sg_replica_int4.c). This file
+ * all-reduce sends. The codes themselves (the device's code_encode/code_decode: the loops of
+ * kernels/cpu/sg_cpu_codec.c or the CUDA kernels, element math in kernels/sg_elem.h; bits from
+ * the codec tables, sg_replica_int8.c, sg_replica_int4.c) run on the comm queue. This file
  * owns e->rep.codec: made by prepare in sg_finalize, freed by release, its residuals in the
  * layout's replica buffer (sg__replica_codec_bytes, counted in sg_memory's comm_bytes) and in
  * checkpoints (every replica's: sg__replica_codec_save, sg__replica_codec_restore). */
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_code_*: the codes on the host */
+#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_code_bytes: the codes' layout */
 #include "../../../kernels/sg_elem.h"           /* SG_ELEM_CODE_BLOCK */
 #include "sg_replica_policy.h"
 
@@ -66,42 +67,49 @@ size_t sg__replica_codec_bytes(const sg__plan *p, int N, int bits) {
 /* ---- the two stages ------------------------------------------------------------------------ */
 
 /* Stage 2's codes of chunk k, decoded into the slice by every replica. */
-static void decode_all(const sg__codec *k, float *acc, size_t n, int N, size_t region) {
+static sg_status decode_all(sg__device *d, const sg__codec *k, float *acc, size_t n, int N,
+                            size_t region) {
   for (int r = 0; r < N; r++) {
     size_t off, len;
     chunk_of(n, N, r, &off, &len);
-    sg__cpu_code_decode(acc + off, k->send + (size_t)r * region, len, k->bits, 0);
+    SG_TRY(d->ops->code_decode(d, SG_Q_COMM, acc + off, k->send + (size_t)r * region, len,
+                               k->bits, 0));
   }
+  return SG_OK;
 }
 
 /* The owner's sum of its chunk: every replica's codes decoded in replica order (fp32 adds),
  * into the slice, then encoded with its own residual into its slot of the send buffer. */
-static void owner_sum(const sg__codec *k, float *acc, float *r2, size_t n, int N, int me,
-                      size_t region) {
+static sg_status owner_sum(sg__device *d, const sg__codec *k, float *acc, float *r2, size_t n,
+                           int N, int me, size_t region) {
   size_t off, len;
   chunk_of(n, N, me, &off, &len);
   for (int r = 0; r < N; r++)
-    sg__cpu_code_decode(acc + off, k->recv + (size_t)r * region, len, k->bits, r > 0);
-  sg__cpu_code_encode(k->send + (size_t)me * region, acc + off, r2, len, k->bits);
+    SG_TRY(d->ops->code_decode(d, SG_Q_COMM, acc + off, k->recv + (size_t)r * region, len,
+                               k->bits, r > 0));
+  return d->ops->code_encode(d, SG_Q_COMM, k->send + (size_t)me * region, acc + off, r2, len,
+                             k->bits);
 }
 
+/* On the comm queue; the codes through the engine's device (its memory on CUDA). */
 sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   sg_comm *c = e->rep.comm;
+  sg__device *d = e->dev;
   const int N = e->rep.n, me = e->rep.rank;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
   float *r1 = k->r1 + e->plan->buckets[b].shard_offset, *r2 = k->r2 + k->r2_off[b];
   for (int r = 0; r < N; r++) {
     size_t off, len;
     chunk_of(n, N, r, &off, &len);
-    sg__cpu_code_encode(k->send + (size_t)r * region, acc + off, r1 + off, len, k->bits);
+    SG_TRY(d->ops->code_encode(d, SG_Q_COMM, k->send + (size_t)r * region, acc + off, r1 + off,
+                               len, k->bits));
   }
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   SG_TRY(c->ops->all_to_all(c, k->send, k->recv, region, dl));
-  owner_sum(k, acc, r2, n, N, me, region);
+  SG_TRY(owner_sum(d, k, acc, r2, n, N, me, region));
   SG_TRY(c->ops->all_gather(c, k->send, region, dl));
-  decode_all(k, acc, n, N, region);
-  return SG_OK;
+  return decode_all(d, k, acc, n, N, region);
 }
 
 sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
@@ -132,7 +140,14 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_s
     if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
   }
   char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off + off;
-  memset(base, 0, sg__replica_codec_bytes(p, N, bits)); /* no error carried yet */
+  /* no error carried yet */
+  const sg_status st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, base,
+                                         sg__replica_codec_bytes(p, N, bits));
+  if (st != SG_OK) {
+    free(k);
+    free(r2_off);
+    return st;
+  }
   k->bits = bits;
   k->ck_state = ck_state;
   k->r1 = (float *)base;
@@ -184,19 +199,30 @@ static void scatter_records(const sg_engine *e, const sg__codec *k, const float 
   }
 }
 
+/* Replica j's residuals broadcast from its device memory (or buffer) into tmp (device memory
+ * of the engine's device, as the channel takes), then read into host for the records. */
+static sg_status save_from(sg_engine *e, const sg__codec *k, int j, void *dev_tmp, float *host,
+                           size_t bytes, float *rec) {
+  bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : dev_tmp, bytes, j};
+  SG_TRY(sg__replica_run_comm(e, bcast_fn, &job));
+  if (!rec) return SG_OK;
+  SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, job.buf, bytes, SG_COPY_D2H));
+  scatter_records(e, k, host, j, rec);
+  return SG_OK;
+}
+
 sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck) {
   const sg__codec *k = e->rep.codec;
+  sg__device *d = e->dev;
   const size_t bytes = resid_words(e, k) * sizeof(float);
-  float *tmp = malloc(bytes);
-  if (!tmp) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", bytes);
-  sg_status st = SG_OK;
-  for (int j = 0; j < e->rep.n && st == SG_OK; j++) {
-    bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : (void *)tmp, bytes, j};
-    st = sg__replica_run_comm(e, bcast_fn, &job);
-    if (st == SG_OK && ck->rec[k->ck_state])
-      scatter_records(e, k, job.buf, j, ck->rec[k->ck_state]);
-  }
-  free(tmp);
+  float *host = malloc(bytes);
+  void *dev_tmp = NULL;
+  if (!host) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory (%zu bytes)", bytes);
+  sg_status st = d->ops->alloc(d, bytes, &dev_tmp);
+  for (int j = 0; j < e->rep.n && st == SG_OK; j++)
+    st = save_from(e, k, j, dev_tmp, host, bytes, ck->rec[k->ck_state]);
+  if (dev_tmp) d->ops->free(d, dev_tmp);
+  free(host);
   return st;
 }
 
@@ -204,30 +230,43 @@ sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck) {
  * j with j mod N == r (ascending j; N_s == N: its own, bit for bit; none: 0), and each
  * element's r2 goes to the replica whose chunk holds it now. The sum over replicas of what the
  * codes still owe is kept at any node count (up to the rounding of those sums). */
-static void gather_records(sg_engine *e, sg__codec *k, const float *rec, size_t ns) {
+static void gather_records(const sg_engine *e, const sg__codec *k, const float *rec, size_t ns,
+                           float *r1, float *r2) {
   const sg__plan *p = e->plan;
   const size_t w = ns + 1u, N = (size_t)e->rep.n, me = (size_t)e->rep.rank;
   for (size_t i = 0; i < p->shard_numel; i++) {
     float r = 0.0f;
     for (size_t j = me; j < ns; j += N) r = j == me ? rec[i * w + 1u + j] : r + rec[i * w + 1u + j];
-    k->r1[i] = r;
+    r1[i] = r;
   }
   for (int b = 0; b < p->nbuckets; b++) {
     size_t off, len;
     chunk_of(sg__plan_slice_numel(p, b), e->rep.n, e->rep.rank, &off, &len);
     const size_t so = p->buckets[b].shard_offset + off;
-    for (size_t t = 0; t < len; t++) k->r2[k->r2_off[b] + t] = rec[(so + t) * w];
+    for (size_t t = 0; t < len; t++) r2[k->r2_off[b] + t] = rec[(so + t) * w];
   }
 }
 
 /* After sg_load: the checkpoint's residuals, or (a checkpoint without them) none carried: a
- * resumed run then loses at most one step's rounding, once. */
+ * resumed run then loses at most one step's rounding, once. Made on the host, then copied to
+ * the device; a failure (of the host allocation or the copy) breaks the engine (restore returns
+ * nothing; every later call fails with it). */
 void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck) {
   sg__codec *k = e->rep.codec;
   if (!k) return;
-  memset(k->r1, 0, resid_words(e, k) * sizeof(float));
+  const size_t words = resid_words(e, k);
+  float *host = calloc(words, sizeof(float));
+  if (!host) {
+    (void)sg__engine_broken(e, sg__err(SG_ERR_OUT_OF_MEMORY, "sg_load: out of host memory"));
+    return;
+  }
   const int w = k->ck_state;
-  if (ck && ck->rec[w] && ck->esz[w] >= 8u) gather_records(e, k, ck->rec[w], ck->esz[w] / 4u - 1u);
+  if (ck && ck->rec[w] && ck->esz[w] >= 8u)
+    gather_records(e, k, ck->rec[w], ck->esz[w] / 4u - 1u, host, host + e->plan->shard_numel);
+  const sg_status st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, k->r1, host, words * sizeof(float),
+                                         SG_COPY_H2D);
+  if (st != SG_OK) (void)sg__engine_broken(e, st);
+  free(host);
 }
 
 void sg__replica_codec_release(sg_engine *e) {

@@ -12,24 +12,25 @@
  * the same po from the same sum, so all hold the same bits after it. po and m are taken (po =
  * the parameters, m = 0) at the first step after sg_finalize, or after an sg_load of a
  * checkpoint without them; checkpoints hold po, m and the position in the period (outer_save,
- * outer_restore). The inner optimizer's state is not touched. This file owns the outer state,
- * in the layout's replica buffer (po, m, the wire of one owned run: sg__replica_outer_bytes,
- * counted in sg_memory's comm_bytes). The streaming variant (sg_replica_outer_stream.c) takes the
- * same steps one group of buckets at a time: sg__replica_outer_stream_due and _sync below. */
-#include <string.h>
+ * outer_restore). The inner optimizer's state is not touched. This file owns the outer state:
+ * po, m and the wire of one owned run in the layout's replica buffer (sg__replica_outer_bytes,
+ * counted in sg_memory's comm_bytes; device memory on a CUDA device), the position in the
+ * period in e->rep.outer on the host. Its element work goes through the device (outer_delta,
+ * outer_step, cast: kernels/sg_elem.h's math on either device), so the CPU and CUDA devices
+ * take bit-identical outer steps; each bucket's delta, sum and step are one job on the replica
+ * channel's queue. The streaming variant (sg_replica_outer_stream.c) takes the same steps one
+ * group of buckets at a time: sg__replica_outer_stream_due and _sync below. */
+#include <string.h> /* memset */
 
-#include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_outer_*, sg__cpu_cast */
 #include "sg_replica_policy.h"
 
-/* The state lives in the layout's replica buffer: po and m (shard_numel each), then the largest
- * owned run in fp32 and, for a bf16 wire, in bf16. */
+/* The state in the layout's replica buffer: po and m (shard_numel each), then the largest
+ * owned run in fp32 and, for a bf16 wire, in bf16. Addresses only: on a CUDA device they are
+ * device memory, which only the device's ops touch. */
 typedef struct {
   float *po, *m, *d;
   void *wire; /* NULL: the fp32 run goes on the wire itself */
-  int fresh;  /* po and m are to be taken from the parameters at the next step */
-  int inner;  /* steps since the last outer step (streaming: since the period began) */
-  int group;  /* streaming: the group of buckets the step that just ended syncs */
-} outer_state;
+} outer_bufs;
 
 static size_t max_run(const sg__plan *p) {
   size_t m = 0;
@@ -45,11 +46,16 @@ static int has_wire(const sg_config *cfg) {
 
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
   const size_t wire = has_wire(cfg) ? 2u * max_run(p) : 0;
-  return 4u * (2u * p->shard_numel + max_run(p)) + wire + sizeof(outer_state) + 64u;
+  return 4u * (2u * p->shard_numel + max_run(p)) + wire;
 }
 
-static outer_state *state_of(const sg_engine *e) {
-  return (outer_state *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
+static outer_bufs bufs_of(const sg_engine *e) {
+  outer_bufs k;
+  k.po = (float *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
+  k.m = k.po + e->plan->shard_numel;
+  k.d = k.m + e->plan->shard_numel;
+  k.wire = has_wire(&e->cfg) ? (void *)(k.d + max_run(e->plan)) : NULL;
+  return k;
 }
 
 /* This rank's fp32 master of bucket b's owned run: the working parameters for f32 ones. */
@@ -58,65 +64,76 @@ static float *master_of(const sg_engine *e, const sg__owned *o) {
 }
 
 sg_status sg__replica_outer_prepare(sg_engine *e) {
-  char *base = (char *)state_of(e);
-  memset(base, 0, sg__replica_outer_bytes(e->plan, &e->cfg));
-  outer_state *k = (outer_state *)base;
-  const size_t off = (sizeof *k + 63u) / 64u * 64u, sn = e->plan->shard_numel;
-  k->po = (float *)(base + off);
-  k->m = k->po + sn;
-  k->d = k->m + sn;
-  k->wire = has_wire(&e->cfg) ? (void *)(k->d + max_run(e->plan)) : NULL;
-  k->fresh = 1;
-  return SG_OK;
+  memset(&e->rep.outer, 0, sizeof e->rep.outer);
+  e->rep.outer.fresh = 1;
+  sg__device *d = e->dev;
+  return d->ops->zero(d, SG_Q_COMPUTE, bufs_of(e).po, sg__replica_outer_bytes(e->plan, &e->cfg));
 }
 
-/* At the first step of a run (before its update): the outer parameters are the parameters. */
+/* At the first step of a run (before its update, on the compute queue): the outer parameters
+ * are the parameters, the momentum zero. */
 sg_status sg__replica_outer_finish(sg_engine *e) {
-  outer_state *k = state_of(e);
-  if (!k->fresh) return SG_OK;
+  if (!e->rep.outer.fresh) return SG_OK;
+  const outer_bufs k = bufs_of(e);
+  sg__device *d = e->dev;
   for (int b = 0; b < e->plan->nbuckets; b++) {
     sg__owned o;
     e->strat->owned(e->plan, e->rank, b, &o);
-    memcpy(k->po + o.state0, master_of(e, &o), o.n * sizeof(float));
-    memset(k->m + o.state0, 0, o.n * sizeof(float));
+    SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, k.po + o.state0, master_of(e, &o), o.n * sizeof(float),
+                        SG_COPY_D2D));
+    SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, k.m + o.state0, o.n * sizeof(float)));
   }
-  k->fresh = 0;
-  k->inner = 0;
+  e->rep.outer.fresh = 0;
+  e->rep.outer.inner = 0;
   return SG_OK;
 }
 
 int sg__replica_outer_due(sg_engine *e) {
-  outer_state *k = state_of(e);
-  if (++k->inner < e->cfg.outer_every) return 0;
-  k->inner = 0;
+  if (++e->rep.outer.inner < e->cfg.outer_every) return 0;
+  e->rep.outer.inner = 0;
   return 1;
 }
 
+/* The pseudo-gradient run summed over the replicas (inside the bucket's job): all-reduced in
+ * fp32, or through the bf16 wire (cast by the device on the comm queue). */
+sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
+  (void)b;
+  const outer_bufs k = bufs_of(e);
+  sg_comm *c = e->rep.comm;
+  sg__device *dev = e->dev;
+  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
+  if (!k.wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
+  const int w = e->cfg.replica_reduce_dtype;
+  SG_TRY(dev->ops->cast(dev, SG_Q_COMM, k.wire, w, d, SG_F32, n));
+  SG_TRY(c->ops->all_reduce(c, k.wire, n, w, dl));
+  return dev->ops->cast(dev, SG_Q_COMM, d, SG_F32, k.wire, w, n);
+}
+
+/* Bucket b's outer step, one job on the replica channel's queue: d = po - theta, its sum over
+ * the replicas, the Nesterov step of po and m (theta = po), and for bf16/f16 parameters the
+ * working copy from the new master. */
 typedef struct {
   sg_engine *e;
   int b;
-  size_t n;
   sg__outer_sum_fn sum;
-} sum_job;
+} bucket_job;
 
-static sg_status sum_job_fn(void *arg) {
-  const sum_job *j = arg;
-  return j->sum(j->e, j->b, state_of(j->e)->d, j->n);
-}
-
-/* The pseudo-gradient run summed over the replicas (on the comm queue): all-reduced in fp32, or
- * through the bf16 wire. */
-sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
-  (void)b;
-  outer_state *k = state_of(e);
-  sg_comm *c = e->rep.comm;
-  const int64_t dl = sg__deadline(e->cfg.timeout_ms);
-  if (!k->wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
-  const int w = e->cfg.replica_reduce_dtype;
-  sg__cpu_cast(k->wire, w, d, SG_F32, n);
-  SG_TRY(c->ops->all_reduce(c, k->wire, n, w, dl));
-  sg__cpu_cast(d, SG_F32, k->wire, w, n);
-  return SG_OK;
+static sg_status bucket_job_fn(void *arg) {
+  const bucket_job *j = arg;
+  sg_engine *e = j->e;
+  sg__device *d = e->dev;
+  const outer_bufs k = bufs_of(e);
+  const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, j->b, &o);
+  float *theta = master_of(e, &o), *po = k.po + o.state0, *m = k.m + o.state0;
+  SG_TRY(d->ops->outer_delta(d, SG_Q_COMM, k.d, po, theta, o.n));
+  SG_TRY(j->sum(e, j->b, k.d, o.n));
+  SG_TRY(d->ops->outer_step(d, SG_Q_COMM, po, m, theta, k.d, o.n, e->rep.n, lr, mu));
+  if (!e->opt.master) return SG_OK;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  return d->ops->cast(d, SG_Q_COMM, e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32,
+                      o.n);
 }
 
 /* The node's gathers of the buckets first, first + stride, ... (their new parameters). */
@@ -132,26 +149,17 @@ static sg_status gather_job_fn(void *arg) {
   return SG_OK;
 }
 
-/* The outer step of the buckets first, first + stride, ... (all of them: 0, 1), then the
- * node's gathers of their new parameters. */
+/* The outer step of the buckets first, first + stride, ... (all of them: 0, 1), one job each on
+ * the replica channel's queue, waited for; then the node's gathers of their new parameters on
+ * the engine's comm queue (the shard channel's own). */
 static sg_status sync_buckets(sg_engine *e, sg__outer_sum_fn sum, int first, int stride) {
-  outer_state *k = state_of(e);
-  const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
   for (int b = first; b < e->plan->nbuckets; b += stride) {
-    sg__owned o;
-    e->strat->owned(e->plan, e->rank, b, &o);
-    float *theta = master_of(e, &o);
-    sg__cpu_outer_delta(k->d, k->po + o.state0, theta, o.n);
-    sum_job j = {e, b, o.n, sum};
-    SG_TRY(sg__replica_run_comm(e, sum_job_fn, &j));
-    sg__cpu_outer_step(k->po + o.state0, k->m + o.state0, theta, k->d, o.n, e->rep.n, lr, mu);
-    /* bf16/f16 parameters: the working copy from the new master */
-    if (e->opt.master) sg__cpu_cast(e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
+    bucket_job j = {e, b, sum};
+    SG_TRY(sg__replica_run_comm(e, bucket_job_fn, &j));
   }
   if (!sg__gathers_needed(e)) return SG_OK;
   gather_job g = {e, first, stride};
-  return sg__replica_run_comm(e, gather_job_fn, &g);
+  return sg__engine_run_comm(e, gather_job_fn, &g);
 }
 
 sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
@@ -166,14 +174,13 @@ static sg_status outer_sync(sg_engine *e) {
  * the buckets b with b mod H = k - 1; a group without buckets (H > nbuckets) has nothing to do.
  * The position in the period (inner) is what checkpoints keep, as without streaming. */
 int sg__replica_outer_stream_due(sg_engine *e) {
-  outer_state *k = state_of(e);
-  k->group = k->inner++;
-  if (k->inner >= e->cfg.outer_every) k->inner = 0;
-  return k->group < e->plan->nbuckets;
+  e->rep.outer.group = e->rep.outer.inner++;
+  if (e->rep.outer.inner >= e->cfg.outer_every) e->rep.outer.inner = 0;
+  return e->rep.outer.group < e->plan->nbuckets;
 }
 
 sg_status sg__replica_outer_stream_sync(sg_engine *e, sg__outer_sum_fn sum) {
-  return sync_buckets(e, sum, state_of(e)->group, e->cfg.outer_every);
+  return sync_buckets(e, sum, e->rep.outer.group, e->cfg.outer_every);
 }
 
 int sg__replica_outer_grad_replicas(const sg_engine *e) {
@@ -192,47 +199,59 @@ sg_status sg__replica_outer_claim(sg_engine *e, int b) {
  * parameters, zero momentum). ---- */
 
 void sg__replica_outer_describe(const sg_engine *e, sg__rep_ck *ck) {
-  const outer_state *k = state_of(e);
   ck->esz[SG__REP_OUTER_PARAMS] = 4;
   ck->esz[SG__REP_OUTER_MOM] = 4;
-  ck->position = k->fresh ? 0u : (uint64_t)k->inner;
+  ck->position = e->rep.outer.fresh ? 0u : (uint64_t)e->rep.outer.inner;
+}
+
+/* Device memory of this device into host memory (the records), and back. */
+static sg_status to_host(sg_engine *e, void *host, const void *dev, size_t n) {
+  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, dev, n * sizeof(float), SG_COPY_D2H);
+}
+
+static sg_status to_dev(sg_engine *e, void *dev, const void *host, size_t n) {
+  return e->dev->ops->copy(e->dev, SG_Q_COMPUTE, dev, host, n * sizeof(float), SG_COPY_H2D);
 }
 
 sg_status sg__replica_outer_save(sg_engine *e, sg__rep_ck *ck) {
-  const outer_state *k = state_of(e);
+  const outer_bufs k = bufs_of(e);
   float *po = ck->rec[SG__REP_OUTER_PARAMS], *m = ck->rec[SG__REP_OUTER_MOM];
   if (!po || !m) return SG_OK; /* not a writer */
   const size_t sn = e->plan->shard_numel;
-  memcpy(po, k->po, sn * sizeof(float));
-  memcpy(m, k->m, sn * sizeof(float));
-  if (!k->fresh) return SG_OK;
+  if (!e->rep.outer.fresh) {
+    SG_TRY(to_host(e, po, k.po, sn));
+    return to_host(e, m, k.m, sn);
+  }
+  memset(po, 0, sn * sizeof(float)); /* padding: as the state the first step takes */
   memset(m, 0, sn * sizeof(float));
   for (int b = 0; b < e->plan->nbuckets; b++) {
     sg__owned o;
     e->strat->owned(e->plan, e->rank, b, &o);
-    memcpy(po + o.state0, master_of(e, &o), o.n * sizeof(float));
+    SG_TRY(to_host(e, po + o.state0, master_of(e, &o), o.n));
   }
   return SG_OK;
 }
 
 /* After sg_load: the checkpoint's outer state and position (a position at or past this
  * engine's H: the next step ends the period), or, without it, a new period from the loaded
- * parameters with zero momentum. */
+ * parameters with zero momentum. A copy that fails breaks the engine (restore returns
+ * nothing; every later call then fails with the copy's error). */
 void sg__replica_outer_restore(sg_engine *e, const sg__rep_ck *ck) {
-  outer_state *k = state_of(e);
+  const outer_bufs k = bufs_of(e);
   const void *po = ck ? ck->rec[SG__REP_OUTER_PARAMS] : NULL;
   const void *m = ck ? ck->rec[SG__REP_OUTER_MOM] : NULL;
-  k->fresh = !po || !m;
-  if (k->fresh) return;
+  e->rep.outer.fresh = !po || !m;
+  if (e->rep.outer.fresh) return;
   const size_t sn = e->plan->shard_numel;
-  memcpy(k->po, po, sn * sizeof(float));
-  memcpy(k->m, m, sn * sizeof(float));
+  sg_status st = to_dev(e, k.po, po, sn);
+  if (st == SG_OK) st = to_dev(e, k.m, m, sn);
+  if (st != SG_OK) (void)sg__engine_broken(e, st);
   const uint64_t last = (uint64_t)e->cfg.outer_every - 1u;
-  k->inner = (int)(ck->position < last ? ck->position : last);
+  e->rep.outer.inner = (int)(ck->position < last ? ck->position : last);
 }
 
 const sg__replica_ops sg__replica_outer = {
-    .name = "host, outer steps", SG__REPLICA_ENTRIES, SG__REPLICA_OUTER_STEPS,
+    .name = "outer steps", SG__REPLICA_ENTRIES, SG__REPLICA_OUTER_STEPS,
     .prepare = sg__replica_outer_prepare, .release = sg__replica_no_release, .sync = outer_sync,
     .ck_describe = sg__replica_outer_describe, .ck_save = sg__replica_outer_save,
     .restore = sg__replica_outer_restore,

@@ -14,40 +14,76 @@ static int channel_mem(const sg_engine *e, const sg_comm *replica, const sg__dev
   return replica->stream_ordered ? SG__REP_MEM_ANY : SG__REP_MEM_HOST;
 }
 
-/* A codec's exchange runs on host buffers through the replica communicator's all-to-all. */
-static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+/* On the CPU device a codec's exchange runs on host buffers through a host communicator's
+ * all-to-all (NCCL has one, grouped sends and receives, but the codecs over it on host buffers
+ * are not done). */
+static sg_status codec_comm_cpu(const sg_comm *replica) {
+  if (replica->ops->all_to_all && !replica->stream_ordered) return SG_OK;
+  return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec on the CPU device needs a host replica "
+                 "communicator with an all-to-all (threads, MPI, a caller's transport); not %s",
+                 replica->ops->name);
+}
+
+/* On a CUDA device the slow-link modes work in its memory (the device's outer and code ops),
+ * their sums through the replica channel bound to it beside the shard channel, the same way
+ * (both NCCL, or both host-driven: threads or MPI); the mixed pairs, whose replica collectives
+ * take host memory or run apart from the device's comm queue, and an offloaded optimizer (its
+ * master and accumulator on the host) are not done. */
+static sg_status attached_cuda(sg_engine *e, const sg_comm *replica, const char *what,
+                               sg__device **dev) {
+  if (e->strat->place->host)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s with cfg->offload_optimizer is not supported yet on "
+                   "the CUDA device", what);
+  if (e->comm->stream_ordered != replica->stream_ordered)
+    return sg__err(SG_ERR_UNSUPPORTED, "%s on the CUDA device needs shard and replica "
+                   "communicators of the same kind (both NCCL, or both host-driven: threads or "
+                   "MPI); %s inside and %s across is not supported yet", what,
+                   e->comm->ops->name, replica->ops->name);
+  *dev = e->dev;
+  return SG_OK;
+}
+
+/* A codec on a CUDA device: its codes in device memory go through the replica channel's
+ * all-to-all and all-gather, so that all-to-all must take device memory (threads, NCCL). */
+static sg_status codec_comm_cuda(const sg_comm *replica) {
+  if (replica->ops->all_to_all && replica->ops->all_to_all_device) return SG_OK;
+  return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec on the CUDA device needs a replica "
+                 "communicator whose all-to-all takes device memory (threads, NCCL); %s's does "
+                 "not", replica->ops->name);
+}
+
+static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **dev) {
+  if (e->dev->kind == SG_DEVICE_CPU) return codec_comm_cpu(replica);
+  SG_TRY(attached_cuda(e, replica, "cfg->replica_codec", dev));
+  return codec_comm_cuda(replica);
+}
+
+static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                            sg__device **dev) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
                    "crosses nodes to compress (use SG_CODEC_NONE)");
-  if (e->dev->kind != SG_DEVICE_CPU)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec runs on the CPU device only (its "
-                   "codes are encoded by the CPU loops; the CUDA device has no codec yet)");
-  if (!replica->ops->all_to_all)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
-                   "all-to-all (threads, MPI, a caller's transport); %s has none",
-                   replica->ops->name);
+  SG_TRY(codec_comm(e, replica, dev));
   *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_int8 : &sg__replica_int4;
   return SG_OK;
 }
 
-/* Outer steps read and write the master and parameters on the host; with the int8 codec their
- * pseudo-gradient goes through its exchange; streaming: one group of buckets per step. */
-static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+/* Outer steps: their element work goes through the device (either kind), each bucket's
+ * pseudo-gradient summed by the replica channel inside one job on the engine's device (on CUDA
+ * attached as above). With the int8 codec the pseudo-gradient goes through its exchange;
+ * streaming: one group of buckets per step. */
+static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                            sg__device **dev) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
                    "other replicas to agree with (use 0)");
-  if (e->dev->kind != SG_DEVICE_CPU)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
-                   "device has no outer step yet)");
   const int stream = e->cfg.outer_streaming;
   if (e->cfg.replica_codec == SG_CODEC_NONE) {
+    if (e->dev->kind != SG_DEVICE_CPU) SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
     *ops = stream ? &sg__replica_outer_stream : &sg__replica_outer;
     return SG_OK;
   }
-  if (!replica->ops->all_to_all)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
-                   "all-to-all (threads, MPI, a caller's transport); %s has none",
-                   replica->ops->name);
+  SG_TRY(codec_comm(e, replica, dev));
   *ops = stream ? &sg__replica_outer_stream_int8 : &sg__replica_outer_int8;
   return SG_OK;
 }
@@ -55,8 +91,8 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                       sg__device **dev) {
   *dev = NULL;
-  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops);
-  if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
+  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops, dev);
+  if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops, dev);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
     *ops = &sg__replica_host;
