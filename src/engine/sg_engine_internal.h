@@ -146,7 +146,9 @@ typedef struct sg__replica_ops {
   int (*grad_replicas)(const sg_engine *e);
   /* After each sg_step: 1 when this step ends an outer period (outer steps: every H-th), then,
    * once the step's gathers landed, sync makes every replica's parameters the outer step's
-   * (the engine gathers them in the node after it); others: 0, nothing. */
+   * (the engine gathers them in the node after it); streaming: 1 when the step's group has
+   * buckets, and sync begins their sum, which the next step's finish merges; others: 0,
+   * nothing. */
   int (*sync_due)(sg_engine *e);
   sg_status (*sync)(sg_engine *e);
   /* Checkpoints (src/ckpt): the per-element state the transport keeps beyond the optimizer's
@@ -189,7 +191,8 @@ typedef struct sg__replicas {
   int host_wire;     /* wire is this stage's pinned host memory (offload) */
   /* Staged (an NCCL shard, a host replica communicator, the accumulator on the GPU): the
    * channel's own host queue (a CPU device), the shard's slices in replica_reduce_dtype in
-   * pinned host memory (shard offsets), and that queue's last job. */
+   * pinned host memory (shard offsets), and that queue's last job. Streaming outer steps have
+   * the host queue too (their sums run there beside the node's reductions). */
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;

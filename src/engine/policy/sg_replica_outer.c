@@ -15,7 +15,9 @@
  * outer_restore). The inner optimizer's state is not touched. This file owns the outer state,
  * in the layout's replica buffer (po, m, the wire of one owned run: sg__replica_outer_bytes,
  * counted in sg_memory's comm_bytes). The streaming variant (sg_replica_outer_stream.c) takes the
- * same steps one group of buckets at a time: sg__replica_outer_stream_due and _sync below. */
+ * same steps one group of buckets at a time, overlapped with the next step: it uses the pieces
+ * below (sg__replica_outer_stream_due, _delta, _apply, _gather) and a pseudo-gradient buffer that
+ * holds a whole group's runs. */
 #include <string.h>
 
 #include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_outer_*, sg__cpu_cast */
@@ -43,9 +45,15 @@ static int has_wire(const sg_config *cfg) {
   return cfg->replica_reduce_dtype != SG_F32 && cfg->replica_codec == SG_CODEC_NONE;
 }
 
+/* The pseudo-gradient buffer d: one run, or with streaming the runs of the largest group (its
+ * sum is in flight while the next step runs). */
+static size_t d_numel(const sg__plan *p, const sg_config *cfg) {
+  return cfg->outer_streaming ? sg__replica_outer_stream_numel(p, cfg->outer_every) : max_run(p);
+}
+
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
   const size_t wire = has_wire(cfg) ? 2u * max_run(p) : 0;
-  return 4u * (2u * p->shard_numel + max_run(p)) + wire + sizeof(outer_state) + 64u;
+  return 4u * (2u * p->shard_numel + d_numel(p, cfg)) + wire + sizeof(outer_state) + 64u;
 }
 
 static outer_state *state_of(const sg_engine *e) {
@@ -65,7 +73,7 @@ sg_status sg__replica_outer_prepare(sg_engine *e) {
   k->po = (float *)(base + off);
   k->m = k->po + sn;
   k->d = k->m + sn;
-  k->wire = has_wire(&e->cfg) ? (void *)(k->d + max_run(e->plan)) : NULL;
+  k->wire = has_wire(&e->cfg) ? (void *)(k->d + d_numel(e->plan, &e->cfg)) : NULL;
   k->fresh = 1;
   return SG_OK;
 }
@@ -132,30 +140,44 @@ static sg_status gather_job_fn(void *arg) {
   return SG_OK;
 }
 
-/* The outer step of the buckets first, first + stride, ... (all of them: 0, 1), then the
- * node's gathers of their new parameters. */
-static sg_status sync_buckets(sg_engine *e, sg__outer_sum_fn sum, int first, int stride) {
+/* The pseudo-gradient of this rank's run of bucket b into d: po - theta (n values, returned). */
+size_t sg__replica_outer_delta(sg_engine *e, int b, float *d) {
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, b, &o);
+  sg__cpu_outer_delta(d, state_of(e)->po + o.state0, master_of(e, &o), o.n);
+  return o.n;
+}
+
+/* Bucket b's outer step from d, the replicas' sum of its pseudo-gradient: po and m, and the
+ * parameters become po (bf16/f16 ones: the working copy cast from the new master). */
+void sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
   outer_state *k = state_of(e);
   const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  for (int b = first; b < e->plan->nbuckets; b += stride) {
-    sg__owned o;
-    e->strat->owned(e->plan, e->rank, b, &o);
-    float *theta = master_of(e, &o);
-    sg__cpu_outer_delta(k->d, k->po + o.state0, theta, o.n);
-    sum_job j = {e, b, o.n, sum};
-    SG_TRY(sg__replica_run_comm(e, sum_job_fn, &j));
-    sg__cpu_outer_step(k->po + o.state0, k->m + o.state0, theta, k->d, o.n, e->rep.n, lr, mu);
-    /* bf16/f16 parameters: the working copy from the new master */
-    if (e->opt.master) sg__cpu_cast(e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
-  }
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, b, &o);
+  float *theta = master_of(e, &o);
+  sg__cpu_outer_step(k->po + o.state0, k->m + o.state0, theta, d, o.n, e->rep.n, lr, mu);
+  if (e->opt.master) sg__cpu_cast(e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
+}
+
+sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride) {
   if (!sg__gathers_needed(e)) return SG_OK;
   gather_job g = {e, first, stride};
   return sg__replica_run_comm(e, gather_job_fn, &g);
 }
 
+float *sg__replica_outer_dbuf(sg_engine *e) { return state_of(e)->d; }
+
+/* The outer step of every bucket, then the node's gathers of their new parameters. */
 sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
-  return sync_buckets(e, sum, 0, 1);
+  outer_state *k = state_of(e);
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    sum_job j = {e, b, sg__replica_outer_delta(e, b, k->d), sum};
+    SG_TRY(sg__replica_run_comm(e, sum_job_fn, &j));
+    sg__replica_outer_apply(e, b, k->d);
+  }
+  return sg__replica_outer_gather(e, 0, 1);
 }
 
 static sg_status outer_sync(sg_engine *e) {
@@ -172,9 +194,7 @@ int sg__replica_outer_stream_due(sg_engine *e) {
   return k->group < e->plan->nbuckets;
 }
 
-sg_status sg__replica_outer_stream_sync(sg_engine *e, sg__outer_sum_fn sum) {
-  return sync_buckets(e, sum, state_of(e)->group, e->cfg.outer_every);
-}
+int sg__replica_outer_group(const sg_engine *e) { return state_of(e)->group; }
 
 int sg__replica_outer_grad_replicas(const sg_engine *e) {
   (void)e;

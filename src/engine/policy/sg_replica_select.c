@@ -32,30 +32,32 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
 
 /* Outer steps read and write the master and parameters on the host; with the int8 codec their
  * pseudo-gradient goes through its exchange; streaming: one group of buckets per step. */
-static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                             sg__device **dev) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
                    "other replicas to agree with (use 0)");
   if (e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_every runs on the CPU device only (the CUDA "
                    "device has no outer step yet)");
-  const int stream = e->cfg.outer_streaming;
-  if (e->cfg.replica_codec == SG_CODEC_NONE) {
-    *ops = stream ? &sg__replica_outer_stream : &sg__replica_outer;
-    return SG_OK;
-  }
-  if (!replica->ops->all_to_all)
+  const int stream = e->cfg.outer_streaming, codec = e->cfg.replica_codec != SG_CODEC_NONE;
+  if (codec && !replica->ops->all_to_all)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
                    "all-to-all (threads, MPI, a caller's transport); %s has none",
                    replica->ops->name);
-  *ops = stream ? &sg__replica_outer_stream_int8 : &sg__replica_outer_int8;
-  return SG_OK;
+  if (!stream) {
+    *ops = codec ? &sg__replica_outer_int8 : &sg__replica_outer;
+    return SG_OK;
+  }
+  /* streaming: each step's sum runs on a host queue of its own, beside the node's reductions */
+  *ops = codec ? &sg__replica_outer_stream_int8 : &sg__replica_outer_stream;
+  return sg__replica_staged_host_queue(e, replica, dev);
 }
 
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                       sg__device **dev) {
   *dev = NULL;
-  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops);
+  if (e->cfg.outer_every > 0) return pick_outer(e, replica, ops, dev);
   if (e->cfg.replica_codec != SG_CODEC_NONE) return pick_codec(e, replica, ops);
   /* the CPU device's memory and an offloaded accumulator are host memory */
   if (e->dev->kind == SG_DEVICE_CPU) {
@@ -97,6 +99,8 @@ static size_t max_slice(const sg__plan *p) {
 /* A codec's residuals and exchange buffers, the outer state (and the codec's with both); else the wire buffer where the
  * wire dtype is not the accumulator's and there is another replica to sum with. */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
+  if (cfg->outer_every > 0 && cfg->outer_streaming)
+    return sg__replica_outer_stream_bytes(p, cfg, n);
   if (cfg->outer_every > 0 && cfg->replica_codec != SG_CODEC_NONE)
     return sg__replica_outer_int8_bytes(p, cfg, n);
   if (cfg->replica_codec != SG_CODEC_NONE)
