@@ -45,10 +45,21 @@ static int has_wire(const sg_config *cfg) {
   return cfg->replica_reduce_dtype != SG_F32 && cfg->replica_codec == SG_CODEC_NONE;
 }
 
+/* Streaming: the runs of the largest group of buckets (b mod H), together. */
+static size_t max_group(const sg__plan *p, int H) {
+  size_t most = 0;
+  for (int g = 0; g < H && g < p->nbuckets; g++) {
+    size_t n = 0;
+    for (int b = g; b < p->nbuckets; b += H) n += sg__plan_slice_numel(p, b);
+    if (n > most) most = n;
+  }
+  return most;
+}
+
 /* The pseudo-gradient buffer d: one run, or with streaming the runs of the largest group (its
  * sum is in flight while the next step runs). */
 static size_t d_numel(const sg__plan *p, const sg_config *cfg) {
-  return cfg->outer_streaming ? sg__replica_outer_stream_numel(p, cfg->outer_every) : max_run(p);
+  return cfg->outer_streaming ? max_group(p, cfg->outer_every) : max_run(p);
 }
 
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {

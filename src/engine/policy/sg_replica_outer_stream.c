@@ -15,7 +15,7 @@
  *
  * The sum runs beside the node's reductions (its own queue and thread, its own comm scratch), so
  * the link is busy while the next step computes. The pseudo-gradient buffer holds the largest
- * group's runs (sg__replica_outer_stream_numel), as a group's sum is in flight across a step.
+ * group's runs (sg_replica_outer.c sizes it), as a group's sum is in flight across a step.
  * sg_save merges the sum in flight first (as the next step would: the checkpoint has nothing in
  * flight, and the forward pass after a save sees that group's merged parameters one step
  * early); sg_load drops it (the loaded state replaces what it would merge). The checkpoint
@@ -37,16 +37,6 @@ static size_t run_numel(const sg_engine *e, int b) {
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
   return o.n;
-}
-
-size_t sg__replica_outer_stream_numel(const sg__plan *p, int H) {
-  size_t most = 0;
-  for (int g = 0; g < H && g < p->nbuckets; g++) {
-    size_t n = 0;
-    for (int b = g; b < p->nbuckets; b += H) n += sg__plan_slice_numel(p, b);
-    if (n > most) most = n;
-  }
-  return most;
 }
 
 /* fp32 partials of a bf16/f16 all-reduce over three or more replicas (sg_coll.c): this

@@ -43,8 +43,8 @@ sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
 /* The pieces of an outer step that streaming takes apart: the pseudo-gradient po - theta of this
  * rank's run of bucket b into d (returns its values), bucket b's Nesterov step from the summed d
  * (the parameters become the new po), the node's gathers of buckets first, first + stride, ...
- * (waited for), and the pseudo-gradient buffer (with streaming: room for a group's runs,
- * sg__replica_outer_stream_numel). */
+ * (waited for), and the pseudo-gradient buffer (with streaming: room for the largest group's
+ * runs). */
 size_t sg__replica_outer_delta(sg_engine *e, int b, float *d);
 void sg__replica_outer_apply(sg_engine *e, int b, const float *d);
 sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride);
@@ -53,10 +53,8 @@ float *sg__replica_outer_dbuf(sg_engine *e);
  * the period) has a bucket; that group (of the step that just ended). */
 int sg__replica_outer_stream_due(sg_engine *e);
 int sg__replica_outer_group(const sg_engine *e);
-/* sg_replica_outer_stream.c: the values of the largest group's runs (the pseudo-gradient buffer
- * of streaming outer steps), and the bytes of its replica buffer for n replicas (the outer
- * state, the codec's with int8 codes, its own). */
-size_t sg__replica_outer_stream_numel(const sg__plan *p, int H);
+/* sg_replica_outer_stream.c: the bytes of its replica buffer for n replicas (the outer state,
+ * the codec's with int8 codes, its own). */
 size_t sg__replica_outer_stream_bytes(const sg__plan *p, const sg_config *cfg, int n);
 sg_status sg__replica_outer_finish(sg_engine *e);
 int sg__replica_outer_due(sg_engine *e);
