@@ -23,7 +23,7 @@
  * next). The state here: whether a sum is in flight (its ticket: rep.host_last), and of which
  * group, after the outer state (and the codec's) in the layout's replica buffer. */
 #include <stdlib.h> /* malloc, free */
-#include <string.h>
+#include <string.h> /* memset */
 
 #include "sg_replica_policy.h"
 
