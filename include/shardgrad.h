@@ -331,15 +331,17 @@ typedef struct sg_config {
                                alone. */
   /* --- 0.5 --- */
   int outer_streaming;      /* 0 (default). 1: with outer_every = H, streaming outer steps: the
-                               buckets are split into H groups (bucket b in group b mod H) and
-                               at the end of the k-th sg_step of each period (k = 1..H) group
-                               k - 1 alone takes its outer step (pseudo-gradient, sum across
-                               replicas, Nesterov step, new parameters gathered in the node), so
-                               every step sends about 1/H of an outer step's bytes instead of
-                               all of them every H-th step. H larger than the number of buckets:
-                               the steps whose group has no bucket send nothing. The sync runs
-                               at the end of sg_step, not yet overlapped with the next step's
-                               compute (docs/slow-links.md). Needs outer_every >= 1. */
+                               buckets are split into H groups (bucket b in group b mod H); the
+                               k-th sg_step of each period (k = 1..H) begins group k - 1's sum
+                               of pseudo-gradients across replicas in the background, and the
+                               next step, before its update, takes that group's outer step
+                               (Nesterov step, new parameters gathered in the node) and applies
+                               its own gradient on top: the sum overlaps the next step's
+                               compute, and every step sends about 1/H of an outer step's bytes
+                               instead of all of them every H-th step. H larger than the number
+                               of buckets: the steps whose group has no bucket send nothing.
+                               sg_save merges the sum in flight first (docs/slow-links.md).
+                               Needs outer_every >= 1. */
   int reserved_0_5;         /* 0 (must stay 0): ends the 0.5 block on an 8-byte boundary */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
@@ -699,8 +701,10 @@ typedef struct sg_step_estimate {
  * period's last step (the one that syncs: the pseudo-gradient's all-reduce per bucket, with
  * replica_codec SG_CODEC_INT8 its codes' all-to-all and all-gather, then the node's
  * all-gathers). Streaming (cfg->outer_streaming): step k of the period syncs group k - 1; the
- * times are the mean over the period, the counts the period's last step's (group H - 1's
- * buckets; none when H exceeds the bucket count). Not modelled: the codecs' and the outer
+ * times are the mean over the period, the sums modelled as waited for at the step (not their
+ * overlap with the next step's compute: an upper bound), the counts the period's last step's
+ * (group H - 1's buckets; none when H exceeds the bucket count; its sum completes in the next
+ * step). Not modelled: the codecs' and the outer
  * step's host arithmetic, sg_set_sync(0) steps, a hybrid engine not told its micro-batch
  * count (docs/planner.md). */
 SG_API sg_status sg_estimate_step(const sg_config *cfg, const size_t *numels, int nparams,

@@ -28,7 +28,9 @@ typedef struct layout_case {
   int micro, overlap;
   int codec, outer; /* cfg.replica_codec, cfg.outer_every (the measured step is the period's
                        last: it syncs) */
-  int stream;       /* cfg.outer_streaming: the measured step syncs group H - 1 */
+  int stream;       /* cfg.outer_streaming: the measured step syncs group H - 1 (its sum runs
+                       into the next step: measured from the sg_grad_norm that merges the last
+                       step's sum to the next one's) */
 } layout_case;
 
 static void config_of(const layout_case *k, sg_config *cfg) {
@@ -68,8 +70,9 @@ static sg_status split_layout(const layout_case *k, sg_comm *world, sg_comm **sh
   return st;
 }
 
-/* One step of k->micro micro-batches, every gradient added through sg_grad_add. */
-static sg_status run_step(const layout_case *k, sg_engine *e) {
+/* A step's k->micro micro-batches, every gradient added through sg_grad_add (streaming: then
+ * sg_grad_norm, which merges the sum the last step began). */
+static sg_status run_grads(const layout_case *k, sg_engine *e) {
   float *g = calloc(4096, sizeof *g);
   sg_status st = g ? SG_OK : SG_ERR_OUT_OF_MEMORY;
   for (size_t i = 0; g && i < 4096; i++) g[i] = (float)(i % 5) - 2;
@@ -78,9 +81,16 @@ static sg_status run_step(const layout_case *k, sg_engine *e) {
     for (int p = NP - 1; p >= 0 && !st; p--) st = sg_grad_add(e, p, g, SG_F32);
     if (!st) st = sg_backward_end(e);
   }
+  float norm = 0;
+  if (!st && k->stream) st = sg_grad_norm(e, &norm);
+  free(g);
+  return st;
+}
+
+static sg_status run_step(const layout_case *k, sg_engine *e) {
+  sg_status st = run_grads(k, e);
   if (!st) st = sg_step(e, NULL);
   if (!st && k->overlap) st = sg_param_wait(e, -1);
-  free(g);
   return st;
 }
 
@@ -140,8 +150,10 @@ static void traffic_rank(sg_comm *world, void *arg) {
   if (!st) st = make_engine(k, world, shard, replica, &e);
   for (int w = 0; w < (k->outer > 2 ? k->outer - 1 : 1) && !st; w++) st = run_step(k, e);
   traffic a, b;
+  if (!st && k->stream) st = run_grads(k, e); /* the step's gradients, the last sum merged */
   if (!st) read_traffic(replica ? shard : world, replica, &a);
-  if (!st) st = run_step(k, e);
+  if (!st) st = k->stream ? sg_step(e, NULL) : run_step(k, e);
+  if (!st && k->stream) st = run_grads(k, e); /* the next step's: its sum merged */
   if (CHECK(st == SG_OK, "rank %d: engine steps", rank)) {
     read_traffic(replica ? shard : world, replica, &b);
     check_counts(k, &a, &b, rank);

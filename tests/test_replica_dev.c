@@ -7,12 +7,12 @@
  *  - every rank's parameters after every step, and its master, AdamW moments at the end;
  *  - after every outer step every rank holds the same parameters;
  *  - fp32 and bf16 wires, bf16 parameters with clipping, f16 with dynamic loss scaling and a
- *    non-finite gradient on one node (that node skips its inner step), streaming outer steps,
- *    and a sg_save / sg_load in the middle of a period (the outer state through the host);
- *  - int8 and 4-bit codes, outer steps with int8 codes (streaming too), and a save / load of
- *    the residuals;
+ *    non-finite gradient on one node (that node skips its inner step), and a sg_save / sg_load
+ *    in the middle of a period and before the first step (the outer state through the host);
+ *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: either mode with an offloaded optimizer, mixed communicators (nccl:
+ *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
+ *    overlapped sums run on a host queue: CPU device only), mixed communicators (nccl:
  *    threads inside the node with NCCL across, and the reverse), a codec over MPI (--mpi).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
@@ -277,16 +277,14 @@ static const tcase k_cases[] = {
      SG_CODEC_NONE},
     {"f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
      SG_CODEC_NONE},
-    {"streaming, bf16 wire, H=3", SG_F32, SG_BF16, 3, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE},
     {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4, SG_CODEC_NONE},
-    {"save before the first step, streaming, H=2", SG_BF16, SG_F32, 2, 1, 4, 0.0f, 0, 0,
-     SG_CODEC_NONE},
+    {"save before the first step, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0, 0, SG_CODEC_NONE},
     {"int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8},
     {"4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1, SG_CODEC_INT4},
     {"int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8},
     {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8},
-    {"streaming outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 1, 6, 0.0f,
-     0, 4, SG_CODEC_INT8},
+    {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
+     SG_CODEC_INT8},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -296,7 +294,7 @@ typedef struct {
   run_arg a;
   int nccl_shard, nccl_rep, offload;
   sg_codec codec;
-  int outer;
+  int outer, stream;
   sg_status st;
   char msg[400];
 } refuse_arg;
@@ -308,6 +306,7 @@ static void *refuse_thread(void *arg) {
   sg_config cfg;
   fill_config(&ra->a, &cfg);
   cfg.outer_every = ra->outer;
+  cfg.outer_streaming = ra->stream;
   cfg.replica_codec = ra->codec;
   cfg.offload_optimizer = ra->offload;
   ra->st = split(&ra->a, ra->nccl_shard, ra->nccl_rep, &shard, &rep);
@@ -320,7 +319,7 @@ static void *refuse_thread(void *arg) {
 }
 
 static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, sg_codec codec,
-                   int outer, const char *needle) {
+                   int outer, int stream, const char *needle) {
   static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1, SG_CODEC_NONE};
   sg_comm *world[W] = {NULL};
   unsigned char id[128];
@@ -332,7 +331,7 @@ static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, 
     memset(&ra[r], 0, sizeof ra[r]);
     ra[r].a = (run_arg){&tc, 1, 0, world[r], id, NULL, NULL, r, NULL};
     ra[r].nccl_shard = nccl_shard, ra[r].nccl_rep = nccl_rep, ra[r].offload = offload;
-    ra[r].codec = codec, ra[r].outer = outer;
+    ra[r].codec = codec, ra[r].outer = outer, ra[r].stream = stream;
     pthread_create(&th[r], NULL, refuse_thread, &ra[r]);
   }
   for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
@@ -410,11 +409,14 @@ int main(int argc, char **argv) {
     return 77;
   }
   for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
-  refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, "offload_optimizer");
-  refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, "offload_optimizer");
+  refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, 0, "offload_optimizer");
+  refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 0, "offload_optimizer");
+  refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
+  refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
+         "CPU device only");
   if (nccl) {
-    refuse("outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, "same kind");
-    refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, "same kind");
+    refuse("outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 0, "same kind");
+    refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, 0, "same kind");
   }
   return sg_test_summary("test_replica_dev: ");
 }

@@ -17,10 +17,14 @@
  *    state (its parameters and AdamW moments on every replica, as the reference does);
  *  - a checkpoint without the outer state (of an engine without outer steps): a new period
  *    from the loaded parameters with zero momentum;
- *  - streaming outer steps (cfg.outer_streaming: step k of each period syncs the buckets b with
- *    b mod H = k - 1, the test's reference syncs those elements only), also with the int8 codes,
- *    a bf16 wire, H above the number of buckets and a save/load in the middle of a period: bit
- *    for bit, and every rank holds the same bits in the synced group after each step;
+ *  - streaming outer steps (cfg.outer_streaming: step k of each period begins the sum of the
+ *    buckets b with b mod H = k - 1, and step k + 1 merges it before its update: the reference
+ *    takes the outer step of those elements at step k and writes the new outer parameters into
+ *    its flat engines before their step k + 1), also with the int8 codes, a bf16 wire, H = 1, H
+ *    above the number of buckets and a save/load in the middle of a period (sg_save merges the
+ *    sum in flight first; so does the reference): bit for bit, also at the merge itself (read
+ *    after sg_grad_norm, which merges, before sg_step), where every rank holds the same bits in
+ *    the merged group;
  *  - bad settings fail at create with a clear message.
  * Usage: test_replica_outer --local */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t */
@@ -61,6 +65,9 @@ typedef struct {
 typedef struct {
   float param[MAXS][TOTAL]; /* the hybrid engine's after each step */
   float ref[MAXS][TOTAL];   /* the reference's */
+  float merged[MAXS][TOTAL];     /* streaming: the hybrid engine's after sg_grad_norm, before
+                                    the step (the last step's group merged) */
+  float ref_merged[MAXS][TOTAL]; /* the reference's before its step */
   sg_memory_stats mem;
   int ok;
   char err[400];
@@ -86,6 +93,8 @@ typedef struct {
   int *fmap;
   float *r1[MAXW], *r2[MAXW];
   int group[TOTAL]; /* streaming: the group of each element's bucket (bucket mod H) */
+  int pend;         /* streaming: the group whose new outer parameters the reference's next
+                       step takes first (-1: none) */
 } run_arg;
 
 static float grad_val(int rank, int step, int p, size_t i) {
@@ -127,7 +136,7 @@ static sg_status setup(sg_engine *e, int *ids) {
   return st;
 }
 
-static sg_status feed_and_step(sg_engine *e, const int *ids, int rank, int s) {
+static sg_status feed(sg_engine *e, const int *ids, int rank, int s) {
   sg_status st = SG_OK;
   for (int p = NP - 1; p >= 0 && !st; p--) {
     float *g = NULL;
@@ -135,7 +144,11 @@ static sg_status feed_and_step(sg_engine *e, const int *ids, int rank, int s) {
     for (size_t i = 0; !st && i < k_sizes[p]; i++) g[i] = grad_val(rank, s, p, i);
     if (!st) st = sg_grad_ready(e, ids[p]);
   }
-  if (!st) st = sg_backward_end(e);
+  return st ? st : sg_backward_end(e);
+}
+
+static sg_status feed_and_step(sg_engine *e, const int *ids, int rank, int s) {
+  const sg_status st = feed(e, ids, rank, s);
   return st ? st : sg_step(e, NULL);
 }
 
@@ -186,7 +199,7 @@ static void ref_coded_sum(run_arg *a, int g, float *sum) {
 }
 
 /* The reference's outer step over every node's parameters (g >= 0: over the elements of group
- * g's buckets only); theta receives the result. */
+ * g's buckets only); theta, unless NULL, receives the result. */
 static void ref_outer(run_arg *a, int g, float *theta) {
   const tcase *tc = a->sh->tc;
   const float lr = (float)tc->lr, mu = (float)tc->mu;
@@ -200,7 +213,7 @@ static void ref_outer(run_arg *a, int g, float *theta) {
     const float d = wire_round(tc, sum) / (float)tc->n;
     a->m[i] = mu * a->m[i] + d;
     a->po[i] = a->po[i] - lr * (d + mu * a->m[i]);
-    theta[i] = a->po[i];
+    if (theta) theta[i] = a->po[i];
   }
 }
 
@@ -217,19 +230,45 @@ static int group_at(const tcase *tc, int s) {
   return (s - p0) % tc->h;
 }
 
+/* Streaming: the flat engine's parameters of the pending group become the outer parameters
+ * (the merge the hybrid engine takes before its next update, or at sg_save). */
+static sg_status ref_merge(run_arg *a, sg_engine *flat, const int *ids) {
+  static _Thread_local float theta[TOTAL];
+  if (a->pend < 0) return SG_OK;
+  sg_status st = read_all(flat, ids, theta);
+  for (size_t i = 0; i < TOTAL; i++)
+    if (a->group[i] == a->pend) theta[i] = a->po[i];
+  a->pend = -1;
+  return st ? st : write_all(flat, ids, theta);
+}
+
 static sg_status reference_step(run_arg *a, sg_engine *flat, const int *ids, int s) {
   const tcase *tc = a->sh->tc;
   const int node = a->rank / tc->l;
   float *ref = a->res->ref[s];
-  sg_status st = feed_and_step(flat, ids, a->rank, s);
+  sg_status st = tc->stream ? ref_merge(a, flat, ids) : SG_OK;
+  if (!st && tc->stream) st = read_all(flat, ids, a->res->ref_merged[s]);
+  if (!st) st = feed_and_step(flat, ids, a->rank, s);
   if (!st) st = read_all(flat, ids, ref);
   if (st) return st; /* the others then wait at the barrier: ctest's timeout ends the run */
   if (!tc->stream && !outer_at(tc, s)) return SG_OK;
   if (a->rank % tc->l == 0) memcpy(a->sh->node[node], ref, sizeof(float) * TOTAL);
   pthread_barrier_wait(&a->sh->bar);
-  ref_outer(a, tc->stream ? group_at(tc, s) : -1, ref);
+  ref_outer(a, tc->stream ? group_at(tc, s) : -1, tc->stream ? NULL : ref);
   pthread_barrier_wait(&a->sh->bar); /* nobody publishes the next one before all read this */
-  return write_all(flat, ids, ref);
+  if (!tc->stream) return write_all(flat, ids, ref);
+  a->pend = group_at(tc, s); /* merged before the next step */
+  return SG_OK;
+}
+
+/* Streaming: the hybrid engine's step, its parameters read between sg_grad_norm (which merges
+ * the last step's group) and sg_step. */
+static sg_status stream_step(sg_engine *e, const int *ids, int rank, int s, float *merged) {
+  float norm = 0;
+  sg_status st = feed(e, ids, rank, s);
+  if (!st) st = sg_grad_norm(e, &norm);
+  if (!st) st = read_all(e, ids, merged);
+  return st ? st : sg_step(e, NULL);
 }
 
 static sg_status make_hybrid(run_arg *a, int l, sg_comm **shard, sg_comm **rep, sg_engine **e,
@@ -261,6 +300,7 @@ static sg_status reload(run_arg *a, sg_engine **e, sg_comm **shard, sg_comm **re
   char fdir[80];
   snprintf(fdir, sizeof fdir, "%s/flat", a->sh->dir);
   sg_status st = sg_save(*e, a->sh->dir);
+  if (!st) st = ref_merge(a, flat, fids); /* sg_save merged the hybrid engine's */
   if (!st && a->rank < tc->l) st = sg_save(flat, fdir);
   pthread_barrier_wait(&a->sh->bar);
   drop_hybrid(e, shard, rep);
@@ -325,12 +365,15 @@ static void *run_thread(void *arg) {
     a->po[i] = init_val((int)p, i - off);
     a->m[i] = 0;
   }
+  a->pend = -1;
   a->res->mem.struct_size = sizeof a->res->mem;
   if (!st) st = sg_memory(e, &a->res->mem);
   for (int s = 0; s < tc->steps && !st; s++) {
     if (tc->reload && s == tc->reload) st = reload(a, &e, &shard, &rep, ids, flat, fids);
     if (!st) a->plan = e->plan; /* a new engine's after a reload: the same slices */
-    if (!st) st = feed_and_step(e, ids, a->rank, s);
+    if (!st)
+      st = tc->stream ? stream_step(e, ids, a->rank, s, a->res->merged[s])
+                      : feed_and_step(e, ids, a->rank, s);
     if (!st) st = read_all(e, ids, a->res->param[s]);
     if (!st) st = reference_step(a, flat, fids, s);
   }
@@ -361,24 +404,32 @@ static void check_memory(const tcase *tc, const result *res) {
         with.comm_bytes);
   const size_t outer = with.comm_bytes - without.comm_bytes;
   const size_t codec = tc->codec ? 4 * with.shard_numel : 0; /* at least the first residuals */
-  const size_t slack = tc->codec ? 4 * with.shard_numel : 0; /* r2 and the exchange buffers */
+  /* r2 and the exchange buffers; streaming: a bf16 wire and its own comm scratch */
+  const size_t slack = ((tc->codec ? 4 : 0) + (tc->stream ? 4 : 0)) * with.shard_numel;
   CHECK(outer >= 8 * with.shard_numel + codec &&
             outer <= 8 * with.shard_numel + 4 * with.shard_numel + codec + slack + 4096,
         "[%s] the outer state is counted: %zu comm bytes for a shard of %zu", tc->name, outer,
         with.shard_numel);
 }
 
-/* Streaming: after step s every rank holds the same bits in the elements of the step's group
- * (the group has elements: a group without buckets, H > nbuckets, syncs nothing). */
-static void check_group_same(const tcase *tc, const result *res, const int *group, int w, int s) {
-  const int g = group_at(tc, s);
+/* Streaming: at the merge before step s (s >= 1) every rank holds the same bits in the elements
+ * of step s - 1's group, and every rank's parameters there are the reference's (a group without
+ * buckets, H > nbuckets, merges nothing). */
+static void check_merged(const tcase *tc, const result *res, const int *group, int w, int s) {
+  for (int r = 0; r < w; r++)
+    CHECK(!memcmp(res[r].merged[s], res[r].ref_merged[s], sizeof res[r].merged[s]),
+          "[%s] rank %d: the parameters at the merge before step %d are the reference's",
+          tc->name, r, s);
+  if (s == 0) return;
+  const int g = group_at(tc, s - 1);
   int n = 0, same = 1;
   for (size_t i = 0; i < TOTAL; i++) {
     if (group[i] != g) continue;
     n++;
-    for (int r = 1; r < w; r++) same &= res[r].param[s][i] == res[0].param[s][i];
+    for (int r = 1; r < w; r++) same &= res[r].merged[s][i] == res[0].merged[s][i];
   }
-  CHECK(same, "[%s] step %d: every rank holds the same %d elements of group %d", tc->name, s, n, g);
+  CHECK(same, "[%s] before step %d: every rank holds the same %d elements of group %d", tc->name,
+        s, n, g);
 }
 
 static void run_case(const tcase *tc) {
@@ -412,10 +463,9 @@ static void run_case(const tcase *tc) {
   for (int s = 0; s < tc->steps && ok; s++) {
     int same = 1;
     for (int r = 1; r < w; r++) same &= !memcmp(res[r].param[s], res[0].param[s], sizeof res[0].param[s]);
-    if (tc->stream) {
-      check_group_same(tc, res, a[0].group, w, s);
-      CHECK(same == (tc->h == 1), "[%s] step %d: the ranks hold %s parameters", tc->name, s,
-            tc->h == 1 ? "the same" : "their node's own outside the group");
+    if (tc->stream) { /* after the step each node's update is on top of the merge */
+      check_merged(tc, res, a[0].group, w, s);
+      CHECK(!same, "[%s] step %d: the ranks hold their node's own parameters", tc->name, s);
       continue;
     }
     CHECK(same == outer_at(tc, s), "[%s] step %d: the ranks hold %s parameters", tc->name, s,
@@ -552,6 +602,8 @@ static const tcase k_cases[] = {
     {"3x2 H=3 streaming", 3, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 1},
     {"3x2 H=2 streaming bf16 wire", 3, 2, 2, 5, SG_BF16, 0.7, 0.9, 0, 0, 0, SG_CODEC_NONE, 1},
     {"2x2 H=3 streaming int8", 2, 2, 3, 7, SG_F32, 0.7, 0.9, 0, 0, 0, SG_CODEC_INT8, 1},
+    {"3x2 H=1 streaming lr 1 no momentum", 3, 2, 1, 4, SG_F32, 1.0, 0.0, 0, 0, 0, SG_CODEC_NONE,
+     1},
     {"2x2 H=5 streaming (more groups than buckets)", 2, 2, 5, 7, SG_F32, 0.7, 0.5, 0, 0, 0,
      SG_CODEC_NONE, 1},
     {"2x2 H=3 streaming save at step 4, load+save at 4x1, load", 2, 2, 3, 8, SG_F32, 0.7, 0.9, 4,

@@ -146,7 +146,9 @@ typedef struct sg__replica_ops {
   int (*grad_replicas)(const sg_engine *e);
   /* After each sg_step: 1 when this step ends an outer period (outer steps: every H-th), then,
    * once the step's gathers landed, sync makes every replica's parameters the outer step's
-   * (the engine gathers them in the node after it); others: 0, nothing. */
+   * (the engine gathers them in the node after it); streaming: 1 when the step's group has
+   * buckets, and sync begins their sum, which the next step's finish merges; others: 0,
+   * nothing. */
   int (*sync_due)(sg_engine *e);
   sg_status (*sync)(sg_engine *e);
   /* Checkpoints (src/ckpt): the per-element state the transport keeps beyond the optimizer's
@@ -176,6 +178,7 @@ typedef struct sg__replicas {
   const sg__replica_ops *ops; /* the transport, never NULL after sg_engine_create */
   sg_comm *comm;     /* channel of the replica communicator; NULL: one replica */
   int mem;           /* SG__REP_MEM_*: what its host-side collectives take */
+  int elem_q;        /* sg__queue of its element work (outer steps, codes): sg_replica_select.c */
   int rank, n;       /* this rank's replica and the replica count (flat: 0, 1) */
   int microbatches;  /* sg_set_microbatches (0: not said) */
   int mb;            /* micro-batches begun since the accumulator was last cleared */
@@ -189,7 +192,8 @@ typedef struct sg__replicas {
   int host_wire;     /* wire is this stage's pinned host memory (offload) */
   /* Staged (an NCCL shard, a host replica communicator, the accumulator on the GPU): the
    * channel's own host queue (a CPU device), the shard's slices in replica_reduce_dtype in
-   * pinned host memory (shard offsets), and that queue's last job. */
+   * pinned host memory (shard offsets), and that queue's last job. Streaming outer steps have
+   * the host queue too (their sums run there beside the node's reductions). */
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;

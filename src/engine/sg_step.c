@@ -128,9 +128,10 @@ sg_status sg_grad_scale(sg_engine *e, double factor) {
 }
 
 /* The end of an outer period of a hybrid engine with outer steps (every step counts, skipped or
- * not, so that the replicas stay in step; streaming: every step whose group has buckets): the
- * step's gathers landed, the replicas agree on the parameters (of the group), and the node
- * gathers them (the transport does, bucket by bucket). Other steps and engines: nothing. */
+ * not, so that the replicas stay in step): the step's gathers landed, the replicas agree on the
+ * parameters, and the node gathers them (the transport does, bucket by bucket). Streaming:
+ * every step whose group has buckets begins their sum, which the next step merges. Other steps
+ * and engines: nothing. */
 static sg_status outer_sync(sg_engine *e) {
   if (!sg__replicas_sync_due(e)) return SG_OK;
   SG_TRY(sg__step_settle(e));

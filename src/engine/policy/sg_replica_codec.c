@@ -67,12 +67,12 @@ size_t sg__replica_codec_bytes(const sg__plan *p, int N, int bits) {
 /* ---- the two stages ------------------------------------------------------------------------ */
 
 /* Stage 2's codes of chunk k, decoded into the slice by every replica. */
-static sg_status decode_all(sg__device *d, const sg__codec *k, float *acc, size_t n, int N,
+static sg_status decode_all(sg__device *d, sg__queue q, const sg__codec *k, float *acc, size_t n, int N,
                             size_t region) {
   for (int r = 0; r < N; r++) {
     size_t off, len;
     chunk_of(n, N, r, &off, &len);
-    SG_TRY(d->ops->code_decode(d, SG_Q_COMM, acc + off, k->send + (size_t)r * region, len,
+    SG_TRY(d->ops->code_decode(d, q, acc + off, k->send + (size_t)r * region, len,
                                k->bits, 0));
   }
   return SG_OK;
@@ -80,36 +80,38 @@ static sg_status decode_all(sg__device *d, const sg__codec *k, float *acc, size_
 
 /* The owner's sum of its chunk: every replica's codes decoded in replica order (fp32 adds),
  * into the slice, then encoded with its own residual into its slot of the send buffer. */
-static sg_status owner_sum(sg__device *d, const sg__codec *k, float *acc, float *r2, size_t n,
+static sg_status owner_sum(sg__device *d, sg__queue q, const sg__codec *k, float *acc, float *r2, size_t n,
                            int N, int me, size_t region) {
   size_t off, len;
   chunk_of(n, N, me, &off, &len);
   for (int r = 0; r < N; r++)
-    SG_TRY(d->ops->code_decode(d, SG_Q_COMM, acc + off, k->recv + (size_t)r * region, len,
+    SG_TRY(d->ops->code_decode(d, q, acc + off, k->recv + (size_t)r * region, len,
                                k->bits, r > 0));
-  return d->ops->code_encode(d, SG_Q_COMM, k->send + (size_t)me * region, acc + off, r2, len,
+  return d->ops->code_encode(d, q, k->send + (size_t)me * region, acc + off, r2, len,
                              k->bits);
 }
 
-/* On the comm queue; the codes through the engine's device (its memory on CUDA). */
+/* In the replica work's queue (sg__replica_elem_queue); the codes through the engine's device
+ * (its memory on CUDA). */
 sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   sg_comm *c = e->rep.comm;
   sg__device *d = e->dev;
+  const sg__queue q = sg__replica_elem_queue(e);
   const int N = e->rep.n, me = e->rep.rank;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
   float *r1 = k->r1 + e->plan->buckets[b].shard_offset, *r2 = k->r2 + k->r2_off[b];
   for (int r = 0; r < N; r++) {
     size_t off, len;
     chunk_of(n, N, r, &off, &len);
-    SG_TRY(d->ops->code_encode(d, SG_Q_COMM, k->send + (size_t)r * region, acc + off, r1 + off,
+    SG_TRY(d->ops->code_encode(d, q, k->send + (size_t)r * region, acc + off, r1 + off,
                                len, k->bits));
   }
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   SG_TRY(c->ops->all_to_all(c, k->send, k->recv, region, dl));
-  SG_TRY(owner_sum(d, k, acc, r2, n, N, me, region));
+  SG_TRY(owner_sum(d, q, k, acc, r2, n, N, me, region));
   SG_TRY(c->ops->all_gather(c, k->send, region, dl));
-  return decode_all(d, k, acc, n, N, region);
+  return decode_all(d, q, k, acc, n, N, region);
 }
 
 sg_status sg__replica_codec_reduce(sg_engine *e, int b) {

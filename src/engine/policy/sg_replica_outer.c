@@ -18,8 +18,10 @@
  * period in e->rep.outer on the host. Its element work goes through the device (outer_delta,
  * outer_step, cast: kernels/sg_elem.h's math on either device), so the CPU and CUDA devices
  * take bit-identical outer steps; each bucket's delta, sum and step are one job on the replica
- * channel's queue. The streaming variant (sg_replica_outer_stream.c) takes the same steps one
- * group of buckets at a time: sg__replica_outer_stream_due and _sync below. */
+ * channel's queue. The streaming variant (sg_replica_outer_stream.c, the CPU device) takes the
+ * same steps one group of buckets at a time, its sum overlapped with the next step: it uses the
+ * pieces below (sg__replica_outer_stream_due, _group, _delta, _apply, _gather, _dbuf) and a
+ * pseudo-gradient buffer that holds a whole group's runs. */
 #include <string.h> /* memset */
 
 #include "sg_replica_policy.h"
@@ -44,9 +46,26 @@ static int has_wire(const sg_config *cfg) {
   return cfg->replica_reduce_dtype != SG_F32 && cfg->replica_codec == SG_CODEC_NONE;
 }
 
+/* Streaming: the runs of the largest group of buckets (b mod H), together. */
+static size_t max_group(const sg__plan *p, int H) {
+  size_t most = 0;
+  for (int g = 0; g < H && g < p->nbuckets; g++) {
+    size_t n = 0;
+    for (int b = g; b < p->nbuckets; b += H) n += sg__plan_slice_numel(p, b);
+    if (n > most) most = n;
+  }
+  return most;
+}
+
+/* The pseudo-gradient buffer d: one run, or with streaming the runs of the largest group (its
+ * sum is in flight while the next step runs). */
+static size_t d_numel(const sg__plan *p, const sg_config *cfg) {
+  return cfg->outer_streaming ? max_group(p, cfg->outer_every) : max_run(p);
+}
+
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
   const size_t wire = has_wire(cfg) ? 2u * max_run(p) : 0;
-  return 4u * (2u * p->shard_numel + max_run(p)) + wire;
+  return 4u * (2u * p->shard_numel + d_numel(p, cfg)) + wire;
 }
 
 static outer_bufs bufs_of(const sg_engine *e) {
@@ -54,7 +73,7 @@ static outer_bufs bufs_of(const sg_engine *e) {
   k.po = (float *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
   k.m = k.po + e->plan->shard_numel;
   k.d = k.m + e->plan->shard_numel;
-  k.wire = has_wire(&e->cfg) ? (void *)(k.d + max_run(e->plan)) : NULL;
+  k.wire = has_wire(&e->cfg) ? (void *)(k.d + d_numel(e->plan, &e->cfg)) : NULL;
   return k;
 }
 
@@ -94,8 +113,9 @@ int sg__replica_outer_due(sg_engine *e) {
   return 1;
 }
 
-/* The pseudo-gradient run summed over the replicas (inside the bucket's job): all-reduced in
- * fp32, or through the bf16 wire (cast by the device on the comm queue). */
+/* The pseudo-gradient run summed over the replicas (inside the bucket's job, or the streaming
+ * sum's on its host queue): all-reduced in fp32, or through the bf16 wire (cast by the device in
+ * the queue of its replica work, sg__replica_elem_queue). */
 sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
   (void)b;
   const outer_bufs k = bufs_of(e);
@@ -104,9 +124,10 @@ sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   if (!k.wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
   const int w = e->cfg.replica_reduce_dtype;
-  SG_TRY(dev->ops->cast(dev, SG_Q_COMM, k.wire, w, d, SG_F32, n));
+  const sg__queue q = sg__replica_elem_queue(e);
+  SG_TRY(dev->ops->cast(dev, q, k.wire, w, d, SG_F32, n));
   SG_TRY(c->ops->all_reduce(c, k.wire, n, w, dl));
-  return dev->ops->cast(dev, SG_Q_COMM, d, SG_F32, k.wire, w, n);
+  return dev->ops->cast(dev, q, d, SG_F32, k.wire, w, n);
 }
 
 /* Bucket b's outer step, one job on the replica channel's queue: d = po - theta, its sum over
@@ -127,12 +148,13 @@ static sg_status bucket_job_fn(void *arg) {
   sg__owned o;
   e->strat->owned(e->plan, e->rank, j->b, &o);
   float *theta = master_of(e, &o), *po = k.po + o.state0, *m = k.m + o.state0;
-  SG_TRY(d->ops->outer_delta(d, SG_Q_COMM, k.d, po, theta, o.n));
+  const sg__queue q = sg__replica_elem_queue(e);
+  SG_TRY(d->ops->outer_delta(d, q, k.d, po, theta, o.n));
   SG_TRY(j->sum(e, j->b, k.d, o.n));
-  SG_TRY(d->ops->outer_step(d, SG_Q_COMM, po, m, theta, k.d, o.n, e->rep.n, lr, mu));
+  SG_TRY(d->ops->outer_step(d, q, po, m, theta, k.d, o.n, e->rep.n, lr, mu));
   if (!e->opt.master) return SG_OK;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  return d->ops->cast(d, SG_Q_COMM, e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32,
+  return d->ops->cast(d, q, e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32,
                       o.n);
 }
 
@@ -157,9 +179,7 @@ static sg_status sync_buckets(sg_engine *e, sg__outer_sum_fn sum, int first, int
     bucket_job j = {e, b, sum};
     SG_TRY(sg__replica_run_comm(e, bucket_job_fn, &j));
   }
-  if (!sg__gathers_needed(e)) return SG_OK;
-  gather_job g = {e, first, stride};
-  return sg__engine_run_comm(e, gather_job_fn, &g);
+  return sg__replica_outer_gather(e, first, stride);
 }
 
 sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum) {
@@ -179,9 +199,42 @@ int sg__replica_outer_stream_due(sg_engine *e) {
   return e->rep.outer.group < e->plan->nbuckets;
 }
 
-sg_status sg__replica_outer_stream_sync(sg_engine *e, sg__outer_sum_fn sum) {
-  return sync_buckets(e, sum, e->rep.outer.group, e->cfg.outer_every);
+int sg__replica_outer_group(const sg_engine *e) { return e->rep.outer.group; }
+
+/* The pieces streaming takes apart (on the CPU device, from the caller's thread): bucket b's
+ * pseudo-gradient po - theta of this rank's run into d (its values in *n), its Nesterov step from
+ * the replicas' sum in d (the parameters become the new po), the node's gathers of the buckets
+ * first, first + stride, ... on the engine's comm queue (waited for), the buffer d. */
+sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n) {
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, b, &o);
+  *n = o.n;
+  return e->dev->ops->outer_delta(e->dev, SG_Q_COMPUTE, d, bufs_of(e).po + o.state0,
+                                  master_of(e, &o), o.n);
 }
+
+sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
+  const outer_bufs k = bufs_of(e);
+  sg__device *dev = e->dev;
+  const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
+  sg__owned o;
+  e->strat->owned(e->plan, e->rank, b, &o);
+  float *theta = master_of(e, &o);
+  SG_TRY(dev->ops->outer_step(dev, SG_Q_COMPUTE, k.po + o.state0, k.m + o.state0, theta, d, o.n,
+                              e->rep.n, lr, mu));
+  if (!e->opt.master) return SG_OK;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  return dev->ops->cast(dev, SG_Q_COMPUTE, e->params + o.flat0 * P, e->cfg.param_dtype, theta,
+                        SG_F32, o.n);
+}
+
+sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride) {
+  if (!sg__gathers_needed(e)) return SG_OK;
+  gather_job g = {e, first, stride};
+  return sg__engine_run_comm(e, gather_job_fn, &g);
+}
+
+float *sg__replica_outer_dbuf(sg_engine *e) { return bufs_of(e).d; }
 
 int sg__replica_outer_grad_replicas(const sg_engine *e) {
   (void)e;

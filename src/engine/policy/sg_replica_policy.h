@@ -40,10 +40,22 @@ typedef sg_status (*sg__outer_sum_fn)(sg_engine *e, int b, float *d, size_t n);
 sg_status sg__replica_outer_prepare(sg_engine *e);
 sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n);
 sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
+/* The pieces of an outer step that streaming takes apart: the pseudo-gradient po - theta of this
+ * rank's run of bucket b into d (returns its values), bucket b's Nesterov step from the summed d
+ * (the parameters become the new po), the node's gathers of buckets first, first + stride, ...
+ * (waited for), and the pseudo-gradient buffer (with streaming: room for the largest group's
+ * runs). */
+sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n);
+sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d);
+sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride);
+float *sg__replica_outer_dbuf(sg_engine *e);
 /* Streaming: due at every step whose group (the buckets b with b mod H = the step's position in
- * the period) has a bucket, and that group's outer step. */
+ * the period) has a bucket; that group (of the step that just ended). */
 int sg__replica_outer_stream_due(sg_engine *e);
-sg_status sg__replica_outer_stream_sync(sg_engine *e, sg__outer_sum_fn sum);
+int sg__replica_outer_group(const sg_engine *e);
+/* sg_replica_outer_stream.c: the bytes of its replica buffer for n replicas (the outer state,
+ * the codec's with int8 codes, its own). */
+size_t sg__replica_outer_stream_bytes(const sg__plan *p, const sg_config *cfg, int n);
 sg_status sg__replica_outer_finish(sg_engine *e);
 int sg__replica_outer_due(sg_engine *e);
 int sg__replica_outer_grad_replicas(const sg_engine *e);
@@ -56,8 +68,6 @@ void sg__replica_outer_restore(sg_engine *e, const sg__rep_ck *ck);
   .run = sg__replica_run_comm, .drain = sg__replica_no_drain,                                    \
   .grad_replicas = sg__replica_outer_grad_replicas
 #define SG__REPLICA_OUTER_STEPS SG__REPLICA_OUTER_COMMON, .sync_due = sg__replica_outer_due
-#define SG__REPLICA_OUTER_STREAM_STEPS                                                            \
-  SG__REPLICA_OUTER_COMMON, .sync_due = sg__replica_outer_stream_due
 
 /* sg_replica_select.c: the bytes of the layout's replica buffer (sg__replicas_shape). */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n);
@@ -83,8 +93,13 @@ sg_status sg__replica_codec_sum(sg_engine *e, int b, float *x);
 sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
-/* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select. */
+/* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select (also
+ * for streaming outer steps, sg_replica_outer_stream.c; their release destroys it). */
 sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg__device **dev);
+/* ... and its entries over that queue: its release, drain and run. */
+void sg__replica_staged_release(sg_engine *e);
+sg_status sg__replica_staged_drain(sg_engine *e);
+sg_status sg__replica_staged_run(sg_engine *e, sg__job_fn fn, void *arg);
 
 /* sg_replica_common.c: the entry points every transport but flat shares. */
 sg_status sg__replica_init(sg_engine *e);
@@ -111,6 +126,10 @@ sg_status sg__replica_submit(sg_engine *e, int b, sg_status (*reduce)(sg_engine 
 sg_status sg__replica_reduce_device(sg_engine *e, int b);
 /* fn(arg) on the engine's comm queue, waited for (run), and nothing to drain (drain). */
 sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
+/* The queue of the replica element work (outer steps, codes) on the engine's device, chosen by
+ * sg_replica_select.c: the comm queue on CUDA (the replica job's stream), the compute queue on
+ * the CPU device (at once, in the caller's order). */
+sg__queue sg__replica_elem_queue(const sg_engine *e);
 sg_status sg__replica_no_drain(sg_engine *e);
 sg_status sg__replica_no_prepare(sg_engine *e);
 void sg__replica_no_release(sg_engine *e);

@@ -70,22 +70,28 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
 
 /* Outer steps: their element work goes through the device (either kind), each bucket's
  * pseudo-gradient summed by the replica channel inside one job on the engine's device (on CUDA
- * attached as above). With the int8 codec the pseudo-gradient goes through its exchange;
- * streaming: one group of buckets per step. */
+ * attached as above). With the int8 codec the pseudo-gradient goes through its exchange.
+ * Streaming (one group of buckets per step, its sum overlapped with the next step): each sum
+ * runs on a host queue of its own beside the node's reductions, on the CPU device only. */
 static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                             sg__device **dev) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
                    "other replicas to agree with (use 0)");
-  const int stream = e->cfg.outer_streaming;
-  if (e->cfg.replica_codec == SG_CODEC_NONE) {
-    if (e->dev->kind != SG_DEVICE_CPU) SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
-    *ops = stream ? &sg__replica_outer_stream : &sg__replica_outer;
+  const int stream = e->cfg.outer_streaming, codec = e->cfg.replica_codec != SG_CODEC_NONE;
+  if (stream && e->dev->kind != SG_DEVICE_CPU)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
+                   "sums overlap the next step on a host queue); on the CUDA device use outer "
+                   "steps without streaming");
+  if (!codec && e->dev->kind != SG_DEVICE_CPU)
+    SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
+  if (codec) SG_TRY(codec_comm(e, replica, dev));
+  if (!stream) {
+    *ops = codec ? &sg__replica_outer_int8 : &sg__replica_outer;
     return SG_OK;
   }
-  SG_TRY(codec_comm(e, replica, dev));
-  *ops = stream ? &sg__replica_outer_stream_int8 : &sg__replica_outer_int8;
-  return SG_OK;
+  *ops = codec ? &sg__replica_outer_stream_int8 : &sg__replica_outer_stream;
+  return sg__replica_staged_host_queue(e, replica, dev);
 }
 
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
@@ -120,6 +126,9 @@ sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__rep
                              sg__device **dev) {
   SG_TRY(pick(e, replica, ops, dev));
   e->rep.mem = channel_mem(e, replica, *dev);
+  /* the CPU device runs element work at once, in the caller's order (a replica job, or the
+   * streaming sum's host queue, which must not wait for the node's comm jobs) */
+  e->rep.elem_q = e->dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
   return SG_OK;
 }
 
@@ -133,6 +142,8 @@ static size_t max_slice(const sg__plan *p) {
 /* A codec's residuals and exchange buffers, the outer state (and the codec's with both); else the wire buffer where the
  * wire dtype is not the accumulator's and there is another replica to sum with. */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
+  if (cfg->outer_every > 0 && cfg->outer_streaming)
+    return sg__replica_outer_stream_bytes(p, cfg, n);
   if (cfg->outer_every > 0 && cfg->replica_codec != SG_CODEC_NONE)
     return sg__replica_outer_int8_bytes(p, cfg, n);
   if (cfg->replica_codec != SG_CODEC_NONE)

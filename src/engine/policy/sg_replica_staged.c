@@ -15,14 +15,14 @@ sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg
   return SG_OK;
 }
 
-static void staged_release(sg_engine *e) {
+void sg__replica_staged_release(sg_engine *e) {
   if (!e->rep.host_dev) return;
   e->rep.host_dev->ops->destroy(e->rep.host_dev); /* joins its worker */
   e->rep.host_dev = NULL;
 }
 
 /* The host queue's jobs so far finished (their failure, if any). */
-static sg_status staged_drain(sg_engine *e) {
+sg_status sg__replica_staged_drain(sg_engine *e) {
   if (!e->rep.host_last) return SG_OK;
   sg__device *h = e->rep.host_dev;
   return h->ops->comm_wait(h, e->rep.host_last, sg__engine_host_deadline(e));
@@ -36,10 +36,10 @@ static sg_status staged_prepare(sg_engine *e) {
 }
 
 /* A host-side collective on the host queue (after its all-reduces), waited for. */
-static sg_status staged_run(sg_engine *e, sg__job_fn fn, void *arg) {
+sg_status sg__replica_staged_run(sg_engine *e, sg__job_fn fn, void *arg) {
   sg__device *h = e->rep.host_dev;
   SG_TRY(sg__engine_broken(e, h->ops->comm_submit(h, fn, NULL, arg, &e->rep.host_last)));
-  return sg__engine_broken(e, staged_drain(e));
+  return sg__engine_broken(e, sg__replica_staged_drain(e));
 }
 
 typedef struct {
@@ -103,7 +103,7 @@ static sg_status staged_job_new(sg_engine *e, int b, staged_job **out) {
 
 static sg_status staged_claim(sg_engine *e, int b) {
   /* the stage is reused: the previous round's sums (sg_grad_zero after them) are done */
-  if (e->rep.nclaimed == 1) SG_TRY(sg__engine_broken(e, staged_drain(e)));
+  if (e->rep.nclaimed == 1) SG_TRY(sg__engine_broken(e, sg__replica_staged_drain(e)));
   staged_job *down = NULL, *sum = NULL;
   SG_TRY(staged_job_new(e, b, &down));
   uint64_t t = 0;
@@ -117,7 +117,7 @@ static sg_status staged_claim(sg_engine *e, int b) {
 
 /* At the step: every staged sum done, then copied back on the engine's comm queue. */
 static sg_status staged_finish(sg_engine *e) {
-  SG_TRY(sg__engine_broken(e, staged_drain(e)));
+  SG_TRY(sg__engine_broken(e, sg__replica_staged_drain(e)));
   for (int b = 0; b < e->plan->nbuckets; b++) {
     if (e->rep.claimed[b] != SG__CLAIM_QUEUED) continue;
     staged_job *up = NULL;
@@ -131,7 +131,7 @@ static sg_status staged_finish(sg_engine *e) {
 
 const sg__replica_ops sg__replica_staged = {
     .name = "staged", SG__REPLICA_ENTRIES, .share_scratch = 0, .prepare = staged_prepare,
-    .release = staged_release, .claim = staged_claim, .finish = staged_finish,
-    .run = staged_run, .drain = staged_drain, SG__REPLICA_EVERY_STEP,
+    .release = sg__replica_staged_release, .claim = staged_claim, .finish = staged_finish,
+    .run = sg__replica_staged_run, .drain = sg__replica_staged_drain, SG__REPLICA_EVERY_STEP,
     SG__REPLICA_NO_CK,
 };
