@@ -367,6 +367,7 @@ class _Barrier:
     would not do: without new gradients it returns the norm it computed before.)"""
 
     def __init__(self, comm):
+        self.rank, self.size = comm.rank, comm.size
         self.e = Engine(comm, bucket_bytes=256)
         self.e.add_param("barrier", (64 * comm.size,))
         self.e.finalize()
@@ -384,6 +385,18 @@ class _Barrier:
         self.e.set_param(0, v)
         self.e.broadcast_params(0)
         return [float(x) for x in self.e.get_param(0)[:len(values)]]
+
+    def slowest(self, t):
+        """The largest of the ranks' t on every rank: a level's flows share its link, so the
+        link has carried their bytes only when the last of them is done (one flow finishing
+        early, and then running alone, must not count as the link's rate)."""
+        worst = t
+        for r in range(self.size):
+            v = [float(t) if r == self.rank else 0.0] + [0.0] * (self.e.param_shape(0)[0] - 1)
+            self.e.set_param(0, v)
+            self.e.broadcast_params(r)
+            worst = max(worst, float(self.e.get_param(0)[0]))
+        return worst
 
     def close(self):
         self.e.close()
@@ -510,13 +523,14 @@ def _fit_level(comm, bytes_of, barrier, rank, label, budget_s):
     """(bytes per second, latency) of a level from reductions of two sizes over comm.
     bytes_of(S): the bytes the level carries for one reduction of S bytes."""
     small = 64 << 10
-    t_small = min(_reductions(comm, small, 8, barrier) for _ in range(2))
+    slowest = barrier.slowest
+    t_small = min(slowest(_reductions(comm, small, 8, barrier)) for _ in range(2))
     probe_bytes = 4 << 20
-    t = _reductions(comm, probe_bytes, 2, barrier)
+    t = slowest(_reductions(comm, probe_bytes, 2, barrier))
     rate = bytes_of(probe_bytes) / max(t - t_small, 1e-9)
     big = int(min(256 << 20, max(probe_bytes, rate * budget_s / max(bytes_of(1.0), 1e-12))))
     big = int(barrier.agree([max(2, big >> 20)])[0]) << 20
-    t_big = min(_reductions(comm, big, 2, barrier) for _ in range(2))
+    t_big = min(slowest(_reductions(comm, big, 2, barrier)) for _ in range(2))
     rate = (bytes_of(big) - bytes_of(small)) / max(t_big - t_small, 1e-9)
     lat = max(0.0, t_small - bytes_of(small) / rate)
     _say(rank, "%s: %.1f MB/s, %.0f us per collective (reductions of %d KiB: %.2f ms, %d MiB: "
@@ -553,7 +567,7 @@ def _hybrid_sums(shard, replica, barrier, hw, rank, nbytes=8 << 20, buckets=3, r
         times = []
         for _ in range(rounds):
             barrier.wait()
-            times.append(_timed(sums))
+            times.append(barrier.slowest(_timed(sums)))
             e.step()
         t = statistics.median(times)
     finally:
