@@ -71,9 +71,13 @@ SG_HD float sg_elem_bf16_to_f32(uint16_t h) {
  * odd kept part; a carry out of the mantissa moves the exponent up, which also turns values
  * beyond the largest bf16 into infinity. NaN is handled apart so the carry cannot reach the
  * sign or turn it into infinity; it stays NaN, quiet, with its sign. */
+SG_HD uint32_t sg_elem_bf16_round_bits(uint32_t u) { /* the rounding alone: x not a NaN */
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
 SG_HD uint16_t sg_elem_f32_to_bf16(float x) {
   uint32_t u = sg_elem_f2u(x);
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t rounded = sg_elem_bf16_round_bits(u);
   uint32_t nan = (u >> 16) | 0x0040u;
   return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
 }
