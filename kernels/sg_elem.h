@@ -66,6 +66,12 @@ SG_HD float sg_elem_bf16_to_f32(uint16_t h) {
   return sg_elem_u2f(u | quiet);
 }
 
+/* The rounding of sg_elem_f32_to_bf16 alone, on the bits u of an x that is not a NaN (a loop
+ * that tests its values for NaN once per block: kernels/cpu/sg_cpu_q8.c). */
+SG_HD uint32_t sg_elem_bf16_round_bits(uint32_t u) {
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
 /* Round to nearest, ties to even. Adding 0x7fff plus the lowest kept bit to the 32-bit pattern
  * carries into bit 16 exactly when the dropped half is above one half, or equal to it with an
  * odd kept part; a carry out of the mantissa moves the exponent up, which also turns values
@@ -73,7 +79,7 @@ SG_HD float sg_elem_bf16_to_f32(uint16_t h) {
  * sign or turn it into infinity; it stays NaN, quiet, with its sign. */
 SG_HD uint16_t sg_elem_f32_to_bf16(float x) {
   uint32_t u = sg_elem_f2u(x);
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t rounded = sg_elem_bf16_round_bits(u);
   uint32_t nan = (u >> 16) | 0x0040u;
   return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
 }

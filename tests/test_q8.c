@@ -242,6 +242,83 @@ static void test_kernel_reference(uint64_t sr0) {
   CHECK(f32, "a block mapped to fp32 is the plain AdamW element on the pool");
 }
 
+/* bf16 rounding to nearest even by its definition: the nearer of the two bf16 neighbours (in
+ * double, exact), the even one on a tie; a NaN quiet with its sign and top payload. */
+static uint16_t ref_bf16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if (isnan(x)) return (uint16_t)((u >> 16) | 0x40u);
+  if (isinf(x)) return (uint16_t)(u >> 16);
+  const uint32_t lo = u & 0xffff0000u, e = (u >> 23) & 0xffu;
+  float fa;
+  memcpy(&fa, &lo, 4);
+  const double a = fa, b = a + copysign(ldexp(1.0, (int)(e ? e : 1) - 127 - 7), x);
+  const double da = fabs((double)x - a), db = fabs(b - (double)x);
+  const uint32_t k = lo >> 16;
+  return (uint16_t)(da < db ? k : db < da ? k + 1 : k + (k & 1));
+}
+
+/* bf16 parameters with an fp32 master (the kernel's working copy in a loop of its own after
+ * each block's update): the master's bits are those of the same step on f32 parameters, the
+ * bf16 copy is the master rounded to nearest even, a block that holds a NaN included, and
+ * nothing past a tensor's end is written. Step 1 with lr 0 keeps the master's initial values
+ * (ties, subnormals, infinities, NaNs with payloads), steps 2 and 3 move them. */
+static void test_kernel_bf16(void) {
+  enum { NB = 3, N = NB * 256 };
+  const size_t lens[NB] = {256, 256, 77};
+  static float pf[N], mst[N], g[N];
+  static uint16_t pb[N];
+  static uint8_t cm[2][N], cv[2][N];
+  float sm[2][NB] = {{0}}, sv[2][NB] = {{0}}, pool_m[256] = {0}, pool_v[256] = {0};
+  const uint32_t map[NB] = {SG__Q8_CODED, SG__Q8_CODED, SG__Q8_CODED};
+  memset(cm, 0, sizeof cm), memset(cv, 0, sizeof cv);
+  for (int i = 0; i < N; i++) {
+    float x = rnd_unit();
+    if (i % 5 == 1) x = ldexpf(1.0f + (float)(i % 7 + 1) * 0x1p-8f + 0x1p-9f, i % 20 - 10); /* ties */
+    if (i % 11 == 2) x = (i % 2 ? -1.0f : 1.0f) * 0x1p-140f * (float)(i % 97 + 1); /* subnormal */
+    mst[i] = pf[i] = x;
+  }
+  const uint32_t specials[] = {0x7fc00001u, 0xff812345u, 0x7f80ffffu, 0x7f800000u, 0xff800000u,
+                               0x7f7fffffu, 0x7f7f8000u};
+  for (int k = 0; k < 7; k++) memcpy(&mst[256 + 40 * k + 3], &specials[k], 4); /* block 1 */
+  memcpy(&mst[2 * 256 + 5], &specials[3], 4);                             /* an inf: no NaN */
+  memcpy(pf, mst, sizeof pf);
+  for (int i = 0; i < N; i++) pb[i] = 0xabcd;
+  sg__seg segs[NB];
+  for (int b = 0; b < NB; b++)
+    segs[b] = (sg__seg){(size_t)b * 256, (size_t)b * 256, lens[b], 1, (uint64_t)b * 256, 0};
+  int same = 1, rounded = 1;
+  for (uint64_t t = 1; t <= 3; t++) {
+    for (int i = 0; i < N; i++) g[i] = rnd_unit() * 0.05f;
+    for (int bf = 0; bf < 2; bf++) {
+      sg__update_args a;
+      memset(&a, 0, sizeof a);
+      a.param = bf ? (void *)pb : (void *)pf;
+      a.param_dtype = bf ? SG_BF16 : SG_F32;
+      a.master = bf ? mst : NULL;
+      a.grad = g, a.grad_dtype = SG_F32, a.grad_scale = 1.0f;
+      a.segs = segs, a.nsegs = NB, a.seed = 3;
+      sg__adamw_scalars(&a, t == 1 ? 0.0 : 1e-3, 0.9, 0.999, 1e-8, 0.0, t);
+      a.state[0] = pool_m, a.state[1] = pool_v;
+      a.q8_code[0] = cm[bf], a.q8_code[1] = cv[bf], a.q8_scale[0] = sm[bf], a.q8_scale[1] = sv[bf];
+      a.q8_f32 = map;
+      sg__cpu_adamw_q8(&a);
+    }
+    same &= memcmp(pf, mst, sizeof pf) == 0 && memcmp(cm[0], cm[1], N) == 0 &&
+            memcmp(cv[0], cv[1], N) == 0 && memcmp(sm[0], sm[1], sizeof sm[0]) == 0 &&
+            memcmp(sv[0], sv[1], sizeof sv[0]) == 0;
+    for (int b = 0; b < NB; b++)
+      for (size_t i = 0; i < lens[b]; i++) rounded &= pb[b * 256 + i] == ref_bf16(mst[b * 256 + i]);
+  }
+  CHECK(same, "bf16 parameters with a master: the master, codes and scales are those of f32 "
+        "parameters, bit for bit");
+  CHECK(rounded, "the bf16 parameters are the master rounded to nearest even (NaN, infinity, "
+        "ties and subnormals included)");
+  int untouched = 1;
+  for (size_t i = 2 * 256 + 77; i < N; i++) untouched &= pb[i] == 0xabcd;
+  CHECK(untouched, "the bf16 parameters past a tensor's end are never written");
+}
+
 /* ---- engines ------------------------------------------------------------------------------- */
 
 typedef struct variant {
@@ -891,6 +968,7 @@ int main(int argc, char **argv) {
   test_codes();
   test_kernel_reference(1000u);
   test_kernel_reference((3ull << 40) + 5 * 65536 - 256);
+  test_kernel_bf16();
   test_bad_config();
   static const variant vs[] = {
       {"grad_op f32 fp32state", SG_SHARD_GRAD_OP, SG_F32, 0, SG_F32, 4096, 0, 0, 0, 0, 0},
