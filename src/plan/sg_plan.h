@@ -81,5 +81,12 @@ static inline size_t sg__plan_slice_start(const sg__plan *p, int b, int r) {
 static inline size_t sg__plan_slice_numel(const sg__plan *p, int b) {
   return p->buckets[b].numel / (size_t)p->world;
 }
+/* The largest slice of any bucket (the size of a buffer that holds one rank's slice of each). */
+static inline size_t sg__plan_max_slice_numel(const sg__plan *p) {
+  size_t m = 0;
+  for (int b = 0; b < p->nbuckets; b++)
+    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
+  return m;
+}
 
 #endif /* SG_PLAN_H */

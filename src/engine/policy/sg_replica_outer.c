@@ -34,13 +34,6 @@ typedef struct {
   void *wire; /* NULL: the fp32 run goes on the wire itself */
 } outer_bufs;
 
-static size_t max_run(const sg__plan *p) {
-  size_t m = 0;
-  for (int b = 0; b < p->nbuckets; b++)
-    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
-  return m;
-}
-
 /* A bf16 wire: the run in bf16 (a codec puts its codes on the wire instead). */
 static int has_wire(const sg_config *cfg) {
   return cfg->replica_reduce_dtype != SG_F32 && cfg->replica_codec == SG_CODEC_NONE;
@@ -60,11 +53,11 @@ static size_t max_group(const sg__plan *p, int H) {
 /* The pseudo-gradient buffer d: one run, or with streaming the runs of the largest group (its
  * sum is in flight while the next step runs). */
 static size_t d_numel(const sg__plan *p, const sg_config *cfg) {
-  return cfg->outer_streaming ? max_group(p, cfg->outer_every) : max_run(p);
+  return cfg->outer_streaming ? max_group(p, cfg->outer_every) : sg__plan_max_slice_numel(p);
 }
 
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
-  const size_t wire = has_wire(cfg) ? 2u * max_run(p) : 0;
+  const size_t wire = has_wire(cfg) ? 2u * sg__plan_max_slice_numel(p) : 0;
   return 4u * (2u * p->shard_numel + d_numel(p, cfg)) + wire;
 }
 
@@ -141,21 +134,11 @@ typedef struct {
 
 static sg_status bucket_job_fn(void *arg) {
   const bucket_job *j = arg;
-  sg_engine *e = j->e;
-  sg__device *d = e->dev;
-  const outer_bufs k = bufs_of(e);
-  const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
-  sg__owned o;
-  e->strat->owned(e->plan, e->rank, j->b, &o);
-  float *theta = master_of(e, &o), *po = k.po + o.state0, *m = k.m + o.state0;
-  const sg__queue q = sg__replica_elem_queue(e);
-  SG_TRY(d->ops->outer_delta(d, q, k.d, po, theta, o.n));
-  SG_TRY(j->sum(e, j->b, k.d, o.n));
-  SG_TRY(d->ops->outer_step(d, q, po, m, theta, k.d, o.n, e->rep.n, lr, mu));
-  if (!e->opt.master) return SG_OK;
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  return d->ops->cast(d, q, e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32,
-                      o.n);
+  float *d = bufs_of(j->e).d;
+  size_t n;
+  SG_TRY(sg__replica_outer_delta(j->e, j->b, d, &n));
+  SG_TRY(j->sum(j->e, j->b, d, n));
+  return sg__replica_outer_apply(j->e, j->b, d);
 }
 
 /* The node's gathers of the buckets first, first + stride, ... (their new parameters). */
@@ -201,16 +184,18 @@ int sg__replica_outer_stream_due(sg_engine *e) {
 
 int sg__replica_outer_group(const sg_engine *e) { return e->rep.outer.group; }
 
-/* The pieces streaming takes apart (on the CPU device, from the caller's thread): bucket b's
- * pseudo-gradient po - theta of this rank's run into d (its values in *n), its Nesterov step from
- * the replicas' sum in d (the parameters become the new po), the node's gathers of the buckets
- * first, first + stride, ... on the engine's comm queue (waited for), the buffer d. */
+/* The pieces of a bucket's outer step (the bucket job above, and streaming, which takes them
+ * apart on the CPU device from the caller's thread), in the queue of the replica's element work:
+ * bucket b's pseudo-gradient po - theta of this rank's run into d (its values in *n), its
+ * Nesterov step from the replicas' sum in d (the parameters become the new po; bf16/f16 ones:
+ * the working copy from the new master), the node's gathers of the buckets first, first +
+ * stride, ... on the engine's comm queue (waited for), the buffer d. */
 sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n) {
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
   *n = o.n;
-  return e->dev->ops->outer_delta(e->dev, SG_Q_COMPUTE, d, bufs_of(e).po + o.state0,
-                                  master_of(e, &o), o.n);
+  return e->dev->ops->outer_delta(e->dev, sg__replica_elem_queue(e), d,
+                                  bufs_of(e).po + o.state0, master_of(e, &o), o.n);
 }
 
 sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
@@ -220,12 +205,12 @@ sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
   float *theta = master_of(e, &o);
-  SG_TRY(dev->ops->outer_step(dev, SG_Q_COMPUTE, k.po + o.state0, k.m + o.state0, theta, d, o.n,
-                              e->rep.n, lr, mu));
+  const sg__queue q = sg__replica_elem_queue(e);
+  SG_TRY(dev->ops->outer_step(dev, q, k.po + o.state0, k.m + o.state0, theta, d, o.n, e->rep.n,
+                              lr, mu));
   if (!e->opt.master) return SG_OK;
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  return dev->ops->cast(dev, SG_Q_COMPUTE, e->params + o.flat0 * P, e->cfg.param_dtype, theta,
-                        SG_F32, o.n);
+  return dev->ops->cast(dev, q, e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
 }
 
 sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride) {

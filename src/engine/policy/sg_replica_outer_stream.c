@@ -43,10 +43,7 @@ static size_t run_numel(const sg_engine *e, int b) {
  * channel's own scratch, as its collectives run beside the shard channel's. */
 static size_t scratch_bytes(const sg__plan *p, const sg_config *cfg, int n) {
   if (cfg->replica_codec != SG_CODEC_NONE || cfg->replica_reduce_dtype == SG_F32 || n < 3) return 0;
-  size_t run = 0;
-  for (int b = 0; b < p->nbuckets; b++)
-    if (sg__plan_slice_numel(p, b) > run) run = sg__plan_slice_numel(p, b);
-  return 4u * (run / (size_t)n + 1u);
+  return 4u * (sg__plan_max_slice_numel(p) / (size_t)n + 1u);
 }
 
 /* This file's part begins after the outer state (and the codec's), 64-byte aligned. */

@@ -132,13 +132,6 @@ sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__rep
   return SG_OK;
 }
 
-static size_t max_slice(const sg__plan *p) {
-  size_t m = 0;
-  for (int b = 0; b < p->nbuckets; b++)
-    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
-  return m;
-}
-
 /* A codec's residuals and exchange buffers, the outer state (and the codec's with both); else the wire buffer where the
  * wire dtype is not the accumulator's and there is another replica to sum with. */
 size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) {
@@ -150,5 +143,5 @@ size_t sg__replica_select_bytes(const sg__plan *p, const sg_config *cfg, int n) 
     return sg__replica_codec_bytes(p, n, cfg->replica_codec == SG_CODEC_INT8 ? 8 : 4);
   if (cfg->outer_every > 0) return sg__replica_outer_bytes(p, cfg);
   if (n < 2 || cfg->replica_reduce_dtype == cfg->accum_dtype) return 0;
-  return sg__mem_mul_sat(max_slice(p), sg__dtype_size(cfg->replica_reduce_dtype));
+  return sg__mem_mul_sat(sg__plan_max_slice_numel(p), sg__dtype_size(cfg->replica_reduce_dtype));
 }

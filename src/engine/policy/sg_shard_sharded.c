@@ -10,12 +10,7 @@ void sg__sharded_owned(const sg__plan *p, int rank, int b, sg__owned *out) {
   out->state0 = p->buckets[b].shard_offset;
 }
 
-size_t sg__sharded_max_wire(const sg__plan *p) {
-  size_t m = 0;
-  for (int b = 0; b < p->nbuckets; b++)
-    if (sg__plan_slice_numel(p, b) > m) m = sg__plan_slice_numel(p, b);
-  return m;
-}
+size_t sg__sharded_max_wire(const sg__plan *p) { return sg__plan_max_slice_numel(p); }
 
 sg_status sg__sharded_reduce_scatter(sg_engine *e, int b, char *wire, const char **mine) {
   const int rdt = e->cfg.reduce_dtype;
