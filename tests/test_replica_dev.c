@@ -13,11 +13,12 @@
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
  *    overlapped sums run on a host queue: CPU device only), mixed communicators (nccl:
- *    threads inside the node with NCCL across, and the reverse), a codec over MPI (--mpi).
+ *    threads inside the node with NCCL across, and the reverse).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
  *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
- *                      the outer-step cases without a save and load, compared rank by rank) */
+ *                      the cases without a save and load, compared rank by rank: the codecs'
+ *                      all-to-all through MPI's pinned staging) */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t, mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -355,7 +356,7 @@ static int run_mpi(void) {
             sg_comm_size(world))) {
     for (int c = 0; c < NCASES; c++) {
       const tcase *tc = &k_cases[c];
-      if (tc->reload >= 0 || tc->codec) continue;
+      if (tc->reload >= 0) continue;
       static result cpu, gpu;
       memset(&cpu, 0, sizeof cpu);
       memset(&gpu, 0, sizeof gpu);
@@ -372,16 +373,6 @@ static int run_mpi(void) {
         printf("%s  %s (mpi)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name);
     }
   }
-  /* a codec on CUDA needs an all-to-all on device memory, which MPI's is not */
-  static const tcase codec = {"refused", SG_F32, SG_F32, 0, 0, 1, 0.0f, 0, -1, SG_CODEC_INT8};
-  refuse_arg ra;
-  memset(&ra, 0, sizeof ra);
-  ra.a = (run_arg){&codec, 1, 0, world, NULL, NULL, NULL, rank, NULL};
-  ra.codec = SG_CODEC_INT8;
-  refuse_thread(&ra);
-  CHECK(ra.st == SG_ERR_UNSUPPORTED && strstr(ra.msg, "takes device memory"),
-        "the int8 codec on CUDA over MPI: refused at create (%s: %s)", sg_status_string(ra.st),
-        ra.msg);
   sg_comm_destroy(world);
   char prefix[64];
   snprintf(prefix, sizeof prefix, "test_replica_dev (mpi rank %d): ", rank);

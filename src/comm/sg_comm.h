@@ -96,7 +96,7 @@ typedef struct sg__comm_ops {
   sg_status (*reduce_scatter_to)(sg_comm *c, const void *send, void *recv, size_t count,
                                  int dtype, int64_t deadline_ms);
   /* Declared: all_to_all also takes the device memory of a channel bound to a CUDA device
-   * (local: the device's copies; NCCL) */
+   * (local: the device's copies; NCCL; MPI: pinned staging, sg_stage.h) */
   int all_to_all_device;
 } sg__comm_ops;
 

@@ -183,10 +183,15 @@ static sg_status host_broadcast(sg_comm *c, void *buf, size_t bytes, int root, i
   return sg__coll_broadcast(&mc(c)->coll, buf, bytes, root, dl);
 }
 
+static sg_status host_all_to_all(sg_comm *c, const void *send, void *recv, size_t bytes,
+                                 int64_t dl) {
+  return sg__coll_all_to_all(&mc(c)->coll, send, recv, bytes, dl);
+}
+
 /* The host-memory collectives, for the staging wrapper. */
 static const sg__comm_ops mpi_host_ops = {"mpi", host_all_reduce, host_reduce_scatter,
                                           host_all_gather, host_broadcast, NULL, NULL, NULL, NULL,
-                                          NULL, NULL, NULL, NULL, 0};
+                                          NULL, NULL, host_all_to_all, NULL, 0};
 
 static sg_status mpi_all_reduce(sg_comm *c, void *buf, size_t count, int dtype, int64_t dl) {
   if (c) sg__comm_count(c, SG__COUNT_ALL_REDUCE, count * sg__comm_elem_bytes(dtype), -1);
@@ -305,14 +310,12 @@ static sg_status mpi_split(sg_comm *chan, const int *colors, const int *keys, in
 
 static sg_status mpi_node_leader(sg_comm *chan, int64_t dl, int *leader);
 
-/* Host memory only, as the fold: the codec that calls it runs on host buffers. */
+/* Device memory staged as the other collectives (the codecs' exchange on a CUDA engine). */
 static sg_status mpi_all_to_all(sg_comm *c, const void *send, void *recv, size_t bytes,
                                 int64_t dl) {
   if (c) sg__comm_count(c, SG__COUNT_ALL_GATHER, (size_t)c->world * bytes, -1);
-  if (sg__stage_needed(c))
-    return sg__err(SG_ERR_INVALID_ARGUMENT,
-                   "sg_comm(mpi) all_to_all: device memory (host memory only)");
-  return sg__coll_all_to_all(&mc(c)->coll, send, recv, bytes, dl);
+  if (!sg__stage_needed(c)) return host_all_to_all(c, send, recv, bytes, dl);
+  return sg__stage_all_to_all(c, &mc(c)->stage, &mpi_host_ops, send, recv, bytes, dl);
 }
 
 static const sg__comm_ops mpi_ops = {
@@ -320,7 +323,7 @@ static const sg__comm_ops mpi_ops = {
     mpi_bind, mpi_unbind,     mpi_destroy,        mpi_split,      mpi_node_leader,
     mpi_reduce_scatter_fold, mpi_all_to_all,
     NULL, /* reduce_scatter_to: the engine's fold (reduce_scatter_fold) serves host memory */
-    0 /* all_to_all_device: host memory only */,
+    1 /* all_to_all_device: staged through pinned memory */,
 };
 
 /* Every rank has arrived (sg_comm_split gathered the colors over this channel), so the blocking

@@ -33,6 +33,9 @@ sg_status sg__stage_all_gather(sg_comm *c, sg__stage *s, const sg__comm_ops *hos
                                size_t bytes, int64_t deadline_ms);
 sg_status sg__stage_broadcast(sg_comm *c, sg__stage *s, const sg__comm_ops *host, void *buf,
                               size_t bytes, int root, int64_t deadline_ms);
+/* Out of place (sg__comm_ops.all_to_all): send and recv device memory, both staged. */
+sg_status sg__stage_all_to_all(sg_comm *c, sg__stage *s, const sg__comm_ops *host,
+                               const void *send, void *recv, size_t bytes, int64_t deadline_ms);
 
 /* Gives the pinned memory back to c->dev (before the device goes away). */
 void sg__stage_free(sg_comm *c, sg__stage *s);

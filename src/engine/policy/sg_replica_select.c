@@ -44,12 +44,13 @@ static sg_status attached_cuda(sg_engine *e, const sg_comm *replica, const char 
 }
 
 /* A codec on a CUDA device: its codes in device memory go through the replica channel's
- * all-to-all and all-gather, so that all-to-all must take device memory (threads, NCCL). */
+ * all-to-all and all-gather, so that all-to-all must take device memory (threads, NCCL, MPI
+ * through pinned staging). */
 static sg_status codec_comm_cuda(const sg_comm *replica) {
   if (replica->ops->all_to_all && replica->ops->all_to_all_device) return SG_OK;
   return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec on the CUDA device needs a replica "
-                 "communicator whose all-to-all takes device memory (threads, NCCL); %s's does "
-                 "not", replica->ops->name);
+                 "communicator whose all-to-all takes device memory (threads, MPI, NCCL); %s's "
+                 "does not", replica->ops->name);
 }
 
 static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **dev) {
