@@ -185,12 +185,13 @@ if(SG_WITH_CUDA)
     endforeach()
     # Outer steps (cfg.outer_every) of hybrid engines on the mock CUDA device against the same
     # engines on the CPU device, bitwise (tests/test_replica_dev.c): 2x2, threads or NCCL for
-    # both communicators; and what CUDA still refuses at create.
+    # both communicators, or mixed (NCCL inside with threads across, and the reverse); MPI for
+    # both (the codecs through its pinned staging); and what CUDA still refuses at create.
     add_executable(test_replica_dev_cudamock ${CMAKE_CURRENT_SOURCE_DIR}/test_replica_dev.c)
     target_link_libraries(test_replica_dev_cudamock PRIVATE shardgrad_cudamock)
     target_compile_options(test_replica_dev_cudamock PRIVATE -Wall -Wextra -Wno-unused-parameter
       -ffp-contract=off)
-    foreach(kind local nccl)
+    foreach(kind local nccl mixed)
       add_test(NAME test_replica_dev_cudamock_${kind}
         COMMAND test_replica_dev_cudamock --cuda ${kind})
       set_tests_properties(test_replica_dev_cudamock_${kind} PROPERTIES TIMEOUT 300 LABELS cuda

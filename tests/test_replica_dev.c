@@ -12,9 +12,11 @@
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
- *    overlapped sums run on a host queue: CPU device only), mixed communicators (nccl:
- *    threads inside the node with NCCL across, and the reverse).
+ *    overlapped sums run on a host queue: CPU device only), the codecs with NCCL inside and
+ *    threads across.
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
+ *        test_replica_dev --cuda mixed   (NCCL inside with threads across: outer steps; threads
+ *                      inside with NCCL across: every case)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
  *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
  *                      the cases without a save and load, compared rank by rank: the codecs'
@@ -62,7 +64,7 @@ typedef struct {
 
 typedef struct {
   const tcase *tc;
-  int cuda, nccl;
+  int cuda, nccl; /* NCCL (on CUDA only) for: 1 the shard, 2 the replica communicator */
   sg_comm *world; /* local runs: this rank's world of threads */
   const unsigned char *nccl_id;
   pthread_barrier_t *bar;
@@ -175,7 +177,7 @@ static void *run_thread(void *arg) {
   int ids[NP];
   sg_config cfg;
   fill_config(a, &cfg);
-  sg_status st = split(a, a->nccl, a->nccl, &shard, &rep);
+  sg_status st = split(a, a->nccl & 1, a->nccl & 2, &shard, &rep);
   if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = setup(e, ids);
   if (!st) st = train(a, e, ids);
@@ -202,7 +204,7 @@ static void run_on(const tcase *tc, int cuda, int nccl, result *res) {
   run_arg a[W];
   pthread_t th[W];
   for (int r = 0; r < W; r++) {
-    a[r] = (run_arg){tc, cuda, cuda && nccl, world[r], id, &bar, dir, r, &res[r]};
+    a[r] = (run_arg){tc, cuda, cuda ? nccl : 0, world[r], id, &bar, dir, r, &res[r]};
     pthread_create(&th[r], NULL, run_thread, &a[r]);
   }
   for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
@@ -267,8 +269,9 @@ static void run_case(const tcase *tc, int nccl) {
     sg_test_free_state(NP, SG_TEST_STATE_OF(&cpu[r]));
     sg_test_free_state(NP, SG_TEST_STATE_OF(&gpu[r]));
   }
-  printf("%s  %s (%s)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name,
-         nccl ? "nccl" : "threads");
+  static const char *const pairs[] = {"threads", "NCCL inside, threads across",
+                                      "threads inside, NCCL across", "nccl"};
+  printf("%s  %s (%s)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name, pairs[nccl]);
   fflush(stdout);
 }
 
@@ -379,15 +382,35 @@ static int run_mpi(void) {
   return sg_test_summary(prefix);
 }
 
+/* --cuda mixed: NCCL inside the node with threads across (outer steps through a pinned stage on
+ * a host queue: the cases without codes), threads inside with NCCL across (unbound: every case);
+ * the codecs with NCCL inside and a host-driven channel across are refused at create. */
+static int run_mixed(void) {
+  for (int c = 0; c < NCASES; c++)
+    if (!k_cases[c].codec) run_case(&k_cases[c], 1);
+  for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], 2);
+  refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, 0,
+         "NCCL inside the node");
+  refuse("outer steps with int8 codes, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 2, 0,
+         "NCCL inside the node");
+  refuse("streaming outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 1,
+         "CPU device only");
+  return sg_test_summary("test_replica_dev (mixed): ");
+}
+
 int main(int argc, char **argv) {
   int nccl = -1, mpi = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--mpi")) mpi = 1;
     if (!strcmp(argv[i], "--cuda") && i + 1 < argc)
-      nccl = !strcmp(argv[i + 1], "nccl") ? 1 : !strcmp(argv[i + 1], "local") ? 0 : -1;
+      nccl = !strcmp(argv[i + 1], "nccl")    ? 3
+             : !strcmp(argv[i + 1], "mixed") ? 4
+             : !strcmp(argv[i + 1], "local") ? 0
+                                             : -1;
   }
   if (nccl < 0 || (mpi && nccl)) {
-    fprintf(stderr, "usage: test_replica_dev [--mpi] --cuda local|nccl (--mpi: local only)\n");
+    fprintf(stderr, "usage: test_replica_dev [--mpi] --cuda local|nccl|mixed (--mpi: local "
+            "only)\n");
     return 2;
   }
   if (!sg_has_backend("cuda") || (mpi && !sg_has_backend("mpi"))) {
@@ -399,15 +422,12 @@ int main(int argc, char **argv) {
     printf("test_replica_dev: built without CUDA or NCCL\n");
     return 77;
   }
+  if (nccl == 4) return run_mixed();
   for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
   refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, 0, "offload_optimizer");
   refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 0, "offload_optimizer");
   refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
          "CPU device only");
-  if (nccl) {
-    refuse("outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 0, "same kind");
-    refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, 0, "same kind");
-  }
   return sg_test_summary("test_replica_dev: ");
 }

@@ -22,6 +22,7 @@ extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
 extern const sg__replica_ops sg__replica_outer_int8; /* sg_replica_outer_int8.c */
 extern const sg__replica_ops sg__replica_outer_stream;      /* sg_replica_outer_stream.c */
 extern const sg__replica_ops sg__replica_outer_stream_int8; /* sg_replica_outer_stream.c */
+extern const sg__replica_ops sg__replica_outer_staged;      /* sg_replica_outer_staged.c */
 /* sg_replica_outer_int8.c: the bytes of its state (the outer state, then the codec's), and the
  * entries the streaming variant with int8 codes shares: prepare, the coded sum of a bucket's
  * pseudo-gradient run, the checkpoint entries. */

@@ -25,22 +25,24 @@ static sg_status codec_comm_cpu(const sg_comm *replica) {
 }
 
 /* On a CUDA device the slow-link modes work in its memory (the device's outer and code ops),
- * their sums through the replica channel bound to it beside the shard channel, the same way
- * (both NCCL, or both host-driven: threads or MPI); the mixed pairs, whose replica collectives
- * take host memory or run apart from the device's comm queue, and an offloaded optimizer (its
- * master and accumulator on the host) are not done. */
+ * their sums through the replica channel: attached beside the shard channel where both are of
+ * one kind (both NCCL, or both host-driven: threads or MPI); unbound (*dev NULL) for NCCL
+ * across a host-driven shard (inside a host-driven job its collectives on device memory
+ * complete within the call); for NCCL inside with a host-driven channel across (staged_pair)
+ * *dev is NULL too and the caller picks a host queue or refuses. An offloaded optimizer (its
+ * master and accumulator on the host) is not done. */
 static sg_status attached_cuda(sg_engine *e, const sg_comm *replica, const char *what,
                                sg__device **dev) {
   if (e->strat->place->host)
     return sg__err(SG_ERR_UNSUPPORTED, "%s with cfg->offload_optimizer is not supported yet on "
                    "the CUDA device", what);
-  if (e->comm->stream_ordered != replica->stream_ordered)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s on the CUDA device needs shard and replica "
-                   "communicators of the same kind (both NCCL, or both host-driven: threads or "
-                   "MPI); %s inside and %s across is not supported yet", what,
-                   e->comm->ops->name, replica->ops->name);
-  *dev = e->dev;
+  if (e->comm->stream_ordered == replica->stream_ordered) *dev = e->dev;
   return SG_OK;
+}
+
+/* NCCL inside the node, a host-driven replica communicator (threads, MPI) across. */
+static int staged_pair(const sg_engine *e, const sg_comm *replica) {
+  return e->comm->stream_ordered && !replica->stream_ordered;
 }
 
 /* A codec on a CUDA device: its codes in device memory go through the replica channel's
@@ -56,6 +58,11 @@ static sg_status codec_comm_cuda(const sg_comm *replica) {
 static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **dev) {
   if (e->dev->kind == SG_DEVICE_CPU) return codec_comm_cpu(replica);
   SG_TRY(attached_cuda(e, replica, "cfg->replica_codec", dev));
+  if (staged_pair(e, replica))
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec on the CUDA device with NCCL inside "
+                   "the node and a host-driven replica communicator (%s) across is not supported "
+                   "yet (outer steps without codes are; or use NCCL or %s for both)",
+                   replica->ops->name, replica->ops->name);
   return codec_comm_cuda(replica);
 }
 
@@ -84,8 +91,13 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
                    "sums overlap the next step on a host queue); on the CUDA device use outer "
                    "steps without streaming");
-  if (!codec && e->dev->kind != SG_DEVICE_CPU)
+  if (!codec && e->dev->kind != SG_DEVICE_CPU) {
     SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
+    if (staged_pair(e, replica)) { /* the sums on a host queue of their own, through a stage */
+      *ops = &sg__replica_outer_staged;
+      return sg__replica_staged_host_queue(e, replica, dev);
+    }
+  }
   if (codec) SG_TRY(codec_comm(e, replica, dev));
   if (!stream) {
     *ops = codec ? &sg__replica_outer_int8 : &sg__replica_outer;
