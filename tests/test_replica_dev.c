@@ -12,11 +12,9 @@
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
- *    overlapped sums run on a host queue: CPU device only), the codecs with NCCL inside and
- *    threads across.
+ *    overlapped sums run on a host queue: CPU device only).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
- *        test_replica_dev --cuda mixed   (NCCL inside with threads across: outer steps; threads
- *                      inside with NCCL across: every case)
+ *        test_replica_dev --cuda mixed   (NCCL inside with threads across, and the reverse)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
  *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
  *                      the cases without a save and load, compared rank by rank: the codecs'
@@ -382,17 +380,13 @@ static int run_mpi(void) {
   return sg_test_summary(prefix);
 }
 
-/* --cuda mixed: NCCL inside the node with threads across (outer steps through a pinned stage on
- * a host queue: the cases without codes), threads inside with NCCL across (unbound: every case);
- * the codecs with NCCL inside and a host-driven channel across are refused at create. */
+/* --cuda mixed: NCCL inside the node with threads across (the sums through a pinned stage on a
+ * host queue of their own), threads inside with NCCL across (unbound): every case. */
 static int run_mixed(void) {
-  for (int c = 0; c < NCASES; c++)
-    if (!k_cases[c].codec) run_case(&k_cases[c], 1);
-  for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], 2);
-  refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, 0,
-         "NCCL inside the node");
-  refuse("outer steps with int8 codes, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 2, 0,
-         "NCCL inside the node");
+  for (int pair = 1; pair <= 2; pair++)
+    for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], pair);
+  refuse("streaming outer steps, NCCL inside, threads across", 1, 0, 0, SG_CODEC_NONE, 2, 1,
+         "CPU device only");
   refuse("streaming outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 1,
          "CPU device only");
   return sg_test_summary("test_replica_dev (mixed): ");

@@ -91,27 +91,60 @@ static sg_status owner_sum(sg__device *d, sg__queue q, const sg__codec *k, float
                              k->bits);
 }
 
-/* In the replica work's queue (sg__replica_elem_queue); the codes through the engine's device
- * (its memory on CUDA). */
-sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
+/* Bucket b's exchange buffers: N regions of `region` code bytes each. */
+void sg__replica_codec_bufs(const sg_engine *e, int b, char **send, char **recv, size_t *region) {
+  const sg__codec *k = e->rep.codec;
+  *send = k->send;
+  *recv = k->recv;
+  *region = region_bytes(sg__plan_slice_numel(e->plan, b), e->rep.n, k->bits);
+}
+
+/* Stage 1's codes: chunk k of acc + r1 into send region k, r1 what they missed. */
+sg_status sg__replica_codec_encode(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
-  sg_comm *c = e->rep.comm;
   sg__device *d = e->dev;
   const sg__queue q = sg__replica_elem_queue(e);
-  const int N = e->rep.n, me = e->rep.rank;
+  const int N = e->rep.n;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
-  float *r1 = k->r1 + e->plan->buckets[b].shard_offset, *r2 = k->r2 + k->r2_off[b];
+  float *r1 = k->r1 + e->plan->buckets[b].shard_offset;
   for (int r = 0; r < N; r++) {
     size_t off, len;
     chunk_of(n, N, r, &off, &len);
     SG_TRY(d->ops->code_encode(d, q, k->send + (size_t)r * region, acc + off, r1 + off,
                                len, k->bits));
   }
+  return SG_OK;
+}
+
+/* Once recv holds every replica's codes of this replica's chunk: its sum, encoded into its own
+ * region of send. */
+sg_status sg__replica_codec_owner(sg_engine *e, int b, float *acc) {
+  sg__codec *k = e->rep.codec;
+  const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, e->rep.n, k->bits);
+  return owner_sum(e->dev, sg__replica_elem_queue(e), k, acc, k->r2 + k->r2_off[b], n, e->rep.n,
+                   e->rep.rank, region);
+}
+
+/* Once send holds every owner's codes: every chunk decoded into acc. */
+sg_status sg__replica_codec_decode(sg_engine *e, int b, float *acc) {
+  sg__codec *k = e->rep.codec;
+  const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, e->rep.n, k->bits);
+  return decode_all(e->dev, sg__replica_elem_queue(e), k, acc, n, e->rep.n, region);
+}
+
+/* In the replica work's queue (sg__replica_elem_queue); the codes through the engine's device
+ * (its memory on CUDA), the exchanges through the replica channel. */
+sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
+  sg_comm *c = e->rep.comm;
+  char *send, *recv;
+  size_t region;
+  sg__replica_codec_bufs(e, b, &send, &recv, &region);
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
-  SG_TRY(c->ops->all_to_all(c, k->send, k->recv, region, dl));
-  SG_TRY(owner_sum(d, q, k, acc, r2, n, N, me, region));
-  SG_TRY(c->ops->all_gather(c, k->send, region, dl));
-  return decode_all(d, q, k, acc, n, N, region);
+  SG_TRY(sg__replica_codec_encode(e, b, acc));
+  SG_TRY(c->ops->all_to_all(c, send, recv, region, dl));
+  SG_TRY(sg__replica_codec_owner(e, b, acc));
+  SG_TRY(c->ops->all_gather(c, send, region, dl));
+  return sg__replica_codec_decode(e, b, acc);
 }
 
 sg_status sg__replica_codec_reduce(sg_engine *e, int b) {
@@ -174,19 +207,6 @@ void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck) {
   ck->esz[e->rep.codec->ck_state] = 4u * ((uint32_t)e->rep.n + 1u);
 }
 
-typedef struct {
-  sg_engine *e;
-  void *buf;
-  size_t bytes;
-  int root;
-} bcast_job;
-
-static sg_status bcast_fn(void *arg) {
-  const bcast_job *j = arg;
-  sg_comm *c = j->e->rep.comm;
-  return c->ops->broadcast(c, j->buf, j->bytes, j->root, sg__deadline(j->e->cfg.timeout_ms));
-}
-
 /* Replica j's residuals (vals: its r1, then its r2 regions) into the records. */
 static void scatter_records(const sg_engine *e, const sg__codec *k, const float *vals, int j,
                             float *rec) {
@@ -202,13 +222,14 @@ static void scatter_records(const sg_engine *e, const sg__codec *k, const float 
 }
 
 /* Replica j's residuals broadcast from its device memory (or buffer) into tmp (device memory
- * of the engine's device, as the channel takes), then read into host for the records. */
+ * of the engine's device; through host memory where the channel takes that), then read into
+ * host for the records. */
 static sg_status save_from(sg_engine *e, const sg__codec *k, int j, void *dev_tmp, float *host,
                            size_t bytes, float *rec) {
-  bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : dev_tmp, bytes, j};
-  SG_TRY(sg__replica_run_comm(e, bcast_fn, &job));
+  void *buf = j == e->rep.rank ? (void *)k->r1 : dev_tmp;
+  SG_TRY(sg__replica_broadcast_dev(e, buf, bytes, j));
   if (!rec) return SG_OK;
-  SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, job.buf, bytes, SG_COPY_D2H));
+  SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, buf, bytes, SG_COPY_D2H));
   scatter_records(e, k, host, j, rec);
   return SG_OK;
 }

@@ -262,11 +262,15 @@ sg_status sg__replica_rest(sg_engine *e) {
 
 /* ---- parameters ------------------------------------------------------------------------------ */
 
+sg_status sg__replica_broadcast_dev(sg_engine *e, void *dev_buf, size_t bytes, int root) {
+  rep_coll j = {e, 1, dev_buf, bytes, root};
+  return rep_coll_run(e, &j, 1, bytes);
+}
+
 /* The working parameters (device memory) from replica `root`. */
 sg_status sg__replica_broadcast_params(sg_engine *e, int root) {
   const size_t bytes = e->plan->total_numel * sg__dtype_size(e->cfg.param_dtype);
-  rep_coll j = {e, 1, e->params, bytes, root};
-  return rep_coll_run(e, &j, 1, bytes);
+  return sg__replica_broadcast_dev(e, e->params, bytes, root);
 }
 
 /* ---- pieces of several transports ----------------------------------------------------------- */

@@ -14,7 +14,9 @@
  *
  * then the node's gathers. Its state, checkpoints and bytes are the outer steps' own; the stage
  * (the largest run in fp32 and in the wire dtype) is communication staging like the staged
- * transport's, not counted in sg_memory. */
+ * transport's, not counted in sg_memory. With int8 codes (sg__replica_outer_int8_staged) phase
+ * 2 is the codec's staged sum (sg_replica_codec_staged.c) of d on the device, between the
+ * delta and the step; its state and checkpoints are those of sg_replica_outer_int8.c. */
 #include "../../../kernels/cpu/sg_cpu_kernels.h" /* sg__cpu_cast: the wire on the host */
 #include "sg_replica_policy.h"
 
@@ -80,12 +82,49 @@ static sg_status staged_sync(sg_engine *e) {
   return sg__replica_outer_gather(e, 0, 1);
 }
 
+/* ---- with int8 codes: the pseudo-gradient through the codec's staged sum ---------------- */
+
+static sg_status int8_prepare(sg_engine *e) {
+  SG_TRY(sg__replica_outer_int8_prepare(e));
+  return sg__replica_codec_staged_stage(e);
+}
+
+static void int8_release(sg_engine *e) {
+  sg__replica_codec_release(e);
+  sg__replica_staged_release(e);
+}
+
+static sg_status delta_fn(void *arg) {
+  phase_job *j = arg;
+  return sg__replica_outer_delta(j->e, j->b, sg__replica_outer_dbuf(j->e), &j->n);
+}
+
+static sg_status apply_fn(void *arg) {
+  const phase_job *j = arg;
+  return sg__replica_outer_apply(j->e, j->b, sg__replica_outer_dbuf(j->e));
+}
+
+static sg_status int8_sync(sg_engine *e) {
+  for (int b = 0; b < e->plan->nbuckets; b++) {
+    phase_job j = {e, b, 0};
+    SG_TRY(sg__engine_run_comm(e, delta_fn, &j));
+    SG_TRY(sg__replica_codec_staged_sum(e, b, sg__replica_outer_dbuf(e)));
+    SG_TRY(sg__engine_run_comm(e, apply_fn, &j));
+  }
+  return sg__replica_outer_gather(e, 0, 1);
+}
+
+#define SG__OUTER_STAGED_OPS                                                                        SG__REPLICA_ENTRIES, .share_scratch = 0, .claim = sg__replica_outer_claim,                       .finish = sg__replica_outer_finish, .run = sg__replica_staged_run,                               .drain = sg__replica_staged_drain, .grad_replicas = sg__replica_outer_grad_replicas,             .sync_due = sg__replica_outer_due
+
 const sg__replica_ops sg__replica_outer_staged = {
-    .name = "staged, outer steps", SG__REPLICA_ENTRIES, .share_scratch = 0,
-    .prepare = staged_prepare, .release = sg__replica_staged_release,
-    .claim = sg__replica_outer_claim, .finish = sg__replica_outer_finish,
-    .run = sg__replica_staged_run, .drain = sg__replica_staged_drain,
-    .grad_replicas = sg__replica_outer_grad_replicas, .sync_due = sg__replica_outer_due,
-    .sync = staged_sync, .ck_describe = sg__replica_outer_describe,
-    .ck_save = sg__replica_outer_save, .restore = sg__replica_outer_restore,
+    .name = "staged, outer steps", SG__OUTER_STAGED_OPS, .prepare = staged_prepare,
+    .release = sg__replica_staged_release, .sync = staged_sync,
+    .ck_describe = sg__replica_outer_describe, .ck_save = sg__replica_outer_save,
+    .restore = sg__replica_outer_restore,
+};
+
+const sg__replica_ops sg__replica_outer_int8_staged = {
+    .name = "staged, outer steps, int8 codes", SG__OUTER_STAGED_OPS, .prepare = int8_prepare,
+    .release = int8_release, .sync = int8_sync, .ck_describe = sg__replica_outer_int8_describe,
+    .ck_save = sg__replica_outer_int8_save, .restore = sg__replica_outer_int8_restore,
 };

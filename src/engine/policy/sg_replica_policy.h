@@ -23,6 +23,14 @@ extern const sg__replica_ops sg__replica_outer_int8; /* sg_replica_outer_int8.c 
 extern const sg__replica_ops sg__replica_outer_stream;      /* sg_replica_outer_stream.c */
 extern const sg__replica_ops sg__replica_outer_stream_int8; /* sg_replica_outer_stream.c */
 extern const sg__replica_ops sg__replica_outer_staged;      /* sg_replica_outer_staged.c */
+extern const sg__replica_ops sg__replica_outer_int8_staged; /* sg_replica_outer_staged.c */
+extern const sg__replica_ops sg__replica_int8_staged;       /* sg_replica_codec_staged.c */
+extern const sg__replica_ops sg__replica_int4_staged;       /* sg_replica_codec_staged.c */
+/* sg_replica_codec_staged.c: the codec's pinned stage (rep.stage, after the codec's prepare),
+ * and bucket b's slice x of device memory summed across replicas through it (waited phases on
+ * the engine's comm queue and the staged host queue, from the caller's thread). */
+sg_status sg__replica_codec_staged_stage(sg_engine *e);
+sg_status sg__replica_codec_staged_sum(sg_engine *e, int b, float *x);
 /* sg_replica_outer_int8.c: the bytes of its state (the outer state, then the codec's), and the
  * entries the streaming variant with int8 codes shares: prepare, the coded sum of a bucket's
  * pseudo-gradient run, the checkpoint entries. */
@@ -91,6 +99,15 @@ void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck);
   .ck_describe = sg__replica_codec_describe, .ck_save = sg__replica_codec_save,                 \
   .restore = sg__replica_codec_restore
 sg_status sg__replica_codec_sum(sg_engine *e, int b, float *x);
+/* ... and its pieces for a channel that takes host memory (sg_replica_codec_staged.c), in the
+ * queue of the replica element work: bucket b's exchange buffers (N regions of *region code
+ * bytes, device memory on CUDA); stage 1's codes of x into send (encode); once recv holds every
+ * replica's codes of this replica's chunk, their sum encoded into its region of send (owner);
+ * once send holds every owner's codes, x decoded from them (decode). */
+void sg__replica_codec_bufs(const sg_engine *e, int b, char **send, char **recv, size_t *region);
+sg_status sg__replica_codec_encode(sg_engine *e, int b, float *x);
+sg_status sg__replica_codec_owner(sg_engine *e, int b, float *x);
+sg_status sg__replica_codec_decode(sg_engine *e, int b, float *x);
 sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
@@ -112,6 +129,10 @@ sg_status sg__replica_after_reduce(sg_engine *e, int b);
 sg_status sg__replica_rest(sg_engine *e);
 sg_status sg__replica_allgather_host(sg_engine *e, void *host, size_t bytes);
 sg_status sg__replica_broadcast_params(sg_engine *e, int root);
+/* bytes of the engine's device memory at dev_buf broadcast from replica root over the replica
+ * channel on the transport's queue (its run), through a temporary where the channel takes host
+ * memory (rep.mem): the codec's residuals in checkpoints. */
+sg_status sg__replica_broadcast_dev(sg_engine *e, void *dev_buf, size_t bytes, int root);
 #define SG__REPLICA_ENTRIES                                                                       \
   .init = sg__replica_init, .free = sg__replica_free, .detach = sg__replica_detach,              \
   .agree = sg__replica_agree, .open = sg__replica_open, .after_reduce = sg__replica_after_reduce, \

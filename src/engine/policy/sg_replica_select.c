@@ -29,8 +29,8 @@ static sg_status codec_comm_cpu(const sg_comm *replica) {
  * one kind (both NCCL, or both host-driven: threads or MPI); unbound (*dev NULL) for NCCL
  * across a host-driven shard (inside a host-driven job its collectives on device memory
  * complete within the call); for NCCL inside with a host-driven channel across (staged_pair)
- * *dev is NULL too and the caller picks a host queue or refuses. An offloaded optimizer (its
- * master and accumulator on the host) is not done. */
+ * *dev is NULL too and the caller picks a staged table with a host queue of its own. An
+ * offloaded optimizer (its master and accumulator on the host) is not done. */
 static sg_status attached_cuda(sg_engine *e, const sg_comm *replica, const char *what,
                                sg__device **dev) {
   if (e->strat->place->host)
@@ -58,11 +58,8 @@ static sg_status codec_comm_cuda(const sg_comm *replica) {
 static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **dev) {
   if (e->dev->kind == SG_DEVICE_CPU) return codec_comm_cpu(replica);
   SG_TRY(attached_cuda(e, replica, "cfg->replica_codec", dev));
-  if (staged_pair(e, replica))
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec on the CUDA device with NCCL inside "
-                   "the node and a host-driven replica communicator (%s) across is not supported "
-                   "yet (outer steps without codes are; or use NCCL or %s for both)",
-                   replica->ops->name, replica->ops->name);
+  /* staged: the codes cross through a pinned stage, the channel's all-to-all on host memory */
+  if (staged_pair(e, replica)) return codec_comm_cpu(replica);
   return codec_comm_cuda(replica);
 }
 
@@ -72,7 +69,12 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
                    "crosses nodes to compress (use SG_CODEC_NONE)");
   SG_TRY(codec_comm(e, replica, dev));
-  *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_int8 : &sg__replica_int4;
+  const int int8 = e->cfg.replica_codec == SG_CODEC_INT8;
+  if (e->dev->kind != SG_DEVICE_CPU && staged_pair(e, replica)) { /* exchanges on a host queue */
+    *ops = int8 ? &sg__replica_int8_staged : &sg__replica_int4_staged;
+    return sg__replica_staged_host_queue(e, replica, dev);
+  }
+  *ops = int8 ? &sg__replica_int8 : &sg__replica_int4;
   return SG_OK;
 }
 
@@ -91,14 +93,14 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
                    "sums overlap the next step on a host queue); on the CUDA device use outer "
                    "steps without streaming");
-  if (!codec && e->dev->kind != SG_DEVICE_CPU) {
+  if (!codec && e->dev->kind != SG_DEVICE_CPU)
     SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
-    if (staged_pair(e, replica)) { /* the sums on a host queue of their own, through a stage */
-      *ops = &sg__replica_outer_staged;
-      return sg__replica_staged_host_queue(e, replica, dev);
-    }
-  }
   if (codec) SG_TRY(codec_comm(e, replica, dev));
+  if (!stream && e->dev->kind != SG_DEVICE_CPU && staged_pair(e, replica)) {
+    /* the sums on a host queue of their own, through a pinned stage */
+    *ops = codec ? &sg__replica_outer_int8_staged : &sg__replica_outer_staged;
+    return sg__replica_staged_host_queue(e, replica, dev);
+  }
   if (!stream) {
     *ops = codec ? &sg__replica_outer_int8 : &sg__replica_outer;
     return SG_OK;
