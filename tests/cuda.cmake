@@ -199,6 +199,14 @@ if(SG_WITH_CUDA)
     endforeach()
     sg_add_mpi_test(test_replica_dev_cudamock_mpi_np4 EXE test_replica_dev_cudamock NP 4
       ARGS --mpi --cuda local TIMEOUT 300)
+    # MPI's all-to-all on (mock) device memory through its pinned staging.
+    add_executable(test_cuda_mock_mpi_stage ${CMAKE_CURRENT_SOURCE_DIR}/test_cuda_mock_mpi_stage.c)
+    target_link_libraries(test_cuda_mock_mpi_stage PRIVATE shardgrad_cudamock)
+    target_compile_options(test_cuda_mock_mpi_stage PRIVATE -Wall -Wextra -Wno-unused-parameter)
+    sg_add_mpi_test(test_cuda_mock_mpi_stage_np3 EXE test_cuda_mock_mpi_stage NP 3 TIMEOUT 120)
+    if(TEST test_cuda_mock_mpi_stage_np3)
+      set_tests_properties(test_cuda_mock_mpi_stage_np3 PROPERTIES SKIP_RETURN_CODE 77)
+    endif()
     # MPI inside and across the nodes of a hybrid engine on the (mock) GPU (both channels
     # host-driven, pinned staging), 2x2 against the CPU's flat and one-rank engines.
     sg_add_mpi_test(test_hybrid_cudamock_mpi_np4 EXE test_hybrid_cudamock NP 4
