@@ -286,10 +286,10 @@ typedef struct sg_config {
                                of its own) and sends it to all. Needs an f32 accumulator; on
                                the CPU device a host communicator (threads, MPI, caller's
                                transport) for replicas; on the CUDA device (the same bits as
-                               the CPU's) a shard and a replica communicator of one kind, both
-                               NCCL or both threads, and no offload_optimizer (others, MPI
-                               included: SG_ERR_UNSUPPORTED at create); a flat engine refuses
-                               it. Checkpoints
+                               the CPU's) any pair of NCCL, threads and MPI communicators (NCCL
+                               inside with threads or MPI across: the sums at the step) and no
+                               offload_optimizer (else SG_ERR_UNSUPPORTED at create); a flat
+                               engine refuses it. Checkpoints
                                hold every replica's residuals (sg_load at another node count:
                                docs/slow-links.md); one without them loads with them zero. */
   int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
@@ -302,9 +302,8 @@ typedef struct sg_config {
                                parameters, which become every replica's parameters. The outer
                                state (parameters and momentum, fp32) is sharded like the
                                master. CPU device; CUDA device (the same bits as the CPU's)
-                               with a shard and a replica communicator of one kind (both NCCL,
-                               or both threads or MPI) and no offload_optimizer (others:
-                               SG_ERR_UNSUPPORTED at create). With
+                               with any pair of NCCL, threads and MPI communicators and no
+                               offload_optimizer (else SG_ERR_UNSUPPORTED at create). With
                                replica_codec SG_CODEC_INT8 (and its communicators) the
                                pseudo-gradient crosses as int8 codes with error feedback
                                (SG_CODEC_INT4: refused). Checkpoints hold the outer state and
