@@ -26,8 +26,9 @@ static size_t wire_at(size_t n) { return (n * sizeof(float) + 63u) / 64u * 64u; 
 static sg_status staged_prepare(sg_engine *e) {
   SG_TRY(sg__replica_outer_prepare(e));
   const size_t n = sg__plan_max_slice_numel(e->plan);
-  const size_t bytes = wire_at(n) + n * sg__dtype_size(e->cfg.replica_reduce_dtype);
-  return e->dev->ops->host_alloc(e->dev, bytes, (void **)&e->rep.stage);
+  const int w = e->cfg.replica_reduce_dtype;
+  const size_t bytes = wire_at(n) + (w == SG_F32 ? 0u : n * sg__dtype_size(w));
+  return e->dev->ops->host_alloc(e->dev, bytes ? bytes : 1u, (void **)&e->rep.stage);
 }
 
 typedef struct {
