@@ -10,10 +10,13 @@
  *    non-finite gradient on one node (that node skips its inner step), and a sg_save / sg_load
  *    in the middle of a period and before the first step (the outer state through the host);
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
+ *  - the same modes with offload_optimizer on the CUDA engine (its state and element work on
+ *    the host), against the CPU engine without it: non-finite skips, saves and loads;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
- *    overlapped sums run on a host queue: CPU device only), mixed communicators (nccl:
- *    threads inside the node with NCCL across, and the reverse), a codec over MPI (--mpi).
+ *    naming the setting: either mode with an offloaded optimizer over NCCL, streaming outer
+ *    steps (their overlapped sums run on a host queue: CPU device only), mixed communicators
+ *    (nccl: threads inside the node with NCCL across, and the reverse), a codec over MPI
+ *    (--mpi).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
  *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
@@ -49,6 +52,7 @@ typedef struct {
   int inject; /* +inf in one gradient of rank W - 1 at step 1 (f16: dynamic loss scale) */
   int reload; /* >= 0: sg_save before this step, then sg_load of it into the same engines */
   sg_codec codec;
+  int offload; /* the CUDA engine with offload_optimizer (the CPU engine: without) */
 } tcase;
 
 typedef struct {
@@ -94,6 +98,7 @@ static void fill_config(const run_arg *a, sg_config *cfg) {
   cfg->outer_lr = 0.7;
   cfg->outer_momentum = 0.9;
   cfg->outer_streaming = tc->stream;
+  cfg->offload_optimizer = a->cuda && tc->offload;
 }
 
 /* This rank's shard and replica communicators (from the NCCL world where a->nccl). */
@@ -167,6 +172,25 @@ static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
   return st;
 }
 
+/* With offload the modes' state is pinned host memory: the transport is the host's (at-step),
+ * and sg_memory's host bytes, which count it, are sg_estimate_memory's. */
+static sg_status check_offload(sg_engine *e, const sg_config *cfg) {
+  if (!cfg->offload_optimizer) return SG_OK;
+  sg_memory_stats got = {.struct_size = sizeof got}, est = {.struct_size = sizeof est};
+  sg_config c = *cfg;
+  c.shard_ranks = L;
+  sg_status st = sg_memory(e, &got);
+  if (!st) st = sg_estimate_memory(&c, k_sizes, NP, W, &est);
+  if (st) return st;
+  if (strncmp(e->rep.ops->name, "at-step", 7) || e->lay.replica_host_bytes == 0 ||
+      got.host_bytes != est.host_bytes || got.comm_bytes != est.comm_bytes) {
+    fprintf(stderr, "transport %s, replica host bytes %zu, host bytes %zu (estimated %zu)\n",
+            e->rep.ops->name, e->lay.replica_host_bytes, got.host_bytes, est.host_bytes);
+    return SG_ERR_INTERNAL;
+  }
+  return SG_OK;
+}
+
 static void *run_thread(void *arg) {
   run_arg *a = arg;
   sg_comm *shard = NULL, *rep = NULL;
@@ -177,6 +201,7 @@ static void *run_thread(void *arg) {
   sg_status st = split(a, a->nccl, a->nccl, &shard, &rep);
   if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = setup(e, ids);
+  if (!st) st = check_offload(e, &cfg);
   if (!st) st = train(a, e, ids);
   if (!st) st = sg_test_read_state(e, ids, k_sizes, NP, SG_TEST_STATE_OF(a->res));
   a->res->ok = st == SG_OK;
@@ -258,9 +283,12 @@ static void run_case(const tcase *tc, int nccl) {
   run_on(tc, 1, nccl, gpu);
   for (int r = 0; r < W; r++) compare(tc, &gpu[r], &cpu[r], r);
   check_agree(tc, gpu);
-  if (tc->inject && gpu[0].ok)
+  if (tc->inject && gpu[0].ok && tc->h > 0)
     CHECK(gpu[W - 1].skipped[1] && !gpu[0].skipped[1],
           "[%s] the node with the non-finite gradient skips its inner step, the other does not",
+          tc->name);
+  if (tc->inject && gpu[0].ok && tc->h == 0) /* codes: the sum is every replica's */
+    CHECK(gpu[W - 1].skipped[1] && gpu[0].skipped[1], "[%s] every replica skips the step",
           tc->name);
   for (int r = 0; r < W; r++) {
     sg_test_free_state(NP, SG_TEST_STATE_OF(&cpu[r]));
@@ -272,19 +300,38 @@ static void run_case(const tcase *tc, int nccl) {
 }
 
 static const tcase k_cases[] = {
-    {"f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE},
+    {"f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, 0},
     {"bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
-     SG_CODEC_NONE},
+     SG_CODEC_NONE, 0},
     {"f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
-     SG_CODEC_NONE},
-    {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4, SG_CODEC_NONE},
-    {"save before the first step, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0, 0, SG_CODEC_NONE},
-    {"int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8},
-    {"4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1, SG_CODEC_INT4},
-    {"int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8},
-    {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8},
+     SG_CODEC_NONE, 0},
+    {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4, SG_CODEC_NONE, 0},
+    {"save before the first step, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0, 0, SG_CODEC_NONE, 0},
+    {"int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8, 0},
+    {"4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1, SG_CODEC_INT4, 0},
+    {"int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8, 0},
+    {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8, 0},
     {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
-     SG_CODEC_INT8},
+     SG_CODEC_INT8, 0},
+    /* offload_optimizer on the CUDA engine (threads and MPI only: NCCL refuses it) */
+    {"offload: f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
+    {"offload: bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
+     SG_CODEC_NONE, 1},
+    {"offload: f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
+     SG_CODEC_NONE, 1},
+    {"offload: save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4,
+     SG_CODEC_NONE, 1},
+    {"offload: save before the first step, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0,
+     0, SG_CODEC_NONE, 1},
+    {"offload: int8 codes, inf on one node", SG_F32, SG_F32, 0, 0, 4, 0.0f, 1, -1, SG_CODEC_INT8,
+     1},
+    {"offload: 4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1,
+     SG_CODEC_INT4, 1},
+    {"offload: int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8, 1},
+    {"offload: outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1,
+     SG_CODEC_INT8, 1},
+    {"offload: outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f,
+     0, 4, SG_CODEC_INT8, 1},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -320,7 +367,7 @@ static void *refuse_thread(void *arg) {
 
 static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, sg_codec codec,
                    int outer, int stream, const char *needle) {
-  static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1, SG_CODEC_NONE};
+  static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1, SG_CODEC_NONE, 0};
   sg_comm *world[W] = {NULL};
   unsigned char id[128];
   if (!CHECK(sg_comm_create_local(W, world) == SG_OK, "local world")) return;
@@ -373,7 +420,7 @@ static int run_mpi(void) {
     }
   }
   /* a codec on CUDA needs an all-to-all on device memory, which MPI's is not */
-  static const tcase codec = {"refused", SG_F32, SG_F32, 0, 0, 1, 0.0f, 0, -1, SG_CODEC_INT8};
+  static const tcase codec = {"refused", SG_F32, SG_F32, 0, 0, 1, 0.0f, 0, -1, SG_CODEC_INT8, 0};
   refuse_arg ra;
   memset(&ra, 0, sizeof ra);
   ra.a = (run_arg){&codec, 1, 0, world, NULL, NULL, NULL, rank, NULL};
@@ -408,9 +455,13 @@ int main(int argc, char **argv) {
     printf("test_replica_dev: built without CUDA or NCCL\n");
     return 77;
   }
-  for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
-  refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, 0, "offload_optimizer");
-  refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 0, "offload_optimizer");
+  for (int c = 0; c < NCASES; c++)
+    if (!nccl || !k_cases[c].offload) run_case(&k_cases[c], nccl);
+  if (nccl) { /* with offload the modes' state is host memory, which NCCL's collectives do not take */
+    refuse("the int8 codec with offload", 1, 1, 1, SG_CODEC_INT8, 0, 0, "host replica communicator");
+    refuse("outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 0, "host replica communicator");
+  }
+  refuse("streaming outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
          "CPU device only");

@@ -197,6 +197,10 @@ typedef struct sg__replicas {
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;
+  /* The device of the replica element work (outer steps, codes) and of the memory its state
+   * lies in: the engine's, or with an offloaded optimizer a CPU device over pinned host memory
+   * (rep.host_dev, beside the host master and accumulator it reads); sg_replica_select.c. */
+  sg__device *elem_dev;
   /* A replica codec (cfg.replica_codec): its residuals and code buffers, in the layout's
    * replica buffer (src/engine/policy/sg_replica_codec.c owns it); NULL without one. */
   struct sg__codec *codec;

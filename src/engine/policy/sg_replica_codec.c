@@ -96,7 +96,7 @@ static sg_status owner_sum(sg__device *d, sg__queue q, const sg__codec *k, float
 sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   sg_comm *c = e->rep.comm;
-  sg__device *d = e->dev;
+  sg__device *d = e->rep.elem_dev;
   const sg__queue q = sg__replica_elem_queue(e);
   const int N = e->rep.n, me = e->rep.rank;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
@@ -141,9 +141,10 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_s
     r2_off[b + 1] = r2_off[b] + max_chunk(n, N);
     if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
   }
-  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off + off;
+  char *base = sg__replica_buf(e) + off;
+  sg__device *d = e->rep.elem_dev;
   /* no error carried yet */
-  const sg_status st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, base,
+  const sg_status st = d->ops->zero(d, SG_Q_COMPUTE, base,
                                          sg__replica_codec_bytes(p, N, bits));
   if (st != SG_OK) {
     free(k);
@@ -201,21 +202,22 @@ static void scatter_records(const sg_engine *e, const sg__codec *k, const float 
   }
 }
 
-/* Replica j's residuals broadcast from its device memory (or buffer) into tmp (device memory
- * of the engine's device, as the channel takes), then read into host for the records. */
+/* Replica j's residuals broadcast from its buffer into tmp (memory of the element work's
+ * device, as the channel takes), then read into host for the records. */
 static sg_status save_from(sg_engine *e, const sg__codec *k, int j, void *dev_tmp, float *host,
                            size_t bytes, float *rec) {
   bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : dev_tmp, bytes, j};
   SG_TRY(sg__replica_run_comm(e, bcast_fn, &job));
   if (!rec) return SG_OK;
-  SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, job.buf, bytes, SG_COPY_D2H));
+  sg__device *d = e->rep.elem_dev;
+  SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, host, job.buf, bytes, SG_COPY_D2H));
   scatter_records(e, k, host, j, rec);
   return SG_OK;
 }
 
 sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck) {
   const sg__codec *k = e->rep.codec;
-  sg__device *d = e->dev;
+  sg__device *d = e->rep.elem_dev;
   const size_t bytes = resid_words(e, k) * sizeof(float);
   float *host = malloc(bytes);
   void *dev_tmp = NULL;
@@ -265,8 +267,9 @@ void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck) {
   const int w = k->ck_state;
   if (ck && ck->rec[w] && ck->esz[w] >= 8u)
     gather_records(e, k, ck->rec[w], ck->esz[w] / 4u - 1u, host, host + e->plan->shard_numel);
-  const sg_status st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, k->r1, host, words * sizeof(float),
-                                         SG_COPY_H2D);
+  sg__device *d = e->rep.elem_dev;
+  const sg_status st = d->ops->copy(d, SG_Q_COMPUTE, k->r1, host, words * sizeof(float),
+                                    SG_COPY_H2D);
   if (st != SG_OK) (void)sg__engine_broken(e, st);
   free(host);
 }

@@ -16,6 +16,10 @@ extern const sg__replica_ops sg__replica_attached; /* sg_replica_direct.c */
 extern const sg__replica_ops sg__replica_unbound;  /* sg_replica_direct.c */
 extern const sg__replica_ops sg__replica_staged;   /* sg_replica_staged.c */
 extern const sg__replica_ops sg__replica_at_step;  /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_at_step_int8; /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_at_step_int4; /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_outer_host;      /* sg_replica_outer_host.c */
+extern const sg__replica_ops sg__replica_outer_host_int8; /* sg_replica_outer_host.c */
 extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
 extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
 extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
@@ -47,6 +51,13 @@ sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
  * runs). */
 sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n);
 sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d);
+/* ... the same two over a run theta of the fp32 parameters given (delta: d = po - theta; step:
+ * po, m and theta = po, no working copy), and the host buffer of one run's working values
+ * (an offloaded optimizer's, sg_replica_outer_host.c; NULL otherwise). */
+sg_status sg__replica_outer_delta_from(sg_engine *e, int b, float *d, const float *theta,
+                                       size_t *n);
+sg_status sg__replica_outer_step_into(sg_engine *e, int b, const float *d, float *theta);
+float *sg__replica_outer_work(sg_engine *e);
 sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride);
 float *sg__replica_outer_dbuf(sg_engine *e);
 /* Streaming: due at every step whose group (the buckets b with b mod H = the step's position in
@@ -130,6 +141,9 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
  * sg_replica_select.c: the comm queue on CUDA (the replica job's stream), the compute queue on
  * the CPU device (at once, in the caller's order). */
 sg__queue sg__replica_elem_queue(const sg_engine *e);
+/* The layout's replica buffer: the COMM arena's (device memory on CUDA), or with an offloaded
+ * optimizer pinned host memory (sg_memory's host bytes), made by init before prepare. */
+char *sg__replica_buf(const sg_engine *e);
 sg_status sg__replica_no_drain(sg_engine *e);
 sg_status sg__replica_no_prepare(sg_engine *e);
 void sg__replica_no_release(sg_engine *e);

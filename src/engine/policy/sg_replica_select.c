@@ -27,13 +27,10 @@ static sg_status codec_comm_cpu(const sg_comm *replica) {
 /* On a CUDA device the slow-link modes work in its memory (the device's outer and code ops),
  * their sums through the replica channel bound to it beside the shard channel, the same way
  * (both NCCL, or both host-driven: threads or MPI); the mixed pairs, whose replica collectives
- * take host memory or run apart from the device's comm queue, and an offloaded optimizer (its
- * master and accumulator on the host) are not done. */
+ * take host memory or run apart from the device's comm queue, are not done. (An offloaded
+ * optimizer: pick_offload.) */
 static sg_status attached_cuda(sg_engine *e, const sg_comm *replica, const char *what,
                                sg__device **dev) {
-  if (e->strat->place->host)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s with cfg->offload_optimizer is not supported yet on "
-                   "the CUDA device", what);
   if (e->comm->stream_ordered != replica->stream_ordered)
     return sg__err(SG_ERR_UNSUPPORTED, "%s on the CUDA device needs shard and replica "
                    "communicators of the same kind (both NCCL, or both host-driven: threads or "
@@ -58,11 +55,35 @@ static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **d
   return codec_comm_cuda(replica);
 }
 
+/* An offloaded optimizer (CUDA): the modes work where its master and accumulator live, on
+ * the host: their state in the pinned replica buffer, their element work on a CPU device of
+ * their own (rep.host_dev, the element device), their sums through the channel bound without
+ * a device (host memory: a host communicator; an all-to-all for codes), at the step after the
+ * state's settle (codes: at-step) or from sg_step's thread (outer steps: sg_replica_outer_host.c). */
+static sg_status pick_offload(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+  const int outer = e->cfg.outer_every > 0, codec = e->cfg.replica_codec != SG_CODEC_NONE;
+  const char *what = codec ? "cfg->replica_codec" : "cfg->outer_every";
+  if (replica->stream_ordered || (codec && !replica->ops->all_to_all))
+    return sg__err(SG_ERR_UNSUPPORTED, "%s with cfg->offload_optimizer on the CUDA device needs "
+                   "a host replica communicator%s (threads, MPI, a caller's transport): its "
+                   "state is pinned host memory, which %s's collectives do not take", what,
+                   codec ? " with an all-to-all" : "", replica->ops->name);
+  if (outer)
+    *ops = codec ? &sg__replica_outer_host_int8 : &sg__replica_outer_host;
+  else
+    *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_at_step_int8
+                                                 : &sg__replica_at_step_int4;
+  SG_TRY(sg__device_cpu_create(e->rank, 0, &e->rep.host_dev));
+  e->rep.elem_dev = e->rep.host_dev;
+  return SG_OK;
+}
+
 static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                             sg__device **dev) {
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
                    "crosses nodes to compress (use SG_CODEC_NONE)");
+  if (e->strat->place->host) return pick_offload(e, replica, ops);
   SG_TRY(codec_comm(e, replica, dev));
   *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_int8 : &sg__replica_int4;
   return SG_OK;
@@ -83,6 +104,7 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
                    "sums overlap the next step on a host queue); on the CUDA device use outer "
                    "steps without streaming");
+  if (e->strat->place->host) return pick_offload(e, replica, ops);
   if (!codec && e->dev->kind != SG_DEVICE_CPU)
     SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
   if (codec) SG_TRY(codec_comm(e, replica, dev));
@@ -124,11 +146,12 @@ static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_op
 
 sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                              sg__device **dev) {
+  e->rep.elem_dev = e->dev; /* pick_offload: a CPU device of its own */
   SG_TRY(pick(e, replica, ops, dev));
   e->rep.mem = channel_mem(e, replica, *dev);
   /* the CPU device runs element work at once, in the caller's order (a replica job, or the
    * streaming sum's host queue, which must not wait for the node's comm jobs) */
-  e->rep.elem_q = e->dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
+  e->rep.elem_q = e->rep.elem_dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
   return SG_OK;
 }
 
