@@ -287,8 +287,9 @@ typedef struct sg_config {
                                the CPU device a host communicator (threads, MPI, caller's
                                transport) for replicas; on the CUDA device (the same bits as
                                the CPU's) a shard and a replica communicator of one kind, both
-                               NCCL or both threads, and no offload_optimizer (others, MPI
-                               included: SG_ERR_UNSUPPORTED at create); a flat engine refuses
+                               NCCL or both threads, or with offload_optimizer a host replica
+                               communicator with an all-to-all (threads, MPI, a caller's;
+                               others: SG_ERR_UNSUPPORTED at create); a flat engine refuses
                                it. Checkpoints
                                hold every replica's residuals (sg_load at another node count:
                                docs/slow-links.md); one without them loads with them zero. */
@@ -303,8 +304,9 @@ typedef struct sg_config {
                                state (parameters and momentum, fp32) is sharded like the
                                master. CPU device; CUDA device (the same bits as the CPU's)
                                with a shard and a replica communicator of one kind (both NCCL,
-                               or both threads or MPI) and no offload_optimizer (others:
-                               SG_ERR_UNSUPPORTED at create). With
+                               or both threads or MPI), or with offload_optimizer a host
+                               replica communicator (not streaming; others: SG_ERR_UNSUPPORTED
+                               at create). With
                                replica_codec SG_CODEC_INT8 (and its communicators) the
                                pseudo-gradient crosses as int8 codes with error feedback
                                (SG_CODEC_INT4: refused). Checkpoints hold the outer state and

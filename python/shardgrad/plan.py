@@ -247,11 +247,11 @@ def _candidates(hw, world, dtype, device, buckets, states=("f32",), strategies=S
 
 def _unsupported(kw):
     """Why the engine would refuse this layout at create today, or "" (the planner still
-    predicts it): on CUDA the codecs and outer steps do not run with an offloaded optimizer
-    (sg_replica_select.c)."""
+    predicts it): on CUDA streaming outer steps do not run with an offloaded optimizer
+    (sg_replica_select.c; the codecs and plain outer steps do)."""
     if kw.get("device") != "cuda":
         return ""
-    if (kw.get("replica_codec") or kw.get("outer_every")) and kw.get("offload_optimizer"):
+    if kw.get("outer_every") and kw.get("outer_streaming") and kw.get("offload_optimizer"):
         return "not with offload on CUDA yet"
     return ""
 

@@ -112,7 +112,8 @@ typedef struct sg__rep_ck {
  * replica: every entry does nothing), host (a CPU device), attached (beside the shard channel
  * on the device), unbound (an NCCL channel without a device beside a host-driven shard),
  * staged (a host communicator beside an NCCL shard, through pinned host memory on a host queue
- * of its own), at-step (an offloaded accumulator: summed on the host at the step). */
+ * of its own), at-step (an offloaded accumulator: summed on the host at the step; with
+ * a codec, at-step-int8/int4; outer steps: outer-host, policy/sg_replica_outer_host.c). */
 typedef struct sg__replica_ops {
   const char *name;
   /* The stage's entry points (sg_replica.c calls them; flat: nothing; every other transport:
