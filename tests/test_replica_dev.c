@@ -172,8 +172,8 @@ static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
   return st;
 }
 
-/* With offload the modes' state is pinned host memory: the transport is the host's (at-step),
- * and sg_memory's host bytes, which count it, are sg_estimate_memory's. */
+/* With offload the modes' state is pinned host memory and their element work on the host (a
+ * device of their own), and sg_memory's host bytes, which count it, are sg_estimate_memory's. */
 static sg_status check_offload(sg_engine *e, const sg_config *cfg) {
   if (!cfg->offload_optimizer) return SG_OK;
   sg_memory_stats got = {.struct_size = sizeof got}, est = {.struct_size = sizeof est};
@@ -182,7 +182,7 @@ static sg_status check_offload(sg_engine *e, const sg_config *cfg) {
   sg_status st = sg_memory(e, &got);
   if (!st) st = sg_estimate_memory(&c, k_sizes, NP, W, &est);
   if (st) return st;
-  if (strncmp(e->rep.ops->name, "at-step", 7) || e->lay.replica_host_bytes == 0 ||
+  if (e->rep.elem_dev == e->dev || e->lay.replica_host_bytes == 0 ||
       got.host_bytes != est.host_bytes || got.comm_bytes != est.comm_bytes) {
     fprintf(stderr, "transport %s, replica host bytes %zu, host bytes %zu (estimated %zu)\n",
             e->rep.ops->name, e->lay.replica_host_bytes, got.host_bytes, est.host_bytes);
@@ -332,6 +332,11 @@ static const tcase k_cases[] = {
      SG_CODEC_INT8, 1},
     {"offload: outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f,
      0, 4, SG_CODEC_INT8, 1},
+    {"offload: streaming, f32, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
+    {"offload: streaming, bf16 params, bf16 wire, save and load, H=3", SG_BF16, SG_BF16, 3, 1, 7,
+     0.0f, 0, 4, SG_CODEC_NONE, 1},
+    {"offload: streaming with int8 codes, f16, inf on one node, H=2", SG_F16, SG_F32, 2, 1, 5,
+     0.0f, 1, -1, SG_CODEC_INT8, 1},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -460,8 +465,9 @@ int main(int argc, char **argv) {
   if (nccl) { /* with offload the modes' state is host memory, which NCCL's collectives do not take */
     refuse("the int8 codec with offload", 1, 1, 1, SG_CODEC_INT8, 0, 0, "host replica communicator");
     refuse("outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 0, "host replica communicator");
+    refuse("streaming outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 1,
+           "host replica communicator");
   }
-  refuse("streaming outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
          "CPU device only");

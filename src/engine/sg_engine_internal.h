@@ -212,6 +212,9 @@ typedef struct sg__replicas {
     int fresh; /* the outer parameters and momentum are to be taken at the next step */
     int inner; /* steps since the last outer step (streaming: since the period began) */
     int group; /* streaming: the group of buckets the step that just ended syncs */
+    /* where a run's fp32 parameters are read and written (sg_replica_outer.c: the device's;
+     * sg_replica_outer_host.c: an offloaded optimizer's, on the host) */
+    const struct sg__outer_place *place;
   } outer;
 } sg__replicas;
 

@@ -87,9 +87,27 @@ static float *master_of(const sg_engine *e, const sg__owned *o) {
   return e->opt.master ? e->opt.master + o->state0 : (float *)e->params + o->flat0;
 }
 
+/* The device's place: the master (or the working parameters) in its memory, the working copy
+ * cast by it (in the queue of the replica element work, as the rest). */
+static sg_status device_theta(sg_engine *e, const sg__owned *o, float **theta) {
+  *theta = master_of(e, o);
+  return SG_OK;
+}
+
+static sg_status device_working(sg_engine *e, const sg__owned *o, const float *theta) {
+  if (!e->opt.master) return SG_OK;
+  sg__device *dev = e->rep.elem_dev;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  return dev->ops->cast(dev, sg__replica_elem_queue(e), e->params + o->flat0 * P,
+                        e->cfg.param_dtype, theta, SG_F32, o->n);
+}
+
+static const sg__outer_place device_place = {device_theta, device_working};
+
 sg_status sg__replica_outer_prepare(sg_engine *e) {
   memset(&e->rep.outer, 0, sizeof e->rep.outer);
   e->rep.outer.fresh = 1;
+  e->rep.outer.place = &device_place;
   sg__device *d = e->rep.elem_dev;
   return d->ops->zero(d, SG_Q_COMPUTE, bufs_of(e).po, sg__replica_outer_bytes(e->plan, &e->cfg));
 }
@@ -203,42 +221,28 @@ int sg__replica_outer_group(const sg_engine *e) { return e->rep.outer.group; }
  * Nesterov step from the replicas' sum in d (the parameters become the new po; bf16/f16 ones:
  * the working copy from the new master), the node's gathers of the buckets first, first +
  * stride, ... on the engine's comm queue (waited for), the buffer d. */
-sg_status sg__replica_outer_delta_from(sg_engine *e, int b, float *d, const float *theta,
-                                       size_t *n) {
+sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n) {
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
   *n = o.n;
+  float *theta = NULL;
+  SG_TRY(e->rep.outer.place->theta(e, &o, &theta));
   sg__device *dev = e->rep.elem_dev;
   return dev->ops->outer_delta(dev, sg__replica_elem_queue(e), d, bufs_of(e).po + o.state0,
                                theta, o.n);
 }
 
-sg_status sg__replica_outer_step_into(sg_engine *e, int b, const float *d, float *theta) {
+sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
   const outer_bufs k = bufs_of(e);
   sg__device *dev = e->rep.elem_dev;
   const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
-  return dev->ops->outer_step(dev, sg__replica_elem_queue(e), k.po + o.state0, k.m + o.state0,
-                              theta, d, o.n, e->rep.n, lr, mu);
-}
-
-sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n) {
-  sg__owned o;
-  e->strat->owned(e->plan, e->rank, b, &o);
-  return sg__replica_outer_delta_from(e, b, d, master_of(e, &o), n);
-}
-
-sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
-  sg__device *dev = e->rep.elem_dev;
-  sg__owned o;
-  e->strat->owned(e->plan, e->rank, b, &o);
-  float *theta = master_of(e, &o);
-  SG_TRY(sg__replica_outer_step_into(e, b, d, theta));
-  if (!e->opt.master) return SG_OK;
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  return dev->ops->cast(dev, sg__replica_elem_queue(e), e->params + o.flat0 * P,
-                        e->cfg.param_dtype, theta, SG_F32, o.n);
+  float *theta = NULL;
+  SG_TRY(e->rep.outer.place->theta(e, &o, &theta));
+  SG_TRY(dev->ops->outer_step(dev, sg__replica_elem_queue(e), k.po + o.state0, k.m + o.state0,
+                              theta, d, o.n, e->rep.n, lr, mu));
+  return e->rep.outer.place->working(e, &o, theta);
 }
 
 float *sg__replica_outer_work(sg_engine *e) { return bufs_of(e).work; }

@@ -7,36 +7,26 @@
  * memory): the CPU engine's ops on the same values, so its bits. Per bucket, from sg_step's
  * thread once the step's gathers landed:
  *
- *   theta   this rank's fp32 run of the parameters on the host: the host master (bf16/f16
- *           parameters), or for f32 ones (the GPU's working values are the master, the host
- *           keeps no copy) the run copied D2H into the work buffer;
- *   a job   on the replica channel's queue: d = po - theta, its sum over the replicas (f32 or
- *           bf16 wire, or the int8 codes), the Nesterov step (theta = po);
- *   up      the run's new working values (cast to the parameter dtype in the work buffer)
- *           copied H2D on the compute queue, which the node's gathers (comm jobs) wait for.
+ *   delta   d = po - theta on the host, theta this rank's fp32 run of the parameters there
+ *           (this file's place, sg__outer_place): the host master (bf16/f16 parameters), or
+ *           for f32 ones (the GPU's working values are the master, the host keeps no copy)
+ *           the run copied D2H into the work buffer;
+ *   sum     a job on the replica channel's queue (f32 or bf16 wire, or the int8 codes);
+ *   apply   the Nesterov step (theta = po), then the run's new working values (cast to the
+ *           parameter dtype in the work buffer) copied H2D on the compute queue, which the
+ *           node's gathers (comm jobs) wait for.
  *
+ * The copies run on sg_step's thread, outside jobs (a host-driven comm worker must not use the
+ * compute queue). Streaming (sg_replica_outer_stream.c) takes the same place, delta and apply.
  * The rest (the period, the first step's outer state, checkpoints) is sg_replica_outer.c's:
  * its copies go through the engine's device, which copies pinned host memory by its pointers. */
 #include "sg_replica_policy.h"
 
-typedef struct {
-  sg_engine *e;
-  int b;
-  float *theta;
-  sg__outer_sum_fn sum;
-} host_job;
-
-static sg_status host_job_fn(void *arg) {
-  const host_job *j = arg;
-  float *d = sg__replica_outer_dbuf(j->e);
-  size_t n;
-  SG_TRY(sg__replica_outer_delta_from(j->e, j->b, d, j->theta, &n));
-  SG_TRY(j->sum(j->e, j->b, d, n));
-  return sg__replica_outer_step_into(j->e, j->b, d, j->theta);
-}
-
-/* The run's fp32 parameters on the host (compute-queue copies are done when the call returns). */
-static sg_status theta_of(sg_engine *e, const sg__owned *o, float **theta) {
+/* The host's place (sg__outer_place): the run's fp32 parameters on the host, the master, or
+ * for f32 parameters the GPU's copied into the work buffer (compute-queue copies are done when
+ * the call returns); the new working values up to the GPU: theta itself (f32), or cast from the
+ * master into the work buffer. */
+static sg_status host_theta(sg_engine *e, const sg__owned *o, float **theta) {
   if (e->opt.master) {
     *theta = e->opt.master + o->state0;
     return SG_OK;
@@ -46,8 +36,7 @@ static sg_status theta_of(sg_engine *e, const sg__owned *o, float **theta) {
                            o->n * sizeof(float), SG_COPY_D2H);
 }
 
-/* The run's new working values up to the GPU: theta itself (f32), or cast from the master. */
-static sg_status working_up(sg_engine *e, const sg__owned *o, const float *theta) {
+static sg_status host_working(sg_engine *e, const sg__owned *o, const float *theta) {
   const size_t P = sg__dtype_size(e->cfg.param_dtype);
   void *w = sg__replica_outer_work(e);
   if (e->opt.master) {
@@ -58,14 +47,40 @@ static sg_status working_up(sg_engine *e, const sg__owned *o, const float *theta
                            SG_COPY_H2D);
 }
 
+static const sg__outer_place host_place = {host_theta, host_working};
+
+sg_status sg__replica_outer_host_prepare(sg_engine *e) {
+  SG_TRY(sg__replica_outer_prepare(e));
+  e->rep.outer.place = &host_place;
+  return SG_OK;
+}
+
+sg_status sg__replica_outer_host_prepare_int8(sg_engine *e) {
+  SG_TRY(sg__replica_outer_int8_prepare(e));
+  e->rep.outer.place = &host_place;
+  return SG_OK;
+}
+
+/* The sum of bucket b's pseudo-gradient run, a job on the replica channel's queue. */
+typedef struct {
+  sg_engine *e;
+  int b;
+  size_t n;
+  sg__outer_sum_fn sum;
+} sum_job;
+
+static sg_status sum_job_fn(void *arg) {
+  const sum_job *j = arg;
+  return j->sum(j->e, j->b, sg__replica_outer_dbuf(j->e), j->n);
+}
+
 static sg_status sync_with(sg_engine *e, sg__outer_sum_fn sum) {
+  float *d = sg__replica_outer_dbuf(e);
   for (int b = 0; b < e->plan->nbuckets; b++) {
-    sg__owned o;
-    e->strat->owned(e->plan, e->rank, b, &o);
-    host_job j = {e, b, NULL, sum};
-    SG_TRY(theta_of(e, &o, &j.theta));
-    SG_TRY(sg__replica_run_comm(e, host_job_fn, &j));
-    SG_TRY(working_up(e, &o, j.theta));
+    sum_job j = {e, b, 0, sum};
+    SG_TRY(sg__replica_outer_delta(e, b, d, &j.n));
+    SG_TRY(sg__replica_run_comm(e, sum_job_fn, &j));
+    SG_TRY(sg__replica_outer_apply(e, b, d));
   }
   return sg__replica_outer_gather(e, 0, 1);
 }
@@ -75,14 +90,14 @@ static sg_status sync_wire(sg_engine *e) { return sync_with(e, sg__replica_outer
 static sg_status sync_int8(sg_engine *e) { return sync_with(e, sg__replica_outer_int8_sum); }
 
 /* The CPU device of the element work (made by select). */
-static void release(sg_engine *e) {
+void sg__replica_outer_host_release(sg_engine *e) {
   sg__replica_staged_release(e);
   e->rep.elem_dev = NULL;
 }
 
-static void release_int8(sg_engine *e) {
+void sg__replica_outer_host_release_int8(sg_engine *e) {
   sg__replica_codec_release(e);
-  release(e);
+  sg__replica_outer_host_release(e);
 }
 
 /* The channel takes host memory: the shard channel's scratch (device memory) is not shared. */
@@ -93,14 +108,14 @@ static void release_int8(sg_engine *e) {
   .sync_due = sg__replica_outer_due
 
 const sg__replica_ops sg__replica_outer_host = {
-    .name = "at-step, outer steps", OUTER_HOST, .prepare = sg__replica_outer_prepare,
-    .release = release, .sync = sync_wire, .ck_describe = sg__replica_outer_describe,
+    .name = "at-step, outer steps", OUTER_HOST, .prepare = sg__replica_outer_host_prepare,
+    .release = sg__replica_outer_host_release, .sync = sync_wire, .ck_describe = sg__replica_outer_describe,
     .ck_save = sg__replica_outer_save, .restore = sg__replica_outer_restore,
 };
 
 const sg__replica_ops sg__replica_outer_host_int8 = {
     .name = "at-step, outer steps, int8 codes", OUTER_HOST,
-    .prepare = sg__replica_outer_int8_prepare, .release = release_int8, .sync = sync_int8,
+    .prepare = sg__replica_outer_host_prepare_int8, .release = sg__replica_outer_host_release_int8, .sync = sync_int8,
     .ck_describe = sg__replica_outer_int8_describe, .ck_save = sg__replica_outer_int8_save,
     .restore = sg__replica_outer_int8_restore,
 };

@@ -20,6 +20,15 @@ extern const sg__replica_ops sg__replica_at_step_int8; /* sg_replica_at_step.c *
 extern const sg__replica_ops sg__replica_at_step_int4; /* sg_replica_at_step.c */
 extern const sg__replica_ops sg__replica_outer_host;      /* sg_replica_outer_host.c */
 extern const sg__replica_ops sg__replica_outer_host_int8; /* sg_replica_outer_host.c */
+extern const sg__replica_ops sg__replica_outer_stream_host;      /* sg_replica_outer_stream.c */
+extern const sg__replica_ops sg__replica_outer_stream_host_int8; /* sg_replica_outer_stream.c */
+/* sg_replica_outer_host.c: its prepare (sg_replica_outer.c's, or with int8 codes
+ * sg_replica_outer_int8.c's, with the host's place) and release (the codec's and the element
+ * work's CPU device), which streaming with offload shares. */
+sg_status sg__replica_outer_host_prepare(sg_engine *e);
+sg_status sg__replica_outer_host_prepare_int8(sg_engine *e);
+void sg__replica_outer_host_release(sg_engine *e);
+void sg__replica_outer_host_release_int8(sg_engine *e);
 extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
 extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
 extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
@@ -51,13 +60,18 @@ sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
  * runs). */
 sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n);
 sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d);
-/* ... the same two over a run theta of the fp32 parameters given (delta: d = po - theta; step:
- * po, m and theta = po, no working copy), and the host buffer of one run's working values
- * (an offloaded optimizer's, sg_replica_outer_host.c; NULL otherwise). */
-sg_status sg__replica_outer_delta_from(sg_engine *e, int b, float *d, const float *theta,
-                                       size_t *n);
-sg_status sg__replica_outer_step_into(sg_engine *e, int b, const float *d, float *theta);
+/* The host buffer of one run's working values (an offloaded optimizer's,
+ * sg_replica_outer_host.c; NULL otherwise). */
 float *sg__replica_outer_work(sg_engine *e);
+/* Where delta and apply find this rank's fp32 run o of the parameters for the element device
+ * (theta) and how the working copy then follows it (working: bf16/f16 parameters cast from
+ * it, f32 ones are it): the engine's device (sg_replica_outer.c), or an offloaded optimizer's
+ * host (sg_replica_outer_host.c: called from sg_step's thread, outside jobs). Set by
+ * prepare: e->rep.outer.place. */
+typedef struct sg__outer_place {
+  sg_status (*theta)(sg_engine *e, const sg__owned *o, float **theta);
+  sg_status (*working)(sg_engine *e, const sg__owned *o, const float *theta);
+} sg__outer_place;
 sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride);
 float *sg__replica_outer_dbuf(sg_engine *e);
 /* Streaming: due at every step whose group (the buckets b with b mod H = the step's position in

@@ -59,8 +59,10 @@ static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **d
  * the host: their state in the pinned replica buffer, their element work on a CPU device of
  * their own (rep.host_dev, the element device), their sums through the channel bound without
  * a device (host memory: a host communicator; an all-to-all for codes), at the step after the
- * state's settle (codes: at-step) or from sg_step's thread (outer steps: sg_replica_outer_host.c). */
-static sg_status pick_offload(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops) {
+ * state's settle (codes: at-step) or from sg_step's thread (outer steps: sg_replica_outer_host.c);
+ * streaming: bound to that CPU device, whose host queue runs the sums (as on the CPU device). */
+static sg_status pick_offload(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                              sg__device **dev) {
   const int outer = e->cfg.outer_every > 0, codec = e->cfg.replica_codec != SG_CODEC_NONE;
   const char *what = codec ? "cfg->replica_codec" : "cfg->outer_every";
   if (replica->stream_ordered || (codec && !replica->ops->all_to_all))
@@ -68,12 +70,17 @@ static sg_status pick_offload(sg_engine *e, const sg_comm *replica, const sg__re
                    "a host replica communicator%s (threads, MPI, a caller's transport): its "
                    "state is pinned host memory, which %s's collectives do not take", what,
                    codec ? " with an all-to-all" : "", replica->ops->name);
-  if (outer)
-    *ops = codec ? &sg__replica_outer_host_int8 : &sg__replica_outer_host;
-  else
-    *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_at_step_int8
-                                                 : &sg__replica_at_step_int4;
-  SG_TRY(sg__device_cpu_create(e->rank, 0, &e->rep.host_dev));
+  if (outer && e->cfg.outer_streaming) { /* the sums on that device's host queue */
+    *ops = codec ? &sg__replica_outer_stream_host_int8 : &sg__replica_outer_stream_host;
+    SG_TRY(sg__replica_staged_host_queue(e, replica, dev));
+  } else {
+    if (outer)
+      *ops = codec ? &sg__replica_outer_host_int8 : &sg__replica_outer_host;
+    else
+      *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_at_step_int8
+                                                   : &sg__replica_at_step_int4;
+    SG_TRY(sg__device_cpu_create(e->rank, 0, &e->rep.host_dev));
+  }
   e->rep.elem_dev = e->rep.host_dev;
   return SG_OK;
 }
@@ -83,7 +90,7 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
                    "crosses nodes to compress (use SG_CODEC_NONE)");
-  if (e->strat->place->host) return pick_offload(e, replica, ops);
+  if (e->strat->place->host) return pick_offload(e, replica, ops, dev);
   SG_TRY(codec_comm(e, replica, dev));
   *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_int8 : &sg__replica_int4;
   return SG_OK;
@@ -100,11 +107,11 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
                    "other replicas to agree with (use 0)");
   const int stream = e->cfg.outer_streaming, codec = e->cfg.replica_codec != SG_CODEC_NONE;
+  if (e->strat->place->host) return pick_offload(e, replica, ops, dev);
   if (stream && e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
                    "sums overlap the next step on a host queue); on the CUDA device use outer "
                    "steps without streaming");
-  if (e->strat->place->host) return pick_offload(e, replica, ops);
   if (!codec && e->dev->kind != SG_DEVICE_CPU)
     SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
   if (codec) SG_TRY(codec_comm(e, replica, dev));
