@@ -305,8 +305,8 @@ typedef struct sg_config {
                                master. CPU device; CUDA device (the same bits as the CPU's)
                                with a shard and a replica communicator of one kind (both NCCL,
                                or both threads or MPI), or with offload_optimizer a host
-                               replica communicator (not streaming; others: SG_ERR_UNSUPPORTED
-                               at create). With
+                               replica communicator (others: SG_ERR_UNSUPPORTED at create).
+                               With
                                replica_codec SG_CODEC_INT8 (and its communicators) the
                                pseudo-gradient crosses as int8 codes with error feedback
                                (SG_CODEC_INT4: refused). Checkpoints hold the outer state and
@@ -343,7 +343,8 @@ typedef struct sg_config {
                                instead of all of them every H-th step. H larger than the number
                                of buckets: the steps whose group has no bucket send nothing.
                                sg_save merges the sum in flight first (docs/slow-links.md).
-                               Needs outer_every >= 1; the CPU device only so far. */
+                               Needs outer_every >= 1; the CPU device, or the CUDA device with
+                               offload_optimizer and a host replica communicator, so far. */
   int reserved_0_5;         /* 0 (must stay 0): ends the 0.5 block on an 8-byte boundary */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in
