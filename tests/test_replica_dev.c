@@ -10,8 +10,9 @@
  *    non-finite gradient on one node (that node skips its inner step), and a sg_save / sg_load
  *    in the middle of a period and before the first step (the outer state through the host);
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
- *  - the same modes with offload_optimizer on the CUDA engine (its state and element work on
- *    the host), against the CPU engine without it: non-finite skips, saves and loads;
+ *  - the same modes, streaming too, with offload_optimizer on the CUDA engine (its state and
+ *    element work on the host), against the CPU engine without it: non-finite skips, saves and
+ *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size);
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: either mode with an offloaded optimizer over NCCL, streaming outer
  *    steps (their overlapped sums run on a host queue: CPU device only), mixed communicators
@@ -20,7 +21,8 @@
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
  *                      MPI, each process one rank, its CPU engine first, then its CUDA engine;
- *                      the outer-step cases without a save and load, compared rank by rank) */
+ *                      the cases without a save and load, codes with offload only, compared
+ *                      rank by rank) */
 #define _POSIX_C_SOURCE 200809L /* pthread_barrier_t, mkdtemp */
 #include <math.h>
 #include <pthread.h>
@@ -52,7 +54,9 @@ typedef struct {
   int inject; /* +inf in one gradient of rank W - 1 at step 1 (f16: dynamic loss scale) */
   int reload; /* >= 0: sg_save before this step, then sg_load of it into the same engines */
   sg_codec codec;
-  int offload; /* the CUDA engine with offload_optimizer (the CPU engine: without) */
+  int offload; /* 1: the CUDA engine with offload_optimizer (the CPU engine: without); 2: also,
+                  the checkpoint goes through engines of 4 replicas x 1 rank (both devices) that
+                  load it and save it again, before the 2 x 2 engines load that */
 } tcase;
 
 typedef struct {
@@ -159,13 +163,41 @@ static sg_status one_step(const run_arg *a, sg_engine *e, const int *ids, int s)
   return st;
 }
 
+/* The checkpoint in a->dir loaded by an engine of this rank in 4 replicas x 1 rank (the same
+ * device and config) and saved again into dir/n4; returns that directory in out. */
+static sg_status through_other_size(const run_arg *a, char *out, size_t cap) {
+  sg_comm *shard = NULL, *rep = NULL;
+  sg_engine *e = NULL;
+  int ids[NP];
+  sg_config cfg;
+  fill_config(a, &cfg);
+  snprintf(out, cap, "%s/n4", a->dir);
+  sg_status st = sg_comm_split(a->world, a->rank, 0, &shard);
+  if (!st) st = sg_comm_split(a->world, 0, a->rank, &rep);
+  if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
+  if (!st) st = setup(e, ids);
+  if (!st) st = sg_load(e, a->dir);
+  if (!st) st = sg_save(e, out);
+  sg_engine_destroy(e);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(rep);
+  return st;
+}
+
 static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
   sg_status st = SG_OK;
   for (int s = 0; s < a->tc->steps && !st; s++) {
     if (s == a->tc->reload) {
+      char other[96];
+      const char *dir = a->dir;
       st = sg_save(e, a->dir);
       pthread_barrier_wait(a->bar); /* every rank file written before any load */
-      if (!st) st = sg_load(e, a->dir);
+      if (!st && a->tc->offload == 2) {
+        st = through_other_size(a, other, sizeof other);
+        dir = other;
+        pthread_barrier_wait(a->bar);
+      }
+      if (!st) st = sg_load(e, dir);
     }
     if (!st) st = one_step(a, e, ids, s);
   }
@@ -319,22 +351,23 @@ static const tcase k_cases[] = {
      SG_CODEC_NONE, 1},
     {"offload: f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
      SG_CODEC_NONE, 1},
-    {"offload: save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4,
-     SG_CODEC_NONE, 1},
+    {"offload: save, 4 x 1, load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4,
+     SG_CODEC_NONE, 2},
     {"offload: save before the first step, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0,
      0, SG_CODEC_NONE, 1},
     {"offload: int8 codes, inf on one node", SG_F32, SG_F32, 0, 0, 4, 0.0f, 1, -1, SG_CODEC_INT8,
      1},
     {"offload: 4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1,
      SG_CODEC_INT4, 1},
-    {"offload: int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8, 1},
+    {"offload: int8 codes, save, 4 x 1, load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8,
+     2},
     {"offload: outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1,
      SG_CODEC_INT8, 1},
-    {"offload: outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f,
-     0, 4, SG_CODEC_INT8, 1},
+    {"offload: outer steps with int8 codes, save, 4 x 1, load, H=3", SG_BF16, SG_F32, 3, 0, 6,
+     0.0f, 0, 4, SG_CODEC_INT8, 2},
     {"offload: streaming, f32, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
-    {"offload: streaming, bf16 params, bf16 wire, save and load, H=3", SG_BF16, SG_BF16, 3, 1, 7,
-     0.0f, 0, 4, SG_CODEC_NONE, 1},
+    {"offload: streaming, bf16 params, bf16 wire, save, 4 x 1, load, H=3", SG_BF16, SG_BF16, 3,
+     1, 7, 0.0f, 0, 4, SG_CODEC_NONE, 2},
     {"offload: streaming with int8 codes, f16, inf on one node, H=2", SG_F16, SG_F32, 2, 1, 5,
      0.0f, 1, -1, SG_CODEC_INT8, 1},
 };
@@ -395,8 +428,8 @@ static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, 
   }
 }
 
-/* --mpi: this process's rank of every case without a save and load, on the CPU device and then
- * on the CUDA device, over communicators split from MPI. */
+/* --mpi: this process's rank of every case without a save and load (codes: with offload only),
+ * on the CPU device and then on the CUDA device, over communicators split from MPI. */
 static int run_mpi(void) {
   sg_comm *world = NULL;
   if (!CHECK(sg_comm_create_mpi(NULL, &world) == SG_OK, "MPI communicator: %s", sg_last_error()))
@@ -407,7 +440,8 @@ static int run_mpi(void) {
             sg_comm_size(world))) {
     for (int c = 0; c < NCASES; c++) {
       const tcase *tc = &k_cases[c];
-      if (tc->reload >= 0 || tc->codec) continue;
+      /* codes with offload only: then MPI's all-to-all on host memory */
+      if (tc->reload >= 0 || (tc->codec && !tc->offload)) continue;
       static result cpu, gpu;
       memset(&cpu, 0, sizeof cpu);
       memset(&gpu, 0, sizeof gpu);
@@ -462,9 +496,11 @@ int main(int argc, char **argv) {
   }
   for (int c = 0; c < NCASES; c++)
     if (!nccl || !k_cases[c].offload) run_case(&k_cases[c], nccl);
-  if (nccl) { /* with offload the modes' state is host memory, which NCCL's collectives do not take */
-    refuse("the int8 codec with offload", 1, 1, 1, SG_CODEC_INT8, 0, 0, "host replica communicator");
-    refuse("outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 0, "host replica communicator");
+  if (nccl) { /* with offload the modes' state is host memory: NCCL's collectives take none */
+    refuse("the int8 codec with offload", 1, 1, 1, SG_CODEC_INT8, 0, 0,
+           "host replica communicator");
+    refuse("outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 0,
+           "host replica communicator");
     refuse("streaming outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 1,
            "host replica communicator");
   }

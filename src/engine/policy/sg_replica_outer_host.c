@@ -108,14 +108,16 @@ void sg__replica_outer_host_release_int8(sg_engine *e) {
   .sync_due = sg__replica_outer_due
 
 const sg__replica_ops sg__replica_outer_host = {
-    .name = "at-step, outer steps", OUTER_HOST, .prepare = sg__replica_outer_host_prepare,
-    .release = sg__replica_outer_host_release, .sync = sync_wire, .ck_describe = sg__replica_outer_describe,
-    .ck_save = sg__replica_outer_save, .restore = sg__replica_outer_restore,
+    .name = "offloaded, outer steps", OUTER_HOST, .prepare = sg__replica_outer_host_prepare,
+    .release = sg__replica_outer_host_release, .sync = sync_wire,
+    .ck_describe = sg__replica_outer_describe, .ck_save = sg__replica_outer_save,
+    .restore = sg__replica_outer_restore,
 };
 
 const sg__replica_ops sg__replica_outer_host_int8 = {
-    .name = "at-step, outer steps, int8 codes", OUTER_HOST,
-    .prepare = sg__replica_outer_host_prepare_int8, .release = sg__replica_outer_host_release_int8, .sync = sync_int8,
+    .name = "offloaded, outer steps, int8 codes", OUTER_HOST,
+    .prepare = sg__replica_outer_host_prepare_int8,
+    .release = sg__replica_outer_host_release_int8, .sync = sync_int8,
     .ck_describe = sg__replica_outer_int8_describe, .ck_save = sg__replica_outer_int8_save,
     .restore = sg__replica_outer_int8_restore,
 };
