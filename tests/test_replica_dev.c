@@ -13,6 +13,7 @@
  *  - the same modes, streaming too, with offload_optimizer on the CUDA engine (its state and
  *    element work on the host), against the CPU engine without it: non-finite skips, saves and
  *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size);
+ *    the replica communicator takes host memory: threads (nccl: NCCL inside, threads across);
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: either mode with an offloaded optimizer over NCCL, streaming outer
  *    steps (their overlapped sums run on a host queue: CPU device only), mixed communicators
@@ -230,7 +231,8 @@ static void *run_thread(void *arg) {
   int ids[NP];
   sg_config cfg;
   fill_config(a, &cfg);
-  sg_status st = split(a, a->nccl, a->nccl, &shard, &rep);
+  /* offload: the replica communicator takes host memory (threads beside an NCCL shard) */
+  sg_status st = split(a, a->nccl, a->nccl && !a->tc->offload, &shard, &rep);
   if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = setup(e, ids);
   if (!st) st = check_offload(e, &cfg);
@@ -327,7 +329,7 @@ static void run_case(const tcase *tc, int nccl) {
     sg_test_free_state(NP, SG_TEST_STATE_OF(&gpu[r]));
   }
   printf("%s  %s (%s)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name,
-         nccl ? "nccl" : "threads");
+         !nccl ? "threads" : tc->offload ? "NCCL inside, threads across" : "nccl");
   fflush(stdout);
 }
 
@@ -345,7 +347,7 @@ static const tcase k_cases[] = {
     {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8, 0},
     {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
      SG_CODEC_INT8, 0},
-    /* offload_optimizer on the CUDA engine (threads and MPI only: NCCL refuses it) */
+    /* offload_optimizer on the CUDA engine (replicas over threads or MPI: NCCL refuses it) */
     {"offload: f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
     {"offload: bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
      SG_CODEC_NONE, 1},
@@ -494,8 +496,7 @@ int main(int argc, char **argv) {
     printf("test_replica_dev: built without CUDA or NCCL\n");
     return 77;
   }
-  for (int c = 0; c < NCASES; c++)
-    if (!nccl || !k_cases[c].offload) run_case(&k_cases[c], nccl);
+  for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
   if (nccl) { /* with offload the modes' state is host memory: NCCL's collectives take none */
     refuse("the int8 codec with offload", 1, 1, 1, SG_CODEC_INT8, 0, 0,
            "host replica communicator");
