@@ -15,7 +15,7 @@
  *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size);
  *    the replica communicator takes host memory: threads (nccl: NCCL inside, threads across);
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: either mode with an offloaded optimizer over NCCL, streaming outer
+ *    naming the setting: either mode with an offloaded optimizer and NCCL across, streaming outer
  *    steps (their overlapped sums run on a host queue: CPU device only), mixed communicators
  *    (nccl: threads inside the node with NCCL across, and the reverse), a codec over MPI
  *    (--mpi).
