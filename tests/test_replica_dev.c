@@ -13,9 +13,9 @@
  *  - the same modes, streaming too, with offload_optimizer on the CUDA engine (its state and
  *    element work on the host), against the CPU engine without it: non-finite skips, saves and
  *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size);
- *    the replica communicator takes host memory: threads (nccl: NCCL inside, threads across);
+ *    nccl: both NCCL (host memory staged by NCCL), streaming: NCCL inside, threads across;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: either mode with an offloaded optimizer and NCCL across, streaming outer
+ *    naming the setting: streaming with an offloaded optimizer and NCCL across, streaming outer
  *    steps (their overlapped sums run on a host queue: CPU device only), mixed communicators
  *    (nccl: threads inside the node with NCCL across, and the reverse), a codec over MPI
  *    (--mpi).
@@ -231,8 +231,8 @@ static void *run_thread(void *arg) {
   int ids[NP];
   sg_config cfg;
   fill_config(a, &cfg);
-  /* offload: the replica communicator takes host memory (threads beside an NCCL shard) */
-  sg_status st = split(a, a->nccl, a->nccl && !a->tc->offload, &shard, &rep);
+  /* streaming with offload: its sums run on a host queue (threads across an NCCL shard) */
+  sg_status st = split(a, a->nccl, a->nccl && !(a->tc->offload && a->tc->stream), &shard, &rep);
   if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = setup(e, ids);
   if (!st) st = check_offload(e, &cfg);
@@ -329,7 +329,7 @@ static void run_case(const tcase *tc, int nccl) {
     sg_test_free_state(NP, SG_TEST_STATE_OF(&gpu[r]));
   }
   printf("%s  %s (%s)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name,
-         !nccl ? "threads" : tc->offload ? "NCCL inside, threads across" : "nccl");
+         !nccl ? "threads" : tc->offload && tc->stream ? "NCCL inside, threads across" : "nccl");
   fflush(stdout);
 }
 
@@ -347,7 +347,7 @@ static const tcase k_cases[] = {
     {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8, 0},
     {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
      SG_CODEC_INT8, 0},
-    /* offload_optimizer on the CUDA engine (replicas over threads or MPI: NCCL refuses it) */
+    /* offload_optimizer on the CUDA engine (streaming: not with NCCL across) */
     {"offload: f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
     {"offload: bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
      SG_CODEC_NONE, 1},
@@ -497,14 +497,9 @@ int main(int argc, char **argv) {
     return 77;
   }
   for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
-  if (nccl) { /* with offload the modes' state is host memory: NCCL's collectives take none */
-    refuse("the int8 codec with offload", 1, 1, 1, SG_CODEC_INT8, 0, 0,
-           "host replica communicator");
-    refuse("outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 0,
-           "host replica communicator");
+  if (nccl) /* its sums run on a host queue of their own */
     refuse("streaming outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 1,
            "host replica communicator");
-  }
   refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
          "CPU device only");

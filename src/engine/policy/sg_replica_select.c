@@ -58,19 +58,23 @@ static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **d
 /* An offloaded optimizer (CUDA): the modes work where its master and accumulator live, on
  * the host: their state in the pinned replica buffer, their element work on a CPU device of
  * their own (rep.host_dev, the element device), their sums through the channel bound without
- * a device (host memory: a host communicator; an all-to-all for codes), at the step after the
- * state's settle (codes: at-step) or from sg_step's thread (outer steps: sg_replica_outer_host.c);
- * streaming: bound to that CPU device, whose host queue runs the sums (as on the CPU device). */
+ * a device (host memory; NCCL stages it through device memory and completes each call), at
+ * the step after the state's settle (codes: at-step) or from sg_step's thread (outer steps:
+ * sg_replica_outer_host.c); streaming: bound to that CPU device, whose host queue runs the
+ * sums (as on the CPU device; a host communicator). */
 static sg_status pick_offload(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                               sg__device **dev) {
   const int outer = e->cfg.outer_every > 0, codec = e->cfg.replica_codec != SG_CODEC_NONE;
-  const char *what = codec ? "cfg->replica_codec" : "cfg->outer_every";
-  if (replica->stream_ordered || (codec && !replica->ops->all_to_all))
-    return sg__err(SG_ERR_UNSUPPORTED, "%s with cfg->offload_optimizer on the CUDA device needs "
-                   "a host replica communicator%s (threads, MPI, a caller's transport): its "
-                   "state is pinned host memory, which %s's collectives do not take", what,
-                   codec ? " with an all-to-all" : "", replica->ops->name);
-  if (outer && e->cfg.outer_streaming) { /* the sums on that device's host queue */
+  const int stream = outer && e->cfg.outer_streaming;
+  if (codec && !replica->ops->all_to_all)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
+                   "all-to-all; %s has none", replica->ops->name);
+  if (stream && replica->stream_ordered)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming with cfg->offload_optimizer on the "
+                   "CUDA device needs a host replica communicator (threads, MPI, a caller's "
+                   "transport): its sums run on a host queue of their own; not %s",
+                   replica->ops->name);
+  if (stream) { /* the sums on that device's host queue */
     *ops = codec ? &sg__replica_outer_stream_host_int8 : &sg__replica_outer_stream_host;
     SG_TRY(sg__replica_staged_host_queue(e, replica, dev));
   } else {
