@@ -12,7 +12,8 @@
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
  *  - the same modes, streaming too, with offload_optimizer on the CUDA engine (its state and
  *    element work on the host), against the CPU engine without it: non-finite skips, saves and
- *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size);
+ *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size),
+ *    8-bit optimizer state (on both devices);
  *    nccl: both NCCL (host memory staged by NCCL), streaming: NCCL inside, threads across;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
  *    naming the setting: streaming with an offloaded optimizer and NCCL across, streaming outer
@@ -47,6 +48,8 @@ static const size_t k_sizes[] = {700, 4097, 65, 1000};
 #define W (N * L)
 #define MAXS 8
 
+enum { OFFLOAD = 1, THROUGH_4X1 = 2, Q8 = 4 }; /* tcase.offload */
+
 typedef struct {
   const char *name;
   sg_dtype pdt, wire;
@@ -55,9 +58,10 @@ typedef struct {
   int inject; /* +inf in one gradient of rank W - 1 at step 1 (f16: dynamic loss scale) */
   int reload; /* >= 0: sg_save before this step, then sg_load of it into the same engines */
   sg_codec codec;
-  int offload; /* 1: the CUDA engine with offload_optimizer (the CPU engine: without); 2: also,
-                  the checkpoint goes through engines of 4 replicas x 1 rank (both devices) that
-                  load it and save it again, before the 2 x 2 engines load that */
+  int offload; /* OFFLOAD: the CUDA engine with offload_optimizer (the CPU engine: without);
+                  | THROUGH_4X1: the checkpoint goes through engines of 4 replicas x 1 rank (both
+                  devices) that load it and save it again, before the 2 x 2 engines load that;
+                  | Q8: 8-bit optimizer state (both devices) */
 } tcase;
 
 typedef struct {
@@ -103,7 +107,11 @@ static void fill_config(const run_arg *a, sg_config *cfg) {
   cfg->outer_lr = 0.7;
   cfg->outer_momentum = 0.9;
   cfg->outer_streaming = tc->stream;
-  cfg->offload_optimizer = a->cuda && tc->offload;
+  cfg->offload_optimizer = a->cuda && (tc->offload & OFFLOAD);
+  if (tc->offload & Q8) {
+    cfg->optim_state_dtype = SG_Q8;
+    cfg->optim_state_min_numel = 0;
+  }
 }
 
 /* This rank's shard and replica communicators (from the NCCL world where a->nccl). */
@@ -193,7 +201,7 @@ static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
       const char *dir = a->dir;
       st = sg_save(e, a->dir);
       pthread_barrier_wait(a->bar); /* every rank file written before any load */
-      if (!st && a->tc->offload == 2) {
+      if (!st && (a->tc->offload & THROUGH_4X1)) {
         st = through_other_size(a, other, sizeof other);
         dir = other;
         pthread_barrier_wait(a->bar);
@@ -348,30 +356,34 @@ static const tcase k_cases[] = {
     {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
      SG_CODEC_INT8, 0},
     /* offload_optimizer on the CUDA engine (streaming: not with NCCL across) */
-    {"offload: f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
+    {"offload: f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, OFFLOAD},
     {"offload: bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
-     SG_CODEC_NONE, 1},
+     SG_CODEC_NONE, OFFLOAD},
     {"offload: f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
-     SG_CODEC_NONE, 1},
+     SG_CODEC_NONE, OFFLOAD},
     {"offload: save, 4 x 1, load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4,
-     SG_CODEC_NONE, 2},
+     SG_CODEC_NONE, OFFLOAD | THROUGH_4X1},
     {"offload: save before the first step, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0,
-     0, SG_CODEC_NONE, 1},
+     0, SG_CODEC_NONE, OFFLOAD},
     {"offload: int8 codes, inf on one node", SG_F32, SG_F32, 0, 0, 4, 0.0f, 1, -1, SG_CODEC_INT8,
-     1},
+     OFFLOAD},
     {"offload: 4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1,
-     SG_CODEC_INT4, 1},
+     SG_CODEC_INT4, OFFLOAD},
     {"offload: int8 codes, save, 4 x 1, load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8,
-     2},
+     OFFLOAD | THROUGH_4X1},
     {"offload: outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1,
-     SG_CODEC_INT8, 1},
+     SG_CODEC_INT8, OFFLOAD},
     {"offload: outer steps with int8 codes, save, 4 x 1, load, H=3", SG_BF16, SG_F32, 3, 0, 6,
-     0.0f, 0, 4, SG_CODEC_INT8, 2},
-    {"offload: streaming, f32, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE, 1},
+     0.0f, 0, 4, SG_CODEC_INT8, OFFLOAD | THROUGH_4X1},
+    {"offload: streaming, f32, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE, OFFLOAD},
     {"offload: streaming, bf16 params, bf16 wire, save, 4 x 1, load, H=3", SG_BF16, SG_BF16, 3,
-     1, 7, 0.0f, 0, 4, SG_CODEC_NONE, 2},
+     1, 7, 0.0f, 0, 4, SG_CODEC_NONE, OFFLOAD | THROUGH_4X1},
     {"offload: streaming with int8 codes, f16, inf on one node, H=2", SG_F16, SG_F32, 2, 1, 5,
-     0.0f, 1, -1, SG_CODEC_INT8, 1},
+     0.0f, 1, -1, SG_CODEC_INT8, OFFLOAD},
+    {"offload, 8-bit state: int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8,
+     OFFLOAD | Q8},
+    {"offload, 8-bit state: outer steps, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 5, 0.0f, 0,
+     -1, SG_CODEC_NONE, OFFLOAD | Q8},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
