@@ -287,9 +287,9 @@ typedef struct sg_config {
                                the CPU device a host communicator (threads, MPI, caller's
                                transport) for replicas; on the CUDA device (the same bits as
                                the CPU's) any pair of NCCL, threads and MPI communicators (NCCL
-                               inside with threads or MPI across: the sums at the step) and no
-                               offload_optimizer (else SG_ERR_UNSUPPORTED at create); a flat
-                               engine refuses it. Checkpoints
+                               inside with threads or MPI across: the sums at the step), also with
+                               offload_optimizer (its residuals on the host); a flat engine
+                               refuses it. Checkpoints
                                hold every replica's residuals (sg_load at another node count:
                                docs/slow-links.md); one without them loads with them zero. */
   int outer_every;          /* 0 (default): off. H >= 1: hybrid engines only: DiLoCo-style outer
@@ -302,8 +302,8 @@ typedef struct sg_config {
                                parameters, which become every replica's parameters. The outer
                                state (parameters and momentum, fp32) is sharded like the
                                master. CPU device; CUDA device (the same bits as the CPU's)
-                               with any pair of NCCL, threads and MPI communicators and no
-                               offload_optimizer (else SG_ERR_UNSUPPORTED at create). With
+                               with any pair of NCCL, threads and MPI communicators, also with
+                               offload_optimizer (its outer state on the host). With
                                replica_codec SG_CODEC_INT8 (and its communicators) the
                                pseudo-gradient crosses as int8 codes with error feedback
                                (SG_CODEC_INT4: refused). Checkpoints hold the outer state and
@@ -340,7 +340,9 @@ typedef struct sg_config {
                                instead of all of them every H-th step. H larger than the number
                                of buckets: the steps whose group has no bucket send nothing.
                                sg_save merges the sum in flight first (docs/slow-links.md).
-                               Needs outer_every >= 1; the CPU device only so far. */
+                               Needs outer_every >= 1; the CPU device, or the CUDA device with
+                               offload_optimizer and a host replica communicator (threads,
+                               MPI, a caller's), so far. */
   int reserved_0_5;         /* 0 (must stay 0): ends the 0.5 block on an 8-byte boundary */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in

@@ -10,9 +10,14 @@
  *    non-finite gradient on one node (that node skips its inner step), and a sg_save / sg_load
  *    in the middle of a period and before the first step (the outer state through the host);
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
+ *  - the same modes, streaming too, with offload_optimizer on the CUDA engine (its state and
+ *    element work on the host), against the CPU engine without it: non-finite skips, saves and
+ *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size),
+ *    8-bit optimizer state (on both devices);
+ *    nccl: both NCCL (host memory staged by NCCL), streaming: NCCL inside, threads across;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
- *    overlapped sums run on a host queue: CPU device only).
+ *    naming the setting: streaming with an offloaded optimizer and NCCL across, streaming outer
+ *    steps (their overlapped sums run on a host queue: CPU device only).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --cuda mixed   (NCCL inside with threads across, and the reverse)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
@@ -42,6 +47,8 @@ static const size_t k_sizes[] = {700, 4097, 65, 1000};
 #define W (N * L)
 #define MAXS 8
 
+enum { OFFLOAD = 1, THROUGH_4X1 = 2, Q8 = 4 }; /* tcase.offload */
+
 typedef struct {
   const char *name;
   sg_dtype pdt, wire;
@@ -50,6 +57,10 @@ typedef struct {
   int inject; /* +inf in one gradient of rank W - 1 at step 1 (f16: dynamic loss scale) */
   int reload; /* >= 0: sg_save before this step, then sg_load of it into the same engines */
   sg_codec codec;
+  int offload; /* OFFLOAD: the CUDA engine with offload_optimizer (the CPU engine: without);
+                  | THROUGH_4X1: the checkpoint goes through engines of 4 replicas x 1 rank (both
+                  devices) that load it and save it again, before the 2 x 2 engines load that;
+                  | Q8: 8-bit optimizer state (both devices) */
 } tcase;
 
 typedef struct {
@@ -95,6 +106,11 @@ static void fill_config(const run_arg *a, sg_config *cfg) {
   cfg->outer_lr = 0.7;
   cfg->outer_momentum = 0.9;
   cfg->outer_streaming = tc->stream;
+  cfg->offload_optimizer = a->cuda && (tc->offload & OFFLOAD);
+  if (tc->offload & Q8) {
+    cfg->optim_state_dtype = SG_Q8;
+    cfg->optim_state_min_numel = 0;
+  }
 }
 
 /* This rank's shard and replica communicators (from the NCCL world where a->nccl). */
@@ -155,17 +171,64 @@ static sg_status one_step(const run_arg *a, sg_engine *e, const int *ids, int s)
   return st;
 }
 
+/* The checkpoint in a->dir loaded by an engine of this rank in 4 replicas x 1 rank (the same
+ * device and config) and saved again into dir/n4; returns that directory in out. */
+static sg_status through_other_size(const run_arg *a, char *out, size_t cap) {
+  sg_comm *shard = NULL, *rep = NULL;
+  sg_engine *e = NULL;
+  int ids[NP];
+  sg_config cfg;
+  fill_config(a, &cfg);
+  snprintf(out, cap, "%s/n4", a->dir);
+  sg_status st = sg_comm_split(a->world, a->rank, 0, &shard);
+  if (!st) st = sg_comm_split(a->world, 0, a->rank, &rep);
+  if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
+  if (!st) st = setup(e, ids);
+  if (!st) st = sg_load(e, a->dir);
+  if (!st) st = sg_save(e, out);
+  sg_engine_destroy(e);
+  sg_comm_destroy(shard);
+  sg_comm_destroy(rep);
+  return st;
+}
+
 static sg_status train(run_arg *a, sg_engine *e, const int *ids) {
   sg_status st = SG_OK;
   for (int s = 0; s < a->tc->steps && !st; s++) {
     if (s == a->tc->reload) {
+      char other[96];
+      const char *dir = a->dir;
       st = sg_save(e, a->dir);
       pthread_barrier_wait(a->bar); /* every rank file written before any load */
-      if (!st) st = sg_load(e, a->dir);
+      if (!st && (a->tc->offload & THROUGH_4X1)) {
+        st = through_other_size(a, other, sizeof other);
+        dir = other;
+        pthread_barrier_wait(a->bar);
+      }
+      if (!st) st = sg_load(e, dir);
     }
     if (!st) st = one_step(a, e, ids, s);
   }
   return st;
+}
+
+/* With offload the modes' state is pinned host memory and their element work on the host (a
+ * device of their own), and sg_memory's host bytes, which count it, are sg_estimate_memory's. */
+static sg_status check_offload(sg_engine *e, const sg_config *cfg) {
+  if (!cfg->offload_optimizer) return SG_OK;
+  sg_memory_stats got = {.struct_size = sizeof got}, est = {.struct_size = sizeof est};
+  sg_config c = *cfg;
+  c.shard_ranks = L;
+  sg_status st = sg_memory(e, &got);
+  if (!st) st = sg_estimate_memory(&c, k_sizes, NP, W, &est);
+  if (st) return st;
+  if (e->rep.elem_dev == e->dev || e->lay.replica_host_bytes == 0 ||
+      got.host_bytes != est.host_bytes || got.comm_bytes != est.comm_bytes) {
+    fprintf(stderr, "transport %s, replica host bytes %zu, host bytes %zu (estimated %zu)\n",
+            e->rep.ops->name, e->lay.replica_host_bytes, got.host_bytes, est.host_bytes);
+    return SG_ERR_INTERNAL;
+  }
+  return SG_OK;
 }
 
 static void *run_thread(void *arg) {
@@ -175,9 +238,12 @@ static void *run_thread(void *arg) {
   int ids[NP];
   sg_config cfg;
   fill_config(a, &cfg);
-  sg_status st = split(a, a->nccl & 1, a->nccl & 2, &shard, &rep);
+  /* streaming with offload: its sums run on a host queue (threads across an NCCL shard) */
+  const int nccl_rep = (a->nccl & 2) && !(a->tc->offload && a->tc->stream);
+  sg_status st = split(a, a->nccl & 1, nccl_rep, &shard, &rep);
   if (!st) st = sg_engine_create_hybrid(shard, rep, &cfg, &e);
   if (!st) st = setup(e, ids);
+  if (!st) st = check_offload(e, &cfg);
   if (!st) st = train(a, e, ids);
   if (!st) st = sg_test_read_state(e, ids, k_sizes, NP, SG_TEST_STATE_OF(a->res));
   a->res->ok = st == SG_OK;
@@ -259,9 +325,12 @@ static void run_case(const tcase *tc, int nccl) {
   run_on(tc, 1, nccl, gpu);
   for (int r = 0; r < W; r++) compare(tc, &gpu[r], &cpu[r], r);
   check_agree(tc, gpu);
-  if (tc->inject && gpu[0].ok)
+  if (tc->inject && gpu[0].ok && tc->h > 0)
     CHECK(gpu[W - 1].skipped[1] && !gpu[0].skipped[1],
           "[%s] the node with the non-finite gradient skips its inner step, the other does not",
+          tc->name);
+  if (tc->inject && gpu[0].ok && tc->h == 0) /* codes: the sum is every replica's */
+    CHECK(gpu[W - 1].skipped[1] && gpu[0].skipped[1], "[%s] every replica skips the step",
           tc->name);
   for (int r = 0; r < W; r++) {
     sg_test_free_state(NP, SG_TEST_STATE_OF(&cpu[r]));
@@ -269,24 +338,54 @@ static void run_case(const tcase *tc, int nccl) {
   }
   static const char *const pairs[] = {"threads", "NCCL inside, threads across",
                                       "threads inside, NCCL across", "nccl"};
-  printf("%s  %s (%s)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name, pairs[nccl]);
+  const int pair = tc->offload && tc->stream && nccl == 3 ? 1 : nccl;
+  printf("%s  %s (%s)\n", sg_test_failures() == before ? "ok  " : "FAIL", tc->name, pairs[pair]);
   fflush(stdout);
 }
 
 static const tcase k_cases[] = {
-    {"f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE},
+    {"f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, 0},
     {"bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
-     SG_CODEC_NONE},
+     SG_CODEC_NONE, 0},
     {"f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
-     SG_CODEC_NONE},
-    {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4, SG_CODEC_NONE},
-    {"save before the first step, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0, 0, SG_CODEC_NONE},
-    {"int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8},
-    {"4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1, SG_CODEC_INT4},
-    {"int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8},
-    {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8},
+     SG_CODEC_NONE, 0},
+    {"save and load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4, SG_CODEC_NONE, 0},
+    {"save before the first step, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0, 0, SG_CODEC_NONE, 0},
+    {"int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8, 0},
+    {"4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1, SG_CODEC_INT4, 0},
+    {"int8 codes, save and load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8, 0},
+    {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8, 0},
     {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
-     SG_CODEC_INT8},
+     SG_CODEC_INT8, 0},
+    /* offload_optimizer on the CUDA engine (streaming: not with NCCL across) */
+    {"offload: f32, f32 wire, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_NONE, OFFLOAD},
+    {"offload: bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 0, 6, 1.0f, 0, -1,
+     SG_CODEC_NONE, OFFLOAD},
+    {"offload: f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 0, 4, 0.0f, 1, -1,
+     SG_CODEC_NONE, OFFLOAD},
+    {"offload: save, 4 x 1, load mid-period, H=3", SG_F32, SG_F32, 3, 0, 6, 0.0f, 0, 4,
+     SG_CODEC_NONE, OFFLOAD | THROUGH_4X1},
+    {"offload: save before the first step, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 4, 0.0f, 0,
+     0, SG_CODEC_NONE, OFFLOAD},
+    {"offload: int8 codes, inf on one node", SG_F32, SG_F32, 0, 0, 4, 0.0f, 1, -1, SG_CODEC_INT8,
+     OFFLOAD},
+    {"offload: 4-bit codes, bf16 params, clip", SG_BF16, SG_F32, 0, 0, 4, 1.0f, 0, -1,
+     SG_CODEC_INT4, OFFLOAD},
+    {"offload: int8 codes, save, 4 x 1, load", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, 2, SG_CODEC_INT8,
+     OFFLOAD | THROUGH_4X1},
+    {"offload: outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1,
+     SG_CODEC_INT8, OFFLOAD},
+    {"offload: outer steps with int8 codes, save, 4 x 1, load, H=3", SG_BF16, SG_F32, 3, 0, 6,
+     0.0f, 0, 4, SG_CODEC_INT8, OFFLOAD | THROUGH_4X1},
+    {"offload: streaming, f32, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE, OFFLOAD},
+    {"offload: streaming, bf16 params, bf16 wire, save, 4 x 1, load, H=3", SG_BF16, SG_BF16, 3,
+     1, 7, 0.0f, 0, 4, SG_CODEC_NONE, OFFLOAD | THROUGH_4X1},
+    {"offload: streaming with int8 codes, f16, inf on one node, H=2", SG_F16, SG_F32, 2, 1, 5,
+     0.0f, 1, -1, SG_CODEC_INT8, OFFLOAD},
+    {"offload, 8-bit state: int8 codes", SG_F32, SG_F32, 0, 0, 4, 0.0f, 0, -1, SG_CODEC_INT8,
+     OFFLOAD | Q8},
+    {"offload, 8-bit state: outer steps, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 5, 0.0f, 0,
+     -1, SG_CODEC_NONE, OFFLOAD | Q8},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -322,7 +421,7 @@ static void *refuse_thread(void *arg) {
 
 static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, sg_codec codec,
                    int outer, int stream, const char *needle) {
-  static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1, SG_CODEC_NONE};
+  static const tcase tc = {"refused", SG_F32, SG_F32, 2, 0, 1, 0.0f, 0, -1, SG_CODEC_NONE, 0};
   sg_comm *world[W] = {NULL};
   unsigned char id[128];
   if (!CHECK(sg_comm_create_local(W, world) == SG_OK, "local world")) return;
@@ -345,8 +444,8 @@ static void refuse(const char *what, int nccl_shard, int nccl_rep, int offload, 
   }
 }
 
-/* --mpi: this process's rank of every case without a save and load, on the CPU device and then
- * on the CUDA device, over communicators split from MPI. */
+/* --mpi: this process's rank of every case without a save and load,
+ * on the CPU device and then on the CUDA device, over communicators split from MPI. */
 static int run_mpi(void) {
   sg_comm *world = NULL;
   if (!CHECK(sg_comm_create_mpi(NULL, &world) == SG_OK, "MPI communicator: %s", sg_last_error()))
@@ -383,8 +482,9 @@ static int run_mpi(void) {
 /* --cuda mixed: NCCL inside the node with threads across (the sums through a pinned stage on a
  * host queue of their own), threads inside with NCCL across (unbound): every case. */
 static int run_mixed(void) {
-  for (int pair = 1; pair <= 2; pair++)
-    for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], pair);
+  for (int pair = 1; pair <= 2; pair++) /* the offloaded cases: --cuda local|nccl, --mpi */
+    for (int c = 0; c < NCASES; c++)
+      if (!k_cases[c].offload) run_case(&k_cases[c], pair);
   refuse("streaming outer steps, NCCL inside, threads across", 1, 0, 0, SG_CODEC_NONE, 2, 1,
          "CPU device only");
   refuse("streaming outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 1,
@@ -418,8 +518,9 @@ int main(int argc, char **argv) {
   }
   if (nccl == 4) return run_mixed();
   for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
-  refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, 0, "offload_optimizer");
-  refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 0, "offload_optimizer");
+  if (nccl) /* its sums run on a host queue of their own */
+    refuse("streaming outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 1,
+           "host replica communicator");
   refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
   refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
          "CPU device only");

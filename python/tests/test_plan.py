@@ -142,9 +142,8 @@ def test_layouts_fit_and_order():
 
 
 def test_slow_links_modes_and_8bit_state_are_layouts():
-    """On 2 nodes the codecs and outer steps are rows beside exact hybrid; on CUDA with offload
-    (which the engine refuses at create for them) they are predicted but marked, and never the
-    recommendation;
+    """On 2 nodes the codecs and outer steps are rows beside exact hybrid, on CUDA with offload
+    too;
     8-bit state shrinks the device state of the same layout, or with offload its host state."""
     numels = plan.llama_numels(*plan.LLAMA["7b"])
     hw = plan.described(**plan.PRESETS["a100-2x2-1g"])
@@ -155,9 +154,9 @@ def test_slow_links_modes_and_8bit_state_are_layouts():
     assert {"hybrid int8", "hybrid int4", "DiLoCo H=8", "DiLoCo H=32"} <= names
     by = {(r["layout"], r["config"]["strategy"], r["config"]["offload_optimizer"],
            r["config"]["optim_state_dtype"]): r for r in rows}
-    # the codecs and outer steps run on CUDA, not yet with an offloaded optimizer
+    # the codecs and outer steps run on CUDA, with an offloaded optimizer too
     for name in ("hybrid int8", "DiLoCo8 int8", "DiLoCo H=8"):
-        assert by[(name, "shard_grad_op", 1, "f32")]["runs"] == "not with offload on CUDA yet"
+        assert by[(name, "shard_grad_op", 1, "f32")]["runs"] == ""
         assert by[(name, "shard_grad_op", 0, "f32")]["runs"] == ""
     assert by[("hybrid bf16", "shard_grad_op", 1, "f32")]["runs"] == ""
     # fewer link bytes than the exact bf16 wire for int8 (about half); outer steps sync the
@@ -182,7 +181,8 @@ def test_slow_links_modes_and_8bit_state_are_layouts():
         plan.main(["--preset", "a100-2x2-1g", "--llama", "7b", "--dtype", "bf16", "--micro", "8",
                    "--tokens", "4096", "--buckets", "32", "--top", "100"])
     best = out.getvalue().split("best that fits:")[1]
-    assert "replica_codec" not in best and "outer_every" not in best
+    # 7B fits there only with offload, where the outer steps now run: they are the best
+    assert "outer_every=32" in best and "offload_optimizer=1" in best
     # on the CPU device the modes run
     cpu = plan.layouts(numels[:8], hw, 4, 8, "f32", "cpu", (32,))
     assert all(r["runs"] == "" for r in cpu)

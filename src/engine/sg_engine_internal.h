@@ -112,7 +112,8 @@ typedef struct sg__rep_ck {
  * replica: every entry does nothing), host (a CPU device), attached (beside the shard channel
  * on the device), unbound (an NCCL channel without a device beside a host-driven shard),
  * staged (a host communicator beside an NCCL shard, through pinned host memory on a host queue
- * of its own), at-step (an offloaded accumulator: summed on the host at the step). */
+ * of its own), at-step (an offloaded accumulator: summed on the host at the step; with
+ * a codec, at-step-int8/int4; outer steps: outer-host, policy/sg_replica_outer_host.c). */
 typedef struct sg__replica_ops {
   const char *name;
   /* The stage's entry points (sg_replica.c calls them; flat: nothing; every other transport:
@@ -197,6 +198,10 @@ typedef struct sg__replicas {
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;
+  /* The device of the replica element work (outer steps, codes) and of the memory its state
+   * lies in: the engine's, or with an offloaded optimizer a CPU device over pinned host memory
+   * (rep.host_dev, beside the host master and accumulator it reads); sg_replica_select.c. */
+  sg__device *elem_dev;
   /* A replica codec (cfg.replica_codec): its residuals and code buffers, in the layout's
    * replica buffer (src/engine/policy/sg_replica_codec.c owns it); NULL without one. */
   struct sg__codec *codec;
@@ -207,6 +212,9 @@ typedef struct sg__replicas {
     int fresh; /* the outer parameters and momentum are to be taken at the next step */
     int inner; /* steps since the last outer step (streaming: since the period began) */
     int group; /* streaming: the group of buckets the step that just ended syncs */
+    /* where a run's fp32 parameters are read and written (sg_replica_outer.c: the device's;
+     * sg_replica_outer_host.c: an offloaded optimizer's, on the host) */
+    const struct sg__outer_place *place;
   } outer;
 } sg__replicas;
 

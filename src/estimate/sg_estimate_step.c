@@ -259,11 +259,9 @@ static int offloaded(const model *m) { return m->st->place->host; }
 
 static int outer_steps(const model *m) { return m->hybrid && m->cfg->outer_every > 0; }
 
-/* The exact sums across replicas of an offloaded engine run at the step, on the host slices;
- * codecs and outer steps choose their own transports (sg_replica_select.c). */
-static int at_step(const model *m) {
-  return offloaded(m) && !m->codec_bits && !m->cfg->outer_every;
-}
+/* The sums across replicas of an offloaded engine (exact, or a codec's exchange) run at the
+ * step, on the host slices; outer steps sync at the period's end (sg_replica_select.c). */
+static int at_step(const model *m) { return offloaded(m) && !m->cfg->outer_every; }
 
 /* Bucket b's sum across replicas behind its reduction: the exact all-reduce of the slice in
  * replica_reduce_dtype; a codec's all-to-all and all-gather of the codes (each replica sends
@@ -344,13 +342,14 @@ static sg_status backward_passes(model *m, int M, double *t_out) {
   return st;
 }
 
-/* Offloaded hybrid: the sums across replicas run at the step, on the folded host slices. */
+/* Offloaded hybrid: the sums across replicas run at the step, on the folded host slices (a
+ * codec's exchange: its codes made on the host, not modelled). */
 static sg_status replica_sums_at_step(model *m, double t) {
   if (!m->hybrid || !at_step(m)) return SG_OK;
   const uint64_t X = sg__dtype_size(m->cfg->replica_reduce_dtype);
   for (int b = 0; b < m->p->nbuckets; b++) {
     const cost r = coll_cost(m, AR, m->replica, slice_numel(m, b) * X);
-    SG_TRY(run_coll(m, t, &r, 1));
+    SG_TRY(m->codec_bits ? codec_exchange(m, b, t) : run_coll(m, t, &r, 1));
   }
   return SG_OK;
 }

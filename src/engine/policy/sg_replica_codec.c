@@ -102,7 +102,7 @@ void sg__replica_codec_bufs(const sg_engine *e, int b, char **send, char **recv,
 /* Stage 1's codes: chunk k of acc + r1 into send region k, r1 what they missed. */
 sg_status sg__replica_codec_encode(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
-  sg__device *d = e->dev;
+  sg__device *d = e->rep.elem_dev;
   const sg__queue q = sg__replica_elem_queue(e);
   const int N = e->rep.n;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
@@ -121,7 +121,7 @@ sg_status sg__replica_codec_encode(sg_engine *e, int b, float *acc) {
 sg_status sg__replica_codec_owner(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, e->rep.n, k->bits);
-  return owner_sum(e->dev, sg__replica_elem_queue(e), k, acc, k->r2 + k->r2_off[b], n, e->rep.n,
+  return owner_sum(e->rep.elem_dev, sg__replica_elem_queue(e), k, acc, k->r2 + k->r2_off[b], n, e->rep.n,
                    e->rep.rank, region);
 }
 
@@ -129,7 +129,7 @@ sg_status sg__replica_codec_owner(sg_engine *e, int b, float *acc) {
 sg_status sg__replica_codec_decode(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, e->rep.n, k->bits);
-  return decode_all(e->dev, sg__replica_elem_queue(e), k, acc, n, e->rep.n, region);
+  return decode_all(e->rep.elem_dev, sg__replica_elem_queue(e), k, acc, n, e->rep.n, region);
 }
 
 /* In the replica work's queue (sg__replica_elem_queue); the codes through the engine's device
@@ -174,9 +174,10 @@ sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_s
     r2_off[b + 1] = r2_off[b] + max_chunk(n, N);
     if (region_bytes(n, N, bits) > region) region = region_bytes(n, N, bits);
   }
-  char *base = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off + off;
+  char *base = sg__replica_buf(e) + off;
+  sg__device *d = e->rep.elem_dev;
   /* no error carried yet */
-  const sg_status st = e->dev->ops->zero(e->dev, SG_Q_COMPUTE, base,
+  const sg_status st = d->ops->zero(d, SG_Q_COMPUTE, base,
                                          sg__replica_codec_bytes(p, N, bits));
   if (st != SG_OK) {
     free(k);
@@ -221,22 +222,30 @@ static void scatter_records(const sg_engine *e, const sg__codec *k, const float 
   }
 }
 
-/* Replica j's residuals broadcast from its device memory (or buffer) into tmp (device memory
- * of the engine's device; through host memory where the channel takes that), then read into
- * host for the records. */
+/* The residuals are in the element work's memory: the engine's device's, or the host's (an
+ * offloaded optimizer's CPU device). */
+static sg_status bcast_resid(sg_engine *e, void *buf, size_t bytes, int root) {
+  if (e->rep.elem_dev != e->dev) return sg__replica_broadcast_host(e, buf, bytes, root);
+  return sg__replica_broadcast_dev(e, buf, bytes, root);
+}
+
+/* Replica j's residuals broadcast from its buffer into tmp (memory of the element work's
+ * device, through the other kind where the channel takes that), then read into host for the
+ * records. */
 static sg_status save_from(sg_engine *e, const sg__codec *k, int j, void *dev_tmp, float *host,
                            size_t bytes, float *rec) {
   void *buf = j == e->rep.rank ? (void *)k->r1 : dev_tmp;
-  SG_TRY(sg__replica_broadcast_dev(e, buf, bytes, j));
+  SG_TRY(bcast_resid(e, buf, bytes, j));
   if (!rec) return SG_OK;
-  SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, buf, bytes, SG_COPY_D2H));
+  sg__device *d = e->rep.elem_dev;
+  SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, host, buf, bytes, SG_COPY_D2H));
   scatter_records(e, k, host, j, rec);
   return SG_OK;
 }
 
 sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck) {
   const sg__codec *k = e->rep.codec;
-  sg__device *d = e->dev;
+  sg__device *d = e->rep.elem_dev;
   const size_t bytes = resid_words(e, k) * sizeof(float);
   float *host = malloc(bytes);
   void *dev_tmp = NULL;
@@ -286,8 +295,9 @@ void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck) {
   const int w = k->ck_state;
   if (ck && ck->rec[w] && ck->esz[w] >= 8u)
     gather_records(e, k, ck->rec[w], ck->esz[w] / 4u - 1u, host, host + e->plan->shard_numel);
-  const sg_status st = e->dev->ops->copy(e->dev, SG_Q_COMPUTE, k->r1, host, words * sizeof(float),
-                                         SG_COPY_H2D);
+  sg__device *d = e->rep.elem_dev;
+  const sg_status st = d->ops->copy(d, SG_Q_COMPUTE, k->r1, host, words * sizeof(float),
+                                    SG_COPY_H2D);
   if (st != SG_OK) (void)sg__engine_broken(e, st);
   free(host);
 }

@@ -26,12 +26,13 @@ sg_status sg__replica_init(sg_engine *e) {
   e->rep.claimed = calloc((size_t)e->plan->nbuckets, 1);
   if (!e->rep.claimed) return sg__err(SG_ERR_OUT_OF_MEMORY, "out of host memory");
   e->rep.host_wire = e->lay.replica_host_bytes > 0;
-  SG_TRY(e->rep.ops->prepare(e));
+  /* the buffer first: a mode's prepare lays its state out in it */
   if (e->rep.host_wire) {
     SG_TRY(e->dev->ops->host_alloc(e->dev, e->lay.replica_host_bytes, (void **)&e->rep.wire));
   } else if (e->lay.replica_off != SIZE_MAX) {
     e->rep.wire = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
   }
+  SG_TRY(e->rep.ops->prepare(e));
   /* Collectives of both channels run one at a time on the comm queue: one scratch serves both
    * (device memory: a channel without a device never uses it on device buffers). */
   if (e->rep.ops->share_scratch)
@@ -267,6 +268,11 @@ sg_status sg__replica_broadcast_dev(sg_engine *e, void *dev_buf, size_t bytes, i
   return rep_coll_run(e, &j, 1, bytes);
 }
 
+sg_status sg__replica_broadcast_host(sg_engine *e, void *host_buf, size_t bytes, int root) {
+  rep_coll j = {e, 1, host_buf, bytes, root};
+  return rep_coll_run(e, &j, 0, bytes);
+}
+
 /* The working parameters (device memory) from replica `root`. */
 sg_status sg__replica_broadcast_params(sg_engine *e, int root) {
   const size_t bytes = e->plan->total_numel * sg__dtype_size(e->cfg.param_dtype);
@@ -280,6 +286,10 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
 }
 
 sg__queue sg__replica_elem_queue(const sg_engine *e) { return (sg__queue)e->rep.elem_q; }
+
+char *sg__replica_buf(const sg_engine *e) {
+  return e->rep.host_wire ? e->rep.wire : (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
+}
 
 sg_status sg__replica_no_drain(sg_engine *e) {
   (void)e;

@@ -32,6 +32,7 @@
 typedef struct {
   float *po, *m, *d;
   void *wire; /* NULL: the fp32 run goes on the wire itself */
+  float *work; /* an offloaded optimizer's: one run's working values (NULL: none) */
 } outer_bufs;
 
 /* A bf16 wire: the run in bf16 (a codec puts its codes on the wire instead). */
@@ -56,17 +57,28 @@ static size_t d_numel(const sg__plan *p, const sg_config *cfg) {
   return cfg->outer_streaming ? max_group(p, cfg->outer_every) : sg__plan_max_slice_numel(p);
 }
 
+/* With an offloaded optimizer (sg_replica_outer_host.c) a run's working values on the host,
+ * fp32 (the parameters themselves) or cast to the parameter dtype, on their way to the GPU. */
+static size_t work_numel(const sg__plan *p, const sg_config *cfg) {
+  return sg__strategy_offloads(cfg) ? sg__plan_max_slice_numel(p) : 0;
+}
+
+static size_t wire_bytes(const sg__plan *p, const sg_config *cfg) {
+  return has_wire(cfg) ? 2u * sg__plan_max_slice_numel(p) : 0;
+}
+
 size_t sg__replica_outer_bytes(const sg__plan *p, const sg_config *cfg) {
-  const size_t wire = has_wire(cfg) ? 2u * sg__plan_max_slice_numel(p) : 0;
-  return 4u * (2u * p->shard_numel + d_numel(p, cfg)) + wire;
+  return 4u * (2u * p->shard_numel + d_numel(p, cfg) + work_numel(p, cfg)) + wire_bytes(p, cfg);
 }
 
 static outer_bufs bufs_of(const sg_engine *e) {
   outer_bufs k;
-  k.po = (float *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off);
+  k.po = (float *)sg__replica_buf(e);
   k.m = k.po + e->plan->shard_numel;
   k.d = k.m + e->plan->shard_numel;
-  k.wire = has_wire(&e->cfg) ? (void *)(k.d + d_numel(e->plan, &e->cfg)) : NULL;
+  k.work = k.d + d_numel(e->plan, &e->cfg);
+  k.wire = has_wire(&e->cfg) ? (void *)(k.work + work_numel(e->plan, &e->cfg)) : NULL;
+  if (!work_numel(e->plan, &e->cfg)) k.work = NULL;
   return k;
 }
 
@@ -75,25 +87,44 @@ static float *master_of(const sg_engine *e, const sg__owned *o) {
   return e->opt.master ? e->opt.master + o->state0 : (float *)e->params + o->flat0;
 }
 
+/* The device's place: the master (or the working parameters) in its memory, the working copy
+ * cast by it (in the queue of the replica element work, as the rest). */
+static sg_status device_theta(sg_engine *e, const sg__owned *o, float **theta) {
+  *theta = master_of(e, o);
+  return SG_OK;
+}
+
+static sg_status device_working(sg_engine *e, const sg__owned *o, const float *theta) {
+  if (!e->opt.master) return SG_OK;
+  sg__device *dev = e->rep.elem_dev;
+  const size_t P = sg__dtype_size(e->cfg.param_dtype);
+  return dev->ops->cast(dev, sg__replica_elem_queue(e), e->params + o->flat0 * P,
+                        e->cfg.param_dtype, theta, SG_F32, o->n);
+}
+
+static const sg__outer_place device_place = {device_theta, device_working};
+
 sg_status sg__replica_outer_prepare(sg_engine *e) {
   memset(&e->rep.outer, 0, sizeof e->rep.outer);
   e->rep.outer.fresh = 1;
-  sg__device *d = e->dev;
+  e->rep.outer.place = &device_place;
+  sg__device *d = e->rep.elem_dev;
   return d->ops->zero(d, SG_Q_COMPUTE, bufs_of(e).po, sg__replica_outer_bytes(e->plan, &e->cfg));
 }
 
 /* At the first step of a run (before its update, on the compute queue): the outer parameters
- * are the parameters, the momentum zero. */
+ * are the parameters, the momentum zero. The copy through the engine's device (its copy goes
+ * by the pointers: the master and po may be pinned host memory, offloaded). */
 sg_status sg__replica_outer_finish(sg_engine *e) {
   if (!e->rep.outer.fresh) return SG_OK;
   const outer_bufs k = bufs_of(e);
-  sg__device *d = e->dev;
+  sg__device *d = e->dev, *z = e->rep.elem_dev;
   for (int b = 0; b < e->plan->nbuckets; b++) {
     sg__owned o;
     e->strat->owned(e->plan, e->rank, b, &o);
     SG_TRY(d->ops->copy(d, SG_Q_COMPUTE, k.po + o.state0, master_of(e, &o), o.n * sizeof(float),
                         SG_COPY_D2D));
-    SG_TRY(d->ops->zero(d, SG_Q_COMPUTE, k.m + o.state0, o.n * sizeof(float)));
+    SG_TRY(z->ops->zero(z, SG_Q_COMPUTE, k.m + o.state0, o.n * sizeof(float)));
   }
   e->rep.outer.fresh = 0;
   e->rep.outer.inner = 0;
@@ -113,7 +144,7 @@ sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
   (void)b;
   const outer_bufs k = bufs_of(e);
   sg_comm *c = e->rep.comm;
-  sg__device *dev = e->dev;
+  sg__device *dev = e->rep.elem_dev;
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   if (!k.wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
   const int w = e->cfg.replica_reduce_dtype;
@@ -194,24 +225,27 @@ sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n) {
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
   *n = o.n;
-  return e->dev->ops->outer_delta(e->dev, sg__replica_elem_queue(e), d,
-                                  bufs_of(e).po + o.state0, master_of(e, &o), o.n);
+  float *theta = NULL;
+  SG_TRY(e->rep.outer.place->theta(e, &o, &theta));
+  sg__device *dev = e->rep.elem_dev;
+  return dev->ops->outer_delta(dev, sg__replica_elem_queue(e), d, bufs_of(e).po + o.state0,
+                               theta, o.n);
 }
 
 sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d) {
   const outer_bufs k = bufs_of(e);
-  sg__device *dev = e->dev;
+  sg__device *dev = e->rep.elem_dev;
   const float lr = (float)e->cfg.outer_lr, mu = (float)e->cfg.outer_momentum;
   sg__owned o;
   e->strat->owned(e->plan, e->rank, b, &o);
-  float *theta = master_of(e, &o);
-  const sg__queue q = sg__replica_elem_queue(e);
-  SG_TRY(dev->ops->outer_step(dev, q, k.po + o.state0, k.m + o.state0, theta, d, o.n, e->rep.n,
-                              lr, mu));
-  if (!e->opt.master) return SG_OK;
-  const size_t P = sg__dtype_size(e->cfg.param_dtype);
-  return dev->ops->cast(dev, q, e->params + o.flat0 * P, e->cfg.param_dtype, theta, SG_F32, o.n);
+  float *theta = NULL;
+  SG_TRY(e->rep.outer.place->theta(e, &o, &theta));
+  SG_TRY(dev->ops->outer_step(dev, sg__replica_elem_queue(e), k.po + o.state0, k.m + o.state0,
+                              theta, d, o.n, e->rep.n, lr, mu));
+  return e->rep.outer.place->working(e, &o, theta);
 }
+
+float *sg__replica_outer_work(sg_engine *e) { return bufs_of(e).work; }
 
 sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride) {
   if (!sg__gathers_needed(e)) return SG_OK;

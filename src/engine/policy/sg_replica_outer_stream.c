@@ -21,7 +21,10 @@
  * early); sg_load drops it (the loaded state replaces what it would merge). The checkpoint
  * sections are the non-streaming variant's (the position in the period says which group is
  * next). The state here: whether a sum is in flight (its ticket: rep.host_last), and of which
- * group, after the outer state (and the codec's) in the layout's replica buffer. */
+ * group, after the outer state (and the codec's) in the layout's replica buffer. With an
+ * offloaded optimizer (CUDA; the _host tables) the buffer is pinned host memory, delta and apply
+ * take the host's place (sg_replica_outer_host.c: the host master, the working values H2D) and
+ * the host queue's CPU device does the element work. */
 #include <stdlib.h> /* malloc, free */
 #include <string.h> /* memset */
 
@@ -58,8 +61,7 @@ size_t sg__replica_outer_stream_bytes(const sg__plan *p, const sg_config *cfg, i
 }
 
 static stream_state *state_of(const sg_engine *e) {
-  return (stream_state *)((char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off +
-                          own_off(e->plan, &e->cfg, e->rep.n));
+  return (stream_state *)(sg__replica_buf(e) + own_off(e->plan, &e->cfg, e->rep.n));
 }
 
 static sg_status prepare_own(sg_engine *e) {
@@ -83,6 +85,18 @@ static sg_status prepare_int8(sg_engine *e) {
 static void release_int8(sg_engine *e) {
   sg__replica_codec_release(e);
   sg__replica_staged_release(e);
+}
+
+/* An offloaded optimizer (CUDA): the outer state and its place on the host
+ * (sg_replica_outer_host.c); the host queue is the element work's CPU device too. */
+static sg_status prepare_host(sg_engine *e) {
+  SG_TRY(sg__replica_outer_host_prepare(e));
+  return prepare_own(e);
+}
+
+static sg_status prepare_host_int8(sg_engine *e) {
+  SG_TRY(sg__replica_outer_host_prepare_int8(e));
+  return prepare_own(e);
 }
 
 /* ---- the sum in flight ---------------------------------------------------------------------- */
@@ -200,4 +214,17 @@ const sg__replica_ops sg__replica_outer_stream_int8 = {
     .name = "host, streaming outer steps, int8 codes", STREAM_ENTRIES, .prepare = prepare_int8,
     .release = release_int8, .sync = sync_int8, .ck_describe = sg__replica_outer_int8_describe,
     .ck_save = save_int8, .restore = restore_int8,
+};
+
+const sg__replica_ops sg__replica_outer_stream_host = {
+    .name = "offloaded, streaming outer steps", STREAM_ENTRIES, .prepare = prepare_host,
+    .release = sg__replica_outer_host_release, .sync = sync_wire,
+    .ck_describe = sg__replica_outer_describe, .ck_save = save, .restore = restore,
+};
+
+const sg__replica_ops sg__replica_outer_stream_host_int8 = {
+    .name = "offloaded, streaming outer steps, int8 codes", STREAM_ENTRIES,
+    .prepare = prepare_host_int8, .release = sg__replica_outer_host_release_int8,
+    .sync = sync_int8, .ck_describe = sg__replica_outer_int8_describe, .ck_save = save_int8,
+    .restore = restore_int8,
 };

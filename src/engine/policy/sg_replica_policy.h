@@ -16,6 +16,19 @@ extern const sg__replica_ops sg__replica_attached; /* sg_replica_direct.c */
 extern const sg__replica_ops sg__replica_unbound;  /* sg_replica_direct.c */
 extern const sg__replica_ops sg__replica_staged;   /* sg_replica_staged.c */
 extern const sg__replica_ops sg__replica_at_step;  /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_at_step_int8; /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_at_step_int4; /* sg_replica_at_step.c */
+extern const sg__replica_ops sg__replica_outer_host;      /* sg_replica_outer_host.c */
+extern const sg__replica_ops sg__replica_outer_host_int8; /* sg_replica_outer_host.c */
+extern const sg__replica_ops sg__replica_outer_stream_host;      /* sg_replica_outer_stream.c */
+extern const sg__replica_ops sg__replica_outer_stream_host_int8; /* sg_replica_outer_stream.c */
+/* sg_replica_outer_host.c: its prepare (sg_replica_outer.c's, or with int8 codes
+ * sg_replica_outer_int8.c's, with the host's place) and release (the codec's and the element
+ * work's CPU device), which streaming with offload shares. */
+sg_status sg__replica_outer_host_prepare(sg_engine *e);
+sg_status sg__replica_outer_host_prepare_int8(sg_engine *e);
+void sg__replica_outer_host_release(sg_engine *e);
+void sg__replica_outer_host_release_int8(sg_engine *e);
 extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
 extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
 extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
@@ -56,6 +69,18 @@ sg_status sg__replica_outer_sync(sg_engine *e, sg__outer_sum_fn sum);
  * runs). */
 sg_status sg__replica_outer_delta(sg_engine *e, int b, float *d, size_t *n);
 sg_status sg__replica_outer_apply(sg_engine *e, int b, const float *d);
+/* The host buffer of one run's working values (an offloaded optimizer's,
+ * sg_replica_outer_host.c; NULL otherwise). */
+float *sg__replica_outer_work(sg_engine *e);
+/* Where delta and apply find this rank's fp32 run o of the parameters for the element device
+ * (theta) and how the working copy then follows it (working: bf16/f16 parameters cast from
+ * it, f32 ones are it): the engine's device (sg_replica_outer.c), or an offloaded optimizer's
+ * host (sg_replica_outer_host.c: called from sg_step's thread, outside jobs). Set by
+ * prepare: e->rep.outer.place. */
+typedef struct sg__outer_place {
+  sg_status (*theta)(sg_engine *e, const sg__owned *o, float **theta);
+  sg_status (*working)(sg_engine *e, const sg__owned *o, const float *theta);
+} sg__outer_place;
 sg_status sg__replica_outer_gather(sg_engine *e, int first, int stride);
 float *sg__replica_outer_dbuf(sg_engine *e);
 /* Streaming: due at every step whose group (the buckets b with b mod H = the step's position in
@@ -133,6 +158,8 @@ sg_status sg__replica_broadcast_params(sg_engine *e, int root);
  * channel on the transport's queue (its run), through a temporary where the channel takes host
  * memory (rep.mem): the codec's residuals in checkpoints. */
 sg_status sg__replica_broadcast_dev(sg_engine *e, void *dev_buf, size_t bytes, int root);
+/* ... and of host memory (through a device temporary where the channel takes device memory). */
+sg_status sg__replica_broadcast_host(sg_engine *e, void *host_buf, size_t bytes, int root);
 #define SG__REPLICA_ENTRIES                                                                       \
   .init = sg__replica_init, .free = sg__replica_free, .detach = sg__replica_detach,              \
   .agree = sg__replica_agree, .open = sg__replica_open, .after_reduce = sg__replica_after_reduce, \
@@ -152,6 +179,9 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
  * sg_replica_select.c: the comm queue on CUDA (the replica job's stream), the compute queue on
  * the CPU device (at once, in the caller's order). */
 sg__queue sg__replica_elem_queue(const sg_engine *e);
+/* The layout's replica buffer: the COMM arena's (device memory on CUDA), or with an offloaded
+ * optimizer pinned host memory (sg_memory's host bytes), made by init before prepare. */
+char *sg__replica_buf(const sg_engine *e);
 sg_status sg__replica_no_drain(sg_engine *e);
 sg_status sg__replica_no_prepare(sg_engine *e);
 void sg__replica_no_release(sg_engine *e);

@@ -29,15 +29,10 @@ static sg_status codec_comm_cpu(const sg_comm *replica) {
  * one kind (both NCCL, or both host-driven: threads or MPI); unbound (*dev NULL) for NCCL
  * across a host-driven shard (inside a host-driven job its collectives on device memory
  * complete within the call); for NCCL inside with a host-driven channel across (staged_pair)
- * *dev is NULL too and the caller picks a staged table with a host queue of its own. An
- * offloaded optimizer (its master and accumulator on the host) is not done. */
-static sg_status attached_cuda(sg_engine *e, const sg_comm *replica, const char *what,
-                               sg__device **dev) {
-  if (e->strat->place->host)
-    return sg__err(SG_ERR_UNSUPPORTED, "%s with cfg->offload_optimizer is not supported yet on "
-                   "the CUDA device", what);
+ * *dev is NULL too and the caller picks a staged table with a host queue of its own. (An
+ * offloaded optimizer: pick_offload.) */
+static void attach_cuda(const sg_engine *e, const sg_comm *replica, sg__device **dev) {
   if (e->comm->stream_ordered == replica->stream_ordered) *dev = e->dev;
-  return SG_OK;
 }
 
 /* NCCL inside the node, a host-driven replica communicator (threads, MPI) across. */
@@ -57,10 +52,44 @@ static sg_status codec_comm_cuda(const sg_comm *replica) {
 
 static sg_status codec_comm(sg_engine *e, const sg_comm *replica, sg__device **dev) {
   if (e->dev->kind == SG_DEVICE_CPU) return codec_comm_cpu(replica);
-  SG_TRY(attached_cuda(e, replica, "cfg->replica_codec", dev));
+  attach_cuda(e, replica, dev);
   /* staged: the codes cross through a pinned stage, the channel's all-to-all on host memory */
   if (staged_pair(e, replica)) return codec_comm_cpu(replica);
   return codec_comm_cuda(replica);
+}
+
+/* An offloaded optimizer (CUDA): the modes work where its master and accumulator live, on
+ * the host: their state in the pinned replica buffer, their element work on a CPU device of
+ * their own (rep.host_dev, the element device), their sums through the channel bound without
+ * a device (host memory; NCCL stages it through device memory and completes each call), at
+ * the step after the state's settle (codes: at-step) or from sg_step's thread (outer steps:
+ * sg_replica_outer_host.c); streaming: bound to that CPU device, whose host queue runs the
+ * sums (as on the CPU device; a host communicator). */
+static sg_status pick_offload(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
+                              sg__device **dev) {
+  const int outer = e->cfg.outer_every > 0, codec = e->cfg.replica_codec != SG_CODEC_NONE;
+  const int stream = outer && e->cfg.outer_streaming;
+  if (codec && !replica->ops->all_to_all)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->replica_codec needs a replica communicator with an "
+                   "all-to-all; %s has none", replica->ops->name);
+  if (stream && replica->stream_ordered)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming with cfg->offload_optimizer on the "
+                   "CUDA device needs a host replica communicator (threads, MPI, a caller's "
+                   "transport): its sums run on a host queue of their own; not %s",
+                   replica->ops->name);
+  if (stream) { /* the sums on that device's host queue */
+    *ops = codec ? &sg__replica_outer_stream_host_int8 : &sg__replica_outer_stream_host;
+    SG_TRY(sg__replica_staged_host_queue(e, replica, dev));
+  } else {
+    if (outer)
+      *ops = codec ? &sg__replica_outer_host_int8 : &sg__replica_outer_host;
+    else
+      *ops = e->cfg.replica_codec == SG_CODEC_INT8 ? &sg__replica_at_step_int8
+                                                   : &sg__replica_at_step_int4;
+    SG_TRY(sg__device_cpu_create(e->rank, 0, &e->rep.host_dev));
+  }
+  e->rep.elem_dev = e->rep.host_dev;
+  return SG_OK;
 }
 
 static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
@@ -68,6 +97,7 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   if (replica->world < 2)
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->replica_codec with one replica: nothing "
                    "crosses nodes to compress (use SG_CODEC_NONE)");
+  if (e->strat->place->host) return pick_offload(e, replica, ops, dev);
   SG_TRY(codec_comm(e, replica, dev));
   const int int8 = e->cfg.replica_codec == SG_CODEC_INT8;
   if (e->dev->kind != SG_DEVICE_CPU && staged_pair(e, replica)) { /* exchanges on a host queue */
@@ -89,12 +119,13 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     return sg__err(SG_ERR_INVALID_ARGUMENT, "cfg->outer_every with one replica: there are no "
                    "other replicas to agree with (use 0)");
   const int stream = e->cfg.outer_streaming, codec = e->cfg.replica_codec != SG_CODEC_NONE;
+  if (e->strat->place->host) return pick_offload(e, replica, ops, dev);
   if (stream && e->dev->kind != SG_DEVICE_CPU)
     return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
                    "sums overlap the next step on a host queue); on the CUDA device use outer "
                    "steps without streaming");
   if (!codec && e->dev->kind != SG_DEVICE_CPU)
-    SG_TRY(attached_cuda(e, replica, "cfg->outer_every", dev));
+    attach_cuda(e, replica, dev);
   if (codec) SG_TRY(codec_comm(e, replica, dev));
   if (!stream && e->dev->kind != SG_DEVICE_CPU && staged_pair(e, replica)) {
     /* the sums on a host queue of their own, through a pinned stage */
@@ -139,11 +170,12 @@ static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_op
 
 sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                              sg__device **dev) {
+  e->rep.elem_dev = e->dev; /* pick_offload: a CPU device of its own */
   SG_TRY(pick(e, replica, ops, dev));
   e->rep.mem = channel_mem(e, replica, *dev);
   /* the CPU device runs element work at once, in the caller's order (a replica job, or the
    * streaming sum's host queue, which must not wait for the node's comm jobs) */
-  e->rep.elem_q = e->dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
+  e->rep.elem_q = e->rep.elem_dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
   return SG_OK;
 }
 
