@@ -318,8 +318,8 @@ typedef struct sg_config {
                                instead of 8, results close to fp32's but not its bits. Blocks
                                start at each tensor's first element and never straddle two
                                tensors or two ranks (the planner aligns shards to them), so the
-                               state of an element has the same bits at any world size. Not with
-                               offload_optimizer on CUDA (SG_ERR_UNSUPPORTED). */
+                               state of an element has the same bits at any world size. With
+                               offload_optimizer the blocks live in pinned host memory. */
   int optim_state_min_numel;  /* 4096: with SG_Q8, tensors of fewer elements (their numel, never a
                                shard's part) keep fp32 state; 0 codes every tensor */
   uint64_t magic;           /* written by sg_config_init (and copied with the struct); never set
