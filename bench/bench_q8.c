@@ -14,10 +14,14 @@
  * that bandwidth over the triad's (medians of the per-rep ratios), and the 8-bit step's time over
  * the fp32 step's.
  *
- *   sg_bench_q8 [--sizes 4,16] [--reps 10] [--warmup 2] [--cpu-time]   (sizes in Mi parameters)
+ *   sg_bench_q8 [--sizes 4,16] [--reps 10] [--warmup 2] [--cpu-time] [--in-cache K]
+ * (sizes in Mi parameters)
  * --cpu-time: each step timed in the process's CPU time instead of wall time. With
  * OMP_NUM_THREADS=1 that is the step's own time even on a host whose cores other jobs share
- * (wall time counts the slices the scheduler gave them); with more threads it adds theirs up. */
+ * (wall time counts the slices the scheduler gave them); with more threads it adds theirs up.
+ * --in-cache K: instead of the table, K Ki parameters (32: in L2) stepped back to back, each rep
+ * a run of fp32 steps and a run of 8-bit steps: the arithmetic's time per parameter without
+ * the memory's, which other jobs on the host move by more than a kernel change does. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, posix_memalign */
 #include <math.h>
 #include <stdint.h>
@@ -144,6 +148,7 @@ static double step_once(state *s, uint64_t t, int q8) {
 typedef struct options {
   size_t sizes[16];
   int nsizes, reps, warmup;
+  size_t in_cache; /* --in-cache K: Ki parameters; 0: the table */
 } options;
 
 static void run_size(size_t n, int bf16, bench_triad *tb, const options *o) {
@@ -179,8 +184,31 @@ static void run_size(size_t n, int bf16, bench_triad *tb, const options *o) {
   state_free(&s);
 }
 
+/* --in-cache: per rep, enough back-to-back steps of each kind for about 20 ms at 1 ns per
+ * parameter; the medians in ns per parameter and of the per-rep ratios. */
+static void run_in_cache(size_t n, int bf16, const options *o) {
+  state s;
+  state_init(&s, n, bf16);
+  const int iters = (int)(20000000 / n) + 1, reps = o->reps < 64 ? o->reps : 64;
+  double tf[64], tq[64], rs[64];
+  uint64_t t = 2;
+  for (int r = 0; r < o->warmup; r++) step_once(&s, t, 0), step_once(&s, t++, 1);
+  for (int r = 0; r < reps; r++) {
+    tf[r] = tq[r] = 0;
+    for (int i = 0; i < iters; i++) tf[r] += step_once(&s, t + (uint64_t)i, 0);
+    for (int i = 0; i < iters; i++) tq[r] += step_once(&s, t + (uint64_t)i, 1);
+    t += (uint64_t)iters;
+    rs[r] = tq[r] / tf[r];
+  }
+  const double scale = 1e9 / ((double)iters * (double)n);
+  const double mf = bench_median(tf, reps, NULL) * scale, mq = bench_median(tq, reps, NULL) * scale;
+  printf("| %zu Ki | %s | %.3f | %.3f | %.2f |\n", n >> 10, bf16 ? "bf16" : "f32", mf, mq,
+         bench_median(rs, reps, NULL));
+  state_free(&s);
+}
+
 static int parse(int argc, char **argv, options *o) {
-  o->nsizes = 2, o->sizes[0] = 4, o->sizes[1] = 16, o->reps = 10, o->warmup = 2;
+  o->nsizes = 2, o->sizes[0] = 4, o->sizes[1] = 16, o->reps = 10, o->warmup = 2, o->in_cache = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
       o->nsizes = 0;
@@ -192,8 +220,12 @@ static int parse(int argc, char **argv, options *o) {
       o->warmup = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--cpu-time")) {
       g_cpu_time = 1;
+    } else if (!strcmp(argv[i], "--in-cache") && i + 1 < argc) {
+      o->in_cache = (size_t)strtoull(argv[++i], NULL, 10);
+      if (o->in_cache == 0) return 0;
     } else {
-      fprintf(stderr, "usage: sg_bench_q8 [--sizes 4,16] [--reps 10] [--warmup 2] [--cpu-time]\n");
+      fprintf(stderr, "usage: sg_bench_q8 [--sizes 4,16] [--reps 10] [--warmup 2] [--cpu-time] "
+              "[--in-cache K]\n");
       return 0;
     }
   }
@@ -207,6 +239,14 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
   nt = omp_get_max_threads();
 #endif
+  if (o.in_cache) {
+    printf("sg_bench_q8: %d threads, %d reps (medians), steps back to back in %s\n\n", nt, o.reps,
+           g_cpu_time ? "CPU time" : "wall time");
+    printf("| params | dtype | fp32 ns/param | 8-bit ns/param | 8-bit/fp32 time |\n");
+    printf("|---|---|---|---|---|\n");
+    for (int bf16 = 0; bf16 < 2; bf16++) run_in_cache(o.in_cache << 10, bf16, &o);
+    return 0;
+  }
   bench_triad tb;
   bench_triad_init(PROG, &tb, (size_t)8 << 20); /* 3 x 64 MiB: far past the caches */
   printf("sg_bench_q8: %d threads, %d reps (medians), triad over 3 x %zu MiB, %s\n\n", nt,

@@ -4,7 +4,9 @@
  * Compiles as C11 and as CUDA C++. All math is fp32 without contraction: the library is built
  * with -ffp-contract=off and nvcc with -fmad=false, so a*b+c rounds twice everywhere.
  * Conversions to bf16/f16 are done on the bits (no hardware conversion instructions), which
- * makes them identical on every compiler and target and keeps the CPU loops vectorizable.
+ * makes them identical on every compiler and target and keeps the CPU loops vectorizable
+ * (one CPU loop uses an instruction on the inputs where it gives these bits:
+ * kernels/cpu/sg_cpu_bf16hw.c).
  *
  * dtype codes: 0 f32, 1 bf16, 2 f16 (the values of sg_dtype). */
 #ifndef SG_ELEM_H

@@ -27,6 +27,10 @@ float sg__cpu_q8_value(uint8_t code, float scale, int is_m);
  * random bits of the step's key (sg_elem_q8_key) and the elements' counters sr_index + i. */
 void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_t sr_index,
                        uint8_t *code, float *scale);
+/* d[0..n) = x[0..n) rounded to bf16 with sg_elem_f32_to_bf16's bits by the CPU's conversion
+ * instruction (sg_cpu_bf16hw.c): 1 if done; 0 where the CPU has none, n is not a multiple of
+ * 32, or an x is subnormal (d may have been written: the caller rounds them all again). */
+int sg__cpu_bf16_block_hw(uint16_t *d, const float *x, size_t n);
 /* A cursor into the concatenation of segs[0..nsegs): segment *s begins at element *pos
  * (0, 0 to start). Moves it, back or forward, to the first segment holding element lo
  * (*s = nsegs, *pos = the total when lo is past the end). sg__cpu_adamw's threads each keep

@@ -73,6 +73,12 @@ SG_Q8_INLINE void bf16_block(uint16_t *restrict d, const float *restrict x, size
     for (size_t i = 0; i < n; i++) d[i] = sg_elem_f32_to_bf16(x[i]);
 }
 
+/* The working copy of a block: by the CPU's conversion where it gives bf16_block's bits (a
+ * block without subnormals, on a CPU that has AVX512-BF16), by bf16_block otherwise. */
+SG_Q8_INLINE void cast_block(uint16_t *restrict d, const float *restrict x, size_t n) {
+  if (!sg__cpu_bf16_block_hw(d, x, n)) bf16_block(d, x, n);
+}
+
 /* The random bits of a block's codes (sg_elem_q8_rnd), for the element counters x + i of a
  * block whose first counter's low 32 bits x are a multiple of 256 (every block the planner
  * cuts: sg_state_q8.c) and the key's half k (the counter's high half folded in). Then
@@ -170,7 +176,7 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
     lm = xm < lm ? xm : lm;
     lv = xv < lv ? xv : lv;
   }
-  if (cast_after) bf16_block((uint16_t *)a->param + fo, mst + so, n);
+  if (cast_after) cast_block((uint16_t *)a->param + fo, mst + so, n);
   if (bm > 0x7f800000u) tile_bits(tm, n, &bm, &lm);
   if (bv > 0x7f800000u) tile_bits(ts, n, &bv, &lv);
   const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
