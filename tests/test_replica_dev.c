@@ -10,9 +10,12 @@
  *    non-finite gradient on one node (that node skips its inner step), and a sg_save / sg_load
  *    in the middle of a period and before the first step (the outer state through the host);
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
+ *  - streaming outer steps (one group of buckets per step, its sum overlapped with the next
+ *    step: on NCCL's replica lane, or on the device's twin for threads and MPI) with f32 and
+ *    bf16 wires, int8 codes, a non-finite skip on one node and a save / load mid-period
+ *    (the sum in flight merged by the save, dropped by the load), every step's bits;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: either mode with an offloaded optimizer, streaming outer steps (their
- *    overlapped sums run on a host queue: CPU device only), mixed communicators (nccl:
+ *    naming the setting: either mode with an offloaded optimizer, mixed communicators (nccl:
  *    threads inside the node with NCCL across, and the reverse), a codec over MPI (--mpi).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
@@ -285,6 +288,16 @@ static const tcase k_cases[] = {
     {"outer steps with int8 codes, H=2", SG_F32, SG_F32, 2, 0, 6, 0.0f, 0, -1, SG_CODEC_INT8},
     {"outer steps with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 0, 6, 0.0f, 0, 4,
      SG_CODEC_INT8},
+    {"streaming, f32 wire, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE},
+    {"streaming, bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 1, 7, 1.0f, 0, -1,
+     SG_CODEC_NONE},
+    {"streaming, f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 1, 5, 0.0f, 1, -1,
+     SG_CODEC_NONE},
+    {"streaming, save and load mid-period, H=3", SG_F32, SG_F32, 3, 1, 7, 0.0f, 0, 4,
+     SG_CODEC_NONE},
+    {"streaming with int8 codes, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_INT8},
+    {"streaming with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 1, 7, 0.0f, 0, 5,
+     SG_CODEC_INT8},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -411,9 +424,6 @@ int main(int argc, char **argv) {
   for (int c = 0; c < NCASES; c++) run_case(&k_cases[c], nccl);
   refuse("the int8 codec with offload", nccl, nccl, 1, SG_CODEC_INT8, 0, 0, "offload_optimizer");
   refuse("outer steps with offload", nccl, nccl, 1, SG_CODEC_NONE, 2, 0, "offload_optimizer");
-  refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
-  refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
-         "CPU device only");
   if (nccl) {
     refuse("outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 0, "same kind");
     refuse("the int8 codec, NCCL inside, threads across", 1, 0, 0, SG_CODEC_INT8, 0, 0, "same kind");

@@ -179,6 +179,8 @@ typedef struct sg__replicas {
   sg_comm *comm;     /* channel of the replica communicator; NULL: one replica */
   int mem;           /* SG__REP_MEM_*: what its host-side collectives take */
   int elem_q;        /* sg__queue of its element work (outer steps, codes): sg_replica_select.c */
+  sg__device *elem_dev; /* the device of the sums' element work (wire casts, codes): the one the
+                           channel is bound to where that is a CUDA device, else the engine's */
   int rank, n;       /* this rank's replica and the replica count (flat: 0, 1) */
   int microbatches;  /* sg_set_microbatches (0: not said) */
   int mb;            /* micro-batches begun since the accumulator was last cleared */
@@ -208,6 +210,13 @@ typedef struct sg__replicas {
     int inner; /* steps since the last outer step (streaming: since the period began) */
     int group; /* streaming: the group of buckets the step that just ended syncs */
   } outer;
+  /* Streaming outer steps (src/engine/policy/sg_replica_outer_stream.c owns it): whether a
+   * group's sum is in flight, which group, and where the sums run on the engine's replica lane
+   * (no host_dev) the ticket of its job. */
+  struct {
+    int pending, group;
+    uint64_t ticket;
+  } stream;
 } sg__replicas;
 
 /* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (at-step);

@@ -91,12 +91,12 @@ static sg_status owner_sum(sg__device *d, sg__queue q, const sg__codec *k, float
                              k->bits);
 }
 
-/* In the replica work's queue (sg__replica_elem_queue); the codes through the engine's device
- * (its memory on CUDA). */
+/* In the replica work's queue (sg__replica_elem_queue); the codes through the device of the
+ * replica's element work (sg__replica_elem_dev: the engine's, or its twin; its memory on CUDA). */
 sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   sg_comm *c = e->rep.comm;
-  sg__device *d = e->dev;
+  sg__device *d = sg__replica_elem_dev(e);
   const sg__queue q = sg__replica_elem_queue(e);
   const int N = e->rep.n, me = e->rep.rank;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);

@@ -277,6 +277,8 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
 
 sg__queue sg__replica_elem_queue(const sg_engine *e) { return (sg__queue)e->rep.elem_q; }
 
+sg__device *sg__replica_elem_dev(const sg_engine *e) { return e->rep.elem_dev; }
+
 sg_status sg__replica_no_drain(sg_engine *e) {
   (void)e;
   return SG_OK;

@@ -113,7 +113,7 @@ sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
   (void)b;
   const outer_bufs k = bufs_of(e);
   sg_comm *c = e->rep.comm;
-  sg__device *dev = e->dev;
+  sg__device *dev = sg__replica_elem_dev(e);
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   if (!k.wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
   const int w = e->cfg.replica_reduce_dtype;

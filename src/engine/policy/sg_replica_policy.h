@@ -130,6 +130,10 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
  * sg_replica_select.c: the comm queue on CUDA (the replica job's stream), the compute queue on
  * the CPU device (at once, in the caller's order). */
 sg__queue sg__replica_elem_queue(const sg_engine *e);
+/* The device of the replica sums' element work (the casts to and from the wire, the codes),
+ * chosen by sg_replica_select.c: the engine's, or with streaming outer steps over host-driven
+ * communicators on CUDA the twin device their channel is bound to (its queue runs the sums). */
+sg__device *sg__replica_elem_dev(const sg_engine *e);
 sg_status sg__replica_no_drain(sg_engine *e);
 sg_status sg__replica_no_prepare(sg_engine *e);
 void sg__replica_no_release(sg_engine *e);
