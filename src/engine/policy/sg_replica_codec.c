@@ -202,11 +202,13 @@ static void scatter_records(const sg_engine *e, const sg__codec *k, const float 
 }
 
 /* Replica j's residuals broadcast from its device memory (or buffer) into tmp (device memory
- * of the engine's device, as the channel takes), then read into host for the records. */
+ * of the engine's device, as the channel takes), then read into host for the records. The
+ * broadcast runs where the transport runs the channel's host-side collectives (ops->run: the
+ * streaming sums' twin device calls its channel on its own queue only). */
 static sg_status save_from(sg_engine *e, const sg__codec *k, int j, void *dev_tmp, float *host,
                            size_t bytes, float *rec) {
   bcast_job job = {e, j == e->rep.rank ? (void *)k->r1 : dev_tmp, bytes, j};
-  SG_TRY(sg__replica_run_comm(e, bcast_fn, &job));
+  SG_TRY(e->rep.ops->run(e, bcast_fn, &job));
   if (!rec) return SG_OK;
   SG_TRY(e->dev->ops->copy(e->dev, SG_Q_COMPUTE, host, job.buf, bytes, SG_COPY_D2H));
   scatter_records(e, k, host, j, rec);
