@@ -195,7 +195,8 @@ typedef struct sg__replicas {
   /* Staged (an NCCL shard, a host replica communicator, the accumulator on the GPU): the
    * channel's own host queue (a CPU device), the shard's slices in replica_reduce_dtype in
    * pinned host memory (shard offsets), and that queue's last job. Streaming outer steps have
-   * the host queue too (their sums run there beside the node's reductions). */
+   * the host queue too (their sums run there beside the node's reductions; on a CUDA device
+   * with host-driven communicators it is the device's twin, sg__device_ops.twin). */
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;

@@ -94,7 +94,9 @@ sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
 /* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select (also
- * for streaming outer steps, sg_replica_outer_stream.c; their release destroys it). */
+ * for streaming outer steps on the CPU device, sg_replica_outer_stream.c; on a CUDA device with
+ * host-driven communicators select puts the device's twin in rep.host_dev instead; their
+ * release destroys either). */
 sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg__device **dev);
 /* ... and its entries over that queue: its release, drain and run. */
 void sg__replica_staged_release(sg_engine *e);

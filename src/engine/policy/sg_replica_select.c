@@ -139,7 +139,8 @@ sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__rep
   e->rep.mem = channel_mem(e, replica, *dev);
   e->rep.elem_dev = *dev != NULL && (*dev)->kind != SG_DEVICE_CPU ? *dev : e->dev;
   /* the CPU device runs element work at once, in the caller's order (a replica job, or the
-   * streaming sum's host queue, which must not wait for the node's comm jobs) */
+   * streaming sum's host queue, which must not wait for the node's comm jobs); the sums' casts
+   * and codes go to the CUDA device the channel is bound to (the engine's, or its twin) */
   e->rep.elem_q = e->dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
   return SG_OK;
 }
