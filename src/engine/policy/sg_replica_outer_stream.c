@@ -26,8 +26,8 @@
  * The Nesterov step is a job on the engine's replica queue, as without streaming, so on either
  * device it follows the compute queue's work and precedes the update.
  *
- * The sum has its own comm scratch (after 64 bytes of this file's part of the layout's replica
- * buffer), as its collectives run beside the shard channel's. The pseudo-gradient buffer holds
+ * The sum has its own comm scratch (this file's part of the layout's replica buffer), as its
+ * collectives run beside the shard channel's. The pseudo-gradient buffer holds
  * the largest group's runs (sg_replica_outer.c sizes it), as a group's sum is in flight across
  * a step. sg_save merges the sum in flight first (as the next step would: the checkpoint has
  * nothing in flight, and the forward pass after a save sees that group's merged parameters one
@@ -54,7 +54,8 @@ static size_t scratch_bytes(const sg__plan *p, const sg_config *cfg, int n) {
   return 4u * (sg__plan_max_slice_numel(p) / (size_t)n + 1u);
 }
 
-/* This file's part begins after the outer state (and the codec's), 64-byte aligned. */
+/* This file's part (the comm scratch) begins after the outer state (and the codec's), 64-byte
+ * aligned. */
 static size_t own_off(const sg__plan *p, const sg_config *cfg, int n) {
   const size_t base = cfg->replica_codec != SG_CODEC_NONE ? sg__replica_outer_int8_bytes(p, cfg, n)
                                                           : sg__replica_outer_bytes(p, cfg);
@@ -62,7 +63,7 @@ static size_t own_off(const sg__plan *p, const sg_config *cfg, int n) {
 }
 
 size_t sg__replica_outer_stream_bytes(const sg__plan *p, const sg_config *cfg, int n) {
-  return own_off(p, cfg, n) + 64u + scratch_bytes(p, cfg, n);
+  return own_off(p, cfg, n) + scratch_bytes(p, cfg, n);
 }
 
 /* The comm scratch: device memory on a CUDA device, like the sums' buffers. */
@@ -71,7 +72,7 @@ static sg_status prepare_own(sg_engine *e) {
   char *own = (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off +
               own_off(e->plan, &e->cfg, e->rep.n);
   const size_t sb = scratch_bytes(e->plan, &e->cfg, e->rep.n);
-  if (sb) sg__comm_set_scratch(e->rep.comm, own + 64, sb);
+  if (sb) sg__comm_set_scratch(e->rep.comm, own, sb);
   return SG_OK;
 }
 
