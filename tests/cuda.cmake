@@ -86,9 +86,11 @@ if(SG_WITH_CUDA)
     # (contexts created by a restore, an abort under a call in flight, cudaFree's device sync).
     # test_cuda_mock_lanes: a stalled cross-node link does not hold up the next reduce-scatter.
     # test_cuda_mock_fold: a stalled copy-out does not hold up sg_grad_add under offload.
+    # test_cuda_mock_stream: a streaming outer sum that cannot finish does not hold up the next
+    # step's reduce-scatters (NCCL: the replica lane; threads: the device's twin).
     foreach(t test_cuda_mock test_cuda_mock_engine test_cuda_mock_nccl test_cuda_mock_nccl_split
               test_cuda_mock_waits test_cuda_mock_lean test_cuda_mock_unkind test_cuda_mock_lanes
-              test_cuda_mock_fold)
+              test_cuda_mock_fold test_cuda_mock_stream)
       add_executable(${t} ${CMAKE_CURRENT_SOURCE_DIR}/${t}.c)
       target_link_libraries(${t} PRIVATE shardgrad_cudamock)
       target_compile_options(${t} PRIVATE -Wall -Wextra -Wno-unused-parameter -ffp-contract=off)

@@ -10,14 +10,18 @@
  *    non-finite gradient on one node (that node skips its inner step), and a sg_save / sg_load
  *    in the middle of a period and before the first step (the outer state through the host);
  *  - int8 and 4-bit codes, outer steps with int8 codes, and a save / load of the residuals;
+ *  - streaming outer steps (one group of buckets per step, its sum overlapped with the next
+ *    step: on NCCL's replica lane, or on the device's twin for threads and MPI) with f32 and
+ *    bf16 wires, int8 codes, a non-finite skip on one node and a save / load mid-period
+ *    (the sum in flight merged by the save, dropped by the load), every step's bits;
  *  - the same modes, streaming too, with offload_optimizer on the CUDA engine (its state and
  *    element work on the host), against the CPU engine without it: non-finite skips, saves and
  *    loads, also through engines of 4 replicas x 1 rank (a load and a save at another size),
  *    8-bit optimizer state (on both devices);
  *    nccl: both NCCL (host memory staged by NCCL), streaming: NCCL inside, threads across;
  *  - the combinations not done on CUDA fail at create with SG_ERR_UNSUPPORTED and a message
- *    naming the setting: streaming with an offloaded optimizer and NCCL across, streaming outer
- *    steps (their overlapped sums run on a host queue: CPU device only).
+ *    naming the setting: streaming with an offloaded optimizer and NCCL across, streaming over
+ *    mixed communicators (--cuda mixed).
  * Usage: test_replica_dev --cuda local|nccl   (both communicators of that kind)
  *        test_replica_dev --cuda mixed   (NCCL inside with threads across, and the reverse)
  *        test_replica_dev --mpi --cuda local   (under mpirun -np 4: both communicators split from
@@ -386,6 +390,16 @@ static const tcase k_cases[] = {
      OFFLOAD | Q8},
     {"offload, 8-bit state: outer steps, bf16 params, H=2", SG_BF16, SG_F32, 2, 0, 5, 0.0f, 0,
      -1, SG_CODEC_NONE, OFFLOAD | Q8},
+    {"streaming, f32 wire, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_NONE, 0},
+    {"streaming, bf16 params, bf16 wire, clip, H=3", SG_BF16, SG_BF16, 3, 1, 7, 1.0f, 0, -1,
+     SG_CODEC_NONE, 0},
+    {"streaming, f16 dynamic scale, inf on one node, H=2", SG_F16, SG_F32, 2, 1, 5, 0.0f, 1, -1,
+     SG_CODEC_NONE, 0},
+    {"streaming, save and load mid-period, H=3", SG_F32, SG_F32, 3, 1, 7, 0.0f, 0, 4,
+     SG_CODEC_NONE, 0},
+    {"streaming with int8 codes, H=2", SG_F32, SG_F32, 2, 1, 6, 0.0f, 0, -1, SG_CODEC_INT8, 0},
+    {"streaming with int8 codes, save and load, H=3", SG_BF16, SG_F32, 3, 1, 7, 0.0f, 0, 5,
+     SG_CODEC_INT8, 0},
 };
 #define NCASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
@@ -484,11 +498,11 @@ static int run_mpi(void) {
 static int run_mixed(void) {
   for (int pair = 1; pair <= 2; pair++) /* the offloaded cases: --cuda local|nccl, --mpi */
     for (int c = 0; c < NCASES; c++)
-      if (!k_cases[c].offload) run_case(&k_cases[c], pair);
+      if (!k_cases[c].offload && !k_cases[c].stream) run_case(&k_cases[c], pair);
   refuse("streaming outer steps, NCCL inside, threads across", 1, 0, 0, SG_CODEC_NONE, 2, 1,
-         "CPU device only");
+         "of one kind");
   refuse("streaming outer steps, threads inside, NCCL across", 0, 1, 0, SG_CODEC_NONE, 2, 1,
-         "CPU device only");
+         "of one kind");
   return sg_test_summary("test_replica_dev (mixed): ");
 }
 
@@ -521,8 +535,5 @@ int main(int argc, char **argv) {
   if (nccl) /* its sums run on a host queue of their own */
     refuse("streaming outer steps with offload", 1, 1, 1, SG_CODEC_NONE, 2, 1,
            "host replica communicator");
-  refuse("streaming outer steps", nccl, nccl, 0, SG_CODEC_NONE, 2, 1, "CPU device only");
-  refuse("streaming outer steps with int8 codes", nccl, nccl, 0, SG_CODEC_INT8, 2, 1,
-         "CPU device only");
   return sg_test_summary("test_replica_dev: ");
 }

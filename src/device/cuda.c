@@ -667,6 +667,8 @@ static void sg__cudev_destroy(sg__device *dev) {
   free(d);
 }
 
+static sg_status sg__cudev_twin(sg__device *dev, sg__device **out);
+
 static const sg__device_ops sg__cuda_ops = {
     "cuda",
     sg__cudev_alloc,
@@ -704,6 +706,7 @@ static const sg__device_ops sg__cuda_ops = {
     sg__cudev_outer_step,
     sg__cudev_code_encode,
     sg__cudev_code_decode,
+    sg__cudev_twin,
 };
 
 sg_status sg__device_cuda_pick(int cuda_device, int *ordinal, const char *fn) {
@@ -786,4 +789,13 @@ sg_status sg__device_cuda_create(int rank, int cuda_device, sg__device **out) {
 fail:
   sg__cudev_destroy(&d->base);
   return st;
+}
+
+/* A second device on the same GPU: its own streams, events and comm worker; memory of either
+ * works on both (one process, one GPU, its primary context). The caller's compute stream is
+ * not passed on: the twin's compute stream is its own. */
+static sg_status sg__cudev_twin(sg__device *dev, sg__device **out) {
+  sg__cuda_dev *d = sg__cuda(dev);
+  if (!d || !out) return sg__err(SG_ERR_INVALID_ARGUMENT, "sg__device_cuda.twin: NULL argument");
+  return sg__device_cuda_create(d->base.rank, d->ordinal, out);
 }

@@ -182,6 +182,13 @@ typedef struct sg__device_ops {
                            size_t n, int bits);
   sg_status (*code_decode)(sg__device *d, sg__queue q, float *dst, const void *in, size_t n,
                            int bits, int add);
+  /* Optional (NULL: none): a second device on the same hardware with queues of its own (CUDA:
+   * its own streams and comm worker), whose memory is this device's (pointers pass between
+   * them), destroyed with its destroy. A replica channel of host-driven collectives bound to it
+   * runs its jobs beside this device's comm queue, not behind it (streaming outer steps,
+   * src/engine/policy/sg_replica_outer_stream.c). Nothing orders the two: a job on the twin
+   * waits for this device's work through a ticket (comm_wait), and the other way round. */
+  sg_status (*twin)(sg__device *d, sg__device **out);
 } sg__device_ops;
 
 struct sg__device {

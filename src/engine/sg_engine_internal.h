@@ -194,14 +194,20 @@ typedef struct sg__replicas {
   /* Staged (an NCCL shard, a host replica communicator, the accumulator on the GPU): the
    * channel's own host queue (a CPU device), the shard's slices in replica_reduce_dtype in
    * pinned host memory (shard offsets), and that queue's last job. Streaming outer steps have
-   * the host queue too (their sums run there beside the node's reductions). */
+   * the host queue too (their sums run there beside the node's reductions; on a CUDA device
+   * with host-driven communicators it is the device's twin, sg__device_ops.twin). */
   sg__device *host_dev;
   char *stage;
   uint64_t host_last;
-  /* The device of the replica element work (outer steps, codes) and of the memory its state
-   * lies in: the engine's, or with an offloaded optimizer a CPU device over pinned host memory
-   * (rep.host_dev, beside the host master and accumulator it reads); sg_replica_select.c. */
+  /* The device of the replica element work (outer steps, codes, wire casts) and of the memory
+   * its state lies in: the engine's; with an offloaded optimizer a CPU device over pinned host
+   * memory (rep.host_dev, beside the host master and accumulator it reads);
+   * sg_replica_select.c. */
   sg__device *elem_dev;
+  /* The device of the sums' own element work (wire casts, codes): elem_dev, or with streaming
+   * outer steps over host-driven communicators on CUDA the twin their channel is bound to (its
+   * queue runs the sums; the same GPU's memory); sg_replica_select.c. */
+  sg__device *sum_dev;
   /* A replica codec (cfg.replica_codec): its residuals and code buffers, in the layout's
    * replica buffer (src/engine/policy/sg_replica_codec.c owns it); NULL without one. */
   struct sg__codec *codec;
@@ -216,6 +222,13 @@ typedef struct sg__replicas {
      * sg_replica_outer_host.c: an offloaded optimizer's, on the host) */
     const struct sg__outer_place *place;
   } outer;
+  /* Streaming outer steps (src/engine/policy/sg_replica_outer_stream.c owns it): whether a
+   * group's sum is in flight, which group, and where the sums run on the engine's replica lane
+   * (no host_dev) the ticket of its job. */
+  struct {
+    int pending, group;
+    uint64_t ticket;
+  } stream;
 } sg__replicas;
 
 /* rep.claimed[b]: its all-reduce across replicas is queued; it waits for the step (at-step);

@@ -102,7 +102,7 @@ void sg__replica_codec_bufs(const sg_engine *e, int b, char **send, char **recv,
 /* Stage 1's codes: chunk k of acc + r1 into send region k, r1 what they missed. */
 sg_status sg__replica_codec_encode(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
-  sg__device *d = e->rep.elem_dev;
+  sg__device *d = sg__replica_sum_dev(e);
   const sg__queue q = sg__replica_elem_queue(e);
   const int N = e->rep.n;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, N, k->bits);
@@ -121,19 +121,19 @@ sg_status sg__replica_codec_encode(sg_engine *e, int b, float *acc) {
 sg_status sg__replica_codec_owner(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, e->rep.n, k->bits);
-  return owner_sum(e->rep.elem_dev, sg__replica_elem_queue(e), k, acc, k->r2 + k->r2_off[b], n, e->rep.n,
-                   e->rep.rank, region);
+  return owner_sum(sg__replica_sum_dev(e), sg__replica_elem_queue(e), k, acc,
+                   k->r2 + k->r2_off[b], n, e->rep.n, e->rep.rank, region);
 }
 
 /* Once send holds every owner's codes: every chunk decoded into acc. */
 sg_status sg__replica_codec_decode(sg_engine *e, int b, float *acc) {
   sg__codec *k = e->rep.codec;
   const size_t n = sg__plan_slice_numel(e->plan, b), region = region_bytes(n, e->rep.n, k->bits);
-  return decode_all(e->rep.elem_dev, sg__replica_elem_queue(e), k, acc, n, e->rep.n, region);
+  return decode_all(sg__replica_sum_dev(e), sg__replica_elem_queue(e), k, acc, n, e->rep.n, region);
 }
 
-/* In the replica work's queue (sg__replica_elem_queue); the codes through the engine's device
- * (its memory on CUDA), the exchanges through the replica channel. */
+/* In the replica work's queue (sg__replica_elem_queue); the codes through the device of the
+ * sums' element work (sg__replica_sum_dev), the exchanges through the replica channel. */
 sg_status sg__replica_codec_sum(sg_engine *e, int b, float *acc) {
   sg_comm *c = e->rep.comm;
   char *send, *recv;
@@ -222,10 +222,12 @@ static void scatter_records(const sg_engine *e, const sg__codec *k, const float 
   }
 }
 
-/* The residuals are in the element work's memory: the engine's device's, or the host's (an
- * offloaded optimizer's CPU device). */
+/* The residuals are in the element work's memory: the engine's device's (or its twin's, the
+ * same GPU), or the host's (an offloaded optimizer's CPU device). Either broadcast runs where
+ * the transport runs its channel's host-side collectives (ops->run: a twin device calls its
+ * channel on its own queue only). */
 static sg_status bcast_resid(sg_engine *e, void *buf, size_t bytes, int root) {
-  if (e->rep.elem_dev != e->dev) return sg__replica_broadcast_host(e, buf, bytes, root);
+  if (e->rep.elem_dev->kind != e->dev->kind) return sg__replica_broadcast_host(e, buf, bytes, root);
   return sg__replica_broadcast_dev(e, buf, bytes, root);
 }
 

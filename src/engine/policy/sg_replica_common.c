@@ -291,6 +291,8 @@ char *sg__replica_buf(const sg_engine *e) {
   return e->rep.host_wire ? e->rep.wire : (char *)e->ar.base[SG_MEM_COMM] + e->lay.replica_off;
 }
 
+sg__device *sg__replica_sum_dev(const sg_engine *e) { return e->rep.sum_dev; }
+
 sg_status sg__replica_no_drain(sg_engine *e) {
   (void)e;
   return SG_OK;

@@ -18,8 +18,8 @@
  * period in e->rep.outer on the host. Its element work goes through the device (outer_delta,
  * outer_step, cast: kernels/sg_elem.h's math on either device), so the CPU and CUDA devices
  * take bit-identical outer steps; each bucket's delta, sum and step are one job on the replica
- * channel's queue. The streaming variant (sg_replica_outer_stream.c, the CPU device) takes the
- * same steps one group of buckets at a time, its sum overlapped with the next step: it uses the
+ * channel's queue. The streaming variant (sg_replica_outer_stream.c) takes the same steps one
+ * group of buckets at a time, its sum overlapped with the next step: it uses the
  * pieces below (sg__replica_outer_stream_due, _group, _delta, _apply, _gather, _dbuf) and a
  * pseudo-gradient buffer that holds a whole group's runs. */
 #include <string.h> /* memset */
@@ -138,13 +138,13 @@ int sg__replica_outer_due(sg_engine *e) {
 }
 
 /* The pseudo-gradient run summed over the replicas (inside the bucket's job, or the streaming
- * sum's on its host queue): all-reduced in fp32, or through the bf16 wire (cast by the device in
- * the queue of its replica work, sg__replica_elem_queue). */
+ * sum's job): all-reduced in fp32, or through the bf16 wire (cast by the device of the replica's
+ * sums' element work in the queue of the replica work, sg__replica_sum_dev and sg__replica_elem_queue). */
 sg_status sg__replica_outer_wire_sum(sg_engine *e, int b, float *d, size_t n) {
   (void)b;
   const outer_bufs k = bufs_of(e);
   sg_comm *c = e->rep.comm;
-  sg__device *dev = e->rep.elem_dev;
+  sg__device *dev = sg__replica_sum_dev(e);
   const int64_t dl = sg__deadline(e->cfg.timeout_ms);
   if (!k.wire) return c->ops->all_reduce(c, d, n, SG_F32, dl);
   const int w = e->cfg.replica_reduce_dtype;
@@ -216,7 +216,7 @@ int sg__replica_outer_stream_due(sg_engine *e) {
 int sg__replica_outer_group(const sg_engine *e) { return e->rep.outer.group; }
 
 /* The pieces of a bucket's outer step (the bucket job above, and streaming, which takes them
- * apart on the CPU device from the caller's thread), in the queue of the replica's element work:
+ * apart into jobs of its own), in the queue of the replica's element work:
  * bucket b's pseudo-gradient po - theta of this rank's run into d (its values in *n), its
  * Nesterov step from the replicas' sum in d (the parameters become the new po; bf16/f16 ones:
  * the working copy from the new master), the node's gathers of the buckets first, first +

@@ -49,6 +49,8 @@ static sg_status host_working(sg_engine *e, const sg__owned *o, const float *the
 
 static const sg__outer_place host_place = {host_theta, host_working};
 
+int sg__replica_outer_on_host(const sg_engine *e) { return e->rep.outer.place == &host_place; }
+
 sg_status sg__replica_outer_host_prepare(sg_engine *e) {
   SG_TRY(sg__replica_outer_prepare(e));
   e->rep.outer.place = &host_place;

@@ -26,6 +26,9 @@ extern const sg__replica_ops sg__replica_outer_stream_host_int8; /* sg_replica_o
  * sg_replica_outer_int8.c's, with the host's place) and release (the codec's and the element
  * work's CPU device), which streaming with offload shares. */
 sg_status sg__replica_outer_host_prepare(sg_engine *e);
+/* 1 where the outer steps take the host's place (an offloaded optimizer): their delta and apply
+ * run from sg_step's thread, outside jobs (their copies use the compute queue). */
+int sg__replica_outer_on_host(const sg_engine *e);
 sg_status sg__replica_outer_host_prepare_int8(sg_engine *e);
 void sg__replica_outer_host_release(sg_engine *e);
 void sg__replica_outer_host_release_int8(sg_engine *e);
@@ -137,7 +140,9 @@ sg_status sg__replica_codec_reduce(sg_engine *e, int b);
 sg_status sg__replica_codec_claim(sg_engine *e, int b);
 
 /* sg_replica_staged.c: the staged transport's host queue (a CPU device), made by select (also
- * for streaming outer steps, sg_replica_outer_stream.c; their release destroys it). */
+ * for streaming outer steps on the CPU device, sg_replica_outer_stream.c; on a CUDA device with
+ * host-driven communicators select puts the device's twin in rep.host_dev instead; their
+ * release destroys either). */
 sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg__device **dev);
 /* ... and its entries over that queue: its release, drain and run. */
 void sg__replica_staged_release(sg_engine *e);
@@ -182,6 +187,11 @@ sg__queue sg__replica_elem_queue(const sg_engine *e);
 /* The layout's replica buffer: the COMM arena's (device memory on CUDA), or with an offloaded
  * optimizer pinned host memory (sg_memory's host bytes), made by init before prepare. */
 char *sg__replica_buf(const sg_engine *e);
+/* The device of the replica sums' element work (the casts to and from the wire, the codes),
+ * chosen by sg_replica_select.c: the replica element work's (rep.elem_dev), or with streaming
+ * outer steps over host-driven communicators on CUDA the twin device their channel is bound to
+ * (its queue runs the sums). */
+sg__device *sg__replica_sum_dev(const sg_engine *e);
 sg_status sg__replica_no_drain(sg_engine *e);
 sg_status sg__replica_no_prepare(sg_engine *e);
 void sg__replica_no_release(sg_engine *e);

@@ -10,7 +10,7 @@
  * without a device, and anything on the CPU device, either. */
 static int channel_mem(const sg_engine *e, const sg_comm *replica, const sg__device *dev) {
   if (e->dev->kind == SG_DEVICE_CPU) return SG__REP_MEM_ANY;
-  if (dev != NULL && dev == e->dev) return SG__REP_MEM_DEVICE;
+  if (dev != NULL && dev->kind != SG_DEVICE_CPU) return SG__REP_MEM_DEVICE; /* e->dev, its twin */
   return replica->stream_ordered ? SG__REP_MEM_ANY : SG__REP_MEM_HOST;
 }
 
@@ -108,11 +108,26 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
   return SG_OK;
 }
 
+/* Streaming: where each group's sum runs beside the node's reductions. The CPU device: a host
+ * queue of its own. CUDA, stream-ordered (NCCL): the engine's replica lane (its own stream;
+ * nothing of select's). CUDA, host-driven (threads, MPI): the device's twin (its own worker
+ * and streams), the channel bound to it. */
+static sg_status stream_queue(sg_engine *e, const sg_comm *replica, sg__device **dev) {
+  if (e->dev->kind == SG_DEVICE_CPU) return sg__replica_staged_host_queue(e, replica, dev);
+  if (replica->stream_ordered) return SG_OK;
+  if (!e->dev->ops->twin)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming: the %s device has no second "
+                   "queue for the sums", e->dev->ops->name);
+  SG_TRY(e->dev->ops->twin(e->dev, &e->rep.host_dev));
+  *dev = e->rep.host_dev;
+  return SG_OK;
+}
+
 /* Outer steps: their element work goes through the device (either kind), each bucket's
  * pseudo-gradient summed by the replica channel inside one job on the engine's device (on CUDA
  * attached as above). With the int8 codec the pseudo-gradient goes through its exchange.
  * Streaming (one group of buckets per step, its sum overlapped with the next step): each sum
- * runs on a host queue of its own beside the node's reductions, on the CPU device only. */
+ * runs beside the node's reductions (stream_queue). */
 static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
                             sg__device **dev) {
   if (replica->world < 2)
@@ -120,12 +135,12 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
                    "other replicas to agree with (use 0)");
   const int stream = e->cfg.outer_streaming, codec = e->cfg.replica_codec != SG_CODEC_NONE;
   if (e->strat->place->host) return pick_offload(e, replica, ops, dev);
-  if (stream && e->dev->kind != SG_DEVICE_CPU)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming runs on the CPU device only (its "
-                   "sums overlap the next step on a host queue); on the CUDA device use outer "
-                   "steps without streaming");
-  if (!codec && e->dev->kind != SG_DEVICE_CPU)
-    attach_cuda(e, replica, dev);
+  if (stream && e->dev->kind != SG_DEVICE_CPU && e->comm->stream_ordered != replica->stream_ordered)
+    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming on the CUDA device needs shard and "
+                   "replica communicators of one kind (both NCCL, or both threads or MPI); %s "
+                   "inside and %s across is not supported yet", e->comm->ops->name,
+                   replica->ops->name);
+  if (!codec && e->dev->kind != SG_DEVICE_CPU) attach_cuda(e, replica, dev);
   if (codec) SG_TRY(codec_comm(e, replica, dev));
   if (!stream && e->dev->kind != SG_DEVICE_CPU && staged_pair(e, replica)) {
     /* the sums on a host queue of their own, through a pinned stage */
@@ -137,7 +152,7 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
     return SG_OK;
   }
   *ops = codec ? &sg__replica_outer_stream_int8 : &sg__replica_outer_stream;
-  return sg__replica_staged_host_queue(e, replica, dev);
+  return stream_queue(e, replica, dev);
 }
 
 static sg_status pick(sg_engine *e, const sg_comm *replica, const sg__replica_ops **ops,
@@ -173,8 +188,10 @@ sg_status sg__replica_select(sg_engine *e, const sg_comm *replica, const sg__rep
   e->rep.elem_dev = e->dev; /* pick_offload: a CPU device of its own */
   SG_TRY(pick(e, replica, ops, dev));
   e->rep.mem = channel_mem(e, replica, *dev);
+  e->rep.sum_dev = *dev != NULL && (*dev)->kind != SG_DEVICE_CPU ? *dev : e->rep.elem_dev;
   /* the CPU device runs element work at once, in the caller's order (a replica job, or the
-   * streaming sum's host queue, which must not wait for the node's comm jobs) */
+   * streaming sum's host queue, which must not wait for the node's comm jobs); the sums' casts
+   * and codes go to the CUDA device the channel is bound to (the engine's, or its twin) */
   e->rep.elem_q = e->rep.elem_dev->kind == SG_DEVICE_CPU ? SG_Q_COMPUTE : SG_Q_COMM;
   return SG_OK;
 }
