@@ -23,7 +23,8 @@
  *
  * Per optimizer step: M micro-batches (forward, backward, gradient hand-off) and sg_step. Steps
  * start together (barrier); the time of a step is the slowest rank's; reported is the median over
- * the timed steps. Link bytes: the first rank of every node reads its node's interface counters
+ * the timed steps (step_max_ms: the longest; rank 0 also prints a STEPS line, every timed step in
+ * order, so that one long step shows where it fell). Link bytes: the first rank of every node reads its node's interface counters
  * (/sys/class/net/IFACE/statistics, eth0 inside a cluster.sh node) before the first and after
  * the last timed step; "sent" is the sum over nodes of bytes each node put on its link (TCP/IP
  * headers included), "max node" the most one node sent, both divided by the timed steps. Prints one RESULT line (key=value) on rank 0.
@@ -247,7 +248,8 @@ static void print_profile(const options *o, const double *ph) {
 }
 
 typedef struct result {
-  double step_ms, step_mean_ms, sent_per_step, sent_max_node; /* bytes per timed step */
+  double step_ms, step_mean_ms, step_max_ms; /* per timed step */
+  double sent_per_step, sent_max_node;       /* bytes per timed step */
   float first_loss, last_loss;
   size_t params;
   int nodes;
@@ -314,7 +316,13 @@ static sg_status run(const options *o, sg_comm *comm, MPI_Comm node, result *r) 
     double total = 0;
     for (int k = 0; k < o->steps; k++) total += times[k];
     r->step_mean_ms = 1e3 * total / o->steps;
+    if (rank == 0) { /* each step in order: a long one stands out, and where it fell */
+      printf("STEPS ms=");
+      for (int k = 0; k < o->steps; k++) printf("%s%.0f", k ? "," : "", 1e3 * times[k]);
+      printf("\n");
+    }
     qsort(times, (size_t)o->steps, sizeof *times, cmp_double);
+    r->step_max_ms = 1e3 * times[o->steps - 1];
     r->step_ms = 1e3 * (o->steps % 2 ? times[o->steps / 2]
                                      : 0.5 * (times[o->steps / 2 - 1] + times[o->steps / 2]));
   } else {
@@ -425,12 +433,12 @@ int main(int argc, char **argv) {
   if (st == SG_OK && rank == 0)
     printf("RESULT impl=shardgrad mode=%s sync=%s micro=%d W=%d nodes=%d params=%zu dtype=%s "
            "wire=%s codec=%d outer=%d stream=%d batch=%d steps=%d step_ms=%.1f step_mean_ms=%.1f "
-           "link_sent_per_step=%.0f "
+           "step_max_ms=%.1f link_sent_per_step=%.0f "
            "link_sent_max_node=%.0f loss_first=%.6f loss_last=%.6f\n",
            o.mode, o.sync_last ? "last" : "every", o.micro, world, r.nodes, r.params,
            o.dtype == SG_BF16 ? "bf16" : "f32", o.wire == SG_BF16 ? "bf16" : "f32", (int)o.codec,
-           o.outer, o.stream, o.batch, o.steps, r.step_ms, r.step_mean_ms, r.sent_per_step,
-           r.sent_max_node, (double)r.first_loss, (double)r.last_loss);
+           o.outer, o.stream, o.batch, o.steps, r.step_ms, r.step_mean_ms, r.step_max_ms,
+           r.sent_per_step, r.sent_max_node, (double)r.first_loss, (double)r.last_loss);
   sg_comm_destroy(comm);
   MPI_Comm_free(&node);
   MPI_Finalize();

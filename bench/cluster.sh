@@ -156,7 +156,7 @@ echo "bench/cluster.sh: 2 nodes x 2 ranks (W=4), MLP $LAYERS layers x $HIDDEN ($
 # bits per second of a tc rate (1gbit, 100mbit, 10g)
 bps() { awk -v r="${1,,}" 'BEGIN{n=r+0; u=r; sub(/^[0-9.]+/,"",u); f=1;
   if (u ~ /^k/) f=1e3; else if (u ~ /^m/) f=1e6; else if (u ~ /^g/) f=1e9; printf "%.0f", n*f}'; }
-printf '%-9s %5s  %-38s %10s %9s %13s %13s %10s\n' "link" "micro" "variant" "step ms" "vs flat" "link MB/step" "link s/step" "mean ms"
+printf '%-9s %5s  %-38s %10s %9s %13s %13s %10s %10s\n' "link" "micro" "variant" "step ms" "vs flat" "link MB/step" "link s/step" "mean ms" "max ms"
 base=""
 for r in "${RESULTS[@]}"; do
   rate=$(field rate "$r") micro=$(field micro "$r") label=${r#*label=}
@@ -164,17 +164,17 @@ for r in "${RESULTS[@]}"; do
   ms=$(field step_ms "$r") sent=$(field link_sent_per_step "$r") maxn=$(field link_sent_max_node "$r")
   case $label in "shardgrad flat ZeRO-2, sync every") base=$ms ;; esac
   if [ "$FLAT" = 0 ] && [ "$rate/$micro" != "${group:-}" ]; then base=$ms group=$rate/$micro; fi
-  mean=$(field step_mean_ms "$r")
+  mean=$(field step_mean_ms "$r") max=$(field step_max_ms "$r")
   if [ -z "$ms" ]; then
     printf '%-9s %5s  %-38s %10s\n' "$rate" "$micro" "$label" "FAILED"
   else
-    printf '%-9s %5s  %-38s %10.1f %8.2fx %13.1f %13.2f %10s\n' "$rate" "$micro" "$label" "$ms" \
+    printf '%-9s %5s  %-38s %10.1f %8.2fx %13.1f %13.2f %10s %10s\n' "$rate" "$micro" "$label" "$ms" \
       "$(awk -v a="$ms" -v b="${base:-$ms}" 'BEGIN{print a/b}')" \
       "$(awk -v s="$sent" 'BEGIN{print (s < 0 ? -1 : s/1e6)}')" \
-      "$(awk -v s="$maxn" -v b="$(bps "$rate")" 'BEGIN{print (s < 0 ? -1 : 8*s/b)}')" "${mean:--}"
+      "$(awk -v s="$maxn" -v b="$(bps "$rate")" 'BEGIN{print (s < 0 ? -1 : 8*s/b)}')" "${mean:--}" "${max:--}"
   fi
 done
-echo "mean ms: the mean of the same steps (outer-step rows: over H steps, one outer step among them)."
+echo "mean ms: the mean of the same steps (outer-step rows: over H steps, one outer step among them). max ms: the longest of them."
 echo "step ms: median time per optimizer step, slowest rank; vs flat: / shardgrad flat ZeRO-2 (sync every) at the same link and micro-batches."
 echo "link MB/step: bytes all nodes sent on their links per step (interface counters; TCP/IP headers included). link s/step: the busiest node's bytes at the link rate, the least time the link needs per step."
 echo "Shaping: tc tbf at the rate on both ends of each node's link."

@@ -32,6 +32,13 @@
 # agent (plm_rsh_agent) that enters the node's namespaces instead of ssh. Between nodes MPI
 # uses TCP on the cluster subnet only (btl tcp, oob tcp), inside a node shared memory (vader).
 #
+# Scheduling: every process started in a node (run, the agent, exec) first joins one CPU cgroup
+# of the cluster's own, shardgrad-<name> (cgroup v1 cpu hierarchy, or v2 where the root enables
+# cpu; made by up, removed by down; without one nothing is moved and up says so). Without it
+# each node's processes were a scheduling group of their own (orted calls setsid, and the
+# kernel's autogroup makes every session a group), and on a loaded machine one node's runnable
+# ranks sometimes got no CPU for seconds (docs/slow-links.md, "The long streaming step").
+#
 # Options before the command: --name NAME (default sgc; several clusters can coexist under
 # different names and --subnet), --subnet A.B.C (default 10.77.0; a private range, and only
 # inside the cluster's namespaces). Environment: SG_CLUSTER_NAME, SG_CLUSTER_SUBNET. Needs root
@@ -172,6 +179,52 @@ shape() {
   fi
 }
 
+# ---- the scheduling group ----------------------------------------------------------------------
+
+# The cluster's CPU cgroup: all its processes in one group, so that autogroup (which only groups
+# tasks of the root cgroup, one group per session) no longer splits the nodes into groups that
+# the scheduler balances against each other and the machine's other sessions.
+cg_root() {
+  if [ -f /sys/fs/cgroup/cpu/cgroup.procs ]; then
+    echo /sys/fs/cgroup/cpu # v1: the cpu hierarchy
+  elif grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null; then
+    echo /sys/fs/cgroup # v2 with the cpu controller enabled below the root
+  else
+    return 1
+  fi
+}
+cg_dir() {
+  local r
+  r=$(cg_root) || return 1
+  echo "$r/shardgrad-$NAME"
+}
+# cg_make NODES: the group, weighted as NODES sessions (as many as the nodes were before)
+cg_make() {
+  local d
+  if ! d=$(cg_dir) || ! mkdir -p "$d" 2>/dev/null; then
+    note "no CPU cgroup here: the nodes stay in their sessions' scheduling groups (autogroup)"
+    return 0
+  fi
+  if [ -f "$d/cpu.shares" ]; then echo $((1024 * $1)) 2>/dev/null >"$d/cpu.shares" || true; fi
+  if [ -f "$d/cpu.weight" ]; then echo $((100 * $1)) 2>/dev/null >"$d/cpu.weight" || true; fi
+  return 0
+}
+# cg_join PID: PID (and the processes it starts) into the cluster's group, where there is one
+cg_join() {
+  local d
+  if d=$(cg_dir) && [ -d "$d" ]; then echo "$1" 2>/dev/null >"$d/cgroup.procs" || true; fi
+}
+# after end_processes: processes killed a moment ago may still be leaving the group
+cg_remove() {
+  local d k
+  d=$(cg_dir) && [ -d "$d" ] || return 0
+  for k in 1 2 3 4 5 6 7 8 9 10; do
+    rmdir "$d" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  note "could not remove the cgroup $d (processes still in it?)"
+}
+
 # ---- up / down --------------------------------------------------------------------------------
 
 read_state() {
@@ -259,6 +312,7 @@ build_cluster() {
     for ((i = 0; i < nodes; i++)); do echo "$(node_ip "$i") $(node_host "$i")"; done
   } >"$(state_dir)/hosts"
   for ((i = 0; i < nodes; i++)); do echo "$(node_host "$i")"; done >"$(state_dir)/nodes"
+  cg_make "$nodes"
   printf '#!/bin/sh\n# Open MPI launch agent of cluster %s: called as "agent HOST COMMAND..."\nexec %q --name %q --subnet %q agent "$@"\n' \
     "$NAME" "$SELF" "$NAME" "$SUBNET" >"$(state_dir)/agent"
   chmod +x "$(state_dir)/agent"
@@ -322,6 +376,7 @@ teardown() {
   for ns in $(leftovers_list) $(stale_probes); do
     ip netns del "$ns" 2>/dev/null || note "could not delete namespace $ns"
   done
+  cg_remove
   rm -rf "$(state_dir)"
   rmdir "$STATE_ROOT" 2>/dev/null || true
 }
@@ -375,6 +430,7 @@ node_index() {
 enter() {
   local i=$1
   shift
+  cg_join "$BASHPID" # this process (a subshell's own, in run) before it becomes the node's
   exec nsenter --net="/run/netns/$(node_ns "$i")" -- \
     unshare --uts --mount --propagation private -- "$SELF" --name "$NAME" --subnet "$SUBNET" \
     _init "$i" "$@"
@@ -476,6 +532,9 @@ cmd_status() {
   local i
   for ((i = 0; i < NODES; i++)); do echo "  node $i: $(node_host "$i") $(node_ip "$i") (netns $(node_ns "$i"))"; done
   echo "  switch: netns $(sw_ns), bridge br0"
+  local d
+  if d=$(cg_dir) && [ -d "$d" ]; then echo "  scheduling: one CPU cgroup, $d"; else
+    echo "  scheduling: no CPU cgroup (each session its own autogroup)"; fi
 }
 
 # ---- main -------------------------------------------------------------------------------------

@@ -33,6 +33,14 @@ t0=$SECONDS
 run() { timeout -k 5 90 "$cluster" --name "$name" run "$@"; }
 run --ranks-per-node 2 "$topo" --ranks-per-node 2 --bandwidth 16 || rc=1
 echo "layout check: $((SECONDS - t0))s"
+# where the machine has a CPU cgroup for it, every rank (node 0's under mpirun, the others'
+# under the launch agent's orted, which starts a session of its own) is in the cluster's one
+# scheduling group
+if cl status | grep -q "scheduling: one CPU cgroup"; then
+  where=$(run --ranks-per-node 2 sh -c "grep -q ':/shardgrad-$name\$' /proc/self/cgroup && echo in || echo out")
+  [ "$(grep -c '^in$' <<<"$where")" = 4 ] || { echo "test_cluster: ranks outside the cluster's cgroup: $where"; rc=1; }
+  echo "scheduling group: $(grep -c '^in$' <<<"$where") of 4 ranks in the cluster's cgroup"
+fi
 t0=$SECONDS
 run --ranks-per-node 2 "$comm" --mpi || rc=1
 echo "test_comm --mpi at np 4 (2 nodes x 2 ranks): $((SECONDS - t0))s"
