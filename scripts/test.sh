@@ -290,10 +290,10 @@ if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
 elif stage "configure $N-tsan-cuda/ (TSan, mock CUDA)" configure_tsan_cuda &&
   stage "build $N-tsan-cuda/" cmake --build "$B-tsan-cuda" -j "$JOBS" \
     --target test_cuda_mock test_cuda_mock_engine test_cuda_mock_unkind test_cuda_mock_lanes \
-    test_cuda_mock_lean test_cuda_mock_fold test_hybrid_cudamock; then
+    test_cuda_mock_lean test_cuda_mock_fold test_cuda_mock_stream test_hybrid_cudamock; then
   SG_TEST_QUICK=1 TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1 second_deadlock_stack=1} \
     stage "ctest $N-tsan-cuda/ (CUDA worker thread)" run_ctest_no_aslr "$B-tsan-cuda" \
-    -R '^test_cuda_mock(_engine|_unkind|_lanes|_lean|_fold)?$|^test_hybrid_cudamock_smoke_'
+    -R '^test_cuda_mock(_engine|_unkind|_lanes|_lean|_fold|_stream)?$|^test_hybrid_cudamock_smoke_'
 else
   skip "ctest $N-tsan-cuda/" "build failed"
 fi
