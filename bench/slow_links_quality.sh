@@ -7,7 +7,8 @@
 #   bench/slow_links_quality.sh [--out DIR] [--steps N] [--eval-every N] [--python PY]
 #                               [--modes "exact int8 int4 diloco8 diloco32 diloco8bf16 diloco8int8
 #                                         diloco8m5 diloco32m5 diloco8int8m5 diloco8avg
-#                                         diloco8stream diloco8stream256k"]
+#                                         diloco8stream diloco8stream256k
+#                                         diloco8int8stream256k"]
 #                               [-- extra train_lm.py flags]
 # Steps and the evaluation period should be multiples of the outer periods (8, 32): between
 # outer steps rank 0 holds its own replica's parameters, at them every replica's.
@@ -47,6 +48,8 @@ opts_of() {
     # the same over 256 KiB buckets: train_lm's 1 MiB buckets give this 3.2 MB model 4
     # buckets, so only 4 of the 8 steps would sync one; 256 KiB gives 22, spread over the period
     diloco8stream256k) echo "--opt outer_every=8 --opt outer_streaming=1 --opt outer_momentum=0.5 --opt bucket_bytes=262144" ;;
+    # ... with the pseudo-gradient as int8 codes with error feedback
+    diloco8int8stream256k) echo "--opt outer_every=8 --opt outer_streaming=1 --opt outer_momentum=0.5 --opt replica_codec=int8 --opt bucket_bytes=262144" ;;
     *) echo "bench/slow_links_quality.sh: unknown mode $1" >&2; exit 2 ;;
   esac
 }

@@ -23,6 +23,8 @@ LABELS = {
     "diloco8avg": "outer steps, H = 8, plain averaging (lr 1, momentum 0)",
     "diloco8stream": "streaming outer steps, H = 8, outer momentum 0.5",
     "diloco8stream256k": "streaming outer steps, H = 8, outer momentum 0.5, 256 KiB buckets",
+    "diloco8int8stream256k": "streaming outer steps, H = 8, int8 codes, outer momentum 0.5, "
+                             "256 KiB buckets",
 }
 
 
