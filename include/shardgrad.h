@@ -340,10 +340,11 @@ typedef struct sg_config {
                                instead of all of them every H-th step. H larger than the number
                                of buckets: the steps whose group has no bucket send nothing.
                                sg_save merges the sum in flight first (docs/slow-links.md).
-                               Needs outer_every >= 1; on the CUDA device shard and replica
-                               communicators of one kind (both NCCL, or both threads or MPI),
-                               or with offload_optimizer a host replica communicator (threads,
-                               MPI, a caller's); else SG_ERR_UNSUPPORTED at create. */
+                               Needs outer_every >= 1; with offload_optimizer on the CUDA device
+                               a host replica communicator (threads, MPI, a caller's), else
+                               SG_ERR_UNSUPPORTED at create. Threads or MPI inside with NCCL
+                               across run the sums before the next step's reductions, not
+                               beside them (docs/slow-links.md). */
   int reserved_0_5;         /* 0 (must stay 0): ends the 0.5 block on an 8-byte boundary */
   /* Appending: each release adds its fields here as one block that ends on an 8-byte boundary
    * (no tail padding, so every published layout has its own sizeof), and records its size in

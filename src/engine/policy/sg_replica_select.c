@@ -109,9 +109,11 @@ static sg_status pick_codec(sg_engine *e, const sg_comm *replica, const sg__repl
 }
 
 /* Streaming: where each group's sum runs beside the node's reductions. The CPU device: a host
- * queue of its own. CUDA, stream-ordered (NCCL): the engine's replica lane (its own stream;
- * nothing of select's). CUDA, host-driven (threads, MPI): the device's twin (its own worker
- * and streams), the channel bound to it. */
+ * queue of its own. CUDA, an NCCL replica channel: the engine's replica lane (its own stream
+ * beside an NCCL shard; beside a host-driven shard the engine's worker, whose jobs the lane's
+ * share, so there the sum does not overlap the next step's reductions). CUDA, host-driven
+ * (threads, MPI; also beside an NCCL shard): the device's twin (its own worker and streams),
+ * the channel bound to it. */
 static sg_status stream_queue(sg_engine *e, const sg_comm *replica, sg__device **dev) {
   if (e->dev->kind == SG_DEVICE_CPU) return sg__replica_staged_host_queue(e, replica, dev);
   if (replica->stream_ordered) return SG_OK;
@@ -135,11 +137,6 @@ static sg_status pick_outer(sg_engine *e, const sg_comm *replica, const sg__repl
                    "other replicas to agree with (use 0)");
   const int stream = e->cfg.outer_streaming, codec = e->cfg.replica_codec != SG_CODEC_NONE;
   if (e->strat->place->host) return pick_offload(e, replica, ops, dev);
-  if (stream && e->dev->kind != SG_DEVICE_CPU && e->comm->stream_ordered != replica->stream_ordered)
-    return sg__err(SG_ERR_UNSUPPORTED, "cfg->outer_streaming on the CUDA device needs shard and "
-                   "replica communicators of one kind (both NCCL, or both threads or MPI); %s "
-                   "inside and %s across is not supported yet", e->comm->ops->name,
-                   replica->ops->name);
   if (!codec && e->dev->kind != SG_DEVICE_CPU) attach_cuda(e, replica, dev);
   if (codec) SG_TRY(codec_comm(e, replica, dev));
   if (!stream && e->dev->kind != SG_DEVICE_CPU && staged_pair(e, replica)) {
