@@ -24,11 +24,6 @@ static sg_status host_reduce(sg_engine *e, int b) {
   return SG_OK;
 }
 
-static sg_status at_step_claim(sg_engine *e, int b) {
-  e->rep.claimed[b] = SG__CLAIM_AT_STEP;
-  return SG_OK;
-}
-
 static sg_status finish_with(sg_engine *e, sg_status (*reduce)(sg_engine *e, int b)) {
   int late = 0;
   for (int b = 0; b < e->plan->nbuckets; b++) late += e->rep.claimed[b] == SG__CLAIM_AT_STEP;
@@ -50,26 +45,19 @@ static sg_status int4_prepare(sg_engine *e) {
   return sg__replica_codec_prepare(e, 4, 0, SG__REP_RESID);
 }
 
-/* The codec's state, then the CPU device of its element work. */
-static void codec_release(sg_engine *e) {
-  sg__replica_codec_release(e);
-  sg__replica_staged_release(e);
-  e->rep.elem_dev = NULL;
-}
-
 const sg__replica_ops sg__replica_at_step = {
     .name = "at-step", SG__REPLICA_ENTRIES, .share_scratch = 0,
     .prepare = sg__replica_no_prepare, .release = sg__replica_no_release,
-    .claim = at_step_claim, .finish = at_step_finish, .run = sg__replica_run_comm,
+    .claim = sg__replica_claim_at_step, .finish = at_step_finish, .run = sg__replica_run_comm,
     .drain = sg__replica_no_drain, SG__REPLICA_EVERY_STEP, SG__REPLICA_NO_CK,
 };
 
 /* The host collectives take host memory: the shard channel's scratch (device memory) is not
  * shared. */
-#define AT_STEP_CODEC                                                                             \
-  SG__REPLICA_ENTRIES, .share_scratch = 0, .release = codec_release, .claim = at_step_claim,     \
-  .finish = codec_finish, .run = sg__replica_run_comm, .drain = sg__replica_no_drain,            \
-  SG__REPLICA_EVERY_STEP, SG__REPLICA_CODEC_CK
+#define AT_STEP_CODEC                                                                              \
+  SG__REPLICA_ENTRIES, .share_scratch = 0, .release = sg__replica_codec_release_queue,             \
+  .claim = sg__replica_claim_at_step, .finish = codec_finish, .run = sg__replica_run_comm,         \
+  .drain = sg__replica_no_drain, SG__REPLICA_EVERY_STEP, SG__REPLICA_CODEC_CK
 
 const sg__replica_ops sg__replica_at_step_int8 = {
     .name = "at-step, int8 codes", .prepare = int8_prepare, AT_STEP_CODEC,

@@ -310,3 +310,8 @@ void sg__replica_codec_release(sg_engine *e) {
   free(e->rep.codec);
   e->rep.codec = NULL;
 }
+
+void sg__replica_codec_release_queue(sg_engine *e) {
+  sg__replica_codec_release(e);
+  sg__replica_staged_release(e);
+}

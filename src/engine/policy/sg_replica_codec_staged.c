@@ -102,17 +102,6 @@ static sg_status prepare(sg_engine *e, int bits) {
 static sg_status int8_prepare(sg_engine *e) { return prepare(e, 8); }
 static sg_status int4_prepare(sg_engine *e) { return prepare(e, 4); }
 
-static void release(sg_engine *e) {
-  sg__replica_codec_release(e);
-  sg__replica_staged_release(e);
-}
-
-/* The bucket's sum waits for the step (its phases wait on the host). */
-static sg_status claim(sg_engine *e, int b) {
-  e->rep.claimed[b] = SG__CLAIM_AT_STEP;
-  return SG_OK;
-}
-
 static sg_status finish(sg_engine *e) {
   for (int b = 0; b < e->plan->nbuckets; b++) {
     if (e->rep.claimed[b] != SG__CLAIM_AT_STEP) continue;
@@ -122,10 +111,10 @@ static sg_status finish(sg_engine *e) {
   return SG_OK;
 }
 
-#define SG__CODEC_STAGED_OPS                                                                      \
-  SG__REPLICA_ENTRIES, .share_scratch = 0, .release = release, .claim = claim,                   \
-  .finish = finish, .run = sg__replica_staged_run, .drain = sg__replica_staged_drain,            \
-  SG__REPLICA_EVERY_STEP, SG__REPLICA_CODEC_CK
+#define SG__CODEC_STAGED_OPS                                                                       \
+  SG__REPLICA_ENTRIES, .share_scratch = 0, .release = sg__replica_codec_release_queue,             \
+  .claim = sg__replica_claim_at_step, .finish = finish, .run = sg__replica_staged_run,             \
+  .drain = sg__replica_staged_drain, SG__REPLICA_EVERY_STEP, SG__REPLICA_CODEC_CK
 
 const sg__replica_ops sg__replica_int8_staged = {
     .name = "staged, int8 codes", .prepare = int8_prepare, SG__CODEC_STAGED_OPS,

@@ -285,6 +285,11 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg) {
   return sg__engine_run_replica(e, fn, arg);
 }
 
+sg_status sg__replica_claim_at_step(sg_engine *e, int b) {
+  e->rep.claimed[b] = SG__CLAIM_AT_STEP;
+  return SG_OK;
+}
+
 sg__queue sg__replica_elem_queue(const sg_engine *e) { return (sg__queue)e->rep.elem_q; }
 
 char *sg__replica_buf(const sg_engine *e) {

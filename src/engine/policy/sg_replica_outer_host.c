@@ -91,17 +91,6 @@ static sg_status sync_wire(sg_engine *e) { return sync_with(e, sg__replica_outer
 
 static sg_status sync_int8(sg_engine *e) { return sync_with(e, sg__replica_outer_int8_sum); }
 
-/* The CPU device of the element work (made by select). */
-void sg__replica_outer_host_release(sg_engine *e) {
-  sg__replica_staged_release(e);
-  e->rep.elem_dev = NULL;
-}
-
-void sg__replica_outer_host_release_int8(sg_engine *e) {
-  sg__replica_codec_release(e);
-  sg__replica_outer_host_release(e);
-}
-
 /* The channel takes host memory: the shard channel's scratch (device memory) is not shared. */
 #define OUTER_HOST                                                                                \
   SG__REPLICA_ENTRIES, .share_scratch = 0, .claim = sg__replica_outer_claim,                     \
@@ -111,7 +100,7 @@ void sg__replica_outer_host_release_int8(sg_engine *e) {
 
 const sg__replica_ops sg__replica_outer_host = {
     .name = "offloaded, outer steps", OUTER_HOST, .prepare = sg__replica_outer_host_prepare,
-    .release = sg__replica_outer_host_release, .sync = sync_wire,
+    .release = sg__replica_staged_release, .sync = sync_wire,
     .ck_describe = sg__replica_outer_describe, .ck_save = sg__replica_outer_save,
     .restore = sg__replica_outer_restore,
 };
@@ -119,7 +108,7 @@ const sg__replica_ops sg__replica_outer_host = {
 const sg__replica_ops sg__replica_outer_host_int8 = {
     .name = "offloaded, outer steps, int8 codes", OUTER_HOST,
     .prepare = sg__replica_outer_host_prepare_int8,
-    .release = sg__replica_outer_host_release_int8, .sync = sync_int8,
+    .release = sg__replica_codec_release_queue, .sync = sync_int8,
     .ck_describe = sg__replica_outer_int8_describe, .ck_save = sg__replica_outer_int8_save,
     .restore = sg__replica_outer_int8_restore,
 };

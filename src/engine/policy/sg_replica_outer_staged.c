@@ -90,11 +90,6 @@ static sg_status int8_prepare(sg_engine *e) {
   return sg__replica_codec_staged_stage(e);
 }
 
-static void int8_release(sg_engine *e) {
-  sg__replica_codec_release(e);
-  sg__replica_staged_release(e);
-}
-
 static sg_status delta_fn(void *arg) {
   phase_job *j = arg;
   return sg__replica_outer_delta(j->e, j->b, sg__replica_outer_dbuf(j->e), &j->n);
@@ -115,7 +110,11 @@ static sg_status int8_sync(sg_engine *e) {
   return sg__replica_outer_gather(e, 0, 1);
 }
 
-#define SG__OUTER_STAGED_OPS                                                                        SG__REPLICA_ENTRIES, .share_scratch = 0, .claim = sg__replica_outer_claim,                       .finish = sg__replica_outer_finish, .run = sg__replica_staged_run,                               .drain = sg__replica_staged_drain, .grad_replicas = sg__replica_outer_grad_replicas,             .sync_due = sg__replica_outer_due
+#define SG__OUTER_STAGED_OPS                                                                       \
+  SG__REPLICA_ENTRIES, .share_scratch = 0, .claim = sg__replica_outer_claim,                       \
+  .finish = sg__replica_outer_finish, .run = sg__replica_staged_run,                               \
+  .drain = sg__replica_staged_drain, .grad_replicas = sg__replica_outer_grad_replicas,             \
+  .sync_due = sg__replica_outer_due
 
 const sg__replica_ops sg__replica_outer_staged = {
     .name = "staged, outer steps", SG__OUTER_STAGED_OPS, .prepare = staged_prepare,
@@ -126,6 +125,7 @@ const sg__replica_ops sg__replica_outer_staged = {
 
 const sg__replica_ops sg__replica_outer_int8_staged = {
     .name = "staged, outer steps, int8 codes", SG__OUTER_STAGED_OPS, .prepare = int8_prepare,
-    .release = int8_release, .sync = int8_sync, .ck_describe = sg__replica_outer_int8_describe,
-    .ck_save = sg__replica_outer_int8_save, .restore = sg__replica_outer_int8_restore,
+    .release = sg__replica_codec_release_queue, .sync = int8_sync,
+    .ck_describe = sg__replica_outer_int8_describe, .ck_save = sg__replica_outer_int8_save,
+    .restore = sg__replica_outer_int8_restore,
 };

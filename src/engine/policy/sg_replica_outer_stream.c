@@ -89,11 +89,6 @@ static sg_status prepare_int8(sg_engine *e) {
   return prepare_own(e);
 }
 
-static void release_int8(sg_engine *e) {
-  sg__replica_codec_release(e);
-  sg__replica_staged_release(e);
-}
-
 /* An offloaded optimizer (CUDA): the outer state and its place on the host
  * (sg_replica_outer_host.c); the host queue is the element work's CPU device too. */
 static sg_status prepare_host(sg_engine *e) {
@@ -297,19 +292,19 @@ const sg__replica_ops sg__replica_outer_stream = {
 
 const sg__replica_ops sg__replica_outer_stream_int8 = {
     .name = "streaming outer steps, int8 codes", STREAM_ENTRIES, .prepare = prepare_int8,
-    .release = release_int8, .sync = sync_int8, .ck_describe = sg__replica_outer_int8_describe,
-    .ck_save = save_int8, .restore = restore_int8,
+    .release = sg__replica_codec_release_queue, .sync = sync_int8,
+    .ck_describe = sg__replica_outer_int8_describe, .ck_save = save_int8, .restore = restore_int8,
 };
 
 const sg__replica_ops sg__replica_outer_stream_host = {
     .name = "offloaded, streaming outer steps", STREAM_ENTRIES, .prepare = prepare_host,
-    .release = sg__replica_outer_host_release, .sync = sync_wire,
+    .release = sg__replica_staged_release, .sync = sync_wire,
     .ck_describe = sg__replica_outer_describe, .ck_save = save, .restore = restore,
 };
 
 const sg__replica_ops sg__replica_outer_stream_host_int8 = {
     .name = "offloaded, streaming outer steps, int8 codes", STREAM_ENTRIES,
-    .prepare = prepare_host_int8, .release = sg__replica_outer_host_release_int8,
+    .prepare = prepare_host_int8, .release = sg__replica_codec_release_queue,
     .sync = sync_int8, .ck_describe = sg__replica_outer_int8_describe, .ck_save = save_int8,
     .restore = restore_int8,
 };

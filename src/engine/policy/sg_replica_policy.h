@@ -23,15 +23,13 @@ extern const sg__replica_ops sg__replica_outer_host_int8; /* sg_replica_outer_ho
 extern const sg__replica_ops sg__replica_outer_stream_host;      /* sg_replica_outer_stream.c */
 extern const sg__replica_ops sg__replica_outer_stream_host_int8; /* sg_replica_outer_stream.c */
 /* sg_replica_outer_host.c: its prepare (sg_replica_outer.c's, or with int8 codes
- * sg_replica_outer_int8.c's, with the host's place) and release (the codec's and the element
- * work's CPU device), which streaming with offload shares. */
+ * sg_replica_outer_int8.c's, with the host's place), which streaming with offload shares (the
+ * release: sg__replica_staged_release, or with int8 codes sg__replica_codec_release_queue). */
 sg_status sg__replica_outer_host_prepare(sg_engine *e);
 /* 1 where the outer steps take the host's place (an offloaded optimizer): their delta and apply
  * run from sg_step's thread, outside jobs (their copies use the compute queue). */
 int sg__replica_outer_on_host(const sg_engine *e);
 sg_status sg__replica_outer_host_prepare_int8(sg_engine *e);
-void sg__replica_outer_host_release(sg_engine *e);
-void sg__replica_outer_host_release_int8(sg_engine *e);
 extern const sg__replica_ops sg__replica_int8;     /* sg_replica_int8.c */
 extern const sg__replica_ops sg__replica_int4;     /* sg_replica_int4.c */
 extern const sg__replica_ops sg__replica_outer;    /* sg_replica_outer.c */
@@ -120,6 +118,9 @@ size_t sg__replica_codec_bytes(const sg__plan *p, int n, int bits);
 size_t sg__replica_codec_region(size_t n, int N, int bits);
 sg_status sg__replica_codec_prepare(sg_engine *e, int bits, size_t off, int ck_state);
 void sg__replica_codec_release(sg_engine *e);
+/* ... and with it the transport's own device (rep.host_dev, sg__replica_staged_release): the
+ * release of every codec table whose select made one. */
+void sg__replica_codec_release_queue(sg_engine *e);
 void sg__replica_codec_describe(const sg_engine *e, sg__rep_ck *ck);
 sg_status sg__replica_codec_save(sg_engine *e, sg__rep_ck *ck);
 void sg__replica_codec_restore(sg_engine *e, const sg__rep_ck *ck);
@@ -184,6 +185,9 @@ sg_status sg__replica_run_comm(sg_engine *e, sg__job_fn fn, void *arg);
  * sg_replica_select.c: the comm queue on CUDA (the replica job's stream), the compute queue on
  * the CPU device (at once, in the caller's order). */
 sg__queue sg__replica_elem_queue(const sg_engine *e);
+/* Bucket b's sum left for the step (SG__CLAIM_AT_STEP: the transport's finish runs it, once
+ * every arrival is folded or its phases can wait on the host). */
+sg_status sg__replica_claim_at_step(sg_engine *e, int b);
 /* The layout's replica buffer: the COMM arena's (device memory on CUDA), or with an offloaded
  * optimizer pinned host memory (sg_memory's host bytes), made by init before prepare. */
 char *sg__replica_buf(const sg_engine *e);

@@ -17,6 +17,9 @@ sg_status sg__replica_staged_host_queue(sg_engine *e, const sg_comm *replica, sg
 
 void sg__replica_staged_release(sg_engine *e) {
   if (!e->rep.host_dev) return;
+  /* select may have made it the element work's device or the sums' (offload, the twin) */
+  if (e->rep.elem_dev == e->rep.host_dev) e->rep.elem_dev = NULL;
+  if (e->rep.sum_dev == e->rep.host_dev) e->rep.sum_dev = NULL;
   e->rep.host_dev->ops->destroy(e->rep.host_dev); /* joins its worker */
   e->rep.host_dev = NULL;
 }
