@@ -18,6 +18,7 @@
 #include <nccl.h>         /* the mock's: sg_ncclmock_stall_size, sg_ncclmock_done */
 
 #include "shardgrad.h"
+#include "sg_test_params.h" /* sg_test_ramp_params */
 #include "sg_test_check.h" /* CHECK, sg_test_summary */
 
 #define W 6
@@ -48,18 +49,8 @@ static sg_status setup(sg_comm *shard, sg_comm *rep, sg_engine **e, int *ids) {
   cfg.lr = 0.01f;
   cfg.timeout_ms = 60000;
   if ((st = sg_engine_create_hybrid(shard, rep, &cfg, e))) return st;
-  for (int p = 0; p < NPARAM && !st; p++) {
-    char name[16];
-    snprintf(name, sizeof name, "p%d", p);
-    st = sg_add_param(*e, name, NUMEL, 0, &ids[p]);
-  }
-  if (!st) st = sg_finalize(*e);
+  st = sg_test_ramp_params(*e, NPARAM, NUMEL, 0, ids);
   if (!st) st = sg_set_microbatches(*e, 1);
-  float init[NUMEL];
-  for (int p = 0; p < NPARAM && !st; p++) {
-    for (int i = 0; i < NUMEL; i++) init[i] = 0.01f * (float)((i * 37 + p) % 101);
-    st = sg_set_param(*e, ids[p], init, SG_F32);
-  }
   return st;
 }
 

@@ -32,6 +32,7 @@
 #include "engine/sg_engine_internal.h" /* e->plan->nbuckets */
 #include "sg_elem.h"                   /* sg_elem_store */
 #include "shardgrad.h"
+#include "sg_test_params.h" /* sg_test_ramp_params */
 #include "sg_test_check.h"            /* CHECK, sg_test_summary */
 
 #define NPARAM 200
@@ -111,17 +112,7 @@ static sg_status setup(rank_arg *a, sg_engine **e, int *ids) {
     cfg.scale_window = 2;
   }
   if ((st = sg_engine_create(a->comm, &cfg, e))) return st;
-  for (int p = 0; p < NPARAM && !st; p++) {
-    char name[32];
-    snprintf(name, sizeof name, "p%d", p);
-    st = sg_add_param(*e, name, NUMEL, p % 5 == 4 ? SG_PARAM_NO_DECAY : 0, &ids[p]);
-  }
-  if (!st) st = sg_finalize(*e);
-  float init[NUMEL];
-  for (int p = 0; p < NPARAM && !st; p++) {
-    for (int i = 0; i < NUMEL; i++) init[i] = 0.01f * (float)((i * 37 + p) % 101);
-    st = sg_set_param(*e, ids[p], init, SG_F32);
-  }
+  st = sg_test_ramp_params(*e, NPARAM, NUMEL, 5, ids);
   if (!st) a->nbuckets = (*e)->plan->nbuckets;
   return st;
 }
