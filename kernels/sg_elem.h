@@ -339,6 +339,32 @@ SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k 
 
 /* ---- 8-bit optimizer state (SG_Q8) -------------------------------------------------------- */
 
+/* AdamW's element over the 8-bit state's moments (kernels/cpu/sg_cpu_q8.c and the CUDA kernel;
+ * tensors below optim_state_min_numel keep sg_elem_adamw). The same update with v's bias
+ * correction moved from the denominator into the step's two constants,
+ *   p + ((-step_size * bc2_sqrt) * m) / (sqrt(v) + eps * bc2_sqrt)
+ * instead of p + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps): one division per element
+ * instead of two. The divider (shared by division and square root) bounds the 8-bit loop on a
+ * CPU, where the fp32 step waits on memory instead (docs/optim-state-8bit.md, Speed). Not
+ * torch's rounding, which only the fp32 state promises. sqrt(v), which v's code is made of,
+ * comes back in *s. The constants are products of two floats: loop-invariant, hoisted. */
+SG_HD float sg_elem_adamw_q8(float p, float g, float *m, float *v, float *s, sg_elem_adamw_k k) {
+  const float step = k.neg_step_size * k.bc2_sqrt, eps = k.eps * k.bc2_sqrt;
+  float mi = *m;
+  float vi = *v;
+  float diff = g - mi;
+  p = p * k.decay_factor;
+  mi = sg_elem_select_mask(k.lerp_small, mi + k.lerp_w * diff, g - diff * k.lerp_1mw);
+  vi = vi * k.beta2;
+  vi = vi + (k.one_minus_beta2 * g) * g;
+  const float si = sqrtf(vi);
+  p = p + (step * mi) / (si + eps);
+  *m = mi;
+  *v = vi;
+  *s = si;
+  return p;
+}
+
 /* Blockwise 8-bit state: blocks of SG_ELEM_Q8_BLOCK elements aligned to the tensor's start,
  * each with one fp32 scale, the block's absolute maximum (of m; of sqrt(v)). Inside a block the
  * values, divided by the maximum, are coded as a small float with 4 exponent bits and M
@@ -367,16 +393,17 @@ SG_HD float sg_elem_q8_unit(float amax, int mbits) {
 }
 
 /* The code of x >= 0 (x <= top up to a rounding; larger and NaN: the largest code), rounded
- * stochastically with the random bits rnd: up with probability equal to the dropped fraction,
- * so a moment that changes by less than a step per update (v with beta2 = 0.999 moves by 0.1%)
- * still moves on average instead of sticking at its code. Normal range: the f32 exponent
- * rebiased (127 - 16) and the dropped 23 - M mantissa bits rounded by adding random bits;
- * below 2^-15: x scaled exactly to 2^-16 units of the code's step, truncated, then the same. */
+ * stochastically with 16 random bits rnd (below 2^16): up with probability equal to the
+ * dropped fraction (to 2^-16 of a step), so a moment that changes by less than a step per
+ * update (v with beta2 = 0.999 moves by 0.1%) still moves on average instead of sticking at
+ * its code. Normal range: the f32 exponent rebiased (127 - 16) and the dropped 23 - M mantissa
+ * bits rounded by adding the random bits under their top; below 2^-15: x scaled exactly to
+ * 2^-16 units of the code's step, truncated, then the same. */
 SG_HD uint32_t sg_elem_q8_code(float x, uint32_t rnd, int mbits, int all_normal) {
   const uint32_t u = sg_elem_f2u(x);
   const uint32_t drop = 23u - (uint32_t)mbits, top = (1u << (4 + mbits)) - 1u;
   const int is_sub = u < 0x38000000u; /* below 2^-15 */
-  const uint32_t up = (u - (111u << 23) + (rnd & ((1u << drop) - 1u))) >> drop;
+  const uint32_t up = (u - (111u << 23) + (rnd << (drop - 16u))) >> drop;
   const uint32_t normal = up < top ? up : top;
   if (all_normal) return normal; /* the caller knows x >= 2^-15 (sg_elem_q8_all_normal) */
   /* 2^(15 + M + 16): x < 2^-15 becomes a fixed-point count below 2^(M + 16), exactly; only
@@ -384,7 +411,7 @@ SG_HD uint32_t sg_elem_q8_code(float x, uint32_t rnd, int mbits, int all_normal)
    * it vectorizes (masked operations and a vector minimum where the ISA has them) */
   const float small = is_sub ? x : 0.0f;
   const float scaled = small * sg_elem_u2f((uint32_t)(127 + 31 + mbits) << 23);
-  const uint32_t sub = ((uint32_t)(int32_t)scaled + (rnd >> 16)) >> 16;
+  const uint32_t sub = ((uint32_t)(int32_t)scaled + rnd) >> 16;
   return is_sub ? sub : normal;
 }
 
@@ -403,11 +430,19 @@ SG_HD int sg_elem_q8_all_normal(float xmin, float ratio) {
 /* The value of a code (before the block's unit). The code's bits e << M | f shifted into the
  * f32 mantissa's top are (e << 23) + (f << (23 - M)), so one addition rebiases the exponent
  * (e + 111) and places f; with e = 0 the code is f itself, converted and scaled exactly. */
-SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) {
+SG_HD float sg_elem_q8_value(uint32_t c, int mbits, int all_normal) {
   const float normal = sg_elem_u2f((c << (23 - mbits)) + (111u << 23));
+  if (all_normal) return normal; /* the caller knows e >= 1 (a constant where it is inlined) */
   const float sub = (float)(int32_t)c * sg_elem_u2f((uint32_t)(127 - 15 - mbits) << 23);
   return sg_elem_select_mask(0u - (uint32_t)(c < (1u << mbits)), sub, normal); /* no branch */
 }
+
+SG_HD float sg_elem_q8_decode(uint32_t c, int mbits) { return sg_elem_q8_value(c, mbits, 0); }
+
+/* The bits of a code that are all zero exactly where its exponent e is 0 (codes 0 to 2^M - 1,
+ * zero included): a block whose codes all have some of them set decodes with all_normal 1. */
+#define SG_ELEM_Q8_M_EXP 0x78u /* m: the 4 exponent bits under the sign */
+#define SG_ELEM_Q8_V_EXP 0xf0u
 
 /* m: sign bit 7, magnitude in the low 7 bits. The codes come back in 32 bits (below 256): a
  * vectorized loop keeps them in 32-bit lanes until it stores them as bytes. */
@@ -421,10 +456,12 @@ SG_HD uint32_t sg_elem_q8_encode_m(float m, float ratio, uint32_t rnd) {
   return sg_elem_q8_code_m(m, ratio, rnd, 0);
 }
 
-SG_HD float sg_elem_q8_decode_m(uint8_t c, float unit) {
-  const float mag = sg_elem_q8_decode(c & 0x7fu, SG_ELEM_Q8_M_BITS) * unit;
-  return sg_elem_u2f(sg_elem_f2u(mag) | ((uint32_t)(c & 0x80u) << 24));
+SG_HD float sg_elem_q8_value_m(uint32_t c, float unit, int all_normal) {
+  const float mag = sg_elem_q8_value(c & 0x7fu, SG_ELEM_Q8_M_BITS, all_normal) * unit;
+  return sg_elem_u2f(sg_elem_f2u(mag) | ((c & 0x80u) << 24));
 }
+
+SG_HD float sg_elem_q8_decode_m(uint8_t c, float unit) { return sg_elem_q8_value_m(c, unit, 0); }
 
 /* v through its square root s = sqrtf(v) >= 0. */
 SG_HD uint32_t sg_elem_q8_code_v(float s, float ratio, uint32_t rnd, int all_normal) {
@@ -435,10 +472,12 @@ SG_HD uint32_t sg_elem_q8_encode_v(float s, float ratio, uint32_t rnd) {
   return sg_elem_q8_code_v(s, ratio, rnd, 0);
 }
 
-SG_HD float sg_elem_q8_decode_v(uint8_t c, float unit) {
-  const float s = sg_elem_q8_decode(c, SG_ELEM_Q8_V_BITS) * unit;
+SG_HD float sg_elem_q8_value_v(uint32_t c, float unit, int all_normal) {
+  const float s = sg_elem_q8_value(c, SG_ELEM_Q8_V_BITS, all_normal) * unit;
   return s * s;
 }
+
+SG_HD float sg_elem_q8_decode_v(uint8_t c, float unit) { return sg_elem_q8_value_v(c, unit, 0); }
 
 /* The key of the codes' random bits at `step`: a stream of its own (not the parameter's
  * stochastic rounding, which hashes the seed itself), hoisted out of the loops. */
@@ -464,12 +503,16 @@ SG_HD uint32_t sg_elem_mix32(uint32_t x) {
   return sg_elem_mix32_tail(x * SG_ELEM_MIX32_MUL1);
 }
 
-/* 32 random bits for state k's code (0: m, 1: v) of element `index` (sg__seg.sr_index,
- * independent of the layout): both halves of the index folded with half k of the key. */
-SG_HD uint32_t sg_elem_q8_rnd(uint64_t key, uint64_t index, int k) {
+/* The 32 random bits of element `index`'s codes (sg__seg.sr_index, independent of the
+ * layout): both halves of the index folded with the key's low half. One hash for both codes:
+ * m's code takes the low 16 bits (sg_elem_q8_rnd_m), v's the high 16 (sg_elem_q8_rnd_v). */
+SG_HD uint32_t sg_elem_q8_rnd(uint64_t key, uint64_t index) {
   const uint32_t x = (uint32_t)index ^ ((uint32_t)(index >> 32) * 0x9e3779b9u);
-  return sg_elem_mix32(x ^ (uint32_t)(key >> (32 * k)));
+  return sg_elem_mix32(x ^ (uint32_t)key);
 }
+
+SG_HD uint32_t sg_elem_q8_rnd_m(uint32_t r) { return r & 0xffffu; }
+SG_HD uint32_t sg_elem_q8_rnd_v(uint32_t r) { return r >> 16; }
 
 /* The bits of |x| for the block maximum, NaN as 0: for x >= 0 the order of the bits is the
  * order of the values, so an integer maximum (any order, vectorized) is the float maximum. */

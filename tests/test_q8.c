@@ -55,7 +55,7 @@ static void test_codes(void) {
     for (int c = 0; c < ncode; c++) {
       const float x = sg_elem_q8_decode((uint32_t)c, mb);
       for (uint32_t r = 0; r < 4; r++)
-        back &= sg_elem_q8_encode(x, r * 0x3fffffffu, mb) == (uint32_t)c;
+        back &= sg_elem_q8_encode(x, r * 0x5555u, mb) == (uint32_t)c;
       if (c > 0) mono &= x > sg_elem_q8_decode((uint32_t)c - 1, mb);
     }
     CHECK(back, "kind %d: every code decodes and codes back to itself, any random bits", kind);
@@ -71,7 +71,7 @@ static void test_codes(void) {
       double sum = 0;
       const int n = 20000;
       for (int i = 0; i < n; i++)
-        sum += sg_elem_q8_decode(sg_elem_q8_encode(xs[t], sg_elem_hash64(7, 1, (uint64_t)i), mb), mb);
+        sum += sg_elem_q8_decode(sg_elem_q8_encode(xs[t], sg_elem_hash64(7, 1, (uint64_t)i) & 0xffffu, mb), mb);
       const double lo = sg_elem_q8_decode(sg_elem_q8_encode(xs[t], 0, mb), mb);
       const double step = sg_elem_q8_decode(sg_elem_q8_encode(xs[t], 0, mb) + 1, mb) - lo;
       CHECK(fabs(sum / n - xs[t]) < 0.03 * step, "kind %d: mean of x=%g coded stochastically is "
@@ -86,7 +86,8 @@ static void test_codes(void) {
 
 
 /* The code of x in [0, top]: the neighbours found in the table, rounded up with probability
- * frac by the random bits (the dropped bits of the fraction against the random ones). */
+ * frac by the 16 random bits rnd (the dropped bits of the fraction against the random ones,
+ * placed under their top). */
 static int ref_encode(float x, uint32_t rnd, int mb) {
   const int ncode = 1 << (4 + mb);
   if (!(x <= ref_decode(ncode - 1, mb))) return ncode - 1;
@@ -96,11 +97,11 @@ static int ref_encode(float x, uint32_t rnd, int mb) {
   const double frac = ((double)x - ref_decode(lo, mb)) / ((double)ref_decode(lo + 1, mb) - ref_decode(lo, mb));
   if (x < ldexp(1.0, -15)) { /* a fraction in 2^-16 units, truncated */
     const double t = floor(frac * 65536.0);
-    return lo + ((double)(rnd >> 16) + t >= 65536.0);
+    return lo + ((double)rnd + t >= 65536.0);
   }
   const int drop = 23 - mb;
   const double t = frac * ldexp(1.0, drop); /* exact: the step is uniform in a binade */
-  return lo + ((double)(rnd & ((1u << drop) - 1u)) + t >= ldexp(1.0, drop));
+  return lo + ((double)rnd * ldexp(1.0, drop - 16) + t >= ldexp(1.0, drop));
 }
 
 /* torch.optim.AdamW's element, operation by operation (DESIGN.md section 5). */
@@ -113,6 +114,19 @@ static float ref_adamw(float p, float g, float *m, float *v, float decay, float 
   *v = *v + (omb2 * g) * g;
   const float denom = sqrtf(*v) / bc2s + eps;
   return p + (-step * *m) / denom;
+}
+
+/* The 8-bit state's element (sg_elem_adamw_q8): v's bias correction moved into the step and
+ * eps, (-step * bc2s) * m / (sqrt(v) + eps * bc2s), each product rounded to fp32. */
+static float ref_adamw_q8(float p, float g, float *m, float *v, float decay, float w, float b2,
+                          float omb2, float step, float bc2s, float eps) {
+  p = p * decay;
+  const float d = g - *m;
+  *m = w < 0.5f ? *m + w * d : g - d * (1.0f - w);
+  *v = *v * b2;
+  *v = *v + (omb2 * g) * g;
+  const float num = (-step * bc2s) * *m, den = sqrtf(*v) + eps * bc2s;
+  return p + num / den;
 }
 
 typedef struct ref_block {
@@ -130,7 +144,7 @@ static void ref_step(ref_block *b, float *p, const float *g, size_t n, uint64_t 
     float m = ref_decode(b->cm[i] & 0x7f, 3) * um, s = ref_decode(b->cv[i], 4) * uv;
     if (b->cm[i] & 0x80) m = -m;
     float v = s * s;
-    p[i] = ref_adamw(p[i], g[i], &m, &v, (float)(1 - lr * wd), (float)(1 - b1), (float)b2,
+    p[i] = ref_adamw_q8(p[i], g[i], &m, &v, (float)(1 - lr * wd), (float)(1 - b1), (float)b2,
                      (float)(1 - b2), (float)(lr / bc1), (float)sqrt(bc2), 1e-8f);
     nm[i] = m;
     ns[i] = sqrtf(v);
@@ -139,15 +153,15 @@ static void ref_step(ref_block *b, float *p, const float *g, size_t n, uint64_t 
   }
   const float rm = am > 0 ? tm / am : 0.0f, rv = av > 0 ? tv / av : 0.0f;
   for (size_t i = 0; i < n; i++) {
-    /* the random bits: lowbias32 of the folded index and one half of the step's key (a
-     * splitmix64 mix of the salted seed and the step): low half for m, high half for v */
+    /* the random bits: lowbias32 of the folded index and the low half of the step's key (a
+     * splitmix64 mix of the salted seed and the step): its low 16 bits for m, high 16 for v */
     const uint64_t key = sg_elem_mix64((seed ^ 0x51ed2701a3c5b9e7ull) + 0x9e3779b97f4a7c15ull * (t + 1));
     const uint64_t ix = sr0 + i;
     const uint32_t x = (uint32_t)ix ^ ((uint32_t)(ix >> 32) * 0x9e3779b9u);
-    const uint32_t r0 = ref_mix32(x ^ (uint32_t)key), r1 = ref_mix32(x ^ (uint32_t)(key >> 32));
+    const uint32_t r = ref_mix32(x ^ (uint32_t)key);
     b->cm[i] = (uint8_t)((nm[i] < 0 || (nm[i] == 0 && signbit(nm[i])) ? 0x80 : 0) |
-                         ref_encode(fabsf(nm[i]) * rm, r0, 3));
-    b->cv[i] = (uint8_t)ref_encode(ns[i] * rv, r1, 4);
+                         ref_encode(fabsf(nm[i]) * rm, r & 0xffffu, 3));
+    b->cv[i] = (uint8_t)ref_encode(ns[i] * rv, r >> 16, 4);
   }
   b->sm = am;
   b->sv = av;
@@ -758,7 +772,7 @@ static void ref_convert(const float *x, size_t n, int k, uint64_t sr0, uint64_t 
   for (size_t i = 0; i < n; i++) {
     const uint64_t ix = sr0 + i;
     const uint32_t h = (uint32_t)ix ^ ((uint32_t)(ix >> 32) * 0x9e3779b9u);
-    const uint32_t rnd = ref_mix32(h ^ (uint32_t)(key >> (32 * k)));
+    const uint32_t hr = ref_mix32(h ^ (uint32_t)key), rnd = k ? hr >> 16 : hr & 0xffffu;
     const float d = ref_decode(ref_encode(fabsf(y[i]) * r, rnd, mb), mb) * unit;
     out[i] = k ? d * d : (signbit(y[i]) ? -d : d);
   }

@@ -81,7 +81,7 @@ SG_Q8_INLINE void cast_block(uint16_t *restrict d, const float *restrict x, size
 
 /* The random bits of a block's codes (sg_elem_q8_rnd), for the element counters x + i of a
  * block whose first counter's low 32 bits x are a multiple of 256 (every block the planner
- * cuts: sg_state_q8.c) and the key's half k (the counter's high half folded in). Then
+ * cuts: sg_state_q8.c) and the key's low half k (the counter's high half folded in). Then
  * x + i = x | i, the first round's shift, (x ^ k) >> 16, is the same for the whole block, and
  * its product is ((K & ~255) + ((K ^ i) & 255)) * MUL1 with K = x ^ k ^ ((x ^ k) >> 16): a
  * constant plus tab[i] = (i ^ (K & 255)) * MUL1, a table that only the low byte of K
@@ -111,15 +111,15 @@ static void rnd_any(uint32_t *restrict tab, uint32_t x, uint32_t k, uint32_t n) 
 }
 
 /* The codes of a block's new moments into qm, qv (32-bit lanes), the random bits of element
- * i sg_elem_mix32_tail(b + t[i]). all_normal constant: the loop without the subnormal path
- * where no value needs it. */
+ * i sg_elem_mix32_tail(b + t[i]), split between the two codes. all_normal constant: the loop
+ * without the subnormal path where no value needs it. */
 SG_Q8_INLINE void code_tile(const float *restrict tm, const float *restrict ts, float rm,
-                            float rv, const uint32_t *restrict t0, uint32_t b0,
-                            const uint32_t *restrict t1, uint32_t b1, uint32_t n,
+                            float rv, const uint32_t *restrict t, uint32_t b, uint32_t n,
                             uint32_t *restrict qm, uint32_t *restrict qv, const int all_normal) {
   for (uint32_t i = 0; i < n; i++) {
-    qm[i] = sg_elem_q8_code_m(tm[i], rm, sg_elem_mix32_tail(b0 + t0[i]), all_normal);
-    qv[i] = sg_elem_q8_code_v(ts[i], rv, sg_elem_mix32_tail(b1 + t1[i]), all_normal);
+    const uint32_t r = sg_elem_mix32_tail(b + t[i]);
+    qm[i] = sg_elem_q8_code_m(tm[i], rm, sg_elem_q8_rnd_m(r), all_normal);
+    qv[i] = sg_elem_q8_code_v(ts[i], rv, sg_elem_q8_rnd_v(r), all_normal);
   }
 }
 
@@ -133,6 +133,52 @@ static void tile_bits(const float *t, size_t n, uint32_t *hi, uint32_t *lo) {
     l = x < l ? x : l;
   }
   *hi = h, *lo = l;
+}
+
+/* 1 when every code of a block's m and v has an exponent e >= 1 (SG_ELEM_Q8_M_EXP): then they
+ * decode without the subnormal path. A minimum over bytes: a few operations per 64 codes. */
+SG_Q8_INLINE int codes_normal(const uint8_t *restrict cm, const uint8_t *restrict cv, size_t n) {
+  uint8_t lm = 0xff, lv = 0xff;
+  for (size_t i = 0; i < n; i++) {
+    const uint8_t em = cm[i] & SG_ELEM_Q8_M_EXP, ev = cv[i] & SG_ELEM_Q8_V_EXP;
+    lm = em < lm ? em : lm;
+    lv = ev < lv ? ev : lv;
+  }
+  return lm != 0 && lv != 0;
+}
+
+/* The update loop of a coded block: the new moments into the tiles tm (m) and ts (sqrt(v)),
+ * the maxima and minima of their bits into *bm, *bv, *lm, *lv. codes_normal (a constant): the
+ * decode without its subnormal path, for a block where codes_normal holds. */
+SG_Q8_INLINE void update_tile(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
+                              const sg_elem_adamw_k k, const float um, const float uv,
+                              float *restrict tm, float *restrict ts, uint32_t *bm_,
+                              uint32_t *bv_, uint32_t *lm_, uint32_t *lv_, const int pdt,
+                              const int gdt, const int has_master, const int sr,
+                              const int cast_after, const int codes_normal) {
+  const size_t so = s->shard_off, fo = s->flat_off, n = s->len;
+  const uint8_t *restrict cm = a->q8_code[M] + so;
+  const uint8_t *restrict cv = a->q8_code[V] + so;
+  float *restrict mst = a->master;
+  uint32_t bm = *bm_, bv = *bv_, lm = *lm_, lv = *lv_;
+  for (size_t i = 0; i < n; i++) {
+    const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
+    float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
+    float m = sg_elem_q8_value_m(cm[i], um, codes_normal);
+    float v = sg_elem_q8_value_v(cv[i], uv, codes_normal);
+    p = sg_elem_adamw_q8(p, g, &m, &v, &ts[i], k);
+    if (has_master) mst[so + i] = p;
+    if (!cast_after) store_param(a->param, pdt, sr, fo + i, p, c, s->sr_index + i);
+    tm[i] = m;
+    /* |m|'s bits and sqrt(v)'s (>= +0 unless NaN): a NaN, or a sign, makes a maximum above
+     * infinity's bits, and the tile's exact ones are found again below */
+    const uint32_t xm = sg_elem_f2u(tm[i]) & 0x7fffffffu, xv = sg_elem_f2u(ts[i]);
+    bm = xm > bm ? xm : bm;
+    bv = xv > bv ? xv : bv;
+    lm = xm < lm ? xm : lm;
+    lv = xv < lv ? xv : lv;
+  }
+  *bm_ = bm, *bv_ = bv, *lm_ = lm, *lv_ = lv;
 }
 
 /* One coded block: segment s (inside block j, from its start). cast_after (with a master and
@@ -159,48 +205,37 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   if (lerp) k.lerp_small = 0xffffffffu; /* a constant: the select folds away */
   float tm[B], ts[B];
   uint32_t bm = 0, bv = 0, lm = 0xffffffffu, lv = 0xffffffffu; /* maxima, minima of the bits */
-  for (size_t i = 0; i < n; i++) {
-    const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
-    float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
-    float m = sg_elem_q8_decode_m(cm[i], um), v = sg_elem_q8_decode_v(cv[i], uv);
-    p = sg_elem_adamw(p, g, &m, &v, k);
-    if (has_master) mst[so + i] = p;
-    if (!cast_after) store_param(a->param, pdt, sr, fo + i, p, c, s->sr_index + i);
-    tm[i] = m;
-    ts[i] = sqrtf(v);
-    /* |m|'s bits and sqrt(v)'s (>= +0 unless NaN): a NaN, or a sign, makes a maximum above
-     * infinity's bits, and the tile's exact ones are found again below */
-    const uint32_t xm = sg_elem_f2u(tm[i]) & 0x7fffffffu, xv = sg_elem_f2u(ts[i]);
-    bm = xm > bm ? xm : bm;
-    bv = xv > bv ? xv : bv;
-    lm = xm < lm ? xm : lm;
-    lv = xv < lv ? xv : lv;
-  }
+  if (codes_normal(cm, cv, n)) /* the usual block: no code with exponent 0 */
+    update_tile(a, s, c, k, um, uv, tm, ts, &bm, &bv, &lm, &lv, pdt, gdt, has_master, sr,
+                cast_after, 1);
+  else
+    update_tile(a, s, c, k, um, uv, tm, ts, &bm, &bv, &lm, &lv, pdt, gdt, has_master, sr,
+                cast_after, 0);
   if (cast_after) cast_block((uint16_t *)a->param + fo, mst + so, n);
   if (bm > 0x7f800000u) tile_bits(tm, n, &bm, &lm);
   if (bv > 0x7f800000u) tile_bits(ts, n, &bv, &lv);
   const float am = sg_elem_u2f(bm), av = sg_elem_u2f(bv);
   const float rm = sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS);
   const float rv = sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS);
-  /* sg_elem_q8_rnd(key, sr_index + i, k) in 32-bit lanes: a block starts at a multiple of 256
+  /* sg_elem_q8_rnd(key, sr_index + i) in 32-bit lanes: a block starts at a multiple of 256
    * of its tensor's counter, so the counter's high half is the same for the whole block and
    * its low half does not wrap (rnd_base); other first counters (rnd_any) are not split */
   const uint64_t idx = s->sr_index;
   const uint32_t lo = (uint32_t)idx, hi = (uint32_t)(idx >> 32) * 0x9e3779b9u;
-  const uint32_t k0 = hi ^ (uint32_t)c->q8_key, k1 = hi ^ (uint32_t)(c->q8_key >> 32);
-  uint32_t any0[B], any1[B], b0 = 0, b1 = 0;
-  const uint32_t *t0 = any0, *t1 = any1;
+  const uint32_t key = hi ^ (uint32_t)c->q8_key;
+  uint32_t any[B], base = 0;
+  const uint32_t *t = any;
   if ((lo & 255u) == 0) { /* every block of the planner's */
-    b0 = rnd_base(&rt[0], lo, k0), b1 = rnd_base(&rt[1], lo, k1);
-    t0 = rt[0].tab, t1 = rt[1].tab;
+    base = rnd_base(rt, lo, key);
+    t = rt->tab;
   } else {
-    rnd_any(any0, lo, k0, (uint32_t)n), rnd_any(any1, lo, k1, (uint32_t)n);
+    rnd_any(any, lo, key, (uint32_t)n);
   }
   uint32_t qm[B], qv[B];
   if (sg_elem_q8_all_normal(sg_elem_u2f(lm), rm) && sg_elem_q8_all_normal(sg_elem_u2f(lv), rv))
-    code_tile(tm, ts, rm, rv, t0, b0, t1, b1, (uint32_t)n, qm, qv, 1); /* the usual block */
+    code_tile(tm, ts, rm, rv, t, base, (uint32_t)n, qm, qv, 1); /* the usual block */
   else
-    code_tile(tm, ts, rm, rv, t0, b0, t1, b1, (uint32_t)n, qm, qv, 0);
+    code_tile(tm, ts, rm, rv, t, base, (uint32_t)n, qm, qv, 0);
   for (size_t i = 0; i < n; i++) {
     cm[i] = (uint8_t)qm[i];
     cv[i] = (uint8_t)qv[i];
@@ -299,14 +334,14 @@ void sg__cpu_adamw_q8(const sg__update_args *a) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
 #endif
   {
-    q8_rnd_tab rt[2]; /* each thread's tables of the random bits' first round (m, v) */
-    rt[0].low = rt[1].low = 256u;
+    q8_rnd_tab rt; /* each thread's table of the random bits' first round */
+    rt.low = 256u;
 #ifdef SG_Q8_OMP
 #pragma omp for schedule(dynamic, 64)
 #endif
     for (long s = 0; s < ns; s++) {
       const sg__seg *sg = &a->segs[s];
-      q8_segment(a, sg, &cs[2 * sg__update_group_of(a, sg) + (sg->decay ? 0 : 1)], rt);
+      q8_segment(a, sg, &cs[2 * sg__update_group_of(a, sg) + (sg->decay ? 0 : 1)], &rt);
     }
   }
 }
@@ -343,8 +378,9 @@ void sg__cpu_q8_encode(const float *x, size_t n, int is_m, uint64_t key, uint64_
   const float amax = sg_elem_u2f(bits);
   const float r = sg_elem_q8_ratio(amax, is_m ? SG_ELEM_Q8_M_BITS : SG_ELEM_Q8_V_BITS);
   for (size_t i = 0; i < n && i < B; i++) {
-    const uint32_t rnd = sg_elem_q8_rnd(key, sr_index + i, is_m ? 0 : 1);
-    const uint32_t q = is_m ? sg_elem_q8_encode_m(t[i], r, rnd) : sg_elem_q8_encode_v(t[i], r, rnd);
+    const uint32_t rnd = sg_elem_q8_rnd(key, sr_index + i);
+    const uint32_t q = is_m ? sg_elem_q8_encode_m(t[i], r, sg_elem_q8_rnd_m(rnd))
+                            : sg_elem_q8_encode_v(t[i], r, sg_elem_q8_rnd_v(rnd));
     code[i] = (uint8_t)q;
   }
   *scale = amax;

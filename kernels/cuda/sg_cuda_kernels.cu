@@ -809,19 +809,20 @@ __global__ void __launch_bounds__(kThreads)
     const size_t so = (size_t)s.shard_off + i, fo = (size_t)s.flat_off + i;
     const uint32_t f = a.f32[j];  // the same for every thread of the block
     const size_t at = (size_t)f * SG__Q8_BLOCK + i;
-    float m = 0.0f, v = 0.0f;
+    float m = 0.0f, v = 0.0f, sq = 0.0f;
     if (live) {
       const sg_elem_adamw_k k = a.k[a.ngroups > 1 ? s.group : 0u][s.decay ? 0 : 1];
       const float g = sg_elem_load(a.grad, GDT, so) * grad_scale;
       float p = a.master ? a.master[so] : sg_elem_load(a.param, PDT, fo);
-      if (f != SG__Q8_CODED) {
+      if (f != SG__Q8_CODED) {  // fp32 state: torch's element, as sg_cpu_q8.c's f32_block
         m = a.fm[at];
         v = a.fv[at];
+        p = sg_elem_adamw(p, g, &m, &v, k);
       } else {
         m = sg_elem_q8_decode_m(a.cm[so], sg_elem_q8_unit(a.sm[j], SG_ELEM_Q8_M_BITS));
         v = sg_elem_q8_decode_v(a.cv[so], sg_elem_q8_unit(a.sv[j], SG_ELEM_Q8_V_BITS));
+        p = sg_elem_adamw_q8(p, g, &m, &v, &sq, k);
       }
-      p = sg_elem_adamw(p, g, &m, &v, k);
       if (a.master) a.master[so] = p;
       if (PDT == 1 && a.sr)
         ((uint16_t *)a.param)[fo] =
@@ -834,15 +835,14 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (f != SG__Q8_CODED) continue;  // uniform: the whole block leaves or stays
-    const float sq = live ? sqrtf(v) : 0.0f;
     const float am = q8_block_max(sh, live ? sg_elem_q8_max_bits(m) : 0u);
     const float av = q8_block_max(sh, live ? sg_elem_q8_max_bits(sq) : 0u);
     if (live) {
-      const uint64_t idx = s.sr_index + i;
+      const uint32_t r = sg_elem_q8_rnd(key, s.sr_index + i);
       a.cm[so] = (uint8_t)sg_elem_q8_encode_m(m, sg_elem_q8_ratio(am, SG_ELEM_Q8_M_BITS),
-                                     sg_elem_q8_rnd(key, idx, 0));
+                                              sg_elem_q8_rnd_m(r));
       a.cv[so] = (uint8_t)sg_elem_q8_encode_v(sq, sg_elem_q8_ratio(av, SG_ELEM_Q8_V_BITS),
-                                     sg_elem_q8_rnd(key, idx, 1));
+                                              sg_elem_q8_rnd_v(r));
     }
     if (i == 0) {  // every thread read the old scales before the maxima's barriers
       a.sm[j] = am;
