@@ -463,6 +463,19 @@ SG_HD float sg_elem_q8_value_m(uint32_t c, float unit, int all_normal) {
 
 SG_HD float sg_elem_q8_decode_m(uint8_t c, float unit) { return sg_elem_q8_value_m(c, unit, 0); }
 
+/* sg_elem_q8_value_m's bits for a code with exponent e >= 1, in three operations instead of five:
+ * the code sign-extended (cs = (int8_t)c) and shifted puts its sign at bit 31 (and copies at
+ * 27-30, overwritten), e at 23-26 and f under them; forcing bits 27-30 to 1000 makes the
+ * exponent field 128 + e, so the bits are +-(1 + f / 2^M) 2^(e + 1), and unit17 = unit * 2^-17
+ * brings them to the decoded value in the same single rounding (the product of the same
+ * numbers). unit17 must be exact: unit 0 or unit >= 2^-100 (sg_elem_q8_unit17_exact). */
+SG_HD float sg_elem_q8_value_m_normal(int32_t cs, float unit17) {
+  const uint32_t x = (uint32_t)cs << (23 - SG_ELEM_Q8_M_BITS);
+  return sg_elem_u2f((x & ~0x78000000u) | 0x40000000u) * unit17;
+}
+
+SG_HD int sg_elem_q8_unit17_exact(float unit) { return unit == 0.0f || unit >= 0x1p-100f; }
+
 /* v through its square root s = sqrtf(v) >= 0. */
 SG_HD uint32_t sg_elem_q8_code_v(float s, float ratio, uint32_t rnd, int all_normal) {
   return sg_elem_q8_code(s * ratio, rnd, SG_ELEM_Q8_V_BITS, all_normal);

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """8-bit optimizer state against fp32 state on real text (docs/optim-state-8bit.md).
 
-    python3 scripts/q8_quality.py run --out DIR [--seeds 0,1,2] [--steps 600]
+    python3 scripts/q8_quality.py run --out DIR [--seeds 0,1,2,3,4,5] [--steps 600]
     python3 scripts/q8_quality.py plot --out DIR   # docs/optim-state-8bit.png and .md's table
 
 `run` trains examples/python/train_lm.py on the first 2 MB of this Python's standard library
@@ -54,6 +54,10 @@ def table(runs, seeds):
         f = runs[("f32", seed)]["evals"][-1][1]
         q = runs[("q8", seed)]["evals"][-1][1]
         lines.append("| %d | %.4f | %.4f | %+.2f%% |" % (seed, f, q, 100 * (q - f) / f))
+    if len(seeds) > 1:
+        d = [100 * (runs[("q8", s)]["evals"][-1][1] / runs[("f32", s)]["evals"][-1][1] - 1)
+             for s in seeds]
+        lines.append("| mean | | | %+.2f%% (largest %+.2f%%) |" % (sum(d) / len(d), max(d)))
     return lines
 
 
@@ -63,12 +67,12 @@ def plot(args):
     import matplotlib.pyplot as plt
     runs = load(args.out, args.seeds)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
     for k, seed in enumerate(args.seeds):
         for state, style in (("f32", "-"), ("q8", "--")):
             ev = runs[(state, seed)]["evals"]
             label = "%s state, seed %d" % ("fp32" if state == "f32" else "8-bit", seed)
-            ax.plot([e[0] for e in ev], [e[1] for e in ev], style, color=colors[k % 4],
+            ax.plot([e[0] for e in ev], [e[1] for e in ev], style, color=colors[k % len(colors)],
                     label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss (cross-entropy, nats per character)")
@@ -105,7 +109,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=("run", "plot"))
     ap.add_argument("--out", required=True, help="directory of the runs' JSON files")
-    ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--seeds", default="0,1,2,3,4,5", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "optim-state-8bit.png"))
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "optim-state-8bit.md"),

@@ -80,6 +80,23 @@ static void test_codes(void) {
   }
   CHECK(sg_elem_q8_encode(NAN, 0, 4) == 255 && sg_elem_q8_encode(INFINITY, 0, 3) == 127,
         "non-finite values take the largest code");
+  /* the CPU loop's decode of m for codes with e >= 1: decode_m's bits wherever the unit
+   * scales exactly (sg_elem_q8_unit17_exact), results subnormal or near the largest float too */
+  const float units[] = {0.0f, 0x1p-100f, 0x1.8p-100f, 1.3e-30f, 1e-20f, 0.37f, 1.0f, 5.5e3f,
+                         1e30f, 3.4e38f, 0x1.fffffep127f};
+  int fast = 1, exact = 1;
+  for (size_t u = 0; u < sizeof units / sizeof *units; u++) {
+    exact &= sg_elem_q8_unit17_exact(units[u]);
+    for (int c = 0; c < 256; c++) {
+      if ((c & SG_ELEM_Q8_M_EXP) == 0) continue; /* e = 0: the other path */
+      const float want = sg_elem_q8_decode_m((uint8_t)c, units[u]);
+      const float got = sg_elem_q8_value_m_normal((int8_t)c, units[u] * 0x1p-17f);
+      fast &= sg_elem_f2u(got) == sg_elem_f2u(want);
+    }
+  }
+  CHECK(exact && !sg_elem_q8_unit17_exact(0x1.fffffep-101f) && !sg_elem_q8_unit17_exact(1e-35f),
+        "the exact units are 0 and those >= 2^-100");
+  CHECK(fast, "m's three-operation decode gives decode_m's bits for every code with e >= 1");
 }
 
 /* ---- an independent implementation of one block's update ----------------------------------- */

@@ -149,7 +149,8 @@ SG_Q8_INLINE int codes_normal(const uint8_t *restrict cm, const uint8_t *restric
 
 /* The update loop of a coded block: the new moments into the tiles tm (m) and ts (sqrt(v)),
  * the maxima and minima of their bits into *bm, *bv, *lm, *lv. codes_normal (a constant): the
- * decode without its subnormal path, for a block where codes_normal holds. */
+ * decode without its subnormal path (m's in sg_elem_q8_value_m_normal's three operations), for
+ * a block where codes_normal holds and m's unit scales exactly. */
 SG_Q8_INLINE void update_tile(const sg__update_args *a, const sg__seg *s, const q8_ctx *c,
                               const sg_elem_adamw_k k, const float um, const float uv,
                               float *restrict tm, float *restrict ts, uint32_t *bm_,
@@ -161,10 +162,12 @@ SG_Q8_INLINE void update_tile(const sg__update_args *a, const sg__seg *s, const 
   const uint8_t *restrict cv = a->q8_code[V] + so;
   float *restrict mst = a->master;
   uint32_t bm = *bm_, bv = *bv_, lm = *lm_, lv = *lv_;
+  const float um17 = um * 0x1p-17f; /* exact where codes_normal is 1 */
   for (size_t i = 0; i < n; i++) {
     const float g = sg_elem_load(a->grad, gdt, so + i) * c->grad_scale;
     float p = has_master ? mst[so + i] : sg_elem_load(a->param, pdt, fo + i);
-    float m = sg_elem_q8_value_m(cm[i], um, codes_normal);
+    float m = codes_normal ? sg_elem_q8_value_m_normal((int8_t)cm[i], um17)
+                           : sg_elem_q8_value_m(cm[i], um, 0);
     float v = sg_elem_q8_value_v(cv[i], uv, codes_normal);
     p = sg_elem_adamw_q8(p, g, &m, &v, &ts[i], k);
     if (has_master) mst[so + i] = p;
@@ -205,7 +208,7 @@ SG_Q8_INLINE void coded_block(const sg__update_args *a, const sg__seg *s, const 
   if (lerp) k.lerp_small = 0xffffffffu; /* a constant: the select folds away */
   float tm[B], ts[B];
   uint32_t bm = 0, bv = 0, lm = 0xffffffffu, lv = 0xffffffffu; /* maxima, minima of the bits */
-  if (codes_normal(cm, cv, n)) /* the usual block: no code with exponent 0 */
+  if (codes_normal(cm, cv, n) && sg_elem_q8_unit17_exact(um)) /* the usual block */
     update_tile(a, s, c, k, um, uv, tm, ts, &bm, &bv, &lm, &lv, pdt, gdt, has_master, sr,
                 cast_after, 1);
   else
