@@ -344,10 +344,11 @@ SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k 
  * correction moved from the denominator into the step's two constants,
  *   p + ((-step_size * bc2_sqrt) * m) / (sqrt(v) + eps * bc2_sqrt)
  * instead of p + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps): one division per element
- * instead of two. The divider (shared by division and square root) bounds the 8-bit loop on a
- * CPU, where the fp32 step waits on memory instead (docs/optim-state-8bit.md, Speed). Not
- * torch's rounding, which only the fp32 state promises. sqrt(v), which v's code is made of,
- * comes back in *s. The constants are products of two floats: loop-invariant, hoisted. */
+ * instead of two. Division and square root share the divider, a dozen cycles per 16 lanes on
+ * AVX-512, which the 8-bit loop is bound by on a CPU with its other arithmetic, where the fp32
+ * step waits on memory (docs/optim-state-8bit.md, Speed). Not torch's rounding, which only the
+ * fp32 state promises. sqrt(v), which v's code is made of, comes back in *s. The constants
+ * are products of two floats: loop-invariant, hoisted. */
 SG_HD float sg_elem_adamw_q8(float p, float g, float *m, float *v, float *s, sg_elem_adamw_k k) {
   const float step = k.neg_step_size * k.bc2_sqrt, eps = k.eps * k.bc2_sqrt;
   float mi = *m;
