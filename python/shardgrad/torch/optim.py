@@ -163,7 +163,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     memory().host_bytes counts it); on CPU tensors it changes nothing.
     optim_state_dtype="q8": AdamW's m and v in blockwise 8 bits (2 bytes per parameter instead
     of 8; docs/optim-state-8bit.md), tensors below optim_state_min_numel elements (4096) kept
-    in fp32; param_state() returns them decoded. Not with offload_optimizer on CUDA.
+    in fp32; param_state() returns them decoded. With offload_optimizer on CUDA tensors the
+    blocks live in pinned host memory and the CPU updates them.
     """
 
     def __init__(self, model, comm, lr=None, betas=None, eps=None, weight_decay=None,
