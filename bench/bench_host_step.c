@@ -43,9 +43,16 @@
  * Before timing, one untimed step is checked against sg_elem_adamw on a sample of elements, and
  * the norm against sg__cpu_sumsq_gpu over the gradient's values.
  *
+ * --q8 1: a second shard of the same size with 8-bit optimizer state (cfg.optim_state_dtype
+ * SG_Q8 with offload: what sg_state_host_q8.c runs, the optimizer's 8-bit loop in the same
+ * pipeline), its step run after the fp32 shard's in every rep; printed: its update (22.06 B per
+ * parameter: m and v one byte each way instead of four, and their scales) and whole step, and
+ * the medians of their per-rep ratios to the fp32 shard's. Its check: a step bit for bit that of
+ * sg__cpu_adamw_q8 over copies of the state in one call (master, codes, scales, bf16 values).
+ *
  *   sg_bench_host_step [--size 16] [--bucket 4] [--reps 9] [--warmup 2] [--chunk 2]
  *                      [--reduce f32|bf16] [--fold-norm 1|0|ab] [--python PATH|none]
- *                      [--device cpu|cuda]
+ *                      [--device cpu|cuda] [--q8 0|1]
  *   (size, bucket and chunk in Mi parameters; --python: an interpreter with torch, default
  *   python3; "none" skips torch; --device cuda: the shard's device buffers on GPU 0, pinned host
  *   memory from cudaMallocHost and real DMA copies, in a CUDA build) */
@@ -80,6 +87,7 @@ typedef struct options {
   size_t n, chunk, bucket;
   int reps, warmup, cuda, rdt, fold_norm;
   const char *python;
+  int q8; /* --q8 1: a second shard with 8-bit optimizer state, its step beside the fp32 one */
 } options;
 
 static void die(const char *what) {
@@ -145,6 +153,15 @@ typedef struct shard {
   sg__seg *segs;        /* segment k is bucket k's slice */
   int nsegs;
   uint16_t *kernel_out; /* host: the bf16 kernel row's output */
+  /* 8-bit state (q8 = 1), as sg_state_host_q8.c keeps it: codes and scales of m and v in host
+   * memory, every block coded, the update's segments cut at the blocks (first[k]: bucket k's
+   * first block, first[nsegs]: their count); the offloaded state holds no fp32 moments */
+  int q8;
+  uint8_t *code[2];
+  float *scale[2], pool[2][SG__Q8_BLOCK];
+  uint32_t *map;
+  sg__seg *blocks;
+  int *first;
 } shard;
 
 typedef struct arrival { sg__offload *o; int k; const void *src; int dt; } arrival;
@@ -154,8 +171,11 @@ static sg_status arrival_fn(void *arg) {
   return sg__offload_arrive_job(j->o, j->k, j->src, j->dt, 1);
 }
 
-static void shard_init(shard *s, const options *o) {
+static void q8_init(shard *s);
+
+static void shard_init(shard *s, const options *o, int q8) {
   memset(s, 0, sizeof *s);
+  s->q8 = q8;
 #ifdef SG_HAVE_CUDA
   if (o->cuda && sg__device_cuda_create(0, 0, &s->dev) != SG_OK) die("CUDA device");
 #else
@@ -176,8 +196,8 @@ static void shard_init(shard *s, const options *o) {
     s->segs[k] = (sg__seg){off[k], off[k], len[k], !(k & 1), off[k], 0};
   }
   /* the engine's sizes: two landing buffers (staging_buckets' default), chunks as given */
-  if (sg__offload_init(&s->off, s->dev, sg__optim_find("adamw"), n, SG_BF16, SG_F32, s->nsegs, off,
-                       len, o->chunk, 2, bucket * G) != SG_OK)
+  if (sg__offload_init(&s->off, s->dev, q8 ? NULL : sg__optim_find("adamw"), n, SG_BF16, SG_F32,
+                       s->nsegs, off, len, o->chunk, 2, bucket * G) != SG_OK)
     die("offload state");
   /* the CUDA device's norm order, on whichever device stands in for it */
   s->off.gpu_order = o->fold_norm != 0;
@@ -188,8 +208,13 @@ static void shard_init(shard *s, const options *o) {
   if (s->dev->ops->alloc(s->dev, G * n, &p) != SG_OK) die("alloc");
   s->dgrad = p;
   float *master = sg__offload_state(&s->off, 0);
-  fill(master, n, -0.5f, 1.0f), fill(sg__offload_state(&s->off, 1), n, -0.01f, 0.02f);
-  fill(sg__offload_state(&s->off, 2), n, 1e-6f, 1e-4f);
+  fill(master, n, -0.5f, 1.0f);
+  if (q8) {
+    q8_init(s);
+  } else {
+    fill(sg__offload_state(&s->off, 1), n, -0.01f, 0.02f);
+    fill(sg__offload_state(&s->off, 2), n, 1e-6f, 1e-4f);
+  }
   s->hgrad = malloc(4 * n);
   void *hp = malloc(4 * n);
   if (!s->hgrad || !hp) exit(1);
@@ -211,6 +236,43 @@ static void shard_free(shard *s) {
   s->dev->ops->free(s->dev, s->dparam), s->dev->ops->free(s->dev, s->dgrad);
   s->dev->ops->destroy(s->dev);
   free(s->segs), free(s->hgrad), free(s->kernel_out);
+  free(s->code[0]), free(s->code[1]), free(s->scale[0]), free(s->scale[1]);
+  free(s->map), free(s->blocks), free(s->first);
+}
+
+/* The 8-bit state of a fresh engine (zero codes and scales: m = v = 0) and the blocks: bucket
+ * k's slice cut into segments of SG__Q8_BLOCK from its start, its decay flag, counters at the
+ * blocks' starts (every slice starts at a multiple of the block: parse checks the sizes). */
+static void q8_init(shard *s) {
+  const size_t nb = (s->n + SG__Q8_BLOCK - 1) / SG__Q8_BLOCK;
+  for (int k = 0; k < 2; k++) {
+    s->code[k] = calloc(s->n, 1), s->scale[k] = calloc(nb, sizeof(float));
+    if (!s->code[k] || !s->scale[k]) exit(1);
+  }
+  s->map = malloc(nb * sizeof *s->map), s->blocks = malloc(nb * sizeof *s->blocks);
+  s->first = malloc(((size_t)s->nsegs + 1) * sizeof *s->first);
+  if (!s->map || !s->blocks || !s->first) exit(1);
+  size_t j = 0;
+  for (int k = 0; k < s->nsegs; k++) {
+    s->first[k] = (int)j;
+    const sg__seg *b = &s->segs[k];
+    for (size_t o = 0; o < b->len; o += SG__Q8_BLOCK, j++) {
+      const size_t len = b->len - o < SG__Q8_BLOCK ? b->len - o : SG__Q8_BLOCK;
+      s->blocks[j] = (sg__seg){b->shard_off + o, b->flat_off + o, len, b->decay, b->sr_index + o, 0};
+      s->map[j] = SG__Q8_CODED;
+    }
+  }
+  s->first[s->nsegs] = (int)j;
+}
+
+/* a (bucket k's segment and the step's scalars) with the 8-bit state: bucket k's blocks. */
+static sg__update_args q8_args(shard *s, const sg__update_args *a, int k) {
+  sg__update_args b = *a;
+  b.segs = s->blocks + s->first[k], b.nsegs = s->first[k + 1] - s->first[k];
+  for (int i = 0; i < 2; i++)
+    b.state[i] = s->pool[i], b.q8_code[i] = s->code[i], b.q8_scale[i] = s->scale[i];
+  b.q8_f32 = s->map;
+  return b;
 }
 
 static sg__adamw_args args_of(const shard *s, int k, uint64_t t, float grad_scale) {
@@ -254,7 +316,15 @@ static double step_once(shard *s, uint64_t t, times *tm) {
   for (int k = s->nsegs - 1; k >= 0; k--) { /* last bucket first, as sg_step */
     sg__adamw_args a = args_of(s, k, t, scale);
     uint64_t last = 0;
-    if (sg__offload_update(&s->off, &a, s->dparam, INT64_MAX, &last) != SG_OK) die("update");
+    sg_status st;
+    if (s->q8) { /* as sg_state_host_q8.c's update: the optimizer's 8-bit loop on the host */
+      const sg__update_args b = q8_args(s, &a, k);
+      st = sg__offload_update_with(&s->off, sg__optim_find("adamw")->q8, &b, s->dparam,
+                                   INT64_MAX, &last);
+    } else {
+      st = sg__offload_update(&s->off, &a, s->dparam, INT64_MAX, &last);
+    }
+    if (st != SG_OK) die("update");
   }
   if (sg__host_pipe_drain(&s->off.pipe, INT64_MAX) != SG_OK) die("drain");
   double t3 = bench_now_s();
@@ -314,6 +384,43 @@ static int check_step(shard *s) {
   return ok;
 }
 
+/* The 8-bit shard: one untimed step to fill the state, then one step checked bit for bit
+ * against the 8-bit CPU loop run over copies of the state as a whole (every block in one call,
+ * no pipeline): master, codes, scales and the bf16 working values the pipeline copied out. */
+static int check_step_q8(shard *s) {
+  step_once(s, 1, NULL);
+  const size_t n = s->n, nb = (size_t)s->first[s->nsegs];
+  float *master = sg__offload_state(&s->off, 0);
+  float *m0 = malloc(4 * n), *sc[2] = {malloc(4 * nb), malloc(4 * nb)};
+  uint8_t *cd[2] = {malloc(n), malloc(n)};
+  uint16_t *p16 = malloc(2 * n), *hp = malloc(2 * n);
+  if (!m0 || !sc[0] || !sc[1] || !cd[0] || !cd[1] || !p16 || !hp) exit(1);
+  memcpy(m0, master, 4 * n);
+  for (int k = 0; k < 2; k++) memcpy(cd[k], s->code[k], n), memcpy(sc[k], s->scale[k], 4 * nb);
+  double ss = 0, nf = 0;
+  sg__cpu_sumsq_gpu(s->hgrad, 0, n, &ss, &nf);
+  const double norm = step_once(s, 2, NULL);
+  int ok = norm == sqrt(ss) && nf == 0;
+  if (!s->off.gpu_order) { /* the CPU device's order (--fold-norm 0) */
+    ss = nf = 0;
+    sg__cpu_sumsq(s->hgrad, 0, n, &ss, &nf);
+    ok = norm == sqrt(ss) && nf == 0;
+  }
+  sg__adamw_args a = args_of(s, 0, 2, (float)fmin(1.0, 1.0 / (norm + 1e-6)));
+  float pool[2][SG__Q8_BLOCK];
+  a.segs = s->blocks, a.nsegs = (int)nb, a.master = m0, a.grad = s->hgrad, a.param = p16;
+  for (int k = 0; k < 2; k++) a.state[k] = pool[k], a.q8_code[k] = cd[k], a.q8_scale[k] = sc[k];
+  a.q8_f32 = s->map;
+  sg__cpu_adamw_q8(&a);
+  if (s->dev->ops->copy(s->dev, SG_Q_COMPUTE, hp, s->dparam, 2 * n, SG_COPY_D2H) != SG_OK)
+    die("download");
+  ok &= !memcmp(m0, master, 4 * n) && !memcmp(p16, hp, 2 * n);
+  for (int k = 0; k < 2; k++)
+    ok &= !memcmp(cd[k], s->code[k], n) && !memcmp(sc[k], s->scale[k], 4 * nb);
+  free(m0), free(sc[0]), free(sc[1]), free(cd[0]), free(cd[1]), free(p16), free(hp);
+  return ok;
+}
+
 /* ---- torch, in a child process driven line by line -------------------------------------------- */
 
 typedef struct torch_child { pid_t pid; FILE *in, *out; char version[64]; int threads; } torch_child;
@@ -367,7 +474,7 @@ static void torch_stop(torch_child *c) {
 /* ---- main ------------------------------------------------------------------------------------ */
 
 static int parse(int argc, char **argv, options *o) {
-  *o = (options){(size_t)16 << 20, (size_t)2 << 20, (size_t)4 << 20, 9, 2, 0, 0, 1, "python3"};
+  *o = (options){(size_t)16 << 20, (size_t)2 << 20, (size_t)4 << 20, 9, 2, 0, 0, 1, "python3", 0};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--size")) o->n = (size_t)(atof(argv[i + 1]) * (1 << 20));
     else if (!strcmp(argv[i], "--chunk")) o->chunk = (size_t)(atof(argv[i + 1]) * (1 << 20));
@@ -383,8 +490,13 @@ static int parse(int argc, char **argv, options *o) {
       o->fold_norm = 2;
     else if (!strcmp(argv[i], "--reduce") && (!strcmp(argv[i + 1], "f32") || !strcmp(argv[i + 1], "bf16")))
       o->rdt = !strcmp(argv[i + 1], "bf16");
+    else if (!strcmp(argv[i], "--q8") && (!strcmp(argv[i + 1], "0") || !strcmp(argv[i + 1], "1")))
+      o->q8 = atoi(argv[i + 1]);
     else return 0;
   }
+  /* 8-bit state: slices and chunks start at blocks, as the planner and the placement keep them */
+  if (o->q8 && (o->n % SG__Q8_BLOCK || o->bucket % SG__Q8_BLOCK || o->chunk % SG__Q8_BLOCK))
+    return 0;
   if (argc % 2 == 0) return 0;
   if (o->reps > MAXREPS) o->reps = MAXREPS;
   return o->n >= 1024 && o->chunk >= 1024 && o->bucket >= 1024 && o->reps > 0 && o->warmup >= 0 &&
@@ -414,7 +526,7 @@ int main(int argc, char **argv) {
   options o;
   if (!parse(argc, argv, &o)) {
     fprintf(stderr, "usage: %s [--size 16] [--bucket 4] [--reps 9] [--warmup 2] [--chunk 2] [--reduce f32|bf16] [--fold-norm 1|0|ab]\n"
-                    "          [--python PATH|none] [--device cpu|cuda]\n"
+                    "          [--python PATH|none] [--device cpu|cuda] [--q8 0|1]\n"
                     "  (size, bucket and chunk in Mi parameters)\n", argv[0]);
     return 2;
   }
@@ -431,11 +543,12 @@ int main(int argc, char **argv) {
          o.fold_norm ? "" : " (--fold-norm 0: a norm pass of its own)",
          o.chunk / 1048576.0, threads, o.reps, o.warmup, load[0], load[1], load[2],
          sysconf(_SC_NPROCESSORS_ONLN));
-  shard s;
-  shard_init(&s, &o);
+  shard s, sq;
+  shard_init(&s, &o, 0);
+  if (o.q8) shard_init(&sq, &o, 1);
   triad_bufs tb;
   triad_init(&tb, o.n);
-  const int ok = check_step(&s);
+  const int ok = check_step(&s), ok_q8 = o.q8 ? check_step_q8(&sq) : 1;
   torch_child tc;
   const int have_torch = torch_start(&tc, &o, threads);
   if (have_torch) printf("torch %s, %d thread(s), f32 params, fused and foreach\n", tc.version, tc.threads);
@@ -443,7 +556,8 @@ int main(int argc, char **argv) {
   double tk[MAXREPS], tk16[MAXREPS], r_triad[MAXREPS], r_fused[MAXREPS], r_foreach[MAXREPS];
   double r_kernel[MAXREPS], r_host[MAXREPS], r_bound[MAXREPS];
   double t_old[MAXREPS], t_oldw[MAXREPS], r_ab[MAXREPS];
-  uint64_t t = 2;
+  double tq_u[MAXREPS], tq_w[MAXREPS], r_q8u[MAXREPS], r_q8w[MAXREPS];
+  uint64_t t = 2, tq = 3;
   const bytes B = count_bytes(&o);
   for (int r = -o.warmup; r < o.reps; r++) {
     times tm;
@@ -456,9 +570,13 @@ int main(int argc, char **argv) {
       step_once(&s, t++, &old);
       s.off.gpu_order = 1;
     }
+    times q = {NAN, NAN, NAN};
+    if (o.q8) step_once(&sq, tq++, &q);
     const double fu = have_torch ? torch_step(&tc, "fused") : NAN;
     const double fe = have_torch ? torch_step(&tc, "foreach") : NAN;
     if (r < 0) continue;
+    tq_u[r] = q.update, tq_w[r] = q.arrive + q.norm + q.update;
+    r_q8u[r] = q.update / tm.update, r_q8w[r] = tq_w[r] / (tm.arrive + tm.norm + tm.update);
     ta[r] = tm.arrive, tn[r] = tm.norm, tu[r] = tm.update, tt[r] = tri, tf[r] = fu, te[r] = fe;
     tk[r] = ker, tk16[r] = ker16;
     t_old[r] = old.arrive + old.norm, r_ab[r] = (tm.arrive + tm.norm) / t_old[r];
@@ -499,6 +617,12 @@ int main(int argc, char **argv) {
     printf("%-34s %9.2f %9.2f\n", "torch fused (28 B)", mf * 1e3, 28 * n / mf / 1e9);
     printf("%-34s %9.2f %9.2f\n", "torch foreach (28 B)", me * 1e3, 28 * n / me / 1e9);
   }
+  if (o.q8) { /* m and v one byte each way instead of four (and a scale of each per block) */
+    const double bq = B.update - 12 + 16.0 / SG__Q8_BLOCK, mq = median(tq_u, o.reps);
+    snprintf(lab, sizeof lab, "update, 8-bit state (%.2f B)", bq);
+    printf("%-34s %9.2f %9.2f\n", lab, mq * 1e3, bq * n / mq / 1e9);
+    printf("%-34s %9.2f\n", "whole, 8-bit state", median(tq_w, o.reps) * 1e3);
+  }
   if (o.fold_norm == 2) {
     snprintf(lab, sizeof lab, "arrive + norm, own pass (%.0f B)", B.arrive + 4);
     printf("%-34s %9.2f %9.2f\n", lab, median(t_old, o.reps) * 1e3,
@@ -510,6 +634,10 @@ int main(int argc, char **argv) {
     printf("  arrive + norm: fold-norm / own pass %5.2f   (same rep; the step before 2066bcc = own pass)\n",
            median(r_ab, o.reps));
   printf("  whole GB/s / triad GB/s            %6.2f   (goal >= 0.8)\n", median(r_triad, o.reps));
+  if (o.q8) {
+    printf("  8-bit / fp32 state, update ms      %6.2f   (same rep)\n", median(r_q8u, o.reps));
+    printf("  8-bit / fp32 state, whole ms       %6.2f   (same rep)\n", median(r_q8w, o.reps));
+  }
   if (have_torch) {
     printf("  torch fused ms / whole ms          %6.2f   (issue 12's goal >= 1.5: the whole host step, copies included)\n",
            median(r_fused, o.reps));
@@ -522,8 +650,10 @@ int main(int argc, char **argv) {
            median(r_kernel, o.reps));
   }
   printf("check: %s\n", ok ? "ok" : "WRONG");
+  if (o.q8) printf("check, 8-bit state: %s\n", ok_q8 ? "ok" : "WRONG");
   torch_stop(&tc);
   free(tb.a), free(tb.b), free(tb.c);
   shard_free(&s);
-  return ok ? 0 : 1;
+  if (o.q8) shard_free(&sq);
+  return ok && ok_q8 ? 0 : 1;
 }
