@@ -320,8 +320,9 @@ SG_HD sg_elem_adamw_k sg_elem_adamw_consts(float decay_factor, float one_minus_b
  *   denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
  *   param.addcdiv_(exp_avg, denom, value=-step_size)
  *                                          p = p + ((-step_size)*m)/denom (self + value*t1/t2)
- * Returns the new p (fp32 master value); *m and *v are updated in place. */
-SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k k) {
+ * Returns the new p (fp32 master value); *m and *v are updated in place. The first five lines,
+ * the decay and the moments, are sg_elem_adamw_moments, which the 8-bit state's element shares. */
+SG_HD float sg_elem_adamw_moments(float p, float g, float *m, float *v, sg_elem_adamw_k k) {
   float mi = *m;
   float vi = *v;
   float diff = g - mi;
@@ -330,11 +331,15 @@ SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k 
   mi = sg_elem_select_mask(k.lerp_small, mi + k.lerp_w * diff, g - diff * k.lerp_1mw);
   vi = vi * k.beta2;
   vi = vi + (k.one_minus_beta2 * g) * g;
-  float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
-  p = p + (k.neg_step_size * mi) / denom;
   *m = mi;
   *v = vi;
   return p;
+}
+
+SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k k) {
+  p = sg_elem_adamw_moments(p, g, m, v, k);
+  const float denom = sqrtf(*v) / k.bc2_sqrt + k.eps;
+  return p + (k.neg_step_size * *m) / denom;
 }
 
 /* ---- 8-bit optimizer state (SG_Q8) -------------------------------------------------------- */
@@ -351,19 +356,9 @@ SG_HD float sg_elem_adamw(float p, float g, float *m, float *v, sg_elem_adamw_k 
  * are products of two floats: loop-invariant, hoisted. */
 SG_HD float sg_elem_adamw_q8(float p, float g, float *m, float *v, float *s, sg_elem_adamw_k k) {
   const float step = k.neg_step_size * k.bc2_sqrt, eps = k.eps * k.bc2_sqrt;
-  float mi = *m;
-  float vi = *v;
-  float diff = g - mi;
-  p = p * k.decay_factor;
-  mi = sg_elem_select_mask(k.lerp_small, mi + k.lerp_w * diff, g - diff * k.lerp_1mw);
-  vi = vi * k.beta2;
-  vi = vi + (k.one_minus_beta2 * g) * g;
-  const float si = sqrtf(vi);
-  p = p + (step * mi) / (si + eps);
-  *m = mi;
-  *v = vi;
-  *s = si;
-  return p;
+  p = sg_elem_adamw_moments(p, g, m, v, k);
+  *s = sqrtf(*v);
+  return p + (step * *m) / (*s + eps);
 }
 
 /* Blockwise 8-bit state: blocks of SG_ELEM_Q8_BLOCK elements aligned to the tensor's start,
