@@ -3,7 +3,11 @@
  *   sg_test_ramp_params(e, nparam, numel, no_decay_every, ids)
  *       adds nparam parameters "p0", "p1", ... of numel elements (SG_PARAM_NO_DECAY on every
  *       parameter p with p % no_decay_every == no_decay_every - 1; 0: on none), finalizes, and
- *       sets parameter p to the ramp 0.01 * ((i * 37 + p) % 101); their ids in ids[0..nparam). */
+ *       sets parameter p to the ramp 0.01 * ((i * 37 + p) % 101); their ids in ids[0..nparam).
+ *   sg_test_fill_grads(src, rank, steps, mbs, nparam, numel)
+ *       rank's gradients for every step, micro-batch and parameter, in that order, numel each:
+ *       src[((s * mbs + mb) * nparam + p) * numel + i], eighths from -1 to 1 that differ by
+ *       rank, step, micro-batch, parameter and element (exact in every dtype the tests use). */
 #ifndef SG_TEST_PARAMS_H
 #define SG_TEST_PARAMS_H
 
@@ -30,6 +34,19 @@ static inline sg_status sg_test_ramp_params(sg_engine *e, int nparam, size_t num
   }
   free(init);
   return st;
+}
+
+static inline void sg_test_fill_grads(float *src, int rank, int steps, int mbs, int nparam,
+                                      size_t numel) {
+  size_t at = 0;
+  for (int s = 0; s < steps; s++)
+    for (int mb = 0; mb < mbs; mb++)
+      for (int p = 0; p < nparam; p++)
+        for (size_t i = 0; i < numel; i++, at++) {
+          const size_t k =
+              i * 7 + (size_t)p * 13 + (size_t)s * 5 + (size_t)mb * 11 + (size_t)rank * 3;
+          src[at] = (float)((int)(k % 17) - 8) * 0.125f;
+        }
 }
 
 #endif /* SG_TEST_PARAMS_H */

@@ -27,7 +27,7 @@
 #include <nccl.h>         /* the mock's: sg_ncclmock_done */
 
 #include "shardgrad.h"
-#include "sg_test_params.h" /* sg_test_ramp_params */
+#include "sg_test_params.h" /* sg_test_ramp_params, sg_test_fill_grads */
 #include "sg_test_check.h" /* CHECK, sg_test_summary */
 
 #define W 2
@@ -45,10 +45,6 @@ static sg_status g_slow_st[W];      /* the first failure of the slow micro-batch
 static long long g_syncs[2][W];     /* [stalled run][rank]: host syncs inside sg_grad_add */
 static float g_params[2][W][NPARAM * NUMEL];
 static long long g_rs_done = -1;    /* reduce-scatters completed while the copy-outs stalled */
-
-static float grad_val(int rank, int step, int mb, int p, int i) {
-  return (float)(((i * 7 + p * 13 + step * 5 + mb * 11 + rank * 3) % 17) - 8) * 0.125f;
-}
 
 static sg_status setup(sg_comm *c, sg_engine **e, int *ids) {
   sg_config cfg;
@@ -120,12 +116,7 @@ static void *rank_main(void *arg) {
    * reads them when the compute stream gets there */
   const size_t n = (size_t)STEPS * MB * NPARAM * NUMEL;
   if (!st && cudaMalloc((void **)&src, n * 4) != cudaSuccess) st = SG_ERR_OUT_OF_MEMORY;
-  for (int s = 0; s < STEPS && !st; s++)
-    for (int mb = 0; mb < MB; mb++)
-      for (int p = 0; p < NPARAM; p++)
-        for (int i = 0; i < NUMEL; i++)
-          src[(((size_t)s * MB + (size_t)mb) * NPARAM + (size_t)p) * NUMEL + (size_t)i] =
-              grad_val(rank, s, mb, p, i);
+  if (!st) sg_test_fill_grads(src, rank, STEPS, MB, NPARAM, NUMEL);
   if (!st) {
     st = train(rank, e, ids, src);
   } else if (g_stall) { /* keep the barriers of the others */

@@ -18,7 +18,7 @@
 #include <nccl.h>         /* the mock's: sg_ncclmock_stall_size, sg_ncclmock_done */
 
 #include "shardgrad.h"
-#include "sg_test_params.h" /* sg_test_ramp_params */
+#include "sg_test_params.h" /* sg_test_ramp_params, sg_test_fill_grads */
 #include "sg_test_check.h" /* CHECK, sg_test_summary */
 
 #define W 6
@@ -34,10 +34,6 @@ static unsigned char g_id[128];
 static int g_stall;               /* this run stalls the replica link in SLOW_STEP */
 static long long g_rs_done;       /* reduce-scatters completed while it was stalled */
 static float g_params[2][W][NPARAM * NUMEL]; /* [stalled run][rank] */
-
-static float grad_val(int rank, int step, int p, int i) {
-  return (float)(((i * 7 + p * 13 + step * 5 + rank * 3) % 17) - 8) * 0.125f;
-}
 
 static sg_status setup(sg_comm *shard, sg_comm *rep, sg_engine **e, int *ids) {
   sg_config cfg;
@@ -102,10 +98,7 @@ static void *rank_main(void *arg) {
    * when the compute stream gets there */
   const size_t n = (size_t)STEPS * NPARAM * NUMEL;
   if (!st && cudaMalloc((void **)&src, n * 4) != cudaSuccess) st = SG_ERR_OUT_OF_MEMORY;
-  for (int s = 0; s < STEPS && !st; s++)
-    for (int p = 0; p < NPARAM; p++)
-      for (int i = 0; i < NUMEL; i++)
-        src[((size_t)s * NPARAM + (size_t)p) * NUMEL + (size_t)i] = grad_val(rank, s, p, i);
+  if (!st) sg_test_fill_grads(src, rank, STEPS, 1, NPARAM, NUMEL);
   if (!st) st = train(rank, e, ids, src);
   for (int p = 0; p < NPARAM && !st; p++)
     st = sg_get_param(e, ids[p], g_params[g_stall][rank] + (size_t)p * NUMEL, SG_F32);

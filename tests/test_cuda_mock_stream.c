@@ -25,7 +25,7 @@
 #include <nccl.h>         /* the mock's: sg_ncclmock_stall_size, sg_ncclmock_done */
 
 #include "shardgrad.h"
-#include "sg_test_params.h" /* sg_test_ramp_params */
+#include "sg_test_params.h" /* sg_test_ramp_params, sg_test_fill_grads */
 #include "sg_test_check.h" /* CHECK, sg_test_summary */
 
 #define W 6
@@ -44,10 +44,6 @@ static int g_stall;         /* this run holds the measured sum */
 static long long g_rs_done; /* NCCL: node reduce-scatters done while the sum was stalled */
 static long long g_issued[W]; /* threads: node 0's shard collectives issued meanwhile */
 static float g_params[2][2][W][NPARAM * NUMEL]; /* [nccl][stalled run][rank] */
-
-static float grad_val(int rank, int step, int p, int i) {
-  return (float)(((i * 7 + p * 13 + step * 5 + rank * 3) % 17) - 8) * 0.125f;
-}
 
 static sg_status setup(sg_comm *shard, sg_comm *rep, sg_engine **e, int *ids) {
   sg_config cfg;
@@ -148,10 +144,7 @@ static void *rank_main(void *arg) {
    * when the compute stream gets there */
   const size_t n = (size_t)STEPS * NPARAM * NUMEL;
   if (!st && cudaMalloc((void **)&src, n * 4) != cudaSuccess) st = SG_ERR_OUT_OF_MEMORY;
-  for (int s = 0; s < STEPS && !st; s++)
-    for (int p = 0; p < NPARAM; p++)
-      for (int i = 0; i < NUMEL; i++)
-        src[((size_t)s * NPARAM + (size_t)p) * NUMEL + (size_t)i] = grad_val(rank, s, p, i);
+  if (!st) sg_test_fill_grads(src, rank, STEPS, 1, NPARAM, NUMEL);
   if (g_nccl && !st) st = train_nccl(rank, e, ids, src);
   if (!g_nccl && (!st || g_stall)) st = train_threads(rank, e, ids, src, shard);
   for (int p = 0; p < NPARAM && !st; p++)
