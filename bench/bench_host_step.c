@@ -352,6 +352,16 @@ static double kernel_once(shard *s, uint64_t t, int bf16) {
   return bench_now_s() - t0;
 }
 
+/* A step's norm is the gradient's, summed in the order of the device the shard stands for. */
+static int norm_ok(const shard *s, double norm) {
+  double ss = 0, nf = 0;
+  if (s->off.gpu_order)
+    sg__cpu_sumsq_gpu(s->hgrad, 0, s->n, &ss, &nf);
+  else
+    sg__cpu_sumsq(s->hgrad, 0, s->n, &ss, &nf);
+  return norm == sqrt(ss) && nf == 0;
+}
+
 /* One untimed step; every 4099th element recomputed with the element function. */
 static int check_step(shard *s) {
   const size_t stride = 4099, ns = s->n / stride + 1;
@@ -360,13 +370,8 @@ static int check_step(shard *s) {
   float *vv = sg__offload_state(&s->off, 2);
   for (size_t j = 0; j < ns && j * stride < s->n; j++)
     p0[j] = master[j * stride], m0[j] = mm[j * stride], v0[j] = vv[j * stride];
-  double ss1 = 0, nf1 = 0;
-  if (s->off.gpu_order)
-    sg__cpu_sumsq_gpu(s->hgrad, 0, s->n, &ss1, &nf1);
-  else
-    sg__cpu_sumsq(s->hgrad, 0, s->n, &ss1, &nf1);
   const double norm = step_once(s, 1, NULL);
-  int ok = norm == sqrt(ss1) && nf1 == 0;
+  int ok = norm_ok(s, norm);
   const float scale = (float)fmin(1.0, 1.0 / (norm + 1e-6));
   uint16_t *hp = malloc(2 * s->n);
   if (!hp || s->dev->ops->copy(s->dev, SG_Q_COMPUTE, hp, s->dparam, 2 * s->n, SG_COPY_D2H) != SG_OK)
@@ -397,15 +402,8 @@ static int check_step_q8(shard *s) {
   if (!m0 || !sc[0] || !sc[1] || !cd[0] || !cd[1] || !p16 || !hp) exit(1);
   memcpy(m0, master, 4 * n);
   for (int k = 0; k < 2; k++) memcpy(cd[k], s->code[k], n), memcpy(sc[k], s->scale[k], 4 * nb);
-  double ss = 0, nf = 0;
-  sg__cpu_sumsq_gpu(s->hgrad, 0, n, &ss, &nf);
   const double norm = step_once(s, 2, NULL);
-  int ok = norm == sqrt(ss) && nf == 0;
-  if (!s->off.gpu_order) { /* the CPU device's order (--fold-norm 0) */
-    ss = nf = 0;
-    sg__cpu_sumsq(s->hgrad, 0, n, &ss, &nf);
-    ok = norm == sqrt(ss) && nf == 0;
-  }
+  int ok = norm_ok(s, norm);
   sg__adamw_args a = args_of(s, 0, 2, (float)fmin(1.0, 1.0 / (norm + 1e-6)));
   float pool[2][SG__Q8_BLOCK];
   a.segs = s->blocks, a.nsegs = (int)nb, a.master = m0, a.grad = s->hgrad, a.param = p16;
